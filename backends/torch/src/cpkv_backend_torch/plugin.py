@@ -1,0 +1,34 @@
+"""Declares the ``torch`` backend (entry point ``cpkv.backends: torch``).
+
+Light on purpose: importing this module imports neither torch nor the ops.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from cpkv.contracts import Availability
+from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
+
+NAME = "torch"
+
+
+def probe() -> Availability:
+    """Available wherever torch is importable (CPU or GPU); nothing else is needed."""
+    if importlib.util.find_spec("torch") is None:
+        return Availability.no("torch is not installed")
+    return Availability.yes()
+
+
+def load() -> object:
+    """Import the ops now (not at discovery) and return the backend object."""
+    from .ops import TorchOps
+
+    return TorchOps()
+
+
+@hookimpl
+def cpkv_register_backends(registrar: BackendRegistrar) -> None:
+    # ops stay empty until the reference ops land (they are listed on TorchOps as they come)
+    registrar.add(BackendSpec(name=NAME, ops=frozenset(), probe=probe, load=load,
+                              description="reference backend (CPU and GPU)"))

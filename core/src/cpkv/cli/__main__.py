@@ -1,0 +1,5 @@
+"""``python -m cpkv.cli`` is the ``cpkv`` command."""
+
+from cpkv.cli import main
+
+main()

@@ -1,0 +1,49 @@
+"""Fallback reasons and events (contract rule 30)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from ._base import Contract
+
+__all__ = ["FallbackEvent", "FallbackPolicy", "FallbackReason"]
+
+
+class FallbackReason(StrEnum):
+    """Why cpkv took a slower or different path than asked. Values are stable identifiers."""
+
+    #: the extend spans fewer than 2C pages: token-balanced split, not page-aligned (rule 5)
+    SHORT_EXTEND = "short_extend"
+    #: a request is not page-aligned: owners write their pages from the full view (rule 14)
+    OWNER_WRITE = "owner_write"
+    #: a plugin's entry point raised while loading
+    PLUGIN_LOAD_FAILED = "plugin_load_failed"
+    #: a plugin loaded but its availability probe said no
+    PLUGIN_UNAVAILABLE = "plugin_unavailable"
+    #: a plugin is switched off by the settings
+    PLUGIN_DISABLED = "plugin_disabled"
+    #: the preferred backend does not provide this op
+    OP_NOT_PROVIDED = "op_not_provided"
+    #: a plugin named in the settings was not discovered at all
+    PLUGIN_NOT_FOUND = "plugin_not_found"
+    #: draft (MTP) layer without usable plan metadata embeds the full prompt (rule 32)
+    DRAFT_PLAN_MISSING = "draft_plan_missing"
+
+
+class FallbackPolicy(StrEnum):
+    """What a fallback does: log a warning and continue, or raise."""
+
+    WARN = "warn"
+    ERROR = "error"
+
+
+class FallbackEvent(Contract):
+    """One fallback, as logged (event ``cpkv.fallback``) and counted in a run's report."""
+
+    op: str = Field(min_length=1, description="what was being chosen or done, e.g. 'split_plan'")
+    requested: str = Field(description="what was asked for")
+    selected: str = Field(description="what runs instead")
+    reason: FallbackReason
+    detail: str = ""

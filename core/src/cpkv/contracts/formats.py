@@ -1,0 +1,77 @@
+"""KV storage formats: bytes per token and per page for the latent and index-K buffers."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Self
+
+from pydantic import Field, model_validator
+
+from ._base import Contract, PageSize
+
+__all__ = ["KVDtype", "KVFormat"]
+
+
+class KVDtype(StrEnum):
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+
+class KVFormat(Contract):
+    """Byte layout of one token of one layer in the pool (the contract's formats table).
+
+    bf16: latent = (kv_lora_rank + rope_dim) x 2 B, index-K = index_head_dim x 2 B.
+    fp8:  latent = kv_lora_rank x 1 B (e4m3) + kv_lora_rank / quant_block fp32 scales
+          + rope_dim x 2 B (rope stays bf16); index-K = index_head_dim x 1 B + one fp32 scale.
+    """
+
+    dtype: KVDtype = KVDtype.BF16
+    kv_lora_rank: int = Field(512, ge=1)
+    rope_dim: int = Field(64, ge=0)
+    index_head_dim: int = Field(128, ge=1)
+    quant_block: int = Field(128, ge=1, description="fp8 latent: one fp32 scale per this many dims")
+    page_size: PageSize = 64
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> Self:
+        if self.dtype is KVDtype.FP8 and self.kv_lora_rank % self.quant_block:
+            raise ValueError(
+                f"fp8 latent needs kv_lora_rank divisible by quant_block, "
+                f"got kv_lora_rank={self.kv_lora_rank}, quant_block={self.quant_block}"
+            )
+        return self
+
+    @property
+    def latent_bytes_per_token(self) -> int:
+        if self.dtype is KVDtype.BF16:
+            return 2 * (self.kv_lora_rank + self.rope_dim)
+        return self.kv_lora_rank + 4 * (self.kv_lora_rank // self.quant_block) + 2 * self.rope_dim
+
+    @property
+    def index_bytes_per_token(self) -> int:
+        if self.dtype is KVDtype.BF16:
+            return 2 * self.index_head_dim
+        return self.index_head_dim + 4
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Latent plus index-K bytes of one token of one layer."""
+        return self.latent_bytes_per_token + self.index_bytes_per_token
+
+    @property
+    def latent_page_bytes(self) -> int:
+        return self.latent_bytes_per_token * self.page_size
+
+    @property
+    def index_page_bytes(self) -> int:
+        return self.index_bytes_per_token * self.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer, latent and index-K together."""
+        return self.bytes_per_token * self.page_size
+
+    @classmethod
+    def deepseek_v32(cls, dtype: KVDtype | str = KVDtype.FP8, page_size: int = 64) -> KVFormat:
+        """DeepSeek-V3.2 dimensions: latent 512 + rope 64, index-K 128, 64-token pages."""
+        return cls(dtype=KVDtype(dtype), page_size=page_size)

@@ -1,0 +1,140 @@
+"""Build the CP split plan of a batch (contract rules 1-9). Pure host code: integers in, plan out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cpkv.contracts import (
+    CPPlan,
+    FallbackReason,
+    RequestPlan,
+    RequestSpec,
+    SplitMode,
+    cdiv,
+)
+from cpkv.fallback import report_fallback
+
+from ._split import Triple, interleave_pages, token_balanced, zigzag_pages
+
+__all__ = ["PlanError", "plan_batch", "plan_request"]
+
+
+class PlanError(ValueError):
+    """The planner's inputs are inconsistent (names the request and the values)."""
+
+
+def plan_request(
+    spec: RequestSpec, cp_size: int, page_size: int, mode: SplitMode | str, index: int = 0
+) -> RequestPlan:
+    """Plan one request: segments, owners of every page it spans, page alignment.
+
+    Raises:
+        PlanError: prefix owners missing or of the wrong length, or naming a rank >= cp_size.
+    """
+    return RequestPlan.model_validate(_plan_request(spec, cp_size, page_size, mode, index))
+
+
+def _plan_request(
+    spec: RequestSpec, cp_size: int, page_size: int, mode: SplitMode | str, index: int
+) -> dict[str, Any]:
+    """The plan of one request as plain data (validated once, with the whole batch)."""
+    mode = SplitMode(mode)
+    p, e, ps, c = spec.prefix_len, spec.extend_len, page_size, cp_size
+    end = p + e
+    npages, nprefix = cdiv(end, ps), cdiv(p, ps)
+    owners: list[int | None] = [None] * npages
+    if spec.prefix_owners:
+        if len(spec.prefix_owners) != nprefix:
+            raise PlanError(f"request {index}: prefix_owners has {len(spec.prefix_owners)} entries, "
+                            f"the prefix P={p} spans ceil({p}/{ps})={nprefix} pages")
+        if max(spec.prefix_owners) >= c:
+            raise PlanError(f"request {index}: prefix_owners {spec.prefix_owners[:8]} name a rank "
+                            f">= cp_size={c}")
+        owners[:nprefix] = spec.prefix_owners
+    elif p % ps:
+        raise PlanError(f"request {index}: prefix P={p} ends inside page {p // ps} (page size {ps}); "
+                        f"that page's owner computes the head fragment, so prefix_owners is needed")
+
+    triples: list[Triple] = []
+    body = p
+    if p % ps:  # rule 3: the head fragment finishes the tail page on its existing owner
+        body = min(end, nprefix * ps)
+        triples.append((p, body, owners[p // ps]))  # type: ignore[arg-type]
+    fallback: FallbackReason | None = None
+    if body < end:
+        if mode is SplitMode.INTERLEAVE:
+            rest = interleave_pages(body, end, ps, c)
+        else:
+            pages = zigzag_pages(body, end, ps, c)
+            if pages is None:
+                rest, fallback = token_balanced(body, end, c), FallbackReason.SHORT_EXTEND
+            else:
+                rest = pages
+        triples.extend(rest)
+        # owner of each new page: the rank that computes its first extend token (rules 4-6)
+        for s, t, r in rest:
+            a, b = cdiv(s, ps), cdiv(t, ps)
+            owners[a:b] = [r] * (b - a)
+    aligned = True
+    for s, t, r in triples:
+        a, b = s // ps, cdiv(t, ps)
+        if owners[a:b].count(r) != b - a:
+            aligned = False
+            break
+    if not aligned and fallback is None:  # cannot happen with the builders above; be honest
+        fallback = FallbackReason.SHORT_EXTEND
+    if aligned:
+        fallback = None
+    return {
+        "prefix_len": p,
+        "extend_len": e,
+        "segments": triples,
+        "page_aligned": aligned,
+        "fallback": fallback,
+        "page_owners": owners,
+    }
+
+
+def plan_batch(
+    requests: Sequence[RequestSpec | tuple[int, int]],
+    cp_size: int,
+    page_size: int = 64,
+    mode: SplitMode | str = SplitMode.ZIGZAG,
+) -> CPPlan:
+    """Plan a batch of requests on a CP group of ``cp_size`` ranks.
+
+    ``requests`` are :class:`RequestSpec` or ``(prefix_len, extend_len)`` pairs (prefixes that end
+    on a page boundary need no owners). Requests that cannot be page-aligned are reported once per
+    batch through the fallback choke point (reason ``short_extend``).
+
+    Raises:
+        PlanError: bad sizes or prefix owners (the message names the request).
+        FallbackError: a request needs the token-balanced fallback and the policy is ``error``.
+    """
+    if cp_size < 1 or page_size < 1:
+        raise PlanError(f"cp_size and page_size must be >= 1, got {cp_size} and {page_size}")
+    if not requests:
+        raise PlanError("a batch needs at least one request")
+    specs = [r if isinstance(r, RequestSpec) else RequestSpec(prefix_len=r[0], extend_len=r[1])
+             for r in requests]
+    plan = CPPlan.model_validate({
+        "cp_size": cp_size,
+        "page_size": page_size,
+        "mode": mode,
+        "requests": [_plan_request(s, cp_size, page_size, mode, i) for i, s in enumerate(specs)],
+    })
+    plans = plan.requests
+    short = [(i, rp) for i, rp in enumerate(plans) if not rp.page_aligned]
+    if short:
+        shown = ", ".join(f"#{i} (P={rp.prefix_len}, E={rp.extend_len})" for i, rp in short[:8])
+        more = f" and {len(short) - 8} more" if len(short) > 8 else ""
+        report_fallback(
+            op="split_plan",
+            requested=f"{plan.mode.value} page-aligned",
+            selected="token-balanced (owner write)",
+            reason=FallbackReason.SHORT_EXTEND,
+            detail=f"{len(short)} of {len(plans)} requests span fewer than 2C={2 * cp_size} "
+                   f"pages of {page_size}: {shown}{more}",
+        )
+    return plan

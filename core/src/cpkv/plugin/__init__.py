@@ -1,0 +1,40 @@
+"""cpkv's plugin system: hookspecs, entry-point discovery, registries with preference order.
+
+Writing a plugin::
+
+    # my_backend/plugin.py  (entry point:  [project.entry-points."cpkv.backends"] mine = "my_backend.plugin")
+    from cpkv.plugin import BackendSpec, hookimpl
+    from cpkv.contracts import Availability, Op
+
+    @hookimpl
+    def cpkv_register_backends(registrar):
+        registrar.add(BackendSpec(name="mine", ops=frozenset({Op.RERANGE}),
+                                  probe=Availability.yes, load=lambda: MyOps()))
+"""
+
+from .manager import GROUPS, Discovered, PluginHost
+from .registry import (
+    AgreeFn,
+    BackendRegistrar,
+    BackendSpec,
+    Registry,
+    Selection,
+    TransferRegistrar,
+    TransferSpec,
+)
+from .spec import hookimpl, hookspec
+
+__all__ = [
+    "GROUPS",
+    "AgreeFn",
+    "BackendRegistrar",
+    "BackendSpec",
+    "Discovered",
+    "PluginHost",
+    "Registry",
+    "Selection",
+    "TransferRegistrar",
+    "TransferSpec",
+    "hookimpl",
+    "hookspec",
+]

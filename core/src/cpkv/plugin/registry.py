@@ -1,0 +1,209 @@
+"""Backend and transfer specs, the registrars hooks fill, and selection with preference order."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from cpkv.contracts import Availability, FallbackReason, Op, PluginKind
+from cpkv.fallback import report_fallback
+
+__all__ = [
+    "AgreeFn",
+    "BackendRegistrar",
+    "BackendSpec",
+    "Registry",
+    "Selection",
+    "TransferRegistrar",
+    "TransferSpec",
+]
+
+log = structlog.get_logger(__name__)
+
+#: combines this rank's availability with every other rank's (all ranks must get the same answer)
+AgreeFn = Callable[[dict[str, bool]], dict[str, bool]]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A compute backend. ``probe`` decides availability without importing kernels; ``load``
+    returns the backend object, which has one callable attribute per op in ``ops``."""
+
+    name: str
+    ops: frozenset[Op]
+    probe: Callable[[], Availability]
+    load: Callable[[], Any]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """A KV transfer plugin (prefill ranks -> decode). ``load`` returns its transport factory."""
+
+    name: str
+    probe: Callable[[], Availability]
+    load: Callable[[], Any]
+    description: str = ""
+
+
+@dataclass
+class _Registrar:
+    plugin: str
+    specs: list[Any] = field(default_factory=list)
+
+    def add(self, spec: Any) -> None:
+        self.specs.append(spec)
+
+
+class BackendRegistrar(_Registrar):
+    """Handed to ``cpkv_register_backends``; collects :class:`BackendSpec`."""
+
+    def add(self, spec: BackendSpec) -> None:
+        if not isinstance(spec, BackendSpec):
+            raise TypeError(f"plugin {self.plugin!r} registered {spec!r}, expected a BackendSpec")
+        super().add(spec)
+
+
+class TransferRegistrar(_Registrar):
+    """Handed to ``cpkv_register_transfers``; collects :class:`TransferSpec`."""
+
+    def add(self, spec: TransferSpec) -> None:
+        if not isinstance(spec, TransferSpec):
+            raise TypeError(f"plugin {self.plugin!r} registered {spec!r}, expected a TransferSpec")
+        super().add(spec)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the registry chose for one op: the spec and the loaded backend object."""
+
+    op: str
+    name: str
+    impl: Any
+
+
+class Registry:
+    """Specs of one kind, with cached probes and loads.
+
+    ``unusable`` maps names that were discovered but cannot be used (load failed, disabled) to
+    (reason, detail); they are never probed.
+    """
+
+    def __init__(
+        self,
+        kind: PluginKind,
+        specs: Iterable[BackendSpec | TransferSpec],
+        unusable: Mapping[str, tuple[FallbackReason, str]] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.specs: dict[str, Any] = {}
+        for s in specs:
+            if s.name in self.specs:
+                log.warning("cpkv.plugin.duplicate", kind=kind.value, name=s.name)
+                continue
+            self.specs[s.name] = s
+        self.unusable = dict(unusable or {})
+        #: spec name -> name of the plugin (entry point) that registered it
+        self.origin: dict[str, str] = {}
+        self._avail: dict[str, Availability] = {}
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    def availability(self, name: str) -> Availability:
+        """Probe ``name`` once per registry; a probe that raises counts as unavailable."""
+        if name in self.unusable:
+            reason, detail = self.unusable[name]
+            return Availability.no(f"{reason.value}: {detail}")
+        if name not in self.specs:
+            return Availability.no(f"no {self.kind.value} plugin named {name!r} was discovered")
+        with self._lock:
+            if name not in self._avail:
+                try:
+                    self._avail[name] = self.specs[name].probe()
+                except Exception as exc:
+                    self._avail[name] = Availability.no(f"probe raised {exc!r}")
+            return self._avail[name]
+
+    def load(self, name: str) -> Any:
+        """Load (once) and return the plugin object of an available plugin."""
+        with self._lock:
+            if name not in self._loaded:
+                self._loaded[name] = self.specs[name].load()
+            return self._loaded[name]
+
+    def _why_not(self, name: str, op: str | None) -> tuple[FallbackReason, str] | None:
+        if name in self.unusable:
+            reason, detail = self.unusable[name]
+            return reason, f"{name}: {detail}"  # name it, like the other reasons
+        if name not in self.specs:
+            return FallbackReason.PLUGIN_NOT_FOUND, f"{name}: not discovered"
+        av = self.availability(name)
+        if not av.available:
+            return FallbackReason.PLUGIN_UNAVAILABLE, f"{name}: {av.reason}"
+        if op is not None and op not in self.specs[name].ops:
+            return FallbackReason.OP_NOT_PROVIDED, f"{name}: does not provide {op}"
+        return None
+
+    def select(
+        self,
+        preference: Sequence[str],
+        ops: Sequence[str] | None = None,
+        agree: AgreeFn | None = None,
+    ) -> dict[str, Selection]:
+        """Choose one plugin per op (or one plugin overall when ``ops`` is None).
+
+        Walks ``preference`` in order; every step away from its first entry is reported through
+        the fallback choke point, one event per (selected plugin, reason) with the ops listed.
+        ``agree`` combines availability across ranks so that all ranks choose alike.
+
+        Raises:
+            LookupError: no plugin in ``preference`` can serve an op.
+        """
+        if not preference:
+            raise ValueError(f"empty {self.kind.value} preference list")
+        local = {n: self._why_not(n, None) is None for n in preference}
+        usable = agree(dict(local)) if agree else local
+        wanted: list[str | None] = list(ops) if ops is not None else [None]
+        chosen: dict[str, Selection] = {}
+        steps: dict[tuple[str, FallbackReason], list[str]] = {}
+        details: dict[tuple[str, FallbackReason], list[str]] = {}
+        for op in wanted:
+            skipped: list[tuple[FallbackReason, str]] = []
+            for name in preference:
+                why = self._why_not(name, op)
+                if why is None and not usable.get(name, False):
+                    why = (FallbackReason.PLUGIN_UNAVAILABLE, f"{name}: unavailable on another rank")
+                if why is None:
+                    key = op or self.kind.value
+                    chosen[key] = Selection(op=key, name=name, impl=self.load(name))
+                    if skipped:
+                        k = (name, skipped[0][0])
+                        steps.setdefault(k, []).append(key)
+                        for _, d in skipped:
+                            if d not in details.setdefault(k, []):
+                                details[k].append(d)
+                    break
+                skipped.append(why)
+            else:
+                raise LookupError(
+                    f"no {self.kind.value} can run {op or 'at all'}: "
+                    + "; ".join(d for _, d in skipped)
+                )
+        for (name, reason), keys in steps.items():
+            report_fallback(
+                op=f"{self.kind.value}_select",
+                requested=preference[0],
+                selected=name,
+                reason=reason,
+                detail=f"for {', '.join(keys)}; " + "; ".join(details[(name, reason)]),
+            )
+        for sel in chosen.values():
+            log.debug("cpkv.backend.selected", kind=self.kind.value, op=sel.op, name=sel.name)
+        return chosen

@@ -1,0 +1,316 @@
+"""Run settings of cpkv: one pydantic-settings model, read from keyword arguments, ``CPKV_*``
+environment variables and an optional TOML file (in that priority order).
+
+Every section is closed (``extra="forbid"``) and every ``CPKV_*`` variable must name a real key, so a
+misspelt key is an error that names its location instead of a silently ignored value. Use
+:func:`load_settings` to pick the TOML file at run time; ``Settings()`` reads keywords and the
+environment only.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+from pydantic_settings import SettingsError as _SourceError
+
+from cpkv.contracts import FallbackPolicy, KVDtype, SplitMode
+
+__all__ = [
+    "BackendSettings",
+    "CPSettings",
+    "FallbackSettings",
+    "KVSettings",
+    "PluginSettings",
+    "RuntimeSettings",
+    "Settings",
+    "SettingsError",
+    "TransferSettings",
+    "load_settings",
+    "unknown_env_vars",
+]
+
+ENV_PREFIX = "CPKV_"
+ENV_NESTED_DELIMITER = "__"
+
+
+class SettingsError(ValueError):
+    """Settings could not be loaded: missing or malformed TOML file, unknown key or ``CPKV_*``
+    variable, or a value that fails validation. The message names the location and the source."""
+
+
+class _Section(BaseModel):
+    """Base of every settings section: closed, so a misspelt key is an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class CPSettings(_Section):
+    """Context-parallel group."""
+
+    size: int = Field(2, ge=1, description="CP group size C (ranks that split one prefill)")
+    mode: SplitMode = Field(SplitMode.ZIGZAG, description="how extend tokens and pages are split")
+
+
+class KVSettings(_Section):
+    """KV pool layout."""
+
+    shared: bool = Field(
+        True, description="one owner per page; False keeps a full replica on every rank (baseline)"
+    )
+    dtype: KVDtype = Field(KVDtype.BF16, description="pool storage format")
+    page_size: int = Field(64, ge=1, description="tokens per KV page")
+    pages_per_rank: int = Field(4096, ge=1, description="pool capacity per rank, in pages")
+
+
+class BackendSettings(_Section):
+    """Kernel backend selection."""
+
+    name: str = Field("auto", min_length=1, description="a backend entry-point name, or 'auto'")
+    preference: list[str] = Field(
+        default_factory=lambda: ["cuda", "triton", "torch"],
+        min_length=1,
+        description="backends tried in this order, per op",
+    )
+
+    def effective_preference(self) -> list[str]:
+        """The order backends are tried in: ``preference``, or ``[name]`` followed by the rest of
+        ``preference`` (without repeating ``name``) when ``name`` is not ``"auto"``."""
+        if self.name == "auto":
+            return list(self.preference)
+        return [self.name, *(p for p in self.preference if p != self.name)]
+
+
+class TransferSettings(_Section):
+    """Cross-rank page transfer."""
+
+    name: str = Field("nccl", min_length=1, description="a transfer entry-point name")
+    timeout_s: float = Field(30.0, gt=0, description="bound on one transfer, seconds")
+
+
+class PluginSettings(_Section):
+    """Plugin discovery."""
+
+    disable: list[str] = Field(default_factory=list, description="entry-point names never loaded")
+    allow: list[str] | None = Field(None, description="if set, only these entry-point names load")
+
+
+class FallbackSettings(_Section):
+    """Fallback handling (contract rule 30)."""
+
+    policy: FallbackPolicy = Field(
+        FallbackPolicy.WARN, description="'warn': log and continue; 'error': raise"
+    )
+
+
+class RuntimeSettings(_Section):
+    """Runtime bounds."""
+
+    timeout_s: float = Field(120.0, gt=0, description="bound on every cross-rank wait, seconds")
+    logits_budget_mb: int = Field(256, ge=1, description="indexer logits memory budget per chunk")
+
+
+# The TOML file of the load in progress. A context variable, not a class attribute, so concurrent
+# loads in different threads or tasks never see each other's file and nothing outlives the call.
+_toml_path: ContextVar[Path | None] = ContextVar("cpkv_settings_toml", default=None)
+
+
+@contextmanager
+def _bound_toml(path: Path | None) -> Iterator[None]:
+    token = _toml_path.set(path)
+    try:
+        yield
+    finally:
+        _toml_path.reset(token)
+
+
+class _UnknownEnvCheck(PydanticBaseSettingsSource):
+    """A source that contributes nothing and raises on a ``CPKV_*`` variable naming no key
+    (pydantic-settings would ignore it)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        unknown = sorted(unknown_env_vars(self.settings_cls, os.environ))
+        if unknown:
+            raise SettingsError(
+                f"unknown cpkv environment variable(s): {', '.join(unknown)} "
+                f"(no such settings key; keys are {ENV_PREFIX}<SECTION>{ENV_NESTED_DELIMITER}<KEY>)"
+            )
+        return {}
+
+
+def _resolves(model: type[BaseModel], parts: list[str]) -> bool:
+    """True when ``parts`` (lower case) is a path to a field of ``model`` or of its sections."""
+    if not parts:
+        return False
+    field = model.model_fields.get(parts[0])
+    if field is None:
+        return False
+    rest = parts[1:]
+    if not rest:
+        return True
+    ann = field.annotation
+    return isinstance(ann, type) and issubclass(ann, BaseModel) and _resolves(ann, rest)
+
+
+def unknown_env_vars(model: type[BaseModel], environ: Mapping[str, str] | None = None) -> list[str]:
+    """Names of ``CPKV_*`` variables in ``environ`` (default ``os.environ``) that name no field of
+    ``model`` (compared case-insensitively, sections split on ``__``)."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for name in environ:
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split(ENV_NESTED_DELIMITER)
+        if not _resolves(model, parts):
+            out.append(name)
+    return out
+
+
+def _describe(exc: ValidationError, init: Mapping[str, Any], toml: Path | None) -> str:
+    """One line per error: dotted location, message, bad value, and where it came from."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if msg:
+            msg = msg[0].lower() + msg[1:]
+        line = f"  {loc}: {msg}"
+        if err["type"] != "missing":
+            line += f" (got {err['input']!r})"
+        lines.append(f"{line} [from {_origin(err['loc'], init, toml)}]")
+    where = f"file {toml}" if toml is not None else "no file"
+    return f"invalid cpkv settings ({where}):\n" + "\n".join(lines)
+
+
+def _origin(loc: tuple[Any, ...], init: Mapping[str, Any], toml: Path | None) -> str:
+    """Best guess of the source of the value at ``loc``, following the priority order."""
+    keys = [str(p) for p in loc]
+
+    def has(data: Any) -> bool:
+        for k in keys:
+            if isinstance(data, BaseModel):
+                data = data.__dict__
+            if not isinstance(data, Mapping) or k not in data:
+                return False
+            data = data[k]
+        return True
+
+    if has(init):
+        return "keyword arguments"
+    env_name = ENV_PREFIX + ENV_NESTED_DELIMITER.join(keys).upper()
+    for name in os.environ:
+        if name.upper() == env_name or (
+            name.upper().startswith(ENV_PREFIX)
+            and env_name.startswith(name.upper() + ENV_NESTED_DELIMITER)
+        ):
+            return f"environment variable {name}"
+    if toml is not None:
+        return str(toml)
+    return "environment"
+
+
+class Settings(BaseSettings):
+    """All cpkv run settings.
+
+    Priority: keyword arguments, then ``CPKV_*`` environment variables (sections split on ``__``,
+    e.g. ``CPKV_KV__SHARED=false``), then the TOML file given to :func:`load_settings`, then
+    defaults.
+
+    Raises:
+        SettingsError: on a value that fails validation, an unknown key, or an unknown ``CPKV_*``
+            environment variable; the message names the dotted location and the source.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        extra="forbid",
+    )
+
+    debug: bool = Field(False, description="device-syncing checks (rule 31); CPKV_DEBUG=1")
+    cp: CPSettings = Field(default_factory=CPSettings)
+    kv: KVSettings = Field(default_factory=KVSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+    transfer: TransferSettings = Field(default_factory=TransferSettings)
+    plugins: PluginSettings = Field(default_factory=PluginSettings)
+    fallback: FallbackSettings = Field(default_factory=FallbackSettings)
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+
+    def __init__(self, **values: Any) -> None:
+        """Build settings from ``values`` (highest priority), the environment and the bound TOML.
+
+        Raises:
+            SettingsError: see the class docstring.
+        """
+        toml = _toml_path.get()
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc, values, toml)) from exc
+        except _SourceError as exc:  # e.g. a list-valued CPKV_* variable that is not JSON
+            raise SettingsError(f"invalid cpkv settings: {exc}") from exc
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Init kwargs, then environment, then the TOML file bound by :func:`load_settings`.
+
+        No dotenv and no secrets directory.
+        """
+        sources: list[PydanticBaseSettingsSource] = [
+            init_settings,
+            _UnknownEnvCheck(settings_cls),
+            env_settings,
+        ]
+        toml = _toml_path.get()
+        if toml is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml))
+        return tuple(sources)
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Load settings from ``overrides``, ``CPKV_*`` environment variables and the TOML file
+    ``path`` (in that priority order), falling back to defaults.
+
+    ``overrides`` are top-level keys: ``debug=True`` or ``kv={"shared": False}`` (merged with the
+    other sources key by key).
+
+    Raises:
+        SettingsError: when ``path`` does not exist or is not a file, is not valid TOML, holds an
+            unknown key or a bad value, or when a ``CPKV_*`` variable names no key.
+    """
+    toml: Path | None = None
+    if path is not None:
+        toml = Path(path)
+        if not toml.is_file():
+            raise SettingsError(f"cpkv settings file not found: {toml}")
+        try:
+            with toml.open("rb") as f:
+                tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"cpkv settings file {toml} is not valid TOML: {exc}") from exc
+        except OSError as exc:
+            raise SettingsError(f"cpkv settings file {toml} cannot be read: {exc}") from exc
+    with _bound_toml(toml):
+        return Settings(**overrides)

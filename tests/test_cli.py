@@ -1,0 +1,79 @@
+"""The ``cpkv`` command as users run it: real subprocesses, stdout and stderr apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ISSUE_PLAN = ["plan", "--cp", "4", "--page-size", "64", "--mode", "zigzag", "--extend",
+              "1010,600,7", "--prefix", "0,70,0", "--prefix-owner", "interleave", "--json"]
+
+
+def cpkv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cpkv.cli", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_plan_json_matches_the_contract() -> None:
+    out = cpkv(*ISSUE_PLAN)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    r0, r1, r2 = plan["requests"]
+    # request 0: page-aligned, 8 segments, boundaries on pages except the request's end
+    assert r0["page_aligned"] is True and len(r0["segments"]) == 8
+    assert all(s["start"] % 64 == 0 for s in r0["segments"])
+    assert [s["end"] % 64 == 0 for s in r0["segments"]] == [True] * 7 + [False]
+    assert r0["segments"][-1]["end"] == 1010
+    # request 1: head fragment 70-127 on rank 1, the owner of page 1; the rest page-aligned
+    head = r1["segments"][0]
+    assert (head["start"], head["end"], head["rank"]) == (70, 128, 1)
+    assert r1["page_owners"][1] == 1 and r1["page_aligned"] is True
+    assert all(s["start"] % 64 == 0 for s in r1["segments"][1:])
+    # request 2: token-balanced fallback, reported on stderr (never on stdout)
+    assert r2["page_aligned"] is False and r2["fallback"] == "short_extend"
+    assert "cpkv.fallback" in out.stderr and "short_extend" in out.stderr
+    assert "#2 (P=0, E=7)" in out.stderr
+    # page_owners: one entry per logical page the request spans
+    assert len(r0["page_owners"]) == 16 and len(r1["page_owners"]) == 11
+
+
+def test_plan_table() -> None:
+    out = cpkv("plan", "--cp", "2", "--extend", "300,5")
+    assert out.returncode == 0, out.stderr
+    assert "[0,64)->0" in out.stdout and "max_rank_len" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--cp", "2", "--extend", "a,b"], "comma-separated integers"),
+        (["plan", "--cp", "2", "--extend", "10,0"], "every extend length must be >= 1"),
+        (["plan", "--cp", "2", "--extend", "10", "--prefix", "1,2"], "--prefix has 2 values"),
+        (["plan", "--cp", "0", "--extend", "10"], "0 is not in the range x>=1"),
+    ],
+)
+def test_plan_rejects_bad_input(args: list[str], message: str) -> None:
+    out = cpkv(*args)
+    assert out.returncode == 2 and message in out.stderr
+
+
+def test_run_default_shows_plugins_and_plan() -> None:
+    out = cpkv("run")
+    assert out.returncode == 0, out.stderr
+    assert "torch" in out.stdout and "max_rank_len" in out.stdout
+    assert "fallbacks: 1 split_plan: short_extend" in out.stdout
+
+
+def test_run_with_error_policy_fails_with_the_reason() -> None:
+    out = cpkv("run", env={"CPKV_FALLBACK__POLICY": "error"})
+    assert out.returncode == 1
+    assert "fallback refused by policy 'error'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_run_reports_settings_errors() -> None:
+    out = cpkv("run", env={"CPKV_KV__SHARD": "1"})
+    assert out.returncode == 1 and "CPKV_KV__SHARD" in out.stderr
