@@ -234,3 +234,14 @@ def test_tampered_plan_is_rejected_with_the_values() -> None:
     data["requests"][0]["segments"][0]["rank"] = 7
     with pytest.raises(ValidationError, match="on rank 7 >= cp_size=2"):
         CPPlan.model_validate(data)
+
+
+@given(batches())
+def test_each_rank_gets_at_most_its_page_share_plus_one(case: BatchCase) -> None:  # rule 11
+    """Of the pages an extend creates, no rank owns more than ceil(new pages / C) + 1."""
+    plan = _plan(case)
+    c, ps = case.cp_size, case.page_size
+    for req in plan.requests:
+        new = req.page_owners[cdiv(req.prefix_len, ps):]
+        held = [new.count(r) for r in range(c)]
+        assert max(held) <= cdiv(len(new), c) + 1, (held, req)
