@@ -1,0 +1,249 @@
+"""One context-parallel group: a thin wrapper over a ``torch.distributed`` process group.
+
+:class:`CPGroup` is the only thing the rest of cpkv talks to for cross-rank communication. Every
+method is a *collective*: all ranks of the group call it, in the same order, with the same shapes
+(contract rule 16). Every wait is bounded by the process group's timeout (``timeout_s``, from
+:class:`cpkv.settings.RuntimeSettings`).
+
+Costs (collectives per call, host syncs):
+
+* :meth:`CPGroup.all_gather_rows`: one ``all_gather_single`` of raw bytes; no host sync.
+* :meth:`CPGroup.agree_all`: one ``all_reduce(MIN)`` of ``len(keys) + 2`` int64; one host sync.
+* :meth:`CPGroup.all_equal`: one ``all_gather_object`` (two collectives inside torch); host sync.
+* :meth:`CPGroup.check_all`: one ``all_reduce(MIN)``; plus one ``all_gather_object`` only when some
+  rank failed (every rank takes the same branch); host sync.
+* :meth:`CPGroup.barrier`: one barrier.
+
+:meth:`CPGroup.single` is a size-1 group that needs no ``torch.distributed`` at all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Backend", "CPGroup", "CollectiveCheckError"]
+
+Backend = Literal["gloo", "nccl", "local"]
+
+
+class CollectiveCheckError(ValueError):
+    """Raised on *every* rank by :meth:`CPGroup.check_all` when at least one rank failed the check.
+
+    Attributes:
+        failures: failing rank -> the message that rank passed, in rank order.
+    """
+
+    def __init__(self, failures: dict[int, str], size: int) -> None:
+        self.failures = dict(sorted(failures.items()))
+        ranks = ", ".join(str(r) for r in self.failures)
+        detail = "; ".join(f"rank {r}: {m}" for r, m in self.failures.items())
+        super().__init__(f"collective check failed on rank(s) {ranks} of {size}: {detail}")
+
+
+class CPGroup:
+    """One CP group of ``size`` ranks; this process is ``rank``.
+
+    Attributes:
+        rank: this process's rank in the group, ``0 <= rank < size``.
+        size: number of ranks C.
+        device: where collective buffers live: ``cuda:<local rank>`` under NCCL, ``cpu`` under
+            Gloo and for :meth:`single`.
+        backend: ``"gloo"``, ``"nccl"``, or ``"local"`` for :meth:`single`.
+        timeout_s: bound on every collective wait (the process group's timeout).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        size: int,
+        backend: Backend,
+        device: torch.device,
+        timeout_s: float,
+        process_group: Any = None,
+    ) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"invalid rank {rank} for group size {size}")
+        if backend == "local" and size != 1:
+            raise ValueError("a 'local' group has exactly one rank")
+        self.rank = rank
+        self.size = size
+        self.backend: Backend = backend
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self._pg = process_group  # None: the default group (or no group at all when local)
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu", timeout_s: float = 120.0) -> CPGroup:
+        """A size-1 group; every method works locally without ``torch.distributed``."""
+        return cls(rank=0, size=1, backend="local", device=torch.device(device), timeout_s=timeout_s)
+
+    @classmethod
+    def from_process_group(
+        cls,
+        process_group: Any = None,
+        *,
+        timeout_s: float = 120.0,
+        device: torch.device | str | None = None,
+    ) -> CPGroup:
+        """Wrap an initialized process group (``None``: the default group).
+
+        ``device`` defaults to ``cpu`` under Gloo and to ``cuda:<LOCAL_RANK>`` under NCCL
+        (``LOCAL_RANK`` from the environment, else the current CUDA device).
+
+        Raises:
+            RuntimeError: ``torch.distributed`` is not initialized.
+            ValueError: the backend is neither Gloo nor NCCL.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialized; use CPGroup.single() for one rank")
+        backend = str(dist.get_backend(process_group)).lower()
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unsupported process group backend {backend!r} (gloo or nccl)")
+        if device is None:
+            if backend == "nccl":
+                local = os.environ.get("LOCAL_RANK")
+                index = int(local) if local is not None else torch.cuda.current_device()
+                device = torch.device("cuda", index)
+            else:
+                device = torch.device("cpu")
+        return cls(
+            rank=dist.get_rank(process_group),
+            size=dist.get_world_size(process_group),
+            backend=backend,  # type: ignore[arg-type]
+            device=torch.device(device),
+            timeout_s=timeout_s,
+            process_group=process_group,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"CPGroup(rank={self.rank}, size={self.size}, backend={self.backend!r}, "
+            f"device={str(self.device)!r}, timeout_s={self.timeout_s})"
+        )
+
+    @property
+    def is_local(self) -> bool:
+        """True for the size-1 group of :meth:`single` (no communication at all)."""
+        return self.backend == "local"
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def all_gather_rows(self, local: torch.Tensor, max_rows: int) -> torch.Tensor:
+        """Gather ``local`` (``[n, ...]``, ``n <= max_rows``) from every rank, rank-major.
+
+        Returns a new tensor ``[size * max_rows, ...]`` of ``local``'s dtype on :attr:`device`;
+        rank ``r``'s rows are at ``r * max_rows : r * max_rows + n_r``. Rows past ``n_r`` in each
+        rank's block are padding with unspecified content; callers never read them.
+
+        One collective (``all_gather_single``) of the raw bytes: the rows are viewed as ``uint8``
+        for the transport and back, so every dtype moves unchanged (bf16, fp8, int16, ... which
+        Gloo cannot gather natively) and is never widened. No host-device sync; ``n`` and
+        ``max_rows`` are host-side shape metadata, identical ``max_rows`` and trailing shape on
+        every rank are the caller's contract (rule 16).
+
+        Raises:
+            ValueError: ``local`` has no row dimension, ``n > max_rows`` or ``max_rows < 0``, or
+                ``local`` is not on :attr:`device`.
+        """
+        if local.dim() < 1:
+            raise ValueError("all_gather_rows needs a tensor with a row dimension, got a scalar")
+        n = local.shape[0]
+        if max_rows < 0 or n > max_rows:
+            raise ValueError(f"all_gather_rows: {n} rows do not fit max_rows={max_rows}")
+        if local.device != self.device:
+            raise ValueError(f"all_gather_rows: tensor on {local.device}, group device is {self.device}")
+        rest = tuple(local.shape[1:])
+        if self.is_local:
+            if n == max_rows:
+                return local.clone(memory_format=torch.contiguous_format)
+            out = local.new_empty((max_rows, *rest))
+            out[:n].copy_(local)
+            return out
+        row_elems = math.prod(rest)
+        if n == max_rows and local.is_contiguous():
+            buf = local
+        else:
+            buf = local.new_empty((max_rows, *rest))
+            buf[:n].copy_(local)
+        send = buf.view(max_rows, row_elems).view(torch.uint8)  # [max_rows, row_bytes], no copy
+        recv = torch.empty((self.size * max_rows, send.shape[1]), dtype=torch.uint8, device=self.device)
+        dist.all_gather_single(recv, send, group=self._pg)
+        return recv.view(local.dtype).view(self.size * max_rows, *rest)
+
+    def agree_all(self, local: dict[str, bool]) -> dict[str, bool]:
+        """AND of every rank's flags, per key: ``out[k]`` is True iff ``local[k]`` is True on every
+        rank. Usable as the plugin registry's ``AgreeFn``.
+
+        One ``all_reduce(MIN)`` over the flags in sorted key order, plus a CRC of the key set (as
+        ``+crc`` and ``-crc``, so min and max are both checked), then one host sync.
+
+        Raises:
+            ValueError: the ranks passed different key sets (same number of keys; a different
+                number of keys is a contract violation the transport may not diagnose).
+        """
+        keys = sorted(local)
+        if self.is_local:
+            return {k: bool(local[k]) for k in keys}
+        crc = zlib.crc32("\0".join(keys).encode())
+        flags = [1 if local[k] else 0 for k in keys]
+        t = torch.tensor([*flags, crc, -crc], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
+        vals = t.tolist()
+        if vals[-2] != crc or vals[-1] != -crc:
+            raise ValueError(f"agree_all: ranks passed different key sets (rank {self.rank}: {keys})")
+        return {k: bool(v) for k, v in zip(keys, vals[:-2], strict=True)}
+
+    def all_equal(self, value: str) -> bool:
+        """Whether every rank passed the same string (e.g. a plan hash, rule 31's debug check).
+
+        One ``all_gather_object``; every rank gets the same answer.
+        """
+        if self.is_local:
+            return True
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, str(value), group=self._pg)
+        return all(v == values[0] for v in values)
+
+    def check_all(self, ok: bool, message: str) -> None:
+        """Collective check: when any rank passes ``ok=False``, every rank raises alike.
+
+        Use before anything is written, e.g. "pool exhausted" on one rank, so that no rank goes
+        on to a collective the failing rank will never join.
+
+        One ``all_reduce(MIN)`` of the flag; only when some rank failed, one ``all_gather_object``
+        of ``(ok, message)`` (every rank takes the same branch, so the collective order stays
+        identical).
+
+        Raises:
+            CollectiveCheckError: on every rank, naming each failing rank and its message.
+        """
+        if self.is_local:
+            if not ok:
+                raise CollectiveCheckError({0: message}, 1)
+            return
+        t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
+        if int(t.item()) == 1:
+            return
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, (bool(ok), str(message)), group=self._pg)
+        failures = {r: m for r, (rok, m) in enumerate(gathered) if not rok}
+        raise CollectiveCheckError(failures, self.size)
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group got here (bounded by :attr:`timeout_s`)."""
+        if self.is_local:
+            return
+        if self.backend == "nccl":
+            dist.barrier(group=self._pg, device_ids=[self.device.index or 0])
+        else:
+            dist.barrier(group=self._pg)

@@ -1,0 +1,429 @@
+"""Run a function on C rank processes of one machine, with every wait bounded.
+
+:func:`run_ranks` spawns ``size`` processes (``spawn`` start method), each of which joins a
+``torch.distributed`` process group over TCP on 127.0.0.1 and calls ``fn(group, *args)`` with a
+:class:`~cpkv.runtime.group.CPGroup`. It is the test harness for multi-rank code on CPU (Gloo) and
+the single-node launcher on GPUs (NCCL).
+
+Rendezvous: the parent creates the ``TCPStore`` server itself on port 0, so the OS picks a free
+port that stays bound for the whole run; the ranks connect to it as clients. There is no window
+between choosing a port and binding it, hence no race with other processes and nothing to retry.
+
+Bounds: startup (interpreter, imports, rendezvous) is bounded by ``startup_timeout_s``; once every
+rank has joined the group, ``fn`` is bounded by ``timeout_s`` (also the process group's timeout,
+so a collective waits no longer). A rank that raises sends its traceback; the parent waits
+``settle_s`` for other reports (to tell the cause from its echoes, e.g. a peer's "connection
+closed"), then terminates every other rank and raises :class:`RankFailed`. See docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cpkv.contracts import FallbackEvent
+from cpkv.fallback import recording
+from cpkv.runtime.group import CPGroup
+
+__all__ = ["RankFailed", "RankResult", "RankTimeout", "run_ranks"]
+
+HOST = "127.0.0.1"
+
+# Set (setdefault) in every rank: NVLink multicast off, it is not usable on the lent machines.
+CHILD_ENV_DEFAULTS: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+_TERM_GRACE_S = 1.0  # SIGTERM -> SIGKILL
+_REAP_S = 1.0  # sentinel closed -> exit status available
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank returned.
+
+    Attributes:
+        rank: the rank.
+        value: ``fn``'s return value.
+        fallbacks: the fallback events reported in the rank while ``fn`` ran (in order).
+        seconds: wall time of ``fn`` in the rank.
+    """
+
+    rank: int
+    value: Any
+    fallbacks: list[FallbackEvent] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, or died without a report.
+
+    The message starts with the failing rank's own error (``Type: message``) and includes its
+    traceback. Attributes: ``rank``, ``error_type`` (qualified name, or None when the process
+    died), ``error_message``, ``traceback_text``, ``exitcode`` (None when the rank reported an
+    exception), ``others`` (other ranks' failures seen in the same window, rank -> one line).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        *,
+        error_type: str | None = None,
+        error_message: str = "",
+        traceback_text: str = "",
+        exitcode: int | None = None,
+        others: Mapping[int, str] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.error_type = error_type
+        self.error_message = error_message
+        self.traceback_text = traceback_text
+        self.exitcode = exitcode
+        self.others = dict(others or {})
+        if error_type is not None:
+            head = f"{error_type}: {error_message} [rank {rank} of {size}]"
+        else:
+            head = f"rank {rank} of {size} died without a report: {_describe_exit(exitcode)}"
+        parts = [head]
+        if traceback_text:
+            parts.append(f"--- traceback of rank {rank} ---\n{traceback_text.rstrip()}")
+        if self.others:
+            parts.append(
+                "--- other ranks (terminated or failed after it) ---\n"
+                + "\n".join(f"rank {r}: {m}" for r, m in sorted(self.others.items()))
+            )
+        super().__init__("\n".join(parts))
+
+
+class RankTimeout(RuntimeError):
+    """Ranks were still running at the deadline; they were killed.
+
+    Attributes: ``ranks`` (those that did not finish), ``phase`` (``"startup"`` or ``"run"``),
+    ``timeout_s`` (the bound of that phase).
+    """
+
+    def __init__(self, ranks: Sequence[int], size: int, phase: str, timeout_s: float) -> None:
+        self.ranks = list(ranks)
+        self.phase = phase
+        self.timeout_s = timeout_s
+        what = "did not join the process group" if phase == "startup" else "did not finish"
+        super().__init__(
+            f"rank(s) {', '.join(map(str, self.ranks))} of {size} {what} within {timeout_s:g} s; "
+            "killed"
+        )
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name} (exit code {exitcode})"
+    return f"exit code {exitcode}"
+
+
+_TRANSPORT_TYPES = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+# What Gloo raises (as a plain RuntimeError) in a rank whose peer went away.
+_TRANSPORT_MARKERS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport/",
+                      "NCCL communicator was aborted", "Broken pipe")
+
+
+def _is_transport_error(type_name: str, message: str) -> bool:
+    """Errors a rank gets because *another* rank went away (echoes, not causes)."""
+    if type_name.rsplit(".", 1)[-1] in _TRANSPORT_TYPES:
+        return True
+    return any(m in message for m in _TRANSPORT_MARKERS)
+
+
+# -- the rank process -----------------------------------------------------------------------------
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    size: int,
+    backend: str,
+    port: int,
+    timeout_s: float,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    conn: Connection,
+    fallback_policy: str = "warn",
+) -> None:
+    """Entry point of one rank process (top level, so ``spawn`` can pickle it)."""
+    for key, value in CHILD_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    os.environ.update(env)
+    timeout = timedelta(seconds=timeout_s)
+    msg: tuple[Any, ...]
+    try:
+        try:
+            store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
+            device = torch.device("cpu")
+            kwargs: dict[str, Any] = {}
+            if backend == "nccl":
+                device = torch.device("cuda", rank)
+                torch.cuda.set_device(device)
+                kwargs["device_id"] = device
+            dist.init_process_group(
+                backend, rank=rank, world_size=size, store=store, timeout=timeout, **kwargs
+            )
+            group = CPGroup(rank=rank, size=size, backend=backend,  # type: ignore[arg-type]
+                            device=device, timeout_s=timeout_s)
+            conn.send(("ready", rank))
+            t0 = time.perf_counter()
+            with recording(fallback_policy) as rec:
+                value = fn(group, *args)
+            msg = ("ok", rank, value, list(rec.events), time.perf_counter() - t0)
+        except BaseException as exc:
+            msg = ("error", rank, _qualname(type(exc)), str(exc), traceback.format_exc(), time.time())
+        try:
+            conn.send(msg)
+        except Exception as exc:  # e.g. the return value does not pickle
+            conn.send(("error", rank, _qualname(type(exc)),
+                       f"could not send the result of rank {rank} to the parent: {exc}",
+                       traceback.format_exc(), time.time()))
+    finally:
+        # After the report, so a peer that sees this rank's sockets close (and fails on that)
+        # reports later than this rank did.
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        conn.close()
+
+
+def _qualname(tp: type) -> str:
+    mod = tp.__module__
+    return tp.__qualname__ if mod in ("builtins", "__main__") else f"{mod}.{tp.__qualname__}"
+
+
+# -- the parent -----------------------------------------------------------------------------------
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    size: int,
+    *,
+    args: Sequence[Any] = (),
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    startup_timeout_s: float = 60.0,
+    settle_s: float = 0.5,
+    fallback_policy: str = "warn",
+) -> list[RankResult]:
+    """Run ``fn(group, *args)`` on ``size`` spawned rank processes; results in rank order.
+
+    Args:
+        fn: a picklable top-level function ``fn(group: CPGroup, *args)``; its return value must
+            pickle.
+        size: number of ranks C (>= 1).
+        args: extra positional arguments, pickled to every rank.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r uses ``cuda:r``).
+        timeout_s: bound on ``fn`` (from the moment every rank joined the group) and the process
+            group's timeout for every collective.
+        env: environment variables set in every rank before the process group is created
+            (after ``torch`` is imported; variables read at import time do not see them).
+        startup_timeout_s: bound on spawning the ranks and joining the process group.
+        fallback_policy: ``"warn"`` or ``"error"``: the fallback policy ``fn`` runs under.
+        settle_s: after the first failure, how long to wait for other ranks' reports before
+            terminating them (used to tell the failing rank from the peers that fail after it).
+
+    Returns:
+        One :class:`RankResult` per rank, in rank order, each with the rank's fallback events.
+
+    Raises:
+        RankFailed: a rank raised or died; the message starts with that rank's error.
+        RankTimeout: ranks were still running at the deadline (named; all were killed).
+        ValueError: bad ``size``/``backend``, or too few GPUs for NCCL.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < size:
+        raise ValueError(f"backend 'nccl' with {size} ranks needs {size} GPUs, "
+                         f"found {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=startup_timeout_s + timeout_s))
+    procs: list[Any] = []
+    conns: dict[int, Connection] = {}
+    try:
+        for rank in range(size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, size, backend, store.port, timeout_s, tuple(args),
+                      dict(env or {}), send_end, str(fallback_policy)),
+                name=f"cpkv-rank-{rank}",
+                daemon=False,  # fn may start processes of its own; _reap joins every rank
+            )
+            procs.append(p)
+            conns[rank] = recv_end
+            try:
+                p.start()
+            finally:
+                send_end.close()  # the parent keeps only the read end: EOF when the rank exits
+        return _supervise(procs, conns, size, timeout_s, startup_timeout_s, settle_s)
+    finally:
+        _reap(procs)
+        for c in conns.values():
+            c.close()
+        del store
+
+
+def _supervise(
+    procs: list[Any],
+    conns: dict[int, Connection],
+    size: int,
+    timeout_s: float,
+    startup_timeout_s: float,
+    settle_s: float,
+) -> list[RankResult]:
+    ready: set[int] = set()
+    results: dict[int, RankResult] = {}
+    errors: dict[int, tuple[str, str, str, float]] = {}  # rank -> (type, message, tb, when)
+    deaths: dict[int, tuple[int | None, float]] = {}  # rank -> (exitcode, observed when)
+    open_conns = dict(conns)
+    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    deadline = time.monotonic() + startup_timeout_s
+    phase = "startup"
+    failed_at: float | None = None
+
+    def done(rank: int) -> bool:
+        return rank in results or rank in errors or rank in deaths
+
+    while len(results) < size:
+        now = time.monotonic()
+        if failed_at is not None and (now >= failed_at + settle_s or all(map(done, range(size)))):
+            break
+        if now >= deadline:
+            if failed_at is not None:
+                break
+            if phase == "startup":
+                missing = [r for r in range(size) if r not in ready]
+                raise RankTimeout(missing, size, phase, startup_timeout_s)
+            raise RankTimeout([r for r in range(size) if not done(r)], size, phase, timeout_s)
+        limit = deadline if failed_at is None else min(deadline, failed_at + settle_s)
+        waitables: list[Any] = list(open_conns.values())
+        waitables += [s for s, r in sentinels.items() if not done(r)]
+        for obj in wait(waitables, timeout=max(0.0, limit - now)):
+            rank = sentinels.get(obj) if not isinstance(obj, Connection) else _rank_of(open_conns, obj)
+            if rank is None:
+                continue
+            if isinstance(obj, Connection):
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    # The rank exited without (more) reports: watch its sentinel for the exit code.
+                    del open_conns[rank]
+                    continue
+                kind = msg[0]
+                if kind == "ready":
+                    ready.add(rank)
+                    if phase == "startup" and len(ready) == size:
+                        phase = "run"
+                        if failed_at is None:
+                            deadline = time.monotonic() + timeout_s
+                elif kind == "ok":
+                    _, r, value, events, seconds = msg
+                    results[r] = RankResult(rank=r, value=value, fallbacks=events, seconds=seconds)
+                else:
+                    _, r, etype, emsg, tb, when = msg
+                    errors[r] = (etype, emsg, tb, when)
+                    failed_at = failed_at if failed_at is not None else time.monotonic()
+            else:
+                p = procs[rank]
+                # The sentinel closes a moment before the exit status is reapable.
+                p.join(timeout=_REAP_S)
+                if rank in open_conns and open_conns[rank].poll():
+                    continue  # a report is still in the pipe; read it first
+                open_conns.pop(rank, None)
+                if not done(rank):
+                    deaths[rank] = (p.exitcode, time.time())
+                    failed_at = failed_at if failed_at is not None else time.monotonic()
+
+    if errors or deaths:
+        raise _root_cause(errors, deaths, procs, size)
+    # Every rank reported a result; let them exit (destroy_process_group) within the deadline.
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    return [results[r] for r in range(size)]
+
+
+def _rank_of(conns: dict[int, Connection], obj: Connection) -> int | None:
+    for r, c in conns.items():
+        if c is obj:
+            return r
+    return None
+
+
+def _root_cause(
+    errors: dict[int, tuple[str, str, str, float]],
+    deaths: dict[int, tuple[int | None, float]],
+    procs: list[Any],
+    size: int,
+) -> RankFailed:
+    """The failure that caused the others: the earliest one that is not a transport error (a peer
+    going away makes the others fail with ``DistBackendError`` & co.); else the earliest."""
+    candidates: list[tuple[bool, float, int]] = []
+    for r, (etype, emsg, _, when) in errors.items():
+        candidates.append((_is_transport_error(etype, emsg), when, r))
+    for r, (_, when) in deaths.items():
+        candidates.append((False, when, r))
+    _, _, rank = min(candidates)
+    others: dict[int, str] = {}
+    for r, (etype, emsg, _, _) in errors.items():
+        if r != rank:
+            others[r] = f"{etype}: {emsg.splitlines()[0] if emsg else ''}"
+    for r, (code, _) in deaths.items():
+        if r != rank:
+            others[r] = f"died: {_describe_exit(code)}"
+    for r, p in enumerate(procs):
+        if r != rank and r not in others and p.exitcode is None:
+            others[r] = "still running; terminated"
+    if rank in errors:
+        etype, emsg, tb, _ = errors[rank]
+        return RankFailed(rank, size, error_type=etype, error_message=emsg, traceback_text=tb,
+                          others=others)
+    return RankFailed(rank, size, exitcode=deaths[rank][0], others=others)
+
+
+def _reap(procs: list[Any]) -> None:
+    """Terminate whatever still runs, then kill what ignores SIGTERM; join all (no zombies)."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            with contextlib.suppress(Exception):
+                p.terminate()
+    end = time.monotonic() + _TERM_GRACE_S
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            with contextlib.suppress(Exception):
+                p.kill()
+            p.join(timeout=5.0)
+    for p in procs:
+        if p.pid is not None and p.exitcode is not None:
+            with contextlib.suppress(Exception):
+                p.close()
