@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 
-from cpkv.contracts import Availability
+from cpkv.contracts import Availability, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "torch"
+
+#: the ops :class:`~cpkv_backend_torch.ops.TorchOps` implements (one method each)
+OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.FP8_PACK,
+                                Op.FP8_UNPACK})
 
 
 def probe() -> Availability:
@@ -29,6 +33,5 @@ def load() -> object:
 
 @hookimpl
 def cpkv_register_backends(registrar: BackendRegistrar) -> None:
-    # ops stay empty until the reference ops land (they are listed on TorchOps as they come)
-    registrar.add(BackendSpec(name=NAME, ops=frozenset(), probe=probe, load=load,
+    registrar.add(BackendSpec(name=NAME, ops=OPS, probe=probe, load=load,
                               description="reference backend (CPU and GPU)"))

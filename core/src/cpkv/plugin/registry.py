@@ -38,6 +38,8 @@ class BackendSpec:
     probe: Callable[[], Availability]
     load: Callable[[], Any]
     description: str = ""
+    #: page sizes its kernels support; None = any
+    page_sizes: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""The compute ops a backend provides, and the per-run table that binds each op to a backend.
+
+Backends implement any subset of :class:`KVOps` (one attribute per :class:`~cpkv.contracts.Op`);
+the registry picks, per op, the first backend in the preference order that provides it and is
+available on every rank. The core calls ops only through an :class:`OpTable`, never by importing a
+backend. Ops never sync the host and never allocate per-call host tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from cpkv.contracts import Op
+from cpkv.plugin import AgreeFn, Registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from cpkv.contracts import KVFormat
+
+__all__ = ["KV_OPS", "KVOps", "KVPart", "OpTable"]
+
+#: which pool buffer a row belongs to: the MLA latent (nope + rope) or the indexer key
+KVPart = Literal["latent", "index_k"]
+
+#: the ops the sharded pool and the CP runtime need (issue #3)
+KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.FP8_PACK, Op.FP8_UNPACK)
+
+
+class KVOps(Protocol):
+    """Signatures of the KV ops. Shapes: N rows (tokens) or pages along dim 0; B bytes per token.
+
+    page_gather(src, index) -> out
+        ``out[i] = src[index[i]]`` along dim 0; ``src`` is [P, ...] (pages or token rows), ``index``
+        int64 [n] on ``src.device``; returns a new contiguous [n, ...] tensor.
+    page_scatter(dst, index, src) -> None
+        ``dst[index[i]] = src[i]`` in place along dim 0; ``index`` entries are unique.
+    rerange(gathered, perm) -> natural
+        rank-major padded rows back to natural order in one pass: ``natural[n] = gathered[perm[n]]``.
+    fp8_pack(x, fmt, part) -> uint8 [N, B]
+        ``part="latent"``: x [N, kv_lora_rank + rope_dim] -> per token ``kv_lora_rank`` e4m3 bytes,
+        ``kv_lora_rank // quant_block`` fp32 scales, ``rope_dim`` bf16 values (656 B for
+        DeepSeek-V3.2). ``part="index_k"``: x [N, index_head_dim] -> e4m3 bytes and one fp32
+        scale for the whole key (132 B); ``quant_block`` applies to the latent only. Native
+        (little-endian) byte order, in that order. Bit-exact across backends: in fp32,
+        ``scale = max(amax, 1e-12) / 448`` as a true division (not a multiply by 1/448, which
+        rounds differently), ``q = e4m3(clamp(x / scale, -448, 448))`` rounded to nearest even.
+    fp8_unpack(packed, fmt, part, dtype) -> [N, D] ``dtype``
+        the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored.
+
+    Wrong shapes or dtypes raise ValueError naming them.
+    """
+
+    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
+
+    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor: ...
+
+    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor: ...
+
+    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
+                   dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class OpTable:
+    """Op -> bound callable of the backend chosen for it. Resolved once per run (at plan time).
+
+    Attribute access (``table.rerange(...)``) calls the chosen backend; ``table.chosen`` maps each
+    op name to the backend name, for reports.
+    """
+
+    def __init__(self, impls: dict[str, Callable[..., Any]], chosen: dict[str, str]) -> None:
+        self._impls = impls
+        self.chosen = dict(chosen)
+
+    @classmethod
+    def resolve(cls, registry: Registry, preference: Sequence[str],
+                ops: Sequence[Op] = KV_OPS, agree: AgreeFn | None = None) -> OpTable:
+        """Pick a backend per op (fallbacks reported by the registry), bind the callables.
+
+        Raises:
+            LookupError: no backend in ``preference`` provides an op.
+        """
+        sel = registry.select(preference, [o.value for o in ops], agree=agree)
+        return cls({k: getattr(s.impl, k) for k, s in sel.items()},
+                   {k: s.name for k, s in sel.items()})
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        try:
+            return self.__dict__["_impls"][name]
+        except KeyError:
+            raise AttributeError(f"no backend was selected for op {name!r}; resolved ops: "
+                                 f"{sorted(self.__dict__.get('_impls', {}))}") from None
