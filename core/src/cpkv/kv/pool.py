@@ -1,0 +1,246 @@
+"""ShardedKVPool: KV pages (latent + index-K) stored only on their owner rank (rules 10-18).
+
+Per layer the pool holds two byte buffers in the stored format of :class:`KVFormat`:
+``latent[layer]`` [pages, ps, latent bytes] and ``index_k[layer]`` [pages, ps, index bytes]. A
+page id names the same page in both: the index-K is a sidecar allocated, written and moved with
+its latent page.
+
+Per batch: :meth:`prepare` reserves pages and computes out-cache locations and the
+materialization plan (host work, once); per layer: :meth:`write` then :meth:`materialize`;
+then :meth:`commit` (or :meth:`abort`). With ``shared=False`` every rank keeps a full replica:
+the baseline that sharding is measured against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from cpkv.contracts import CPPlan, FallbackReason, KVFormat, RequestSpec, cdiv
+from cpkv.fallback import report_fallback
+
+from .allocator import PageAllocator, PoolExhausted
+from .batch import BatchKV, RequestPages, build_batch
+from .view import FullView, pack_rows
+
+if TYPE_CHECKING:
+    from cpkv.ops import OpTable
+    from cpkv.runtime.group import CPGroup
+
+__all__ = ["PoolExhausted", "ShardedKVPool"]
+
+log = structlog.get_logger(__name__)
+
+
+class ShardedKVPool:
+    """The KV pool of one rank of a CP group.
+
+    Args:
+        fmt: stored format (bf16 or fp8 layout, page size).
+        num_layers: layers with KV.
+        group: the CP group (``rank``, ``size``, ``device``, ``all_gather_rows``).
+        ops: the op table (page gather/scatter, fp8 pack).
+        shared: one owner per page (True) or a full replica on every rank (False).
+        pages_per_rank: capacity of this rank's buffers, in pages.
+        debug: cross-rank checks that sync (plan hash, allocator state, out-cache ownership).
+    """
+
+    def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable, *,
+                 shared: bool = True, pages_per_rank: int = 4096, debug: bool = False) -> None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        self.fmt, self.num_layers, self.group, self.ops = fmt, num_layers, group, ops
+        self.shared, self.debug = shared, debug
+        self.capacity = pages_per_rank
+        self.allocator = PageAllocator(group.size if shared else 1, pages_per_rank)
+        ps, dev = fmt.page_size, group.device
+        self.latent = [torch.zeros(pages_per_rank, ps, fmt.latent_bytes_per_token,
+                                   dtype=torch.uint8, device=dev) for _ in range(num_layers)]
+        self.index_k = [torch.zeros(pages_per_rank, ps, fmt.index_bytes_per_token,
+                                    dtype=torch.uint8, device=dev) for _ in range(num_layers)]
+        self.table: dict[Hashable, RequestPages] = {}
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def _alloc_rank(self, owner: int) -> int:
+        return owner if self.shared else 0
+
+    def request_spec(self, rid: Hashable, extend_len: int) -> RequestSpec:
+        """Planner input for extending ``rid`` by ``extend_len`` tokens after what it holds."""
+        rp = self.table.get(rid)
+        if rp is None:
+            return RequestSpec(prefix_len=0, extend_len=extend_len)
+        return RequestSpec(prefix_len=rp.valid_len, extend_len=extend_len,
+                           prefix_owners=tuple(rp.owners[: cdiv(rp.valid_len, self.fmt.page_size)]))
+
+    def pages_held(self) -> int:
+        """Pages stored on this rank (a replica counts every page)."""
+        return self.allocator.used_pages(self._alloc_rank(self.rank))
+
+    def bytes_held(self) -> int:
+        """Persistent KV bytes on this rank: pages held x page bytes x layers."""
+        return self.pages_held() * self.fmt.page_bytes * self.num_layers
+
+    def logical_pages(self) -> int:
+        return sum(len(rp.slots) for rp in self.table.values())
+
+    def replicated_bytes(self) -> int:
+        """What one rank of a replicated pool would hold for the same requests."""
+        return self.logical_pages() * self.fmt.page_bytes * self.num_layers
+
+    # ---- per batch -----------------------------------------------------------------------------
+    def prepare(self, plan: CPPlan, rids: Sequence[Hashable]) -> BatchKV:
+        """Reserve the batch's new pages and compute its out-cache locations (once per batch).
+
+        Raises:
+            ValueError: plan and pool disagree (page size, CP size, a request's prefix or owners).
+            PoolExhausted: not enough pages; raised alike on every rank, nothing changed.
+        """
+        ps, c = self.fmt.page_size, self.group.size
+        if plan.page_size != ps or plan.cp_size != c:
+            raise ValueError(f"plan is for CP{plan.cp_size} with {plan.page_size}-token pages, the "
+                             f"pool for CP{c} with {ps}-token pages")
+        if len(rids) != len(plan.requests) or len(set(rids)) != len(rids):
+            raise ValueError(f"need one distinct request id per planned request, got {list(rids)} "
+                             f"for {len(plan.requests)} requests")
+        if self.debug and not self.group.all_equal(plan.fingerprint()):
+            raise RuntimeError("debug: CP ranks planned different batches (plan hashes differ)")
+        needs = [0] * self.allocator.num_ranks
+        new: list[tuple[Hashable, int, list[int]]] = []
+        for rid, req in zip(rids, plan.requests, strict=True):
+            rp = self.table.get(rid)
+            have = 0 if rp is None else rp.valid_len
+            if rp is not None and rp.pending:
+                raise ValueError(f"request {rid!r} is already in an uncommitted batch")
+            if req.prefix_len != have:
+                raise ValueError(f"request {rid!r}: the plan's prefix is {req.prefix_len} tokens, the "
+                                 f"pool holds {have}")
+            existing = 0 if rp is None else len(rp.slots)
+            for k in range(req.prefix_len // ps, existing):  # the tail page keeps its owner
+                if rp is not None and req.page_owners[k] != rp.owners[k]:
+                    raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
+                                     f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
+            owners = [req.page_owners[k] for k in range(existing, cdiv(req.end, ps))]
+            for o in owners:
+                needs[self._alloc_rank(o)] += 1  # type: ignore[arg-type]
+            new.append((rid, existing, owners))  # type: ignore[arg-type]
+        if self.shared and not plan.page_aligned:
+            bad = [f"{rid!r} (P={r.prefix_len}, E={r.extend_len})"
+                   for rid, r in zip(rids, plan.requests, strict=True) if not r.page_aligned]
+            report_fallback(op="kv_write", requested="direct write by the compute rank",
+                            selected="owner write from the gathered rows",
+                            reason=FallbackReason.OWNER_WRITE,
+                            detail=f"{len(bad)} requests not page-aligned: {', '.join(bad[:8])}")
+        slots = self.allocator.allocate(needs, what=f"a batch of {len(rids)} requests")
+        # commit the reservation to the page tables (nothing can fail from here on)
+        cursor = [0] * len(slots)
+        for rid, _existing, owners in new:
+            rp = self.table.setdefault(rid, RequestPages())
+            for o in owners:
+                a = self._alloc_rank(o)
+                rp.owners.append(o)
+                rp.slots.append(slots[a][cursor[a]])
+                rp.pending.append(len(rp.slots) - 1)
+                cursor[a] += 1
+        batch = build_batch(plan, rids, self.table, self.rank, self.shared, self.group.device,
+                            tuple((rid, e) for rid, e, _ in new))
+        if self.debug:
+            self._verify_out_cache(batch)
+        return batch
+
+    def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Store this rank's new KV rows of ``layer`` (compute dtype, [local rows, D]).
+
+        Page-aligned requests: each rank writes its own rows into its own pages, no communication.
+        Otherwise (or for a replica) one all-gather of the packed rows, then owners write.
+        """
+        lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
+        idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
+        lat_rows = self.latent[layer].view(-1, lat_b.shape[1])
+        idx_rows = self.index_k[layer].view(-1, idx_b.shape[1])
+        if batch.direct_dst.numel():
+            src_l, src_i = lat_b, idx_b
+            if batch.direct_src is not None:
+                src_l = self.ops.page_gather(lat_b, batch.direct_src)
+                src_i = self.ops.page_gather(idx_b, batch.direct_src)
+            self.ops.page_scatter(lat_rows, batch.direct_dst, src_l)
+            self.ops.page_scatter(idx_rows, batch.direct_dst, src_i)
+        if batch.gather_writes:
+            both = torch.cat([lat_b, idx_b], dim=1)
+            gathered = self.group.all_gather_rows(both, batch.rows.max_rank_len)
+            mine = self.ops.page_gather(gathered, batch.owner_src)
+            nl = lat_b.shape[1]
+            self.ops.page_scatter(lat_rows, batch.owner_dst, mine[:, :nl])
+            self.ops.page_scatter(idx_rows, batch.owner_dst, mine[:, nl:])
+
+    def materialize(self, layer: int, batch: BatchKV) -> FullView:
+        """The full view of ``layer`` for the batch: one collective of owned pages (latent and
+        index-K together, stored format) and one local gather into natural order."""
+        m = batch.materialize
+        nl = self.fmt.latent_bytes_per_token
+        if self.shared:
+            send = torch.cat([self.ops.page_gather(self.latent[layer], m.send_slots),
+                              self.ops.page_gather(self.index_k[layer], m.send_slots)], dim=2)
+            gathered = self.group.all_gather_rows(send, m.max_send)
+            full = self.ops.page_gather(gathered.view(-1, send.shape[2]), m.view_index)
+            return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
+                            seq_lens=m.seq_lens)
+        lat = self.ops.page_gather(self.latent[layer].view(-1, nl), m.view_index)
+        idx = self.ops.page_gather(self.index_k[layer].view(-1, self.fmt.index_bytes_per_token),
+                                   m.view_index)
+        return FullView(latent=lat, index_k=idx, cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
+
+    def commit(self, batch: BatchKV) -> None:
+        """Mark the batch's tokens valid (call after every layer wrote)."""
+        for rid, req in zip(batch.rids, batch.plan.requests, strict=True):
+            rp = self.table[rid]
+            rp.valid_len = req.end
+            rp.pending.clear()
+
+    def abort(self, batch: BatchKV) -> None:
+        """Give back the pages the batch reserved; its requests hold what they held before."""
+        for rid, first_new in batch.new_pages:
+            rp = self.table[rid]
+            for a in range(self.allocator.num_ranks):
+                mine = [rp.slots[k] for k in range(first_new, len(rp.slots))
+                        if self._alloc_rank(rp.owners[k]) == a]
+                if mine:
+                    self.allocator.release(a, mine)
+            del rp.owners[first_new:], rp.slots[first_new:]
+            rp.pending.clear()
+            if not rp.slots:
+                del self.table[rid]
+
+    def free(self, rid: Hashable) -> None:
+        """Release every page of a finished request."""
+        rp = self.table.pop(rid)
+        for a in range(self.allocator.num_ranks):
+            mine = [s for s, o in zip(rp.slots, rp.owners, strict=True) if self._alloc_rank(o) == a]
+            if mine:
+                self.allocator.release(a, mine)
+
+    # ---- debug -------------------------------------------------------------------------------
+    def _verify_out_cache(self, batch: BatchKV) -> None:
+        """Every direct write lands in a page this rank owns, at the row of its position."""
+        ps = self.fmt.page_size
+        ok, msg = True, ""
+        if self.shared and batch.direct_dst.numel():
+            reqs, pos = batch.plan.local_rows(self.rank)
+            src = (batch.direct_src.tolist() if batch.direct_src is not None
+                   else list(range(len(pos))))
+            for j, d in zip(src, batch.direct_dst.tolist(), strict=True):
+                rp = self.table[batch.rids[reqs[j]]]
+                k = pos[j] // ps
+                if rp.owners[k] != self.rank or d != rp.slots[k] * ps + pos[j] % ps:
+                    ok, msg = False, (f"rank {self.rank}: row {j} (pos {pos[j]}) would write row {d}"
+                                      f", page {k} is owned by {rp.owners[k]} at slot {rp.slots[k]}")
+                    break
+        self.group.check_all(ok, msg)
+        if not self.group.all_equal(repr(self.allocator.snapshot())):
+            raise RuntimeError("debug: CP ranks' page allocators disagree")

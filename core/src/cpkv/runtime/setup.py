@@ -1,0 +1,89 @@
+"""Per-rank setup: resolve ops (all ranks agree), check the configuration, create the pool.
+
+Startup checks run before any rank allocates KV, and reject combinations that cannot work with
+one error listing every problem.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cpkv.contracts import KVFormat, SplitMode
+from cpkv.kv import ShardedKVPool
+from cpkv.ops import KV_OPS, OpTable
+from cpkv.plugin import PluginHost, Registry
+
+if TYPE_CHECKING:
+    from cpkv.settings import Settings
+
+    from .group import CPGroup
+
+__all__ = ["MATERIALIZE_PATHS", "StartupError", "check_startup", "create_pool", "resolve_ops"]
+
+#: split modes whose pages have a materialization path (and a PD transfer) in this release
+MATERIALIZE_PATHS: frozenset[SplitMode] = frozenset({SplitMode.ZIGZAG, SplitMode.INTERLEAVE})
+
+
+class StartupError(ValueError):
+    """The settings describe a combination that cannot run; nothing was allocated."""
+
+
+def resolve_ops(settings: Settings, group: CPGroup, host: PluginHost | None = None,
+                ) -> tuple[OpTable, Registry]:
+    """Pick a backend per KV op in the settings' preference order, agreed across ranks."""
+    own = host is None
+    host = host or PluginHost(disable=settings.plugins.disable, allow=settings.plugins.allow)
+    try:
+        registry = host.backends()
+        return OpTable.resolve(registry, settings.backend.effective_preference(), KV_OPS,
+                               agree=group.agree_all), registry
+    finally:
+        if own:
+            host.close()
+
+
+def check_startup(settings: Settings, fmt: KVFormat, group: CPGroup, ops: OpTable,
+                  registry: Registry) -> None:
+    """Reject settings that cannot work, before any rank allocates.
+
+    Raises:
+        StartupError: listing every problem found.
+    """
+    problems: list[str] = []
+    if settings.cp.mode not in MATERIALIZE_PATHS:
+        problems.append(f"cp.mode={settings.cp.mode.value!r} has no materialization path "
+                        f"(supported: {sorted(m.value for m in MATERIALIZE_PATHS)})")
+    if settings.cp.size != group.size:
+        problems.append(f"cp.size={settings.cp.size} but the CP group has {group.size} ranks")
+    if fmt.page_size != settings.kv.page_size:
+        problems.append(f"kv.page_size={settings.kv.page_size} but the format has "
+                        f"{fmt.page_size}-token pages")
+    if fmt.dtype != settings.kv.dtype:
+        problems.append(f"kv.dtype={settings.kv.dtype.value} but the format is {fmt.dtype.value}")
+    for op, name in sorted(ops.chosen.items()):
+        sizes = getattr(registry.specs.get(name), "page_sizes", None)
+        if sizes is not None and fmt.page_size not in sizes:
+            problems.append(f"backend {name!r} ({op}) supports page sizes {sorted(sizes)}, not "
+                            f"kv.page_size={fmt.page_size}")
+    if group.device.type == "cuda" and group.size > torch.cuda.device_count():
+        problems.append(f"cp.size={group.size} needs {group.size} GPUs, "
+                        f"{torch.cuda.device_count()} visible")
+    if problems:
+        raise StartupError("cannot start: " + "; ".join(problems))
+
+
+def create_pool(settings: Settings, fmt: KVFormat, num_layers: int, group: CPGroup,
+                host: PluginHost | None = None) -> ShardedKVPool:
+    """Resolve ops, run the startup checks, then allocate this rank's pool (sharded or replica).
+
+    Raises:
+        StartupError: the settings cannot work (raised on every rank alike, before allocation).
+        LookupError: no backend provides a needed op.
+    """
+    ops, registry = resolve_ops(settings, group, host)
+    check_startup(settings, fmt, group, ops, registry)
+    # same memory per rank either way: a replica fits C times fewer tokens in it
+    return ShardedKVPool(fmt, num_layers, group, ops, shared=settings.kv.shared,
+                         pages_per_rank=settings.kv.pages_per_rank, debug=settings.debug)

@@ -1,0 +1,183 @@
+"""Rank functions that exercise the sharded pool against a replicated one (used by the
+multi-process tests and by GPU runs). Each returns plain data for the parent to assert on."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cpkv.contracts import KVFormat, SplitMode, cdiv
+from cpkv.kv import PoolExhausted, ShardedKVPool, pack_rows
+from cpkv.ops import KV_OPS, OpTable
+from cpkv.planning import plan_batch
+from cpkv.plugin import PluginHost
+from cpkv.runtime.group import CPGroup
+
+__all__ = [
+    "PoolOutcome",
+    "PoolScenario",
+    "page_share_bound",
+    "random_batches",
+    "run_pool_scenario",
+    "run_pool_scenarios",
+    "truth_rows",
+]
+
+
+@dataclass(frozen=True)
+class PoolScenario:
+    """Batches of (request id, extend length), run in order; requests continue across batches."""
+
+    batches: tuple[tuple[tuple[str, int], ...], ...]
+    fmt: KVFormat
+    mode: SplitMode = SplitMode.ZIGZAG
+    num_layers: int = 2
+    pages_per_rank: int = 256
+    seed: int = 0
+    debug: bool = False
+    #: backend preference for the KV ops (the registry reports every step away from the first)
+    preference: tuple[str, ...] = ("torch",)
+
+
+@dataclass
+class PoolOutcome:
+    rank: int
+    mismatches: list[str] = field(default_factory=list)
+    bytes_held: int = 0
+    replica_bytes_held: int = 0
+    logical_bytes: int = 0
+    #: per request: pages this rank owns, pages in total
+    pages: dict[str, tuple[int, int]] = field(default_factory=dict)
+    exhausted: list[str] = field(default_factory=list)
+    unchanged_after_exhaustion: bool = True
+    views_checked: int = 0
+    seconds_prepare: float = 0.0
+    seconds_write: float = 0.0
+    seconds_materialize: float = 0.0
+
+
+def truth_rows(seed: int, rid: str, layers: int, length: int, dim: int) -> torch.Tensor:
+    """Deterministic KV rows [layers, length, dim] of a request, identical on every rank."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}/{rid}/{dim}".encode()).digest()[:8], "little")
+    g = torch.Generator().manual_seed(h)
+    return torch.randn(layers, length, dim, generator=g)
+
+
+def _ops(group: CPGroup, preference: tuple[str, ...]) -> OpTable:
+    host = PluginHost()
+    try:
+        return OpTable.resolve(host.backends(), preference, KV_OPS, agree=group.agree_all)
+    finally:
+        host.close()
+
+
+def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
+    """Run every batch on a sharded and a replicated pool; compare full views bit for bit."""
+    ops = _ops(group, sc.preference)
+    fmt, ps = sc.fmt, sc.fmt.page_size
+    # the replica is the reference: give it room for every page, so only the sharded pool can
+    # run out (a replica needs C times the pages of a shard)
+    pools = {shared: ShardedKVPool(fmt, sc.num_layers, group, ops, shared=shared,
+                                   pages_per_rank=sc.pages_per_rank * (1 if shared else group.size),
+                                   debug=sc.debug)
+             for shared in (True, False)}
+    out = PoolOutcome(rank=group.rank)
+    longest: dict[str, int] = {}
+    for b in sc.batches:
+        for rid, e in b:
+            longest[rid] = longest.get(rid, 0) + e
+    dl, di = fmt.kv_lora_rank + fmt.rope_dim, fmt.index_head_dim
+    truth = {rid: (truth_rows(sc.seed, rid, sc.num_layers, n, dl),
+                   truth_rows(sc.seed, rid, sc.num_layers, n, di)) for rid, n in longest.items()}
+    for bi, batch_reqs in enumerate(sc.batches):
+        rids = [r for r, _ in batch_reqs]
+        views = {}
+        before = {s: (p.allocator.snapshot(), copy.deepcopy(p.table)) for s, p in pools.items()}
+        batches = {}
+        try:
+            # one plan for both pools: the replica's page table has the same owners
+            specs = [pools[True].request_spec(r, e) for r, e in batch_reqs]
+            plan = plan_batch(specs, group.size, ps, sc.mode)
+            for shared, pool in pools.items():
+                t0 = time.perf_counter()
+                batches[shared] = pool.prepare(plan, rids)
+                if shared:
+                    out.seconds_prepare += time.perf_counter() - t0
+        except PoolExhausted as exc:
+            out.exhausted.append(f"batch {bi}: {exc}")
+            for shared, bk in batches.items():
+                pools[shared].abort(bk)
+            for s, p in pools.items():
+                if (p.allocator.snapshot(), p.table) != before[s]:
+                    out.unchanged_after_exhaustion = False
+            continue
+        for layer in range(sc.num_layers):
+            lat = torch.cat([truth[r][0][layer, q.prefix_len:q.end] for r, q in
+                             zip(rids, plan.requests, strict=True)])
+            idx = torch.cat([truth[r][1][layer, q.prefix_len:q.end] for r, q in
+                             zip(rids, plan.requests, strict=True)])
+            for shared, pool in pools.items():
+                bk = batches[shared]
+                t0 = time.perf_counter()
+                pool.write(layer, bk, bk.rows.split(lat, ops), bk.rows.split(idx, ops))
+                t1 = time.perf_counter()
+                views[shared] = pool.materialize(layer, bk)
+                if shared:
+                    out.seconds_write += t1 - t0
+                    out.seconds_materialize += time.perf_counter() - t1
+            want_l = pack_rows(torch.cat([truth[r][0][layer, : q.end] for r, q in
+                                          zip(rids, plan.requests, strict=True)]), fmt, "latent", ops)
+            want_i = pack_rows(torch.cat([truth[r][1][layer, : q.end] for r, q in
+                                          zip(rids, plan.requests, strict=True)]), fmt, "index_k",
+                               ops)
+            for name, (got, ref) in {
+                "sharded latent vs replicated": (views[True].latent, views[False].latent),
+                "sharded index_k vs replicated": (views[True].index_k, views[False].index_k),
+                "sharded latent vs truth": (views[True].latent, want_l),
+                "sharded index_k vs truth": (views[True].index_k, want_i),
+            }.items():
+                if got.shape != ref.shape or not torch.equal(got, ref):
+                    out.mismatches.append(f"batch {bi} layer {layer}: {name}")
+            out.views_checked += 1
+        for shared, pool in pools.items():
+            pool.commit(batches[shared])
+    sharded = pools[True]
+    out.bytes_held = sharded.bytes_held()
+    out.replica_bytes_held = pools[False].bytes_held()
+    out.logical_bytes = sharded.replicated_bytes()
+    for rid, rp in sharded.table.items():
+        out.pages[rid] = (sum(1 for o in rp.owners if o == group.rank), len(rp.owners))
+    return out
+
+
+def page_share_bound(outcome_pages: dict[str, tuple[int, int]], cp: int,
+                     page_bytes: int, layers: int) -> int:
+    """Rule 11's bound on one rank's bytes: per request ceil(pages / C) + 1 pages."""
+    return sum((cdiv(n, cp) + 1) * page_bytes * layers for _, n in outcome_pages.values())
+
+
+def random_batches(rng: random.Random, max_extend: int,
+                   num_batches: int = 3) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Batches of 1-4 requests with mixed lengths; later batches continue earlier requests,
+    so prefixes often end inside a page."""
+    out: list[tuple[tuple[str, int], ...]] = []
+    names: list[str] = []
+    for _ in range(num_batches):
+        batch: dict[str, int] = {}
+        for _ in range(rng.randint(1, 4)):
+            rid = rng.choice(names) if names and rng.random() < 0.5 else f"r{len(names)}"
+            if rid not in names:
+                names.append(rid)
+            batch[rid] = rng.choice([rng.randint(1, 8), rng.randint(1, max_extend)])
+        out.append(tuple(batch.items()))
+    return tuple(out)
+
+
+def run_pool_scenarios(group: CPGroup, scenarios: list[PoolScenario]) -> list[PoolOutcome]:
+    """Several scenarios in one launch (spawning ranks costs seconds on a small machine)."""
+    return [run_pool_scenario(group, sc) for sc in scenarios]

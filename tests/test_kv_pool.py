@@ -1,0 +1,168 @@
+"""The sharded KV pool on real CP groups (Gloo, C = 2 and 4): full views equal to a replicated
+pool bit for bit, per-rank bytes within the page share, exhaustion that changes nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cpkv.contracts import FallbackReason, KVDtype, KVFormat, SplitMode
+from cpkv.fallback import recording
+from cpkv.kv import PoolExhausted, ShardedKVPool
+from cpkv.ops import OpTable
+from cpkv.planning import plan_batch
+from cpkv.plugin import PluginHost
+from cpkv.runtime import CPGroup, run_ranks
+from cpkv.testing.pool_check import (
+    PoolScenario,
+    page_share_bound,
+    random_batches,
+    run_pool_scenario,
+    run_pool_scenarios,
+)
+
+SMALL = {"kv_lora_rank": 64, "rope_dim": 16, "index_head_dim": 32, "quant_block": 32}
+
+
+def _fmt(dtype: KVDtype, page_size: int = 4) -> KVFormat:
+    return KVFormat(dtype=dtype, page_size=page_size, **SMALL)
+
+
+def _scenarios(cp: int, seed: int) -> list[PoolScenario]:
+    rng = random.Random(seed)
+    out = []
+    for mode in SplitMode:
+        for dtype in KVDtype:
+            for _ in range(2):
+                out.append(PoolScenario(batches=random_batches(rng, max_extend=24 * cp),
+                                        fmt=_fmt(dtype), mode=mode, seed=rng.randrange(1 << 30)))
+    # DeepSeek page size with a prefix ending mid-page
+    out.append(PoolScenario(batches=((("x", 700), ("y", 64 * 2 * cp + 5)), (("x", 300),)),
+                            fmt=_fmt(KVDtype.FP8, 64), mode=SplitMode.ZIGZAG))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp", [2, 4])
+def test_sharded_full_view_equals_replicated(cp: int) -> None:
+    scenarios = _scenarios(cp, seed=cp)
+    results = run_ranks(run_pool_scenarios, cp, args=(scenarios,), timeout_s=240)
+    for i, sc in enumerate(scenarios):
+        outs = [r.value[i] for r in results]
+        for o in outs:
+            assert o.mismatches == [], (sc, o.mismatches)
+            assert o.views_checked == len(sc.batches) * sc.num_layers
+            # rule 11: at most the page share plus one page per request
+            assert o.bytes_held <= page_share_bound(o.pages, cp, sc.fmt.page_bytes, sc.num_layers)
+            assert o.replica_bytes_held == o.logical_bytes  # the baseline holds everything
+        # no replica anywhere: the shards add up to the logical footprint exactly
+        assert sum(o.bytes_held for o in outs) == outs[0].logical_bytes
+        for rid, (_, total) in outs[0].pages.items():
+            assert sum(o.pages[rid][0] for o in outs) == total
+
+
+@pytest.mark.multiprocess
+def test_short_extends_use_owner_write_and_report_it() -> None:
+    sc = PoolScenario(batches=((("a", 5), ("b", 300)),), fmt=_fmt(KVDtype.BF16), debug=True)
+    results = run_ranks(run_pool_scenario, 2, args=(sc,), timeout_s=120)
+    for r in results:
+        assert r.value.mismatches == []
+        reasons = [e.reason for e in r.fallbacks]
+        assert FallbackReason.SHORT_EXTEND in reasons and FallbackReason.OWNER_WRITE in reasons
+        ev = next(e for e in r.fallbacks if e.reason is FallbackReason.OWNER_WRITE)
+        assert ev.op == "kv_write" and "'a' (P=0, E=5)" in ev.detail and "'b'" not in ev.detail
+
+
+@pytest.mark.multiprocess
+def test_exhaustion_mid_run_changes_nothing_on_any_rank() -> None:
+    # 16 pages per rank: the first batch fits, the second needs more on some rank, the third fits
+    sc = PoolScenario(batches=((("a", 40), ("b", 40)), (("c", 90), ("a", 30)), (("d", 8),)),
+                      fmt=_fmt(KVDtype.FP8), pages_per_rank=16)
+    results = run_ranks(run_pool_scenario, 2, args=(sc,), timeout_s=120)
+    for r in results:
+        o = r.value
+        assert len(o.exhausted) == 1 and o.exhausted[0].startswith("batch 1:")
+        assert "needs" in o.exhausted[0] and "nothing was allocated" in o.exhausted[0]
+        assert o.unchanged_after_exhaustion and o.mismatches == []
+        assert set(o.pages) == {"a", "b", "d"}  # the pool stayed usable for the next batch
+
+
+def _pool(shared: bool = True, **kw: object) -> tuple[ShardedKVPool, OpTable]:
+    host = PluginHost()
+    ops = OpTable.resolve(host.backends(), ["torch"])
+    host.close()
+    return ShardedKVPool(_fmt(KVDtype.BF16), 1, CPGroup.single(), ops, shared=shared, **kw), ops
+
+
+def test_single_rank_pool_equals_truth_both_formats() -> None:
+    for dtype in KVDtype:
+        sc = PoolScenario(batches=random_batches(random.Random(1), 40), fmt=_fmt(dtype))
+        assert run_pool_scenario(CPGroup.single(), sc).mismatches == []
+
+
+def test_prepare_rejects_a_plan_that_disagrees_with_the_pool() -> None:
+    pool, _ = _pool()
+    with pytest.raises(ValueError, match="plan is for CP2"):
+        pool.prepare(plan_batch([(0, 8)], 2, 4), ["a"])
+    batch = pool.prepare(plan_batch([(0, 8)], 1, 4), ["a"])
+    pool.commit(batch)
+    with pytest.raises(ValueError, match="request 'a': the plan's prefix is 0 tokens, the pool holds 8"):
+        pool.prepare(plan_batch([(0, 8)], 1, 4), ["a"])
+    with pytest.raises(ValueError, match="one distinct request id"):
+        pool.prepare(plan_batch([(0, 8), (0, 3)], 1, 4), ["b", "b"])
+
+
+def test_abort_and_free_return_every_page() -> None:
+    pool, _ = _pool(pages_per_rank=8)
+    empty = pool.allocator.snapshot()
+    batch = pool.prepare(plan_batch([pool.request_spec("a", 10)], 1, 4), ["a"])
+    assert pool.pages_held() == 3
+    pool.abort(batch)
+    assert pool.allocator.snapshot() == empty and pool.table == {}
+    pool.commit(pool.prepare(plan_batch([pool.request_spec("a", 10)], 1, 4), ["a"]))
+    pool.free("a")
+    assert pool.allocator.snapshot() == empty and pool.bytes_held() == 0
+
+
+def test_exhaustion_error_names_the_rank_and_counts() -> None:
+    pool, _ = _pool(pages_per_rank=2)
+    with pytest.raises(PoolExhausted, match="rank 0 needs 3 pages, has 2 free"):
+        pool.prepare(plan_batch([(0, 10)], 1, 4), ["a"])
+    assert pool.table == {} and pool.pages_held() == 0
+
+
+class _TwoRanks:
+    """Rank 0 of a 2-rank group, for host-side paths that run before any collective."""
+
+    rank, size, device = 0, 2, CPGroup.single().device
+
+
+def test_owner_write_refused_by_error_policy_leaves_pool_unchanged() -> None:
+    host = PluginHost()
+    ops = OpTable.resolve(host.backends(), ["torch"])
+    host.close()
+    pool = ShardedKVPool(_fmt(KVDtype.BF16), 1, _TwoRanks(), ops, pages_per_rank=8)  # type: ignore[arg-type]
+    with recording():
+        plan = plan_batch([(0, 5)], 2, 4)  # short extend: not page-aligned
+    before = pool.allocator.snapshot()
+    with recording("error"), pytest.raises(Exception, match="owner_write"):
+        pool.prepare(plan, ["a"])
+    assert pool.allocator.snapshot() == before and pool.table == {}
+
+
+def _ranks_plan_differently(group: CPGroup) -> None:
+    host = PluginHost()
+    ops = OpTable.resolve(host.backends(), ["torch"])
+    host.close()
+    pool = ShardedKVPool(_fmt(KVDtype.BF16), 1, group, ops, pages_per_rank=16, debug=True)
+    extend = 40 if group.rank == 0 else 44  # a rank-local input difference: a bug to catch
+    pool.prepare(plan_batch([(0, extend)], group.size, 4), ["a"])
+
+
+@pytest.mark.multiprocess
+def test_debug_switch_catches_ranks_that_planned_differently() -> None:
+    from cpkv.runtime import RankFailed
+
+    with pytest.raises(RankFailed, match="plan hashes differ"):
+        run_ranks(_ranks_plan_differently, 2, timeout_s=60)
