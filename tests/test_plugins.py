@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from cpkv import fallback
 from cpkv.cli.plugins import command as plugins_command
 from cpkv.contracts import Availability, FallbackReason, Op, PluginInfo, PluginKind
-from cpkv.ops import KV_OPS
+from cpkv.ops import ALL_OPS
 from cpkv.plugin import BackendSpec, PluginHost, Registry, TransferSpec, hookimpl, spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +157,7 @@ def test_builtin_loads() -> None:
     try:
         reg = h.backends()
         assert isinstance(reg.load("torch"), TorchOps)
-        assert reg.specs["torch"].ops == frozenset(KV_OPS)
+        assert reg.specs["torch"].ops == frozenset(ALL_OPS)
         with pytest.raises(RuntimeError, match=r"kernels not implemented yet \(issue #5\)"):
             triton_plugin.load()
         with pytest.raises(RuntimeError, match="issue #6"):

@@ -26,6 +26,9 @@ KVPart = Literal["latent", "index_k"]
 
 #: the ops the sharded pool and the CP runtime need (issue #3)
 KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.FP8_PACK, Op.FP8_UNPACK)
+#: the sparse-attention ops of one layer (issue #4)
+ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA)
+ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 
 
 class KVOps(Protocol):
@@ -49,6 +52,27 @@ class KVOps(Protocol):
     fp8_unpack(packed, fmt, part, dtype) -> [N, D] ``dtype``
         the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored.
 
+    indexer_logits(q, w, k, k_scale, key_start, key_end) -> float32 [N, T]
+        The lightning indexer (rule 19) for N query rows against the T keys of the flat full view:
+        ``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` for ``key_start[i] <= j <
+        key_end[i]``, ``-inf`` elsewhere; computed in float32. q [N, Hi, D] (any float dtype),
+        w [N, Hi] float32 (every scale already folded in), k [T, D] float/bf16, or
+        ``float8_e4m3fn`` with ``k_scale`` [T] float32 (k dequantised as ``k.float() *
+        k_scale[:, None]``; ``k_scale`` is None for float keys). key_start/key_end int64 [N].
+        The caller chunks rows so that N x T x 4 B stays under the logits budget (rule 21).
+    topk(logits, k, key_start, key_end) -> int32 [N, k]
+        Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside
+        each row's [key_start, key_end); when the range holds at most k keys, all of them in
+        ascending order; the remaining slots are -1, the only invalid value (rule 19). Rows with
+        more than k keys list their choice in descending logit order. The reference breaks ties
+        by the lower column so that the choice never depends on the batch's shape; conformance
+        accepts any tie order. Logits inside a range are finite; values outside it are ignored.
+    sparse_mla(q, kv, indices, scale, dv) -> float32 [N, H, dv]
+        Sparse MLA over the selected keys (absorbed form, FlashMLA's sparse prefill interface):
+        q [N, H, Dk], kv [T, Dk] (the latent full view, nope + rope), indices int32 [N, k] with
+        -1 masked. ``s_j = scale * q[i, h] . kv[j]``, ``p = softmax_j(s)`` over valid j,
+        ``out[i, h] = sum_j p_j * kv[j, :dv]``; float32. A row with no valid index gives zeros.
+
     Wrong shapes or dtypes raise ValueError naming them.
     """
 
@@ -62,6 +86,16 @@ class KVOps(Protocol):
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
                    dtype: torch.dtype) -> torch.Tensor: ...
+
+    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                       key_end: torch.Tensor) -> torch.Tensor: ...
+
+    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
+             key_end: torch.Tensor) -> torch.Tensor: ...
+
+    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
+                   dv: int) -> torch.Tensor: ...
 
 
 class OpTable:

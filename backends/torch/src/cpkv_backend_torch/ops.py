@@ -15,6 +15,24 @@ formulas here are the definition:
 * ``fp8_unpack``: ``(float32(q) * scale)`` then one cast to the requested dtype; rope is the stored
   bf16 cast to the requested dtype.
 
+* ``indexer_logits`` (rule 19), in fp32 over the whole [N, T] rectangle, one head at a time (so
+  the working memory is two [N, T] buffers)::
+
+      kf        = k.float()  (* k_scale[:, None] for float8_e4m3fn keys)
+      logit     = sum_h w[:, h, None] * relu(q[:, h].float() @ kf.T)
+      logit[i, j] = -inf  unless  key_start[i] <= j < key_end[i]
+
+  Chunking rows under the logits budget (rule 21) is the caller's job.
+* ``topk``: ``torch.topk`` (sorted, descending) over the logits with everything outside the
+  row's range set to -inf; rows whose range holds at most k keys take ``key_start + arange(k)``
+  instead (ascending), and every slot past the row's key count is -1. Selected by ``torch.where``,
+  so no row count is ever read on the host. Logits inside a range are expected to be finite (a
+  -inf logit inside a range of more than k keys could lose to a masked column).
+* ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
+  -inf, a max-subtracted softmax over the valid slots, and ``p @ kv[:, :dv]``; a row without a
+  valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Memory O(N * k * Dk): the
+  caller chunks rows.
+
 No op syncs the host (no ``.item()``, no data-dependent shapes) and none builds host tensors, so
 they run unchanged on CPU and CUDA tensors, for any number of rows including 0.
 """
@@ -174,3 +192,157 @@ class TorchOps:
             return vals
         rope_vals = _dense(packed[:, dims + 4 * blocks:]).view(torch.bfloat16).to(dtype)
         return torch.cat([vals, rope_vals], dim=1)
+
+    # ---- sparse attention (rule 19) --------------------------------------------------------
+    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                       key_end: torch.Tensor) -> torch.Tensor:
+        """The lightning indexer: ``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` inside
+        ``[key_start[i], key_end[i])``, -inf elsewhere, in fp32.
+
+        Args:
+            q: [N, Hi, D] any float dtype.
+            w: [N, Hi] float32 head weights (every scale folded in).
+            k: [T, D] float keys, or ``float8_e4m3fn`` keys dequantised by ``k_scale``.
+            k_scale: float32 [T] per-key scale for fp8 keys; None for float keys.
+            key_start, key_end: int64 [N] per-row key range (columns of the flat full view).
+
+        Returns:
+            float32 [N, T].
+
+        Raises:
+            ValueError: a shape or dtype does not match, a float key comes with a scale or an fp8
+                key without one.
+        """
+        if q.dim() != 3 or k.dim() != 2 or q.shape[2] != k.shape[1]:
+            raise ValueError(f"indexer_logits: expected q [N, Hi, D] and k [T, D], got q "
+                             f"{tuple(q.shape)} and k {tuple(k.shape)}")
+        n, heads, _ = q.shape
+        t = k.shape[0]
+        if w.shape != (n, heads) or w.dtype != torch.float32:
+            raise ValueError(f"indexer_logits: expected w float32 [{n}, {heads}], got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        _check_ranges("indexer_logits", n, key_start, key_end)
+        if k.dtype == _FP8:
+            if k_scale is None or k_scale.shape != (t,) or k_scale.dtype != torch.float32:
+                got = "None" if k_scale is None else f"{k_scale.dtype} {tuple(k_scale.shape)}"
+                raise ValueError(f"indexer_logits: float8_e4m3fn keys need k_scale float32 [{t}], "
+                                 f"got {got}")
+            kf = k.float() * k_scale[:, None]
+        else:
+            if not k.dtype.is_floating_point:
+                raise ValueError(f"indexer_logits: k must be a float or float8_e4m3fn tensor, "
+                                 f"got {k.dtype}")
+            if k_scale is not None:
+                raise ValueError(f"indexer_logits: k_scale is only for float8_e4m3fn keys, got "
+                                 f"{k.dtype} keys with a k_scale {tuple(k_scale.shape)}")
+            kf = k.float()
+        qf, kt = q.float(), kf.t()
+        logits = torch.zeros(n, t, dtype=torch.float32, device=q.device)
+        for h in range(heads):  # a loop over a shape, not over data: [N, T] memory per step
+            logits.add_(torch.relu(qf[:, h] @ kt) * w[:, h, None])
+        return logits.masked_fill_(~_in_range(t, key_start, key_end), float("-inf"))
+
+    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
+             key_end: torch.Tensor) -> torch.Tensor:
+        """Columns of the k largest logits inside each row's ``[key_start, key_end)``.
+
+        A row whose range (clipped to the T columns) holds at most k keys lists all of them in
+        ascending order; a longer one lists its choice in descending logit order, equal logits by
+        ascending column (deterministic: CP and single-rank runs choose alike). Slots past the
+        row's count are -1.
+
+        Args:
+            logits: [N, T] float (values outside a row's range are ignored).
+            k: slots per row (>= 0); T may be smaller than k.
+            key_start, key_end: int64 [N].
+
+        Returns:
+            int32 [N, k].
+
+        Raises:
+            ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
+        """
+        if logits.dim() != 2 or not logits.dtype.is_floating_point:
+            raise ValueError(f"topk: expected float logits [N, T], got {logits.dtype} "
+                             f"{tuple(logits.shape)}")
+        if k < 0:
+            raise ValueError(f"topk: k must be >= 0, got {k}")
+        n, t = logits.shape
+        _check_ranges("topk", n, key_start, key_end)
+        dev = logits.device
+        slot = torch.arange(k, device=dev, dtype=torch.int64)
+        start = key_start.clamp(0, t)
+        count = (key_end.clamp(0, t) - start).clamp_min(0)  # [N]
+        few = slot < count[:, None]  # [N, k]: slot holds a key
+        ascending = torch.where(few, start[:, None] + slot, -1)
+        kk = min(k, t)
+        if kk:
+            masked = logits.masked_fill(~_in_range(t, key_start, key_end), float("-inf"))
+            # a stable sort breaks ties by the lower column, so the choice never depends on the
+            # shape of the batch (torch.topk breaks ties differently for different T)
+            chosen = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :kk]
+            if kk < k:
+                chosen = torch.cat([chosen, chosen.new_full((n, k - kk), -1)], dim=1)
+        else:
+            chosen = ascending
+        out = torch.where((count <= k)[:, None], ascending, chosen)
+        return out.to(torch.int32)
+
+    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
+                   dv: int) -> torch.Tensor:
+        """Sparse MLA (absorbed form) over the selected latent rows, in fp32.
+
+        ``s_j = scale * q[i, h] . kv[j]`` for the valid (not -1) ``j`` in ``indices[i]``,
+        ``out[i, h] = sum_j softmax(s)_j * kv[j, :dv]``; a row with no valid index gives zeros.
+
+        Args:
+            q: [N, H, Dk] any float dtype.
+            kv: [T, Dk] latent rows of the flat full view (nope + rope), any float dtype.
+            indices: int32 [N, k], entries in [0, T) or -1.
+            scale: softmax scale.
+            dv: value width (the leading ``dv`` dims of a kv row), 0 < dv <= Dk.
+
+        Returns:
+            float32 [N, H, dv].
+
+        Raises:
+            ValueError: a shape or dtype does not match, or ``dv`` is out of range.
+        """
+        if q.dim() != 3 or kv.dim() != 2 or q.shape[2] != kv.shape[1]:
+            raise ValueError(f"sparse_mla: expected q [N, H, Dk] and kv [T, Dk], got q "
+                             f"{tuple(q.shape)} and kv {tuple(kv.shape)}")
+        if not (q.dtype.is_floating_point and kv.dtype.is_floating_point) or kv.dtype == _FP8:
+            raise ValueError(f"sparse_mla: q and kv must be float tensors, got {q.dtype} and "
+                             f"{kv.dtype}")
+        n, heads, dk = q.shape
+        if indices.dim() != 2 or indices.shape[0] != n or indices.dtype != torch.int32:
+            raise ValueError(f"sparse_mla: expected indices int32 [{n}, k], got {indices.dtype} "
+                             f"{tuple(indices.shape)}")
+        if not 0 < dv <= dk:
+            raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
+        if kv.shape[0] == 0 or indices.shape[1] == 0:  # nothing to attend to: every row is zeros
+            return torch.zeros(n, heads, dv, dtype=torch.float32, device=q.device)
+        valid = indices >= 0  # [N, k]
+        rows = kv.float().index_select(0, indices.clamp_min(0).reshape(-1).long())
+        rows = rows.reshape(n, indices.shape[1], dk)  # [N, k, Dk]
+        s = torch.einsum("nhd,nkd->nhk", q.float(), rows) * scale
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf: exp gives 0
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        out = torch.einsum("nhk,nkd->nhd", p, rows[..., :dv])
+        return out / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
+    for name, r in (("key_start", key_start), ("key_end", key_end)):
+        if r.shape != (n,) or r.dtype != torch.int64:
+            raise ValueError(f"{op}: expected {name} int64 [{n}], got {r.dtype} {tuple(r.shape)}")
+
+
+def _in_range(t: int, key_start: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:
+    """bool [N, T]: ``key_start[i] <= j < key_end[i]``."""
+    col = torch.arange(t, device=key_start.device, dtype=torch.int64)
+    return (col >= key_start[:, None]) & (col < key_end[:, None])

@@ -1,4 +1,4 @@
-"""Backend conformance suite: run a backend's KV ops against the torch reference backend.
+"""Backend conformance suite: run a backend's ops against the torch reference backend.
 
 A backend author runs::
 
@@ -15,6 +15,27 @@ rounded to nearest even, scales as fp32 and rope as bf16, little-endian); ``fp8_
 return the same values (``float32(q) * scale`` cast once to the requested dtype). A mismatch raises
 ``AssertionError`` naming the op, the case and the largest difference.
 
+The sparse-attention ops (rule 19) run on flat full views holding several requests, with per-row
+key ranges that are empty, shorter than k, exactly k, longer than k, and arbitrary (not starting
+at a request), for k both smaller and larger than the T keys, and compare as follows:
+
+* ``indexer_logits``: bf16, fp32 and fp8 keys (e4m3 with a per-token fp32 scale, quantised
+  directly and taken as slices of the reference's ``fp8_pack`` index-K rows); the -inf positions
+  must be identical, the rest ``allclose(rtol=1e-5, atol=1e-5)`` (:data:`ATTN_RTOL`,
+  :data:`ATTN_ATOL`); the inputs are scaled like the model's (``w`` carries ``Hi^-0.5 D^-0.5``)
+  so the logits are O(1).
+* ``topk``: int32 [N, k]; the -1 slots must be exactly the reference's; rows whose range holds
+  at most k keys must equal the reference (all keys, ascending); longer rows must list distinct
+  columns inside the range, in non-increasing logit order, forming the reference's index set.
+  **Tie rule**: the sets may differ only when the k-th and (k+1)-th largest logits of the row
+  are equal within :data:`TOPK_TIE_REL` relative (``|a - b| <= 1e-6 * max(|a|, |b|)``), and then
+  every column in the symmetric difference must have a logit within that tolerance of the k-th
+  one. Logits come from the reference indexer (exact 0.0 ties from the relu), from random values
+  that are finite outside the ranges (a backend must mask them itself), and from values rounded
+  to a coarse grid (many ties).
+* ``sparse_mla``: ``allclose(rtol=1e-5, atol=1e-5)``, no NaN; indices from the reference top-k
+  (-1 padded suffixes, all -1 rows) and random ones with -1 anywhere and repeats.
+
 Inputs are generated on the CPU from ``seed`` and then moved to ``device``, so a CUDA backend sees
 exactly the inputs the CPU reference sees. Needs torch (a cpkv-core dependency); never imports a
 backend package: :func:`reference_backend` goes through the plugin registry.
@@ -22,6 +43,7 @@ backend package: :func:`reference_backend` goes through the plugin registry.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +54,13 @@ from cpkv.contracts import KVDtype, KVFormat, Op
 from cpkv.plugin import PluginHost
 
 __all__ = [
+    "ATTN_ATOL",
+    "ATTN_RTOL",
     "CHECKS",
     "FORMATS",
     "FP8_ROUND_TRIP_ABS",
     "FP8_ROUND_TRIP_REL",
+    "TOPK_TIE_REL",
     "check_backend",
     "check_fp8_round_trip",
     "check_op",
@@ -62,6 +87,12 @@ PAGES: tuple[int, ...] = (0, 1, 3, 17)
 #: the 2^-20 slack covers. Hence the per block relative error max|x - x'| / amax <= 2^-4 + 2^-20.
 FP8_ROUND_TRIP_REL = 2.0**-4 + 2.0**-20
 FP8_ROUND_TRIP_ABS = 2.0**-10 + 2.0**-20
+
+#: tolerances of ``indexer_logits`` and ``sparse_mla`` against the reference (fp32 results)
+ATTN_RTOL = 1e-5
+ATTN_ATOL = 1e-5
+#: two logits within this relative distance are a tie: top-k may pick either
+TOPK_TIE_REL = 1e-6
 
 
 # ---- comparison ------------------------------------------------------------------------------
@@ -266,6 +297,269 @@ def _check_fp8_unpack(impl: Any, ref: Any, device: str, seed: int) -> None:
             _unchanged(op, case, keep, [packed])
 
 
+# ---- sparse attention (rule 19) ------------------------------------------------------------
+#: (rows N, keys T, k) of the attention cases: empty, k larger than T (T < k even with all keys
+#: of a row), k smaller than T, and DeepSeek-V3.2's k = 2048 both above and below T
+ATTN_SIZES: tuple[tuple[int, int, int], ...] = (
+    (0, 0, 8), (0, 50, 8), (1, 1, 8), (3, 5, 8), (17, 40, 8), (17, 40, 64), (64, 200, 16),
+    (131, 300, 64), (5, 700, 2048), (7, 2600, 2048))
+
+
+def _requests(t: int, g: torch.Generator) -> list[tuple[int, int]]:
+    """(start, length) of 1-3 requests that tile the flat view of ``t`` keys (none when t = 0)."""
+    if t == 0:
+        return []
+    parts = min(t, 1 + int(torch.randint(0, 3, (1,), generator=g)))
+    cuts = sorted(torch.randperm(t - 1, generator=g)[:parts - 1].add(1).tolist()) if t > 1 else []
+    bounds = [0, *cuts, t]
+    return [(a, b - a) for a, b in itertools.pairwise(bounds)]
+
+
+def _key_ranges(n: int, t: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 key_start / key_end [n] in a flat view of ``t`` keys holding several requests.
+
+    Row ``i`` cycles through: empty, shorter than k, exactly min(k, request), the whole request
+    (longer than k when the request is), a causal prefix of random length, then alternately the
+    whole flat view (longer than k whenever T is) and an arbitrary range of it (both cross
+    requests).
+    """
+    reqs = _requests(t, g)
+    ks, ke = [], []
+
+    def rnd(lo: int, hi: int) -> int:  # uniform in [lo, hi]
+        return lo + int(torch.randint(0, hi - lo + 1, (1,), generator=g))
+
+    for i in range(n):
+        if not reqs:
+            ks.append(0)
+            ke.append(0)
+            continue
+        start, length = reqs[rnd(0, len(reqs) - 1)]
+        kind = i % 6
+        if kind == 0:
+            a = rnd(start, start + length)
+            b = a
+        elif kind == 1:
+            a, b = start, start + rnd(1, max(1, min(k - 1, length)))
+        elif kind == 2:
+            a, b = start, start + min(k, length)
+        elif kind == 3:
+            a, b = start, start + length
+        elif kind == 4:
+            a, b = start, start + rnd(1, length)
+        elif i % 12 == 5:
+            a, b = 0, t
+        else:
+            a = rnd(0, t)
+            b = rnd(a, t)
+        ks.append(a)
+        ke.append(b)
+    return torch.tensor(ks, dtype=torch.int64), torch.tensor(ke, dtype=torch.int64)
+
+
+def _quantise_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, D] float -> (float8_e4m3fn [T, D], fp32 [T] per-token scale), like the pool's index-K."""
+    scale = x.float().abs().amax(dim=1).clamp_min(1e-12) / 448.0
+    return (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def _assert_close(op: str, case: str, what: str, got: Any, want: torch.Tensor) -> None:
+    """Same shape, dtype and device; the same +-inf positions; finite values within
+    ``ATTN_RTOL`` / ``ATTN_ATOL``; no NaN."""
+    prefix = f"{op} [{case}] {what}"
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{prefix}: expected a tensor, got {type(got).__name__}")
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{prefix}: got {got.dtype} {tuple(got.shape)}, expected "
+                             f"{want.dtype} {tuple(want.shape)}; max difference n/a")
+    if got.device.type != want.device.type:
+        raise AssertionError(f"{prefix}: result on {got.device}, expected {want.device}")
+    a, b = got.detach().cpu(), want.detach().cpu()
+    if bool(a.isnan().any()):
+        raise AssertionError(f"{prefix}: {int(a.isnan().sum())} NaN value(s)")
+    for name, pat in (("-inf", torch.isneginf), ("+inf", torch.isposinf)):
+        if not torch.equal(pat(a), pat(b)):
+            bad = (pat(a) != pat(b)).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten()
+            raise AssertionError(f"{prefix}: {name} positions differ from the reference in "
+                                 f"{bad.numel()} row(s), first {bad[:5].tolist()}")
+    fin = b.isfinite()
+    if not torch.allclose(a[fin], b[fin], rtol=ATTN_RTOL, atol=ATTN_ATOL):
+        diff = (a[fin].double() - b[fin].double()).abs()
+        raise AssertionError(f"{prefix}: differs from the reference beyond rtol={ATTN_RTOL}, "
+                             f"atol={ATTN_ATOL}; max difference {diff.max().item():.3g}")
+
+
+def _indexer_inputs(fmt_name: str, n: int, t: int, g: torch.Generator
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmt = FORMATS[fmt_name]
+    heads, d = (64, fmt.index_head_dim) if fmt_name == "deepseek_v32" else (4, fmt.index_head_dim)
+    q = _nonzero((n, heads, d), torch.bfloat16, g)
+    w = _nonzero((n, heads), torch.float32, g) * (heads ** -0.5 * d ** -0.5)
+    k = _nonzero((t, d), torch.float32, g)
+    return q, w, k
+
+
+def _indexer_keys(k: torch.Tensor, kind: str, fmt: KVFormat, ref: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if kind == "bf16":
+        return k.to(torch.bfloat16), None
+    if kind == "fp32":
+        return k, None
+    if kind == "fp8":
+        return _quantise_keys(k)
+    # "fp8 pool": e4m3 bytes and scale as slices of packed index-K rows (the e4m3 part is a
+    # strided view, as the pool hands it out)
+    packed = ref.fp8_pack(k, fmt, "index_k")
+    d = fmt.index_head_dim
+    return (packed[:, :d].view(torch.float8_e4m3fn),
+            packed[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)[:, 0])
+
+
+def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
+    op = "indexer_logits"
+    j = 0
+    for fmt_name in FORMATS:
+        fmt = FORMATS[fmt_name]
+        kinds = ("bf16", "fp32", "fp8", "fp8 pool") if fmt_name == "deepseek_v32" else (
+            "bf16", "fp8")
+        for n, t, topk in ATTN_SIZES:
+            for kind in kinds:
+                j += 1
+                g = _gen(seed * 1000 + 100 + j)
+                case = f"{fmt_name}, {kind} keys, {n} rows x {t} keys"
+                q, w, k = _indexer_inputs(fmt_name, n, t, g)
+                ks, ke = _key_ranges(n, t, topk, g)
+                keys, scale = _indexer_keys(k, kind, fmt, ref)
+                q, w, keys, ks, ke = _to(device, q, w, keys, ks, ke)
+                if scale is not None:
+                    (scale,) = _to(device, scale)
+                keep = [x.clone() for x in (q, w, keys, ks, ke)]
+                want = ref.indexer_logits(q, w, keys, scale, ks, ke)
+                got = _call(op, case, impl.indexer_logits, q, w, keys, scale, ks, ke)
+                _assert_close(op, case, "logits", got, want)
+                _unchanged(op, case, keep, [q, w, keys, ks, ke])
+                # independent of the reference: -inf exactly outside each row's range
+                col = torch.arange(t)
+                outside = ~((col >= ks.cpu()[:, None]) & (col < ke.cpu()[:, None]))
+                if not torch.equal(got.cpu().isneginf(), outside):
+                    raise AssertionError(f"{op} [{case}] logits: -inf is not exactly the "
+                                         f"positions outside [key_start, key_end)")
+
+
+def _topk_logits(variant: str, n: int, t: int, topk: int, ref: Any, g: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ks, ke = _key_ranges(n, t, topk, g)
+    if variant == "indexer":
+        q, w, k = _indexer_inputs("small", n, t, g)  # 4 heads: many exact 0.0 ties (relu)
+        return ref.indexer_logits(q, w, k, None, ks, ke), ks, ke
+    x = torch.randn(n, t, generator=g) * 3.0
+    if variant == "coarse":
+        x = x.mul(2).round().div(2)  # steps of 0.5: ties everywhere
+    # finite values (larger than any inside) outside the ranges: the op must mask them
+    col = torch.arange(t)
+    outside = ~((col >= ks[:, None]) & (col < ke[:, None]))
+    return torch.where(outside, x.abs() + 100.0, x), ks, ke
+
+
+def _assert_topk(case: str, got: Any, want: torch.Tensor, logits: torch.Tensor,
+                 ks: torch.Tensor, ke: torch.Tensor, k: int) -> None:
+    """The comparison of the module docstring (-1 pattern, short rows exact, sets with ties)."""
+    op = "topk"
+    prefix = f"{op} [{case}] indices"
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{prefix}: expected a tensor, got {type(got).__name__}")
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{prefix}: got {got.dtype} {tuple(got.shape)}, expected "
+                             f"{want.dtype} {tuple(want.shape)}")
+    if got.device.type != want.device.type:
+        raise AssertionError(f"{prefix}: result on {got.device}, expected {want.device}")
+    a, b, lg = got.cpu(), want.cpu(), logits.detach().cpu().double()
+    t = lg.shape[1]
+    pad = b == -1
+    if not torch.equal(a == -1, pad):
+        bad = ((a == -1) != pad).any(dim=1).nonzero().flatten()
+        raise AssertionError(f"{prefix}: the -1 slots differ from the reference in {bad.numel()} "
+                             f"row(s), first {bad[:5].tolist()}")
+    count = (ke.cpu().clamp(0, t) - ks.cpu().clamp(0, t)).clamp_min(0)
+    for i in range(a.shape[0]):
+        c, lo, hi = int(count[i]), int(ks[i]), int(ke[i])
+        row, wrow = a[i].tolist(), b[i].tolist()
+        if c <= k:
+            if row != wrow:
+                raise AssertionError(f"{prefix}: row {i} holds {c} <= k={k} keys and must list "
+                                     f"them all in ascending order: got {row[:8]}..., expected "
+                                     f"{wrow[:8]}...")
+            continue
+        if len(set(row)) != k or not all(lo <= j < hi for j in row):
+            raise AssertionError(f"{prefix}: row {i} repeats a column or leaves its range "
+                                 f"[{lo}, {hi}): {row[:8]}...")
+        vals = lg[i, row]
+        if bool((vals[1:] > vals[:-1]).any()):
+            raise AssertionError(f"{prefix}: row {i} is not in descending logit order")
+        if set(row) == set(wrow):
+            continue
+        top = lg[i, lo:hi].sort(descending=True).values
+        kth, nxt = float(top[k - 1]), float(top[k])
+        if abs(kth - nxt) > TOPK_TIE_REL * max(abs(kth), abs(nxt)):
+            raise AssertionError(f"{prefix}: row {i} picks a different index set than the "
+                                 f"reference and its k-th / (k+1)-th logits {kth!r} / {nxt!r} do "
+                                 f"not tie")
+        for j in set(row) ^ set(wrow):
+            v = float(lg[i, j])
+            if abs(v - kth) > TOPK_TIE_REL * max(abs(v), abs(kth)):
+                raise AssertionError(f"{prefix}: row {i}: column {j} (logit {v!r}) is not tied "
+                                     f"with the k-th logit {kth!r}")
+
+
+def _check_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
+    op = "topk"
+    j = 0
+    for variant in ("indexer", "finite outside", "coarse"):
+        for n, t, k in ATTN_SIZES:
+            j += 1
+            g = _gen(seed * 1000 + 400 + j)
+            case = f"{variant} logits, {n} rows x {t} keys, k={k}"
+            logits, ks, ke = _to(device, *_topk_logits(variant, n, t, k, ref, g))
+            keep = [logits.clone(), ks.clone(), ke.clone()]
+            want = ref.topk(logits, k, ks, ke)
+            got = _call(op, case, impl.topk, logits, k, ks, ke)
+            _assert_topk(case, got, want, logits, ks, ke, k)
+            _unchanged(op, case, keep, [logits, ks, ke])
+
+
+def _check_sparse_mla(impl: Any, ref: Any, device: str, seed: int) -> None:
+    op = "sparse_mla"
+    j = 0
+    # (label, heads, Dk, dv): DeepSeek-V3.2's latent (512 nope + 64 rope) and a small one
+    shapes = (("deepseek_v32", 16, 576, 512), ("small", 4, 80, 64))
+    for label, heads, dk, dv in shapes:
+        for n, t, k in ATTN_SIZES:
+            for variant in ("top-k indices", "scattered -1"):
+                for dtype in (torch.bfloat16, torch.float32):
+                    j += 1
+                    g = _gen(seed * 1000 + 700 + j)
+                    case = (f"{label}, {variant}, {str(dtype).removeprefix('torch.')}, {n} rows "
+                            f"x {t} keys, k={k}")
+                    q = _nonzero((n, heads, dk), dtype, g)
+                    kv = _nonzero((t, dk), dtype, g)
+                    if variant == "top-k indices":
+                        logits, ks, ke = _topk_logits("finite outside", n, t, k, ref, g)
+                        idx = ref.topk(logits, k, ks, ke)
+                    else:  # any column, repeats allowed, -1 anywhere (about a third)
+                        idx = torch.randint(0, max(t, 1), (n, k), generator=g, dtype=torch.int32)
+                        drop = torch.rand(n, k, generator=g) < 0.35
+                        if n:
+                            drop[0] = True  # a row without any valid index
+                        idx = torch.where(drop | (t == 0), -1, idx).to(torch.int32)
+                    q, kv, idx = _to(device, q, kv, idx)
+                    keep = [q.clone(), kv.clone(), idx.clone()]
+                    scale = dk ** -0.5
+                    want = ref.sparse_mla(q, kv, idx, scale, dv)
+                    got = _call(op, case, impl.sparse_mla, q, kv, idx, scale, dv)
+                    _assert_close(op, case, "output", got, want)
+                    _unchanged(op, case, keep, [q, kv, idx])
+
+
 #: op name -> its check(impl, reference, device, seed)
 CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.PAGE_GATHER.value: _check_page_gather,
@@ -273,6 +567,9 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.RERANGE.value: _check_rerange,
     Op.FP8_PACK.value: _check_fp8_pack,
     Op.FP8_UNPACK.value: _check_fp8_unpack,
+    Op.INDEXER_LOGITS.value: _check_indexer_logits,
+    Op.TOPK.value: _check_topk,
+    Op.SPARSE_MLA.value: _check_sparse_mla,
 }
 
 
