@@ -30,9 +30,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import bench, plan, plugins, run
+    from . import bench, init_model, plan, plugins, run
 
-    for mod in (bench, plan, plugins, run):
+    for mod in (bench, init_model, plan, plugins, run):
         main.add_command(mod.command)
 
 

@@ -1,0 +1,45 @@
+"""``cpkv init-model``: write a tiny random DeepSeek-V3.2 checkpoint (HF format) to a directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("init-model")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="num_hidden_layers [3].")
+@click.option("--dense-layers", type=click.IntRange(min=0), default=None,
+              help="first_k_dense_replace: leading dense-MLP layers [1].")
+@click.option("--hidden", type=click.IntRange(min=1), default=None, help="hidden_size [64].")
+@click.option("--vocab", type=click.IntRange(min=1), default=None, help="vocab_size [512].")
+@click.option("--heads", type=click.IntRange(min=1), default=None, help="num_attention_heads [4].")
+@click.option("--experts", type=click.IntRange(min=2), default=None, help="n_routed_experts [8].")
+@click.option("--index-topk", type=click.IntRange(min=1), default=None, help="index_topk [16].")
+@click.option("--force", is_flag=True,
+              help="Write into a non-empty DIRECTORY (replaces the checkpoint files).")
+def command(directory: Path, seed: int, layers: int | None, dense_layers: int | None, hidden: int | None,
+            vocab: int | None, heads: int | None, experts: int | None, index_topk: int | None,
+            force: bool) -> None:
+    """Write a tiny DeepSeek-V3.2 checkpoint (config.json + model.safetensors) to DIRECTORY.
+
+    Loadable by cpkv and by transformers' DeepseekV32ForCausalLM.from_pretrained.
+    """
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.models.tiny import checkpoint_num_parameters
+
+    overrides = {k: v for k, v in {
+        "num_hidden_layers": layers, "first_k_dense_replace": dense_layers, "hidden_size": hidden,
+        "vocab_size": vocab, "num_attention_heads": heads, "n_routed_experts": experts,
+        "index_topk": index_topk}.items() if v is not None}
+    if directory.exists() and any(directory.iterdir()) and not force:
+        raise click.ClickException(
+            f"{directory} is not empty (use --force to overwrite the checkpoint in it)")
+    try:
+        path = write_tiny_checkpoint(directory, seed=seed, overwrite=force, **overrides)
+    except ValueError as exc:  # an invalid combination of sizes
+        raise click.ClickException(str(exc)) from exc
+    n = checkpoint_num_parameters(path)
+    click.echo(f"wrote a tiny DeepSeek-V3.2 checkpoint: {n:,} parameters in {path}")

@@ -1,0 +1,21 @@
+"""DeepSeek-V3.2 for cpkv's context-parallel prefill: HF checkpoint loading and the per-layer math.
+
+See docs/models.md. The attention core (indexer scoring, top-k, sparse MLA) is the driver's; this package
+gives it the inputs (:class:`AttentionInputs`) and takes its output back.
+"""
+
+from .config import DeepseekV32Config, RopeConfig
+from .deepseek_v32 import AttentionInputs, DeepseekV32
+from .errors import ModelLoadError
+from .tiny import TINY_DEFAULTS, load_model, write_tiny_checkpoint
+
+__all__ = [
+    "TINY_DEFAULTS",
+    "AttentionInputs",
+    "DeepseekV32",
+    "DeepseekV32Config",
+    "ModelLoadError",
+    "RopeConfig",
+    "load_model",
+    "write_tiny_checkpoint",
+]

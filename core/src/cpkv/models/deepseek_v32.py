@@ -1,0 +1,307 @@
+"""DeepSeek-V3.2 per-layer math for context-parallel prefill (everything except the attention core).
+
+The driver owns the attention: per layer it calls :meth:`DeepseekV32.attention_inputs`, stores
+``latent`` / ``index_k`` in the KV pool, scores the indexer, picks the top-k keys, runs sparse MLA on the
+absorbed query against the latent keys with :attr:`DeepseekV32.softmax_scale`, then calls
+:meth:`DeepseekV32.attention_output` and :meth:`DeepseekV32.mlp`. The math follows transformers'
+``modeling_deepseek_v32`` (MLA in absorbed form, which equals its expanded form):
+
+* ``q = [q_nope @ W_UK, rope_interleave(q_rot)]`` per head, ``latent = [kv_a_layernorm(kv_pass),
+  rope_interleave(k_rot)]``; score ``q . latent``; output latent ``o = softmax(.) @ latent[:kv_lora_rank]``;
+  value per head ``o @ W_UV^T``; then ``o_proj``.
+* indexer: ``logit(i, j) = sum_h index_w[i, h] * relu(index_q[i, h] . index_k[j])`` (every scale folded
+  into ``index_w``).
+
+Every method is per row: rows may come from several requests in any order; ``positions`` carries each
+row's absolute position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cpkv.contracts import KVDtype, KVFormat
+
+from .config import DeepseekV32Config
+from .loader import CheckpointReader, read_config
+from .rope import mla_softmax_scale, rope_half, rope_interleave, rope_inv_freq
+
+__all__ = ["AttentionInputs", "DeepseekV32"]
+
+_SUB_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm, indexer k_norm: fixed eps in the reference
+
+
+@dataclass
+class AttentionInputs:
+    """What one layer's attention needs for ``N`` rows (``H`` heads)."""
+
+    q: torch.Tensor
+    """``[N, H, kv_lora_rank + qk_rope_head_dim]`` absorbed query: ``q_nope @ W_UK`` ++ roped ``q_rot``."""
+    latent: torch.Tensor
+    """``[N, kv_lora_rank + qk_rope_head_dim]``: ``kv_a_layernorm(kv_pass)`` ++ roped ``k_rot`` (KV pool)."""
+    index_q: torch.Tensor
+    """``[N, index_n_heads, index_head_dim]`` indexer queries (half-split rope on the first rope dims)."""
+    index_w: torch.Tensor
+    """``[N, index_n_heads]`` float32 head weights, every scale folded in."""
+    index_k: torch.Tensor
+    """``[N, index_head_dim]`` indexer key (pool's index-K)."""
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_a: torch.Tensor
+    q_a_norm: torch.Tensor
+    q_b: torch.Tensor
+    kv_a: torch.Tensor
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor  # [H, qk_nope, kv_lora]
+    w_uv: torch.Tensor  # [H, v, kv_lora]
+    o: torch.Tensor
+    idx_wq_b: torch.Tensor
+    idx_wk: torch.Tensor
+    idx_k_norm_w: torch.Tensor
+    idx_k_norm_b: torch.Tensor
+    idx_w: torch.Tensor  # float32
+    # dense MLP (None on MoE layers)
+    gate: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    # MoE (None on dense layers)
+    router: torch.Tensor | None = None  # float32 [E, hidden]
+    router_bias: torch.Tensor | None = None  # float32 [E]
+    experts_gate_up: torch.Tensor | None = None  # [E, 2I, hidden]
+    experts_down: torch.Tensor | None = None  # [E, hidden, I]
+    shared_gate: torch.Tensor | None = None
+    shared_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dt = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dt)
+
+
+def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class DeepseekV32:
+    """A loaded DeepSeek-V3.2 with the per-layer API the CP prefill driver calls. Inference only."""
+
+    def __init__(self, config: DeepseekV32Config, layers: list[_Layer], embed: torch.Tensor,
+                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self._layers = layers
+        self._embed = embed
+        self._norm = norm
+        self._lm_head = lm_head
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.num_layers = config.num_hidden_layers
+        self.softmax_scale = mla_softmax_scale(config.rope, config.qk_head_dim)
+        self._inv_freq, self._rope_scaling = rope_inv_freq(config.rope, config.qk_rope_head_dim)
+        self._inv_freq = self._inv_freq.to(self.device)
+        self._cos = self._sin = torch.empty(0, config.qk_rope_head_dim, device=self.device)
+        c = config
+        self.index_scale = (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> DeepseekV32:
+        """Load ``path/config.json`` and all safetensors shards; :class:`ModelLoadError` if they don't fit.
+
+        Weights are cast to ``dtype`` except the MoE router (weight and correction bias) and the indexer's
+        ``weights_proj``, kept in float32 as transformers keeps them.
+        """
+        cfg = read_config(path)
+        f32 = torch.float32
+        with CheckpointReader(path, cfg) as r:
+            def g(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
+                return r.get(name, dt, device)
+
+            layers = []
+            h, nope, v, lora = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
+                                cfg.kv_lora_rank)
+            for i in range(cfg.num_hidden_layers):
+                p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+                kv_b = g(f"{a}.kv_b_proj.weight").view(h, nope + v, lora)
+                layer = _Layer(
+                    input_norm=g(f"{p}.input_layernorm.weight"),
+                    post_norm=g(f"{p}.post_attention_layernorm.weight"),
+                    q_a=g(f"{a}.q_a_proj.weight"), q_a_norm=g(f"{a}.q_a_layernorm.weight"),
+                    q_b=g(f"{a}.q_b_proj.weight"),
+                    kv_a=g(f"{a}.kv_a_proj_with_mqa.weight"), kv_a_norm=g(f"{a}.kv_a_layernorm.weight"),
+                    w_uk=kv_b[:, :nope].contiguous(), w_uv=kv_b[:, nope:].contiguous(),
+                    o=g(f"{a}.o_proj.weight"),
+                    idx_wq_b=g(f"{a}.indexer.wq_b.weight"), idx_wk=g(f"{a}.indexer.wk.weight"),
+                    idx_k_norm_w=g(f"{a}.indexer.k_norm.weight"), idx_k_norm_b=g(f"{a}.indexer.k_norm.bias"),
+                    idx_w=g(f"{a}.indexer.weights_proj.weight", f32),
+                )
+                m = f"{p}.mlp"
+                if cfg.mlp_layer_types[i] == "dense":
+                    layer.gate, layer.up, layer.down = (
+                        g(f"{m}.{n}_proj.weight") for n in ("gate", "up", "down"))
+                else:
+                    layer.router = g(f"{m}.gate.weight", f32)
+                    layer.router_bias = g(f"{m}.gate.e_score_correction_bias", f32)
+                    layer.experts_gate_up, layer.experts_down = r.experts(i, dtype, device)
+                    if cfg.n_shared_experts:
+                        layer.shared_gate, layer.shared_up, layer.shared_down = (
+                            g(f"{m}.shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
+                layers.append(layer)
+            embed = g("model.embed_tokens.weight")
+            lm_head = embed if r.tied_lm_head else g("lm_head.weight")
+            norm = g("model.norm.weight")
+        return cls(cfg, layers, embed, norm, lm_head)
+
+    # ------------------------------------------------------------------ formats
+    def kv_format(self, dtype: KVDtype | str, page_size: int) -> KVFormat:
+        """The KV pool's byte layout for this model's latent and index-K."""
+        c = self.config
+        return KVFormat(dtype=KVDtype(dtype), kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
+                        index_head_dim=c.index_head_dim, quant_block=min(128, c.kv_lora_rank),
+                        page_size=page_size)
+
+    # ------------------------------------------------------------------ helpers
+    def _layer(self, layer: int) -> _Layer:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        return self._layers[layer]
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[N, qk_rope_head_dim]`` (``cat(freqs, freqs)`` times yarn's attention scaling).
+
+        Served from a float32 table that grows on demand (powers of two) to the largest position seen.
+        """
+        if positions.dim() != 1:
+            raise ValueError(f"positions must be 1-D, got shape {list(positions.shape)}")
+        if positions.numel() == 0:
+            e = torch.empty(0, self.config.qk_rope_head_dim, dtype=dtype, device=self.device)
+            return e, e
+        pos = positions.to(device=self.device, dtype=torch.long)
+        top = int(pos.max())
+        if int(pos.min()) < 0:
+            raise ValueError("positions must be >= 0")
+        if top >= self._cos.shape[0]:
+            n = max(1024, 1 << top.bit_length())
+            freqs = torch.arange(n, device=self.device).float()[:, None] * self._inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos() * self._rope_scaling, emb.sin() * self._rope_scaling
+        return self._cos[pos].to(dtype), self._sin[pos].to(dtype)
+
+    # ------------------------------------------------------------------ the per-layer API
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[N]`` token ids -> ``[N, hidden]`` residual stream."""
+        return F.embedding(ids.to(self.device), self._embed)
+
+    def attention_inputs(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> AttentionInputs:
+        """MLA + indexer inputs of ``N`` rows; ``x`` is the residual stream before ``input_layernorm``."""
+        c, w = self.config, self._layer(layer)
+        n = x.shape[0]
+        if positions.shape != (n,):
+            raise ValueError(f"positions must have shape [{n}], got {list(positions.shape)}")
+        x = x.to(self.dtype)
+        h = _rms_norm(x, w.input_norm, c.rms_norm_eps)
+        cos, sin = self.rope_cos_sin(positions, self.dtype)
+
+        q_resid = _rms_norm(F.linear(h, w.q_a), w.q_a_norm, _SUB_NORM_EPS)
+        q = F.linear(q_resid, w.q_b).view(n, c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_rot = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w.w_uk)
+        q_out = torch.cat([q_abs, rope_interleave(q_rot, cos[:, None], sin[:, None])], dim=-1)
+
+        kv_pass, k_rot = F.linear(h, w.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent = torch.cat([_rms_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS),
+                            rope_interleave(k_rot, cos, sin)], dim=-1)
+
+        r = c.qk_rope_head_dim
+        iq = F.linear(q_resid, w.idx_wq_b).view(n, c.index_n_heads, c.index_head_dim)
+        iq = torch.cat([rope_half(iq[..., :r], cos[:, None], sin[:, None]), iq[..., r:]], dim=-1)
+        ik = F.layer_norm(F.linear(h, w.idx_wk), (c.index_head_dim,), w.idx_k_norm_w, w.idx_k_norm_b,
+                          _SUB_NORM_EPS)
+        ik = torch.cat([rope_half(ik[..., :r], cos, sin), ik[..., r:]], dim=-1)
+        iw = F.linear(h.float(), w.idx_w) * self.index_scale
+        return AttentionInputs(q=q_out, latent=latent, index_q=iq, index_w=iw, index_k=ik)
+
+    def attention_output(self, layer: int, out_latent: torch.Tensor) -> torch.Tensor:
+        """``[N, H, kv_lora_rank]`` attention output in latent space -> ``[N, hidden]`` (W_UV, o_proj)."""
+        w = self._layer(layer)
+        v = torch.einsum("nhc,hdc->nhd", out_latent.to(self.dtype), w.w_uv)
+        return F.linear(v.reshape(v.shape[0], -1), w.o)
+
+    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference routing of normed rows ``h``: ``(weights [N, k] float32, expert ids [N, k])``."""
+        c, w = self.config, self._layer(layer)
+        if w.router is None:
+            raise ValueError(f"layer {layer} is dense, it has no router")
+        scores = F.linear(h.float(), w.router).sigmoid()
+        choice = scores + w.router_bias
+        e, g = c.n_routed_experts, c.n_group
+        group_scores = choice.view(-1, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, g, e // g).reshape(-1, e)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        idx = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, idx
+
+    def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``post_attention_layernorm`` then the dense MLP or the MoE (routed + shared experts)."""
+        w = self._layer(layer)
+        h = _rms_norm(x.to(self.dtype), w.post_norm, self.config.rms_norm_eps)
+        if w.router is None:
+            assert w.gate is not None and w.up is not None and w.down is not None
+            return _swiglu(h, w.gate, w.up, w.down)
+        assert w.experts_gate_up is not None and w.experts_down is not None
+        weights, idx = self.route(layer, h)
+        # Every expert over every row, weighted by its routing weight (0 when not chosen): no
+        # data-dependent shapes, so no host sync in the layer loop (rule 22). This reference
+        # spends n_routed_experts / num_experts_per_tok times the routed FLOPs; engines plug in
+        # their fused MoE.
+        gates = torch.zeros(h.shape[0], self.config.n_routed_experts, dtype=weights.dtype,
+                            device=h.device).scatter_(1, idx, weights)
+        out = torch.zeros_like(h)
+        for j in range(self.config.n_routed_experts):
+            gate, up = F.linear(h, w.experts_gate_up[j]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w.experts_down[j])
+            out = out + (y * gates[:, j:j + 1]).to(out.dtype)
+        if w.shared_gate is not None:
+            assert w.shared_up is not None and w.shared_down is not None
+            out = out + _swiglu(h, w.shared_gate, w.shared_up, w.shared_down)
+        return out
+
+    def final_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm and ``lm_head``: ``[N, hidden]`` -> ``[N, vocab]`` float32."""
+        h = _rms_norm(x.to(self.dtype), self._norm, self.config.rms_norm_eps)
+        return F.linear(h, self._lm_head).float()
+
+    def num_parameters(self) -> int:
+        """Parameters held (a tied lm_head counted once)."""
+        seen: set[int] = set()
+        total = 0
+        tensors = [self._embed, self._norm, self._lm_head]
+        for layer in self._layers:
+            tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel()
+        return total
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"DeepseekV32(layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
+                f"heads={c.num_attention_heads}, "
+                f"experts={c.n_routed_experts}, dtype={self.dtype}, device={self.device})")

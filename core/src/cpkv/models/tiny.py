@@ -1,0 +1,186 @@
+"""A tiny random DeepSeek-V3.2 checkpoint in the HF format, and :func:`load_model`.
+
+:func:`write_tiny_checkpoint` writes ``config.json`` (``model_type: deepseek_v32``, default rope) and one
+``model.safetensors`` (per-expert layout, float32) that transformers' ``DeepseekV32ForCausalLM
+.from_pretrained`` loads as well. Weights are deterministic for a seed and scaled so activations stay
+well-conditioned (projections ~ N(0, 1/fan_in), output projections half that, norms ~ 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import DeepseekV32Config
+from .deepseek_v32 import DeepseekV32
+from .errors import ModelLoadError
+from .loader import expected_shapes
+
+__all__ = ["TINY_DEFAULTS", "checkpoint_num_parameters", "default_cache_dir", "load_model",
+           "tiny_config", "write_tiny_checkpoint"]
+
+TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "index_n_heads": 16,  # with few heads sum_h w relu(q.k) is often exactly 0: ties
+    "index_head_dim": 16,
+    "index_topk": 16,
+    "n_routed_experts": 8,
+    "n_group": 2,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+_FORMAT_VERSION = 2  # bump when the generated weights change for the same parameters
+_ALLOWED = set(DeepseekV32Config.model_fields) | {"rope_parameters", "rope_theta", "rope_scaling"}
+
+
+def tiny_config(**overrides: Any) -> DeepseekV32Config:
+    """The tiny model's config: :data:`TINY_DEFAULTS` with ``overrides`` (config.json keys)."""
+    unknown = set(overrides) - _ALLOWED
+    if unknown:
+        raise TypeError(f"unknown tiny-model parameter(s): {sorted(unknown)}")
+    raw = {**TINY_DEFAULTS, **overrides}
+    if ("rope_scaling" in overrides or "rope_theta" in overrides) and "rope_parameters" not in overrides:
+        raw.pop("rope_parameters")  # the legacy keys given: let them define the rope
+    return DeepseekV32Config.model_validate(raw)
+
+
+def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(".bias"):  # indexer k_norm bias
+        return 0.1 * torch.randn(shape, generator=gen)
+    if leaf == "e_score_correction_bias":
+        return 0.02 * torch.randn(shape, generator=gen)
+    if leaf == "embed_tokens":
+        return torch.randn(shape, generator=gen)
+    fan_in = shape[-1]
+    std = 1.0 / math.sqrt(fan_in)
+    if leaf in ("o_proj", "down_proj"):
+        std *= 0.5  # residual branches: keep the stream from growing layer over layer
+    return std * torch.randn(shape, generator=gen)
+
+
+def _tiny_state(cfg: DeepseekV32Config, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = expected_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return {name: _init(name, shape, gen).contiguous() for name, shape in shapes.items()}
+
+
+def _write_files(dst: Path, cfg: DeepseekV32Config, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    save_file(_tiny_state(cfg, seed), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    body = cfg.hf_dict() | {"cpkv_tiny_seed": seed}
+    (dst / "config.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+
+
+def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, overwrite: bool = False,
+                          **overrides: Any) -> Path:
+    """Write a tiny random DeepSeek-V3.2 checkpoint to ``path`` and return it.
+
+    ``overrides`` are config.json keys over :data:`TINY_DEFAULTS`. The write is atomic: files go to a
+    temporary directory next to ``path`` that is renamed into place, so an interrupted write leaves no
+    half checkpoint. An existing non-empty ``path`` raises :class:`FileExistsError` unless ``overwrite``
+    (then ``model.safetensors`` and ``config.json`` are replaced, each atomically, config last).
+    """
+    cfg = tiny_config(**overrides)
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    non_empty = path.exists() and (not path.is_dir() or any(path.iterdir()))
+    if non_empty and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty")
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        _write_files(tmp, cfg, seed)
+        if non_empty:
+            os.replace(tmp / "model.safetensors", path / "model.safetensors")
+            os.replace(tmp / "config.json", path / "config.json")
+        else:
+            os.chmod(tmp, 0o755)
+            try:
+                os.replace(tmp, path)  # replaces an empty directory; fails if another writer won the race
+            except OSError:
+                if not (path / "config.json").is_file():
+                    raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def checkpoint_num_parameters(path: str | Path) -> int:
+    """Number of parameters stored in a checkpoint directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118
+                total += math.prod(h.get_slice(k).get_shape())
+    return total
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/cpkv/models`` (``~/.cache/cpkv/models`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cpkv" / "models"
+
+
+def _tiny_key(seed: int, overrides: dict[str, Any]) -> str:
+    cfg = tiny_config(**overrides)
+    blob = json.dumps({"v": _FORMAT_VERSION, "seed": seed, "config": cfg.hf_dict()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_model(path_or_tiny: str | Path, cache_dir: str | Path | None = None,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               *, seed: int = 0, **tiny_overrides: Any) -> DeepseekV32:
+    """Load a checkpoint directory, or ``"tiny"``: the tiny model, written once into the cache.
+
+    For ``"tiny"`` the checkpoint lives in ``<cache_dir>/tiny-<hash of seed and config>`` (``cache_dir``
+    defaults to :func:`default_cache_dir`) and is loaded through the same loader as any other.
+    """
+    if str(path_or_tiny) == "tiny":
+        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        ckpt = root / f"tiny-{_tiny_key(seed, tiny_overrides)}"
+        if not (ckpt / "config.json").is_file():
+            with contextlib.suppress(FileExistsError):
+                write_tiny_checkpoint(ckpt, seed=seed, **tiny_overrides)
+        return DeepseekV32.load(ckpt, dtype=dtype, device=device)
+    if tiny_overrides:
+        raise TypeError(f"tiny-model parameters given for a checkpoint path: {sorted(tiny_overrides)}")
+    if not Path(path_or_tiny).expanduser().exists():
+        raise ModelLoadError(f"{path_or_tiny!r} is neither 'tiny' nor an existing checkpoint directory")
+    return DeepseekV32.load(Path(path_or_tiny).expanduser(), dtype=dtype, device=device)

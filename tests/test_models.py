@@ -1,0 +1,343 @@
+"""cpkv.models against transformers' DeepSeek-V3.2: same logits from the per-layer API with a dense,
+masked reference of the sparse attention; loader errors; yarn rope; the ``init-model`` command."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cpkv.contracts import KVDtype
+from cpkv.models import (
+    TINY_DEFAULTS,
+    AttentionInputs,
+    DeepseekV32,
+    DeepseekV32Config,
+    ModelLoadError,
+    load_model,
+    write_tiny_checkpoint,
+)
+from cpkv.models.deepseek_v32 import _rms_norm
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+SEQ = 40  # longer than index_topk=16: the indexer really drops keys
+
+HF_TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
+    q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+    num_experts_per_tok=2, index_topk=16, index_head_dim=16, index_n_heads=4, first_k_dense_replace=1,
+    max_position_embeddings=4096, initializer_range=0.1,
+)
+
+
+# ---------------------------------------------------------------------------- reference forward
+def sparse_attention_reference(m: DeepseekV32, a: AttentionInputs, positions: torch.Tensor) -> torch.Tensor:
+    """One request's rows in order: indexer top-min(index_topk, i+1) causal keys, softmax over those only."""
+    c = m.config
+    n = a.q.shape[0]
+    causal = positions[None, :] <= positions[:, None]  # [query, key]
+    scores = torch.einsum("nhd,td->nht", a.index_q.float(), a.index_k.float()).relu()
+    logits = torch.einsum("nh,nht->nt", a.index_w, scores).masked_fill(~causal, float("-inf"))
+    topk = logits.topk(min(c.index_topk, n), dim=-1).indices
+    keep = torch.zeros_like(causal).scatter(1, topk, True) & causal
+    assert bool((keep.sum(-1) == torch.clamp(torch.arange(1, n + 1), max=c.index_topk)).all())
+    att = torch.einsum("nhc,tc->nht", a.q.float(), a.latent.float()) * m.softmax_scale
+    att = att.masked_fill(~keep[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("nht,tc->nhc", att, a.latent[:, : c.kv_lora_rank].float()).to(a.q.dtype)
+
+
+def reference_logits(m: DeepseekV32, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[0])
+    x = m.embed(ids)
+    for layer in range(m.num_layers):
+        a = m.attention_inputs(layer, x, pos)
+        x = x + m.attention_output(layer, sparse_attention_reference(m, a, pos))
+        x = x + m.mlp(layer, x)
+    return m.final_logits(x)
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids[None]).logits[0].float()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def hf_random_model(tmp: Path, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    cfg = transformers.DeepseekV32Config(**{**HF_TINY, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers initialises these to zero / one: make them matter
+        for name, t in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                t.add_(0.1 * torch.randn_like(t))
+            elif name.endswith("k_norm.bias"):
+                t.normal_(0, 0.1)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.02)
+    model.save_pretrained(tmp)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    tmp = tmp_path_factory.mktemp("hf")
+    return tmp, hf_random_model(tmp)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+
+
+def prompt(vocab: int, n: int = SEQ, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------- against transformers
+def test_logits_match_transformers(hf_ckpt: tuple[Path, torch.nn.Module]) -> None:
+    path, hf = hf_ckpt
+    m = DeepseekV32.load(path)
+    ids = prompt(m.config.vocab_size)
+    err = rel_err(reference_logits(m, ids), hf_logits(hf, ids))
+    print(f"transformers-saved checkpoint, float32: max rel err {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_tiny_checkpoint_loads_in_transformers(tiny_ckpt: Path) -> None:
+    m = DeepseekV32.load(tiny_ckpt)
+    hf = transformers.DeepseekV32ForCausalLM.from_pretrained(tiny_ckpt, attn_implementation="eager").eval()
+    ids = prompt(m.config.vocab_size, seed=2)
+    ours, theirs = reference_logits(m, ids), hf_logits(hf, ids)
+    err = rel_err(ours, theirs)
+    print(f"write_tiny_checkpoint, float32: max rel err {err:.2e}")
+    assert err <= 1e-4
+    assert ours.std() > 0.1  # well-conditioned: logits are not ~0
+
+
+def test_yarn_rope_matches_transformers(tmp_path: Path) -> None:
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
+    hf = hf_random_model(tmp_path, seed=4, rope_parameters=rope, max_position_embeddings=512)
+    m = DeepseekV32.load(tmp_path)
+    assert m.config.rope.type == "yarn"
+    assert m.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert m.softmax_scale != pytest.approx(m.config.qk_head_dim ** -0.5)
+    inv, scale = m._inv_freq, m._rope_scaling
+    assert torch.equal(inv, hf.model.rotary_emb.inv_freq) and scale == hf.model.rotary_emb.attention_scaling
+    ids = prompt(m.config.vocab_size, n=80, seed=5)  # past original_max_position_embeddings
+    err = rel_err(reference_logits(m, ids), hf_logits(hf, ids))
+    print(f"yarn rope, float32: max rel err {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_legacy_rope_keys(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path / "c", rope_theta=5e5,
+                          rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 64,
+                                        "mscale": 1.0, "mscale_all_dim": 1.0})
+    cfg = DeepseekV32.load(tmp_path / "c").config
+    assert (cfg.rope.type, cfg.rope.theta, cfg.rope.factor) == ("yarn", 5e5, 40)
+
+
+def test_bfloat16_runs_close_to_float32(tiny_ckpt: Path) -> None:
+    m32, m16 = DeepseekV32.load(tiny_ckpt), DeepseekV32.load(tiny_ckpt, dtype=torch.bfloat16)
+    ids = prompt(m32.config.vocab_size, n=12)  # shorter than index_topk: no top-k ties to flip
+    a = m16.attention_inputs(1, m16.embed(ids), torch.arange(12))
+    assert a.q.dtype == a.latent.dtype == a.index_q.dtype == a.index_k.dtype == torch.bfloat16
+    assert a.index_w.dtype == torch.float32
+    l16, l32 = reference_logits(m16, ids), reference_logits(m32, ids)
+    assert l16.dtype == torch.float32 and rel_err(l16, l32) < 0.1
+
+
+# ---------------------------------------------------------------------------- API details
+def test_shapes_formats_and_row_independence(tiny_ckpt: Path) -> None:
+    m = DeepseekV32.load(tiny_ckpt)
+    c = m.config
+    assert m.num_layers == 3 and c.mlp_layer_types == ("dense", "sparse", "sparse")
+    n = 10
+    x = torch.randn(n, c.hidden_size)
+    pos = torch.tensor([7, 0, 3, 100, 1, 2, 5000, 4, 9, 8])  # rows of several requests, any order
+    a = m.attention_inputs(2, x, pos)
+    assert a.q.shape == (n, c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim)
+    assert a.latent.shape == (n, c.kv_lora_rank + c.qk_rope_head_dim)
+    assert a.index_q.shape == (n, c.index_n_heads, c.index_head_dim)
+    assert a.index_w.shape == (n, c.index_n_heads) and a.index_k.shape == (n, c.index_head_dim)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    b = m.attention_inputs(2, x[perm], pos[perm])
+    for f in ("q", "latent", "index_q", "index_w", "index_k"):
+        torch.testing.assert_close(getattr(b, f), getattr(a, f)[perm])
+    assert m.attention_output(1, torch.randn(n, c.num_attention_heads, c.kv_lora_rank)).shape == (n, 64)
+    for layer in range(3):
+        y = m.mlp(layer, x)
+        assert y.shape == x.shape
+        torch.testing.assert_close(m.mlp(layer, x[perm]), y[perm])
+    assert m.final_logits(x).shape == (n, c.vocab_size)
+    fmt = m.kv_format("fp8", 64)
+    assert fmt.dtype is KVDtype.FP8 and (fmt.kv_lora_rank, fmt.rope_dim, fmt.index_head_dim) == (32, 8, 16)
+    assert fmt.quant_block == 32 and m.kv_format(KVDtype.BF16, 16).page_size == 16
+    assert m.softmax_scale == pytest.approx(24 ** -0.5)
+
+
+def test_absorbed_equals_expanded(tiny_ckpt: Path) -> None:
+    """q . latent with W_UK absorbed == transformers' expanded q_nope . k_nope + q_rot . k_rot."""
+    m = DeepseekV32.load(tiny_ckpt)
+    c = m.config
+    w = m._layers[1]
+    x, pos = torch.randn(6, c.hidden_size), torch.arange(6)
+    a = m.attention_inputs(1, x, pos)
+    k_nope = torch.einsum("tc,hdc->thd", a.latent[:, : c.kv_lora_rank], w.w_uk)
+    hn = _rms_norm(x, w.input_norm, c.rms_norm_eps)
+    q = torch.nn.functional.linear(_rms_norm(hn @ w.q_a.T, w.q_a_norm, 1e-6), w.q_b).view(6, 4, -1)
+    expanded = torch.einsum("nhd,thd->nht", q[..., : c.qk_nope_head_dim], k_nope) + torch.einsum(
+        "nhr,tr->nht", a.q[..., c.kv_lora_rank:], a.latent[:, c.kv_lora_rank:])
+    torch.testing.assert_close(torch.einsum("nhc,tc->nht", a.q, a.latent), expanded, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_experts_and_tied_head_and_mtp(tmp_path: Path, tiny_ckpt: Path) -> None:
+    state = safetensors_torch.load_file(tiny_ckpt / "model.safetensors")
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    for layer in (1, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        gu = [torch.cat([state.pop(f"{p}.{e}.gate_proj.weight"), state.pop(f"{p}.{e}.up_proj.weight")])
+              for e in range(8)]
+        state[f"{p}.gate_up_proj"] = torch.stack(gu)
+        state[f"{p}.down_proj"] = torch.stack([state.pop(f"{p}.{e}.down_proj.weight") for e in range(8)])
+    state["model.layers.3.self_attn.q_a_proj.weight"] = torch.zeros(2, 2)  # an MTP layer: ignored
+    del state["lm_head.weight"]
+    cfg["tie_word_embeddings"] = True
+    half = len(state) // 2  # two shards + index
+    keys = sorted(state)
+    out = tmp_path / "packed"
+    out.mkdir()
+    for name, ks in (("a.safetensors", keys[:half]), ("b.safetensors", keys[half:])):
+        safetensors_torch.save_file({k: state[k] for k in ks}, str(out / name))
+    idx = {"weight_map": {k: "a.safetensors" if i < half else "b.safetensors" for i, k in enumerate(keys)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(idx))
+    (out / "config.json").write_text(json.dumps(cfg))
+    packed, ref = DeepseekV32.load(out), DeepseekV32.load(tiny_ckpt)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(packed.mlp(1, x), ref.mlp(1, x), rtol=0, atol=0)
+    assert packed._lm_head is packed._embed and torch.equal(packed._embed, ref._embed)
+    assert packed.num_layers == 3  # the MTP layer's weight was ignored, not an error
+
+
+def test_fp8_block_weights_are_dequantised(tmp_path: Path, tiny_ckpt: Path) -> None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    state = safetensors_torch.load_file(tiny_ckpt / "model.safetensors")
+    name = "model.layers.0.self_attn.q_a_proj.weight"  # [32, 64]; 16x16 blocks
+    w = state[name]
+    scale = w.abs().reshape(2, 16, 4, 16).amax(dim=(1, 3)) / 448
+    q = (w / scale.repeat_interleave(16, 0).repeat_interleave(16, 1)).to(torch.float8_e4m3fn)
+    state[name], state[name + "_scale_inv"] = q, scale
+    out = tmp_path / "fp8"
+    out.mkdir()
+    safetensors_torch.save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text((tiny_ckpt / "config.json").read_text())
+    got = DeepseekV32.load(out)._layers[0].q_a
+    torch.testing.assert_close(got, w, rtol=0.07, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------- loader errors
+def _copy(src: Path, dst: Path, mutate_cfg=None, mutate_state=None) -> Path:
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    if mutate_cfg:
+        mutate_cfg(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    state = safetensors_torch.load_file(src / "model.safetensors")
+    if mutate_state:
+        mutate_state(state)
+    safetensors_torch.save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_loader_errors(tmp_path: Path, tiny_ckpt: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        DeepseekV32.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        DeepseekV32.load(tmp_path / "empty")
+
+    def wrong_type(c: dict) -> None:
+        c["model_type"] = "llama"
+
+    with pytest.raises(ModelLoadError, match="model_type is 'llama', expected 'deepseek_v32'"):
+        DeepseekV32.load(_copy(tiny_ckpt, tmp_path / "t", mutate_cfg=wrong_type))
+
+    def drop(s: dict) -> None:
+        del s["model.layers.1.self_attn.indexer.wk.weight"]
+
+    missing = r"1 missing weight\(s\): model\.layers\.1\.self_attn\.indexer\.wk"
+    with pytest.raises(ModelLoadError, match=missing):
+        DeepseekV32.load(_copy(tiny_ckpt, tmp_path / "m", mutate_state=drop))
+
+    def reshape(s: dict) -> None:
+        s["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 32)
+        s["model.layers.0.self_attn.extra.weight"] = torch.zeros(1)
+
+    shape = r"o_proj\.weight has shape \[64, 32\], expected \[64, 64\]"
+    with pytest.raises(ModelLoadError, match=shape) as ei:
+        DeepseekV32.load(_copy(tiny_ckpt, tmp_path / "s", mutate_state=reshape))
+    assert "unexpected weight(s): model.layers.0.self_attn.extra.weight" in str(ei.value)
+
+    def dynamic_rope(c: dict) -> None:
+        c["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'dynamic'"):
+        DeepseekV32.load(_copy(tiny_ckpt, tmp_path / "r", mutate_cfg=dynamic_rope))
+    with pytest.raises(ModelLoadError, match="neither 'tiny' nor"):
+        load_model(str(tmp_path / "missing"))
+    assert issubclass(ModelLoadError, ValueError)
+
+
+def test_config_parsing() -> None:
+    cfg = DeepseekV32Config.model_validate({**TINY_DEFAULTS, "model_type": "deepseek_v32", "unknown_key": 1})
+    assert cfg.mlp_layer_types == ("dense", "sparse", "sparse") and cfg.rope.type == "default"
+    with pytest.raises(ValueError, match="hidden_act"):
+        DeepseekV32Config.model_validate({**TINY_DEFAULTS, "hidden_act": "gelu"})
+
+
+# ---------------------------------------------------------------------------- tiny + CLI
+def test_tiny_is_deterministic_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = write_tiny_checkpoint(tmp_path / "a", seed=7)
+    b = write_tiny_checkpoint(tmp_path / "b", seed=7)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError):
+        write_tiny_checkpoint(a)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    m = load_model("tiny")
+    cached = list((tmp_path / "xdg" / "cpkv" / "models").iterdir())
+    assert len(cached) == 1 and cached[0].name.startswith("tiny-")
+    assert m.config.index_topk == TINY_DEFAULTS["index_topk"]
+    m2 = load_model("tiny", cache_dir=tmp_path / "c2", dtype=torch.bfloat16)
+    assert m2.dtype == torch.bfloat16 and (tmp_path / "c2").is_dir()
+
+
+def test_init_model_cli(tmp_path: Path) -> None:
+    from cpkv.cli.init_model import command
+
+    out = tmp_path / "ckpt"
+    r = CliRunner().invoke(command, [str(out), "--seed", "2", "--layers", "2", "--hidden", "32",
+                                     "--vocab", "128", "--index-topk", "8"])
+    assert r.exit_code == 0, r.output
+    assert str(out) in r.output and "parameters" in r.output
+    m = DeepseekV32.load(out)
+    assert (m.num_layers, m.config.hidden_size, m.config.vocab_size, m.config.index_topk) == (2, 32, 128, 8)
+    r = CliRunner().invoke(command, [str(out)])
+    assert r.exit_code != 0 and "not empty" in r.output
+    r = CliRunner().invoke(command, [str(out), "--force", "--layers", "4"])
+    assert r.exit_code == 0, r.output
+    assert DeepseekV32.load(out).num_layers == 4
+    assert math.isfinite(float(DeepseekV32.load(out).final_logits(torch.zeros(1, 64)).sum()))
