@@ -77,3 +77,8 @@ def test_fallback_reasons_are_stable_identifiers() -> None:
     values = [r.value for r in FallbackReason]
     assert len(set(values)) == len(values)
     assert all(v.isidentifier() and v == v.lower() for v in values)
+
+
+def test_fp32_reference_format_is_four_bytes_per_value() -> None:
+    f = KVFormat(dtype=KVDtype.FP32, kv_lora_rank=64, rope_dim=16, index_head_dim=32)
+    assert (f.latent_bytes_per_token, f.index_bytes_per_token) == (4 * 80, 4 * 32)

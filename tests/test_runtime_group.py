@@ -261,3 +261,14 @@ def test_rank_dying_silently_reports_exit_code(no_leftover_ranks: None) -> None:
 def test_unpicklable_result_is_a_rank_failure() -> None:
     with pytest.raises(RankFailed, match="could not send the result of rank 0"):
         run_ranks(_unpicklable_result, 1, timeout_s=60.0)
+
+
+def _tensor_result(group: CPGroup) -> torch.Tensor:
+    return torch.full((3, 5), float(group.rank))
+
+
+@pytest.mark.multiprocess
+def test_tensor_results_arrive_by_value() -> None:
+    # results travel as plain pickles: a shared-memory handle would die with its rank process
+    out = run_ranks(_tensor_result, 2, timeout_s=60.0)
+    assert [torch.equal(r.value, torch.full((3, 5), float(r.rank))) for r in out] == [True, True]

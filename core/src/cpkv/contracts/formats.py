@@ -15,12 +15,15 @@ __all__ = ["KVDtype", "KVFormat"]
 class KVDtype(StrEnum):
     BF16 = "bf16"
     FP8 = "fp8"
+    #: reference format for exactness tests (not in the contract's table): values as float32
+    FP32 = "fp32"
 
 
 class KVFormat(Contract):
     """Byte layout of one token of one layer in the pool (the contract's formats table).
 
     bf16: latent = (kv_lora_rank + rope_dim) x 2 B, index-K = index_head_dim x 2 B.
+    fp32 (reference format for exactness tests): the same with 4 B per value.
     fp8:  latent = kv_lora_rank x 1 B (e4m3) + kv_lora_rank / quant_block fp32 scales
           + rope_dim x 2 B (rope stays bf16); index-K = index_head_dim x 1 B + one fp32 scale.
     """
@@ -43,15 +46,19 @@ class KVFormat(Contract):
 
     @property
     def latent_bytes_per_token(self) -> int:
-        if self.dtype is KVDtype.BF16:
-            return 2 * (self.kv_lora_rank + self.rope_dim)
+        if self.dtype is not KVDtype.FP8:
+            return self._width * (self.kv_lora_rank + self.rope_dim)
         return self.kv_lora_rank + 4 * (self.kv_lora_rank // self.quant_block) + 2 * self.rope_dim
 
     @property
     def index_bytes_per_token(self) -> int:
-        if self.dtype is KVDtype.BF16:
-            return 2 * self.index_head_dim
+        if self.dtype is not KVDtype.FP8:
+            return self._width * self.index_head_dim
         return self.index_head_dim + 4
+
+    @property
+    def _width(self) -> int:
+        return 4 if self.dtype is KVDtype.FP32 else 2
 
     @property
     def bytes_per_token(self) -> int:

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FullView", "pack_rows", "row_dims", "unpack_rows"]
 
+_FLOAT = {KVDtype.BF16: torch.bfloat16, KVDtype.FP32: torch.float32}
+
 
 def row_dims(fmt: KVFormat, part: KVPart) -> tuple[int, int]:
     """(values per token, stored bytes per token) of one buffer."""
@@ -23,21 +25,21 @@ def row_dims(fmt: KVFormat, part: KVPart) -> tuple[int, int]:
 
 
 def pack_rows(x: torch.Tensor, fmt: KVFormat, part: KVPart, ops: OpTable) -> torch.Tensor:
-    """Compute rows [N, D] -> stored bytes [N, B] (bf16: a byte view; fp8: the backend's pack)."""
+    """Compute rows [N, D] -> stored bytes [N, B] (bf16/fp32: a byte view; fp8: the backend's pack)."""
     d, _ = row_dims(fmt, part)
     if x.dim() != 2 or x.shape[1] != d:
         raise ValueError(f"{part} rows must be [N, {d}] for {fmt.dtype.value}, got {tuple(x.shape)}")
-    if fmt.dtype is KVDtype.BF16:
-        return x.to(torch.bfloat16).contiguous().view(torch.uint8)
-    return ops.fp8_pack(x, fmt, part)
+    if fmt.dtype is KVDtype.FP8:
+        return ops.fp8_pack(x, fmt, part)
+    return x.to(_FLOAT[fmt.dtype]).contiguous().view(torch.uint8)
 
 
 def unpack_rows(b: torch.Tensor, fmt: KVFormat, part: KVPart, ops: OpTable,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Stored bytes [N, B] -> values [N, D] in ``dtype`` (fp8 dequantised by its scales)."""
-    if fmt.dtype is KVDtype.BF16:
-        return b.contiguous().view(torch.bfloat16).to(dtype)
-    return ops.fp8_unpack(b, fmt, part, dtype)
+    if fmt.dtype is KVDtype.FP8:
+        return ops.fp8_unpack(b, fmt, part, dtype)
+    return b.contiguous().view(_FLOAT[fmt.dtype]).to(dtype)
 
 
 @dataclass(frozen=True)

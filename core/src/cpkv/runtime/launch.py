@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -156,6 +157,12 @@ def _is_transport_error(type_name: str, message: str) -> bool:
 # -- the rank process -----------------------------------------------------------------------------
 
 
+def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
+    """Plain pickle, by value: tensors in a result must not travel as shared-memory handles
+    (torch's multiprocessing reducers), which die with the rank process that made them."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -188,7 +195,7 @@ def _rank_main(
             )
             group = CPGroup(rank=rank, size=size, backend=backend,  # type: ignore[arg-type]
                             device=device, timeout_s=timeout_s)
-            conn.send(("ready", rank))
+            _send(conn, ("ready", rank))
             t0 = time.perf_counter()
             with recording(fallback_policy) as rec:
                 value = fn(group, *args)
@@ -196,9 +203,9 @@ def _rank_main(
         except BaseException as exc:
             msg = ("error", rank, _qualname(type(exc)), str(exc), traceback.format_exc(), time.time())
         try:
-            conn.send(msg)
+            _send(conn, msg)
         except Exception as exc:  # e.g. the return value does not pickle
-            conn.send(("error", rank, _qualname(type(exc)),
+            _send(conn, ("error", rank, _qualname(type(exc)),
                        f"could not send the result of rank {rank} to the parent: {exc}",
                        traceback.format_exc(), time.time()))
     finally:
@@ -332,7 +339,7 @@ def _supervise(
                 continue
             if isinstance(obj, Connection):
                 try:
-                    msg = obj.recv()
+                    msg = pickle.loads(obj.recv_bytes())
                 except (EOFError, OSError):
                     # The rank exited without (more) reports: watch its sentinel for the exit code.
                     del open_conns[rank]

@@ -6,11 +6,12 @@ one error listing every problem.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.contracts import KVFormat, SplitMode
+from cpkv.contracts import KVFormat, Op, SplitMode
 from cpkv.kv import ShardedKVPool
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.plugin import PluginHost, Registry
@@ -31,13 +32,13 @@ class StartupError(ValueError):
 
 
 def resolve_ops(settings: Settings, group: CPGroup, host: PluginHost | None = None,
-                ) -> tuple[OpTable, Registry]:
-    """Pick a backend per KV op in the settings' preference order, agreed across ranks."""
+                ops: Sequence[Op] = KV_OPS) -> tuple[OpTable, Registry]:
+    """Pick a backend per op in the settings' preference order, agreed across ranks."""
     own = host is None
     host = host or PluginHost(disable=settings.plugins.disable, allow=settings.plugins.allow)
     try:
         registry = host.backends()
-        return OpTable.resolve(registry, settings.backend.effective_preference(), KV_OPS,
+        return OpTable.resolve(registry, settings.backend.effective_preference(), ops,
                                agree=group.agree_all), registry
     finally:
         if own:
@@ -75,15 +76,15 @@ def check_startup(settings: Settings, fmt: KVFormat, group: CPGroup, ops: OpTabl
 
 
 def create_pool(settings: Settings, fmt: KVFormat, num_layers: int, group: CPGroup,
-                host: PluginHost | None = None) -> ShardedKVPool:
+                host: PluginHost | None = None, ops: Sequence[Op] = KV_OPS) -> ShardedKVPool:
     """Resolve ops, run the startup checks, then allocate this rank's pool (sharded or replica).
 
     Raises:
         StartupError: the settings cannot work (raised on every rank alike, before allocation).
         LookupError: no backend provides a needed op.
     """
-    ops, registry = resolve_ops(settings, group, host)
-    check_startup(settings, fmt, group, ops, registry)
+    table, registry = resolve_ops(settings, group, host, ops)
+    check_startup(settings, fmt, group, table, registry)
     # same memory per rank either way: a replica fits C times fewer tokens in it
-    return ShardedKVPool(fmt, num_layers, group, ops, shared=settings.kv.shared,
+    return ShardedKVPool(fmt, num_layers, group, table, shared=settings.kv.shared,
                          pages_per_rank=settings.kv.pages_per_rank, debug=settings.debug)

@@ -1,0 +1,83 @@
+"""CP prefill of a real (tiny, random) DeepSeek-V3.2 checkpoint equals the single-rank run
+(contract rule 23): logits within 1e-4 relative in float32, identical top-k sets up to ties."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpkv.contracts import SplitMode
+from cpkv.fallback import recording
+from cpkv.models import write_tiny_checkpoint
+from cpkv.runtime import CPGroup, run_ranks
+from cpkv.runtime.job import JobSpec, compare_topk, prefill_rank
+from cpkv.settings import load_settings
+
+PAGE = 8  # small pages so that short prompts still span many pages
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int = 512) -> tuple[tuple[int, ...], ...]:
+    rng = random.Random(seed)
+    return tuple(tuple(rng.randrange(vocab) for _ in range(n)) for n in lengths)
+
+
+def _cases(cp: int) -> list[tuple[str, JobSpec]]:
+    """Both modes; batches without and with cached prefixes (ending mid-page)."""
+    prompts = _prompts(cp, [90, 45, 7, 130])
+    out = []
+    for mode in SplitMode:
+        for prefix in [(), (20, 0, 3, 64)]:  # 20 and 3 end mid-page, 64 on a page boundary
+            s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp32"},
+                              backend={"preference": ["torch"]}, runtime={"logits_budget_mb": 1})
+            out.append((f"{mode.value} prefix={prefix}", JobSpec("", prompts, s, True, prefix)))
+    return out
+
+
+def _run_cases(group: CPGroup, model_dir: str, cases: list[tuple[str, JobSpec]]) -> list:  # type: ignore[type-arg]
+    return [prefill_rank(group, JobSpec(model_dir, s.prompts, s.settings, True, s.prefix_lens))
+            for _, s in cases]
+
+
+def _reference(model_dir: str, spec: JobSpec):  # type: ignore[no-untyped-def]
+    one = spec.settings.model_copy(update={"cp": spec.settings.cp.model_copy(update={"size": 1})})
+    with recording():
+        return prefill_rank(CPGroup.single(), JobSpec(model_dir, spec.prompts, one, True,
+                                                      spec.prefix_lens))
+
+
+def _check(cp_rank0, ref, name: str) -> None:  # type: ignore[no-untyped-def]
+    a, b = cp_rank0.last_logits, ref.last_logits
+    rel = ((a - b).abs().amax(-1) / b.abs().amax(-1)).max().item()
+    assert rel <= 1e-4, f"{name}: logits differ by {rel:.2e} relative"
+    bad = compare_topk(cp_rank0.topk_indices, cp_rank0.topk_scores, ref.topk_indices,
+                       ref.topk_scores)
+    assert bad == 0, f"{name}: {bad} rows chose different top-k sets"
+
+
+def test_single_rank_prefill_with_prefix_equals_without(tiny: Path) -> None:
+    """C = 1: prefilling a prompt in two batches (prefix from the cache) equals one batch."""
+    _, spec = _cases(1)[0]
+    whole = _reference(str(tiny), spec)
+    split = _reference(str(tiny), JobSpec("", spec.prompts, spec.settings, True, (20, 0, 3, 64)))
+    assert torch.allclose(whole.last_logits, split.last_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_prefill_equals_single_rank(cp: int, tiny: Path) -> None:
+    cases = _cases(cp)
+    results = run_ranks(_run_cases, cp, args=(str(tiny), cases), timeout_s=300)
+    for i, (name, spec) in enumerate(cases):
+        ref = _reference(str(tiny), spec)
+        _check(results[0].value[i], ref, f"CP{cp} {name}")
+        # every rank holds about 1/C of the KV and together exactly the logical footprint
+        held = [r.value[i].kv_bytes for r in results]
+        assert sum(held) == results[0].value[i].kv_bytes_replicated
