@@ -63,16 +63,17 @@ def test_plan_rejects_bad_input(args: list[str], message: str) -> None:
 
 def test_run_default_shards_kv_and_reports(tmp_path) -> None:  # type: ignore[no-untyped-def]
     report = tmp_path / "report.json"
-    out = cpkv("run", "--layers", "2", "--report", str(report))
+    out = cpkv("run", "--report", str(report))
     assert out.returncode == 0, out.stderr
     assert "correct" in out.stdout
     data = json.loads(report.read_text())
-    assert data["cp"] == 2 and data["full_view_matches_replicated"] is True
+    assert data["cp"] == 2 and data["mode"] == "zigzag" and data["correct"] is True
+    assert data["max_rel_err_vs_reference"] <= data["tolerance"]
     per_rank, replicated = data["kv_bytes_per_rank"], data["kv_bytes_replicated"]
     assert sum(per_rank) == replicated  # no replica anywhere
-    assert all(0.4 < b / replicated < 0.6 for b in per_rank)  # about 1/C each
+    assert all(0.35 < b / replicated < 0.65 for b in per_rank)  # about 1/C each
     reasons = {e["reason"] for e in data["fallbacks"]}
-    assert {"short_extend", "owner_write"} <= reasons  # the 7-token prompt
+    assert {"short_extend", "owner_write"} <= reasons  # the 40-token prompt
 
 
 def test_run_with_error_policy_fails_with_the_reason() -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "FallbackSettings",
     "KVSettings",
     "PluginSettings",
+    "RunSettings",
     "RuntimeSettings",
     "Settings",
     "SettingsError",
@@ -120,6 +121,14 @@ class RuntimeSettings(_Section):
 
     timeout_s: float = Field(120.0, gt=0, description="bound on every cross-rank wait, seconds")
     logits_budget_mb: int = Field(256, ge=1, description="indexer logits memory budget per chunk")
+
+
+class RunSettings(_Section):
+    """The main job (``cpkv run``)."""
+
+    model: str = Field("tiny", min_length=1,
+                       description="checkpoint directory, or 'tiny' (a small random model)")
+    prompts: str | None = Field(None, description="JSON file with a list of token-id lists")
 
 
 # The TOML file of the load in progress. A context variable, not a class attribute, so concurrent
@@ -250,6 +259,7 @@ class Settings(BaseSettings):
     plugins: PluginSettings = Field(default_factory=PluginSettings)
     fallback: FallbackSettings = Field(default_factory=FallbackSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    run: RunSettings = Field(default_factory=RunSettings)
 
     def __init__(self, **values: Any) -> None:
         """Build settings from ``values`` (highest priority), the environment and the bound TOML.

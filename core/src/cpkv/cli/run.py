@@ -1,100 +1,138 @@
 """``cpkv run``: the main job.
 
-Until CP prefill of a model lands (issue #4), the main job runs the sharded KV pool on a real CP
-group (C processes, Gloo on CPU): a sample batch of three prompts of different lengths, then a
-second batch that continues one of them from a prefix ending mid-page. Every rank checks its full
-view against a replicated pool and the packed truth, bit for bit, and reports its KV bytes.
+CP prefill of prompts on ``cp.size`` rank processes (Gloo on CPU, NCCL on GPUs) over the sharded
+KV pool, the same prompts on one rank as the reference, and a report: KV bytes per rank against a
+replicated pool, time per phase, fallbacks, correctness.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import random
 from pathlib import Path
+from typing import Any
 
 import click
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from cpkv.contracts import KVFormat, SplitMode
-from cpkv.runtime import RankFailed, RankTimeout, run_ranks
+from cpkv.contracts import KVDtype, SplitMode
+from cpkv.models import ModelLoadError, resolve_checkpoint
+from cpkv.models.loader import read_config
+from cpkv.runtime import RankFailed, RankTimeout
+from cpkv.runtime.job import JobReport, run_job
 from cpkv.settings import SettingsError, load_settings
-from cpkv.testing.pool_check import PoolScenario, run_pool_scenario
 
-#: three prompts of different lengths (the last one a short extend), then a continuation of the
-#: second from its mid-page end
-SAMPLE_BATCHES = ((("p0", 1010), ("p1", 600), ("p2", 7)), (("p1", 300),))
+#: the default prompts: three of different lengths; the shortest is a short extend (it takes the
+#: visible token-balanced fallback) and the longest spans many pages
+DEFAULT_LENGTHS = (600, 300, 40)
+#: CP vs one rank: the same model and pool format, so only row-batching rounding differs; an fp8
+#: pool can turn an ulp into one quantisation step
+TOLERANCE = {KVDtype.FP32: 1e-4, KVDtype.BF16: 1e-3, KVDtype.FP8: 2e-2}
+
+
+def _prompts(path: str | None, vocab: int) -> list[list[int]]:
+    if path is None:
+        rng = random.Random(0)
+        return [[rng.randrange(vocab) for _ in range(n)] for n in DEFAULT_LENGTHS]
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise click.BadParameter(f"cannot read prompts from {path}: {exc}",
+                                 param_hint="--prompts") from None
+    if (not isinstance(data, list) or not data
+            or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+                       for p in data)):
+        raise click.BadParameter(f"{path} must hold a non-empty JSON list of non-empty lists of "
+                                 f"token ids", param_hint="--prompts")
+    bad = [t for p in data for t in p if not 0 <= t < vocab]
+    if bad:
+        raise click.BadParameter(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                 param_hint="--prompts")
+    return data
+
+
+def _render(rep: JobReport, tol: float, console: Console) -> bool:
+    t = Table(title=f"KV per rank: CP{rep.cp} {rep.mode}, {rep.kv_dtype} pool "
+                    f"(prompts of {', '.join(map(str, rep.prompt_lens))} tokens)")
+    for col in ("rank", "KV bytes", "vs replicated"):
+        t.add_column(col, justify="right")
+    for r, b in enumerate(rep.kv_bytes_per_rank):
+        t.add_row(str(r), f"{b:,}", f"{b / max(1, rep.kv_bytes_replicated):.1%}")
+    t.add_row("replica", f"{rep.kv_bytes_replicated:,}", "100.0%")
+    console.print(t)
+    pt = Table(title="time per phase (slowest rank), seconds")
+    pt.add_column("phase")
+    pt.add_column("s", justify="right")
+    for k, v in rep.seconds.items():
+        pt.add_row(k, f"{v:.3f}")
+    console.print(pt)
+    seen = set()
+    for f in rep.fallbacks:
+        key = (f["op"], f["reason"], f["detail"])
+        if key not in seen:
+            seen.add(key)
+            console.print(f"[yellow]fallback[/] {f['op']}: {f['requested']} -> {f['selected']} "
+                          f"({f['reason']}): {f['detail']}", soft_wrap=True)
+    ok = rep.max_rel_err_vs_reference <= tol and not rep.topk_rows_differing
+    verdict = "[green]correct[/]" if ok else "[red]MISMATCH[/]"
+    console.print(f"{verdict}: CP logits vs one rank: max relative error "
+                  f"{rep.max_rel_err_vs_reference:.2e} (tolerance {tol:.0e}); rows with different "
+                  f"top-k sets: {rep.topk_rows_differing}")
+    return ok
 
 
 @click.command("run")
 @click.option("--config", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Settings TOML file (CPKV_* environment variables override it).")
+              help="Settings TOML file (CPKV_* environment variables override it; flags override both).")
+@click.option("--model", default=None, help="Checkpoint directory, or 'tiny' (run.model).")
 @click.option("--cp", type=click.IntRange(min=1), default=None, help="CP group size (cp.size).")
 @click.option("--mode", type=click.Choice([m.value for m in SplitMode]), default=None,
               help="Split mode (cp.mode).")
-@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--prompts", type=click.Path(dir_okay=False), default=None,
+              help="JSON list of token-id lists (run.prompts).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the report as JSON here.")
-def command(config: Path | None, cp: int | None, mode: str | None, layers: int,
-            report: Path | None) -> None:
-    """Run the sharded KV pool on a CP group and report KV bytes per rank vs a replica."""
-    overrides = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
+@click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="torch.save the last-position logits, float32 [prompts, vocab], input order.")
+def command(config: Path | None, model: str | None, cp: int | None, mode: str | None,
+            prompts: str | None, report: Path | None, save_logits: Path | None) -> None:
+    """CP prefill of prompts on a CP group, checked against one rank; prints a report."""
+    over: dict[str, Any] = {}
+    if cp is not None or mode is not None:
+        over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
+    if model is not None or prompts is not None:
+        over["run"] = {k: v for k, v in {"model": model, "prompts": prompts}.items()
+                       if v is not None}
     try:
-        settings = load_settings(config, **({"cp": overrides} if overrides else {}))
-    except SettingsError as exc:
+        settings = load_settings(config, **over)
+        ckpt = resolve_checkpoint(settings.run.model)
+        vocab = read_config(ckpt).vocab_size
+    except (SettingsError, ModelLoadError) as exc:
         raise click.ClickException(str(exc)) from exc
-    c = settings.cp.size
-    fmt = KVFormat.deepseek_v32(settings.kv.dtype, settings.kv.page_size)
-    sc = PoolScenario(batches=SAMPLE_BATCHES, fmt=fmt, mode=settings.cp.mode, num_layers=layers,
-                      pages_per_rank=settings.kv.pages_per_rank, debug=settings.debug,
-                      preference=tuple(settings.backend.effective_preference()))
+    token_lists = _prompts(settings.run.prompts, vocab)
     console = Console()
-    start = time.perf_counter()
-    with console.status(f"running {c} ranks ({settings.cp.mode.value}, {fmt.dtype.value} pool, "
-                        f"{layers} layers)..."):
+    console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
+                  f"{settings.kv.dtype.value} pool, {len(token_lists)} prompts")
+    with console.status("starting") as status:
         try:
-            results = run_ranks(run_pool_scenario, c, args=(sc,),
-                                timeout_s=settings.runtime.timeout_s,
-                                fallback_policy=settings.fallback.policy)
+            rep = run_job(settings, str(ckpt), token_lists,
+                          progress=lambda s: status.update(s))
         except RankFailed as exc:
             if exc.error_type.endswith("FallbackError"):  # policy "error": the reason is enough
                 raise click.ClickException(f"rank {exc.rank}: {exc.error_message}") from exc
             raise click.ClickException(str(exc)) from exc
         except RankTimeout as exc:
             raise click.ClickException(str(exc)) from exc
-    wall = time.perf_counter() - start
-    outs = [r.value for r in results]
-    replicated = outs[0].logical_bytes
-    t = Table(title=f"KV per rank: CP{c} {settings.cp.mode.value}, {fmt.dtype.value} pool, "
-                    f"{layers} layers")
-    for col in ("rank", "KV bytes", "vs replicated", "prepare s", "write s", "materialize s"):
-        t.add_column(col, justify="right")
-    for o in outs:
-        t.add_row(str(o.rank), f"{o.bytes_held:,}", f"{o.bytes_held / replicated:.1%}",
-                  f"{o.seconds_prepare:.3f}", f"{o.seconds_write:.3f}",
-                  f"{o.seconds_materialize:.3f}")
-    console.print(t)
-    console.print(f"replicated pool: {replicated:,} bytes on every rank; sharded total "
-                  f"{sum(o.bytes_held for o in outs):,}")
-    events = [(r.rank, e) for r in results for e in r.fallbacks]
-    for rank, e in events:
-        if rank == 0:
-            console.print(f"[yellow]fallback[/] {e.op}: {e.requested} -> {e.selected} "
-                          f"({e.reason.value})")
-    mismatches = [m for o in outs for m in o.mismatches]
-    ok = not mismatches
-    console.print(("[green]correct[/]: every rank's full view equals the replicated pool's, bit "
-                   "for bit") if ok else f"[red]MISMATCH[/]: {mismatches[:5]}")
-    console.print(f"wall time {wall:.1f} s")
+    tol = TOLERANCE[settings.kv.dtype]
+    ok = _render(rep, tol, console)
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps({
-            "cp": c, "mode": settings.cp.mode.value, "kv_dtype": fmt.dtype.value,
-            "kv_bytes_per_rank": [o.bytes_held for o in outs],
-            "kv_bytes_replicated": replicated,
-            "full_view_matches_replicated": ok,
-            "fallbacks": [dict(rank=rank, **e.model_dump(mode="json")) for rank, e in events],
-            "seconds": wall,
-        }, indent=2) + "\n")
+        report.write_text(json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
+                                      "correct": ok}, indent=2) + "\n")
+    if save_logits:
+        save_logits.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rep.logits.float().contiguous(), save_logits)
     if not ok:
         raise SystemExit(1)

@@ -7,7 +7,7 @@ gives it the inputs (:class:`AttentionInputs`) and takes its output back.
 from .config import DeepseekV32Config, RopeConfig
 from .deepseek_v32 import AttentionInputs, DeepseekV32
 from .errors import ModelLoadError
-from .tiny import TINY_DEFAULTS, load_model, write_tiny_checkpoint
+from .tiny import TINY_DEFAULTS, load_model, resolve_checkpoint, write_tiny_checkpoint
 
 __all__ = [
     "TINY_DEFAULTS",
@@ -17,5 +17,6 @@ __all__ = [
     "ModelLoadError",
     "RopeConfig",
     "load_model",
+    "resolve_checkpoint",
     "write_tiny_checkpoint",
 ]

@@ -164,13 +164,14 @@ def _tiny_key(seed: int, overrides: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def load_model(path_or_tiny: str | Path, cache_dir: str | Path | None = None,
-               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               *, seed: int = 0, **tiny_overrides: Any) -> DeepseekV32:
-    """Load a checkpoint directory, or ``"tiny"``: the tiny model, written once into the cache.
+def resolve_checkpoint(path_or_tiny: str | Path, cache_dir: str | Path | None = None, *,
+                       seed: int = 0, **tiny_overrides: Any) -> Path:
+    """The checkpoint directory for ``path_or_tiny``; ``"tiny"`` is written once into the cache
+    (``<cache_dir>/tiny-<hash of seed and config>``, ``cache_dir`` defaulting to
+    :func:`default_cache_dir`). Safe when several ranks call it at once.
 
-    For ``"tiny"`` the checkpoint lives in ``<cache_dir>/tiny-<hash of seed and config>`` (``cache_dir``
-    defaults to :func:`default_cache_dir`) and is loaded through the same loader as any other.
+    Raises:
+        ModelLoadError: a path that is neither ``"tiny"`` nor an existing directory.
     """
     if str(path_or_tiny) == "tiny":
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -178,9 +179,19 @@ def load_model(path_or_tiny: str | Path, cache_dir: str | Path | None = None,
         if not (ckpt / "config.json").is_file():
             with contextlib.suppress(FileExistsError):
                 write_tiny_checkpoint(ckpt, seed=seed, **tiny_overrides)
-        return DeepseekV32.load(ckpt, dtype=dtype, device=device)
+        return ckpt
     if tiny_overrides:
         raise TypeError(f"tiny-model parameters given for a checkpoint path: {sorted(tiny_overrides)}")
-    if not Path(path_or_tiny).expanduser().exists():
+    path = Path(path_or_tiny).expanduser()
+    if not path.is_dir():
         raise ModelLoadError(f"{path_or_tiny!r} is neither 'tiny' nor an existing checkpoint directory")
-    return DeepseekV32.load(Path(path_or_tiny).expanduser(), dtype=dtype, device=device)
+    return path
+
+
+def load_model(path_or_tiny: str | Path, cache_dir: str | Path | None = None,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               *, seed: int = 0, **tiny_overrides: Any) -> DeepseekV32:
+    """Load a checkpoint directory, or ``"tiny"``: the tiny model, written once into the cache and
+    loaded through the same loader as any other (see :func:`resolve_checkpoint`)."""
+    ckpt = resolve_checkpoint(path_or_tiny, cache_dir, seed=seed, **tiny_overrides)
+    return DeepseekV32.load(ckpt, dtype=dtype, device=device)

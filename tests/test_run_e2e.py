@@ -1,0 +1,57 @@
+"""`cpkv run`, the main job, end to end against transformers' own forward pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_models import hf_logits, hf_random_model  # noqa: E402
+
+
+def _cpkv(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cpkv.cli", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env}, check=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["zigzag", "interleave"])
+def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str) -> None:
+    # 16 indexer heads: with few heads many logits are exactly 0 and top-k ties become likely
+    hf = hf_random_model(tmp_path / "ckpt", seed=1, index_n_heads=16)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (70, 41, 9)]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    report, logits = tmp_path / "report.json", tmp_path / "logits.pt"
+    out = _cpkv("run", "--model", str(tmp_path / "ckpt"), "--cp", "2", "--mode", mode,
+                "--prompts", str(tmp_path / "prompts.json"), "--report", str(report),
+                "--save-logits", str(logits),
+                env={"CPKV_KV__DTYPE": "fp32", "CPKV_KV__PAGE_SIZE": "8"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = torch.load(logits)
+    assert got.dtype == torch.float32 and got.shape == (3, 512)
+    for i, p in enumerate(prompts):
+        want = hf_logits(hf, torch.tensor(p))[-1]
+        rel = float((got[i] - want).abs().max() / want.abs().max())
+        assert rel < 1e-4, f"prompt {i}: cpkv run vs transformers {rel:.2e}"
+    rep = json.loads(report.read_text())
+    assert rep["cp"] == 2 and rep["mode"] == mode and rep["correct"] is True
+    assert rep["max_rel_err_vs_reference"] <= 1e-4
+    assert sum(rep["kv_bytes_per_rank"]) == rep["kv_bytes_replicated"]
+    assert {"rank", "op", "reason"} <= set(rep["fallbacks"][0])
+
+
+def test_run_rejects_bad_prompts(tmp_path: Path) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps([[1, 2, 99999]]))
+    out = _cpkv("run", "--prompts", str(bad), env={})
+    assert out.returncode == 2 and "outside the vocabulary" in out.stderr
+    out = _cpkv("run", "--model", str(tmp_path / "nope"), env={})
+    assert out.returncode == 1 and "neither 'tiny' nor an existing checkpoint" in out.stderr
