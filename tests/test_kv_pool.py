@@ -166,3 +166,27 @@ def test_debug_switch_catches_ranks_that_planned_differently() -> None:
 
     with pytest.raises(RankFailed, match="plan hashes differ"):
         run_ranks(_ranks_plan_differently, 2, timeout_s=60)
+
+
+def test_paged_translation_points_at_the_rows_the_view_holds() -> None:  # rule 20
+    import torch
+
+    from cpkv.kv import ragged_to_paged
+
+    for shared in (True, False):
+        pool, ops = _pool(shared=shared, pages_per_rank=32)
+        for extend in ([("a", 13), ("b", 6)], [("a", 9)]):
+            plan = plan_batch([pool.request_spec(r, e) for r, e in extend], 1, 4)
+            batch = pool.prepare(plan, [r for r, _ in extend])
+            n = batch.rows.num_local
+            pool.write(0, batch, torch.randn(n, 80), torch.randn(n, 32))
+            view = pool.materialize(0, batch)
+            t = view.latent.shape[0]
+            ragged = torch.tensor([[0, t - 1, -1], [t // 2, -1, -1]], dtype=torch.int32)
+            owner, phys = ragged_to_paged(ragged, batch)
+            assert torch.equal(owner < 0, ragged < 0) and torch.equal(phys < 0, ragged < 0)
+            rows = pool.latent[0].view(-1, view.latent.shape[1])
+            for r, p in zip(ragged.flatten().tolist(), phys.flatten().tolist(), strict=True):
+                if r >= 0:
+                    assert torch.equal(rows[p], view.latent[r])
+            pool.commit(batch)

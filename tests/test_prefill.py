@@ -81,3 +81,65 @@ def test_cp_prefill_equals_single_rank(cp: int, tiny: Path) -> None:
         # every rank holds about 1/C of the KV and together exactly the logical footprint
         held = [r.value[i].kv_bytes for r in results]
         assert sum(held) == results[0].value[i].kv_bytes_replicated
+
+
+class _HostSync(AssertionError):
+    pass
+
+
+def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule 22: nothing in the per-layer path reads a device value back to the host."""
+    from cpkv.models import load_model
+    from cpkv.runtime.prefill import CPPrefill
+    from cpkv.runtime.session import PrefillSession
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp8"},
+                      backend={"preference": ["torch"]})
+    with recording():
+        session = PrefillSession(load_model(str(tiny)), s, CPGroup.single())
+    real_layers = CPPrefill._layers
+
+    def guarded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def sync(*_a, **_k):  # type: ignore[no-untyped-def]
+            raise _HostSync("host sync inside the CP layer loop")
+
+        with monkeypatch.context() as mp:
+            for name in ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero", "cpu",
+                         "numpy"):
+                mp.setattr(torch.Tensor, name, sync)
+            return real_layers(self, *args, **kwargs)
+
+    monkeypatch.setattr(CPPrefill, "_layers", guarded)
+    prompts = _prompts(5, [90, 33])
+    with recording():
+        res = session.prefill([("a", prompts[0]), ("b", prompts[1])])
+        res2 = session.prefill([("a", prompts[1])])  # continues "a" from a mid-page prefix
+    assert torch.isfinite(res.last_logits).all() and torch.isfinite(res2.last_logits).all()
+
+
+def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:
+    """Rule 21: a budget that forces one row per chunk gives the same logits and top-k."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]})
+    model = load_model(str(tiny))
+    prompt = _prompts(6, [70])[0]
+    out = []
+    for budget in (256 << 20, 1):  # one chunk; one row per chunk
+        with recording():
+            session = PrefillSession(model, s, CPGroup.single())
+        session.driver.budget = budget
+        out.append(session.prefill([("a", prompt)], capture_topk=True))
+    assert torch.equal(out[0].last_logits, out[1].last_logits)
+    assert all(torch.equal(a, b) for a, b in zip(out[0].topk.indices, out[1].topk.indices,
+                                                 strict=True))
+
+
+def test_row_chunks_respect_the_budget() -> None:
+    from cpkv.runtime.prefill import row_chunks
+
+    chunks = row_chunks(1000, 300, budget_bytes=300 * 4 * 64)
+    assert chunks[0] == (0, 64) and chunks[-1][1] == 1000
+    assert all(e - s <= 64 for s, e in chunks) and row_chunks(0, 10, 1) == []

@@ -2,6 +2,7 @@
 
 from .allocator import PageAllocator, PoolExhausted
 from .batch import BatchKV, MaterializePlan, RequestPages
+from .indices import ragged_to_paged
 from .pool import ShardedKVPool
 from .rows import RowLayout
 from .view import FullView, pack_rows, unpack_rows
@@ -16,5 +17,6 @@ __all__ = [
     "RowLayout",
     "ShardedKVPool",
     "pack_rows",
+    "ragged_to_paged",
     "unpack_rows",
 ]

@@ -45,6 +45,10 @@ class MaterializePlan:
     view_index: torch.Tensor  # int64 [T]
     cu_seqlens: torch.Tensor  # int64 [B + 1]
     seq_lens: tuple[int, ...]
+    #: int64 [T]: owner rank and physical token row (slot * ps + offset) of each full-view row,
+    #: for the PAGED index translation (rule 20)
+    view_owner: torch.Tensor
+    view_physical: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,9 @@ def build_batch(
             view_index=dev(_cat(view)),
             cu_seqlens=dev(cu),
             seq_lens=seq_lens,
+            view_owner=dev(_cat([torch.tensor(rp.owners, dtype=torch.int64).repeat_interleave(ps)[:n]
+                                 for rp, n in zip(pages, seq_lens, strict=True)])),
+            view_physical=dev(_cat(slot_rows)),
         ),
         new_pages=new_pages,
     )

@@ -177,10 +177,13 @@ class DeepseekV32:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
         return self._layers[layer]
 
-    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                     max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[N, qk_rope_head_dim]`` (``cat(freqs, freqs)`` times yarn's attention scaling).
 
         Served from a float32 table that grows on demand (powers of two) to the largest position seen.
+        Pass ``max_position`` (a host integer the caller knows, e.g. from the plan) to avoid reading
+        the positions back from the device; the driver computes this once per batch.
         """
         if positions.dim() != 1:
             raise ValueError(f"positions must be 1-D, got shape {list(positions.shape)}")
@@ -188,9 +191,12 @@ class DeepseekV32:
             e = torch.empty(0, self.config.qk_rope_head_dim, dtype=dtype, device=self.device)
             return e, e
         pos = positions.to(device=self.device, dtype=torch.long)
-        top = int(pos.max())
-        if int(pos.min()) < 0:
-            raise ValueError("positions must be >= 0")
+        if max_position is None:  # reads the device: callers on the hot path pass max_position
+            top = int(pos.max())
+            if int(pos.min()) < 0:
+                raise ValueError("positions must be >= 0")
+        else:
+            top = max_position
         if top >= self._cos.shape[0]:
             n = max(1024, 1 << top.bit_length())
             freqs = torch.arange(n, device=self.device).float()[:, None] * self._inv_freq[None, :]
@@ -203,15 +209,20 @@ class DeepseekV32:
         """``[N]`` token ids -> ``[N, hidden]`` residual stream."""
         return F.embedding(ids.to(self.device), self._embed)
 
-    def attention_inputs(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> AttentionInputs:
-        """MLA + indexer inputs of ``N`` rows; ``x`` is the residual stream before ``input_layernorm``."""
+    def attention_inputs(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionInputs:
+        """MLA + indexer inputs of ``N`` rows; ``x`` is the residual stream before ``input_layernorm``.
+
+        ``rope``: ``rope_cos_sin(positions, dtype, max_position)`` computed once per batch by the
+        caller (every layer uses the same); computed here when omitted.
+        """
         c, w = self.config, self._layer(layer)
         n = x.shape[0]
         if positions.shape != (n,):
             raise ValueError(f"positions must have shape [{n}], got {list(positions.shape)}")
         x = x.to(self.dtype)
         h = _rms_norm(x, w.input_norm, c.rms_norm_eps)
-        cos, sin = self.rope_cos_sin(positions, self.dtype)
+        cos, sin = rope if rope is not None else self.rope_cos_sin(positions, self.dtype)
 
         q_resid = _rms_norm(F.linear(h, w.q_a), w.q_a_norm, _SUB_NORM_EPS)
         q = F.linear(q_resid, w.q_b).view(n, c.num_attention_heads, c.qk_head_dim)

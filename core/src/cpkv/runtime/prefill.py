@@ -105,6 +105,7 @@ class CPPrefill:
             "key_start": torch.tensor(key_start, dtype=torch.int64, device=dev),
             "key_end": torch.tensor(key_end, dtype=torch.int64, device=dev),
             "num_keys": cu[-1],
+            "max_position": max(pos, default=0),
         }
 
     # ---- the batch ----------------------------------------------------------------------------
@@ -150,13 +151,14 @@ class CPPrefill:
         fmt = pool.fmt
         x = m.embed(inputs["ids"])
         pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
+        rope = m.rope_cos_sin(pos, m.dtype, inputs["max_position"])  # once per batch
         chunks = row_chunks(kv.rows.num_local, inputs["num_keys"], self.budget)
         cap = TopkCapture() if capture else None
         phase = dict.fromkeys(("attn_inputs", "write", "materialize", "indexer", "sparse_mla",
                                "mlp"), 0.0)
         for layer in range(m.num_layers):
             t0 = time.perf_counter()
-            a = m.attention_inputs(layer, x, pos)
+            a = m.attention_inputs(layer, x, pos, rope)
             t1 = time.perf_counter()
             pool.write(layer, kv, a.latent, a.index_k)
             t2 = time.perf_counter()
