@@ -174,7 +174,7 @@ def test_paged_translation_points_at_the_rows_the_view_holds() -> None:  # rule 
     from cpkv.kv import ragged_to_paged
 
     for shared in (True, False):
-        pool, ops = _pool(shared=shared, pages_per_rank=32)
+        pool, _ = _pool(shared=shared, pages_per_rank=32)
         for extend in ([("a", 13), ("b", 6)], [("a", 9)]):
             plan = plan_batch([pool.request_spec(r, e) for r, e in extend], 1, 4)
             batch = pool.prepare(plan, [r for r, _ in extend])
