@@ -48,6 +48,8 @@ def _scenarios(cp: int, seed: int) -> list[PoolScenario]:
 def test_sharded_full_view_equals_replicated(cp: int) -> None:
     scenarios = _scenarios(cp, seed=cp)
     results = run_ranks(run_pool_scenarios, cp, args=(scenarios,), timeout_s=240)
+    # continued requests with whole prefix pages exercise the prefetched (split) path too
+    assert sum(r.value[i].prefetched_views for r in results for i in range(len(scenarios))) > 0
     for i, sc in enumerate(scenarios):
         outs = [r.value[i] for r in results]
         for o in outs:

@@ -140,6 +140,6 @@ def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:
 def test_row_chunks_respect_the_budget() -> None:
     from cpkv.runtime.prefill import row_chunks
 
-    chunks = row_chunks(1000, 300, budget_bytes=300 * 4 * 64)
+    chunks = row_chunks(1000, 4 * 300, budget_bytes=300 * 4 * 64)
     assert chunks[0] == (0, 64) and chunks[-1][1] == 1000
     assert all(e - s <= 64 for s, e in chunks) and row_chunks(0, 10, 1) == []

@@ -7,7 +7,7 @@ page table, so it is identical on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,14 +34,16 @@ class RequestPages:
 class MaterializePlan:
     """Which pages each rank contributes and where each key row of the full view comes from.
 
-    Sharded: rank r sends pages ``send_slots`` (its own slots, canonical order); all ranks pad to
-    ``max_send`` pages; ``view_index[t]`` is the token row of full-view row t inside the gathered
-    [C * max_send * ps] rows. Replicated: nothing is sent, ``view_index`` points into the rank's
-    own buffer rows.
+    Sharded: the pages are moved in one or more parts (one collective each); in part p rank r
+    sends ``send_slots[p]`` (its own slots in canonical order, padded to ``max_send[p]`` with a
+    valid slot whose rows are never read), and the gathered parts lie one after another:
+    [C * max_send[0] pages][C * max_send[1] pages]. ``view_index[t]`` is the token row of
+    full-view row t in those gathered pages. Replicated: no part; ``view_index`` points into the
+    rank's own buffer rows.
     """
 
-    send_slots: torch.Tensor  # int64 [pages this rank sends]
-    max_send: int
+    send_slots: tuple[torch.Tensor, ...]  # per part: int64 [max_send[p]]
+    max_send: tuple[int, ...]
     view_index: torch.Tensor  # int64 [T]
     cu_seqlens: torch.Tensor  # int64 [B + 1]
     seq_lens: tuple[int, ...]
@@ -67,6 +69,10 @@ class BatchKV:
     owner_src: torch.Tensor  # rows of the rank-major gather
     owner_dst: torch.Tensor  # buffer token rows
     materialize: MaterializePlan
+    #: the same view in two parts, cached prefix pages first (gathered ahead of time, on a side
+    #: stream, while the previous layer computes) then the pages this batch writes; None when
+    #: the batch has no whole prefix page or the pool is a replica
+    materialize_split: MaterializePlan | None
     #: pages this batch reserved, per rank: [(rid, first new page)]; undone by abort
     new_pages: tuple[tuple[Hashable, int], ...]
 
@@ -79,6 +85,33 @@ def _rows_of(pages: Sequence[int], length: int, ps: int) -> torch.Tensor:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _layout(plan: CPPlan, pages: Sequence[RequestPages], c: int, rank: int, parts: int,
+            part_of: Callable[[int, int], int],
+            ) -> tuple[list[list[int]], tuple[int, ...], list[torch.Tensor]]:
+    """Send lists of ``rank`` per part (padded), their common lengths, and the view's source rows."""
+    ps = plan.page_size
+    send = [[[] for _ in range(c)] for _ in range(parts)]  # part -> rank -> slots
+    where: list[list[tuple[int, int, int]]] = []
+    for i, (req, rp) in enumerate(zip(plan.requests, pages, strict=True)):
+        w = []
+        for k in range(cdiv(req.end, ps)):
+            p, o = part_of(i, k), rp.owners[k]
+            w.append((p, o, len(send[p][o])))
+            send[p][o].append(rp.slots[k])
+        where.append(w)
+    maxes = tuple(max(len(s) for s in send[p]) for p in range(parts))
+    base = [0]
+    for p in range(parts - 1):
+        base.append(base[-1] + c * maxes[p])
+    view = [_rows_of([base[p] + o * maxes[p] + j for p, o, j in w], req.end, ps)
+            for w, req in zip(where, plan.requests, strict=True)]
+    mine = []
+    for p in range(parts):
+        s = send[p][rank]
+        mine.append(s + [s[0] if s else 0] * (maxes[p] - len(s)))  # padding rows: never read
+    return mine, maxes, view
 
 
 def build_batch(
@@ -134,31 +167,30 @@ def build_batch(
 
     # materialization: every page of every request in the batch, prefix pages included (rule 15)
     seq_lens = tuple(req.end for req in plan.requests)
-    if shared:
-        send: list[list[int]] = [[] for _ in range(c)]
-        where: list[list[tuple[int, int]]] = []
-        for req, rp in zip(plan.requests, pages, strict=True):
-            w = []
-            for k in range(cdiv(req.end, ps)):
-                o = rp.owners[k]
-                w.append((o, len(send[o])))
-                send[o].append(rp.slots[k])
-            where.append(w)
-        max_send = max(len(s) for s in send)
-        view = [_rows_of([o * max_send + i for o, i in w], n, ps)
-                for w, n in zip(where, seq_lens, strict=True)]
-        send_slots = send[rank]
-    else:
-        max_send = 0
-        send_slots = []
-        view = slot_rows
     cu = [0]
     for n in seq_lens:
         cu.append(cu[-1] + n)
-
     def dev(x: list[int] | torch.Tensor) -> torch.Tensor:
         t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
         return t.to(device)
+
+    view_owner = dev(_cat([torch.tensor(rp.owners, dtype=torch.int64).repeat_interleave(ps)[:n]
+                           for rp, n in zip(pages, seq_lens, strict=True)]))
+    view_physical = dev(_cat(slot_rows))
+
+    def mplan(parts: int, part_of: Callable[[int, int], int]) -> MaterializePlan:
+        if shared:
+            slots, maxes, view = _layout(plan, pages, c, rank, parts, part_of)
+        else:
+            slots, maxes, view = (), (), slot_rows
+        return MaterializePlan(send_slots=tuple(dev(x) for x in slots), max_send=maxes,
+                               view_index=dev(_cat(view)), cu_seqlens=dev(cu), seq_lens=seq_lens,
+                               view_owner=view_owner, view_physical=view_physical)
+
+    whole = mplan(1, lambda i, k: 0)
+    has_prefix = any(req.prefix_len >= ps for req in plan.requests)
+    split = mplan(2, lambda i, k: 0 if k < plan.requests[i].prefix_len // ps else 1) \
+        if shared and has_prefix else None
 
     return BatchKV(
         plan=plan,
@@ -169,15 +201,7 @@ def build_batch(
         gather_writes=gather_writes,
         owner_src=dev(_cat(osrc)),
         owner_dst=dev(_cat(odst)),
-        materialize=MaterializePlan(
-            send_slots=dev(send_slots),
-            max_send=max_send,
-            view_index=dev(_cat(view)),
-            cu_seqlens=dev(cu),
-            seq_lens=seq_lens,
-            view_owner=dev(_cat([torch.tensor(rp.owners, dtype=torch.int64).repeat_interleave(ps)[:n]
-                                 for rp, n in zip(pages, seq_lens, strict=True)])),
-            view_physical=dev(_cat(slot_rows)),
-        ),
+        materialize=whole,
+        materialize_split=split,
         new_pages=new_pages,
     )

@@ -13,7 +13,9 @@ the baseline that sharding is measured against.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,9 +32,18 @@ if TYPE_CHECKING:
     from cpkv.ops import OpTable
     from cpkv.runtime.group import CPGroup
 
-__all__ = ["PoolExhausted", "ShardedKVPool"]
+__all__ = ["PoolExhausted", "Prefetch", "ShardedKVPool"]
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Prefetch:
+    """A layer's prefix pages in flight: the gathered buffer (its first part filled) and the event
+    that marks the side stream's collective done (None on CPU, where it ran inline)."""
+
+    buf: torch.Tensor
+    event: torch.cuda.Event | None
 
 
 class ShardedKVPool:
@@ -62,6 +73,7 @@ class ShardedKVPool:
         self.index_k = [torch.zeros(pages_per_rank, ps, fmt.index_bytes_per_token,
                                     dtype=torch.uint8, device=dev) for _ in range(num_layers)]
         self.table: dict[Hashable, RequestPages] = {}
+        self._stream: torch.cuda.Stream | None = None
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @property
@@ -179,22 +191,74 @@ class ShardedKVPool:
             self.ops.page_scatter(lat_rows, batch.owner_dst, mine[:, :nl])
             self.ops.page_scatter(idx_rows, batch.owner_dst, mine[:, nl:])
 
-    def materialize(self, layer: int, batch: BatchKV) -> FullView:
-        """The full view of ``layer`` for the batch: one collective of owned pages (latent and
-        index-K together, stored format) and one local gather into natural order."""
-        m = batch.materialize
+    def _send(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """This rank's pages ``slots`` of ``layer``, latent and index-K side by side per token."""
+        return torch.cat([self.ops.page_gather(self.latent[layer], slots),
+                          self.ops.page_gather(self.index_k[layer], slots)], dim=2)
+
+    def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
+        """Start moving ``layer``'s cached prefix pages (those this batch does not write) into the
+        full view, on a side stream on GPUs, while the current layer computes.
+
+        Returns None when there is nothing to prefetch (no whole prefix page, or a replica).
+        Every rank calls it at the same point (it is a collective).
+        """
+        m = batch.materialize_split
+        if m is None:
+            return None
+        c, b = self.group.size, self.fmt.bytes_per_token
+        stream = self._side_stream()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            if stream is not None:  # the pages were written on the main stream
+                stream.wait_stream(torch.cuda.current_stream(self.group.device))
+            buf = torch.empty((c * sum(m.max_send), self.fmt.page_size, b), dtype=torch.uint8,
+                              device=self.group.device)
+            self.group.all_gather_rows(self._send(layer, m.send_slots[0]), m.max_send[0],
+                                       out=buf[: c * m.max_send[0]])
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        return Prefetch(buf=buf, event=event)
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        if self.group.device.type != "cuda":
+            return None  # CPU: the same collectives, inline
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.group.device)
+        return self._stream
+
+    def materialize(self, layer: int, batch: BatchKV,
+                    prefetched: Prefetch | None = None) -> FullView:
+        """The full view of ``layer`` for the batch: the owned pages of every rank (latent and
+        index-K together, stored format) moved by one collective, then one local gather into
+        natural order. With ``prefetched`` (from :meth:`prefetch`), only the pages this batch
+        wrote are moved now."""
         nl = self.fmt.latent_bytes_per_token
-        if self.shared:
-            send = torch.cat([self.ops.page_gather(self.latent[layer], m.send_slots),
-                              self.ops.page_gather(self.index_k[layer], m.send_slots)], dim=2)
-            gathered = self.group.all_gather_rows(send, m.max_send)
-            full = self.ops.page_gather(gathered.view(-1, send.shape[2]), m.view_index)
-            return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
-                            seq_lens=m.seq_lens)
-        lat = self.ops.page_gather(self.latent[layer].view(-1, nl), m.view_index)
-        idx = self.ops.page_gather(self.index_k[layer].view(-1, self.fmt.index_bytes_per_token),
-                                   m.view_index)
-        return FullView(latent=lat, index_k=idx, cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
+        if not self.shared:
+            m = batch.materialize
+            lat = self.ops.page_gather(self.latent[layer].view(-1, nl), m.view_index)
+            idx = self.ops.page_gather(
+                self.index_k[layer].view(-1, self.fmt.index_bytes_per_token), m.view_index)
+            return FullView(latent=lat, index_k=idx, cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
+        c, b = self.group.size, self.fmt.bytes_per_token
+        if prefetched is None:
+            m = batch.materialize
+            buf = self.group.all_gather_rows(self._send(layer, m.send_slots[0]), m.max_send[0])
+        else:
+            m = batch.materialize_split
+            assert m is not None, "a prefetch exists only for batches with a split plan"
+            buf = prefetched.buf
+            if prefetched.event is not None:
+                cur = torch.cuda.current_stream(self.group.device)
+                cur.wait_event(prefetched.event)
+                buf.record_stream(cur)
+            self.group.all_gather_rows(self._send(layer, m.send_slots[1]), m.max_send[1],
+                                       out=buf[c * m.max_send[0]:])
+        full = self.ops.page_gather(buf.view(-1, b), m.view_index)
+        return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
+                        seq_lens=m.seq_lens)
 
     def commit(self, batch: BatchKV) -> None:
         """Mark the batch's tokens valid (call after every layer wrote)."""

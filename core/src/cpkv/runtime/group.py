@@ -137,7 +137,8 @@ class CPGroup:
 
     # -- collectives --------------------------------------------------------------------------
 
-    def all_gather_rows(self, local: torch.Tensor, max_rows: int) -> torch.Tensor:
+    def all_gather_rows(self, local: torch.Tensor, max_rows: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather ``local`` (``[n, ...]``, ``n <= max_rows``) from every rank, rank-major.
 
         Returns a new tensor ``[size * max_rows, ...]`` of ``local``'s dtype on :attr:`device`;
@@ -150,9 +151,12 @@ class CPGroup:
         ``max_rows`` are host-side shape metadata, identical ``max_rows`` and trailing shape on
         every rank are the caller's contract (rule 16).
 
+        ``out``: a contiguous ``[size * max_rows, ...]`` tensor of ``local``'s dtype (e.g. a slice of
+        a larger buffer) to receive into instead of a new one; it is returned.
+
         Raises:
             ValueError: ``local`` has no row dimension, ``n > max_rows`` or ``max_rows < 0``, or
-                ``local`` is not on :attr:`device`.
+                ``local`` is not on :attr:`device`, or ``out`` does not fit.
         """
         if local.dim() < 1:
             raise ValueError("all_gather_rows needs a tensor with a row dimension, got a scalar")
@@ -162,10 +166,16 @@ class CPGroup:
         if local.device != self.device:
             raise ValueError(f"all_gather_rows: tensor on {local.device}, group device is {self.device}")
         rest = tuple(local.shape[1:])
+        if out is not None and (tuple(out.shape) != (self.size * max_rows, *rest)
+                                or out.dtype != local.dtype or not out.is_contiguous()):
+            raise ValueError(f"all_gather_rows: out must be a contiguous {local.dtype} tensor of "
+                             f"shape {(self.size * max_rows, *rest)}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
         if self.is_local:
-            if n == max_rows:
+            if out is None and n == max_rows:
                 return local.clone(memory_format=torch.contiguous_format)
-            out = local.new_empty((max_rows, *rest))
+            if out is None:
+                out = local.new_empty((max_rows, *rest))
             out[:n].copy_(local)
             return out
         row_elems = math.prod(rest)
@@ -175,9 +185,13 @@ class CPGroup:
             buf = local.new_empty((max_rows, *rest))
             buf[:n].copy_(local)
         send = buf.view(max_rows, row_elems).view(torch.uint8)  # [max_rows, row_bytes], no copy
-        recv = torch.empty((self.size * max_rows, send.shape[1]), dtype=torch.uint8, device=self.device)
+        if out is None:
+            recv = torch.empty((self.size * max_rows, send.shape[1]), dtype=torch.uint8,
+                               device=self.device)
+        else:
+            recv = out.view(self.size * max_rows, row_elems).view(torch.uint8)
         dist.all_gather_single(recv, send, group=self._pg)
-        return recv.view(local.dtype).view(self.size * max_rows, *rest)
+        return out if out is not None else recv.view(local.dtype).view(self.size * max_rows, *rest)
 
     def agree_all(self, local: dict[str, bool]) -> dict[str, bool]:
         """AND of every rank's flags, per key: ``out[k]`` is True iff ``local[k]`` is True on every

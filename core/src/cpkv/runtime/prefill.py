@@ -54,9 +54,10 @@ class PrefillResult:
     topk: TopkCapture | None = None
 
 
-def row_chunks(num_rows: int, num_keys: int, budget_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges whose [rows, keys] float32 logits stay under ``budget_bytes`` (rule 21)."""
-    per = max(1, budget_bytes // max(1, 4 * num_keys))
+def row_chunks(num_rows: int, bytes_per_row: int, budget_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges whose temporaries (``bytes_per_row`` each) stay under ``budget_bytes`` (rule 21:
+    indexer logits are 4 x keys bytes per row)."""
+    per = max(1, budget_bytes // max(1, bytes_per_row))
     return [(s, min(num_rows, s + per)) for s in range(0, num_rows, per)]
 
 
@@ -73,11 +74,12 @@ class CPPrefill:
 
     def __init__(self, model: DeepseekV32, pool: ShardedKVPool, ops: OpTable, *,
                  mode: SplitMode | str = SplitMode.ZIGZAG,
-                 logits_budget_bytes: int = 256 << 20) -> None:
+                 logits_budget_bytes: int = 256 << 20, prefetch: bool = True) -> None:
         self.model, self.pool, self.ops = model, pool, ops
         self.group: CPGroup = pool.group
         self.mode = SplitMode(mode)
         self.budget = logits_budget_bytes
+        self.prefetch = prefetch
         cfg = model.config
         self.topk = cfg.index_topk
         self.dv = cfg.kv_lora_rank
@@ -152,8 +154,15 @@ class CPPrefill:
         x = m.embed(inputs["ids"])
         pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
         rope = m.rope_cos_sin(pos, m.dtype, inputs["max_position"])  # once per batch
-        chunks = row_chunks(kv.rows.num_local, inputs["num_keys"], self.budget)
+        chunks = row_chunks(kv.rows.num_local, 4 * inputs["num_keys"], self.budget)
+        # sparse MLA temporaries per row (a reference backend gathers k latent rows and scores them)
+        dk = m.config.kv_lora_rank + m.config.qk_rope_head_dim
+        mla_chunks = row_chunks(kv.rows.num_local,
+                                4 * self.topk * (dk + 2 * m.config.num_attention_heads), self.budget)
         cap = TopkCapture() if capture else None
+        # the next layer's cached prefix pages move while this layer computes (rule 17: one more
+        # layer's view in memory); the same decision on every rank (plan + settings only)
+        nxt = pool.prefetch(0, kv) if self.prefetch else None
         phase = dict.fromkeys(("attn_inputs", "write", "materialize", "indexer", "sparse_mla",
                                "mlp"), 0.0)
         for layer in range(m.num_layers):
@@ -162,7 +171,9 @@ class CPPrefill:
             t1 = time.perf_counter()
             pool.write(layer, kv, a.latent, a.index_k)
             t2 = time.perf_counter()
-            view = pool.materialize(layer, kv)
+            view = pool.materialize(layer, kv, nxt)
+            nxt = pool.prefetch(layer + 1, kv) if self.prefetch and layer + 1 < m.num_layers \
+                else None
             lat, idx_k, idx_scale = _view_tensors(view, fmt, ops, a.q.dtype)
             t3 = time.perf_counter()
             picks, scores = [], []
@@ -177,7 +188,9 @@ class CPPrefill:
             top = torch.cat(picks) if picks else torch.zeros(0, self.topk, dtype=torch.int32,
                                                               device=self.device)
             t4 = time.perf_counter()
-            out_lat = ops.sparse_mla(a.q, lat, top, m.softmax_scale, self.dv)
+            out_lat = torch.cat([ops.sparse_mla(a.q[s:e], lat, top[s:e], m.softmax_scale, self.dv)
+                                 for s, e in mla_chunks]) if len(mla_chunks) > 1 else \
+                ops.sparse_mla(a.q, lat, top, m.softmax_scale, self.dv)
             x = x + m.attention_output(layer, out_lat.to(x.dtype))
             t5 = time.perf_counter()
             x = x + m.mlp(layer, x)

@@ -43,7 +43,8 @@ class PrefillSession:
         self.pool = create_pool(settings, fmt, model.num_layers, group, host, ops=ALL_OPS)
         self.ops = self.pool.ops
         self.driver = CPPrefill(model, self.pool, self.ops, mode=settings.cp.mode,
-                                logits_budget_bytes=settings.runtime.logits_budget_mb << 20)
+                                logits_budget_bytes=settings.runtime.logits_budget_mb << 20,
+                                prefetch=settings.runtime.prefetch)
 
     def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
                 capture_topk: bool = False) -> PrefillResult:

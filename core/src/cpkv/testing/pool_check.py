@@ -56,6 +56,7 @@ class PoolOutcome:
     exhausted: list[str] = field(default_factory=list)
     unchanged_after_exhaustion: bool = True
     views_checked: int = 0
+    prefetched_views: int = 0
     seconds_prepare: float = 0.0
     seconds_write: float = 0.0
     seconds_materialize: float = 0.0
@@ -130,6 +131,14 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                 if shared:
                     out.seconds_write += t1 - t0
                     out.seconds_materialize += time.perf_counter() - t1
+            split = batches[True].materialize_split
+            if split is not None:  # the prefetched path must give the same view
+                pf = pools[True].prefetch(layer, batches[True])
+                v2 = pools[True].materialize(layer, batches[True], pf)
+                if not (torch.equal(v2.latent, views[True].latent)
+                        and torch.equal(v2.index_k, views[True].index_k)):
+                    out.mismatches.append(f"batch {bi} layer {layer}: prefetched view differs")
+                out.prefetched_views += 1
             want_l = pack_rows(torch.cat([truth[r][0][layer, : q.end] for r, q in
                                           zip(rids, plan.requests, strict=True)]), fmt, "latent", ops)
             want_i = pack_rows(torch.cat([truth[r][1][layer, : q.end] for r, q in
