@@ -132,7 +132,8 @@ def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:
             session = PrefillSession(model, s, CPGroup.single())
         session.driver.budget = budget
         out.append(session.prefill([("a", prompt)], capture_topk=True))
-    assert torch.equal(out[0].last_logits, out[1].last_logits)
+    # row chunks change matmul shapes, hence the last bits (CPU BLAS is not batch-invariant)
+    assert torch.allclose(out[0].last_logits, out[1].last_logits, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(out[0].topk.indices, out[1].topk.indices,
                                                  strict=True))
 

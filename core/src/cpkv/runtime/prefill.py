@@ -188,10 +188,13 @@ class CPPrefill:
             top = torch.cat(picks) if picks else torch.zeros(0, self.topk, dtype=torch.int32,
                                                               device=self.device)
             t4 = time.perf_counter()
-            out_lat = torch.cat([ops.sparse_mla(a.q[s:e], lat, top[s:e], m.softmax_scale, self.dv)
-                                 for s, e in mla_chunks]) if len(mla_chunks) > 1 else \
-                ops.sparse_mla(a.q, lat, top, m.softmax_scale, self.dv)
-            x = x + m.attention_output(layer, out_lat.to(x.dtype))
+            # row chunks bound the sparse-attention temporaries (latent outputs are fp32 [H, 512]
+            # per row: 34 GB for 128K rows at DeepSeek sizes if taken at once)
+            attn = [m.attention_output(layer, ops.sparse_mla(a.q[s:e], lat, top[s:e],
+                                                               m.softmax_scale, self.dv).to(x.dtype))
+                    for s, e in mla_chunks]
+            if attn:  # a rank may hold no rows of a tiny batch
+                x = x + (attn[0] if len(attn) == 1 else torch.cat(attn))
             t5 = time.perf_counter()
             x = x + m.mlp(layer, x)
             t6 = time.perf_counter()
