@@ -6,7 +6,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from pydantic import Field, model_validator
 
@@ -43,6 +43,8 @@ class BenchReport(Contract):
     machine: str
     command: str
     results: tuple[BenchRow, ...]
+    #: raw timings and settings behind the rows (free-form)
+    detail: dict[str, Any] = Field(default_factory=dict)
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the report as indented JSON (parents created); returns the path."""

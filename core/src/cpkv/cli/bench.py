@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -39,5 +40,89 @@ def plan_cmd(out: str, repeat: int) -> None:
     rows = plan.run(repeat=repeat, progress=lambda s: err.print(f"[dim]{s}[/]"))
     report = BenchReport(machine=machine_description(),
                          command="cpkv bench plan " + shlex.join(sys.argv[3:]), results=rows)
+    _show(rows)
+    click.echo(f"wrote {report.write(out)}")
+
+
+#: DeepSeek-V3.2 attention at full size; a small dense MLP and vocabulary keep the stack about the
+#: attention path (the MoE reference computes every expert; engines bring their fused MoE)
+DEEPSEEK_STACK = dict(
+    hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
+    index_head_dim=128, index_topk=2048, intermediate_size=2048, vocab_size=1024,
+    max_position_embeddings=163840,
+)
+
+
+@command.command("gpu")
+@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/gpu_h200.json",
+              show_default=True)
+@click.option("--sizes", default="16384,65536,131072", show_default=True,
+              help="Prompt lengths for CP2 vs CP1 prefill.")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--skip-prefill", is_flag=True, help="Kernels and materialization only.")
+def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool) -> None:
+    """Kernels vs ceilings, materialization vs raw all-gather, CP2 vs CP1 prefill (needs GPUs)."""
+    import tempfile
+
+    import torch
+
+    from cpkv.bench import gpu
+    from cpkv.runtime import run_ranks
+
+    if not torch.cuda.is_available():
+        raise click.ClickException("cpkv bench gpu needs a CUDA device")
+    err = Console(stderr=True)
+    dev = torch.device("cuda", 0)
+    detail: dict[str, object] = {}
+    err.print("[dim]ceilings[/]")
+    ceil = gpu.ceilings(dev)
+    detail["ceilings"] = ceil
+    err.print(f"[dim]kernels (copy {ceil['copy_gbps']:.0f} GB/s, bf16 mm "
+              f"{ceil['matmul_tflops']:.0f} TFLOP/s)[/]")
+    rows = gpu.kernel_rows(dev, ceil, detail)
+    torch.cuda.empty_cache()
+    ngpu = torch.cuda.device_count()
+    if ngpu >= 2:
+        err.print("[dim]materialization on 2 GPUs[/]")
+        for dtype in ("fp8", "bf16"):
+            res = run_ranks(gpu.materialize_rank, 2, args=(gpu.MaterializeSpec(65536, dtype),),
+                            backend="nccl", timeout_s=300)
+            r0 = res[0].value
+            detail[f"materialize_64k_{dtype}"] = [r.value for r in res]
+            if dtype == "fp8":
+                mat = max(r.value["materialize_ms"] for r in res)
+                raw = max(r.value["raw_all_gather_ms"] for r in res)
+                rows.append(BenchRow.of("materialize_64k_bw", r0["gathered_bytes"] / mat / 1e6,
+                                        "GB/s", "raw all_gather_into_tensor of the same bytes",
+                                        r0["gathered_bytes"] / raw / 1e6))
+    if ngpu >= 2 and not skip_prefill:
+        from cpkv.models import write_tiny_checkpoint
+
+        lens = tuple(int(x) for x in sizes.split(","))
+        ckpt = Path(tempfile.mkdtemp()) / "deepseek-stack"
+        err.print(f"[dim]writing a {layers}-layer DeepSeek-V3.2-sized stack[/]")
+        write_tiny_checkpoint(ckpt, seed=0, num_hidden_layers=layers, first_k_dense_replace=layers,
+                              **DEEPSEEK_STACK)
+        spec = gpu.PrefillSpec(str(ckpt), lens)
+        per: dict[int, list[dict]] = {}
+        for c in (1, 2):
+            err.print(f"[dim]CP{c} prefill at {lens}[/]")
+            res = run_ranks(gpu.prefill_rank, c, args=(spec,), backend="nccl", timeout_s=580)
+            per[c] = [r.value for r in res]
+        detail["prefill"] = {f"cp{c}": v for c, v in per.items()}
+        for n in lens:
+            t1 = per[1][0]["sizes"][n]["seconds"]
+            t2 = max(r["sizes"][n]["seconds"] for r in per[2])
+            tag = f"{n // 1024}k"
+            rows.append(BenchRow.of(f"cp2_vs_cp1_{tag}_speedup", n / t2, "tokens/s",
+                                    "CP1 prefill tokens/s (same run)", n / t1))
+            b1 = per[1][0]["sizes"][n]["kv_bytes"]
+            b2 = max(r["sizes"][n]["kv_bytes"] for r in per[2])
+            rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
+                                    "CP1 (one rank holds every page)", b1))
+    report = BenchReport(machine=machine_description(),
+                         command="cpkv bench gpu " + shlex.join(sys.argv[3:]), results=rows,
+                         detail=detail)
     _show(rows)
     click.echo(f"wrote {report.write(out)}")

@@ -1,0 +1,219 @@
+"""GPU benchmarks (issue #5): kernels against the torch backend and the ceilings measured in the
+same run, materialization against a raw all-gather of the same bytes, CP2 against CP1 prefill.
+
+Backends are reached through the registry only (``load("triton")``, ``load("torch")``). Timings:
+CUDA events, warm-up, median. Every row is a :class:`BenchRow` with a same-run baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpkv.contracts import KVFormat
+from cpkv.plugin import PluginHost
+
+from .report import BenchRow
+
+__all__ = ["ceilings", "cuda_ms", "kernel_rows", "materialize_rank", "prefill_rank"]
+
+PAGE = 64
+TOKENS_64K = 64 * 1024
+
+
+def cuda_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream (events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings(dev: torch.device) -> dict[str, float]:
+    """Device copy bandwidth (read + write, GB/s) and bf16 matmul rate (TFLOP/s), measured now."""
+    src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    mm = cuda_ms(lambda: a @ b, iters=10)
+    return {"copy_gbps": 2 * (1 << 30) / ms / 1e6, "matmul_tflops": 2 * 8192 ** 3 / mm / 1e9}
+
+
+def _backends() -> tuple[Any, Any, str]:
+    host = PluginHost()
+    reg = host.backends()
+    ref = reg.load("torch")
+    av = reg.availability("triton")
+    fast = reg.load("triton") if av.available else None
+    host.close()
+    return ref, fast, "" if av.available else av.reason
+
+
+def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any]) -> list[BenchRow]:
+    """gather/scatter/rerange at 64K tokens vs copy bandwidth; indexer logits and sparse MLA vs
+    the torch backend (TFLOP/s on the FLOPs actually needed)."""
+    ref, fast, why = _backends()
+    detail["triton"] = "available" if fast is not None else f"unavailable: {why}"
+    impl = fast or ref
+    rows: list[BenchRow] = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    copy = ceil["copy_gbps"]
+
+    # page gather / scatter: 1024 pages of 64 tokens x (656 + 132) B (fp8 latent + index-K)
+    fmt = KVFormat.deepseek_v32("fp8")
+    pool = torch.randint(0, 255, (4096, PAGE, fmt.bytes_per_token), dtype=torch.uint8, device=dev,
+                         generator=g)
+    idx = torch.randperm(4096, device=dev, generator=g)[:1024]
+    nbytes = 2 * 1024 * PAGE * fmt.bytes_per_token
+    t_fast = cuda_ms(lambda: impl.page_gather(pool, idx))
+    t_ref = cuda_ms(lambda: ref.page_gather(pool, idx))
+    rows.append(BenchRow.of("gather_64k_bw", nbytes / t_fast / 1e6, "GB/s",
+                            "device copy bandwidth (same run)", copy))
+    detail["gather_64k"] = {"ms": t_fast, "torch_ms": t_ref, "bytes": nbytes}
+    src = torch.randint(0, 255, (1024, PAGE, fmt.bytes_per_token), dtype=torch.uint8, device=dev,
+                        generator=g)
+    t_fast = cuda_ms(lambda: impl.page_scatter(pool, idx, src))
+    t_ref = cuda_ms(lambda: ref.page_scatter(pool, idx, src))
+    rows.append(BenchRow.of("scatter_64k_bw", nbytes / t_fast / 1e6, "GB/s",
+                            "device copy bandwidth (same run)", copy))
+    detail["scatter_64k"] = {"ms": t_fast, "torch_ms": t_ref, "bytes": nbytes}
+
+    # rerange: 64K hidden rows of 7168 bf16 gathered rank-major from 2 ranks
+    hidden = torch.randn(TOKENS_64K, 7168, dtype=torch.bfloat16, device=dev, generator=g)
+    perm = torch.randperm(TOKENS_64K, device=dev, generator=g)
+    nbytes = 2 * TOKENS_64K * 7168 * 2
+    t_fast = cuda_ms(lambda: impl.rerange(hidden, perm))
+    t_ref = cuda_ms(lambda: ref.rerange(hidden, perm))
+    rows.append(BenchRow.of("rerange_64k_bw", nbytes / t_fast / 1e6, "GB/s",
+                            "device copy bandwidth (same run)", copy))
+    detail["rerange_64k"] = {"ms": t_fast, "torch_ms": t_ref, "bytes": nbytes}
+
+    # indexer logits: 1024 query rows (the end of a 32K prompt) x 32K keys, 64 heads x 128
+    n, t, h, d = 1024, 32 * 1024, 64, 128
+    q = torch.randn(n, h, d, dtype=torch.bfloat16, device=dev, generator=g)
+    w = torch.randn(n, h, dtype=torch.float32, device=dev, generator=g) * 0.1
+    k = torch.randn(t, d, dtype=torch.bfloat16, device=dev, generator=g)
+    ks = torch.zeros(n, dtype=torch.int64, device=dev)
+    ke = torch.arange(t - n + 1, t + 1, dtype=torch.int64, device=dev)
+    flops = 2 * h * d * float((ke - ks).sum())
+    t_fast = cuda_ms(lambda: impl.indexer_logits(q, w, k, None, ks, ke), iters=10)
+    t_ref = cuda_ms(lambda: ref.indexer_logits(q, w, k, None, ks, ke), iters=5)
+    rows.append(BenchRow.of("indexer_logits_32k_speedup", flops / t_fast / 1e9, "TFLOP/s",
+                            "torch backend, same FLOPs (TFLOP/s)", flops / t_ref / 1e9))
+    logits = impl.indexer_logits(q, w, k, None, ks, ke)
+    t_topk = cuda_ms(lambda: impl.topk(logits, 2048, ks, ke), iters=10)
+    detail["indexer_logits_32k"] = {"ms": t_fast, "torch_ms": t_ref, "causal_flops": flops,
+                                    "topk_ms": t_topk}
+
+    # sparse MLA prefill: 1024 queries x 128 heads, 576/512, top-2048 over a 64K-key view
+    n, h, dk, dv, kk = 1024, 128, 576, 512, 2048
+    q = torch.randn(n, h, dk, dtype=torch.bfloat16, device=dev, generator=g)
+    kv = torch.randn(TOKENS_64K, dk, dtype=torch.bfloat16, device=dev, generator=g)
+    ind = torch.randint(0, TOKENS_64K, (n, kk), dtype=torch.int32, device=dev, generator=g)
+    flops = 2.0 * n * h * kk * (dk + dv)
+    scale = dk ** -0.5
+    t_fast = cuda_ms(lambda: impl.sparse_mla(q, kv, ind, scale, dv), iters=10)
+    t_ref = cuda_ms(lambda: _chunked_ref_mla(ref, q, kv, ind, scale, dv), iters=3)
+    rows.append(BenchRow.of("sparse_mla_prefill_64k_tflops", flops / t_fast / 1e9, "TFLOP/s",
+                            "torch backend (TFLOP/s)", flops / t_ref / 1e9))
+    detail["sparse_mla_64k"] = {"ms": t_fast, "torch_ms": t_ref, "flops": flops}
+    return rows
+
+
+def _chunked_ref_mla(ref: Any, q: torch.Tensor, kv: torch.Tensor, ind: torch.Tensor, scale: float,
+                     dv: int) -> torch.Tensor:
+    # the reference gathers [rows, k, 576] fp32: 128 rows at a time keeps it near 600 MB
+    return torch.cat([ref.sparse_mla(q[s:s + 128], kv, ind[s:s + 128], scale, dv)
+                      for s in range(0, q.shape[0], 128)])
+
+
+@dataclass(frozen=True)
+class MaterializeSpec:
+    tokens: int
+    dtype: str = "fp8"
+    layers: int = 2
+
+
+def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, float]:
+    """One layer's materialization of a ``tokens``-token request on this CP group vs a raw
+    ``all_gather_into_tensor`` of exactly the bytes each rank contributes."""
+    import torch.distributed as dist
+
+    from cpkv.kv import ShardedKVPool
+    from cpkv.ops import KV_OPS, OpTable
+    from cpkv.planning import plan_batch
+
+    host = PluginHost()
+    ops = OpTable.resolve(host.backends(), ["triton", "torch"], KV_OPS, agree=group.agree_all)
+    host.close()
+    fmt = KVFormat.deepseek_v32(spec.dtype)
+    pages = -(-spec.tokens // PAGE)
+    pool = ShardedKVPool(fmt, spec.layers, group, ops, pages_per_rank=pages)
+    plan = plan_batch([(0, spec.tokens)], group.size, PAGE)
+    kv = pool.prepare(plan, ["r"])
+    for b in (*pool.latent, *pool.index_k):
+        b.random_(0, 255)
+    torch.cuda.synchronize()
+    m = kv.materialize
+    t_mat = cuda_ms(lambda: pool.materialize(0, kv), iters=20)
+    send = torch.empty(m.max_send[0], PAGE, fmt.bytes_per_token, dtype=torch.uint8,
+                       device=group.device)
+    recv = torch.empty(group.size * m.max_send[0], PAGE, fmt.bytes_per_token, dtype=torch.uint8,
+                       device=group.device)
+    t_raw = cuda_ms(lambda: dist.all_gather_into_tensor(recv, send), iters=20)
+    moved = recv.numel()
+    return {"materialize_ms": t_mat, "raw_all_gather_ms": t_raw, "gathered_bytes": moved,
+            "view_bytes": spec.tokens * fmt.bytes_per_token, "ops": dict(ops.chosen)}
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    model_dir: str
+    tokens: tuple[int, ...]
+    kv_dtype: str = "fp8"
+    repeats: int = 2
+
+
+def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
+    """CP prefill of one prompt per size on this group; wall time of the last of ``repeats``."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    model = load_model(spec.model_dir, dtype=torch.bfloat16, device=group.device)
+    settings = load_settings(cp={"size": group.size}, kv={"dtype": spec.kv_dtype, "page_size": PAGE,
+                                                           "pages_per_rank": 8192},
+                             backend={"preference": ["triton", "torch"]})
+    session = PrefillSession(model, settings, group)
+    out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {}}
+    g = torch.Generator().manual_seed(0)
+    for n in spec.tokens:
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        times = []
+        for r in range(spec.repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            res = session.prefill([(f"p{n}-{r}", ids)])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            held = session.pool.bytes_held()
+            session.release(f"p{n}-{r}")
+        out["sizes"][n] = {"seconds": times[-1], "kv_bytes": held,
+                           "replicated_bytes": held if group.size == 1 else None,
+                           "phases": res.seconds,
+                           "peak_gb": torch.cuda.max_memory_allocated(group.device) / 1e9}
+    return out
