@@ -46,6 +46,12 @@ def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str) -> None:
     assert rep["max_rel_err_vs_reference"] <= 1e-4
     assert sum(rep["kv_bytes_per_rank"]) == rep["kv_bytes_replicated"]
     assert {"rank", "op", "reason"} <= set(rep["fallbacks"][0])
+    # transfer and decode phases (default: the nccl plugin over Gloo, 8 greedy tokens)
+    tr = rep["transfer"]
+    assert tr["plugin"] == "nccl" and tr["bytes_per_rank"] == rep["kv_bytes_per_rank"]
+    assert tr["entries"] >= 1 and tr["seconds"] >= 0
+    assert rep["decode"]["tokens_match_reference"] is True
+    assert [len(t) for t in rep["decode"]["tokens"]] == [8, 8, 8]
 
 
 def test_run_rejects_bad_prompts(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """``cpkv run``: the main job.
 
 CP prefill of prompts on ``cp.size`` rank processes (Gloo on CPU, NCCL on GPUs) over the sharded
-KV pool, the same prompts on one rank as the reference, and a report: KV bytes per rank against a
-replicated pool, time per phase, fallbacks, correctness.
+KV pool, the transfer of each rank's pages to a non-CP decode rank with the transfer plugin
+(``transfer.name``), greedy decoding there, the same prompts on one rank as the reference
+(prefill and greedy generation), and a report: KV bytes per rank against a replicated pool,
+transfer bytes per rank, time per phase, fallbacks, correctness.
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
     console.print(f"{verdict}: CP logits vs one rank: max relative error "
                   f"{rep.max_rel_err_vs_reference:.2e} (tolerance {tol:.0e}); rows with different "
                   f"top-k sets: {rep.topk_rows_differing}")
+    if rep.transfer is not None and rep.decode is not None:
+        tr = rep.transfer
+        console.print(f"transfer ({tr['plugin']}): bytes per prefill rank "
+                      f"{', '.join(f'{b:,}' for b in tr['bytes_per_rank'])}; {tr['entries']} "
+                      f"coalesced runs; {tr['seconds']:.3f} s")
+        match = rep.decode["tokens_match_reference"]
+        verdict = "[green]correct[/]" if match else "[red]MISMATCH[/]"
+        console.print(f"{verdict}: decode greedy tokens vs one-process generation: "
+                      f"{rep.decode['tokens']}", soft_wrap=True)
+        ok = ok and match
     return ok
 
 
@@ -92,13 +104,18 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
               help="Split mode (cp.mode).")
 @click.option("--prompts", type=click.Path(dir_okay=False), default=None,
               help="JSON list of token-id lists (run.prompts).")
+@click.option("--decode-tokens", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Greedy tokens per prompt on the decode rank after the transfer (0: no transfer "
+                   "and decode phases).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the report as JSON here.")
 @click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="torch.save the last-position logits, float32 [prompts, vocab], input order.")
 def command(config: Path | None, model: str | None, cp: int | None, mode: str | None,
-            prompts: str | None, report: Path | None, save_logits: Path | None) -> None:
-    """CP prefill of prompts on a CP group, checked against one rank; prints a report."""
+            prompts: str | None, decode_tokens: int, report: Path | None,
+            save_logits: Path | None) -> None:
+    """CP prefill of prompts on a CP group, transfer of the pages to a decode rank and greedy
+    decoding there, checked against one rank; prints a report."""
     over: dict[str, Any] = {}
     if cp is not None or mode is not None:
         over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
@@ -117,10 +134,10 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
                   f"{settings.kv.dtype.value} pool, {len(token_lists)} prompts")
     with console.status("starting") as status:
         try:
-            rep = run_job(settings, str(ckpt), token_lists,
+            rep = run_job(settings, str(ckpt), token_lists, decode_tokens=decode_tokens,
                           progress=lambda s: status.update(s))
         except RankFailed as exc:
-            if exc.error_type.endswith("FallbackError"):  # policy "error": the reason is enough
+            if (exc.error_type or "").endswith("FallbackError"):  # policy "error": the reason is enough
                 raise click.ClickException(f"rank {exc.rank}: {exc.error_message}") from exc
             raise click.ClickException(str(exc)) from exc
         except RankTimeout as exc:

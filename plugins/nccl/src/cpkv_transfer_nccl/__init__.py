@@ -1,3 +1,3 @@
-"""cpkv KV transfer over torch.distributed point-to-point: NCCL on GPUs, Gloo on CPUs
-(not implemented yet, issue #6). Kept light: importing this package does not import torch.
+"""cpkv KV transfer over torch.distributed point-to-point: NCCL on GPUs, Gloo on CPUs.
+Kept light: importing this package does not import torch (the transport is in ``transport``).
 """

@@ -9,7 +9,6 @@ from cpkv.contracts import Availability
 from cpkv.plugin import TransferRegistrar, TransferSpec, hookimpl
 
 NAME = "nccl"
-NOT_IMPLEMENTED = "transfer not implemented yet (issue #6)"
 
 
 def _reasons() -> list[str]:
@@ -21,7 +20,6 @@ def _reasons() -> list[str]:
             reasons.append("torch.distributed is not available in this torch build")
     except Exception as exc:  # a broken torch install is a reason, not a crash
         reasons.append(f"torch.distributed cannot be imported ({exc!r})")
-    reasons.append(NOT_IMPLEMENTED)
     return reasons
 
 
@@ -32,10 +30,17 @@ def probe() -> Availability:
 
 
 def load() -> object:
-    """Raises:
-        RuntimeError: always for now, with the probe's reason (no transfer yet).
+    """The transport (``cpkv.disagg.transport.Transport``).
+
+    Raises:
+        RuntimeError: torch.distributed is not usable here (the probe's reasons).
     """
-    raise RuntimeError(f"the nccl transfer cannot be loaded: {'; '.join(_reasons())}")
+    reasons = _reasons()
+    if reasons:
+        raise RuntimeError(f"the nccl transfer cannot be loaded: {'; '.join(reasons)}")
+    from .transport import NcclTransport
+
+    return NcclTransport()
 
 
 @hookimpl

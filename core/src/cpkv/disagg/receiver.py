@@ -1,0 +1,271 @@
+"""Receiver-side assembly (contract rule 25): received pages land at reserved slots of a non-CP,
+full-layout decode pool; a request is published only when every rank's part arrived and checks out.
+
+The decode pool is a :class:`~cpkv.kv.ShardedKVPool` of one rank (``CPGroup.single()``): every
+page of a published request is owned by rank 0. The receiver keeps its reservations to itself:
+the pool's page table changes only in :meth:`DecodeReceiver.complete`, so a failed or partial
+transfer never shows up in it, and :meth:`DecodeReceiver.abort` gives the reserved slots back.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cpkv.kv import RequestPages, ShardedKVPool
+
+from .plan import RankTransfer, TransferManifest
+
+__all__ = ["DecodeReceiver", "TransferError", "pack_part", "page_checksums", "part_nbytes"]
+
+
+class TransferError(RuntimeError):
+    """A transfer failed or did not check out; nothing of it was published."""
+
+
+def part_nbytes(pool: ShardedKVPool, num_pages: int) -> int:
+    """Bytes of ``num_pages`` pages of every layer, latent and index-K: what a part moves."""
+    return num_pages * pool.fmt.page_bytes * pool.num_layers
+
+
+def _slots_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(slots), dtype=torch.int64, device=device)
+
+
+def pack_part(pool: ShardedKVPool, part: RankTransfer) -> torch.Tensor:
+    """The sender's pages of ``part`` as one contiguous uint8 buffer (on the pool's device).
+
+    Layout (the *packed part layout*): for layer 0..L-1: the latent bytes of the part's pages
+    ``[n, ps, latent bytes]`` then their index-K bytes ``[n, ps, index bytes]``; pages in the
+    part's logical order (runs in order, pages of a run in order).
+    """
+    src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
+    idx = _slots_tensor(src, pool.group.device)
+    chunks = []
+    for layer in range(pool.num_layers):
+        chunks.append(pool.latent[layer].index_select(0, idx).reshape(-1))
+        chunks.append(pool.index_k[layer].index_select(0, idx).reshape(-1))
+    if not chunks or not src:
+        return torch.empty(0, dtype=torch.uint8, device=pool.group.device)
+    return torch.cat(chunks)
+
+
+def page_checksums(pool: ShardedKVPool, slots: Sequence[int]) -> list[int]:
+    """CRC32 of each page's bytes (latent of every layer, then index-K of every layer), for the
+    pages at physical ``slots`` of ``pool``, in that order. Syncs the device: debug only."""
+    if not slots:
+        return []
+    idx = _slots_tensor(slots, pool.group.device)
+    n = len(slots)
+    lat = torch.stack([pool.latent[k].index_select(0, idx) for k in range(pool.num_layers)], 1)
+    ixk = torch.stack([pool.index_k[k].index_select(0, idx) for k in range(pool.num_layers)], 1)
+    rows = torch.cat([lat.reshape(n, -1), ixk.reshape(n, -1)], 1).cpu().numpy()
+    return [zlib.crc32(rows[i].tobytes()) for i in range(n)]
+
+
+@dataclass
+class _Reservation:
+    manifest: TransferManifest
+    slots: dict[int, int]  # logical page -> decode slot
+    arrived: dict[int, int] = field(default_factory=dict)  # sender rank -> pages placed
+
+
+class DecodeReceiver:
+    """Assembles transferred pages into a non-CP decode pool and publishes whole requests.
+
+    Per request (manifest): :meth:`reserve` -> :meth:`place` / :meth:`place_packed` /
+    :meth:`mark_written` once per rank part -> :meth:`complete` (publish or reject); or
+    :meth:`abort`. The pool's page table is keyed by ``manifest.request``.
+
+    Args:
+        pool: a one-rank pool (``CPGroup.single()``): owner 0 holds every page.
+        debug: require per-page checksums in :meth:`complete` and compare them (contract rule 31).
+
+    Attributes:
+        last_error: why the last :meth:`complete` returned False (None after a publish).
+    """
+
+    def __init__(self, pool: ShardedKVPool, *, debug: bool | None = None) -> None:
+        if pool.group.size != 1:
+            raise ValueError(f"the decode pool is not CP: it needs a one-rank group, got "
+                             f"{pool.group.size} ranks")
+        self.pool = pool
+        self.debug = pool.debug if debug is None else debug
+        self._res: dict[str, _Reservation] = {}
+        self.last_error: str | None = None
+
+    # ---- reservation -----------------------------------------------------------------------
+    def in_flight(self) -> list[str]:
+        """Requests with a reservation (not yet completed or aborted)."""
+        return list(self._res)
+
+    def reserve(self, manifest: TransferManifest) -> dict[int, int]:
+        """Reserve a decode slot for every page of ``manifest``, all or nothing.
+
+        Returns: logical page -> destination slot.
+
+        Raises:
+            PoolExhausted: not enough free pages (the pool is unchanged).
+            TransferError: the request is already in flight, or the manifest does not continue
+                the request's published entry (``first_page`` must equal its page count and its
+                valid length ``first_page * page_size``).
+        """
+        rid, ps = manifest.request, self.pool.fmt.page_size
+        if manifest.page_size != ps:
+            raise TransferError(f"request {rid!r}: manifest pages of {manifest.page_size} tokens, "
+                                f"the decode pool has {ps}")
+        if rid in self._res:
+            raise TransferError(f"request {rid!r} already has a transfer in flight")
+        rp = self.pool.table.get(rid)
+        have_pages = 0 if rp is None else len(rp.slots)
+        have_len = 0 if rp is None else rp.valid_len
+        if manifest.first_page != have_pages or have_len != manifest.first_page * ps:
+            raise TransferError(f"request {rid!r}: the manifest starts at page {manifest.first_page}"
+                                f", the decode pool holds {have_pages} pages / {have_len} tokens")
+        pages = list(range(manifest.first_page, manifest.num_pages))
+        got = self.pool.allocator.allocate([len(pages)], what=f"transfer of {rid!r}")[0]
+        slots = dict(zip(pages, got, strict=True))
+        self._res[rid] = _Reservation(manifest, slots)
+        return dict(slots)
+
+    def _take(self, part: RankTransfer) -> _Reservation:
+        res = self._res.get(part.request)
+        if res is None:
+            raise TransferError(f"request {part.request!r}: no reservation (not reserved, or "
+                                f"already completed or aborted)")
+        want = next((p for p in res.manifest.parts if p.rank == part.rank), None)
+        if want is None or want.runs != part.runs:
+            raise TransferError(f"request {part.request!r}: rank {part.rank}'s part does not match "
+                                f"the manifest")
+        if part.rank in res.arrived:
+            raise TransferError(f"request {part.request!r}: rank {part.rank}'s part arrived twice")
+        return res
+
+    def dst_slots(self, part: RankTransfer) -> list[int]:
+        """Reserved decode slots of ``part``'s pages, in the part's logical order."""
+        res = self._res[part.request]
+        return [res.slots[p] for p in part.logical_pages()]
+
+    # ---- arrival ---------------------------------------------------------------------------
+    def place(self, part: RankTransfer, latent: Sequence[torch.Tensor],
+              index_k: Sequence[torch.Tensor]) -> None:
+        """Write ``part``'s received pages at their reserved slots and mark the part arrived.
+
+        ``latent[layer]`` / ``index_k[layer]``: uint8 ``[part.num_pages, ps, bytes]``, pages in the
+        part's logical order.
+
+        Raises:
+            TransferError: unknown request or part, part already arrived, wrong shapes (nothing
+                was written then).
+        """
+        res = self._take(part)
+        pool, n = self.pool, part.num_pages
+        ps, lb, ib = pool.fmt.page_size, pool.fmt.latent_bytes_per_token, pool.fmt.index_bytes_per_token
+        if len(latent) != pool.num_layers or len(index_k) != pool.num_layers:
+            raise TransferError(f"request {part.request!r} rank {part.rank}: {len(latent)}/"
+                                f"{len(index_k)} layers received, the pool has {pool.num_layers}")
+        for a, b in zip(latent, index_k, strict=True):
+            if tuple(a.shape) != (n, ps, lb) or tuple(b.shape) != (n, ps, ib) or \
+                    a.dtype != torch.uint8 or b.dtype != torch.uint8:
+                raise TransferError(f"request {part.request!r} rank {part.rank}: received pages "
+                                    f"{tuple(a.shape)}/{tuple(b.shape)}, expected {(n, ps, lb)}/"
+                                    f"{(n, ps, ib)} uint8")
+        idx = _slots_tensor(self.dst_slots(part), pool.group.device)
+        for layer in range(pool.num_layers):
+            pool.latent[layer].index_copy_(0, idx, latent[layer].to(pool.group.device))
+            pool.index_k[layer].index_copy_(0, idx, index_k[layer].to(pool.group.device))
+        res.arrived[part.rank] = n
+
+    def place_packed(self, part: RankTransfer, buf: torch.Tensor) -> None:
+        """:meth:`place` from one buffer in the packed part layout (see :func:`pack_part`)."""
+        pool, n = self.pool, part.num_pages
+        want = part_nbytes(pool, n)
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != want:
+            raise TransferError(f"request {part.request!r} rank {part.rank}: received "
+                                f"{buf.numel()} bytes ({buf.dtype}), expected {want} for {n} pages")
+        ps, lb, ib = pool.fmt.page_size, pool.fmt.latent_bytes_per_token, pool.fmt.index_bytes_per_token
+        lat, idx, off = [], [], 0
+        for _ in range(pool.num_layers):
+            lat.append(buf[off:off + n * ps * lb].view(n, ps, lb))
+            off += n * ps * lb
+            idx.append(buf[off:off + n * ps * ib].view(n, ps, ib))
+            off += n * ps * ib
+        self.place(part, lat, idx)
+
+    def mark_written(self, part: RankTransfer) -> None:
+        """Mark ``part`` arrived when the transport wrote its bytes straight into the reserved
+        slots (one-sided writes, e.g. Mooncake). Call only once the bytes are in place."""
+        res = self._take(part)
+        res.arrived[part.rank] = part.num_pages
+
+    # ---- publish / abort -------------------------------------------------------------------
+    def _check(self, res: _Reservation, checksums: Mapping[int, Sequence[int]] | None) -> str | None:
+        m = res.manifest
+        for part in m.parts:
+            if part.rank not in res.arrived:
+                return f"rank {part.rank}'s part ({part.num_pages} pages) did not arrive"
+            if res.arrived[part.rank] != part.num_pages:
+                return (f"rank {part.rank}: {res.arrived[part.rank]} pages arrived, the manifest "
+                        f"has {part.num_pages}")
+        extra = set(res.arrived) - {p.rank for p in m.parts}
+        if extra:
+            return f"parts arrived from ranks {sorted(extra)} that the manifest does not list"
+        if sum(res.arrived.values()) != m.num_pages - m.first_page:
+            return (f"{sum(res.arrived.values())} pages arrived, the manifest covers "
+                    f"{m.num_pages - m.first_page}")
+        if self.debug:
+            if checksums is None:
+                return "debug: no checksums were sent"
+            for part in m.parts:
+                sent = list(checksums.get(part.rank, ()))
+                got = page_checksums(self.pool, self.dst_slots(part))
+                if sent != got:
+                    bad = [p for p, a, b in zip(part.logical_pages(), sent, got, strict=False)
+                           if a != b] or part.logical_pages()
+                    return (f"debug: checksum mismatch in rank {part.rank}'s pages {bad[:8]} "
+                            f"({len(sent)} sent, {len(got)} placed)")
+        return None
+
+    def complete(self, manifest: TransferManifest,
+                 checksums: Mapping[int, Sequence[int]] | None = None) -> bool:
+        """Publish ``manifest``'s request if every rank's part arrived and checks out.
+
+        Counts are always checked; with ``debug`` the per-page checksums the senders computed
+        (``checksums[rank]``, in each part's logical page order) must equal the placed bytes'.
+        Publishing creates the page table entry (owners all 0, valid length
+        ``manifest.valid_len``) or extends a continued request's entry. Otherwise the
+        reservation is released, nothing is published, and :attr:`last_error` says why.
+
+        Returns: True when published.
+        """
+        res = self._res.get(manifest.request)
+        if res is None or res.manifest != manifest:
+            self.last_error = (f"request {manifest.request!r}: no reservation for this manifest")
+            return False
+        error = self._check(res, checksums)
+        if error is not None:
+            self.last_error = f"request {manifest.request!r}: {error}; nothing published"
+            self.abort(manifest)
+            return False
+        del self._res[manifest.request]
+        rp = self.pool.table.setdefault(manifest.request, RequestPages())
+        for p in range(manifest.first_page, manifest.num_pages):
+            rp.owners.append(0)
+            rp.slots.append(res.slots[p])
+        rp.valid_len = manifest.valid_len
+        self.last_error = None
+        return True
+
+    def abort(self, manifest: TransferManifest | str) -> None:
+        """Release everything reserved for the request (no-op when nothing is reserved)."""
+        rid = manifest if isinstance(manifest, str) else manifest.request
+        res = self._res.pop(rid, None)
+        if res is not None and res.slots:
+            self.pool.allocator.release(0, list(res.slots.values()))
+
+    def free(self, rid: Hashable) -> None:
+        """Release a published request (after decoding it)."""
+        self.pool.free(rid)

@@ -1,0 +1,105 @@
+"""The decode worker (not CP): greedy decode steps over KV received from the prefill ranks.
+
+The decode pool is a one-rank, full-layout :class:`~cpkv.kv.ShardedKVPool` (``CPGroup.single()``)
+that a :class:`~cpkv.disagg.DecodeReceiver` fills. A decode step is a one-token extend of each
+request through the same driver as prefill (:class:`~cpkv.runtime.prefill.CPPrefill` on a
+one-rank group): it embeds the new token, computes its KV, appends it to the request's pages
+(finishing the tail page first), and runs the indexer, top-k and sparse attention over the full
+layout. :func:`reference_generate` is the same greedy generation in one process, prefill included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from cpkv.disagg import DecodeReceiver
+
+from .group import CPGroup
+from .session import PrefillSession
+
+if TYPE_CHECKING:
+    from cpkv.models import DeepseekV32
+    from cpkv.plugin import PluginHost
+    from cpkv.settings import Settings
+
+__all__ = ["DecodeWorker", "decode_step", "generate", "greedy", "one_rank_settings",
+           "reference_generate"]
+
+
+def one_rank_settings(settings: Settings) -> Settings:
+    """``settings`` for a one-rank (non-CP) group."""
+    return settings.model_copy(update={"cp": settings.cp.model_copy(update={"size": 1})})
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Greedy tokens of float logits ``[requests, vocab]``."""
+    return [int(t) for t in logits.float().argmax(dim=-1).tolist()]
+
+
+def decode_step(session: PrefillSession, batch: Sequence[tuple[Hashable, int]]) -> list[int]:
+    """One batched decode step on a one-rank session: a one-token extend of every request."""
+    return greedy(session.prefill([(rid, [tok]) for rid, tok in batch]).last_logits)
+
+
+def generate(session: PrefillSession, first: Sequence[tuple[Hashable, int]],
+             num_tokens: int) -> list[list[int]]:
+    """``num_tokens`` greedy tokens per request: ``first`` then ``num_tokens - 1`` steps."""
+    out = [[tok] for _, tok in first]
+    cur = list(first)
+    for _ in range(num_tokens - 1):
+        nxt = decode_step(session, cur)
+        for o, t in zip(out, nxt, strict=True):
+            o.append(t)
+        cur = [(rid, t) for (rid, _), t in zip(cur, nxt, strict=True)]
+    return out
+
+
+class DecodeWorker:
+    """Greedy decoding on received KV, on one process.
+
+    Args:
+        model: the loaded model (the prefill ranks' checkpoint).
+        settings: run settings (``cp.size`` is ignored: the decode pool has one rank).
+        device: where the decode pool and compute live.
+    """
+
+    def __init__(self, model: DeepseekV32, settings: Settings, device: torch.device | str = "cpu",
+                 host: PluginHost | None = None) -> None:
+        self.session = PrefillSession(model, one_rank_settings(settings),
+                                      CPGroup.single(device, settings.runtime.timeout_s), host)
+        self.pool = self.session.pool
+        self.receiver = DecodeReceiver(self.pool, debug=settings.debug)
+
+    def step(self, batch: Sequence[tuple[Hashable, int]]) -> list[int]:
+        """One decode step: append each request's token, return the next greedy tokens."""
+        return decode_step(self.session, batch)
+
+    def generate(self, first: Sequence[tuple[Hashable, int]], num_tokens: int) -> list[list[int]]:
+        """``num_tokens`` greedy tokens per request: the first one (from the prefill's logits)
+        then ``num_tokens - 1`` decode steps, all requests batched together."""
+        return generate(self.session, first, num_tokens)
+
+    def release(self, rid: Hashable) -> None:
+        self.pool.free(rid)
+
+
+def reference_generate(model: DeepseekV32, settings: Settings, prompts: Sequence[Sequence[int]],
+                       num_tokens: int, *, chunks: Sequence[Sequence[int]] | None = None,
+                       ) -> list[list[int]]:
+    """Single-process greedy generation: prefill the prompts on one rank (in the same batches
+    as ``chunks`` gives: per batch the token count of each prompt, 0 = not in that batch), then
+    the same batched greedy steps as :meth:`DecodeWorker.generate`."""
+    session = PrefillSession(model, one_rank_settings(settings), CPGroup.single())
+    rids = [f"p{i}" for i in range(len(prompts))]
+    done = [0] * len(prompts)
+    last: dict[int, int] = {}
+    for counts in chunks or [[len(p) for p in prompts]]:
+        batch = [(i, prompts[i][done[i]:done[i] + n]) for i, n in enumerate(counts) if n > 0]
+        res = session.prefill([(rids[i], ids) for i, ids in batch])
+        for (i, ids), tok in zip(batch, greedy(res.last_logits), strict=True):
+            done[i] += len(ids)
+            last[i] = tok
+    return generate(session, [(rids[i], last[i]) for i in range(len(prompts))], num_tokens)

@@ -1,0 +1,476 @@
+"""Prefill -> decode transfer (contract rules 25-27): transfer plans, the receiver's publish
+rules, the NCCL plugin over Gloo with C = 2 and 4 prefill ranks, chunked prefill, faults."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpkv.contracts import KVFormat, cdiv
+from cpkv.disagg import (
+    Ack,
+    DecodeReceiver,
+    DecodeTransfer,
+    Grant,
+    Offer,
+    RankTransfer,
+    StoreSideChannel,
+    TransferError,
+    TransferManifest,
+    coalesce,
+    manifest_for,
+    pack_part,
+    page_checksums,
+    part_nbytes,
+)
+from cpkv.kv import PoolExhausted, ShardedKVPool
+from cpkv.models import load_model, write_tiny_checkpoint
+from cpkv.ops import ALL_OPS
+from cpkv.runtime import CPGroup, RankFailed, run_ranks
+from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
+from cpkv.runtime.setup import resolve_ops
+from cpkv.settings import load_settings
+
+PAGE = 8
+
+
+# ---- transfer plans ----------------------------------------------------------------------------
+
+@st.composite
+def page_tables(draw: Any) -> tuple[int, list[int], list[int], int]:
+    c = draw(st.integers(1, 4))
+    n = draw(st.integers(0, 40))
+    owners = draw(st.lists(st.integers(0, c - 1), min_size=n, max_size=n))
+    # per-rank slots: consecutive with random gaps, so some runs coalesce and some do not
+    nxt = [draw(st.integers(0, 5)) for _ in range(c)]
+    slots = []
+    for o in owners:
+        slots.append(nxt[o])
+        nxt[o] += 1 + draw(st.sampled_from([0, 0, 0, 1, 3]))
+    return c, owners, slots, n
+
+
+@settings(max_examples=300, deadline=None)
+@given(page_tables(), st.integers(1, 16), st.booleans(), st.data())
+def test_manifest_runs_cover_owned_pages_once(table: Any, ps: int, final: bool, data: Any) -> None:
+    c, owners, slots, n = table
+    valid = data.draw(st.integers(max(0, (n - 1) * ps + 1) if n else 0, n * ps))
+    whole = valid // ps
+    upto = cdiv(valid, ps) if final else whole
+    sent = data.draw(st.integers(0, upto))
+    m = manifest_for("r", owners, slots, valid, ps, c, final=final, already_sent=sent)
+    assert m.num_pages == upto and m.first_page == sent
+    assert m.valid_len == (valid if final else whole * ps)  # a non-final chunk: whole pages only
+    seen = []
+    for part in m.parts:
+        assert part.runs, "parts without pages are left out"
+        for run in part.runs:
+            for i in range(run.num_pages):
+                k = run.first_page + i
+                assert owners[k] == part.rank and slots[k] == run.src_slot + i
+                seen.append(k)
+        # coalesced: two neighbouring runs of a part are never contiguous in both page and slot
+        for a, b in itertools.pairwise(part.runs):
+            assert not (b.first_page == a.first_page + a.num_pages
+                        and b.src_slot == a.src_slot + a.num_pages)
+    assert sorted(seen) == list(range(sent, upto))
+
+
+def test_coalesce_merges_contiguous_runs() -> None:
+    runs = coalesce([(0, 4), (1, 5), (2, 6), (4, 7), (5, 9), (6, 10)])
+    assert [(r.first_page, r.num_pages, r.src_slot) for r in runs] == [(0, 3, 4), (4, 1, 7),
+                                                                       (5, 2, 9)]
+    with pytest.raises(ValueError, match="exactly once"):
+        TransferManifest(request="x", page_size=4, valid_len=8, num_pages=2, parts=(
+            RankTransfer(request="x", rank=0, runs=tuple(coalesce([(0, 0)]))),))
+
+
+# ---- receiver ----------------------------------------------------------------------------------
+
+def _fmt() -> KVFormat:
+    return KVFormat(dtype="bf16", page_size=PAGE, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
+                    quant_block=8)
+
+
+def _pool(group: CPGroup, capacity: int = 32, layers: int = 2) -> ShardedKVPool:
+    s = load_settings(cp={"size": group.size}, backend={"preference": ["torch"]})
+    ops, _ = resolve_ops(s, group, ops=ALL_OPS)
+    return ShardedKVPool(_fmt(), layers, group, ops, pages_per_rank=capacity)
+
+
+class _FakeRank:
+    """A prefill rank's pool: a one-rank pool stands in for rank r's shard (random bytes)."""
+
+    def __init__(self, seed: int, like: ShardedKVPool | None = None) -> None:
+        if like is None:
+            self.pool = _pool(CPGroup.single())
+        else:
+            self.pool = ShardedKVPool(like.fmt, like.num_layers, CPGroup.single(), like.ops,
+                                      pages_per_rank=32)
+        gen = torch.Generator().manual_seed(seed)
+        for buf in (*self.pool.latent, *self.pool.index_k):
+            buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+
+
+def _source(c: int, n_pages: int, seed: int = 0, like: ShardedKVPool | None = None,
+            ) -> tuple[list[_FakeRank], list[int], list[int]]:
+    rng = random.Random(seed)
+    ranks = [_FakeRank(seed * 10 + r, like) for r in range(c)]
+    owners = [rng.randrange(c) for _ in range(n_pages)]
+    nxt = [rng.randrange(3) for _ in range(c)]
+    slots = []
+    for o in owners:
+        slots.append(nxt[o])
+        nxt[o] += rng.choice([1, 1, 2])
+    return ranks, owners, slots
+
+
+def _snapshot(pool: ShardedKVPool) -> tuple[Any, ...]:
+    return (pool.allocator.snapshot(),
+            {k: (tuple(v.owners), tuple(v.slots), v.valid_len) for k, v in pool.table.items()})
+
+
+def _deliver(rx: DecodeReceiver, ranks: list[_FakeRank], m: TransferManifest,
+             skip: int | None = None) -> dict[int, list[int]]:
+    sums = {}
+    for part in m.parts:
+        src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
+        sums[part.rank] = page_checksums(ranks[part.rank].pool, src)
+        if part.rank != skip:
+            rx.place_packed(part, pack_part(ranks[part.rank].pool, part))
+    return sums
+
+
+def _transfer(rx: DecodeReceiver, ranks: list[_FakeRank], owners: list[int], slots: list[int],
+              rid: str, valid: int, **kw: Any) -> bool:
+    m = manifest_for(rid, owners, slots, valid, PAGE, len(ranks), **kw)
+    rx.reserve(m)
+    return rx.complete(m, _deliver(rx, ranks, m))
+
+
+def _check_landed(rx: DecodeReceiver, ranks: list[_FakeRank], rid: str, owners: list[int],
+                  slots: list[int]) -> None:
+    rp = rx.pool.table[rid]
+    assert rp.owners == [0] * len(rp.slots)
+    for k in range(len(rp.slots)):  # decode page k == owner's page k, every layer, both buffers
+        src, dst = ranks[owners[k]].pool, rx.pool
+        for layer in range(src.num_layers):
+            assert torch.equal(dst.latent[layer][rp.slots[k]], src.latent[layer][slots[k]])
+            assert torch.equal(dst.index_k[layer][rp.slots[k]], src.index_k[layer][slots[k]])
+
+
+@pytest.mark.parametrize("c", [1, 2, 4])
+def test_receiver_places_pages_at_logical_positions(c: int) -> None:
+    ranks, owners, slots = _source(c, 9, seed=c)
+    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
+    assert _transfer(rx, ranks, owners, slots, "a", 9 * PAGE - 3)
+    assert rx.pool.table["a"].valid_len == 9 * PAGE - 3 and rx.in_flight() == []
+    _check_landed(rx, ranks, "a", owners, slots)
+
+
+def test_receiver_rejects_a_cp_pool() -> None:
+    pool = _pool(CPGroup.single())
+    pool.group = CPGroup(rank=0, size=2, backend="gloo", device=torch.device("cpu"), timeout_s=1)
+    with pytest.raises(ValueError, match="one-rank group"):
+        DecodeReceiver(pool)
+
+
+def test_chunks_extend_the_published_entry() -> None:
+    """Rule 26: whole pages after a non-final chunk, the tail page after the final one."""
+    ranks, owners, slots = _source(2, 7)
+    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
+    m1 = manifest_for("a", owners[:3], slots[:3], 21, PAGE, 2, final=False)  # 2 whole pages of 21
+    assert (m1.num_pages, m1.valid_len) == (2, 16)
+    rx.reserve(m1)
+    assert rx.complete(m1, _deliver(rx, ranks, m1))
+    assert rx.pool.table["a"].valid_len == 16 and len(rx.pool.table["a"].slots) == 2
+    m2 = manifest_for("a", owners, slots, 53, PAGE, 2, final=True, already_sent=2)
+    assert (m2.first_page, m2.num_pages, m2.valid_len) == (2, 7, 53)
+    rx.reserve(m2)
+    assert rx.complete(m2, _deliver(rx, ranks, m2))
+    assert rx.pool.table["a"].valid_len == 53
+    _check_landed(rx, ranks, "a", owners, slots)
+    bad = manifest_for("b", owners, slots, 53, PAGE, 2, already_sent=2)  # no earlier chunk
+    with pytest.raises(TransferError, match="starts at page 2"):
+        rx.reserve(bad)
+
+
+def _next_request_works(rx: DecodeReceiver) -> None:
+    ranks, owners, slots = _source(2, 5, seed=99, like=rx.pool)
+    assert _transfer(rx, ranks, owners, slots, "next", 37)
+    _check_landed(rx, ranks, "next", owners, slots)
+
+
+@pytest.mark.parametrize("fault", ["missing_part", "wrong_count", "checksum", "extra_rank"])
+def test_faulty_transfer_publishes_nothing(fault: str) -> None:
+    ranks, owners, slots = _source(2, 8, seed=5)
+    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
+    assert _transfer(rx, ranks, owners, slots, "before", 12)  # something already published
+    before = _snapshot(rx.pool)
+    m = manifest_for("a", owners, slots, 61, PAGE, 2)
+    rx.reserve(m)
+    sums: dict[int, list[int]]
+    if fault == "missing_part":
+        sums = _deliver(rx, ranks, m, skip=1)
+        why = "rank 1's part"
+    elif fault == "wrong_count":
+        part = m.parts[0]
+        buf = pack_part(ranks[0].pool, part)
+        with pytest.raises(TransferError, match="expected"):
+            rx.place_packed(part, buf[: -part_nbytes(rx.pool, 1)])  # one page short
+        short = RankTransfer(request="a", rank=0, runs=part.runs[:-1])
+        with pytest.raises(TransferError, match="does not match the manifest"):
+            rx.place_packed(short, pack_part(ranks[0].pool, short))
+        sums = _deliver(rx, ranks, m, skip=0)
+        why = "rank 0's part"
+    elif fault == "checksum":
+        sums = _deliver(rx, ranks, m)
+        rx.pool.latent[1][rx.dst_slots(m.parts[1])[0], 3, 5] ^= 1  # one bit flipped in flight
+        why = "checksum mismatch in rank 1's pages"
+    else:
+        sums = _deliver(rx, ranks, m)
+        with pytest.raises(TransferError, match="does not match"):
+            rx.mark_written(RankTransfer(request="a", rank=3, runs=m.parts[0].runs))
+        sums = {**sums, 1: sums[1][:-1]}
+        why = "checksum"
+    assert not rx.complete(m, sums)
+    assert why in (rx.last_error or "") and "nothing published" in (rx.last_error or "")
+    assert _snapshot(rx.pool) == before and rx.in_flight() == []
+    _next_request_works(rx)
+
+
+def test_counts_are_checked_without_debug() -> None:
+    ranks, owners, slots = _source(2, 4, seed=2)
+    rx = DecodeReceiver(_pool(CPGroup.single()), debug=False)
+    before = _snapshot(rx.pool)
+    m = manifest_for("a", owners, slots, 30, PAGE, 2)
+    rx.reserve(m)
+    _deliver(rx, ranks, m, skip=0)
+    assert not rx.complete(m) and _snapshot(rx.pool) == before
+    _next_request_works(rx)
+
+
+def test_reserve_is_all_or_nothing() -> None:
+    ranks, owners, slots = _source(2, 6, seed=3)
+    rx = DecodeReceiver(_pool(CPGroup.single(), capacity=8))
+    assert _transfer(rx, ranks, owners, slots, "a", 6 * PAGE)
+    before = _snapshot(rx.pool)
+    m = manifest_for("b", owners, slots, 6 * PAGE, PAGE, 2)
+    with pytest.raises(PoolExhausted):
+        rx.reserve(m)
+    assert _snapshot(rx.pool) == before and rx.in_flight() == []
+    rx.free("a")
+    _next_request_works(rx)
+
+
+# ---- the protocol over a fake link: a transport error mid-way ---------------------------------
+
+class _Box:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, k: str, v: bytes) -> None:
+        self.data[k] = v
+
+    def get(self, k: str) -> bytes:
+        return self.data[k]
+
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        missing = [k for k in keys if k not in self.data]
+        if missing:
+            raise TimeoutError(f"no message {missing}")
+
+    def delete_key(self, k: str) -> None:
+        self.data.pop(k, None)
+
+
+class _FailingLink:
+    """Decode side of a link whose data plane dies after ``ok_parts`` parts."""
+
+    def __init__(self, channel: StoreSideChannel, ranks: list[_FakeRank], ok_parts: int) -> None:
+        self.channel, self.ranks, self.left = channel, ranks, ok_parts
+
+    def send_part(self, part: RankTransfer, dst: Any) -> int:
+        raise NotImplementedError
+
+    def recv_part(self, part: RankTransfer, rx: DecodeReceiver) -> int:
+        if self.left == 0:
+            raise ConnectionError("peer went away")
+        self.left -= 1
+        rx.place_packed(part, pack_part(self.ranks[part.rank].pool, part))
+        return part_nbytes(rx.pool, part.num_pages)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("ok_parts", [0, 1])
+def test_transport_error_midway_publishes_nothing(ok_parts: int) -> None:
+    ranks, owners, slots = _source(2, 8, seed=7)
+    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
+    before = _snapshot(rx.pool)
+    store = _Box()
+    senders = [StoreSideChannel(store, r, 1.0) for r in range(2)]
+    m = manifest_for("a", owners, slots, 60, PAGE, 2)
+    for r, ch in enumerate(senders):
+        part = next(p for p in m.parts if p.rank == r)
+        ch.send(2, Offer(r, m, part_nbytes(rx.pool, part.num_pages), None))
+    link = _FailingLink(StoreSideChannel(store, 2, 1.0), ranks, ok_parts)
+    with pytest.raises(TransferError, match=r"receiving rank \d.s part: ConnectionError: peer went "
+                                            r"away.*nothing published"):
+        DecodeTransfer(link, rx, 2).receive()
+    for ch in senders:
+        assert isinstance(ch.recv(2), Grant)
+        ack = ch.recv(2)
+        assert isinstance(ack, Ack) and not ack.published and "peer went away" in ack.error
+    assert _snapshot(rx.pool) == before and rx.in_flight() == []
+    _next_request_works(rx)
+
+
+def test_mismatched_offers_are_refused() -> None:
+    ranks, owners, slots = _source(2, 8, seed=8)
+    rx = DecodeReceiver(_pool(CPGroup.single()))
+    before = _snapshot(rx.pool)
+    store = _Box()
+    m = manifest_for("a", owners, slots, 60, PAGE, 2)
+    StoreSideChannel(store, 0, 1.0).send(2, Offer(0, m, part_nbytes(rx.pool, m.parts[0].num_pages)))
+    StoreSideChannel(store, 1, 1.0).send(2, Offer(1, m, 12345))  # wrong byte count
+    link = _FailingLink(StoreSideChannel(store, 2, 1.0), ranks, 2)
+    with pytest.raises(TransferError, match="rank 1 offers 12345 bytes"):
+        DecodeTransfer(link, rx, 2).receive()
+    assert _snapshot(rx.pool) == before
+
+
+# ---- NCCL plugin over Gloo, C prefill ranks -> one decode rank ---------------------------------
+
+def test_nccl_plugin_loads_a_transport() -> None:
+    from cpkv.disagg import Transport
+    from cpkv.plugin import PluginHost
+
+    h = PluginHost(allow=["nccl"])
+    try:
+        reg = h.transfers()
+        assert reg.availability("nccl").available
+        t = reg.select(["nccl"])["transfer"].impl
+        assert isinstance(t, Transport) and t.name == "nccl"
+    finally:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+
+
+def _spec(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...] = (), n: int = 4) -> JobSpec:
+    rng = random.Random(cp)
+    prompts = tuple(tuple(rng.randrange(512) for _ in range(k)) for k in (90, 45, 7, 130))
+    s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]}, debug=True,
+                      transfer={"name": "nccl", "timeout_s": 60})
+    return JobSpec(str(tiny), prompts, s, False, prefix, n)
+
+
+def _reference(spec: JobSpec) -> list[list[int]]:
+    from cpkv.fallback import recording
+    from cpkv.runtime.decode import reference_generate
+
+    with recording():
+        return reference_generate(load_model(spec.model_dir), spec.settings, spec.prompts,
+                                  spec.decode_tokens, chunks=spec.batches())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode", "prefix"), [(2, "zigzag", (20, 0, 3, 64)),
+                                                    (4, "interleave", ())])
+def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...]) -> None:
+    spec = _spec(tiny, cp, mode, prefix)
+    out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
+    senders: list[SenderReport] = [r.value for r in out[:cp]]
+    dec: DecodeReport = out[cp].value
+    model = load_model(str(tiny))
+    page_bytes = model.kv_format("fp32", PAGE).page_bytes * model.num_layers
+    for r, snd in enumerate(senders):
+        owned = sum(len(v) for v in snd.page_crcs.values())
+        assert snd.bytes_sent == owned * page_bytes, f"rank {r} sent other than its own pages"
+        assert dec.bytes_per_rank[r] == snd.bytes_sent
+    # every logical page landed where it belongs: decode page k == its owner's page k
+    for rid, crcs in dec.page_crcs.items():
+        owner_crc = {}
+        for snd in senders:
+            owner_crc.update(snd.page_crcs[rid])
+        assert crcs == [owner_crc[k] for k in range(len(crcs))], rid
+    # chunked prefill: whole pages after the non-final chunk, the tail after the final one
+    by_req: dict[str, list[TransferManifest]] = {}
+    for m in senders[0].manifests:
+        by_req.setdefault(m.request, []).append(m)
+    for rid, ms in by_req.items():
+        for m in ms[:-1]:
+            assert m.valid_len % PAGE == 0 and m.num_pages * PAGE == m.valid_len
+        for a, b in itertools.pairwise(ms):
+            assert b.first_page == a.num_pages
+        assert ms[-1].valid_len == len(spec.prompts[int(rid[1:])])
+    if prefix:
+        assert any(len(ms) == 2 for ms in by_req.values())
+    assert dec.tokens == _reference(spec)
+
+
+def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
+    """The decode rank of the kill test: receive, and on failure record the pool's state and
+    whether the next (local) request still works, then re-raise."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from cpkv.disagg import LinkSpec
+    from cpkv.runtime.decode import DecodeWorker
+    from cpkv.runtime.job import _transport
+
+    s, c = spec.settings, spec.settings.cp.size
+    if world.rank == 1:
+        from cpkv_transfer_nccl.transport import NcclLink
+
+        def die(self: Any, part: Any, dst: Any) -> int:
+            os._exit(3)
+
+        NcclLink.send_part = die  # type: ignore[method-assign]
+    if world.rank < c:
+        return disagg_rank(world, spec)
+    dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s))
+    worker = DecodeWorker(load_model(spec.model_dir), s)
+    link = _transport(s, world).connect(LinkSpec(endpoint=c, cp_size=c, pool=worker.pool,
+                                                 timeout_s=s.transfer.timeout_s, debug=True))
+    fresh = worker.pool.allocator.snapshot()
+    try:
+        DecodeTransfer(link, worker.receiver, c).receive()
+    except TransferError as exc:
+        rec: dict[str, Any] = {"error": str(exc), "table": list(worker.pool.table),
+                               "unchanged": worker.pool.allocator.snapshot() == fresh,
+                               "in_flight": worker.receiver.in_flight()}
+        _next_request_works(worker.receiver)  # raises if the pool is not usable
+        rec["next_ok"] = True
+        Path(out).write_text(json.dumps(rec))
+        raise
+    return None
+
+
+@pytest.mark.multiprocess
+def test_rank_killed_mid_transfer(tiny: Path, tmp_path: Path) -> None:
+    spec = _spec(tiny, 2, "zigzag")
+    out = tmp_path / "decode.json"
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_decode_then_record, 3, args=(spec, str(out)), timeout_s=120, settle_s=5.0)
+    assert info.value.rank == 1 and info.value.exitcode == 3
+    rec = json.loads(out.read_text())
+    assert "'p0' failed receiving rank 1's part" in rec["error"]
+    assert "nothing published" in rec["error"]
+    assert rec["table"] == [] and rec["unchanged"] and rec["in_flight"] == [] and rec["next_ok"]
