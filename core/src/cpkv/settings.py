@@ -99,6 +99,14 @@ class TransferSettings(_Section):
 
     name: str = Field("nccl", min_length=1, description="a transfer entry-point name")
     timeout_s: float = Field(30.0, gt=0, description="bound on one transfer, seconds")
+    protocol: str = Field("tcp", min_length=1,
+                          description="mooncake: the engine's transport: 'tcp', 'rdma' or 'nvlink'")
+    hostname: str = Field("127.0.0.1", min_length=1,
+                          description="mooncake: the address this host's engine listens on")
+    retries: int = Field(0, ge=0, le=10, description="mooncake: retries of a failed batch write")
+    max_batch_entries: int = Field(
+        1024, ge=1, le=1024,
+        description="mooncake: entries per batch write (the engine breaks past ~2048 in flight)")
 
 
 class PluginSettings(_Section):

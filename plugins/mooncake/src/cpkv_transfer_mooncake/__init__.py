@@ -1,4 +1,5 @@
-"""cpkv KV transfer over the Mooncake Transfer Engine (not implemented yet, issue #6).
+"""cpkv KV transfer over the Mooncake Transfer Engine (one-sided writes into the decode pool).
 
-Kept light: importing this package does not import mooncake.
+Kept light: importing this package imports neither torch nor mooncake (the transport is in
+``transport``, the engine is imported by ``plugin.load()``).
 """

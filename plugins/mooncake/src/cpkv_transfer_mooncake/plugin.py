@@ -1,30 +1,75 @@
 """Declares the ``mooncake`` transfer (entry point ``cpkv.transfers: mooncake``).
 
-Importing this module does not import mooncake; the probe only looks it up.
+Importing this module imports neither torch nor mooncake. The probe looks the ``mooncake``
+package up and loads the system libraries its engine links (``libibverbs.so.1``, ...) without
+importing it: discovery stays light, and a missing library is a precise reason instead of a crash.
+``load()`` imports the engine (``MC_LOG_LEVEL=ERROR`` unless set: glog floods stderr otherwise).
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata
 import importlib.util
+import os
+from pathlib import Path
 
 from cpkv.contracts import Availability
 from cpkv.plugin import TransferRegistrar, TransferSpec, hookimpl
 
 NAME = "mooncake"
 NOT_INSTALLED = ("mooncake-transfer-engine not installed (pip install "
-                 "mooncake-transfer-engine-non-cuda on CPU machines, ...-cuda13 on GPU)")
-NOT_IMPLEMENTED = "transfer not implemented yet (issue #6)"
+                 "mooncake-transfer-engine-non-cuda on CPU machines, mooncake-transfer-engine "
+                 "(CUDA 12) or mooncake-transfer-engine-cuda13 on GPU machines)")
+#: system libraries the engine links that are not in the wheel, and the Debian package of each
+SYSTEM_LIBS = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1",
+               "libcurl.so.4": "libcurl4"}
+CUDA_WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
+
+
+def _installed_wheels() -> list[str]:
+    names = []
+    for dist in ("mooncake-transfer-engine-non-cuda", *CUDA_WHEELS):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        names.append(dist)
+    return names
+
+
+def _can_load(lib: str) -> bool:
+    try:
+        ctypes.CDLL(lib)
+    except OSError:
+        return False
+    return True
 
 
 def _reasons() -> list[str]:
     reasons: list[str] = []
     try:
-        missing = importlib.util.find_spec("mooncake") is None
+        spec = importlib.util.find_spec("mooncake")
     except (ImportError, ValueError):  # a broken parent package or spec counts as missing
-        missing = True
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return [NOT_INSTALLED]
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    if not any(pkg.glob("engine*.so")):
+        reasons.append(f"the mooncake package at {pkg} has no transfer engine (engine*.so); "
+                       "reinstall mooncake-transfer-engine-non-cuda")
+    missing = [f"{lib} (apt-get install {deb})" for lib, deb in SYSTEM_LIBS.items()
+               if not _can_load(lib)]
     if missing:
-        reasons.append(NOT_INSTALLED)
-    reasons.append(NOT_IMPLEMENTED)
+        reasons.append(f"the Mooncake engine needs system libraries that are missing: "
+                       f"{', '.join(missing)}")
+    wheels = _installed_wheels()
+    if len(wheels) > 1:
+        reasons.append(f"several Mooncake wheels are installed ({', '.join(wheels)}); they share "
+                       "the 'mooncake' package: keep exactly one")
+    if any(w in CUDA_WHEELS for w in wheels) and not _can_load("libcuda.so.1"):
+        reasons.append(f"{wheels[0]} is a CUDA build and libcuda.so.1 (the NVIDIA driver) is "
+                       "missing: use mooncake-transfer-engine-non-cuda on CPU machines")
     return reasons
 
 
@@ -34,14 +79,38 @@ def probe() -> Availability:
     return Availability.no("; ".join(reasons)) if reasons else Availability.yes()
 
 
-def load() -> object:
-    """Raises:
-        RuntimeError: always for now, with the probe's reason (no transfer yet).
+def import_engine() -> type:
+    """``mooncake.engine.TransferEngine``, imported with ``MC_LOG_LEVEL=ERROR`` unless set.
+
+    Raises:
+        RuntimeError: the probe's reasons, or the import's own error.
     """
-    raise RuntimeError(f"the mooncake transfer cannot be loaded: {'; '.join(_reasons())}")
+    reasons = _reasons()
+    if reasons:
+        raise RuntimeError(f"the mooncake transfer cannot be loaded: {'; '.join(reasons)}")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise RuntimeError(f"the mooncake transfer cannot be loaded: importing mooncake.engine "
+                           f"failed ({exc})") from exc
+    return TransferEngine
+
+
+def load() -> object:
+    """The transport (``cpkv.disagg.transport.Transport``).
+
+    Raises:
+        RuntimeError: the engine cannot be imported here (the probe's reasons, or the import's).
+    """
+    import_engine()
+    from .transport import MooncakeTransport
+
+    return MooncakeTransport()
 
 
 @hookimpl
 def cpkv_register_transfers(registrar: TransferRegistrar) -> None:
     registrar.add(TransferSpec(name=NAME, probe=probe, load=load,
-                               description="Mooncake Transfer Engine (RDMA/TCP)"))
+                               description="Mooncake Transfer Engine (P2P handshake; TCP, RDMA, "
+                                           "NVLink)"))

@@ -1,0 +1,456 @@
+"""The ``mooncake`` transport: one-sided writes of the prefill ranks' pages into the decode pool
+with the Mooncake Transfer Engine (``P2PHANDSHAKE``: no metadata server).
+
+``connect`` (collective over the C + 1 endpoints): every endpoint initializes its own engine on
+``transfer.hostname`` with ``transfer.protocol`` (``tcp`` by default) and registers its pool's
+buffers (``latent[l]`` and ``index_k[l]`` of every layer: contiguous uint8 tensors). The decode
+endpoint sends every prefill endpoint a :class:`Session`: its engine's ``host:rpc_port`` and the
+:class:`Layout` of its pool (base address of every buffer, bytes per page of each kind, pages);
+each prefill endpoint answers :class:`Joined` (its engine came up, its pool has the same page
+layout). The side channel is a ``StoreSideChannel`` on a ``TCPStore`` that the decode endpoint
+hosts on ``transfer.hostname`` (its port goes to the prefill endpoints over the endpoints'
+``torch.distributed`` world), or on ``options["store"]``: a timed-out wait leaves it usable for the
+next request (a Gloo pair is closed by its first timeout).
+
+``send_part`` turns a part into write entries: its runs are split where the destination slots are
+not consecutive, pieces that continue each other in both source and destination are merged, and
+each piece moves as one entry per (layer, buffer). Entries go in batches of at most
+``transfer.max_batch_entries`` (<= 1024: more than ~2048 entries in flight to one peer break the
+engine's path to it) with ``batch_transfer_sync_write``; a failed batch is retried
+``transfer.retries`` times, each on a fresh engine (a failed path stays broken in the old one),
+then the part fails (and the sender renews its engine for the next request). The sender then
+tells the decode endpoint :class:`Written` (with the error, if any) over the side channel;
+``recv_part`` waits for it (bounded by ``transfer.timeout_s``) and marks the part written. A
+failed part publishes nothing (the core aborts the reservation).
+
+Engine facts this module relies on (``/work/shared/notes/mooncake.md``): positional arguments
+only; no method may be called before a successful ``initialize`` (segfault), so an engine whose
+``initialize`` failed is kept, never touched; results are int codes; ``del`` releases an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from cpkv.disagg import (
+    DecodeReceiver,
+    LinkSpec,
+    RankTransfer,
+    StoreSideChannel,
+    TransferError,
+    part_nbytes,
+)
+from cpkv.disagg.transport import Ack, SideChannel
+
+__all__ = ["ENGINE_MAX_IN_FLIGHT", "Joined", "Layout", "MooncakeLink", "MooncakeTransport",
+           "Options", "Session", "Written", "batch_limit", "write_entries"]
+
+#: entries in flight to one peer past which the engine's TCP path to it breaks (-1 with part of
+#: the data written; the path stays broken until a new engine is made)
+ENGINE_MAX_IN_FLIGHT = 2048
+
+# engines whose initialize failed: any call on them, the destructor included, may crash the
+# process, so they are kept alive and never touched
+_UNTOUCHABLE: list[Any] = []
+
+
+def batch_limit() -> int:
+    """The largest allowed ``max_batch_entries``: 1024 (half the engine's per-peer queue), or half
+    of ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when that is set."""
+    raw = os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "")
+    queue = int(raw) if raw.strip().isdigit() else ENGINE_MAX_IN_FLIGHT
+    return max(1, min(queue, 65535) // 2)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The plugin's settings (``transfer.*`` of the settings file, via ``LinkSpec.options``)."""
+
+    protocol: str = "tcp"
+    hostname: str = "127.0.0.1"
+    retries: int = 0
+    max_batch_entries: int = 1024
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> Options:
+        """Unknown keys (``name``, ``timeout_s``, ``store``...) are ignored.
+
+        Raises:
+            ValueError: a value out of range, naming the key and the limit.
+        """
+        o = cls(**{k: m[k] for k in ("protocol", "hostname", "retries", "max_batch_entries")
+                   if k in m})
+        limit = batch_limit()
+        if not 1 <= int(o.max_batch_entries) <= limit:
+            raise ValueError(f"transfer.max_batch_entries = {o.max_batch_entries} is outside "
+                             f"1..{limit}: the Mooncake engine breaks a peer path past "
+                             f"~{ENGINE_MAX_IN_FLIGHT} entries in flight")
+        if int(o.retries) < 0:
+            raise ValueError(f"transfer.retries = {o.retries} must be >= 0")
+        if not o.protocol or not o.hostname:
+            raise ValueError("transfer.protocol and transfer.hostname must not be empty")
+        return o
+
+
+# ---- side-channel messages -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an endpoint's pool lives in its process: the base address of every buffer."""
+
+    latent: tuple[int, ...]  # per layer
+    index_k: tuple[int, ...]
+    latent_row: int  # bytes of one page of one layer's latent buffer
+    index_row: int
+    num_pages: int
+
+    @classmethod
+    def of(cls, pool: Any) -> Layout:
+        for buf in (*pool.latent, *pool.index_k):
+            if not buf.is_contiguous():
+                raise ValueError("the Mooncake transfer needs contiguous pool buffers")
+        return cls(latent=tuple(b.data_ptr() for b in pool.latent),
+                   index_k=tuple(b.data_ptr() for b in pool.index_k),
+                   latent_row=pool.latent[0][0].nbytes, index_row=pool.index_k[0][0].nbytes,
+                   num_pages=pool.latent[0].shape[0])
+
+    def buffers(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every buffer, for registration."""
+        return ([(a, self.latent_row * self.num_pages) for a in self.latent]
+                + [(a, self.index_row * self.num_pages) for a in self.index_k])
+
+    def same_pages_as(self, other: Layout) -> bool:
+        return (len(self.latent), self.latent_row, self.index_row) == (
+            len(other.latent), other.latent_row, other.index_row)
+
+
+@dataclass(frozen=True)
+class Session:
+    """Decode -> every prefill endpoint at connect: its engine's address and pool layout."""
+
+    address: str  # "host:rpc_port"
+    layout: Layout | None
+    protocol: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Prefill endpoint -> decode at connect: its engine is up (or why not)."""
+
+    endpoint: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Written:
+    """Prefill endpoint -> decode after its writes of a part: done (all bytes in place), or the
+    error (then some of the bytes may be in place: the part must not be published)."""
+
+    request: str
+    rank: int
+    nbytes: int
+    entries: int
+    error: str | None = None
+
+
+# ---- write entries ---------------------------------------------------------------------------
+
+def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
+                  dst: Layout) -> list[tuple[int, int, int]]:
+    """``(local address, remote address, length)`` per coalesced piece x layer x buffer.
+
+    A piece is a range of pages consecutive in both the source and the destination slots: runs
+    split where ``dst_slots`` jump, pieces merged where they continue each other.
+
+    Raises:
+        ValueError: slot count or a slot out of range, or pools of different page layouts.
+    """
+    if len(dst_slots) != part.num_pages:
+        raise ValueError(f"{len(dst_slots)} destination slots for {part.num_pages} pages")
+    if not src.same_pages_as(dst):
+        raise ValueError("the prefill and decode pools have different page layouts")
+    pieces: list[list[int]] = []  # [src slot, dst slot, pages]
+    k = 0
+    for run in part.runs:
+        for i in range(run.num_pages):
+            s, d = run.src_slot + i, int(dst_slots[k])
+            k += 1
+            if not (0 <= s < src.num_pages and 0 <= d < dst.num_pages):
+                raise ValueError(f"page slot out of range: source {s} of {src.num_pages}, "
+                                 f"destination {d} of {dst.num_pages}")
+            if pieces and pieces[-1][0] + pieces[-1][2] == s and pieces[-1][1] + pieces[-1][2] == d:
+                pieces[-1][2] += 1
+            else:
+                pieces.append([s, d, 1])
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in pieces:
+        for layer in range(len(src.latent)):
+            out.append((src.latent[layer] + s * src.latent_row,
+                        dst.latent[layer] + d * dst.latent_row, n * src.latent_row))
+            out.append((src.index_k[layer] + s * src.index_row,
+                        dst.index_k[layer] + d * dst.index_row, n * src.index_row))
+    return out
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+class _Engine:
+    """One initialized TransferEngine with the pool's buffers registered."""
+
+    def __init__(self, engine_cls: Any, opts: Options, buffers: Sequence[tuple[int, int]]) -> None:
+        eng = engine_cls()
+        rc = eng.initialize(opts.hostname, "P2PHANDSHAKE", opts.protocol, "")
+        if rc != 0:
+            _UNTOUCHABLE.append(eng)
+            raise TransferError(f"Mooncake initialize({opts.hostname!r}, 'P2PHANDSHAKE', "
+                                f"{opts.protocol!r}) returned {rc}")
+        self.eng: Any = eng
+        self.address = f"{opts.hostname}:{eng.get_rpc_port()}"
+        self.registered: list[int] = []
+        for addr, n in buffers:
+            if n == 0:
+                continue
+            rc = eng.register_memory(addr, n)
+            if rc != 0:
+                self.close()
+                raise TransferError(f"Mooncake register_memory of {n} bytes at {addr:#x} returned "
+                                    f"{rc}")
+            self.registered.append(addr)
+
+    def write(self, peer: str, entries: Sequence[tuple[int, int, int]]) -> int:
+        return int(self.eng.batch_transfer_sync_write(peer, [e[0] for e in entries],
+                                                      [e[1] for e in entries],
+                                                      [e[2] for e in entries]))
+
+    def close(self) -> None:
+        if self.eng is None:
+            return
+        for addr in self.registered:
+            self.eng.unregister_memory(addr)
+        self.registered = []
+        eng, self.eng = self.eng, None
+        del eng  # the engine's destructor stops its threads and closes its listener (~1 s)
+
+
+def _side_channel(spec: LinkSpec, hostname: str) -> tuple[SideChannel, Any]:
+    """A :class:`StoreSideChannel` on a ``TCPStore`` the decode endpoint hosts on ``hostname``
+    (a timed-out wait leaves it usable, unlike a Gloo pair, which a timeout closes), or on
+    ``options["store"]``. Its port reaches the prefill endpoints over a Gloo group of the
+    endpoints' ``torch.distributed`` world. Returns (channel, the store when hosted here)."""
+    prefix = str(spec.options.get("store_prefix", "cpkv-mooncake"))
+    # the decode endpoint waits at most timeout_s per part (C parts); a prefill endpoint waits for
+    # the decode's answer (grant, ack) at most (C + 1) x timeout_s, so it hears the decode's
+    # verdict on a stalled peer instead of timing out first
+    wait_s = spec.timeout_s if spec.is_decode else (spec.cp_size + 1) * spec.timeout_s
+    if spec.options.get("store") is not None:
+        return StoreSideChannel(spec.options["store"], spec.endpoint, wait_s, prefix), None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("the mooncake transfer needs a side channel: an initialized "
+                           "torch.distributed world holding the C prefill ranks and the decode "
+                           "rank, or options['store'] (e.g. a torch.distributed.TCPStore)")
+    timeout = timedelta(seconds=spec.timeout_s)
+    ranks = [spec.world_rank(e) for e in range(spec.cp_size + 1)]
+    # new_group is collective over the whole world: every process calls it, in this order
+    group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    store = None
+    box: list[Any] = [None]
+    if spec.is_decode:
+        try:
+            store = dist.TCPStore(hostname, 0, None, True, timeout, wait_for_workers=False)
+            box[0] = store.port
+        except Exception as exc:  # the prefill endpoints must hear of it, not hang
+            box[0] = _why(exc)
+    dist.broadcast_object_list(box, src=spec.world_rank(spec.decode_endpoint), group=group)
+    if not isinstance(box[0], int):
+        raise TransferError(f"mooncake connect: the decode endpoint's side-channel store on "
+                            f"{hostname} failed: {box[0]}")
+    if store is None:
+        store = dist.TCPStore(hostname, box[0], None, False, timeout)
+    return StoreSideChannel(store, spec.endpoint, wait_s, prefix), store
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class MooncakeLink:
+    """One endpoint's link (see ``cpkv.disagg.transport.Link``).
+
+    Attributes:
+        remote: decode engine's ``host:port`` (prefill endpoints; the decode's own on decode).
+        max_batch: entries per batch write (``transfer.max_batch_entries``).
+        stats: ``batches``, ``entries``, ``largest_batch``, ``retries`` so far (prefill).
+    """
+
+    def __init__(self, spec: LinkSpec, engine_cls: Any) -> None:
+        self.spec = spec
+        self.opts = Options.from_mapping(spec.options)
+        self.max_batch = self.opts.max_batch_entries
+        self.retries = self.opts.retries
+        self._engine_cls = engine_cls
+        self.local = Layout.of(spec.pool)
+        self.engine: _Engine | None = None
+        self.remote = ""
+        self.remote_layout: Layout | None = None
+        self.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0}
+        self.channel, self._store = _side_channel(spec, self.opts.hostname)
+        if spec.is_decode:
+            self._connect_decode()
+        else:
+            self._connect_prefill()
+
+    # ---- connect ---------------------------------------------------------------------------
+
+    def _connect_decode(self) -> None:
+        spec, err = self.spec, None
+        try:
+            self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
+            session = Session(self.engine.address, self.local, self.opts.protocol)
+            self.remote, self.remote_layout = self.engine.address, self.local
+        except Exception as exc:
+            err = exc
+            session = Session("", None, self.opts.protocol, _why(exc))
+        for r in range(spec.cp_size):
+            self.channel.send(r, session)
+        if err is not None:
+            raise TransferError(f"mooncake connect: the decode engine failed: {_why(err)}") from err
+        bad = []
+        for r in range(spec.cp_size):
+            j = self.channel.recv(r)
+            if not isinstance(j, Joined) or j.error is not None:
+                bad.append(f"rank {r}: {getattr(j, 'error', j)!s}")
+        if bad:
+            self.close()
+            raise TransferError(f"mooncake connect: prefill endpoints failed: {'; '.join(bad)}")
+
+    def _connect_prefill(self) -> None:
+        spec, err = self.spec, None
+        try:
+            self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
+        except Exception as exc:
+            err = _why(exc)
+        session = self.channel.recv(spec.decode_endpoint)
+        if not isinstance(session, Session) or session.error is not None or session.layout is None:
+            self.close()
+            raise TransferError(f"mooncake connect: the decode engine failed: "
+                                f"{getattr(session, 'error', session)}")
+        if err is None and not self.local.same_pages_as(session.layout):
+            err = (f"page layouts differ: this pool {len(self.local.latent)} layers x "
+                   f"({self.local.latent_row}, {self.local.index_row}) bytes per page, the decode "
+                   f"pool {len(session.layout.latent)} x ({session.layout.latent_row}, "
+                   f"{session.layout.index_row})")
+        self.channel.send(spec.decode_endpoint, Joined(spec.endpoint, err))
+        if err is not None:
+            self.close()
+            raise TransferError(f"mooncake connect: rank {spec.endpoint}: {err}")
+        self.remote, self.remote_layout = session.address, session.layout
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def _renew_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = None
+        self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
+
+    def _write(self, batch: Sequence[tuple[int, int, int]]) -> None:
+        attempts = 1 + self.retries
+        rc = 0
+        for a in range(attempts):
+            if a:
+                self.stats["retries"] += 1
+                self._renew_engine()  # the failed path to the peer stays broken in the old one
+            assert self.engine is not None
+            rc = self.engine.write(self.remote, batch)
+            if rc == 0:
+                self.stats["batches"] += 1
+                self.stats["entries"] += len(batch)
+                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
+                return
+        raise TransferError(f"batch_transfer_sync_write of {len(batch)} entries "
+                            f"({sum(e[2] for e in batch)} bytes) to {self.remote} returned {rc} "
+                            f"after {attempts} attempt(s)")
+
+    def send_part(self, part: RankTransfer, dst_slots: Sequence[int]) -> int:
+        """Write the part's pages into the decode pool, then tell the decode endpoint.
+
+        Raises:
+            TransferError: a batch failed (after the retries) or the slots are wrong; the decode
+                endpoint was told and answered (its negative ack is consumed here, so the side
+                channel stays in step for the next request).
+        """
+        spec = self.spec
+        n = part_nbytes(spec.pool, part.num_pages)
+        entries: list[tuple[int, int, int]] = []
+        try:
+            if self.engine is None or self.remote_layout is None:
+                raise TransferError("the link is closed")
+            entries = write_entries(part, dst_slots, self.local, self.remote_layout)
+            for i in range(0, len(entries), self.max_batch):
+                self._write(entries[i:i + self.max_batch])
+        except Exception as exc:
+            why = _why(exc)
+            if isinstance(exc, TransferError) and self.engine is not None:
+                # a failed write leaves the engine's path to the peer broken (also for the next
+                # request): the next one goes through a fresh engine
+                with contextlib.suppress(Exception):
+                    self._renew_engine()
+            told = ack = None
+            with contextlib.suppress(Exception):
+                self.channel.send(spec.decode_endpoint,
+                                  Written(part.request, spec.endpoint, 0, len(entries), why))
+                told = True
+            if told:
+                with contextlib.suppress(Exception):
+                    ack = self.channel.recv(spec.decode_endpoint)
+            after = (f"; decode: {ack.error}" if isinstance(ack, Ack) and ack.error else
+                     "; nothing published" if isinstance(ack, Ack) and not ack.published else "")
+            raise TransferError(f"mooncake: rank {spec.endpoint} failed writing its part of "
+                                f"{part.request!r} ({part.num_pages} pages, {len(entries)} "
+                                f"entries) to {self.remote or '?'}: {why}{after}") from exc
+        self.channel.send(spec.decode_endpoint, Written(part.request, spec.endpoint, n, len(entries)))
+        return n
+
+    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver) -> int:
+        """Wait (``transfer.timeout_s``) for the sender's :class:`Written`, then mark the part."""
+        n = part_nbytes(receiver.pool, part.num_pages)
+        try:
+            msg = self.channel.recv(part.rank)
+        except Exception as exc:
+            raise TransferError(f"no completion notice from rank {part.rank} (waited at most "
+                                f"{self.spec.timeout_s:g} s, transfer.timeout_s): {_why(exc)}") from exc
+        if not isinstance(msg, Written) or (msg.request, msg.rank) != (part.request, part.rank):
+            raise TransferError(f"rank {part.rank} sent {msg!r}, expected the completion notice of "
+                                f"its part of {part.request!r}")
+        if msg.error is not None:
+            raise TransferError(f"rank {part.rank}'s writes failed: {msg.error}")
+        if msg.nbytes != n:
+            raise TransferError(f"rank {part.rank} wrote {msg.nbytes} bytes, its part has {n}")
+        receiver.mark_written(part)
+        return n
+
+    def close(self) -> None:
+        """Unregister the pool's buffers and release the engine (idempotent)."""
+        if self.engine is not None:
+            eng, self.engine = self.engine, None
+            eng.close()
+        self._store = None
+
+
+class MooncakeTransport:
+    """What ``load()`` returns."""
+
+    name = "mooncake"
+
+    def connect(self, spec: LinkSpec) -> MooncakeLink:
+        from .plugin import import_engine
+
+        return MooncakeLink(spec, import_engine())

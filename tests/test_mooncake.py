@@ -1,0 +1,413 @@
+"""The Mooncake transfer plugin (real engines, TCP over 127.0.0.1): C = 2 and 4 prefill ranks ->
+one decode rank, and faults (peer killed mid-transfer, wrong address, timeout, a batch over the
+engine's limit): a clear error, nothing published, the decode pool unchanged and usable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# read by the engine when it is imported (in the rank processes, which inherit them): quiet glog,
+# and listening ports away from the usual ones
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("MC_MIN_RPC_PORT", "47310")
+os.environ.setdefault("MC_MAX_RPC_PORT", "47990")
+
+from cpkv.disagg import (
+    DecodeReceiver,
+    DecodeTransfer,
+    LinkSpec,
+    PrefillTransfer,
+    RankTransfer,
+    TransferError,
+    manifest_for,
+)
+from cpkv.disagg.plan import PageRun
+from cpkv.runtime import CPGroup, RankFailed, run_ranks
+from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
+from cpkv.settings import SettingsError, load_settings
+from cpkv_transfer_mooncake.plugin import probe
+from test_disagg import (
+    PAGE,
+    _check_landed,
+    _next_request_works,
+    _pool,
+    _reference,
+    _snapshot,
+    _source,
+    _spec,
+)
+
+_AVAIL = probe()
+pytestmark = [pytest.mark.mooncake,
+              pytest.mark.skipif(not _AVAIL.available, reason=f"mooncake: {_AVAIL.reason}")]
+
+
+# ---- no engine: entries, batches, limits -------------------------------------------------------
+
+def _layout(n: int, base: int, layers: int = 2) -> Any:
+    from cpkv_transfer_mooncake.transport import Layout
+
+    return Layout(latent=tuple(base + 10**6 * i for i in range(layers)),
+                  index_k=tuple(base + 10**6 * (layers + i) for i in range(layers)),
+                  latent_row=100, index_row=10, num_pages=n)
+
+
+def test_entries_split_at_destination_gaps_and_merge_continuations() -> None:
+    from cpkv_transfer_mooncake.transport import write_entries
+
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=3, src_slot=5),
+                                                   PageRun(first_page=4, num_pages=2, src_slot=8)))
+    src, dst = _layout(16, 0), _layout(16, 10**8)
+    # run 1 lands at 0,1 then 7 (a gap: split); run 2 continues the 7 in both slots (merged)
+    ent = write_entries(part, [0, 1, 7, 8, 9], src, dst)
+    pieces = [(5, 0, 2), (7, 7, 3)]
+    want = []
+    for s, d, n in pieces:
+        for layer in range(2):
+            want.append((src.latent[layer] + s * 100, dst.latent[layer] + d * 100, n * 100))
+            want.append((src.index_k[layer] + s * 10, dst.index_k[layer] + d * 10, n * 10))
+    assert ent == want
+    assert sum(e[2] for e in ent) == 5 * 2 * 110  # exactly the part's bytes
+    with pytest.raises(ValueError, match="destination slots"):
+        write_entries(part, [0, 1], src, dst)
+    with pytest.raises(ValueError, match="out of range"):
+        write_entries(part, [0, 1, 7, 8, 16], src, dst)
+    with pytest.raises(ValueError, match="different page layouts"):
+        write_entries(part, [0, 1, 7, 8, 9], src, _layout(16, 10**8, layers=3))
+
+
+class _FakeEngine:
+    """Stands in for ``_Engine``: records batches; fails the first ``fail`` writes."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.batches: list[int] = []
+        self.fail = fail
+
+    def write(self, peer: str, entries: Any) -> int:
+        if self.fail:
+            self.fail -= 1
+            return -1
+        self.batches.append(len(entries))
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, peer: int, msg: Any) -> None:
+        self.sent.append(msg)
+
+    def recv(self, peer: int) -> Any:
+        from cpkv.disagg import Ack
+
+        return Ack("a", False, "rank 0's writes failed; nothing published")
+
+
+def _bare_link(n_pages: int, max_batch: int, retries: int = 0, fail: int = 0) -> Any:
+    from cpkv_transfer_mooncake.transport import MooncakeLink
+
+    link = object.__new__(MooncakeLink)
+    pool = _pool(CPGroup.single(), capacity=n_pages)
+    link.spec = LinkSpec(endpoint=0, cp_size=1, pool=pool)
+    link.max_batch, link.retries = max_batch, retries
+    link.local = link.remote_layout = _layout(n_pages, 0)
+    link.remote = "127.0.0.1:1"
+    link.engine = _FakeEngine(fail)
+    link.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0}
+    link.channel = _Channel()
+    link._renew_engine = lambda: setattr(link, "engine", _FakeEngine())
+    return link
+
+
+def test_batches_stay_within_the_limit_and_retries_use_a_fresh_engine() -> None:
+    from cpkv_transfer_mooncake.transport import Written
+
+    # 700 pages, every other destination slot: 700 pieces x 2 layers x 2 buffers = 2800 entries
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=700, src_slot=0),))
+    link = _bare_link(1400, 1024)
+    assert link.send_part(part, list(range(0, 1400, 2))) == part_bytes(link, 700)
+    assert link.engine.batches == [1024, 1024, 752]
+    assert isinstance(link.channel.sent[-1], Written) and link.channel.sent[-1].error is None
+    link = _bare_link(1400, 1024, retries=1, fail=1)
+    link.send_part(part, list(range(0, 1400, 2)))
+    assert link.stats["retries"] == 1 and link.stats["batches"] == 3
+    link = _bare_link(1400, 1024, retries=1, fail=5)
+    link._renew_engine = lambda: setattr(link, "engine", _FakeEngine(fail=5))
+    with pytest.raises(TransferError, match=r"returned -1 after 2 attempt\(s\).*nothing published"):
+        link.send_part(part, list(range(0, 1400, 2)))
+    told = link.channel.sent[-1]
+    assert isinstance(told, Written) and "returned -1" in (told.error or "")
+
+
+def part_bytes(link: Any, n: int) -> int:
+    from cpkv.disagg import part_nbytes
+
+    return part_nbytes(link.spec.pool, n)
+
+
+def test_a_misconfigured_batch_limit_is_rejected_at_startup() -> None:
+    from cpkv_transfer_mooncake.transport import Options
+
+    with pytest.raises(SettingsError, match="max_batch_entries"):
+        load_settings(transfer={"name": "mooncake", "max_batch_entries": 4096})
+    with pytest.raises(ValueError, match=r"max_batch_entries = 4096 is outside 1\.\.1024"):
+        Options.from_mapping({"max_batch_entries": 4096})
+    assert Options.from_mapping({"name": "x", "timeout_s": 3}).max_batch_entries == 1024
+
+
+def test_probe_names_a_missing_system_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpkv_transfer_mooncake import plugin
+
+    monkeypatch.setattr(plugin, "_can_load", lambda lib: lib != "libibverbs.so.1")
+    av = plugin.probe()
+    assert not av.available
+    assert "libibverbs.so.1 (apt-get install libibverbs1)" in av.reason
+    with pytest.raises(RuntimeError, match="libibverbs"):
+        plugin.load()
+
+
+# ---- real engines: C prefill ranks -> one decode rank ------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cpkv.models import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode", "prefix"), [(2, "zigzag", (20, 0, 3, 64)),
+                                                    (4, "interleave", ())])
+def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...]) -> None:
+    from cpkv.models import load_model
+
+    base = _spec(tiny, cp, mode, prefix)
+    s = base.settings.model_copy(update={"transfer": base.settings.transfer.model_copy(
+        update={"name": "mooncake", "timeout_s": 60})})
+    spec = JobSpec(base.model_dir, base.prompts, s, False, base.prefix_lens, base.decode_tokens)
+    out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
+    senders: list[SenderReport] = [r.value for r in out[:cp]]
+    dec: DecodeReport = out[cp].value
+    model = load_model(str(tiny))
+    page_bytes = model.kv_format("fp32", PAGE).page_bytes * model.num_layers
+    for r, snd in enumerate(senders):  # exactly the pages each rank owns
+        owned = sum(len(v) for v in snd.page_crcs.values())
+        assert owned and snd.bytes_sent == owned * page_bytes, f"rank {r}"
+        assert dec.bytes_per_rank[r] == snd.bytes_sent
+    for rid, crcs in dec.page_crcs.items():  # decode page k == its owner's page k
+        owner_crc: dict[int, int] = {}
+        for snd in senders:
+            owner_crc.update(snd.page_crcs[rid])
+        assert crcs == [owner_crc[k] for k in range(len(crcs))], rid
+    assert dec.tokens == _reference(spec)
+
+
+# ---- faults ------------------------------------------------------------------------------------
+
+C, TIMEOUT, BIG = 2, 4.0, 1200
+FAULTS = ("port", "address", "stall", "over_limit")
+
+
+def _tables(big: bool) -> tuple[Any, ...]:
+    """(prefill ranks' pools, owners, slots, valid length) of a request. ``big``: interleaved
+    owners over 1200 pages, so every page is its own piece: 2400 entries per rank (> 2048)."""
+    if big:
+        ranks, _, _ = _source(C, 1, seed=11)
+        for i, r in enumerate(ranks):
+            r.pool = _big_pool(r, BIG // C, seed=i)
+        return ranks, [k % C for k in range(BIG)], [k // C for k in range(BIG)], BIG * PAGE
+    ranks, owners, slots = _source(C, 12, seed=4)
+    return ranks, owners, slots, 12 * PAGE - 5
+
+
+def _big_pool(r: Any, n: int, seed: int) -> Any:
+    import torch
+
+    from cpkv.kv import ShardedKVPool
+
+    pool = ShardedKVPool(r.pool.fmt, r.pool.num_layers, CPGroup.single(), r.pool.ops,
+                         pages_per_rank=n)
+    gen = torch.Generator().manual_seed(seed)
+    for buf in (*pool.latent, *pool.index_k):
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    return pool
+
+
+def _connect(world: CPGroup, pool: Any, max_batch: int) -> Any:
+    from cpkv_transfer_mooncake.transport import MooncakeTransport
+
+    return MooncakeTransport().connect(LinkSpec(
+        endpoint=world.rank, cp_size=C, pool=pool, timeout_s=TIMEOUT, debug=True,
+        options={"max_batch_entries": max_batch, "hostname": "127.0.0.1", "protocol": "tcp"}))
+
+
+def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: Any,
+                 fault: str) -> dict[str, Any]:
+    """Receive the faulty request, record, then receive the next one and check it landed."""
+    rec: dict[str, Any] = {}
+    before = _snapshot(rx.pool)
+    t0 = time.perf_counter()
+    try:
+        DecodeTransfer(link, rx, C).receive()
+        rec["error"] = None
+    except TransferError as exc:
+        rec["error"] = str(exc)
+    rec["seconds"] = time.perf_counter() - t0
+    rec["unchanged"] = _snapshot(rx.pool) == before and rx.in_flight() == []
+    if fault == "kill":  # rank 1 is gone: the next request is a local one
+        _next_request_works(rx)
+    else:
+        DecodeTransfer(link, rx, C).receive()
+        _check_landed(rx, ranks, f"next-{fault}", owners, slots)
+        rx.free(f"next-{fault}")
+    rec["next_ok"] = True
+    return rec
+
+
+def _apply_fault(link: Any, fault: str) -> Any:
+    """Break rank 1's link for one request; returns what undoes it."""
+    from cpkv_transfer_mooncake import transport as mt
+
+    if fault == "kill":  # dies after its first batch of 2 entries: part of it written
+        real, calls = mt._Engine.write, [0]
+
+        def die_later(self: Any, peer: str, entries: Any) -> int:
+            calls[0] += 1
+            if calls[0] == 2:
+                os._exit(3)
+            return real(self, peer, entries)
+
+        mt._Engine.write = die_later  # type: ignore[method-assign]
+        return lambda: None
+    if fault == "port":  # nothing listens there
+        good = link.remote
+        link.remote = "127.0.0.1:1"
+        return lambda: setattr(link, "remote", good)
+    if fault == "address":  # outside every buffer the decode engine registered
+        lay = link.remote_layout
+        link.remote_layout = replace(lay, latent=tuple(a + (1 << 44) for a in lay.latent))
+        return lambda: setattr(link, "remote_layout", lay)
+    if fault == "stall":  # never writes nor notifies within the timeout
+        link.send_part = lambda part, dst: time.sleep(TIMEOUT + 1.5) or 0
+        return lambda: delattr(link, "send_part")
+    assert fault == "over_limit"  # bypasses the startup check: 2400 entries in one batch
+    link.max_batch = 4096
+    return lambda: setattr(link, "max_batch", 1024)
+
+
+def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str, Any]:
+    """One endpoint of a session of fault requests: for each fault, request ``fault`` suffers it
+    (on rank 1), then request ``next-{fault}`` goes through the same links. The decode rank
+    records its pool around each and writes the records to ``out``."""
+    kill = faults == ("kill",)
+    ranks, owners, slots, valid = _tables(big=not kill)
+    decode = world.rank == C
+    pool = (_pool(CPGroup.single(), capacity=len(owners) + 8) if decode
+            else ranks[world.rank].pool)
+    link = _connect(world, pool, 2 if kill else 1024)
+    recs: dict[str, Any] = {}
+    if decode:
+        rx = DecodeReceiver(pool, debug=True)
+        for fault in faults:
+            recs[fault] = _decode_side(link, rx, ranks, owners, slots, fault)
+            Path(out).write_text(json.dumps(recs))
+        link.close()
+        return recs
+    sender = PrefillTransfer(link, pool, world.rank, C, debug=True)
+    for fault in faults:
+        m = manifest_for(fault, owners, slots, valid, PAGE, C)
+        undo = _apply_fault(link, fault) if world.rank == 1 else (lambda: None)
+        rec: dict[str, Any] = {}
+        try:
+            sender.send(m)
+            rec["error"] = None
+        except TransferError as exc:
+            rec["error"] = str(exc)
+        undo()
+        link.stats.update(batches=0, entries=0, largest_batch=0)
+        sender.send(manifest_for(f"next-{fault}", owners, slots, valid, PAGE, C))
+        rec["stats"] = dict(link.stats)
+        recs[fault] = rec
+    link.close()
+    return recs
+
+
+@pytest.fixture(scope="module")
+def fault_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[str, Any]]:
+    """All fault requests in one 3-process session (one spawn: the machine is small)."""
+    out = tmp_path_factory.mktemp("faults") / "decode.json"
+    res = run_ranks(_faults_rank, C + 1, args=(FAULTS, str(out)), timeout_s=120)
+    return [r.value for r in res], json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("fault", "why"), [
+    ("port", r"rank 1's writes failed: .*batch_transfer_sync_write of \d+ entries .* to "
+             r"127\.0\.0\.1:1 returned -1"),
+    ("address", r"rank 1's writes failed: .*batch_transfer_sync_write .* returned -1"),
+    ("stall", r"no completion notice from rank 1 \(waited at most 4 s, transfer\.timeout_s\)"),
+    ("over_limit", r"rank 1's writes failed: .*batch_transfer_sync_write of 2400 entries .* "
+                   r"returned -1"),
+])
+def test_fault_publishes_nothing(fault_session: Any, fault: str, why: str) -> None:
+    import re
+
+    ranks, recs = fault_session
+    dec = recs[fault]
+    err = dec["error"] or ""
+    assert re.search(why, err), err
+    assert f"{fault!r} failed receiving rank 1's part" in err and "nothing published" in err
+    assert dec["unchanged"] and dec["next_ok"]  # the next request landed over the same links
+    assert f"did not publish request {fault!r}" in (ranks[0][fault]["error"] or "")
+    assert ranks[1][fault]["error"], "rank 1 must see its failure"
+    if fault == "stall":
+        assert dec["seconds"] < TIMEOUT + 3  # bounded by transfer.timeout_s
+    else:
+        assert f"failed writing its part of {fault!r}" in ranks[1][fault]["error"]
+    # the next request's 2400 entries per rank went in batches within the limit
+    for r in (0, 1):
+        assert ranks[r][fault]["stats"]["largest_batch"] == 1024
+        assert ranks[r][fault]["stats"]["batches"] == 3
+
+
+@pytest.mark.multiprocess
+def test_peer_killed_mid_transfer(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_faults_rank, C + 1, args=(("kill",), str(out)), timeout_s=60, settle_s=TIMEOUT + 4)
+    assert info.value.rank == 1 and info.value.exitcode == 3
+    rec = json.loads(out.read_text())["kill"]
+    assert "'kill' failed receiving rank 1's part" in rec["error"]
+    assert "no completion notice from rank 1" in rec["error"]
+    assert "nothing published" in rec["error"]
+    assert rec["unchanged"] and rec["next_ok"]
+
+
+# ---- cpkv run ----------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+def test_cpkv_run_with_the_example_config(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "mooncake.toml"
+    report = tmp_path / "report.json"
+    res = subprocess.run([sys.executable, "-m", "cpkv.cli", "run", "--config", str(example),
+                          "--decode-tokens", "3", "--report", str(report)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads(report.read_text())
+    assert rep["transfer"]["plugin"] == "mooncake"
+    assert rep["transfer"]["bytes_per_rank"] == rep["kv_bytes_per_rank"]
+    assert rep["decode"]["tokens_match_reference"] is True and rep["correct"] is True
+    assert "transfer (mooncake)" in res.stdout
