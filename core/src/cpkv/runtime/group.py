@@ -32,6 +32,11 @@ __all__ = ["Backend", "CPGroup", "CollectiveCheckError"]
 Backend = Literal["gloo", "nccl", "local"]
 
 
+# torch >= 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor warns
+# there); older releases only have all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class CollectiveCheckError(ValueError):
     """Raised on *every* rank by :meth:`CPGroup.check_all` when at least one rank failed the check.
 
@@ -190,7 +195,7 @@ class CPGroup:
                                device=self.device)
         else:
             recv = out.view(self.size * max_rows, row_elems).view(torch.uint8)
-        dist.all_gather_single(recv, send, group=self._pg)
+        _all_gather_single(recv, send, group=self._pg)
         return out if out is not None else recv.view(local.dtype).view(self.size * max_rows, *rest)
 
     def agree_all(self, local: dict[str, bool]) -> dict[str, bool]:

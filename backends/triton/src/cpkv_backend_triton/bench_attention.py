@@ -1,0 +1,193 @@
+"""Benchmark of the Triton sparse-attention kernels against the torch reference (issue #5).
+
+``bench_attention(device, small=False) -> list[dict]``, one dict per measurement:
+
+(a) indexer logits, 1024 query rows x 32K keys x 64 heads x 128 (bf16 and fp8 keys): causal
+    ranges of a CP rank holding the LAST 1024 rows of a 32K prompt (long ranges), and the full
+    rectangle; ms (CUDA events, warm-up, median of >= 10), TFLOP/s over the FLOPs inside the
+    ranges (``2*H*D + 3*H`` per (row, key in range)), speedup over the reference;
+(b) sparse MLA, 1024 queries x 128 heads x 576/512, top-2048 random valid indices over a 64K-key
+    view: ms, TFLOP/s (``2*N*H*k*(576+512)``), vs the reference; one row per P mode (the default
+    fp16 x 2 concatenated, bf16 x 3 chained: both within the contract; bf16 x 1 as FlashMLA: not);
+(c) top-k 2048 over 1024 x 32K fp32 logits;
+(d) the bf16 dense matmul 8192^3 ceiling (TFLOP/s), measured in the same run.
+
+``small=True`` runs everything tiny (CPU under ``TRITON_INTERPRET=1``: a smoke test; timings there
+are meaningless). ``sweep=True`` adds rows for alternative launch configurations.
+Each row carries ``max_abs_diff`` against the reference where one was run.
+
+Run: ``python -m cpkv_backend_triton.bench_attention [--small] [--sweep] [--device cuda]``
+(prints one JSON object per line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cpkv_backend_triton.attention import AttentionKernels
+
+__all__ = ["bench_attention"]
+
+
+def _timer(device: str, fn: Callable[[], Any], reps: int, warmup: int) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on CUDA, perf_counter elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _ref() -> Any:
+    from cpkv.testing.conformance import reference_backend
+    return reference_backend()
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    fin = b.isfinite()
+    if not bool(fin.any()):
+        return 0.0
+    if not torch.equal(a.isneginf(), b.isneginf()):
+        return float("inf")
+    return float((a[fin].double() - b[fin].double()).abs().max())
+
+
+def bench_attention(device: str, small: bool = False, sweep: bool = False,
+                    reps: int = 10, warmup: int = 3) -> list[dict[str, Any]]:
+    """Measure (a)-(d) of the module docstring on ``device``; see there."""
+    dev = torch.device(device)
+    ref = _ref()
+    ker = AttentionKernels()
+    rows: list[dict[str, Any]] = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    if small:
+        reps, warmup = min(reps, 2), 1
+        n, t, heads, d = 8, 96, 4, 32
+        mla_n, mla_h, mla_t, topk_k = 4, 16, 300, 64
+        mm = 256
+    else:
+        n, t, heads, d = 1024, 32768, 64, 128
+        mla_n, mla_h, mla_t, topk_k = 1024, 128, 65536, 2048
+        mm = 8192
+    tm = lambda fn: _timer(device, fn, reps, warmup)  # noqa: E731
+
+    # (d) matmul ceiling
+    a = torch.randn(mm, mm, generator=g).to(dev, torch.bfloat16)
+    b = torch.randn(mm, mm, generator=g).to(dev, torch.bfloat16)
+    ms = tm(lambda: a @ b)
+    rows.append({"bench": "matmul_bf16", "shape": f"{mm}^3", "ms": ms,
+                 "tflops": 2 * mm ** 3 / ms / 1e9})
+
+    # (a) indexer logits
+    q = (torch.randn(n, heads, d, generator=g)).to(dev, torch.bfloat16)
+    w = (torch.randn(n, heads, generator=g) * (heads * d) ** -0.5).to(dev)
+    kf = torch.randn(t, d, generator=g).to(dev)
+    sc = kf.abs().amax(1).clamp_min(1e-12) / 448.0
+    k8 = (kf / sc[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    pos = torch.arange(t - n, t, device=dev, dtype=torch.int64)  # the prompt's last n rows
+    ranges = {"causal": (torch.zeros_like(pos), pos + 1),
+              "full": (torch.zeros_like(pos), torch.full_like(pos, t))}
+    icfgs: list[dict[str, int]] = [{}]
+    if sweep:
+        icfgs += [{"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4},
+                  {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8},
+                  {"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 8},
+                  {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4}]
+    for kind, keys, scale in (("bf16", kf.to(torch.bfloat16), None), ("fp8", k8, sc)):
+        for rname, (ks, ke) in ranges.items():
+            pairs = float((ke - ks).sum())
+            flops = pairs * (2 * heads * d + 3 * heads)
+            want = ref.indexer_logits(q, w, keys, scale, ks, ke)
+            ref_ms = tm(lambda keys=keys, scale=scale, ks=ks, ke=ke: ref.indexer_logits(
+                q, w, keys, scale, ks, ke))
+            for cfg in icfgs:
+                kk = AttentionKernels(indexer_config=cfg) if cfg else ker
+                try:
+                    got = kk.indexer_logits(q, w, keys, scale, ks, ke)
+                    ms = tm(lambda kk=kk, keys=keys, scale=scale, ks=ks, ke=ke: kk.indexer_logits(
+                        q, w, keys, scale, ks, ke))
+                except Exception as exc:  # a config that does not compile is a row, not a crash
+                    rows.append({"bench": "indexer_logits", "keys": kind, "ranges": rname,
+                                 "config": kk.indexer_config, "error": repr(exc)[:300]})
+                    continue
+                rows.append({"bench": "indexer_logits", "keys": kind, "ranges": rname,
+                             "shape": f"{n}x{t}x{heads}x{d}", "config": kk.indexer_config,
+                             "ms": ms, "tflops": flops / ms / 1e9, "ref_ms": ref_ms,
+                             "ref_tflops": flops / ref_ms / 1e9, "speedup": ref_ms / ms,
+                             "max_abs_diff": _diff(got, want)})
+
+    # (c) top-k
+    ks, ke = ranges["causal"]
+    logits = ker.indexer_logits(q, w, kf.to(torch.bfloat16), None, ks, ke)
+    want = ref.topk(logits, topk_k, ks, ke)
+    got = ker.topk(logits, topk_k, ks, ke)
+    same = float((got.sort(1).values == want.sort(1).values).float().mean())
+    ms = tm(lambda: ker.topk(logits, topk_k, ks, ke))
+    ref_ms = tm(lambda: ref.topk(logits, topk_k, ks, ke))
+    tk_ms = tm(lambda: torch.topk(logits, topk_k, dim=1))
+    rows.append({"bench": "topk", "shape": f"{n}x{t} k={topk_k}", "ms": ms, "ref_ms": ref_ms,
+                 "torch_topk_ms": tk_ms, "speedup": ref_ms / ms, "same_set_fraction": same})
+
+    # (b) sparse MLA
+    qm = torch.randn(mla_n, mla_h, 576, generator=g).to(dev, torch.bfloat16)
+    kv = torch.randn(mla_t, 576, generator=g).to(dev, torch.bfloat16)
+    idx = torch.randint(0, mla_t, (mla_n, topk_k), generator=g, dtype=torch.int32).to(dev)
+    smscale = 576 ** -0.5
+    flops = 2.0 * mla_n * mla_h * topk_k * (576 + 512)
+    want = ref.sparse_mla(qm, kv, idx, smscale, 512)
+    ref_ms = tm(lambda: ref.sparse_mla(qm, kv, idx, smscale, 512))
+    exact = {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0}
+    mcfgs: list[dict[str, int]] = [{}, {**exact, "BLOCK_K": 64},
+                                   {"P_SPLIT": 1, "P_CAT": 0, "P_FP16": 0, "BLOCK_K": 64}]
+    if sweep:
+        mcfgs += [{"BLOCK_K": 64}, {"BLOCK_K": 64, "num_stages": 1}, {"num_stages": 3},
+                  {"BLOCK_K": 16}, {"num_warps": 4}, {**exact, "BLOCK_H": 32, "num_warps": 4},
+                  {"P_SPLIT": 1, "P_CAT": 0, "P_FP16": 0, "BLOCK_K": 64, "num_stages": 1}]
+    for cfg in mcfgs:
+        kk = AttentionKernels(mla_config=cfg) if cfg else ker
+        try:
+            got = kk.sparse_mla(qm, kv, idx, smscale, 512)
+            ms = tm(lambda kk=kk: kk.sparse_mla(qm, kv, idx, smscale, 512))
+        except Exception as exc:
+            rows.append({"bench": "sparse_mla", "config": kk.mla_config, "error": repr(exc)[:300]})
+            continue
+        rows.append({"bench": "sparse_mla", "shape": f"{mla_n}x{mla_h}x576/512 k={topk_k} "
+                     f"T={mla_t}", "config": kk.mla_config, "ms": ms, "tflops": flops / ms / 1e9,
+                     "ref_ms": ref_ms, "ref_tflops": flops / ref_ms / 1e9,
+                     "speedup": ref_ms / ms, "max_abs_diff": _diff(got, want)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    for row in bench_attention(args.device, small=args.small, sweep=args.sweep, reps=args.reps):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""Triton kernels of the KV ops (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack) and
+their thin wrappers, the :class:`KVKernels` mixin of :class:`cpkv_backend_triton.ops.TritonOps`.
+
+Imports triton and torch: the plugin imports this module only when the backend is loaded.
+
+Row movement (``page_gather`` / ``page_scatter`` / ``rerange``) is one kernel, ``_copy_rows``: a
+row is its bytes, moved in the widest unit (8, 4, 2 or 1 bytes) that the row byte count, the base
+pointers and the row strides allow, with a ``VEC``-unit (up to 16 B) alignment hint so that the
+compiler can issue 16-byte accesses. One program per (block of rows, block of columns).
+
+fp8 is bit-exact with the torch reference (``cpkv_backend_torch.ops``) by construction: every
+rounding the reference does is done here with IEEE fp32 ops (``div_rn`` for both divisions) or
+with integer bit manipulation that copies c10's conversions (fp32 -> e4m3fn round-to-nearest-even
+with subnormals, fp32 -> bf16 round-to-nearest-even), so the result does not depend on how a
+Triton version lowers ``.to(float8e4nv)`` / ``.to(bfloat16)`` or ``/`` (which may be approximate).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from cpkv.contracts import KVFormat
+    from cpkv.ops import KVPart
+
+__all__ = ["KVKernels", "fp8_layout"]
+
+FP8_E4M3_MAX = 448.0
+#: the reference's clamp_min(1e-12) on an fp32 tensor clamps at float32(1e-12)
+AMAX_FLOOR_F32 = float(torch.tensor(1e-12, dtype=torch.float32).item())
+
+
+def fp8_layout(fmt: KVFormat, part: KVPart) -> tuple[int, int, int, int]:
+    """``(dims, quant_block, rope_dim, bytes_per_token)``, as the reference's ``fp8_layout``."""
+    if part == "latent":
+        dims, block, rope = fmt.kv_lora_rank, fmt.quant_block, fmt.rope_dim
+        if dims % block:
+            raise ValueError(f"fp8 latent needs kv_lora_rank divisible by quant_block, got "
+                             f"kv_lora_rank={dims}, quant_block={block}")
+    elif part == "index_k":
+        dims, block, rope = fmt.index_head_dim, fmt.index_head_dim, 0
+    else:
+        raise ValueError(f"part must be 'latent' or 'index_k', got {part!r}")
+    return dims, block, rope, dims + 4 * (dims // block) + 2 * rope
+
+
+# ---- row movement ----------------------------------------------------------------------------
+@triton.jit
+def _copy_rows(src_ptr, dst_ptr, idx_ptr, n_rows, row_v, src_stride_v, dst_stride_v,
+               GATHER: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """``dst[i] = src[idx[i]]`` (GATHER) or ``dst[idx[i]] = src[i]`` for i < n_rows.
+
+    A row is ``row_v * VEC`` units; strides are in VEC-unit groups, so every row start is a
+    multiple of VEC units (the alignment the wrapper checked), which lets the compiler vectorise.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    idx = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    if GATHER:
+        s_row = idx
+        d_row = rows
+    else:
+        s_row = rows
+        d_row = idx
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < row_v * VEC
+    s_off = (s_row * src_stride_v) * VEC
+    d_off = (d_row * dst_stride_v) * VEC
+    mask = rmask[:, None] & cmask[None, :]
+    vals = tl.load(src_ptr + s_off[:, None] + cols[None, :], mask=mask)
+    tl.store(dst_ptr + d_off[:, None] + cols[None, :], vals, mask=mask)
+
+
+_UNIT_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` [P, ...] as a [P, R] view (R elements per row, any row stride) when each row is dense
+    in memory, else None."""
+    p = t.shape[0]
+    r = math.prod(t.shape[1:])
+    expect = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != expect:
+            return None
+        expect *= size
+    return t.as_strided((p, r), (t.stride(0) if p > 1 else r, 1))
+
+
+def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, index: torch.Tensor, n: int,
+                 gather: bool) -> None:
+    """Launch ``_copy_rows`` on [*, R] views of one dtype (rows dense, any row stride)."""
+    row_bytes = src2.shape[1] * src2.element_size()
+    if n == 0 or row_bytes == 0:
+        return
+    isz = src2.element_size()
+    g = 16
+    for v in (row_bytes, src2.data_ptr(), dst2.data_ptr(), src2.stride(0) * isz,
+              dst2.stride(0) * isz):
+        g = math.gcd(g, v)
+    unit = min(g, 8)
+    vec = g // unit
+    dt = _UNIT_DTYPE[unit]
+    s = src2.view(torch.uint8).view(dt) if src2.dtype != dt else src2
+    d = dst2.view(torch.uint8).view(dt) if dst2.dtype != dt else dst2
+    row_units = row_bytes // unit
+    block_c = min(triton.next_power_of_2(row_units), max(16, 4096 // unit))
+    # about 16 KB per program: several rows when rows are short
+    block_r = max(1, min(64, (16384 // unit) // block_c, triton.next_power_of_2(n)))
+    grid = (triton.cdiv(n, block_r), triton.cdiv(row_units, block_c))
+    num_warps = 4 if block_r * block_c * unit >= 8192 else 2
+    _copy_rows[grid](s, d, index, n, row_units // vec, s.stride(0) // vec, d.stride(0) // vec,
+                     GATHER=gather, VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c,
+                     num_warps=num_warps)
+
+
+def _check_index(op: str, index: torch.Tensor, t: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (
+            torch.int64, torch.int32):
+        raise ValueError(f"{op}: index must be a 1-D int64 tensor, got "
+                         f"{getattr(index, 'dtype', type(index).__name__)} "
+                         f"{tuple(getattr(index, 'shape', ()))}")
+    if t.dim() < 1:
+        raise ValueError(f"{op}: {what} must have a row dim 0, got a 0-d tensor")
+    if index.device != t.device:
+        raise ValueError(f"{op}: index on {index.device}, {what} on {t.device}")
+    return index.contiguous()
+
+
+def _gather(op: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    index = _check_index(op, index, src, "src")
+    n = index.shape[0]
+    out = torch.empty((n, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    if n == 0 or out.numel() == 0:
+        return out
+    s2 = _dense_rows(src)
+    if s2 is None:
+        s2 = _dense_rows(src.contiguous())
+    assert s2 is not None
+    _launch_copy(s2, out.view(n, -1), index, n, gather=True)
+    return out
+
+
+# ---- fp8 -------------------------------------------------------------------------------------
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bf16 bits (uint32 in [0, 0xFFFF]), round to nearest even; NaN -> 0x7FC0 (c10)."""
+    u = v.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, r)
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """fp32 (already clamped to [-448, 448]) -> float8_e4m3fn code (int32 in [0, 255]), round to
+    nearest even with subnormals: c10's ``fp8e4m3fn_from_fp32_value`` in integer ops."""
+    u = y.to(tl.int32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    sign = (u >> 24) & 0x80
+    # normal (|y| >= 2^-6): round the 23-bit mantissa to 3 bits, rebias 127 -> 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal: round(|y| * 2^9) to an integer, half to even (0 .. 8; 8 is the smallest normal)
+    e = a >> 23
+    m = (a & 0x7FFFFF) | 0x800000
+    s = tl.minimum(141 - e, 31)  # >= 21 here
+    q = m >> s
+    rem = m & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = tl.where(e == 0, 0, q + up.to(tl.int32))
+    code = tl.where(a >= 0x3C800000, normal, sub)
+    code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN stays NaN
+    return code | sign
+
+
+@triton.jit
+def _e4m3_value(c):
+    """float8_e4m3fn code (int32 in [0, 255]) -> its exact fp32 value."""
+    e = (c >> 3) & 15
+    m = c & 7
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,  # m * 2^-9, exact
+                   ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True))
+    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
+                     DIMS: tl.constexpr, QB: tl.constexpr, NBLK: tl.constexpr,
+                     ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_RB: tl.constexpr, FLOOR: tl.constexpr):
+    """Program (i, b): rows [i * BLOCK_N, ...) x quant block b, or the rope when b == NBLK."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    x_row = x_ptr + rows[:, None] * sx_n
+    o_row = out_ptr + rows[:, None] * so_n
+    if b < NBLK:
+        cols = tl.arange(0, BLOCK_Q)
+        cmask = cols < QB
+        mask = rmask[:, None] & cmask[None, :]
+        d = b * QB + cols
+        v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # IEEE, as torch
+        y = tl.math.div_rn(v, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(o_row + d[None, :], _e4m3_bits(y).to(tl.uint8), mask=mask)
+        sb = tl.arange(0, 4)
+        sbits = scale.to(tl.int32, bitcast=True)
+        sbytes = (sbits[:, None] >> (sb[None, :] * 8)) & 0xFF  # little-endian
+        tl.store(o_row + DIMS + b * 4 + sb[None, :], sbytes.to(tl.uint8), mask=rmask[:, None])
+    else:
+        # names differ from the other branch: Triton wants a name to keep one type across branches
+        rc = tl.arange(0, BLOCK_RB)  # output byte of the rope: value rc // 2, byte rc % 2
+        rmask2 = rmask[:, None] & (rc < 2 * ROPE)[None, :]
+        rv = tl.load(x_row + (DIMS + rc // 2)[None, :] * sx_d, mask=rmask2, other=0.0).to(tl.float32)
+        rbits = _bf16_bits(rv)
+        rbyte = (rbits >> ((rc % 2) * 8).to(tl.uint32)[None, :]) & 0xFF
+        tl.store(o_row + DIMS + 4 * NBLK + rc[None, :], rbyte.to(tl.uint8), mask=rmask2)
+
+
+@triton.jit
+def _fp8_unpack_kernel(p_ptr, out_ptr, n_rows, sp_n, sp_b, so_n,
+                       DIMS: tl.constexpr, QB: tl.constexpr, NBLK: tl.constexpr,
+                       ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_R: tl.constexpr, OUT: tl.constexpr):
+    """OUT: 0 float32, 1 bfloat16 (bits, written through an int16 view), 2 float16."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    p_row = p_ptr + rows[:, None] * sp_n
+    o_row = out_ptr + rows[:, None] * so_n
+    if b < NBLK:
+        cols = tl.arange(0, BLOCK_Q)
+        mask = rmask[:, None] & (cols < QB)[None, :]
+        d = b * QB + cols
+        code = tl.load(p_row + d[None, :] * sp_b, mask=mask, other=0).to(tl.int32)
+        s_ptr = p_ptr + rows * sp_n + (DIMS + b * 4) * sp_b
+        sbits = tl.load(s_ptr, mask=rmask, other=0).to(tl.int32)
+        for k in tl.static_range(1, 4):  # little-endian fp32 scale, at any byte alignment
+            sbits |= tl.load(s_ptr + k * sp_b, mask=rmask, other=0).to(tl.int32) << (8 * k)
+        scale = sbits.to(tl.float32, bitcast=True)
+        v = _e4m3_value(code) * scale[:, None]
+        if OUT == 0:
+            tl.store(o_row + d[None, :], v, mask=mask)
+        elif OUT == 1:
+            tl.store(o_row + d[None, :], _bf16_bits(v).to(tl.int16), mask=mask)
+        else:
+            tl.store(o_row + d[None, :], v.to(tl.float16), mask=mask)
+    else:
+        # names differ from the other branch: Triton wants a name to keep one type across branches
+        rj = tl.arange(0, BLOCK_R)
+        rmask2 = rmask[:, None] & (rj < ROPE)[None, :]
+        rbase = DIMS + 4 * NBLK + 2 * rj
+        lo = tl.load(p_row + rbase[None, :] * sp_b, mask=rmask2, other=0).to(tl.int32)
+        hi = tl.load(p_row + (rbase + 1)[None, :] * sp_b, mask=rmask2, other=0).to(tl.int32)
+        rbits = lo | (hi << 8)
+        rd = DIMS + rj
+        if OUT == 1:
+            tl.store(o_row + rd[None, :], rbits.to(tl.int16), mask=rmask2)
+        else:
+            rv = (rbits << 16).to(tl.float32, bitcast=True)
+            if OUT == 0:
+                tl.store(o_row + rd[None, :], rv, mask=rmask2)
+            else:
+                tl.store(o_row + rd[None, :], rv.to(tl.float16), mask=rmask2)
+
+
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class KVKernels:
+    """The KV ops as Triton kernels (mixin of ``TritonOps``). Same contract as
+    :class:`cpkv.ops.KVOps`; results equal the torch reference bit for bit."""
+
+    # ---- page movement ----------------------------------------------------------------------
+    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``out[i] = src[index[i]]`` along dim 0; a new contiguous [n, ...] tensor. Indices are
+        not range-checked on the device (an out-of-range index is the caller's bug)."""
+        return _gather("page_gather", src, index)
+
+    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[index[i]] = src[i]`` in place (``dst`` may be a view of a larger buffer);
+        ``index`` entries are unique."""
+        if (not isinstance(src, torch.Tensor) or dst.dim() < 1
+                or src.shape != (index.shape[0], *dst.shape[1:]) or src.dtype != dst.dtype):
+            raise ValueError(f"page_scatter: src {tuple(src.shape)} {src.dtype} does not fit "
+                             f"index {tuple(index.shape)} into dst {tuple(dst.shape)} {dst.dtype}")
+        index = _check_index("page_scatter", index, dst, "dst")
+        if src.device != dst.device:
+            raise ValueError(f"page_scatter: src on {src.device}, dst on {dst.device}")
+        n = index.shape[0]
+        if n == 0 or src.numel() == 0:
+            return
+        d2 = _dense_rows(dst)
+        s2 = _dense_rows(src)
+        if s2 is None:
+            s2 = _dense_rows(src.contiguous())
+        assert s2 is not None
+        if d2 is not None:
+            _launch_copy(s2, d2, index, n, gather=False)
+            return
+        # rows of dst not dense in memory (rare): scatter into a dense copy, write it back
+        tmp = dst.contiguous()
+        t2 = _dense_rows(tmp)
+        assert t2 is not None
+        _launch_copy(s2, t2, index, n, gather=False)
+        dst.copy_(tmp)
+
+    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """Rank-major padded rows back to natural order: ``natural[n] = gathered[perm[n]]``."""
+        return _gather("rerange", gathered, perm)
+
+    # ---- fp8 ---------------------------------------------------------------------------------
+    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
+        """Quantise rows to the fp8 pool layout; bytes identical to the torch reference."""
+        dims, block, rope, nbytes = fp8_layout(fmt, part)
+        if x.dim() != 2 or x.shape[1] != dims + rope:
+            raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for "
+                             f"{fmt!r}, got {tuple(x.shape)}")
+        if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+            raise ValueError(f"fp8_pack({part}): x must be a float tensor, got {x.dtype}")
+        wide = x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+        x_in = x
+        if wide:  # float64: the reference rounds the fp8 part to fp32 first, as .float() does
+            x = x.float()
+        n = x.shape[0]
+        out = torch.empty((n, nbytes), dtype=torch.uint8, device=x.device)
+        if n == 0:
+            return out
+        nblk = dims // block
+        block_q = triton.next_power_of_2(block)
+        block_n = max(1, min(32, 4096 // block_q, triton.next_power_of_2(n)))
+        grid = (triton.cdiv(n, block_n), nblk + (1 if rope else 0))
+        _fp8_pack_kernel[grid](x, out, n, x.stride(0), x.stride(1), out.stride(0),
+                               DIMS=dims, QB=block, NBLK=nblk, ROPE=rope, BLOCK_N=block_n,
+                               BLOCK_Q=block_q,
+                               BLOCK_RB=triton.next_power_of_2(max(2 * rope, 1)),
+                               FLOOR=AMAX_FLOOR_F32, num_warps=4)
+        if wide and rope:  # the reference casts float64 rope straight to bf16 (one rounding)
+            out[:, nbytes - 2 * rope:] = x_in[:, dims:].to(torch.bfloat16).contiguous().view(
+                torch.uint8)
+        return out
+
+    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """The inverse of :meth:`fp8_pack`: ``float32(q) * scale`` cast once to ``dtype``, rope
+        as stored. float32 / bfloat16 / float16 are written by the kernel; any other dtype is
+        the kernel's float32 result cast by torch (the same single cast the reference does)."""
+        dims, block, rope, nbytes = fp8_layout(fmt, part)
+        if packed.dim() != 2 or packed.shape[1] != nbytes or packed.dtype != torch.uint8:
+            raise ValueError(f"fp8_unpack({part}): expected uint8 [N, {nbytes}] for {fmt!r}, "
+                             f"got {packed.dtype} {tuple(packed.shape)}")
+        n = packed.shape[0]
+        kind = _OUT_KIND.get(dtype)
+        out = torch.empty((n, dims + rope), dtype=dtype if kind is not None else torch.float32,
+                          device=packed.device)
+        if n > 0:
+            nblk = dims // block
+            block_q = triton.next_power_of_2(block)
+            block_n = max(1, min(32, 4096 // block_q, triton.next_power_of_2(n)))
+            grid = (triton.cdiv(n, block_n), nblk + (1 if rope else 0))
+            o = out.view(torch.int16) if kind == 1 else out
+            _fp8_unpack_kernel[grid](packed, o, n, packed.stride(0), packed.stride(1),
+                                     o.stride(0), DIMS=dims, QB=block, NBLK=nblk, ROPE=rope,
+                                     BLOCK_N=block_n, BLOCK_Q=block_q,
+                                     BLOCK_R=triton.next_power_of_2(max(rope, 1)),
+                                     OUT=0 if kind is None else kind, num_warps=4)
+        # fp32 -> dtype once, as the reference (the rope's bf16 -> fp32 step is exact)
+        return out if kind is not None else out.to(dtype)

@@ -1,0 +1,280 @@
+"""The Triton sparse-attention kernels (cpkv_backend_triton.attention) against the torch reference
+through the conformance suite.
+
+Without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set here before
+triton is imported), at the suite's small sizes only (the interpreter is slow). The interpreter
+computes every ``tl.dot`` on fp32 operands (its 16-bit dot is wrong in Triton 3.x; exact for
+bf16/e4m3 inputs), so the 16-bit tensor-core path, fp8 keys through the real conversion, the
+out-of-resource fallback and realistic sizes are covered only by the ``gpu`` tests. With CUDA
+present the kernels are compiled for the GPU and the interpreter tests skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+# Triton decides at decoration time whether a kernel is interpreted: set the variable only around
+# the import, so that it never leaks into the session (subprocesses would pick the interpreter)
+_PREV = os.environ.get("TRITON_INTERPRET")
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton", reason="triton is not installed")
+    from cpkv_backend_triton import attention
+
+    if not CUDA and not attention._interpreted(attention._indexer_kernel):
+        attention = importlib.reload(attention)  # imported before TRITON_INTERPRET was set
+finally:
+    if _PREV is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV
+
+import cpkv.testing.conformance as conf  # noqa: E402
+from cpkv.contracts import Op  # noqa: E402
+
+AttentionKernels = attention.AttentionKernels
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_env():  # type: ignore[no-untyped-def]
+    """The interpreter also reads TRITON_INTERPRET at launch: set it for this module only."""
+    if CUDA:
+        yield
+        return
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if prev is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = prev
+
+interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
+                                         "gpu tests cover them)")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="no CUDA device")]
+
+#: a subset of the suite's sizes that the interpreter runs in seconds (0 rows, empty view, tiny,
+#: short ranges, k = 2048 with every row shorter than k)
+SMALL_SIZES = ((0, 0, 8), (0, 50, 8), (1, 1, 8), (3, 5, 8), (17, 40, 64), (5, 700, 2048))
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def ref() -> Any:
+    return conf.reference_backend()
+
+
+@pytest.fixture
+def small_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conf, "ATTN_SIZES", SMALL_SIZES)
+
+
+def test_ops_declared() -> None:
+    assert frozenset({Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA}) == attention.OPS
+    for op in attention.OPS:
+        assert callable(getattr(AttentionKernels(), op.value))
+
+
+# ---- interpreter (CPU) ------------------------------------------------------------------------
+@interp
+@pytest.mark.usefixtures("small_sizes")
+@pytest.mark.parametrize("op", ["indexer_logits", "topk", "sparse_mla"])
+def test_conformance_interpreter(ref: Any, op: str) -> None:
+    conf.check_op(AttentionKernels(), ref, op, device="cpu")
+
+
+@interp
+def test_conformance_interpreter_small_tiles(ref: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many row / key / head / index tiles per call, and the bf16 x 3 chained probability split."""
+    monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64), (5, 700, 2048)))
+    impl = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32},
+                            mla_config={"BLOCK_H": 16, "BLOCK_K": 16, "P_SPLIT": 3, "P_FP16": 0,
+                                        "P_CAT": 0})
+    monkeypatch.setattr(conf, "FORMATS", {"small": conf.FORMATS["small"]})
+    conf.check_op(impl, ref, "indexer_logits", device="cpu")
+    monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64),))
+    conf.check_op(impl, ref, "sparse_mla", device="cpu")
+
+
+@interp
+def test_indexer_causal_rows_skip_tiles(ref: Any) -> None:
+    """Rows of a CP rank at the end of a prompt plus rows of a second request and empty rows:
+    skipped tiles still write -inf, computed ones match the reference."""
+    g = torch.Generator().manual_seed(3)
+    n, t, heads, d = 40, 300, 4, 16
+    q = torch.randn(n, heads, d, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, heads, generator=g) * 0.1
+    k = torch.randn(t, d, generator=g)
+    pos = torch.arange(n, dtype=torch.int64)
+    ks = torch.where(pos < 20, 0, 200)
+    ke = torch.where(pos < 20, 150 + pos + 1, 280 + pos - 20)
+    ke[5] = ks[5]  # an empty row
+    impl = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32})
+    sc = k.abs().amax(1) / 448
+    k8 = (k / sc[:, None]).to(torch.float8_e4m3fn)
+    for keys, scale in ((k.to(torch.bfloat16), None), (k8, sc)):
+        got = impl.indexer_logits(q, w, keys, scale, ks, ke)
+        want = ref.indexer_logits(q, w, keys, scale, ks, ke)
+        assert torch.equal(got.isneginf(), want.isneginf())
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert bool(got[:20, 171:].isneginf().all()) and bool(got[5].isneginf().all())
+
+
+@interp
+def test_sparse_mla_odd_dims_and_rows(ref: Any) -> None:
+    """Heads not a power of two, dv = Dk (no rope tail), non-contiguous q, all -1 rows."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 24, 3, generator=g).transpose(1, 2)  # [6, 3, 24], strided
+    kv = torch.randn(50, 24, generator=g)
+    idx = torch.randint(0, 50, (6, 20), generator=g, dtype=torch.int32)
+    idx[2] = -1
+    idx[4, 7:] = -1
+    impl = AttentionKernels()
+    for dv in (24, 10):
+        got = impl.sparse_mla(q, kv, idx, 0.3, dv)
+        want = ref.sparse_mla(q, kv, idx, 0.3, dv)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert bool((got[2] == 0).all())
+
+
+# ---- shape checks and empty calls (no kernel launch) --------------------------------------------
+def test_bad_inputs_raise_value_error() -> None:
+    impl = AttentionKernels()
+    r = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="k_scale"):
+        impl.indexer_logits(torch.zeros(2, 4, 16), torch.zeros(2, 4),
+                            torch.zeros(5, 16).to(torch.float8_e4m3fn), None, r, r)
+    with pytest.raises(ValueError, match="w float32"):
+        impl.indexer_logits(torch.zeros(2, 4, 16), torch.zeros(2, 3), torch.zeros(5, 16), None, r, r)
+    with pytest.raises(ValueError, match="key_end"):
+        impl.topk(torch.zeros(2, 5), 3, r, r.int())
+    with pytest.raises(ValueError, match="k must be"):
+        impl.topk(torch.zeros(2, 5), -1, r, r)
+    with pytest.raises(ValueError, match="indices int32"):
+        impl.sparse_mla(torch.zeros(2, 4, 16), torch.zeros(5, 16), torch.zeros(2, 3,
+                        dtype=torch.int64), 1.0, 8)
+    with pytest.raises(ValueError, match="dv"):
+        impl.sparse_mla(torch.zeros(2, 4, 16), torch.zeros(5, 16), torch.zeros(2, 3,
+                        dtype=torch.int32), 1.0, 17)
+
+
+def test_empty_calls_need_no_kernel() -> None:
+    impl = AttentionKernels()
+    r = torch.zeros(0, dtype=torch.int64)
+    assert impl.indexer_logits(torch.zeros(0, 4, 16), torch.zeros(0, 4), torch.zeros(9, 16), None,
+                               r, r).shape == (0, 9)
+    assert impl.topk(torch.zeros(0, 9), 4, r, r).shape == (0, 4)
+    r2 = torch.zeros(2, dtype=torch.int64)
+    assert impl.topk(torch.zeros(2, 9), 0, r2, r2).shape == (2, 0)
+    out = impl.sparse_mla(torch.ones(2, 4, 16), torch.zeros(0, 16),
+                          torch.full((2, 3), -1, dtype=torch.int32), 1.0, 8)
+    assert out.shape == (2, 4, 8) and bool((out == 0).all())
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+def _gpu(fn: Any) -> Any:
+    for m in reversed(gpu):
+        fn = m(fn)
+    return fn
+
+
+@_gpu
+@pytest.mark.parametrize(("op", "mla_config"), [
+    ("indexer_logits", {}), ("topk", {}), ("sparse_mla", {}),
+    ("sparse_mla", {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0, "BLOCK_K": 64}),
+    ("sparse_mla", {"BLOCK_H": 32, "BLOCK_K": 32, "num_warps": 4})])
+def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
+    conf.check_op(AttentionKernels(mla_config=mla_config), ref, op, device="cuda")
+
+
+@_gpu
+@pytest.mark.parametrize(("n", "t", "kind"), [(256, 8192, "bf16"), (256, 8192, "fp8"),
+                                             (1000, 4099, "fp8"), (77, 20000, "bf16")])
+def test_indexer_realistic_gpu(ref: Any, n: int, t: int, kind: str) -> None:
+    g = torch.Generator().manual_seed(n + t)
+    q = torch.randn(n, 64, 128, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(n, 64, generator=g) * (64 * 128) ** -0.5).cuda()
+    k = torch.randn(t, 128, generator=g).cuda()
+    scale = None
+    if kind == "fp8":
+        scale = k.abs().amax(1).clamp_min(1e-12) / 448
+        k = (k / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    else:
+        k = k.to(torch.bfloat16)
+    pos = torch.arange(t - n, t, dtype=torch.int64, device="cuda")
+    ks = torch.where(pos % 3 == 0, pos // 2, 0)
+    ke = pos + 1
+    got = AttentionKernels().indexer_logits(q, w, k, scale, ks, ke)
+    want = ref.indexer_logits(q, w, k, scale, ks, ke)
+    assert torch.equal(got.isneginf(), want.isneginf())
+    fin = want.isfinite()
+    assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+@_gpu
+@pytest.mark.parametrize(("n", "heads", "t", "k"), [(64, 128, 16384, 2048), (33, 16, 5000, 2048),
+                                                    (200, 128, 3000, 512)])
+def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(n, heads, 576, generator=g).to("cuda", torch.bfloat16)
+    kv = torch.randn(t, 576, generator=g).to("cuda", torch.bfloat16)
+    logits = torch.randn(n, t, generator=g).cuda()
+    pos = torch.arange(t - n, t, dtype=torch.int64, device="cuda")
+    ks, ke = torch.zeros_like(pos), pos + 1
+    impl = AttentionKernels()
+    idx = impl.topk(logits, k, ks, ke)
+    want_idx = ref.topk(logits, k, ks, ke)
+    assert torch.equal(idx.sort(1).values, want_idx.sort(1).values)
+    idx[::3, k // 2:] = -1
+    got = impl.sparse_mla(q, kv, idx, 576 ** -0.5, 512)
+    want = ref.sparse_mla(q, kv, idx, 576 ** -0.5, 512)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@_gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
+def test_attention_kernels_do_not_sync_on_cuda() -> None:
+    dev = "cuda"
+    impl = AttentionKernels()
+    q = torch.randn(64, 64, 128, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device=dev)
+    k = torch.randn(500, 128, device=dev)
+    scale = k.abs().amax(1) / 448
+    k8 = (k / scale[:, None]).to(torch.float8_e4m3fn)
+    ks = torch.zeros(64, dtype=torch.int64, device=dev)
+    ke = torch.arange(64, dtype=torch.int64, device=dev) * 7
+    kv = torch.randn(500, 576, device=dev, dtype=torch.bfloat16)
+    qm = torch.randn(64, 16, 576, device=dev, dtype=torch.bfloat16)
+    for kk, sc in ((k.bfloat16(), None), (k8, scale)):  # compile outside the sync check
+        impl.topk(impl.indexer_logits(q, w, kk, sc, ks, ke), 64, ks, ke)
+    impl.sparse_mla(qm, kv, torch.zeros(64, 64, dtype=torch.int32, device=dev), 0.1, 512)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for kk, sc in ((k.bfloat16(), None), (k8, scale)):
+            logits = impl.indexer_logits(q, w, kk, sc, ks, ke)
+            idx = impl.topk(logits, 64, ks, ke)
+            impl.sparse_mla(qm, kv, idx, 0.1, 512)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_bench_small_smoke() -> None:
+    """The benchmark's tiny run (CPU interpreter without CUDA)."""
+    from cpkv_backend_triton.bench_attention import bench_attention
+
+    dev = "cuda" if CUDA else "cpu"
+    rows = bench_attention(dev, small=True, reps=1, warmup=0)
+    benches = {r["bench"] for r in rows}
+    assert benches == {"matmul_bf16", "indexer_logits", "topk", "sparse_mla"}
+    assert not [r for r in rows if "error" in r]
+    for r in rows:
+        if "max_abs_diff" in r and r["bench"] == "indexer_logits":
+            assert r["max_abs_diff"] < 1e-4
