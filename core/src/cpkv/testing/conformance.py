@@ -91,6 +91,10 @@ FP8_ROUND_TRIP_ABS = 2.0**-10 + 2.0**-20
 #: tolerances of ``indexer_logits`` and ``sparse_mla`` against the reference (fp32 results)
 ATTN_RTOL = 1e-5
 ATTN_ATOL = 1e-5
+#: sparse_mla with 16-bit q/kv: "within dtype tolerance" of the fp32 reference. A kernel that feeds
+#: bf16 probabilities to the value matmul (FlashMLA does) is ~4e-3 off; masking or indexing bugs are
+#: O(1) off, so this still catches them
+LOWP_MLA_REL = 1e-2
 #: two logits within this relative distance are a tie: top-k may pick either
 TOPK_TIE_REL = 1e-6
 
@@ -363,7 +367,8 @@ def _quantise_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
-def _assert_close(op: str, case: str, what: str, got: Any, want: torch.Tensor) -> None:
+def _assert_close(op: str, case: str, what: str, got: Any, want: torch.Tensor,
+                  rtol: float = ATTN_RTOL, atol: float = ATTN_ATOL) -> None:
     """Same shape, dtype and device; the same +-inf positions; finite values within
     ``ATTN_RTOL`` / ``ATTN_ATOL``; no NaN."""
     prefix = f"{op} [{case}] {what}"
@@ -383,10 +388,10 @@ def _assert_close(op: str, case: str, what: str, got: Any, want: torch.Tensor) -
             raise AssertionError(f"{prefix}: {name} positions differ from the reference in "
                                  f"{bad.numel()} row(s), first {bad[:5].tolist()}")
     fin = b.isfinite()
-    if not torch.allclose(a[fin], b[fin], rtol=ATTN_RTOL, atol=ATTN_ATOL):
+    if not torch.allclose(a[fin], b[fin], rtol=rtol, atol=atol):
         diff = (a[fin].double() - b[fin].double()).abs()
-        raise AssertionError(f"{prefix}: differs from the reference beyond rtol={ATTN_RTOL}, "
-                             f"atol={ATTN_ATOL}; max difference {diff.max().item():.3g}")
+        raise AssertionError(f"{prefix}: differs from the reference beyond rtol={rtol}, "
+                             f"atol={atol:.3g}; max difference {diff.max().item():.3g}")
 
 
 def _indexer_inputs(fmt_name: str, n: int, t: int, g: torch.Generator
@@ -556,7 +561,12 @@ def _check_sparse_mla(impl: Any, ref: Any, device: str, seed: int) -> None:
                     scale = dk ** -0.5
                     want = ref.sparse_mla(q, kv, idx, scale, dv)
                     got = _call(op, case, impl.sparse_mla, q, kv, idx, scale, dv)
-                    _assert_close(op, case, "output", got, want)
+                    if dtype == torch.float32:
+                        _assert_close(op, case, "output", got, want)
+                    else:
+                        big = float(want.abs().max()) if want.numel() else 0.0
+                        _assert_close(op, case, "output", got, want, LOWP_MLA_REL,
+                                      LOWP_MLA_REL * big + ATTN_ATOL)
                     _unchanged(op, case, keep, [q, kv, idx])
 
 

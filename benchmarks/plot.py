@@ -1,0 +1,55 @@
+"""Plot benchmarks/results/gpu_h200.json as ratios against their targets -> docs/perf_gpu.png.
+
+Run: python benchmarks/plot.py  (needs matplotlib)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ROOT = Path(__file__).resolve().parents[1]
+#: issue #5's targets: ratios of each row's same-run baseline, or absolute values (VALUE_TARGETS)
+TARGETS = {
+    "gather_64k_bw": 0.85, "scatter_64k_bw": 0.85, "rerange_64k_bw": 0.85,
+    "materialize_64k_bw": 0.9, "indexer_logits_32k_speedup": 5.0,
+    "cp2_vs_cp1_16k_speedup": 1.8, "cp2_vs_cp1_64k_speedup": 1.8, "cp2_vs_cp1_128k_speedup": 1.8,
+}
+VALUE_TARGETS = {"sparse_mla_prefill_64k_tflops": 300.0}  # TFLOP/s on one H200
+
+
+def _score(r: dict) -> float:
+    if r["name"] in VALUE_TARGETS:
+        return r["value"] / VALUE_TARGETS[r["name"]]
+    return r["ratio"] / TARGETS[r["name"]]
+
+
+def main() -> None:
+    data = json.loads((ROOT / "benchmarks/results/gpu_h200.json").read_text())
+    rows = [r for r in data["results"] if r["name"] in TARGETS or r["name"] in VALUE_TARGETS]
+    names = [r["name"] for r in rows]
+    got = [_score(r) for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colors = ["tab:green" if g >= 1 else "tab:red" for g in got]
+    ax.barh(names, got, color=colors)
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("measured / target (>= 1 meets the target)")
+    ax.set_title("cpkv on 2x H200: each row against its same-run baseline, over its target")
+    for y, (g, r) in enumerate(zip(got, rows, strict=True)):
+        label = (f"{r['value']:.0f} {r['unit']}" if r["name"] in VALUE_TARGETS
+                 else f"{r['ratio']:.3g}x")
+        ax.text(g, y, f"  {label}", va="center", fontsize=8)
+    fig.tight_layout()
+    out = ROOT / "docs/perf_gpu.png"
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
