@@ -71,7 +71,7 @@ def test_single_rank_prefill_with_prefix_equals_without(tiny: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, 4, 8])
 def test_cp_prefill_equals_single_rank(cp: int, tiny: Path) -> None:
     cases = _cases(cp)
     results = run_ranks(_run_cases, cp, args=(str(tiny), cases), timeout_s=300)
