@@ -217,3 +217,65 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
                            "phases": res.seconds,
                            "peak_gb": torch.cuda.max_memory_allocated(group.device) / 1e9}
     return out
+
+
+@dataclass(frozen=True)
+class PrefetchSpec:
+    model_dir: str
+    prefix: int
+    extend: int
+    repeats: int = 3
+
+
+def prefetch_rank(group: Any, spec: PrefetchSpec) -> dict[str, Any]:
+    """An extend after a long cached prefix, with the next layer's prefix pages prefetched on a
+    side stream or not: wall time of the extend batch (median of ``repeats``) both ways, and one
+    layer's materialization of the whole view with and without the prefix part prefetched."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    model = load_model(spec.model_dir, dtype=torch.bfloat16, device=group.device)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (spec.prefix + spec.extend,),
+                        generator=g).tolist()
+    out: dict[str, Any] = {}
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    # alternate the two settings so that warm-up and allocator state favour neither
+    for prefetch in (False, True, False, True):
+        settings = load_settings(cp={"size": group.size},
+                                 kv={"dtype": "fp8", "page_size": PAGE, "pages_per_rank": 8192},
+                                 backend={"preference": ["triton", "torch"]},
+                                 runtime={"prefetch": prefetch})
+        session = PrefillSession(model, settings, group)
+        for r in range(spec.repeats):
+            rid = f"{prefetch}-{r}"
+            session.prefill([(rid, ids[: spec.prefix])])
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            session.prefill([(rid, ids[spec.prefix:])])
+            torch.cuda.synchronize()
+            runs[prefetch].append(time.perf_counter() - t)
+            session.release(rid)
+        key = "extend_s_prefetch" if prefetch else "extend_s_no_prefetch"
+        out[key] = statistics.median(runs[prefetch])
+        out[key + "_all"] = list(runs[prefetch])
+        if prefetch and "materialize_whole_ms" not in out:  # one layer's view: whole vs the
+            # part left after a prefetch
+            pool = session.pool
+            session.prefill([("m", ids[: spec.prefix])])
+            plan = session.driver.plan([("m", ids[spec.prefix:])])
+            kv = pool.prepare(plan, ["m"])
+            out["materialize_whole_ms"] = cuda_ms(lambda p=pool, b=kv: p.materialize(0, b),
+                                                  iters=10)
+            pf = pool.prefetch(0, kv)
+            torch.cuda.synchronize()
+            out["materialize_after_prefetch_ms"] = cuda_ms(
+                lambda p=pool, b=kv, f=pf: p.materialize(0, b, f), iters=1, warmup=0)
+            # the part that stays on the critical path, timed repeatedly on its own
+            m = kv.materialize_split
+            out["new_part_all_gather_ms"] = cuda_ms(
+                lambda p=pool, s=m.send_slots[1], n=m.max_send[1]: p.group.all_gather_rows(
+                    p._send(0, s), n), iters=10)
+            pool.abort(kv)
+    return out

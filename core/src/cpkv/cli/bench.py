@@ -61,7 +61,9 @@ DEEPSEEK_STACK = dict(
               help="Prompt lengths for CP2 vs CP1 prefill.")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--skip-prefill", is_flag=True, help="Kernels and materialization only.")
-def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool) -> None:
+@click.option("--prefetch-prefix", type=click.IntRange(min=0), default=65536, show_default=True,
+              help="Cached prefix of the prefetch measurement (0 skips it).")
+def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_prefix: int) -> None:
     """Kernels vs ceilings, materialization vs raw all-gather, CP2 vs CP1 prefill (needs GPUs)."""
     import tempfile
 
@@ -121,6 +123,18 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool) -> None:
             b2 = max(r["sizes"][n]["kv_bytes"] for r in per[2])
             rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
                                     "CP1 (one rank holds every page)", b1))
+    if ngpu >= 2 and not skip_prefill and prefetch_prefix:
+        err.print(f"[dim]prefetch: {prefetch_prefix}-token cached prefix + 4096-token extend[/]")
+        res = run_ranks(gpu.prefetch_rank, 2,
+                        args=(gpu.PrefetchSpec(str(ckpt), prefetch_prefix, 4096),),
+                        backend="nccl", timeout_s=580)
+        vals = [r.value for r in res]
+        detail["prefetch"] = vals
+        off = max(v["extend_s_no_prefetch"] for v in vals)
+        on = max(v["extend_s_prefetch"] for v in vals)
+        rows.append(BenchRow.of(f"prefetch_{prefetch_prefix // 1024}k_prefix_extend_speedup",
+                                1 / on, "batches/s", "the same extend without prefetch",
+                                1 / off))
     report = BenchReport(machine=machine_description(),
                          command="cpkv bench gpu " + shlex.join(sys.argv[3:]), results=rows,
                          detail=detail)
