@@ -245,3 +245,15 @@ def test_each_rank_gets_at_most_its_page_share_plus_one(case: BatchCase) -> None
         new = req.page_owners[cdiv(req.prefix_len, ps):]
         held = [new.count(r) for r in range(c)]
         assert max(held) <= cdiv(len(new), c) + 1, (held, req)
+
+
+@given(batches())
+@settings(max_examples=60)
+def test_row_layout_matches_the_plan(case: BatchCase) -> None:  # rules 7, 8
+    from cpkv.kv import RowLayout
+
+    plan = _plan(case)
+    for r in range(case.cp_size):
+        lay = RowLayout.build(plan, r)
+        assert lay.local_index.tolist() == plan.local_row_indices(r)
+        assert lay.perm.tolist() == plan.gather_permutation()

@@ -36,15 +36,26 @@ class RowLayout:
 
     @classmethod
     def build(cls, plan: CPPlan, rank: int, device: torch.device | str = "cpu") -> RowLayout:
-        local = plan.local_row_indices(rank)
-        return cls(
-            rank=rank,
-            cp_size=plan.cp_size,
-            num_local=len(local),
-            max_rank_len=plan.max_rank_len,
-            local_index=torch.tensor(local, dtype=torch.int64).to(device),
-            perm=torch.tensor(plan.gather_permutation(), dtype=torch.int64).to(device),
-        )
+        """From the plan's row blocks, with torch ops on the host (once per batch); equal to
+        ``plan.local_row_indices(rank)`` and ``plan.gather_permutation()``."""
+        offs = plan.natural_offsets()
+        width = plan.max_rank_len
+        nat: list[torch.Tensor] = []
+        slot: list[torch.Tensor] = []
+        local = torch.zeros(0, dtype=torch.int64)
+        for r in range(plan.cp_size):
+            parts = [torch.arange(b.start, b.end, dtype=torch.int64)
+                     + (offs[b.request] - plan.requests[b.request].prefix_len)
+                     for b in plan.rank_blocks(r)]
+            rows = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            if r == rank:
+                local = rows
+            nat.append(rows)
+            slot.append(r * width + torch.arange(rows.numel(), dtype=torch.int64))
+        perm = torch.empty(plan.num_tokens, dtype=torch.int64)
+        perm[torch.cat(nat)] = torch.cat(slot)
+        return cls(rank=rank, cp_size=plan.cp_size, num_local=local.numel(), max_rank_len=width,
+                   local_index=local.to(device), perm=perm.to(device))
 
     def split(self, x: torch.Tensor, ops: OpTable) -> torch.Tensor:
         """This rank's rows of a natural-order tensor ``x`` [num_tokens, ...]."""

@@ -93,21 +93,29 @@ class CPPrefill:
 
     def _rank_inputs(self, plan: CPPlan, kv: BatchKV,
                      batch: Sequence[tuple[Hashable, Sequence[int]]]) -> dict[str, Any]:
-        reqs, pos = plan.local_rows(self.group.rank)
-        ids = [batch[i][1][p - plan.requests[i].prefix_len] for i, p in zip(reqs, pos, strict=True)]
+        """This rank's token ids, positions and key ranges (rule 7), built per row block with
+        torch ops on the host and copied to the device once per batch."""
         cu = [0]
         for n in kv.materialize.seq_lens:  # host copy: no device read
             cu.append(cu[-1] + n)
-        key_start = [cu[i] for i in reqs]
-        key_end = [cu[i] + p + 1 for i, p in zip(reqs, pos, strict=True)]
+        ids, pos, ks = [], [], []
+        for b in plan.rank_blocks(self.group.rank):
+            p0 = plan.requests[b.request].prefix_len
+            ids.append(torch.as_tensor(list(batch[b.request][1][b.start - p0:b.end - p0]),
+                                       dtype=torch.int64))
+            pos.append(torch.arange(b.start, b.end, dtype=torch.int64))
+            ks.append(torch.full((b.end - b.start,), cu[b.request], dtype=torch.int64))
+        empty = torch.zeros(0, dtype=torch.int64)
+        positions = torch.cat(pos) if pos else empty
+        key_start = torch.cat(ks) if ks else empty
         dev = self.device
         return {
-            "ids": torch.tensor(ids, dtype=torch.int64, device=dev),
-            "positions": torch.tensor(pos, dtype=torch.int64, device=dev),
-            "key_start": torch.tensor(key_start, dtype=torch.int64, device=dev),
-            "key_end": torch.tensor(key_end, dtype=torch.int64, device=dev),
+            "ids": (torch.cat(ids) if ids else empty).to(dev),
+            "positions": positions.to(dev),
+            "key_start": key_start.to(dev),
+            "key_end": (key_start + positions + 1).to(dev),
             "num_keys": cu[-1],
-            "max_position": max(pos, default=0),
+            "max_position": int(positions.max()) if positions.numel() else 0,  # host tensor
         }
 
     # ---- the batch ----------------------------------------------------------------------------
