@@ -31,6 +31,27 @@ ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 
 
+def fp8_layout(fmt: KVFormat, part: KVPart) -> tuple[int, int, int, int]:
+    """``(dims, quant_block, rope_dim, bytes_per_token)`` of the packed fp8 ``part`` of ``fmt``.
+
+    ``dims`` values per token are e4m3, in blocks of ``quant_block`` with one fp32 scale each;
+    ``rope_dim`` bf16 values follow (latent only). The one definition every backend packs to.
+
+    Raises:
+        ValueError: unknown ``part``, or ``kv_lora_rank`` not divisible by ``quant_block``.
+    """
+    if part == "latent":
+        dims, block, rope = fmt.kv_lora_rank, fmt.quant_block, fmt.rope_dim
+        if dims % block:
+            raise ValueError(f"fp8 latent needs kv_lora_rank divisible by quant_block, got "
+                             f"kv_lora_rank={dims}, quant_block={block}")
+    elif part == "index_k":
+        dims, block, rope = fmt.index_head_dim, fmt.index_head_dim, 0
+    else:
+        raise ValueError(f"part must be 'latent' or 'index_k', got {part!r}")
+    return dims, block, rope, dims + 4 * (dims // block) + 2 * rope
+
+
 class KVOps(Protocol):
     """Signatures of the KV ops. Shapes: N rows (tokens) or pages along dim 0; B bytes per token.
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.contracts import KVFormat
+from cpkv.ops import fp8_layout
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart
@@ -56,27 +57,6 @@ FP8_E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-12
 
 _FP8 = torch.float8_e4m3fn
-
-
-def fp8_layout(fmt: KVFormat, part: KVPart) -> tuple[int, int, int, int]:
-    """``(dims, quant_block, rope_dim, bytes_per_token)`` of the packed ``part`` of ``fmt``.
-
-    ``dims`` is the number of fp8-quantised values per token, in blocks of ``quant_block``, each
-    with one fp32 scale; ``rope_dim`` bf16 values follow (latent only).
-
-    Raises:
-        ValueError: unknown ``part``, or ``kv_lora_rank`` not divisible by ``quant_block``.
-    """
-    if part == "latent":
-        dims, block, rope = fmt.kv_lora_rank, fmt.quant_block, fmt.rope_dim
-        if dims % block:
-            raise ValueError(f"fp8 latent needs kv_lora_rank divisible by quant_block, got "
-                             f"kv_lora_rank={dims}, quant_block={block}")
-    elif part == "index_k":
-        dims, block, rope = fmt.index_head_dim, fmt.index_head_dim, 0
-    else:
-        raise ValueError(f"part must be 'latent' or 'index_k', got {part!r}")
-    return dims, block, rope, dims + 4 * (dims // block) + 2 * rope
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

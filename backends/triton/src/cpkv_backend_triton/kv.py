@@ -24,29 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
+from cpkv.ops import fp8_layout
+
 if TYPE_CHECKING:
     from cpkv.contracts import KVFormat
     from cpkv.ops import KVPart
 
-__all__ = ["KVKernels", "fp8_layout"]
+__all__ = ["KVKernels"]
 
 FP8_E4M3_MAX = 448.0
 #: the reference's clamp_min(1e-12) on an fp32 tensor clamps at float32(1e-12)
 AMAX_FLOOR_F32 = float(torch.tensor(1e-12, dtype=torch.float32).item())
-
-
-def fp8_layout(fmt: KVFormat, part: KVPart) -> tuple[int, int, int, int]:
-    """``(dims, quant_block, rope_dim, bytes_per_token)``, as the reference's ``fp8_layout``."""
-    if part == "latent":
-        dims, block, rope = fmt.kv_lora_rank, fmt.quant_block, fmt.rope_dim
-        if dims % block:
-            raise ValueError(f"fp8 latent needs kv_lora_rank divisible by quant_block, got "
-                             f"kv_lora_rank={dims}, quant_block={block}")
-    elif part == "index_k":
-        dims, block, rope = fmt.index_head_dim, fmt.index_head_dim, 0
-    else:
-        raise ValueError(f"part must be 'latent' or 'index_k', got {part!r}")
-    return dims, block, rope, dims + 4 * (dims // block) + 2 * rope
 
 
 # ---- row movement ----------------------------------------------------------------------------
