@@ -36,6 +36,7 @@ finally:
         os.environ["TRITON_INTERPRET"] = _PREV
 
 from cpkv.contracts import KVDtype, KVFormat  # noqa: E402
+from cpkv.fallback import recording  # noqa: E402
 from cpkv.ops import KV_OPS  # noqa: E402
 from cpkv.plugin import PluginHost  # noqa: E402
 from cpkv.testing.conformance import FORMATS, check_fp8_round_trip, check_op  # noqa: E402
@@ -149,8 +150,10 @@ def test_page_movement_on_views_and_odd_layouts(impl: TritonOps, ref: Any) -> No
     want = dst.clone()
     vals = torch.randn(3, 6, generator=g).to(DEVICE)[:, 1::2]
     ref.page_scatter(want[:, ::2], idx, vals)
-    impl.page_scatter(view, idx, vals)
+    with recording() as rec:
+        impl.page_scatter(view, idx, vals)
     _same(dst, want)
+    assert [e.reason.value for e in rec.events] == ["kernel_variant"]  # the slow path is reported
     # int32 index, empty rows, zero-width rows
     _same(impl.page_gather(x, idx.int()), ref.page_gather(x, idx))
     _same(impl.page_gather(x[:, :0], idx), ref.page_gather(x[:, :0], idx))

@@ -54,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.contracts import Op
+from cpkv.contracts import FallbackReason, Op
+from cpkv.fallback import report_fallback
 
 __all__ = ["OPS", "AttentionKernels"]
 
@@ -308,6 +309,12 @@ class AttentionKernels:
                     raise
                 stages -= 1
                 continue
+            if key not in cache and stages != num_stages:  # once per specialisation
+                report_fallback(op=f"triton:{getattr(kernel, '__name__', 'kernel')}",
+                                requested=f"num_stages={num_stages}",
+                                selected=f"num_stages={stages}",
+                                reason=FallbackReason.KERNEL_VARIANT,
+                                detail=f"out of shared memory for {key}")
             cache[key] = stages
             return
 

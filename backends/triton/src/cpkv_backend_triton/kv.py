@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cpkv.contracts import FallbackReason
+from cpkv.fallback import report_fallback
 from cpkv.ops import fp8_layout
 
 if TYPE_CHECKING:
@@ -299,7 +301,13 @@ class KVKernels:
         if d2 is not None:
             _launch_copy(s2, d2, index, n, gather=False)
             return
-        # rows of dst not dense in memory (rare): scatter into a dense copy, write it back
+        # rows of dst not dense in memory (rare; the pool's buffers never are): scatter into a
+        # dense copy, write it back
+        report_fallback(op="triton:page_scatter", requested="in-place scatter",
+                        selected="scatter into a dense copy, then copy back",
+                        reason=FallbackReason.KERNEL_VARIANT,
+                        detail=f"destination rows not dense: shape {tuple(dst.shape)}, "
+                               f"strides {dst.stride()}")
         tmp = dst.contiguous()
         t2 = _dense_rows(tmp)
         assert t2 is not None

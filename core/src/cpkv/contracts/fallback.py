@@ -28,6 +28,9 @@ class FallbackReason(StrEnum):
     OP_NOT_PROVIDED = "op_not_provided"
     #: a plugin named in the settings was not discovered at all
     PLUGIN_NOT_FOUND = "plugin_not_found"
+    #: a kernel runs a slower variant than configured (fewer pipeline stages after an
+    #: out-of-resources compile, a dense copy for a strided destination)
+    KERNEL_VARIANT = "kernel_variant"
     #: draft (MTP) layer without usable plan metadata embeds the full prompt (rule 32)
     DRAFT_PLAN_MISSING = "draft_plan_missing"
 
