@@ -9,36 +9,14 @@ test. Each row: ``name``, ``bytes_moved`` (read + write), ``triton_ms``, ``torch
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from cpkv.bench.timing import median_ms
+
 __all__ = ["bench_kv"]
-
-
-def _time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events on a GPU."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    if device.type == "cuda":
-        for _ in range(iters):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def bench_kv(device: str | torch.device = "cuda", *, small: bool = False,
@@ -76,9 +54,9 @@ def bench_kv(device: str | torch.device = "cuda", *, small: bool = False,
     def add(name: str, nbytes: int, t_fn: Callable[[], Any], r_fn: Callable[[], Any],
             src: torch.Tensor) -> None:
         dst = torch.empty_like(src)
-        tri_ms = _time_ms(t_fn, dev, warmup, iters)
-        ref_ms = _time_ms(r_fn, dev, warmup, iters)
-        copy_ms = _time_ms(lambda: dst.copy_(src), dev, warmup, iters)
+        tri_ms = median_ms(t_fn, dev, warmup, iters)
+        ref_ms = median_ms(r_fn, dev, warmup, iters)
+        copy_ms = median_ms(lambda: dst.copy_(src), dev, warmup, iters)
         moved = 2 * nbytes
         rows.append({
             "name": name, "bytes_moved": moved, "triton_ms": tri_ms, "torch_ms": ref_ms,

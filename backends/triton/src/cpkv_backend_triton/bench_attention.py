@@ -24,38 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from cpkv.bench.timing import median_ms
 from cpkv_backend_triton.attention import AttentionKernels
 
 __all__ = ["bench_attention"]
-
-
-def _timer(device: str, fn: Callable[[], Any], reps: int, warmup: int) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on CUDA, perf_counter elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _ref() -> Any:
@@ -89,7 +65,7 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
         n, t, heads, d = 1024, 32768, 64, 128
         mla_n, mla_h, mla_t, topk_k = 1024, 128, 65536, 2048
         mm = 8192
-    tm = lambda fn: _timer(device, fn, reps, warmup)  # noqa: E731
+    tm = lambda fn: median_ms(fn, device, warmup, reps)  # noqa: E731
 
     # (d) matmul ceiling
     a = torch.randn(mm, mm, generator=g).to(dev, torch.bfloat16)

@@ -19,6 +19,7 @@ from cpkv.contracts import KVFormat
 from cpkv.plugin import PluginHost
 
 from .report import BenchRow
+from .timing import median_ms
 
 __all__ = ["ceilings", "cuda_ms", "kernel_rows", "materialize_rank", "prefill_rank"]
 
@@ -27,19 +28,8 @@ TOKENS_64K = 64 * 1024
 
 
 def cuda_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of ``fn`` on the current CUDA stream (events around each call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median milliseconds of ``fn`` on the current CUDA stream (see :func:`median_ms`)."""
+    return median_ms(fn, "cuda", warmup, iters)
 
 
 def ceilings(dev: torch.device) -> dict[str, float]:
