@@ -52,6 +52,94 @@ def fp8_layout(fmt: KVFormat, part: KVPart) -> tuple[int, int, int, int]:
     return dims, block, rope, dims + 4 * (dims // block) + 2 * rope
 
 
+# ---- argument checks every backend runs (one wording of the errors, host-side metadata only) ----
+def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
+    import torch
+
+    for name, r in (("key_start", key_start), ("key_end", key_end)):
+        if r.shape != (n,) or r.dtype != torch.int64:
+            raise ValueError(f"{op}: expected {name} int64 [{n}], got {r.dtype} {tuple(r.shape)}")
+
+
+def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                       key_end: torch.Tensor) -> bool:
+    """Validate ``indexer_logits`` arguments; returns whether the keys are fp8 (scaled).
+
+    Raises:
+        ValueError: a shape or dtype does not match, a float key comes with a scale or an fp8 key
+            without one.
+    """
+    import torch
+
+    if q.dim() != 3 or k.dim() != 2 or q.shape[2] != k.shape[1]:
+        raise ValueError(f"indexer_logits: expected q [N, Hi, D] and k [T, D], got q "
+                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
+    n, heads, _ = q.shape
+    t = k.shape[0]
+    if not q.dtype.is_floating_point or q.dtype == torch.float8_e4m3fn:
+        raise ValueError(f"indexer_logits: q must be a float tensor, got {q.dtype}")
+    if w.shape != (n, heads) or w.dtype != torch.float32:
+        raise ValueError(f"indexer_logits: expected w float32 [{n}, {heads}], got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    _check_ranges("indexer_logits", n, key_start, key_end)
+    if k.dtype == torch.float8_e4m3fn:
+        if k_scale is None or k_scale.shape != (t,) or k_scale.dtype != torch.float32:
+            got = "None" if k_scale is None else f"{k_scale.dtype} {tuple(k_scale.shape)}"
+            raise ValueError(f"indexer_logits: float8_e4m3fn keys need k_scale float32 [{t}], "
+                             f"got {got}")
+        return True
+    if not k.dtype.is_floating_point:
+        raise ValueError(f"indexer_logits: k must be a float or float8_e4m3fn tensor, got {k.dtype}")
+    if k_scale is not None:
+        raise ValueError(f"indexer_logits: k_scale is only for float8_e4m3fn keys, got "
+                         f"{k.dtype} keys with a k_scale {tuple(k_scale.shape)}")
+    return False
+
+
+def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,
+                    key_end: torch.Tensor) -> None:
+    """Validate ``topk`` arguments.
+
+    Raises:
+        ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
+    """
+    import torch
+
+    if (logits.dim() != 2 or not logits.dtype.is_floating_point
+            or logits.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"topk: expected float logits [N, T], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    if k < 0:
+        raise ValueError(f"topk: k must be >= 0, got {k}")
+    _check_ranges("topk", logits.shape[0], key_start, key_end)
+
+
+def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                          dv: int) -> None:
+    """Validate ``sparse_mla`` arguments (q/kv float, not fp8: the caller unpacks an fp8 pool).
+
+    Raises:
+        ValueError: a shape or dtype does not match, or ``dv`` is out of range.
+    """
+    import torch
+
+    if q.dim() != 3 or kv.dim() != 2 or q.shape[2] != kv.shape[1]:
+        raise ValueError(f"sparse_mla: expected q [N, H, Dk] and kv [T, Dk], got q "
+                         f"{tuple(q.shape)} and kv {tuple(kv.shape)}")
+    fp8 = torch.float8_e4m3fn
+    if not (q.dtype.is_floating_point and kv.dtype.is_floating_point) or fp8 in (q.dtype,
+                                                                                 kv.dtype):
+        raise ValueError(f"sparse_mla: q and kv must be float tensors, got {q.dtype} and "
+                         f"{kv.dtype}")
+    n, _, dk = q.shape
+    if indices.dim() != 2 or indices.shape[0] != n or indices.dtype != torch.int32:
+        raise ValueError(f"sparse_mla: expected indices int32 [{n}, k], got {indices.dtype} "
+                         f"{tuple(indices.shape)}")
+    if not 0 < dv <= dk:
+        raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
+
+
 class KVOps(Protocol):
     """Signatures of the KV ops. Shapes: N rows (tokens) or pages along dim 0; B bytes per token.
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.contracts import KVFormat
-from cpkv.ops import fp8_layout
+from cpkv.ops import check_indexer_args, check_sparse_mla_args, check_topk_args, fp8_layout
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart
@@ -194,29 +194,10 @@ class TorchOps:
             ValueError: a shape or dtype does not match, a float key comes with a scale or an fp8
                 key without one.
         """
-        if q.dim() != 3 or k.dim() != 2 or q.shape[2] != k.shape[1]:
-            raise ValueError(f"indexer_logits: expected q [N, Hi, D] and k [T, D], got q "
-                             f"{tuple(q.shape)} and k {tuple(k.shape)}")
+        fp8 = check_indexer_args(q, w, k, k_scale, key_start, key_end)
         n, heads, _ = q.shape
         t = k.shape[0]
-        if w.shape != (n, heads) or w.dtype != torch.float32:
-            raise ValueError(f"indexer_logits: expected w float32 [{n}, {heads}], got {w.dtype} "
-                             f"{tuple(w.shape)}")
-        _check_ranges("indexer_logits", n, key_start, key_end)
-        if k.dtype == _FP8:
-            if k_scale is None or k_scale.shape != (t,) or k_scale.dtype != torch.float32:
-                got = "None" if k_scale is None else f"{k_scale.dtype} {tuple(k_scale.shape)}"
-                raise ValueError(f"indexer_logits: float8_e4m3fn keys need k_scale float32 [{t}], "
-                                 f"got {got}")
-            kf = k.float() * k_scale[:, None]
-        else:
-            if not k.dtype.is_floating_point:
-                raise ValueError(f"indexer_logits: k must be a float or float8_e4m3fn tensor, "
-                                 f"got {k.dtype}")
-            if k_scale is not None:
-                raise ValueError(f"indexer_logits: k_scale is only for float8_e4m3fn keys, got "
-                                 f"{k.dtype} keys with a k_scale {tuple(k_scale.shape)}")
-            kf = k.float()
+        kf = k.float() * k_scale[:, None] if fp8 else k.float()  # type: ignore[index]
         qf, kt = q.float(), kf.t()
         logits = torch.zeros(n, t, dtype=torch.float32, device=q.device)
         for h in range(heads):  # a loop over a shape, not over data: [N, T] memory per step
@@ -243,13 +224,8 @@ class TorchOps:
         Raises:
             ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
         """
-        if logits.dim() != 2 or not logits.dtype.is_floating_point:
-            raise ValueError(f"topk: expected float logits [N, T], got {logits.dtype} "
-                             f"{tuple(logits.shape)}")
-        if k < 0:
-            raise ValueError(f"topk: k must be >= 0, got {k}")
+        check_topk_args(logits, k, key_start, key_end)
         n, t = logits.shape
-        _check_ranges("topk", n, key_start, key_end)
         dev = logits.device
         slot = torch.arange(k, device=dev, dtype=torch.int64)
         start = key_start.clamp(0, t)
@@ -289,18 +265,8 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not match, or ``dv`` is out of range.
         """
-        if q.dim() != 3 or kv.dim() != 2 or q.shape[2] != kv.shape[1]:
-            raise ValueError(f"sparse_mla: expected q [N, H, Dk] and kv [T, Dk], got q "
-                             f"{tuple(q.shape)} and kv {tuple(kv.shape)}")
-        if not (q.dtype.is_floating_point and kv.dtype.is_floating_point) or kv.dtype == _FP8:
-            raise ValueError(f"sparse_mla: q and kv must be float tensors, got {q.dtype} and "
-                             f"{kv.dtype}")
+        check_sparse_mla_args(q, kv, indices, dv)
         n, heads, dk = q.shape
-        if indices.dim() != 2 or indices.shape[0] != n or indices.dtype != torch.int32:
-            raise ValueError(f"sparse_mla: expected indices int32 [{n}, k], got {indices.dtype} "
-                             f"{tuple(indices.shape)}")
-        if not 0 < dv <= dk:
-            raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
         if kv.shape[0] == 0 or indices.shape[1] == 0:  # nothing to attend to: every row is zeros
             return torch.zeros(n, heads, dv, dtype=torch.float32, device=q.device)
         valid = indices >= 0  # [N, k]
@@ -314,12 +280,6 @@ class TorchOps:
         denom = p.sum(dim=-1, keepdim=True)
         out = torch.einsum("nhk,nkd->nhd", p, rows[..., :dv])
         return out / torch.where(denom > 0, denom, torch.ones_like(denom))
-
-
-def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
-    for name, r in (("key_start", key_start), ("key_end", key_end)):
-        if r.shape != (n,) or r.dtype != torch.int64:
-            raise ValueError(f"{op}: expected {name} int64 [{n}], got {r.dtype} {tuple(r.shape)}")
 
 
 def _in_range(t: int, key_start: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:

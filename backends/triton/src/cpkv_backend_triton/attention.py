@@ -56,6 +56,7 @@ import triton.language as tl
 
 from cpkv.contracts import FallbackReason, Op
 from cpkv.fallback import report_fallback
+from cpkv.ops import check_indexer_args, check_sparse_mla_args, check_topk_args
 
 __all__ = ["OPS", "AttentionKernels"]
 
@@ -266,12 +267,6 @@ def _interpreted(kernel: Any) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
-    for name, r in (("key_start", key_start), ("key_end", key_end)):
-        if r.shape != (n,) or r.dtype != torch.int64:
-            raise ValueError(f"{op}: expected {name} int64 [{n}], got {r.dtype} {tuple(r.shape)}")
-
-
 # ---- the ops ---------------------------------------------------------------------------------
 class AttentionKernels:
     """The three sparse-attention ops (see the module docstring), on CUDA tensors (or CPU tensors
@@ -330,30 +325,9 @@ class AttentionKernels:
         Raises:
             ValueError: a shape or dtype does not match (as the reference).
         """
-        if q.dim() != 3 or k.dim() != 2 or q.shape[2] != k.shape[1]:
-            raise ValueError(f"indexer_logits: expected q [N, Hi, D] and k [T, D], got q "
-                             f"{tuple(q.shape)} and k {tuple(k.shape)}")
+        fp8 = check_indexer_args(q, w, k, k_scale, key_start, key_end)
         n, heads, d = q.shape
         t = k.shape[0]
-        if not q.dtype.is_floating_point or q.dtype == _FP8:
-            raise ValueError(f"indexer_logits: q must be a float tensor, got {q.dtype}")
-        if w.shape != (n, heads) or w.dtype != torch.float32:
-            raise ValueError(f"indexer_logits: expected w float32 [{n}, {heads}], got {w.dtype} "
-                             f"{tuple(w.shape)}")
-        _check_ranges("indexer_logits", n, key_start, key_end)
-        fp8 = k.dtype == _FP8
-        if fp8:
-            if k_scale is None or k_scale.shape != (t,) or k_scale.dtype != torch.float32:
-                got = "None" if k_scale is None else f"{k_scale.dtype} {tuple(k_scale.shape)}"
-                raise ValueError(f"indexer_logits: float8_e4m3fn keys need k_scale float32 [{t}], "
-                                 f"got {got}")
-        else:
-            if not k.dtype.is_floating_point:
-                raise ValueError(f"indexer_logits: k must be a float or float8_e4m3fn tensor, "
-                                 f"got {k.dtype}")
-            if k_scale is not None:
-                raise ValueError(f"indexer_logits: k_scale is only for float8_e4m3fn keys, got "
-                                 f"{k.dtype} keys with a k_scale {tuple(k_scale.shape)}")
         out = torch.empty(n, t, dtype=torch.float32, device=q.device)
         if n == 0 or t == 0:
             return out
@@ -390,13 +364,8 @@ class AttentionKernels:
         Raises:
             ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
         """
-        if logits.dim() != 2 or not logits.dtype.is_floating_point or logits.dtype == _FP8:
-            raise ValueError(f"topk: expected float logits [N, T], got {logits.dtype} "
-                             f"{tuple(logits.shape)}")
-        if k < 0:
-            raise ValueError(f"topk: k must be >= 0, got {k}")
+        check_topk_args(logits, k, key_start, key_end)
         n, t = logits.shape
-        _check_ranges("topk", n, key_start, key_end)
         out = torch.empty(n, k, dtype=torch.int32, device=logits.device)
         if n == 0 or k == 0:
             return out
@@ -424,19 +393,8 @@ class AttentionKernels:
         Raises:
             ValueError: a shape or dtype does not match, or ``dv`` is out of range.
         """
-        if q.dim() != 3 or kv.dim() != 2 or q.shape[2] != kv.shape[1]:
-            raise ValueError(f"sparse_mla: expected q [N, H, Dk] and kv [T, Dk], got q "
-                             f"{tuple(q.shape)} and kv {tuple(kv.shape)}")
-        if not (q.dtype.is_floating_point and kv.dtype.is_floating_point) or _FP8 in (q.dtype,
-                                                                                     kv.dtype):
-            raise ValueError(f"sparse_mla: q and kv must be float tensors, got {q.dtype} and "
-                             f"{kv.dtype}")
+        check_sparse_mla_args(q, kv, indices, dv)
         n, heads, dk = q.shape
-        if indices.dim() != 2 or indices.shape[0] != n or indices.dtype != torch.int32:
-            raise ValueError(f"sparse_mla: expected indices int32 [{n}, k], got {indices.dtype} "
-                             f"{tuple(indices.shape)}")
-        if not 0 < dv <= dk:
-            raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
         nk = indices.shape[1]
         if n == 0 or heads == 0 or kv.shape[0] == 0 or nk == 0:
             return torch.zeros(n, heads, dv, dtype=torch.float32, device=q.device)
