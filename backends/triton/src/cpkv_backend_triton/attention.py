@@ -63,7 +63,6 @@ __all__ = ["OPS", "AttentionKernels"]
 #: the ops this module implements (composed into the triton backend's ``TritonOps``)
 OPS = frozenset({Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA})
 
-_FP8 = torch.float8_e4m3fn
 _LOWP = (torch.bfloat16, torch.float16)
 
 #: default launch configurations (the bench sweeps alternatives)
