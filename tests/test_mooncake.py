@@ -31,6 +31,7 @@ from cpkv.disagg import (
     manifest_for,
 )
 from cpkv.disagg.plan import PageRun
+from cpkv.fallback import recording
 from cpkv.runtime import CPGroup, RankFailed, run_ranks
 from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
 from cpkv.settings import SettingsError, load_settings
@@ -142,8 +143,10 @@ def test_batches_stay_within_the_limit_and_retries_use_a_fresh_engine() -> None:
     assert link.engine.batches == [1024, 1024, 752]
     assert isinstance(link.channel.sent[-1], Written) and link.channel.sent[-1].error is None
     link = _bare_link(1400, 1024, retries=1, fail=1)
-    link.send_part(part, list(range(0, 1400, 2)))
+    with recording() as rec:
+        link.send_part(part, list(range(0, 1400, 2)))
     assert link.stats["retries"] == 1 and link.stats["batches"] == 3
+    assert [e.reason.value for e in rec.events] == ["transfer_retry"]  # a retry is reported
     link = _bare_link(1400, 1024, retries=1, fail=5)
     link._renew_engine = lambda: setattr(link, "engine", _FakeEngine(fail=5))
     with pytest.raises(TransferError, match=r"returned -1 after 2 attempt\(s\).*nothing published"):

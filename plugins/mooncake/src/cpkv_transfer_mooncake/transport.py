@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from cpkv.contracts import FallbackReason
 from cpkv.disagg import (
     DecodeReceiver,
     LinkSpec,
@@ -46,6 +47,7 @@ from cpkv.disagg import (
     part_nbytes,
 )
 from cpkv.disagg.transport import Ack, SideChannel
+from cpkv.fallback import report_fallback
 
 __all__ = ["ENGINE_MAX_IN_FLIGHT", "Joined", "Layout", "MooncakeLink", "MooncakeTransport",
            "Options", "Session", "Written", "batch_limit", "write_entries"]
@@ -366,6 +368,10 @@ class MooncakeLink:
         rc = 0
         for a in range(attempts):
             if a:
+                report_fallback(op="mooncake:batch_transfer_sync_write",
+                                requested="one attempt", selected=f"retry {a} of {self.retries} "
+                                "on a fresh engine", reason=FallbackReason.TRANSFER_RETRY,
+                                detail=f"{len(batch)} entries to {self.remote} returned {rc}")
                 self.stats["retries"] += 1
                 self._renew_engine()  # the failed path to the peer stays broken in the old one
             assert self.engine is not None
