@@ -119,10 +119,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{diff.max().item()}{unit}; {int(bad.sum())} row(s) differ, first {rows}"
 
 
-def _assert_same(op: str, case: str, what: str, got: Any, want: torch.Tensor,
-                 against: str = "the reference") -> None:
-    """``got`` equals ``want`` bit for bit (shape, dtype, device, bytes)."""
-    prefix = f"{op} [{case}] {what}"
+def _assert_like(prefix: str, got: Any, want: torch.Tensor) -> None:
+    """``got`` is a tensor of ``want``'s shape, dtype and device type."""
     if not isinstance(got, torch.Tensor):
         raise AssertionError(f"{prefix}: expected a tensor, got {type(got).__name__}")
     if got.shape != want.shape or got.dtype != want.dtype:
@@ -130,6 +128,13 @@ def _assert_same(op: str, case: str, what: str, got: Any, want: torch.Tensor,
                              f"{want.dtype} {tuple(want.shape)}; max difference n/a")
     if got.device.type != want.device.type:
         raise AssertionError(f"{prefix}: result on {got.device}, expected {want.device}")
+
+
+def _assert_same(op: str, case: str, what: str, got: Any, want: torch.Tensor,
+                 against: str = "the reference") -> None:
+    """``got`` equals ``want`` bit for bit (shape, dtype, device, bytes)."""
+    prefix = f"{op} [{case}] {what}"
+    _assert_like(prefix, got, want)
     if not torch.equal(_bits(got).cpu(), _bits(want).cpu()):
         raise AssertionError(f"{prefix}: differs from {against}; max difference "
                              f"{_max_diff(got.cpu(), want.cpu())}")
@@ -372,13 +377,7 @@ def _assert_close(op: str, case: str, what: str, got: Any, want: torch.Tensor,
     """Same shape, dtype and device; the same +-inf positions; finite values within
     ``ATTN_RTOL`` / ``ATTN_ATOL``; no NaN."""
     prefix = f"{op} [{case}] {what}"
-    if not isinstance(got, torch.Tensor):
-        raise AssertionError(f"{prefix}: expected a tensor, got {type(got).__name__}")
-    if got.shape != want.shape or got.dtype != want.dtype:
-        raise AssertionError(f"{prefix}: got {got.dtype} {tuple(got.shape)}, expected "
-                             f"{want.dtype} {tuple(want.shape)}; max difference n/a")
-    if got.device.type != want.device.type:
-        raise AssertionError(f"{prefix}: result on {got.device}, expected {want.device}")
+    _assert_like(prefix, got, want)
     a, b = got.detach().cpu(), want.detach().cpu()
     if bool(a.isnan().any()):
         raise AssertionError(f"{prefix}: {int(a.isnan().sum())} NaN value(s)")
