@@ -4,8 +4,10 @@ pool bit for bit, per-rank bytes within the page share, exhaustion that changes 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
+import torch
 
 from cpkv.contracts import FallbackReason, KVDtype, KVFormat, SplitMode
 from cpkv.fallback import recording
@@ -192,3 +194,110 @@ def test_paged_translation_points_at_the_rows_the_view_holds() -> None:  # rule 
                 if r >= 0:
                     assert torch.equal(rows[p], view.latent[r])
             pool.commit(batch)
+
+
+# ---- P2P materialization (kv.materialize = "p2p"): shared memory between Gloo ranks --------
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp", [2, 4])
+def test_p2p_full_view_equals_replicated(cp: int) -> None:
+    """Every rank reads the owners' pages straight from their (shared-memory) buffers: the same
+    views, bit for bit, as the replica and the truth, in both modes, every format."""
+    scenarios = [replace(sc, materialize="p2p") for sc in _scenarios(cp, seed=10 + cp)[::2]]
+    results = run_ranks(run_pool_scenarios, cp, args=(scenarios,), timeout_s=240)
+    for i, sc in enumerate(scenarios):
+        outs = [r.value[i] for r in results]
+        for o in outs:
+            assert o.materialize_mode == "p2p"
+            assert o.mismatches == [], (sc, o.mismatches)
+            assert o.views_checked == len(sc.batches) * sc.num_layers
+            assert o.prefetched_views == 0  # nothing is staged in p2p mode
+        assert sum(o.bytes_held for o in outs) == outs[0].logical_bytes
+    for r in results:
+        assert r.fallbacks == [] or all(e.reason is not FallbackReason.PEER_MEMORY_UNAVAILABLE
+                                        for e in r.fallbacks)
+
+
+def _p2p_reuse(group: CPGroup) -> list[str]:
+    """Batches that free requests and reuse their pages: each view equals the truth."""
+    ops = _ops_torch(group)
+    fmt = _fmt(KVDtype.FP8, 8)
+    pool = ShardedKVPool(fmt, 2, group, ops, pages_per_rank=12, materialize="p2p")
+    bad = []
+    g = torch.Generator().manual_seed(3)
+    for step in range(6):
+        rid = f"r{step}"
+        n = 40 + 7 * step
+        plan = plan_batch([pool.request_spec(rid, n)], group.size, fmt.page_size)
+        kv = pool.prepare(plan, [rid])
+        for layer in range(2):
+            lat = torch.randn(n, fmt.kv_lora_rank + fmt.rope_dim, generator=g)
+            idx = torch.randn(n, fmt.index_head_dim, generator=g)
+            pool.write(layer, kv, kv.rows.split(lat, ops), kv.rows.split(idx, ops))
+            view = pool.materialize(layer, kv)
+            from cpkv.kv import pack_rows
+            if not (torch.equal(view.latent, pack_rows(lat, fmt, "latent", ops))
+                    and torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", ops))):
+                bad.append(f"step {step} layer {layer}")
+        pool.commit(kv)
+        pool.free(rid)  # the next request reuses these pages
+    return bad
+
+
+def _ops_torch(group: CPGroup) -> OpTable:
+    host = PluginHost()
+    try:
+        from cpkv.ops import KV_OPS
+        return OpTable.resolve(host.backends(), ["torch"], KV_OPS, agree=group.agree_all)
+    finally:
+        host.close()
+
+
+@pytest.mark.multiprocess
+def test_p2p_pages_freed_and_reused_across_batches() -> None:
+    results = run_ranks(_p2p_reuse, 2, timeout_s=120)
+    assert [r.value for r in results] == [[], []]
+
+
+def _p2p_unavailable_on_rank_1(group: CPGroup) -> tuple[str, bool]:
+    from cpkv.runtime import peer
+
+    if group.rank == 1:  # this rank finds no room for its shared buffer
+        peer._shm_dir = lambda need: None
+    fmt = _fmt(KVDtype.BF16, 4)
+    pool = ShardedKVPool(fmt, 1, group, _ops_torch(group), pages_per_rank=8, materialize="p2p")
+    plan = plan_batch([pool.request_spec("a", 20)], group.size, fmt.page_size)
+    kv = pool.prepare(plan, ["a"])
+    lat = torch.randn(20, fmt.kv_lora_rank + fmt.rope_dim)
+    idx = torch.randn(20, fmt.index_head_dim)
+    pool.write(0, kv, kv.rows.split(lat, pool.ops), kv.rows.split(idx, pool.ops))
+    view = pool.materialize(0, kv)
+    return pool.materialize_mode, view.latent.shape == (20, fmt.latent_bytes_per_token)
+
+
+@pytest.mark.multiprocess
+def test_p2p_unavailable_on_one_rank_falls_back_on_every_rank() -> None:
+    results = run_ranks(_p2p_unavailable_on_rank_1, 2, timeout_s=120)
+    for r in results:
+        assert r.value == ("all_gather", True)
+        events = [e for e in r.fallbacks if e.reason is FallbackReason.PEER_MEMORY_UNAVAILABLE]
+        assert len(events) == 1, r.fallbacks
+        assert events[0].selected == "all_gather"
+        assert "rank 1: no shared-memory directory" in events[0].detail
+
+
+def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
+    group = CPGroup.single()
+    fmt = _fmt(KVDtype.FP8, 4)
+    pool = ShardedKVPool(fmt, 1, group, _ops_torch(group), pages_per_rank=8, materialize="p2p")
+    assert pool.materialize_mode == "p2p"
+    plan = plan_batch([pool.request_spec("a", 13)], 1, fmt.page_size)
+    kv = pool.prepare(plan, ["a"])
+    lat = torch.randn(13, fmt.kv_lora_rank + fmt.rope_dim)
+    idx = torch.randn(13, fmt.index_head_dim)
+    pool.write(0, kv, lat, idx)
+    view = pool.materialize(0, kv)
+    from cpkv.kv import pack_rows
+    assert torch.equal(view.latent, pack_rows(lat, fmt, "latent", pool.ops))
+    assert torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", pool.ops))
+    with pytest.raises(ValueError, match="materialize must be"):
+        ShardedKVPool(fmt, 1, group, pool.ops, materialize="nvlink")

@@ -38,6 +38,12 @@ def _cases(cp: int) -> list[tuple[str, JobSpec]]:
             s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp32"},
                               backend={"preference": ["torch"]}, runtime={"logits_budget_mb": 1})
             out.append((f"{mode.value} prefix={prefix}", JobSpec("", prompts, s, True, prefix)))
+        if cp in (2, 4):  # the P2P full view (shared memory between the Gloo ranks), fp8 pool
+            s = load_settings(cp={"size": cp, "mode": mode},
+                              kv={"page_size": PAGE, "dtype": "fp8", "materialize": "p2p"},
+                              backend={"preference": ["torch"]}, runtime={"logits_budget_mb": 1})
+            out.append((f"{mode.value} p2p fp8 prefix", JobSpec("", prompts, s, True,
+                                                                (20, 0, 3, 64))))
     return out
 
 
@@ -78,6 +84,8 @@ def test_cp_prefill_equals_single_rank(cp: int, tiny: Path) -> None:
     for i, (name, spec) in enumerate(cases):
         ref = _reference(str(tiny), spec)
         _check(results[0].value[i], ref, f"CP{cp} {name}")
+        want = spec.settings.kv.materialize
+        assert [r.value[i].materialize for r in results] == [want] * cp
         # every rank holds about 1/C of the KV and together exactly the logical footprint
         held = [r.value[i].kv_bytes for r in results]
         assert sum(held) == results[0].value[i].kv_bytes_replicated

@@ -25,7 +25,8 @@ __all__ = ["KV_OPS", "KVOps", "KVPart", "OpTable"]
 KVPart = Literal["latent", "index_k"]
 
 #: the ops the sharded pool and the CP runtime need (issue #3)
-KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.FP8_PACK, Op.FP8_UNPACK)
+KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.FP8_PACK, Op.FP8_UNPACK,
+                          Op.PEER_GATHER)
 #: the sparse-attention ops of one layer (issue #4)
 ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
@@ -115,6 +116,37 @@ def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,
     _check_ranges("topk", logits.shape[0], key_start, key_end)
 
 
+def check_peer_gather_args(srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                           rows: torch.Tensor) -> None:
+    """Validate ``peer_gather`` arguments (metadata only: owner/row values are not read).
+
+    Raises:
+        ValueError: no source, sources differ in dtype / trailing shape / device, or owner and
+            rows are not int64 [n] on the sources' device.
+    """
+    import torch
+
+    if not srcs:
+        raise ValueError("peer_gather: need at least one source buffer")
+    first = srcs[0]
+    for r, s in enumerate(srcs):
+        if (not isinstance(s, torch.Tensor) or s.dim() < 1 or s.dtype != first.dtype
+                or s.shape[1:] != first.shape[1:] or s.device != first.device):
+            raise ValueError(f"peer_gather: source {r} is {getattr(s, 'dtype', type(s).__name__)} "
+                             f"{tuple(getattr(s, 'shape', ()))} on {getattr(s, 'device', '?')}; "
+                             f"every source must be [*, {', '.join(map(str, first.shape[1:]))}] "
+                             f"{first.dtype} on {first.device}")
+    for name, t in (("owner", owner), ("rows", rows)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64
+                or t.device != first.device):
+            raise ValueError(f"peer_gather: {name} must be int64 [n] on {first.device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if owner.shape != rows.shape:
+        raise ValueError(f"peer_gather: owner {tuple(owner.shape)} and rows {tuple(rows.shape)} "
+                         "differ in length")
+
+
 def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                           dv: int) -> None:
     """Validate ``sparse_mla`` arguments (q/kv float, not fp8: the caller unpacks an fp8 pool).
@@ -161,6 +193,13 @@ class KVOps(Protocol):
     fp8_unpack(packed, fmt, part, dtype) -> [N, D] ``dtype``
         the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored.
 
+    peer_gather(srcs, owner, rows) -> [n, ...]
+        ``out[i] = srcs[owner[i]][rows[i]]``: one pass that reads each row from the buffer of the
+        rank owning it (``srcs[r]``: rank r's buffer as mapped into this process, e.g. over
+        NVLink; every ``srcs[r]`` has the same dtype and trailing shape). owner / rows int64 [n];
+        a new contiguous tensor on this device. The P2P materialization (``kv.materialize =
+        "p2p"``) builds the full view with it, no collective and no send buffer.
+
     indexer_logits(q, w, k, k_scale, key_start, key_end) -> float32 [N, T]
         The lightning indexer (rule 19) for N query rows against the T keys of the flat full view:
         ``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` for ``key_start[i] <= j <
@@ -195,6 +234,9 @@ class KVOps(Protocol):
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
                    dtype: torch.dtype) -> torch.Tensor: ...
+
+    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor: ...
 
     def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                        k_scale: torch.Tensor | None, key_start: torch.Tensor,

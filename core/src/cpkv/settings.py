@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import (
@@ -74,6 +74,13 @@ class KVSettings(_Section):
     dtype: KVDtype = Field(KVDtype.BF16, description="pool storage format")
     page_size: int = Field(64, ge=1, description="tokens per KV page")
     pages_per_rank: int = Field(4096, ge=1, description="pool capacity per rank, in pages")
+    materialize: Literal["all_gather", "p2p"] = Field(
+        "all_gather",
+        description="how a sharded pool builds the full view: 'all_gather' (owned pages into a "
+                    "send buffer, one all-gather, one gather into natural order) or 'p2p' (pages "
+                    "kept in peer-mapped memory, read from their owners in one pass; symmetric "
+                    "memory over NVLink on CUDA, shared memory on CPU)",
+    )
 
 
 class BackendSettings(_Section):

@@ -39,12 +39,19 @@ they run unchanged on CPU and CUDA tensors, for any number of rows including 0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from cpkv.contracts import KVFormat
-from cpkv.ops import check_indexer_args, check_sparse_mla_args, check_topk_args, fp8_layout
+from cpkv.ops import (
+    check_indexer_args,
+    check_peer_gather_args,
+    check_sparse_mla_args,
+    check_topk_args,
+    fp8_layout,
+)
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart
@@ -172,6 +179,34 @@ class TorchOps:
             return vals
         rope_vals = _dense(packed[:, dims + 4 * blocks:]).view(torch.bfloat16).to(dtype)
         return torch.cat([vals, rope_vals], dim=1)
+
+    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """``out[i] = srcs[owner[i]][rows[i]]`` along dim 0.
+
+        Args:
+            srcs: one buffer per rank, [R, ...] of one dtype and trailing shape, readable from
+                this device (a peer's buffer mapped over NVLink, or shared host memory).
+            owner: int64 [n], each in [0, len(srcs)).
+            rows: int64 [n], each a row of its owner's buffer.
+
+        Returns:
+            a new contiguous [n, ...] tensor.
+
+        Every source is read at every position (clamped to row 0 where it is not the owner) and
+        the owner's value selected: no boolean-mask gather, so no host sync.
+        """
+        check_peer_gather_args(srcs, owner, rows)
+        n = owner.shape[0]
+        out = torch.zeros((n, *srcs[0].shape[1:]), dtype=srcs[0].dtype, device=owner.device)
+        shape = (n,) + (1,) * (out.dim() - 1)
+        for r, s in enumerate(srcs):
+            if s.shape[0] == 0:
+                continue
+            mine = owner == r
+            got = s.index_select(0, torch.where(mine, rows, 0))
+            out = torch.where(mine.view(shape), got, out)
+        return out
 
     # ---- sparse attention (rule 19) --------------------------------------------------------
     def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,

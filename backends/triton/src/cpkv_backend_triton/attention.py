@@ -172,9 +172,16 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                        DV: tl.constexpr, DK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
                        HAS_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST: tl.constexpr, LOWP: tl.constexpr, P_SPLIT: tl.constexpr,
-                       P_FP16: tl.constexpr, P_CAT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+                       P_FP16: tl.constexpr, P_CAT: tl.constexpr, HEADS_FAST: tl.constexpr,
+                       NHB: tl.constexpr):
+    if HEADS_FAST:  # 1-D grid, the head blocks of a row adjacent: they share its kv rows in L2
+        pid = tl.program_id(0)
+        row = (pid // NHB).to(tl.int64)
+        hb = pid % NHB
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     h64 = h.to(tl.int64)
     da = tl.arange(0, DA)
@@ -406,8 +413,10 @@ class AttentionKernels:
         interp = _interpreted(_sparse_mla_kernel)
         upcast = interp or not lowp
         da, db = _pow2(dv), _pow2(dk - dv)
-        grid = (n, triton.cdiv(heads, bh))
-        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast)
+        nhb = triton.cdiv(heads, bh)
+        heads_fast = bool(cfg.get("HEADS_FAST", 0))
+        grid = (n * nhb,) if heads_fast else (n, nhb)
+        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast, heads_fast)
         self._launch(key, _sparse_mla_kernel, grid,
                      (q, kv, indices, out, heads, nk, float(scale) * math.log2(math.e),
                       q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
@@ -415,6 +424,7 @@ class AttentionKernels:
                      {"DV": dv, "DK": dk, "DA": da, "DB": db, "HAS_B": dk > dv, "BLOCK_H": bh,
                       "BLOCK_K": bk, "UPCAST": upcast, "LOWP": lowp,
                       "P_SPLIT": cfg["P_SPLIT"], "P_FP16": cfg["P_FP16"] == 1,
-                      "P_CAT": cfg["P_CAT"] == 1 and cfg["P_SPLIT"] == 2},
+                      "P_CAT": cfg["P_CAT"] == 1 and cfg["P_SPLIT"] == 2,
+                      "HEADS_FAST": heads_fast, "NHB": nhb},
                      cfg["num_warps"], cfg["num_stages"])
         return out

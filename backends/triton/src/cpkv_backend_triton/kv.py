@@ -18,6 +18,7 @@ Triton version lowers ``.to(float8e4nv)`` / ``.to(bfloat16)`` or ``/`` (which ma
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from cpkv.contracts import FallbackReason
 from cpkv.fallback import report_fallback
-from cpkv.ops import fp8_layout
+from cpkv.ops import check_peer_gather_args, fp8_layout
 
 if TYPE_CHECKING:
     from cpkv.contracts import KVFormat
@@ -69,7 +70,53 @@ def _copy_rows(src_ptr, dst_ptr, idx_ptr, n_rows, row_v, src_stride_v, dst_strid
     tl.store(dst_ptr + d_off[:, None] + cols[None, :], vals, mask=mask)
 
 
+#: sources one ``peer_gather`` launch reads from (CP sizes up to this; more ranks: several passes)
+MAX_PEERS = 8
+
+
+@triton.jit
+def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n_rows, row_v,
+                    src_stride_v, dst_stride_v, base, NSRC: tl.constexpr, VEC: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dst[i] = src_{owner[i] - base}[idx[i]]`` for the rows whose owner is in [base,
+    base + NSRC); other rows are left alone. Units and strides as in ``_copy_rows``."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    own = tl.load(own_ptr + rows, mask=rmask, other=-1) - base
+    rmask = rmask & (own >= 0) & (own < NSRC)
+    idx = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < row_v * VEC
+    s_off = ((idx * src_stride_v) * VEC)[:, None] + cols[None, :]
+    own2 = own[:, None]
+    p = s0 + s_off
+    if NSRC > 1:
+        p = tl.where(own2 == 1, s1 + s_off, p)
+    if NSRC > 2:
+        p = tl.where(own2 == 2, s2 + s_off, p)
+    if NSRC > 3:
+        p = tl.where(own2 == 3, s3 + s_off, p)
+    if NSRC > 4:
+        p = tl.where(own2 == 4, s4 + s_off, p)
+    if NSRC > 5:
+        p = tl.where(own2 == 5, s5 + s_off, p)
+    if NSRC > 6:
+        p = tl.where(own2 == 6, s6 + s_off, p)
+    if NSRC > 7:
+        p = tl.where(own2 == 7, s7 + s_off, p)
+    mask = rmask[:, None] & cmask[None, :]
+    vals = tl.load(p, mask=mask)
+    d_off = (rows * dst_stride_v) * VEC
+    tl.store(dst_ptr + d_off[:, None] + cols[None, :], vals, mask=mask)
+
+
 _UNIT_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+#: bytes one program of ``_copy_rows`` moves, at most one row's worth per column block, and its
+#: warps (None: 4 from 8 KB up, else 2); ``benchmarks/gpu_explore.py kvtune`` sweeps them
+COPY_TUNE: dict[str, int | None] = {"program_bytes": 16384, "col_bytes": 4096, "num_warps": None}
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -102,14 +149,44 @@ def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, index: torch.Tensor, n:
     s = src2.view(torch.uint8).view(dt) if src2.dtype != dt else src2
     d = dst2.view(torch.uint8).view(dt) if dst2.dtype != dt else dst2
     row_units = row_bytes // unit
-    block_c = min(triton.next_power_of_2(row_units), max(16, 4096 // unit))
-    # about 16 KB per program: several rows when rows are short
-    block_r = max(1, min(64, (16384 // unit) // block_c, triton.next_power_of_2(n)))
+    block_c = min(triton.next_power_of_2(row_units), max(16, COPY_TUNE["col_bytes"] // unit))
+    # about program_bytes per program: several rows when rows are short
+    block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // block_c,
+                         triton.next_power_of_2(n)))
     grid = (triton.cdiv(n, block_r), triton.cdiv(row_units, block_c))
-    num_warps = 4 if block_r * block_c * unit >= 8192 else 2
+    num_warps = COPY_TUNE["num_warps"] or (4 if block_r * block_c * unit >= 8192 else 2)
     _copy_rows[grid](s, d, index, n, row_units // vec, s.stride(0) // vec, d.stride(0) // vec,
                      GATHER=gather, VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c,
                      num_warps=num_warps)
+
+
+def _launch_peer_copy(srcs: list[torch.Tensor], dst2: torch.Tensor, owner: torch.Tensor,
+                      rows: torch.Tensor, n: int) -> None:
+    """``_peer_copy_rows`` over [*, R] source views of one dtype and one row stride, in passes of
+    :data:`MAX_PEERS` sources."""
+    row_bytes = srcs[0].shape[1] * srcs[0].element_size()
+    isz = srcs[0].element_size()
+    g = 16
+    for v in (row_bytes, dst2.data_ptr(), srcs[0].stride(0) * isz, dst2.stride(0) * isz,
+              *(s.data_ptr() for s in srcs)):
+        g = math.gcd(g, v)
+    unit = min(g, 8)
+    vec = g // unit
+    dt = _UNIT_DTYPE[unit]
+    d = dst2.view(torch.uint8).view(dt) if dst2.dtype != dt else dst2
+    ss = [s.view(torch.uint8).view(dt) if s.dtype != dt else s for s in srcs]
+    row_units = row_bytes // unit
+    block_c = min(triton.next_power_of_2(row_units), max(16, COPY_TUNE["col_bytes"] // unit))
+    block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // block_c,
+                         triton.next_power_of_2(n)))
+    grid = (triton.cdiv(n, block_r), triton.cdiv(row_units, block_c))
+    num_warps = COPY_TUNE["num_warps"] or (4 if block_r * block_c * unit >= 8192 else 2)
+    for base in range(0, len(ss), MAX_PEERS):
+        part = ss[base: base + MAX_PEERS]
+        ptrs = part + [part[0]] * (MAX_PEERS - len(part))
+        _peer_copy_rows[grid](*ptrs, d, owner, rows, n, row_units // vec, ss[0].stride(0) // vec,
+                              d.stride(0) // vec, base, NSRC=len(part), VEC=vec, BLOCK_R=block_r,
+                              BLOCK_C=block_c, num_warps=num_warps)
 
 
 def _check_index(op: str, index: torch.Tensor, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -179,7 +256,9 @@ def _e4m3_value(c):
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,  # m * 2^-9, exact
                    ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True))
     mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
-    return tl.where((c & 0x80) != 0, -mag, mag)
+    # the sign as a bit: Triton lowers ``-x`` as ``0 - x``, which turns -0.0 (code 0x80) into +0.0
+    bits = mag.to(tl.uint32, bitcast=True) | ((c & 0x80).to(tl.uint32) << 24)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -317,6 +396,28 @@ class KVKernels:
     def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         """Rank-major padded rows back to natural order: ``natural[n] = gathered[perm[n]]``."""
         return _gather("rerange", gathered, perm)
+
+    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """``out[i] = srcs[owner[i]][rows[i]]`` in one kernel (per :data:`MAX_PEERS` sources);
+        ``srcs[r]`` may live on another GPU mapped into this one (symmetric memory over NVLink).
+        Owners and rows are not range-checked on the device."""
+        check_peer_gather_args(srcs, owner, rows)
+        n = owner.shape[0]
+        out = torch.empty((n, *srcs[0].shape[1:]), dtype=srcs[0].dtype, device=owner.device)
+        if n == 0 or out.numel() == 0:
+            return out
+        views = [_dense_rows(s) for s in srcs]
+        if any(v is None for v in views) or len({v.stride(0) for v in views}) > 1:
+            report_fallback(op="triton:peer_gather", requested="one pass over the sources",
+                            selected="dense copies of the sources, then one pass",
+                            reason=FallbackReason.KERNEL_VARIANT,
+                            detail="source rows not dense or row strides differ: "
+                                   f"{[tuple(s.stride()) for s in srcs]}")
+            views = [_dense_rows(s.contiguous()) for s in srcs]
+        _launch_peer_copy(views, out.view(n, -1), owner.contiguous(),  # type: ignore[arg-type]
+                          rows.contiguous(), n)
+        return out
 
     # ---- fp8 ---------------------------------------------------------------------------------
     def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:

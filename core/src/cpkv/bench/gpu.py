@@ -2,7 +2,10 @@
 same run, materialization against a raw all-gather of the same bytes, CP2 against CP1 prefill.
 
 Backends are reached through the registry only (``load("triton")``, ``load("torch")``). Timings:
-CUDA events, warm-up, median. Every row is a :class:`BenchRow` with a same-run baseline.
+kernels, copies and collectives in GPU time (:func:`cpkv.bench.timing.device_ms`: the host's
+launch work hidden behind a spin kernel, as inside a prefill where the host runs ahead), their
+eager call times (host launch work included) kept under ``detail``; prefills in wall time.
+Every row is a :class:`BenchRow` with a same-run baseline.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from cpkv.contracts import KVFormat
 from cpkv.plugin import PluginHost
 
 from .report import BenchRow
-from .timing import median_ms
+from .timing import device_ms, median_ms
 
 __all__ = ["ceilings", "cuda_ms", "kernel_rows", "materialize_rank", "prefill_rank"]
 
@@ -33,13 +36,14 @@ def cuda_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
 
 
 def ceilings(dev: torch.device) -> dict[str, float]:
-    """Device copy bandwidth (read + write, GB/s) and bf16 matmul rate (TFLOP/s), measured now."""
+    """Device copy bandwidth (read + write, GB/s) of 1 GiB and bf16 matmul rate (TFLOP/s), GPU
+    time, measured now."""
     src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    ms = cuda_ms(lambda: dst.copy_(src))
+    ms = device_ms(lambda: dst.copy_(src))
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    mm = cuda_ms(lambda: a @ b, iters=10)
+    mm = device_ms(lambda: a @ b, iters=10)
     return {"copy_gbps": 2 * (1 << 30) / ms / 1e6, "matmul_tflops": 2 * 8192 ** 3 / mm / 1e9}
 
 
@@ -63,34 +67,39 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     g = torch.Generator(device=dev).manual_seed(0)
     copy = ceil["copy_gbps"]
 
+    def moved(name: str, nbytes: int, fast_fn: Callable[[], Any], ref_fn: Callable[[], Any],
+              like: torch.Tensor) -> None:
+        """A row-moving kernel: GPU bandwidth against a device copy of the same bytes (the
+        ceiling for moving them; a 52 MB copy runs below the 1 GiB copy's rate)."""
+        dst = torch.empty_like(like)
+        t = {"ms": device_ms(fast_fn), "torch_ms": device_ms(ref_fn),
+             "copy_ms": device_ms(lambda: dst.copy_(like)),
+             "eager_ms": cuda_ms(fast_fn), "torch_eager_ms": cuda_ms(ref_fn)}
+        rows.append(BenchRow.of(name, nbytes / t["ms"] / 1e6, "GB/s",
+                                "device copy of the same bytes (same run)",
+                                nbytes / t["copy_ms"] / 1e6))
+        detail[name.removesuffix("_bw")] = {**t, "bytes": nbytes,
+                                            "ratio_vs_1gib_copy": nbytes / t["ms"] / 1e6 / copy,
+                                            "speedup_vs_torch": t["torch_ms"] / t["ms"]}
+
     # page gather / scatter: 1024 pages of 64 tokens x (656 + 132) B (fp8 latent + index-K)
     fmt = KVFormat.deepseek_v32("fp8")
     pool = torch.randint(0, 255, (4096, PAGE, fmt.bytes_per_token), dtype=torch.uint8, device=dev,
                          generator=g)
     idx = torch.randperm(4096, device=dev, generator=g)[:1024]
-    nbytes = 2 * 1024 * PAGE * fmt.bytes_per_token
-    t_fast = cuda_ms(lambda: impl.page_gather(pool, idx))
-    t_ref = cuda_ms(lambda: ref.page_gather(pool, idx))
-    rows.append(BenchRow.of("gather_64k_bw", nbytes / t_fast / 1e6, "GB/s",
-                            "device copy bandwidth (same run)", copy))
-    detail["gather_64k"] = {"ms": t_fast, "torch_ms": t_ref, "bytes": nbytes}
     src = torch.randint(0, 255, (1024, PAGE, fmt.bytes_per_token), dtype=torch.uint8, device=dev,
                         generator=g)
-    t_fast = cuda_ms(lambda: impl.page_scatter(pool, idx, src))
-    t_ref = cuda_ms(lambda: ref.page_scatter(pool, idx, src))
-    rows.append(BenchRow.of("scatter_64k_bw", nbytes / t_fast / 1e6, "GB/s",
-                            "device copy bandwidth (same run)", copy))
-    detail["scatter_64k"] = {"ms": t_fast, "torch_ms": t_ref, "bytes": nbytes}
+    nbytes = 2 * src.numel()
+    moved("gather_64k_bw", nbytes, lambda: impl.page_gather(pool, idx),
+          lambda: ref.page_gather(pool, idx), src)
+    moved("scatter_64k_bw", nbytes, lambda: impl.page_scatter(pool, idx, src),
+          lambda: ref.page_scatter(pool, idx, src), src)
 
     # rerange: 64K hidden rows of 7168 bf16 gathered rank-major from 2 ranks
     hidden = torch.randn(TOKENS_64K, 7168, dtype=torch.bfloat16, device=dev, generator=g)
     perm = torch.randperm(TOKENS_64K, device=dev, generator=g)
-    nbytes = 2 * TOKENS_64K * 7168 * 2
-    t_fast = cuda_ms(lambda: impl.rerange(hidden, perm))
-    t_ref = cuda_ms(lambda: ref.rerange(hidden, perm))
-    rows.append(BenchRow.of("rerange_64k_bw", nbytes / t_fast / 1e6, "GB/s",
-                            "device copy bandwidth (same run)", copy))
-    detail["rerange_64k"] = {"ms": t_fast, "torch_ms": t_ref, "bytes": nbytes}
+    moved("rerange_64k_bw", 2 * hidden.numel() * 2, lambda: impl.rerange(hidden, perm),
+          lambda: ref.rerange(hidden, perm), hidden)
 
     # indexer logits: 1024 query rows (the end of a 32K prompt) x 32K keys, 64 heads x 128
     n, t, h, d = 1024, 32 * 1024, 64, 128
@@ -100,12 +109,13 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     ks = torch.zeros(n, dtype=torch.int64, device=dev)
     ke = torch.arange(t - n + 1, t + 1, dtype=torch.int64, device=dev)
     flops = 2 * h * d * float((ke - ks).sum())
-    t_fast = cuda_ms(lambda: impl.indexer_logits(q, w, k, None, ks, ke), iters=10)
-    t_ref = cuda_ms(lambda: ref.indexer_logits(q, w, k, None, ks, ke), iters=5)
+    t_fast = device_ms(lambda: impl.indexer_logits(q, w, k, None, ks, ke), iters=10)
+    # the reference launches many ops: a longer lead keeps its host work hidden too
+    t_ref = device_ms(lambda: ref.indexer_logits(q, w, k, None, ks, ke), iters=5, lead_ms=50)
     rows.append(BenchRow.of("indexer_logits_32k_speedup", flops / t_fast / 1e9, "TFLOP/s",
                             "torch backend, same FLOPs (TFLOP/s)", flops / t_ref / 1e9))
     logits = impl.indexer_logits(q, w, k, None, ks, ke)
-    t_topk = cuda_ms(lambda: impl.topk(logits, 2048, ks, ke), iters=10)
+    t_topk = device_ms(lambda: impl.topk(logits, 2048, ks, ke), iters=10)
     detail["indexer_logits_32k"] = {"ms": t_fast, "torch_ms": t_ref, "causal_flops": flops,
                                     "topk_ms": t_topk}
 
@@ -116,8 +126,8 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     ind = torch.randint(0, TOKENS_64K, (n, kk), dtype=torch.int32, device=dev, generator=g)
     flops = 2.0 * n * h * kk * (dk + dv)
     scale = dk ** -0.5
-    t_fast = cuda_ms(lambda: impl.sparse_mla(q, kv, ind, scale, dv), iters=10)
-    t_ref = cuda_ms(lambda: _chunked_ref_mla(ref, q, kv, ind, scale, dv), iters=3)
+    t_fast = device_ms(lambda: impl.sparse_mla(q, kv, ind, scale, dv), iters=10)
+    t_ref = device_ms(lambda: _chunked_ref_mla(ref, q, kv, ind, scale, dv), iters=3, lead_ms=50)
     rows.append(BenchRow.of("sparse_mla_prefill_64k_tflops", flops / t_fast / 1e9, "TFLOP/s",
                             "torch backend (TFLOP/s)", flops / t_ref / 1e9))
     detail["sparse_mla_64k"] = {"ms": t_fast, "torch_ms": t_ref, "flops": flops}
@@ -138,9 +148,11 @@ class MaterializeSpec:
     layers: int = 2
 
 
-def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, float]:
-    """One layer's materialization of a ``tokens``-token request on this CP group vs a raw
-    ``all_gather_into_tensor`` of exactly the bytes each rank contributes."""
+def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
+    """One layer's materialization of a ``tokens``-token request on this CP group, in both modes
+    (``all_gather``, ``p2p``), vs a raw ``all_gather_into_tensor`` of exactly the bytes each rank
+    contributes; GPU time with every rank's interval started together (a one-element all-reduce
+    after the spin), eager call time under ``eager``."""
     import torch.distributed as dist
 
     from cpkv.kv import ShardedKVPool
@@ -152,22 +164,49 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, float]:
     host.close()
     fmt = KVFormat.deepseek_v32(spec.dtype)
     pages = -(-spec.tokens // PAGE)
-    pool = ShardedKVPool(fmt, spec.layers, group, ops, pages_per_rank=pages)
     plan = plan_batch([(0, spec.tokens)], group.size, PAGE)
-    kv = pool.prepare(plan, ["r"])
-    for b in (*pool.latent, *pool.index_k):
-        b.random_(0, 255)
-    torch.cuda.synchronize()
-    m = kv.materialize
-    t_mat = cuda_ms(lambda: pool.materialize(0, kv), iters=20)
-    send = torch.empty(m.max_send[0], PAGE, fmt.bytes_per_token, dtype=torch.uint8,
+    tiny = torch.zeros(1, device=group.device)
+
+    def align() -> None:
+        dist.all_reduce(tiny)
+
+    out: dict[str, Any] = {"ops": dict(ops.chosen), "eager": {}}
+    views = {}
+    for mode in ("all_gather", "p2p"):
+        pool = ShardedKVPool(fmt, spec.layers, group, ops, pages_per_rank=pages,
+                             materialize=mode)
+        kv = pool.prepare(plan, ["r"])
+        for b in (*pool.latent, *pool.index_k):
+            b.random_(0, 255, generator=torch.Generator(group.device).manual_seed(group.rank))
+        torch.cuda.synchronize()
+        out[f"mode_{mode}"] = pool.materialize_mode
+        out[f"materialize_{mode}_ms"] = device_ms(lambda p=pool, b=kv: p.materialize(0, b),
+                                                  iters=20, align=align)
+        out["eager"][mode] = cuda_ms(lambda p=pool, b=kv: p.materialize(0, b), iters=20)
+        v = pool.materialize(0, kv)
+        views[mode] = (v.latent.contiguous(), v.index_k.contiguous())
+        if mode == "all_gather":
+            m = kv.materialize
+            send = pool._send(0, m.send_slots[0])
+            out["send_buffer_ms"] = device_ms(lambda p=pool, s=m.send_slots[0]: p._send(0, s),
+                                              iters=20)
+            out["view_gather_ms"] = device_ms(
+                lambda b=torch.empty(group.size * m.max_send[0], PAGE, fmt.bytes_per_token,
+                                     dtype=torch.uint8, device=group.device), i=m.view_index:
+                ops.page_gather(b.view(-1, fmt.bytes_per_token), i), iters=20)
+        del pool
+        torch.cuda.empty_cache()
+    out["p2p_view_equals_all_gather_view"] = all(
+        torch.equal(a, b) for a, b in zip(views["all_gather"], views["p2p"], strict=True))
+    recv = torch.empty(group.size * send.shape[0], *send.shape[1:], dtype=torch.uint8,
                        device=group.device)
-    recv = torch.empty(group.size * m.max_send[0], PAGE, fmt.bytes_per_token, dtype=torch.uint8,
-                       device=group.device)
-    t_raw = cuda_ms(lambda: dist.all_gather_into_tensor(recv, send), iters=20)
-    moved = recv.numel()
-    return {"materialize_ms": t_mat, "raw_all_gather_ms": t_raw, "gathered_bytes": moved,
-            "view_bytes": spec.tokens * fmt.bytes_per_token, "ops": dict(ops.chosen)}
+    out["raw_all_gather_ms"] = device_ms(lambda: dist.all_gather_into_tensor(recv, send),
+                                         iters=20, align=align)
+    out["eager"]["raw_all_gather"] = cuda_ms(lambda: dist.all_gather_into_tensor(recv, send),
+                                             iters=20)
+    out["gathered_bytes"] = recv.numel()
+    out["view_bytes"] = spec.tokens * fmt.bytes_per_token
+    return out
 
 
 @dataclass(frozen=True)
@@ -176,6 +215,7 @@ class PrefillSpec:
     tokens: tuple[int, ...]
     kv_dtype: str = "fp8"
     repeats: int = 2
+    materialize: str = "all_gather"
 
 
 def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
@@ -185,11 +225,13 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
     from cpkv.settings import load_settings
 
     model = load_model(spec.model_dir, dtype=torch.bfloat16, device=group.device)
-    settings = load_settings(cp={"size": group.size}, kv={"dtype": spec.kv_dtype, "page_size": PAGE,
-                                                           "pages_per_rank": 8192},
+    settings = load_settings(cp={"size": group.size},
+                             kv={"dtype": spec.kv_dtype, "page_size": PAGE, "pages_per_rank": 8192,
+                                 "materialize": spec.materialize},
                              backend={"preference": ["triton", "torch"]})
     session = PrefillSession(model, settings, group)
-    out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {}}
+    out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {},
+                           "materialize": session.pool.materialize_mode}
     g = torch.Generator().manual_seed(0)
     for n in spec.tokens:
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()

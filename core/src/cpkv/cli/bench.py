@@ -63,7 +63,10 @@ DEEPSEEK_STACK = dict(
 @click.option("--skip-prefill", is_flag=True, help="Kernels and materialization only.")
 @click.option("--prefetch-prefix", type=click.IntRange(min=0), default=65536, show_default=True,
               help="Cached prefix of the prefetch measurement (0 skips it).")
-def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_prefix: int) -> None:
+@click.option("--materialize", type=click.Choice(["all_gather", "p2p"]), default="p2p",
+              show_default=True, help="kv.materialize of the CP2 vs CP1 prefill runs.")
+def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_prefix: int,
+            materialize: str) -> None:
     """Kernels vs ceilings, materialization vs raw all-gather, CP2 vs CP1 prefill (needs GPUs)."""
     import tempfile
 
@@ -93,11 +96,15 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
             r0 = res[0].value
             detail[f"materialize_64k_{dtype}"] = [r.value for r in res]
             if dtype == "fp8":
-                mat = max(r.value["materialize_ms"] for r in res)
                 raw = max(r.value["raw_all_gather_ms"] for r in res)
-                rows.append(BenchRow.of("materialize_64k_bw", r0["gathered_bytes"] / mat / 1e6,
-                                        "GB/s", "raw all_gather_into_tensor of the same bytes",
-                                        r0["gathered_bytes"] / raw / 1e6))
+                for mode, name in (("p2p", "materialize_64k_bw"),
+                                   ("all_gather", "materialize_64k_bw_all_gather")):
+                    if any(r.value[f"mode_{mode}"] != mode for r in res):
+                        continue  # p2p fell back (the fallback event says why): no row
+                    mat = max(r.value[f"materialize_{mode}_ms"] for r in res)
+                    rows.append(BenchRow.of(name, r0["gathered_bytes"] / mat / 1e6, "GB/s",
+                                            "raw all_gather_into_tensor of the same bytes",
+                                            r0["gathered_bytes"] / raw / 1e6))
     if ngpu >= 2 and not skip_prefill:
         from cpkv.models import write_tiny_checkpoint
 
@@ -106,7 +113,7 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
         err.print(f"[dim]writing a {layers}-layer DeepSeek-V3.2-sized stack[/]")
         write_tiny_checkpoint(ckpt, seed=0, num_hidden_layers=layers, first_k_dense_replace=layers,
                               **DEEPSEEK_STACK)
-        spec = gpu.PrefillSpec(str(ckpt), lens)
+        spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize)
         per: dict[int, list[dict]] = {}
         for c in (1, 2):
             err.print(f"[dim]CP{c} prefill at {lens}[/]")

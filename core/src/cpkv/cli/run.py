@@ -56,7 +56,8 @@ def _prompts(path: str | None, vocab: int) -> list[list[int]]:
 
 
 def _render(rep: JobReport, tol: float, console: Console) -> bool:
-    t = Table(title=f"KV per rank: CP{rep.cp} {rep.mode}, {rep.kv_dtype} pool "
+    t = Table(title=f"KV per rank: CP{rep.cp} {rep.mode}, {rep.kv_dtype} pool, "
+                    f"{rep.materialize} views "
                     f"(prompts of {', '.join(map(str, rep.prompt_lens))} tokens)")
     for col in ("rank", "KV bytes", "vs replicated"):
         t.add_column(col, justify="right")

@@ -35,6 +35,8 @@ class FallbackReason(StrEnum):
     TRANSFER_RETRY = "transfer_retry"
     #: draft (MTP) layer without usable plan metadata embeds the full prompt (rule 32)
     DRAFT_PLAN_MISSING = "draft_plan_missing"
+    #: ``kv.materialize = "p2p"`` but the ranks cannot map each other's memory: all-gather path
+    PEER_MEMORY_UNAVAILABLE = "peer_memory_unavailable"
 
 
 class FallbackPolicy(StrEnum):

@@ -25,6 +25,7 @@ class Op(StrEnum):
     RERANGE = "rerange"
     FP8_PACK = "fp8_pack"
     FP8_UNPACK = "fp8_unpack"
+    PEER_GATHER = "peer_gather"
     INDEXER_LOGITS = "indexer_logits"
     TOPK = "topk"
     SPARSE_MLA = "sparse_mla"

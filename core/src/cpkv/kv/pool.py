@@ -9,6 +9,15 @@ Per batch: :meth:`prepare` reserves pages and computes out-cache locations and t
 materialization plan (host work, once); per layer: :meth:`write` then :meth:`materialize`;
 then :meth:`commit` (or :meth:`abort`). With ``shared=False`` every rank keeps a full replica:
 the baseline that sharding is measured against.
+
+Materialization of a sharded pool, ``materialize=``:
+
+* ``"all_gather"``: each rank gathers its owned pages of the batch into a send buffer, one
+  all-gather moves them, one gather lays the view out in natural order (rule 15).
+* ``"p2p"``: every rank's buffers live in peer-mapped memory (:mod:`cpkv.runtime.peer`); after a
+  barrier each rank reads every view row from its owner's buffer in one pass (``peer_gather``):
+  no send buffer, no collective, no staging copy. When the ranks cannot map each other's memory
+  the pool says so (fallback ``peer_memory_unavailable``) and uses the all-gather path.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 
 from cpkv.contracts import CPPlan, FallbackReason, KVFormat, RequestSpec, cdiv
 from cpkv.fallback import report_fallback
+from cpkv.runtime.peer import PeerAccessUnavailable, PeerBuffers
 
 from .allocator import PageAllocator, PoolExhausted
 from .batch import BatchKV, RequestPages, build_batch
@@ -57,23 +67,71 @@ class ShardedKVPool:
         shared: one owner per page (True) or a full replica on every rank (False).
         pages_per_rank: capacity of this rank's buffers, in pages.
         debug: cross-rank checks that sync (plan hash, allocator state, out-cache ownership).
+        materialize: ``"all_gather"`` or ``"p2p"`` (see the module docstring); a replica reads
+            its own pages either way.
     """
 
     def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable, *,
-                 shared: bool = True, pages_per_rank: int = 4096, debug: bool = False) -> None:
+                 shared: bool = True, pages_per_rank: int = 4096, debug: bool = False,
+                 materialize: str = "all_gather") -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if materialize not in ("all_gather", "p2p"):
+            raise ValueError(f"materialize must be 'all_gather' or 'p2p', got {materialize!r}")
         self.fmt, self.num_layers, self.group, self.ops = fmt, num_layers, group, ops
         self.shared, self.debug = shared, debug
         self.capacity = pages_per_rank
         self.allocator = PageAllocator(group.size if shared else 1, pages_per_rank)
         ps, dev = fmt.page_size, group.device
-        self.latent = [torch.zeros(pages_per_rank, ps, fmt.latent_bytes_per_token,
-                                   dtype=torch.uint8, device=dev) for _ in range(num_layers)]
-        self.index_k = [torch.zeros(pages_per_rank, ps, fmt.index_bytes_per_token,
-                                    dtype=torch.uint8, device=dev) for _ in range(num_layers)]
+        self._peers: PeerBuffers | None = None
+        if shared and materialize == "p2p":
+            self._peers = self._open_peers()
+        if self._peers is not None:
+            self.latent, self._peer_latent = self._carve(fmt.latent_bytes_per_token, 0)
+            self.index_k, self._peer_index = self._carve(fmt.index_bytes_per_token,
+                                                         num_layers * self._bytes("latent"))
+        else:
+            self.latent = [torch.zeros(pages_per_rank, ps, fmt.latent_bytes_per_token,
+                                       dtype=torch.uint8, device=dev) for _ in range(num_layers)]
+            self.index_k = [torch.zeros(pages_per_rank, ps, fmt.index_bytes_per_token,
+                                        dtype=torch.uint8, device=dev) for _ in range(num_layers)]
         self.table: dict[Hashable, RequestPages] = {}
         self._stream: torch.cuda.Stream | None = None
+
+    # ---- peer-mapped buffers (materialize="p2p") ---------------------------------------------
+    @property
+    def materialize_mode(self) -> str:
+        """``"p2p"`` when the full view is read from peer-mapped buffers, else ``"all_gather"``."""
+        return "p2p" if self._peers is not None else "all_gather"
+
+    def _bytes(self, part: str) -> int:
+        per = self.fmt.latent_bytes_per_token if part == "latent" else self.fmt.index_bytes_per_token
+        return self.capacity * self.fmt.page_size * per
+
+    def _open_peers(self) -> PeerBuffers | None:
+        total = self.num_layers * (self._bytes("latent") + self._bytes("index_k"))
+        try:
+            peers = self.group.peer_buffers(total)
+        except PeerAccessUnavailable as exc:  # raised on every rank alike
+            report_fallback(op="kv_materialize", requested="p2p (peer-mapped pool buffers)",
+                            selected="all_gather", reason=FallbackReason.PEER_MEMORY_UNAVAILABLE,
+                            detail=str(exc))
+            return None
+        log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=self.group.size)
+        return peers
+
+    def _carve(self, row_bytes: int, start: int,
+               ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """Per layer: this rank's [pages, ps, row_bytes] buffer and every rank's token rows."""
+        assert self._peers is not None
+        ps, n = self.fmt.page_size, self.capacity * self.fmt.page_size * row_bytes
+        own, peer = [], []
+        for layer in range(self.num_layers):
+            off = start + layer * n
+            own.append(self._peers.local[off:off + n].view(self.capacity, ps, row_bytes))
+            peer.append([b[off:off + n].view(self.capacity * ps, row_bytes)
+                         for b in self._peers.buffers])
+        return own, peer
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @property
@@ -174,6 +232,10 @@ class ShardedKVPool:
         """
         lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
         idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
+        if self._peers is not None and layer == 0:
+            # peers may still be reading pages of the previous batch that this batch reuses
+            # (freed and reallocated): once per batch, before the first write
+            self._peers.barrier()
         lat_rows = self.latent[layer].view(-1, lat_b.shape[1])
         idx_rows = self.index_k[layer].view(-1, idx_b.shape[1])
         if batch.direct_dst.numel():
@@ -204,7 +266,7 @@ class ShardedKVPool:
         Every rank calls it at the same point (it is a collective).
         """
         m = batch.materialize_split
-        if m is None:
+        if m is None or self._peers is not None:  # p2p: the view is one pass, nothing to stage
             return None
         c, b = self.group.size, self.fmt.bytes_per_token
         stream = self._side_stream()
@@ -241,6 +303,12 @@ class ShardedKVPool:
             lat = self.ops.page_gather(self.latent[layer].view(-1, nl), m.view_index)
             idx = self.ops.page_gather(
                 self.index_k[layer].view(-1, self.fmt.index_bytes_per_token), m.view_index)
+            return FullView(latent=lat, index_k=idx, cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
+        if self._peers is not None:
+            m = batch.materialize
+            self._peers.barrier()  # every owner's writes of this layer are done and visible
+            lat = self.ops.peer_gather(self._peer_latent[layer], m.view_owner, m.view_physical)
+            idx = self.ops.peer_gather(self._peer_index[layer], m.view_owner, m.view_physical)
             return FullView(latent=lat, index_k=idx, cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
         c, b = self.group.size, self.fmt.bytes_per_token
         if prefetched is None:

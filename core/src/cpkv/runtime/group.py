@@ -13,6 +13,7 @@ Costs (collectives per call, host syncs):
 * :meth:`CPGroup.check_all`: one ``all_reduce(MIN)``; plus one ``all_gather_object`` only when some
   rank failed (every rank takes the same branch); host sync.
 * :meth:`CPGroup.barrier`: one barrier.
+* :meth:`CPGroup.peer_buffers`: a few collectives at allocation (once, at pool creation).
 
 :meth:`CPGroup.single` is a size-1 group that needs no ``torch.distributed`` at all.
 """
@@ -26,6 +27,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from .peer import PeerBuffers, open_peer_buffers
 
 __all__ = ["Backend", "CPGroup", "CollectiveCheckError"]
 
@@ -257,6 +260,15 @@ class CPGroup:
         dist.all_gather_object(gathered, (bool(ok), str(message)), group=self._pg)
         failures = {r: m for r, (rok, m) in enumerate(gathered) if not rok}
         raise CollectiveCheckError(failures, self.size)
+
+    def peer_buffers(self, nbytes: int) -> PeerBuffers:
+        """One ``nbytes`` buffer per rank, every one mapped into every rank (see
+        :mod:`cpkv.runtime.peer`).
+
+        Raises:
+            PeerAccessUnavailable: on every rank alike, with every failing rank's reason.
+        """
+        return open_peer_buffers(self, nbytes)
 
     def barrier(self) -> None:
         """Wait until every rank of the group got here (bounded by :attr:`timeout_s`)."""

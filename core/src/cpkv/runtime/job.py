@@ -51,6 +51,8 @@ class RankReport:
     kv_bytes: int
     kv_bytes_replicated: int
     seconds: dict[str, float]
+    #: how the pool built its full views: "all_gather" or "p2p"
+    materialize: str = "all_gather"
     topk_indices: list[torch.Tensor] = field(default_factory=list)
     topk_scores: list[torch.Tensor] = field(default_factory=list)
 
@@ -121,6 +123,7 @@ def _rank_report(group: CPGroup, session: Any, res: Any, load_s: float) -> RankR
         kv_bytes=session.pool.bytes_held(),
         kv_bytes_replicated=session.pool.replicated_bytes(),
         seconds={"load": load_s, **res.seconds},
+        materialize=session.pool.materialize_mode,
         topk_indices=[t.cpu() for t in cap.indices] if cap else [],
         topk_scores=[t.cpu() for t in cap.scores] if cap else [],
     )
@@ -274,6 +277,8 @@ class JobReport:
     cp: int
     mode: str
     kv_dtype: str
+    #: how the sharded pool built its full views ("all_gather" or "p2p", after any fallback)
+    materialize: str
     prompt_lens: list[int]
     kv_bytes_per_rank: list[int]
     kv_bytes_replicated: int
@@ -356,6 +361,7 @@ def run_job(settings: Any, model_dir: str, prompts: Sequence[Sequence[int]], *,
         seconds.update({f"decode_{k}": v for k, v in decode.seconds.items()})
     return JobReport(
         cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,
+        materialize=r0.materialize,
         prompt_lens=[len(p) for p in prompts],
         kv_bytes_per_rank=[v.kv_bytes for _, v, _ in pre],
         kv_bytes_replicated=r0.kv_bytes_replicated,

@@ -218,6 +218,32 @@ def _check_page_gather(impl: Any, ref: Any, device: str, seed: int) -> None:
                 raise AssertionError(f"{op} [{case}]: output is not contiguous")
 
 
+def _check_peer_gather(impl: Any, ref: Any, device: str, seed: int) -> None:
+    op = "peer_gather"
+    for k, (label, row, dtype, counts) in enumerate(_row_shapes()):
+        for j, n in enumerate(counts):
+            for c in (1, 2, 3, 9):  # 9 > one launch's sources (8)
+                g = _gen(seed * 1000 + k * 100 + j * 10 + c)
+                sizes = [max(1, n // c + 1 + r) for r in range(c)]  # buffers differ in rows
+                case = f"{label}, {n} rows from {c} buffers of {sizes} rows"
+                srcs = [_nonzero((m, *row), dtype, g) for m in sizes]
+                owner = torch.randint(0, c, (n,), generator=g, dtype=torch.int64)
+                lim = torch.tensor(sizes, dtype=torch.int64)[owner]
+                rows = (torch.rand(n, generator=g) * lim).long().clamp(max=lim - 1)
+                *srcs, owner, rows = _to(device, *srcs, owner, rows)
+                keep = [s.clone() for s in srcs] + [owner.clone(), rows.clone()]
+                want = ref.peer_gather(srcs, owner, rows)
+                got = _call(op, case, impl.peer_gather, srcs, owner, rows)
+                _assert_same(op, case, "output", got, want)
+                _unchanged(op, case, keep, [*srcs, owner, rows])
+                indep = (torch.stack([srcs[o][r] for o, r in zip(owner.tolist(), rows.tolist(),
+                                                                   strict=True)])
+                         if n else want)
+                _assert_same(op, case, "output", got, indep, against="srcs[owner[i]][rows[i]]")
+                if not got.is_contiguous():
+                    raise AssertionError(f"{op} [{case}]: output is not contiguous")
+
+
 def _check_page_scatter(impl: Any, ref: Any, device: str, seed: int) -> None:
     op = "page_scatter"
     for k, (label, row, dtype, counts) in enumerate(_row_shapes()):
@@ -576,6 +602,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.RERANGE.value: _check_rerange,
     Op.FP8_PACK.value: _check_fp8_pack,
     Op.FP8_UNPACK.value: _check_fp8_unpack,
+    Op.PEER_GATHER.value: _check_peer_gather,
     Op.INDEXER_LOGITS.value: _check_indexer_logits,
     Op.TOPK.value: _check_topk,
     Op.SPARSE_MLA.value: _check_sparse_mla,

@@ -42,6 +42,8 @@ class PoolScenario:
     debug: bool = False
     #: backend preference for the KV ops (the registry reports every step away from the first)
     preference: tuple[str, ...] = ("torch",)
+    #: the sharded pool's materialization ("all_gather" or "p2p")
+    materialize: str = "all_gather"
 
 
 @dataclass
@@ -56,6 +58,7 @@ class PoolOutcome:
     exhausted: list[str] = field(default_factory=list)
     unchanged_after_exhaustion: bool = True
     views_checked: int = 0
+    materialize_mode: str = ""
     prefetched_views: int = 0
     seconds_prepare: float = 0.0
     seconds_write: float = 0.0
@@ -85,16 +88,19 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
     # run out (a replica needs C times the pages of a shard)
     pools = {shared: ShardedKVPool(fmt, sc.num_layers, group, ops, shared=shared,
                                    pages_per_rank=sc.pages_per_rank * (1 if shared else group.size),
-                                   debug=sc.debug)
+                                   debug=sc.debug,
+                                   materialize=sc.materialize if shared else "all_gather")
              for shared in (True, False)}
-    out = PoolOutcome(rank=group.rank)
+    out = PoolOutcome(rank=group.rank, materialize_mode=pools[True].materialize_mode)
     longest: dict[str, int] = {}
     for b in sc.batches:
         for rid, e in b:
             longest[rid] = longest.get(rid, 0) + e
     dl, di = fmt.kv_lora_rank + fmt.rope_dim, fmt.index_head_dim
-    truth = {rid: (truth_rows(sc.seed, rid, sc.num_layers, n, dl),
-                   truth_rows(sc.seed, rid, sc.num_layers, n, di)) for rid, n in longest.items()}
+    dev = group.device
+    truth = {rid: (truth_rows(sc.seed, rid, sc.num_layers, n, dl).to(dev),
+                   truth_rows(sc.seed, rid, sc.num_layers, n, di).to(dev))
+             for rid, n in longest.items()}
     for bi, batch_reqs in enumerate(sc.batches):
         rids = [r for r, _ in batch_reqs]
         views = {}
@@ -138,7 +144,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                 if not (torch.equal(v2.latent, views[True].latent)
                         and torch.equal(v2.index_k, views[True].index_k)):
                     out.mismatches.append(f"batch {bi} layer {layer}: prefetched view differs")
-                out.prefetched_views += 1
+                out.prefetched_views += pf is not None
             want_l = pack_rows(torch.cat([truth[r][0][layer, : q.end] for r, q in
                                           zip(rids, plan.requests, strict=True)]), fmt, "latent", ops)
             want_i = pack_rows(torch.cat([truth[r][1][layer, : q.end] for r, q in
