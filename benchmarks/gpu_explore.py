@@ -8,6 +8,7 @@ mat (CP2 materialization: eager vs device time; needs 2 GPUs). One JSON object p
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -103,12 +104,19 @@ def mla() -> None:
     flops = 2.0 * n * h * kk * (576 + 512)
     base = AttentionKernels(mla_config=dict(MLA_LOWP_DEFAULT)).sparse_mla(q, kvt, ind, 576 ** -0.5, 512)
     variants = []
-    for hf in (0, 1):
-        for bk in (32, 64):
-            for nw in (4, 8):
-                for ns in (1, 2, 3):
-                    variants.append({"HEADS_FAST": hf, "BLOCK_K": bk, "num_warps": nw,
-                                     "num_stages": ns})
+    if os.environ.get("MLA_WIDE"):  # more warps per program, or all 128 heads in one program
+        for bh, bk, nw, ns in ((64, 64, 16, 2), (64, 64, 16, 3), (64, 32, 16, 3),
+                               (128, 64, 16, 2), (128, 32, 16, 2), (128, 32, 16, 3),
+                               (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)):
+            variants.append({"HEADS_FAST": 1, "BLOCK_H": bh, "BLOCK_K": bk, "num_warps": nw,
+                             "num_stages": ns})
+    else:
+        for hf in (0, 1):
+            for bk in (32, 64):
+                for nw in (4, 8):
+                    for ns in (1, 2, 3):
+                        variants.append({"HEADS_FAST": hf, "BLOCK_K": bk, "num_warps": nw,
+                                         "num_stages": ns})
     for v in variants:
         cfg = {**MLA_LOWP_DEFAULT, **v}
         ker = AttentionKernels(mla_config=cfg)
@@ -166,16 +174,6 @@ def mat() -> None:
         emit(sec="mat", tokens=tokens, rank0=res[0].value, rank1=res[1].value)
 
 
-if __name__ == "__main__":
-    for sec in sys.argv[1:]:
-        try:
-            globals()[sec]()
-        except Exception as exc:
-            import traceback
-            traceback.print_exc()
-            emit(sec=sec, error=repr(exc)[:500])
-
-
 def kvtune() -> None:
     """Launch shapes of the row-copy kernel on the 788-B page gather and the 788-B row gather."""
     from cpkv_backend_torch.ops import TorchOps
@@ -206,3 +204,13 @@ def kvtune() -> None:
                     "rows": lambda: tri.page_gather(rows, perm)}.items()}
                 emit(sec="kvtune", program_bytes=pb, col_bytes=cb, num_warps=nw, **r)
     kvmod.COPY_TUNE.update(keep)
+
+
+if __name__ == "__main__":
+    for sec in sys.argv[1:]:
+        try:
+            globals()[sec]()
+        except Exception as exc:
+            import traceback
+            traceback.print_exc()
+            emit(sec=sec, error=repr(exc)[:500])
