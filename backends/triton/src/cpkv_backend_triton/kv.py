@@ -114,9 +114,17 @@ def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n
 
 _UNIT_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
-#: bytes one program of ``_copy_rows`` moves, at most one row's worth per column block, and its
-#: warps (None: 4 from 8 KB up, else 2); ``benchmarks/gpu_explore.py kvtune`` sweeps them
-COPY_TUNE: dict[str, int | None] = {"program_bytes": 16384, "col_bytes": 4096, "num_warps": None}
+#: bytes one program of ``_copy_rows`` moves, at most ``col_bytes`` of a row per column block,
+#: and its warps (None: 8 from 8 KB up, 4 from 4 KB, else 2). ``benchmarks/gpu_explore.py
+#: kvtune`` sweeps them; on the H200 8 KB / 4 KB / 8 warps was best over page gather, page
+#: scatter and 788-B row gather together (3319 / 3299 / 3106 GB/s, the 16 KB / 4 KB / 4-warp
+#: shape before it 3278 / 3255 / 2925, torch's index_select 3282, a same-size copy 3487)
+COPY_TUNE: dict[str, int | None] = {"program_bytes": 8192, "col_bytes": 4096, "num_warps": None}
+
+
+def _copy_warps(block_bytes: int) -> int:
+    return COPY_TUNE["num_warps"] or (8 if block_bytes >= 8192 else 4 if block_bytes >= 4096
+                                      else 2)
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -154,7 +162,7 @@ def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, index: torch.Tensor, n:
     block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // block_c,
                          triton.next_power_of_2(n)))
     grid = (triton.cdiv(n, block_r), triton.cdiv(row_units, block_c))
-    num_warps = COPY_TUNE["num_warps"] or (4 if block_r * block_c * unit >= 8192 else 2)
+    num_warps = _copy_warps(block_r * block_c * unit)
     _copy_rows[grid](s, d, index, n, row_units // vec, s.stride(0) // vec, d.stride(0) // vec,
                      GATHER=gather, VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c,
                      num_warps=num_warps)
@@ -180,7 +188,7 @@ def _launch_peer_copy(srcs: list[torch.Tensor], dst2: torch.Tensor, owner: torch
     block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // block_c,
                          triton.next_power_of_2(n)))
     grid = (triton.cdiv(n, block_r), triton.cdiv(row_units, block_c))
-    num_warps = COPY_TUNE["num_warps"] or (4 if block_r * block_c * unit >= 8192 else 2)
+    num_warps = _copy_warps(block_r * block_c * unit)
     for base in range(0, len(ss), MAX_PEERS):
         part = ss[base: base + MAX_PEERS]
         ptrs = part + [part[0]] * (MAX_PEERS - len(part))

@@ -179,6 +179,10 @@ def _rank_main(
     for key, value in CHILD_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ.update(env)
+    if size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # each rank gets its share of the cores for torch's CPU ops (torchrun sets
+        # OMP_NUM_THREADS=1): C processes x all cores each oversubscribe the host
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     timeout = timedelta(seconds=timeout_s)
     msg: tuple[Any, ...]
     try:
