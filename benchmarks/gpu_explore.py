@@ -39,12 +39,11 @@ def fp8diag() -> None:
                 for out in (torch.float32, torch.bfloat16):
                     a = tri.fp8_unpack(packed, ds, part, out)
                     b = ref.fp8_unpack(packed, ds, part, out)
-                    bad = (a.view(torch.uint8 if out == torch.float32 else torch.uint8)
-                           != b.view(torch.uint8))
+                    bad = a.view(torch.uint8) != b.view(torch.uint8)
                     ne = (a != b) & ~(a.isnan() & b.isnan())
                     rows, cols = ne.nonzero(as_tuple=True)
                     ex = []
-                    for r, c in list(zip(rows.tolist(), cols.tolist()))[:6]:
+                    for r, c in list(zip(rows.tolist(), cols.tolist(), strict=True))[:6]:
                         blk = c // 128 if part == "latent" else 0
                         dims = 512 if part == "latent" else 128
                         code = int(packed[r, c]) if c < dims else None
@@ -75,15 +74,15 @@ def kv() -> None:
         src = torch.randint(0, 255, (1024, 64, b), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         nb = 2 * src.numel()
-        cases = {"copy": lambda: dst.copy_(src),
-                 "tri_gather": lambda: tri.page_gather(pool, idx),
-                 "ref_gather": lambda: ref.page_gather(pool, idx),
-                 "tri_scatter": lambda: tri.page_scatter(pool, idx, src),
-                 "ref_scatter": lambda: ref.page_scatter(pool, idx, src)}
         rows = pool.view(-1, b)
         perm = torch.randperm(rows.shape[0], device=dev)[:65536]
-        cases["tri_rows"] = lambda: tri.page_gather(rows, perm)
-        cases["ref_rows"] = lambda: ref.page_gather(rows, perm)
+        cases = {"copy": lambda d=dst, s=src: d.copy_(s),
+                 "tri_gather": lambda p=pool, i=idx: tri.page_gather(p, i),
+                 "ref_gather": lambda p=pool, i=idx: ref.page_gather(p, i),
+                 "tri_scatter": lambda p=pool, i=idx, s=src: tri.page_scatter(p, i, s),
+                 "ref_scatter": lambda p=pool, i=idx, s=src: ref.page_scatter(p, i, s),
+                 "tri_rows": lambda r=rows, i=perm: tri.page_gather(r, i),
+                 "ref_rows": lambda r=rows, i=perm: ref.page_gather(r, i)}
         for name, fn in cases.items():
             emit(sec="kv", row_bytes=b, name=name, eager_gbps=nb / median_ms(fn) / 1e6,
                  device_gbps=nb / device_ms(fn) / 1e6)
@@ -104,7 +103,13 @@ def mla() -> None:
     flops = 2.0 * n * h * kk * (576 + 512)
     base = AttentionKernels(mla_config=dict(MLA_LOWP_DEFAULT)).sparse_mla(q, kvt, ind, 576 ** -0.5, 512)
     variants = []
-    if os.environ.get("MLA_WIDE"):  # more warps per program, or all 128 heads in one program
+    if os.environ.get("MLA_LAZY"):  # the lazy rescale against the eager one
+        for lazy in (0, 1):
+            for hf in (0, 1):
+                for bk, ns in ((64, 2), (64, 3), (32, 2), (32, 3)):
+                    variants.append({"LAZY": lazy, "HEADS_FAST": hf, "BLOCK_K": bk,
+                                     "num_warps": 8, "num_stages": ns})
+    elif os.environ.get("MLA_WIDE"):  # more warps per program, or all 128 heads in one program
         for bh, bk, nw, ns in ((64, 64, 16, 2), (64, 64, 16, 3), (64, 32, 16, 3),
                                (128, 64, 16, 2), (128, 32, 16, 2), (128, 32, 16, 3),
                                (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)):
@@ -123,8 +128,9 @@ def mla() -> None:
         try:
             out = ker.sparse_mla(q, kvt, ind, 576 ** -0.5, 512)
             diff = float((out - base).abs().max())
-            ms = device_ms(lambda: ker.sparse_mla(q, kvt, ind, 576 ** -0.5, 512), iters=10)
-            ms_loc = device_ms(lambda: ker.sparse_mla(q, kvt, ind_local, 576 ** -0.5, 512), iters=10)
+            ms = device_ms(lambda k=ker: k.sparse_mla(q, kvt, ind, 576 ** -0.5, 512), iters=10)
+            ms_loc = device_ms(lambda k=ker: k.sparse_mla(q, kvt, ind_local, 576 ** -0.5, 512),
+                               iters=10)
         except Exception as exc:  # out of resources etc.
             emit(sec="mla", cfg=v, error=repr(exc)[:200])
             continue

@@ -190,10 +190,10 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
             send = pool._send(0, m.send_slots[0])
             out["send_buffer_ms"] = device_ms(lambda p=pool, s=m.send_slots[0]: p._send(0, s),
                                               iters=20)
+            gathered = torch.empty(group.size * m.max_send[0] * PAGE, fmt.bytes_per_token,
+                                   dtype=torch.uint8, device=group.device)
             out["view_gather_ms"] = device_ms(
-                lambda b=torch.empty(group.size * m.max_send[0], PAGE, fmt.bytes_per_token,
-                                     dtype=torch.uint8, device=group.device), i=m.view_index:
-                ops.page_gather(b.view(-1, fmt.bytes_per_token), i), iters=20)
+                lambda b=gathered, i=m.view_index: ops.page_gather(b, i), iters=20)
         del pool
         torch.cuda.empty_cache()
     out["p2p_view_equals_all_gather_view"] = all(
