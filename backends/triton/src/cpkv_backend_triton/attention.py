@@ -173,7 +173,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                        HAS_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST: tl.constexpr, LOWP: tl.constexpr, P_SPLIT: tl.constexpr,
                        P_FP16: tl.constexpr, P_CAT: tl.constexpr, HEADS_FAST: tl.constexpr,
-                       NHB: tl.constexpr, LAZY: tl.constexpr):
+                       NHB: tl.constexpr, WS: tl.constexpr):
     if HEADS_FAST:  # 1-D grid, the head blocks of a row adjacent: they share its kv rows in L2
         pid = tl.program_id(0)
         row = (pid // NHB).to(tl.int64)
@@ -204,7 +204,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
         kk = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + row * si0 + kk * si1, mask=kk < K, other=-1)
         valid = idx >= 0
@@ -223,28 +223,12 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
             else:
                 s = tl.dot(qb, tl.trans(kvb), s)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_blk = tl.max(s, axis=1)
-        if LAZY:
-            # keep the running maximum unless some row's grows by more than 2^8 (log2 units):
-            # p = exp2(s - m) then stays <= 256, and the [BLOCK_H, DV] rescale of acc (CUDA-core
-            # work as long as a quarter of the step's matmuls) runs only on those few steps
-            if tl.max((m_blk > m_i + 8.0).to(tl.int32), axis=0) > 0:
-                m_up = tl.maximum(m_i, m_blk)
-                alpha = tl.math.exp2(m_i - tl.where(m_up == float("-inf"), 0.0, m_up))
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_up
-            m_new = m_i
-            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i + tl.sum(p, axis=1)
-        else:
-            m_new = tl.maximum(m_i, m_blk)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
         if LOWP:
             # p as a sum of P_SPLIT 16-bit pieces (of P_DTYPE), each through the 16-bit matmul
             if P_FP16:
@@ -432,7 +416,7 @@ class AttentionKernels:
         nhb = triton.cdiv(heads, bh)
         heads_fast = bool(cfg.get("HEADS_FAST", 0))
         grid = (n * nhb,) if heads_fast else (n, nhb)
-        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast, heads_fast, cfg.get("LAZY", 0))
+        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast, heads_fast, cfg.get("WS", 0))
         self._launch(key, _sparse_mla_kernel, grid,
                      (q, kv, indices, out, heads, nk, float(scale) * math.log2(math.e),
                       q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
@@ -441,6 +425,6 @@ class AttentionKernels:
                       "BLOCK_K": bk, "UPCAST": upcast, "LOWP": lowp,
                       "P_SPLIT": cfg["P_SPLIT"], "P_FP16": cfg["P_FP16"] == 1,
                       "P_CAT": cfg["P_CAT"] == 1 and cfg["P_SPLIT"] == 2,
-                      "HEADS_FAST": heads_fast, "NHB": nhb, "LAZY": bool(cfg.get("LAZY", 0))},
+                      "HEADS_FAST": heads_fast, "NHB": nhb, "WS": bool(cfg.get("WS", 0))},
                      cfg["num_warps"], cfg["num_stages"])
         return out
