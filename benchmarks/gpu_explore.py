@@ -103,11 +103,7 @@ def mla() -> None:
     flops = 2.0 * n * h * kk * (576 + 512)
     base = AttentionKernels(mla_config=dict(MLA_LOWP_DEFAULT)).sparse_mla(q, kvt, ind, 576 ** -0.5, 512)
     variants = []
-    if os.environ.get("MLA_WS"):  # Triton's automatic warp specialization of the key loop
-        for ws in (0, 1):
-            for bk, nw, ns in ((64, 8, 2), (64, 8, 3), (64, 4, 2), (32, 8, 3), (64, 12, 2)):
-                variants.append({"WS": ws, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns})
-    elif os.environ.get("MLA_WIDE"):  # more warps per program, or all 128 heads in one program
+    if os.environ.get("MLA_WIDE"):  # more warps per program, or all 128 heads in one program
         for bh, bk, nw, ns in ((64, 64, 16, 2), (64, 64, 16, 3), (64, 32, 16, 3),
                                (128, 64, 16, 2), (128, 32, 16, 2), (128, 32, 16, 3),
                                (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)):

@@ -211,8 +211,7 @@ def _gpu(fn: Any) -> Any:
     ("indexer_logits", {}), ("topk", {}), ("sparse_mla", {}),
     ("sparse_mla", {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0, "BLOCK_K": 64}),
     ("sparse_mla", {"BLOCK_H": 32, "BLOCK_K": 32, "num_warps": 4}),
-    ("sparse_mla", {"BLOCK_H": 32, "HEADS_FAST": 1}),
-    ("sparse_mla", {"WS": 1})])
+    ("sparse_mla", {"BLOCK_H": 32, "HEADS_FAST": 1})])
 def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
     conf.check_op(AttentionKernels(mla_config=mla_config), ref, op, device="cuda")
 

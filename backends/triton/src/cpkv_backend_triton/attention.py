@@ -173,7 +173,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                        HAS_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST: tl.constexpr, LOWP: tl.constexpr, P_SPLIT: tl.constexpr,
                        P_FP16: tl.constexpr, P_CAT: tl.constexpr, HEADS_FAST: tl.constexpr,
-                       NHB: tl.constexpr, WS: tl.constexpr):
+                       NHB: tl.constexpr):
     if HEADS_FAST:  # 1-D grid, the head blocks of a row adjacent: they share its kv rows in L2
         pid = tl.program_id(0)
         row = (pid // NHB).to(tl.int64)
@@ -204,7 +204,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + row * si0 + kk * si1, mask=kk < K, other=-1)
         valid = idx >= 0
@@ -416,7 +416,7 @@ class AttentionKernels:
         nhb = triton.cdiv(heads, bh)
         heads_fast = bool(cfg.get("HEADS_FAST", 0))
         grid = (n * nhb,) if heads_fast else (n, nhb)
-        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast, heads_fast, cfg.get("WS", 0))
+        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast, heads_fast)
         self._launch(key, _sparse_mla_kernel, grid,
                      (q, kv, indices, out, heads, nk, float(scale) * math.log2(math.e),
                       q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
@@ -425,6 +425,6 @@ class AttentionKernels:
                       "BLOCK_K": bk, "UPCAST": upcast, "LOWP": lowp,
                       "P_SPLIT": cfg["P_SPLIT"], "P_FP16": cfg["P_FP16"] == 1,
                       "P_CAT": cfg["P_CAT"] == 1 and cfg["P_SPLIT"] == 2,
-                      "HEADS_FAST": heads_fast, "NHB": nhb, "WS": bool(cfg.get("WS", 0))},
+                      "HEADS_FAST": heads_fast, "NHB": nhb},
                      cfg["num_warps"], cfg["num_stages"])
         return out
