@@ -159,7 +159,7 @@ def _mat_rank(group, tokens):
     out = {}
     for name, fn in {"materialize": lambda: pool.materialize(0, kvb),
                      "raw_all_gather": lambda: dist.all_gather_into_tensor(recv, send),
-                     "send_gather": lambda: pool._send(0, m.send_slots[0]),
+                     "send_gather": lambda: pool._send(0, m, 0),
                      "view_gather": lambda: ops.page_gather(recv.view(-1, fmt.bytes_per_token),
                                                             m.view_index)}.items():
         out[name] = {"eager_ms": median_ms(fn), "device_ms": device_ms(fn, align=al)}

@@ -301,3 +301,38 @@ def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
     assert torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", pool.ops))
     with pytest.raises(ValueError, match="materialize must be"):
         ShardedKVPool(fmt, 1, group, pool.ops, materialize="nvlink")
+
+
+def _send_starts(group: CPGroup) -> list[tuple[int | None, ...]]:
+    """Send lists per batch: consecutive slots (a pool slice, no gather) or not."""
+    fmt = _fmt(KVDtype.FP8, 4)
+    pool = ShardedKVPool(fmt, 1, group, _ops_torch(group), pages_per_rank=16)
+    out = []
+    g = torch.Generator().manual_seed(2)  # the same rows on every rank
+    for rid, n, free in (("a", 24, None), ("b", 8, None), ("c", 8, "a"), ("d", 40, None)):
+        plan = plan_batch([pool.request_spec(rid, n)], group.size, fmt.page_size)
+        kv = pool.prepare(plan, [rid])
+        lat = torch.randn(n, fmt.kv_lora_rank + fmt.rope_dim, generator=g)
+        idx = torch.randn(n, fmt.index_head_dim, generator=g)
+        pool.write(0, kv, kv.rows.split(lat, pool.ops), kv.rows.split(idx, pool.ops))
+        view = pool.materialize(0, kv)
+        from cpkv.kv import pack_rows
+        assert torch.equal(view.latent, pack_rows(lat, fmt, "latent", pool.ops))
+        assert torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", pool.ops))
+        out.append(kv.materialize.send_start)
+        pool.commit(kv)
+        if free:
+            pool.free(free)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_consecutive_owned_pages_are_sent_from_the_pool_without_a_gather() -> None:
+    res = run_ranks(_send_starts, 2, timeout_s=120)
+    for r in res:
+        a, b, c, d = r.value
+        assert a == (0,)  # a fresh pool: 3 pages per rank at slots 0, 1, 2
+        assert b == (3,)  # the next free slots
+        # "a" freed: its slots 0-2 come back first and "c" takes one of them; "d" then gets
+        # slots 1, 2 (freed) and 5.. (never used): not consecutive, so one page gather
+        assert c[0] is not None and d == (None,)

@@ -57,9 +57,8 @@ pytestmark = [pytest.mark.mooncake,
 def _layout(n: int, base: int, layers: int = 2) -> Any:
     from cpkv_transfer_mooncake.transport import Layout
 
-    return Layout(latent=tuple(base + 10**6 * i for i in range(layers)),
-                  index_k=tuple(base + 10**6 * (layers + i) for i in range(layers)),
-                  latent_row=100, index_row=10, num_pages=n)
+    return Layout(kv=tuple(base + 10**6 * i for i in range(layers)), page_bytes=110,
+                  num_pages=n)
 
 
 def test_entries_split_at_destination_gaps_and_merge_continuations() -> None:
@@ -74,8 +73,7 @@ def test_entries_split_at_destination_gaps_and_merge_continuations() -> None:
     want = []
     for s, d, n in pieces:
         for layer in range(2):
-            want.append((src.latent[layer] + s * 100, dst.latent[layer] + d * 100, n * 100))
-            want.append((src.index_k[layer] + s * 10, dst.index_k[layer] + d * 10, n * 10))
+            want.append((src.kv[layer] + s * 110, dst.kv[layer] + d * 110, n * 110))
     assert ent == want
     assert sum(e[2] for e in ent) == 5 * 2 * 110  # exactly the part's bytes
     with pytest.raises(ValueError, match="destination slots"):
@@ -136,16 +134,17 @@ def _bare_link(n_pages: int, max_batch: int, retries: int = 0, fail: int = 0) ->
 def test_batches_stay_within_the_limit_and_retries_use_a_fresh_engine() -> None:
     from cpkv_transfer_mooncake.transport import Written
 
-    # 700 pages, every other destination slot: 700 pieces x 2 layers x 2 buffers = 2800 entries
+    # 700 pages, every other destination slot: 700 pieces x 2 layers = 1400 entries (a page's
+    # latent and index-K are one block)
     part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=700, src_slot=0),))
     link = _bare_link(1400, 1024)
     assert link.send_part(part, list(range(0, 1400, 2))) == part_bytes(link, 700)
-    assert link.engine.batches == [1024, 1024, 752]
+    assert link.engine.batches == [1024, 376]
     assert isinstance(link.channel.sent[-1], Written) and link.channel.sent[-1].error is None
     link = _bare_link(1400, 1024, retries=1, fail=1)
     with recording() as rec:
         link.send_part(part, list(range(0, 1400, 2)))
-    assert link.stats["retries"] == 1 and link.stats["batches"] == 3
+    assert link.stats["retries"] == 1 and link.stats["batches"] == 2
     assert [e.reason.value for e in rec.events] == ["transfer_retry"]  # a retry is reported
     link = _bare_link(1400, 1024, retries=1, fail=5)
     link._renew_engine = lambda: setattr(link, "engine", _FakeEngine(fail=5))
@@ -220,13 +219,14 @@ def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tu
 
 # ---- faults ------------------------------------------------------------------------------------
 
-C, TIMEOUT, BIG = 2, 4.0, 1200
+C, TIMEOUT, BIG = 2, 4.0, 2400
 FAULTS = ("port", "address", "stall", "over_limit")
 
 
 def _tables(big: bool) -> tuple[Any, ...]:
     """(prefill ranks' pools, owners, slots, valid length) of a request. ``big``: interleaved
-    owners over 1200 pages, so every page is its own piece: 2400 entries per rank (> 2048)."""
+    owners over 2400 pages, so every page is its own piece: 1200 pieces x 2 layers = 2400
+    entries per rank (> 2048)."""
     if big:
         ranks, _, _ = _source(C, 1, seed=11)
         for i, r in enumerate(ranks):
@@ -244,7 +244,7 @@ def _big_pool(r: Any, n: int, seed: int) -> Any:
     pool = ShardedKVPool(r.pool.fmt, r.pool.num_layers, CPGroup.single(), r.pool.ops,
                          pages_per_rank=n)
     gen = torch.Generator().manual_seed(seed)
-    for buf in (*pool.latent, *pool.index_k):
+    for buf in pool.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     return pool
 
@@ -301,7 +301,7 @@ def _apply_fault(link: Any, fault: str) -> Any:
         return lambda: setattr(link, "remote", good)
     if fault == "address":  # outside every buffer the decode engine registered
         lay = link.remote_layout
-        link.remote_layout = replace(lay, latent=tuple(a + (1 << 44) for a in lay.latent))
+        link.remote_layout = replace(lay, kv=tuple(a + (1 << 44) for a in lay.kv))
         return lambda: setattr(link, "remote_layout", lay)
     if fault == "stall":  # never writes nor notifies within the timeout
         link.send_part = lambda part, dst: time.sleep(TIMEOUT + 1.5) or 0

@@ -176,7 +176,7 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
         pool = ShardedKVPool(fmt, spec.layers, group, ops, pages_per_rank=pages,
                              materialize=mode)
         kv = pool.prepare(plan, ["r"])
-        for b in (*pool.latent, *pool.index_k):
+        for b in pool.kv:
             b.random_(0, 255, generator=torch.Generator(group.device).manual_seed(group.rank))
         torch.cuda.synchronize()
         out[f"mode_{mode}"] = pool.materialize_mode
@@ -187,9 +187,9 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
         views[mode] = (v.latent.contiguous(), v.index_k.contiguous())
         if mode == "all_gather":
             m = kv.materialize
-            send = pool._send(0, m.send_slots[0])
-            out["send_buffer_ms"] = device_ms(lambda p=pool, s=m.send_slots[0]: p._send(0, s),
-                                              iters=20)
+            send = pool._send(0, m, 0).contiguous()
+            out["send_is_pool_slice"] = m.send_start[0] is not None
+            out["send_buffer_ms"] = device_ms(lambda p=pool, mm=m: p._send(0, mm, 0), iters=20)
             gathered = torch.empty(group.size * m.max_send[0] * PAGE, fmt.bytes_per_token,
                                    dtype=torch.uint8, device=group.device)
             out["view_gather_ms"] = device_ms(
@@ -307,7 +307,7 @@ def prefetch_rank(group: Any, spec: PrefetchSpec) -> dict[str, Any]:
             # the part that stays on the critical path, timed repeatedly on its own
             m = kv.materialize_split
             out["new_part_all_gather_ms"] = cuda_ms(
-                lambda p=pool, s=m.send_slots[1], n=m.max_send[1]: p.group.all_gather_rows(
-                    p._send(0, s), n), iters=10)
+                lambda p=pool, mm=m: p.group.all_gather_rows(p._send(0, mm, 1), mm.max_send[1]),
+                iters=10)
             pool.abort(kv)
     return out

@@ -47,8 +47,9 @@ class LinkSpec:
         endpoint: this process: 0..C-1 = prefill CP rank, ``cp_size`` = the decode rank.
         cp_size: C, the number of prefill ranks.
         pool: this endpoint's pool: the prefill rank's sharded pool, or the decode rank's
-            one-rank full-layout pool (its buffers ``latent[layer]`` / ``index_k[layer]`` are
-            uint8 ``[pages, ps, bytes]``: what a one-sided transport registers).
+            one-rank full-layout pool (its buffers ``kv[layer]`` are contiguous uint8
+            ``[pages, ps, latent + index bytes]``: what a one-sided transport registers;
+            ``latent[layer]`` / ``index_k[layer]`` are their column views).
         timeout_s: bound on every wait of one transfer (``transfer.timeout_s``).
         debug: the debug switch (checksums are computed and compared).
         world_ranks: for transports over ``torch.distributed``: the global rank of each endpoint

@@ -35,8 +35,8 @@ class MaterializePlan:
     """Which pages each rank contributes and where each key row of the full view comes from.
 
     Sharded: the pages are moved in one or more parts (one collective each); in part p rank r
-    sends ``send_slots[p]`` (its own slots in canonical order, padded to ``max_send[p]`` with a
-    valid slot whose rows are never read), and the gathered parts lie one after another:
+    sends ``send_slots[p]`` (its own slots in canonical order, padded to ``max_send[p]`` with
+    valid slots whose rows are never read), and the gathered parts lie one after another:
     [C * max_send[0] pages][C * max_send[1] pages]. ``view_index[t]`` is the token row of
     full-view row t in those gathered pages. Replicated: no part; ``view_index`` points into the
     rank's own buffer rows.
@@ -44,6 +44,9 @@ class MaterializePlan:
 
     send_slots: tuple[torch.Tensor, ...]  # per part: int64 [max_send[p]]
     max_send: tuple[int, ...]
+    #: per part: s when ``send_slots[p]`` is s, s+1, ..., s+max_send[p]-1 (the send buffer is
+    #: then a slice of the pool, no gather), else None; this rank's own (shapes do not change)
+    send_start: tuple[int | None, ...]
     view_index: torch.Tensor  # int64 [T]
     cu_seqlens: torch.Tensor  # int64 [B + 1]
     seq_lens: tuple[int, ...]
@@ -87,10 +90,22 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
+def _pad(s: list[int], n: int, capacity: int) -> tuple[list[int], int | None]:
+    """``s`` padded to ``n`` slots (padding rows are never read), and its first slot when the
+    result is consecutive slots inside the pool (then the send buffer is a slice)."""
+    if not s:
+        return [0] * n, 0 if n <= capacity else None
+    run = s == list(range(s[0], s[0] + len(s)))
+    if run and s[0] + n <= capacity:
+        return list(range(s[0], s[0] + n)), s[0]
+    return s + [s[0]] * (n - len(s)), None
+
+
 def _layout(plan: CPPlan, pages: Sequence[RequestPages], c: int, rank: int, parts: int,
-            part_of: Callable[[int, int], int],
-            ) -> tuple[list[list[int]], tuple[int, ...], list[torch.Tensor]]:
-    """Send lists of ``rank`` per part (padded), their common lengths, and the view's source rows."""
+            part_of: Callable[[int, int], int], capacity: int,
+            ) -> tuple[list[list[int]], tuple[int, ...], list[torch.Tensor], list[int | None]]:
+    """Send lists of ``rank`` per part (padded), their common lengths, the view's source rows and
+    where each send list starts when it is consecutive slots."""
     ps = plan.page_size
     send = [[[] for _ in range(c)] for _ in range(parts)]  # part -> rank -> slots
     where: list[list[tuple[int, int, int]]] = []
@@ -107,11 +122,12 @@ def _layout(plan: CPPlan, pages: Sequence[RequestPages], c: int, rank: int, part
         base.append(base[-1] + c * maxes[p])
     view = [_rows_of([base[p] + o * maxes[p] + j for p, o, j in w], req.end, ps)
             for w, req in zip(where, plan.requests, strict=True)]
-    mine = []
+    mine, starts = [], []
     for p in range(parts):
-        s = send[p][rank]
-        mine.append(s + [s[0] if s else 0] * (maxes[p] - len(s)))  # padding rows: never read
-    return mine, maxes, view
+        slots, start = _pad(send[p][rank], maxes[p], capacity)
+        mine.append(slots)
+        starts.append(start)
+    return mine, maxes, view, starts
 
 
 def build_batch(
@@ -122,6 +138,7 @@ def build_batch(
     shared: bool,
     device: torch.device,
     new_pages: tuple[tuple[Hashable, int], ...],
+    capacity: int,
 ) -> BatchKV:
     """Out-cache locations and materialization plan of ``rank`` (tables already hold the pages)."""
     ps, c = plan.page_size, plan.cp_size
@@ -180,10 +197,11 @@ def build_batch(
 
     def mplan(parts: int, part_of: Callable[[int, int], int]) -> MaterializePlan:
         if shared:
-            slots, maxes, view = _layout(plan, pages, c, rank, parts, part_of)
+            slots, maxes, view, starts = _layout(plan, pages, c, rank, parts, part_of, capacity)
         else:
-            slots, maxes, view = (), (), slot_rows
+            slots, maxes, view, starts = (), (), slot_rows, []
         return MaterializePlan(send_slots=tuple(dev(x) for x in slots), max_send=maxes,
+                               send_start=tuple(starts),
                                view_index=dev(_cat(view)), cu_seqlens=dev(cu), seq_lens=seq_lens,
                                view_owner=view_owner, view_physical=view_physical)
 

@@ -1,9 +1,10 @@
 """ShardedKVPool: KV pages (latent + index-K) stored only on their owner rank (rules 10-18).
 
-Per layer the pool holds two byte buffers in the stored format of :class:`KVFormat`:
-``latent[layer]`` [pages, ps, latent bytes] and ``index_k[layer]`` [pages, ps, index bytes]. A
-page id names the same page in both: the index-K is a sidecar allocated, written and moved with
-its latent page.
+Per layer the pool holds one byte buffer in the stored format of :class:`KVFormat`:
+``kv[layer]`` [pages, ps, latent bytes + index bytes], each token's latent bytes followed by its
+index-K bytes, so a page (latent and its index-K sidecar) is one contiguous block: it is
+allocated, written and moved as one. ``latent[layer]`` and ``index_k[layer]`` are the two
+column views of it ([pages, ps, latent bytes] and [pages, ps, index bytes]).
 
 Per batch: :meth:`prepare` reserves pages and computes out-cache locations and the
 materialization plan (host work, once); per layer: :meth:`write` then :meth:`materialize`;
@@ -35,7 +36,7 @@ from cpkv.fallback import report_fallback
 from cpkv.runtime.peer import PeerAccessUnavailable, PeerBuffers
 
 from .allocator import PageAllocator, PoolExhausted
-from .batch import BatchKV, RequestPages, build_batch
+from .batch import BatchKV, MaterializePlan, RequestPages, build_batch
 from .view import FullView, pack_rows
 
 if TYPE_CHECKING:
@@ -87,14 +88,13 @@ class ShardedKVPool:
         if shared and materialize == "p2p":
             self._peers = self._open_peers()
         if self._peers is not None:
-            self.latent, self._peer_latent = self._carve(fmt.latent_bytes_per_token, 0)
-            self.index_k, self._peer_index = self._carve(fmt.index_bytes_per_token,
-                                                         num_layers * self._bytes("latent"))
+            self.kv, self._peer_rows = self._carve()
         else:
-            self.latent = [torch.zeros(pages_per_rank, ps, fmt.latent_bytes_per_token,
-                                       dtype=torch.uint8, device=dev) for _ in range(num_layers)]
-            self.index_k = [torch.zeros(pages_per_rank, ps, fmt.index_bytes_per_token,
-                                        dtype=torch.uint8, device=dev) for _ in range(num_layers)]
+            self.kv = [torch.zeros(pages_per_rank, ps, fmt.bytes_per_token, dtype=torch.uint8,
+                                   device=dev) for _ in range(num_layers)]
+        nl = fmt.latent_bytes_per_token
+        self.latent = [b[..., :nl] for b in self.kv]
+        self.index_k = [b[..., nl:] for b in self.kv]
         self.table: dict[Hashable, RequestPages] = {}
         self._stream: torch.cuda.Stream | None = None
 
@@ -104,12 +104,11 @@ class ShardedKVPool:
         """``"p2p"`` when the full view is read from peer-mapped buffers, else ``"all_gather"``."""
         return "p2p" if self._peers is not None else "all_gather"
 
-    def _bytes(self, part: str) -> int:
-        per = self.fmt.latent_bytes_per_token if part == "latent" else self.fmt.index_bytes_per_token
-        return self.capacity * self.fmt.page_size * per
+    def _layer_bytes(self) -> int:
+        return self.capacity * self.fmt.page_bytes
 
     def _open_peers(self) -> PeerBuffers | None:
-        total = self.num_layers * (self._bytes("latent") + self._bytes("index_k"))
+        total = self.num_layers * self._layer_bytes()
         try:
             peers = self.group.peer_buffers(total)
         except PeerAccessUnavailable as exc:  # raised on every rank alike
@@ -120,17 +119,16 @@ class ShardedKVPool:
         log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=self.group.size)
         return peers
 
-    def _carve(self, row_bytes: int, start: int,
-               ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-        """Per layer: this rank's [pages, ps, row_bytes] buffer and every rank's token rows."""
+    def _carve(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """Per layer: this rank's [pages, ps, B] buffer and every rank's [pages * ps, B] rows."""
         assert self._peers is not None
-        ps, n = self.fmt.page_size, self.capacity * self.fmt.page_size * row_bytes
+        ps, b, n = self.fmt.page_size, self.fmt.bytes_per_token, self._layer_bytes()
         own, peer = [], []
         for layer in range(self.num_layers):
-            off = start + layer * n
-            own.append(self._peers.local[off:off + n].view(self.capacity, ps, row_bytes))
-            peer.append([b[off:off + n].view(self.capacity * ps, row_bytes)
-                         for b in self._peers.buffers])
+            off = layer * n
+            own.append(self._peers.local[off:off + n].view(self.capacity, ps, b))
+            peer.append([buf[off:off + n].view(self.capacity * ps, b)
+                         for buf in self._peers.buffers])
         return own, peer
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -219,7 +217,7 @@ class ShardedKVPool:
                 rp.pending.append(len(rp.slots) - 1)
                 cursor[a] += 1
         batch = build_batch(plan, rids, self.table, self.rank, self.shared, self.group.device,
-                            tuple((rid, e) for rid, e, _ in new))
+                            tuple((rid, e) for rid, e, _ in new), capacity=self.capacity)
         if self.debug:
             self._verify_out_cache(batch)
         return batch
@@ -236,8 +234,9 @@ class ShardedKVPool:
             # peers may still be reading pages of the previous batch that this batch reuses
             # (freed and reallocated): once per batch, before the first write
             self._peers.barrier()
-        lat_rows = self.latent[layer].view(-1, lat_b.shape[1])
-        idx_rows = self.index_k[layer].view(-1, idx_b.shape[1])
+        rows = self.kv[layer].view(-1, self.fmt.bytes_per_token)
+        nl = lat_b.shape[1]
+        lat_rows, idx_rows = rows[:, :nl], rows[:, nl:]  # dense rows, row stride B
         if batch.direct_dst.numel():
             src_l, src_i = lat_b, idx_b
             if batch.direct_src is not None:
@@ -253,10 +252,13 @@ class ShardedKVPool:
             self.ops.page_scatter(lat_rows, batch.owner_dst, mine[:, :nl])
             self.ops.page_scatter(idx_rows, batch.owner_dst, mine[:, nl:])
 
-    def _send(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """This rank's pages ``slots`` of ``layer``, latent and index-K side by side per token."""
-        return torch.cat([self.ops.page_gather(self.latent[layer], slots),
-                          self.ops.page_gather(self.index_k[layer], slots)], dim=2)
+    def _send(self, layer: int, m: MaterializePlan, part: int) -> torch.Tensor:
+        """This rank's pages of ``part`` of ``layer`` (latent and index-K per token): a slice of
+        the pool when they are consecutive slots (no copy), else one page gather."""
+        start = m.send_start[part]
+        if start is not None:
+            return self.kv[layer][start:start + m.max_send[part]]
+        return self.ops.page_gather(self.kv[layer], m.send_slots[part])
 
     def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
         """Start moving ``layer``'s cached prefix pages (those this batch does not write) into the
@@ -276,7 +278,7 @@ class ShardedKVPool:
                 stream.wait_stream(torch.cuda.current_stream(self.group.device))
             buf = torch.empty((c * sum(m.max_send), self.fmt.page_size, b), dtype=torch.uint8,
                               device=self.group.device)
-            self.group.all_gather_rows(self._send(layer, m.send_slots[0]), m.max_send[0],
+            self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0],
                                        out=buf[: c * m.max_send[0]])
             event = None
             if stream is not None:
@@ -297,23 +299,22 @@ class ShardedKVPool:
         index-K together, stored format) moved by one collective, then one local gather into
         natural order. With ``prefetched`` (from :meth:`prefetch`), only the pages this batch
         wrote are moved now."""
-        nl = self.fmt.latent_bytes_per_token
+        nl, b = self.fmt.latent_bytes_per_token, self.fmt.bytes_per_token
         if not self.shared:
             m = batch.materialize
-            lat = self.ops.page_gather(self.latent[layer].view(-1, nl), m.view_index)
-            idx = self.ops.page_gather(
-                self.index_k[layer].view(-1, self.fmt.index_bytes_per_token), m.view_index)
-            return FullView(latent=lat, index_k=idx, cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
+            full = self.ops.page_gather(self.kv[layer].view(-1, b), m.view_index)
+            return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
+                            seq_lens=m.seq_lens)
         if self._peers is not None:
             m = batch.materialize
             self._peers.barrier()  # every owner's writes of this layer are done and visible
-            lat = self.ops.peer_gather(self._peer_latent[layer], m.view_owner, m.view_physical)
-            idx = self.ops.peer_gather(self._peer_index[layer], m.view_owner, m.view_physical)
-            return FullView(latent=lat, index_k=idx, cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
-        c, b = self.group.size, self.fmt.bytes_per_token
+            full = self.ops.peer_gather(self._peer_rows[layer], m.view_owner, m.view_physical)
+            return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
+                            seq_lens=m.seq_lens)
+        c = self.group.size
         if prefetched is None:
             m = batch.materialize
-            buf = self.group.all_gather_rows(self._send(layer, m.send_slots[0]), m.max_send[0])
+            buf = self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0])
         else:
             m = batch.materialize_split
             assert m is not None, "a prefetch exists only for batches with a split plan"
@@ -322,7 +323,7 @@ class ShardedKVPool:
                 cur = torch.cuda.current_stream(self.group.device)
                 cur.wait_event(prefetched.event)
                 buf.record_stream(cur)
-            self.group.all_gather_rows(self._send(layer, m.send_slots[1]), m.max_send[1],
+            self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
         full = self.ops.page_gather(buf.view(-1, b), m.view_index)
         return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,

@@ -3,9 +3,10 @@ with the Mooncake Transfer Engine (``P2PHANDSHAKE``: no metadata server).
 
 ``connect`` (collective over the C + 1 endpoints): every endpoint initializes its own engine on
 ``transfer.hostname`` with ``transfer.protocol`` (``tcp`` by default) and registers its pool's
-buffers (``latent[l]`` and ``index_k[l]`` of every layer: contiguous uint8 tensors). The decode
-endpoint sends every prefill endpoint a :class:`Session`: its engine's ``host:rpc_port`` and the
-:class:`Layout` of its pool (base address of every buffer, bytes per page of each kind, pages);
+buffers (``kv[l]`` of every layer: a contiguous uint8 ``[pages, ps, latent + index bytes]``
+tensor, a page's latent and index-K in one block). The decode endpoint sends every prefill
+endpoint a :class:`Session`: its engine's ``host:rpc_port`` and the :class:`Layout` of its pool
+(base address of every layer's buffer, bytes per page, pages);
 each prefill endpoint answers :class:`Joined` (its engine came up, its pool has the same page
 layout). The side channel is a ``StoreSideChannel`` on a ``TCPStore`` that the decode endpoint
 hosts on ``transfer.hostname`` (its port goes to the prefill endpoints over the endpoints'
@@ -14,7 +15,7 @@ next request (a Gloo pair is closed by its first timeout).
 
 ``send_part`` turns a part into write entries: its runs are split where the destination slots are
 not consecutive, pieces that continue each other in both source and destination are merged, and
-each piece moves as one entry per (layer, buffer). Entries go in batches of at most
+each piece moves as one entry per layer (latent and index-K together). Entries go in batches of at most
 ``transfer.max_batch_entries`` (<= 1024: more than ~2048 entries in flight to one peer break the
 engine's path to it) with ``batch_transfer_sync_write``; a failed batch is retried
 ``transfer.retries`` times, each on a fresh engine (a failed path stays broken in the old one),
@@ -105,30 +106,24 @@ class Options:
 class Layout:
     """Where an endpoint's pool lives in its process: the base address of every buffer."""
 
-    latent: tuple[int, ...]  # per layer
-    index_k: tuple[int, ...]
-    latent_row: int  # bytes of one page of one layer's latent buffer
-    index_row: int
+    kv: tuple[int, ...]  # per layer: base address of the [pages, ps, B] buffer
+    page_bytes: int  # one page of one layer: latent and index-K of ps tokens
     num_pages: int
 
     @classmethod
     def of(cls, pool: Any) -> Layout:
-        for buf in (*pool.latent, *pool.index_k):
+        for buf in pool.kv:
             if not buf.is_contiguous():
                 raise ValueError("the Mooncake transfer needs contiguous pool buffers")
-        return cls(latent=tuple(b.data_ptr() for b in pool.latent),
-                   index_k=tuple(b.data_ptr() for b in pool.index_k),
-                   latent_row=pool.latent[0][0].nbytes, index_row=pool.index_k[0][0].nbytes,
-                   num_pages=pool.latent[0].shape[0])
+        return cls(kv=tuple(b.data_ptr() for b in pool.kv), page_bytes=pool.kv[0][0].nbytes,
+                   num_pages=pool.kv[0].shape[0])
 
     def buffers(self) -> list[tuple[int, int]]:
         """(address, bytes) of every buffer, for registration."""
-        return ([(a, self.latent_row * self.num_pages) for a in self.latent]
-                + [(a, self.index_row * self.num_pages) for a in self.index_k])
+        return [(a, self.page_bytes * self.num_pages) for a in self.kv]
 
     def same_pages_as(self, other: Layout) -> bool:
-        return (len(self.latent), self.latent_row, self.index_row) == (
-            len(other.latent), other.latent_row, other.index_row)
+        return (len(self.kv), self.page_bytes) == (len(other.kv), other.page_bytes)
 
 
 @dataclass(frozen=True)
@@ -192,11 +187,9 @@ def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
                 pieces.append([s, d, 1])
     out: list[tuple[int, int, int]] = []
     for s, d, n in pieces:
-        for layer in range(len(src.latent)):
-            out.append((src.latent[layer] + s * src.latent_row,
-                        dst.latent[layer] + d * dst.latent_row, n * src.latent_row))
-            out.append((src.index_k[layer] + s * src.index_row,
-                        dst.index_k[layer] + d * dst.index_row, n * src.index_row))
+        for layer in range(len(src.kv)):
+            out.append((src.kv[layer] + s * src.page_bytes, dst.kv[layer] + d * dst.page_bytes,
+                        n * src.page_bytes))
     return out
 
 
@@ -345,10 +338,9 @@ class MooncakeLink:
             raise TransferError(f"mooncake connect: the decode engine failed: "
                                 f"{getattr(session, 'error', session)}")
         if err is None and not self.local.same_pages_as(session.layout):
-            err = (f"page layouts differ: this pool {len(self.local.latent)} layers x "
-                   f"({self.local.latent_row}, {self.local.index_row}) bytes per page, the decode "
-                   f"pool {len(session.layout.latent)} x ({session.layout.latent_row}, "
-                   f"{session.layout.index_row})")
+            err = (f"page layouts differ: this pool {len(self.local.kv)} layers x "
+                   f"{self.local.page_bytes} bytes per page, the decode pool "
+                   f"{len(session.layout.kv)} x {session.layout.page_bytes}")
         self.channel.send(spec.decode_endpoint, Joined(spec.endpoint, err))
         if err is not None:
             self.close()
