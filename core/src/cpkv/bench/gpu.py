@@ -214,12 +214,16 @@ class PrefillSpec:
     model_dir: str
     tokens: tuple[int, ...]
     kv_dtype: str = "fp8"
-    repeats: int = 2
+    repeats: int = 4
     materialize: str = "all_gather"
 
 
 def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
-    """CP prefill of one prompt per size on this group; wall time of the last of ``repeats``."""
+    """CP prefill of one prompt per size on this group: the median wall time of ``repeats``
+    after the first (warm-up: compiles, allocator growth), each after a ``gc.collect()`` so a
+    collection of the bench's own garbage does not land inside one of them."""
+    import gc
+
     from cpkv.models import load_model
     from cpkv.runtime.session import PrefillSession
     from cpkv.settings import load_settings
@@ -237,6 +241,7 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
         times = []
         for r in range(spec.repeats):
+            gc.collect()
             torch.cuda.synchronize()
             t = time.perf_counter()
             res = session.prefill([(f"p{n}-{r}", ids)])
@@ -244,7 +249,8 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
             held = session.pool.bytes_held()
             session.release(f"p{n}-{r}")
-        out["sizes"][n] = {"seconds": times[-1], "kv_bytes": held,
+        out["sizes"][n] = {"seconds": statistics.median(times[1:] or times), "all": times,
+                           "kv_bytes": held,
                            "replicated_bytes": held if group.size == 1 else None,
                            "phases": res.seconds,
                            "peak_gb": torch.cuda.max_memory_allocated(group.device) / 1e9}
