@@ -272,3 +272,12 @@ def test_tensor_results_arrive_by_value() -> None:
     # results travel as plain pickles: a shared-memory handle would die with its rank process
     out = run_ranks(_tensor_result, 2, timeout_s=60.0)
     assert [torch.equal(r.value, torch.full((3, 5), float(r.rank))) for r in out] == [True, True]
+
+
+def test_rank_threads_share_the_cores() -> None:
+    from cpkv.runtime.launch import GPU_RANK_THREADS, rank_threads
+
+    assert rank_threads("gloo", 2, cpus=32) == 16
+    assert rank_threads("gloo", 8, cpus=2) == 1
+    assert rank_threads("nccl", 2, cpus=32) == GPU_RANK_THREADS
+    assert rank_threads("nccl", 8, cpus=16) == 2

@@ -163,6 +163,20 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+#: CPU threads of a GPU rank's torch ops (its CPU work is per-batch bookkeeping)
+GPU_RANK_THREADS = 4
+
+
+def rank_threads(backend: str, size: int, cpus: int | None = None) -> int:
+    """torch CPU threads of one of ``size`` rank processes (unless ``OMP_NUM_THREADS`` is set;
+    torchrun sets 1): Gloo (CPU) ranks share the cores equally; NCCL ranks take at most
+    :data:`GPU_RANK_THREADS` of their share. C processes with a thread per core each
+    oversubscribe the host: on 2x H200 CP2's per-batch host phase cost 5x CP1's with 32 threads
+    per rank; 16 per rank still left CP1 4-16 % slower and CP2 noisier than 4 (docs/perf.md)."""
+    share = max(1, (cpus or os.cpu_count() or 1) // size)
+    return min(share, GPU_RANK_THREADS) if backend == "nccl" else share
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -180,9 +194,7 @@ def _rank_main(
         os.environ.setdefault(key, value)
     os.environ.update(env)
     if size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # each rank gets its share of the cores for torch's CPU ops (torchrun sets
-        # OMP_NUM_THREADS=1): C processes x all cores each oversubscribe the host
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(rank_threads(backend, size))
     timeout = timedelta(seconds=timeout_s)
     msg: tuple[Any, ...]
     try:
