@@ -140,61 +140,67 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
     return t.as_strided((p, r), (t.stride(0) if p > 1 else r, 1))
 
 
+class _CopyShape:
+    """How ``_copy_rows`` / ``_peer_copy_rows`` move ``n`` rows of [*, R] views of one dtype
+    (rows dense, any row stride): the widest unit (8, 4, 2 or 1 bytes) that the row bytes, every
+    base pointer and every row stride allow, a ``vec``-unit (up to 16 B) alignment, and the
+    launch shape (about ``COPY_TUNE["program_bytes"]`` per program)."""
+
+    def __init__(self, views: list[torch.Tensor], n: int) -> None:
+        first = views[0]
+        isz = first.element_size()
+        row_bytes = first.shape[1] * isz
+        g = 16
+        for t in views:
+            for v in (row_bytes, t.data_ptr(), t.stride(0) * isz):
+                g = math.gcd(g, v)
+        unit = min(g, 8)
+        self.vec = g // unit
+        self.dtype = _UNIT_DTYPE[unit]
+        self.row_units = row_bytes // unit
+        self.block_c = min(triton.next_power_of_2(self.row_units),
+                           max(16, COPY_TUNE["col_bytes"] // unit))
+        # several rows per program when rows are short
+        self.block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // self.block_c,
+                                  triton.next_power_of_2(n)))
+        self.grid = (triton.cdiv(n, self.block_r), triton.cdiv(self.row_units, self.block_c))
+        self.num_warps = _copy_warps(self.block_r * self.block_c * unit)
+
+    def units(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` viewed in the copy unit."""
+        return t.view(torch.uint8).view(self.dtype) if t.dtype != self.dtype else t
+
+    def stride(self, t: torch.Tensor) -> int:
+        """``t``'s row stride in groups of ``vec`` units."""
+        return t.stride(0) // self.vec
+
+
 def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, index: torch.Tensor, n: int,
                  gather: bool) -> None:
     """Launch ``_copy_rows`` on [*, R] views of one dtype (rows dense, any row stride)."""
-    row_bytes = src2.shape[1] * src2.element_size()
-    if n == 0 or row_bytes == 0:
+    if n == 0 or src2.shape[1] == 0:
         return
-    isz = src2.element_size()
-    g = 16
-    for v in (row_bytes, src2.data_ptr(), dst2.data_ptr(), src2.stride(0) * isz,
-              dst2.stride(0) * isz):
-        g = math.gcd(g, v)
-    unit = min(g, 8)
-    vec = g // unit
-    dt = _UNIT_DTYPE[unit]
-    s = src2.view(torch.uint8).view(dt) if src2.dtype != dt else src2
-    d = dst2.view(torch.uint8).view(dt) if dst2.dtype != dt else dst2
-    row_units = row_bytes // unit
-    block_c = min(triton.next_power_of_2(row_units), max(16, COPY_TUNE["col_bytes"] // unit))
-    # about program_bytes per program: several rows when rows are short
-    block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // block_c,
-                         triton.next_power_of_2(n)))
-    grid = (triton.cdiv(n, block_r), triton.cdiv(row_units, block_c))
-    num_warps = _copy_warps(block_r * block_c * unit)
-    _copy_rows[grid](s, d, index, n, row_units // vec, s.stride(0) // vec, d.stride(0) // vec,
-                     GATHER=gather, VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c,
-                     num_warps=num_warps)
+    sh = _CopyShape([src2, dst2], n)
+    s, d = sh.units(src2), sh.units(dst2)
+    _copy_rows[sh.grid](s, d, index, n, sh.row_units // sh.vec, sh.stride(s), sh.stride(d),
+                        GATHER=gather, VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
+                        num_warps=sh.num_warps)
 
 
 def _launch_peer_copy(srcs: list[torch.Tensor], dst2: torch.Tensor, owner: torch.Tensor,
                       rows: torch.Tensor, n: int) -> None:
     """``_peer_copy_rows`` over [*, R] source views of one dtype and one row stride, in passes of
     :data:`MAX_PEERS` sources."""
-    row_bytes = srcs[0].shape[1] * srcs[0].element_size()
-    isz = srcs[0].element_size()
-    g = 16
-    for v in (row_bytes, dst2.data_ptr(), srcs[0].stride(0) * isz, dst2.stride(0) * isz,
-              *(s.data_ptr() for s in srcs)):
-        g = math.gcd(g, v)
-    unit = min(g, 8)
-    vec = g // unit
-    dt = _UNIT_DTYPE[unit]
-    d = dst2.view(torch.uint8).view(dt) if dst2.dtype != dt else dst2
-    ss = [s.view(torch.uint8).view(dt) if s.dtype != dt else s for s in srcs]
-    row_units = row_bytes // unit
-    block_c = min(triton.next_power_of_2(row_units), max(16, COPY_TUNE["col_bytes"] // unit))
-    block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // block_c,
-                         triton.next_power_of_2(n)))
-    grid = (triton.cdiv(n, block_r), triton.cdiv(row_units, block_c))
-    num_warps = _copy_warps(block_r * block_c * unit)
+    sh = _CopyShape([dst2, *srcs], n)
+    d = sh.units(dst2)
+    ss = [sh.units(s) for s in srcs]
     for base in range(0, len(ss), MAX_PEERS):
         part = ss[base: base + MAX_PEERS]
         ptrs = part + [part[0]] * (MAX_PEERS - len(part))
-        _peer_copy_rows[grid](*ptrs, d, owner, rows, n, row_units // vec, ss[0].stride(0) // vec,
-                              d.stride(0) // vec, base, NSRC=len(part), VEC=vec, BLOCK_R=block_r,
-                              BLOCK_C=block_c, num_warps=num_warps)
+        _peer_copy_rows[sh.grid](*ptrs, d, owner, rows, n, sh.row_units // sh.vec,
+                                 sh.stride(ss[0]), sh.stride(d), base, NSRC=len(part),
+                                 VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
+                                 num_warps=sh.num_warps)
 
 
 def _check_index(op: str, index: torch.Tensor, t: torch.Tensor, what: str) -> torch.Tensor:
