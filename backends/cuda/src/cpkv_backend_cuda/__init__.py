@@ -1,4 +1,4 @@
-"""cpkv CUDA backend: custom CUDA kernels built lazily on first use (not implemented yet, issue #5).
+"""cpkv CUDA backend: custom CUDA kernels built lazily on first use (none yet; docs/perf.md names the first).
 
 Kept light: importing this package neither imports torch nor builds anything.
 """

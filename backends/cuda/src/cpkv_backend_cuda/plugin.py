@@ -14,7 +14,7 @@ from cpkv.contracts import Availability
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "cuda"
-NOT_IMPLEMENTED = "kernels not implemented yet (issue #5)"
+NOT_IMPLEMENTED = "no kernels yet (the first planned: a TMA sparse-MLA kernel, docs/perf.md)"
 
 
 def _nvcc_missing() -> str | None:
