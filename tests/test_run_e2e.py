@@ -22,8 +22,8 @@ def _cpkv(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["zigzag", "interleave"])
-def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "materialize"), [("zigzag", "all_gather"), ("interleave", "p2p")])
+def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str, materialize: str) -> None:
     # 16 indexer heads: with few heads many logits are exactly 0 and top-k ties become likely
     hf = hf_random_model(tmp_path / "ckpt", seed=1, index_n_heads=16)
     gen = torch.Generator().manual_seed(0)
@@ -33,7 +33,8 @@ def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str) -> None:
     out = _cpkv("run", "--model", str(tmp_path / "ckpt"), "--cp", "2", "--mode", mode,
                 "--prompts", str(tmp_path / "prompts.json"), "--report", str(report),
                 "--save-logits", str(logits),
-                env={"CPKV_KV__DTYPE": "fp32", "CPKV_KV__PAGE_SIZE": "8"})
+                env={"CPKV_KV__DTYPE": "fp32", "CPKV_KV__PAGE_SIZE": "8",
+                     "CPKV_KV__MATERIALIZE": materialize})
     assert out.returncode == 0, out.stdout + out.stderr
     got = torch.load(logits)
     assert got.dtype == torch.float32 and got.shape == (3, 512)
@@ -43,6 +44,7 @@ def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str) -> None:
         assert rel < 1e-4, f"prompt {i}: cpkv run vs transformers {rel:.2e}"
     rep = json.loads(report.read_text())
     assert rep["cp"] == 2 and rep["mode"] == mode and rep["correct"] is True
+    assert rep["materialize"] == materialize  # p2p: shared memory between the Gloo ranks
     assert rep["max_rel_err_vs_reference"] <= 1e-4
     assert sum(rep["kv_bytes_per_rank"]) == rep["kv_bytes_replicated"]
     assert {"rank", "op", "reason"} <= set(rep["fallbacks"][0])
