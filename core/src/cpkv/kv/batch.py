@@ -1,8 +1,8 @@
 """Per-batch KV metadata: out-cache locations and the materialization plan (rules 13-16).
 
 Everything here is computed once per batch on the host, moved to the device once, and reused by
-every layer and by both buffers (latent and index-K). It is a pure function of the plan and the
-page table, so it is identical on every rank.
+every layer and by both column views (latent and index-K). It is a pure function of the plan and
+the page table, so it is identical on every rank.
 """
 
 from __future__ import annotations
