@@ -11,13 +11,14 @@ import torch
 
 from cpkv.contracts import FallbackReason, KVDtype, KVFormat, SplitMode
 from cpkv.fallback import recording
-from cpkv.kv import PoolExhausted, ShardedKVPool
+from cpkv.kv import PoolExhausted, ShardedKVPool, pack_rows
 from cpkv.ops import OpTable
 from cpkv.planning import plan_batch
 from cpkv.plugin import PluginHost
 from cpkv.runtime import CPGroup, run_ranks
 from cpkv.testing.pool_check import (
     PoolScenario,
+    kv_ops,
     page_share_bound,
     random_batches,
     run_pool_scenario,
@@ -219,7 +220,7 @@ def test_p2p_full_view_equals_replicated(cp: int) -> None:
 
 def _p2p_reuse(group: CPGroup) -> list[str]:
     """Batches that free requests and reuse their pages: each view equals the truth."""
-    ops = _ops_torch(group)
+    ops = kv_ops(group)
     fmt = _fmt(KVDtype.FP8, 8)
     pool = ShardedKVPool(fmt, 2, group, ops, pages_per_rank=12, materialize="p2p")
     bad = []
@@ -234,22 +235,12 @@ def _p2p_reuse(group: CPGroup) -> list[str]:
             idx = torch.randn(n, fmt.index_head_dim, generator=g)
             pool.write(layer, kv, kv.rows.split(lat, ops), kv.rows.split(idx, ops))
             view = pool.materialize(layer, kv)
-            from cpkv.kv import pack_rows
             if not (torch.equal(view.latent, pack_rows(lat, fmt, "latent", ops))
                     and torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", ops))):
                 bad.append(f"step {step} layer {layer}")
         pool.commit(kv)
         pool.free(rid)  # the next request reuses these pages
     return bad
-
-
-def _ops_torch(group: CPGroup) -> OpTable:
-    host = PluginHost()
-    try:
-        from cpkv.ops import KV_OPS
-        return OpTable.resolve(host.backends(), ["torch"], KV_OPS, agree=group.agree_all)
-    finally:
-        host.close()
 
 
 @pytest.mark.multiprocess
@@ -264,7 +255,7 @@ def _p2p_unavailable_on_rank_1(group: CPGroup) -> tuple[str, bool]:
     if group.rank == 1:  # this rank finds no room for its shared buffer
         peer._shm_dir = lambda need: None
     fmt = _fmt(KVDtype.BF16, 4)
-    pool = ShardedKVPool(fmt, 1, group, _ops_torch(group), pages_per_rank=8, materialize="p2p")
+    pool = ShardedKVPool(fmt, 1, group, kv_ops(group), pages_per_rank=8, materialize="p2p")
     plan = plan_batch([pool.request_spec("a", 20)], group.size, fmt.page_size)
     kv = pool.prepare(plan, ["a"])
     lat = torch.randn(20, fmt.kv_lora_rank + fmt.rope_dim)
@@ -288,7 +279,7 @@ def test_p2p_unavailable_on_one_rank_falls_back_on_every_rank() -> None:
 def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
     group = CPGroup.single()
     fmt = _fmt(KVDtype.FP8, 4)
-    pool = ShardedKVPool(fmt, 1, group, _ops_torch(group), pages_per_rank=8, materialize="p2p")
+    pool = ShardedKVPool(fmt, 1, group, kv_ops(group), pages_per_rank=8, materialize="p2p")
     assert pool.materialize_mode == "p2p"
     plan = plan_batch([pool.request_spec("a", 13)], 1, fmt.page_size)
     kv = pool.prepare(plan, ["a"])
@@ -296,7 +287,6 @@ def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
     idx = torch.randn(13, fmt.index_head_dim)
     pool.write(0, kv, lat, idx)
     view = pool.materialize(0, kv)
-    from cpkv.kv import pack_rows
     assert torch.equal(view.latent, pack_rows(lat, fmt, "latent", pool.ops))
     assert torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", pool.ops))
     with pytest.raises(ValueError, match="materialize must be"):
@@ -306,7 +296,7 @@ def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
 def _send_starts(group: CPGroup) -> list[tuple[int | None, ...]]:
     """Send lists per batch: consecutive slots (a pool slice, no gather) or not."""
     fmt = _fmt(KVDtype.FP8, 4)
-    pool = ShardedKVPool(fmt, 1, group, _ops_torch(group), pages_per_rank=16)
+    pool = ShardedKVPool(fmt, 1, group, kv_ops(group), pages_per_rank=16)
     out = []
     g = torch.Generator().manual_seed(2)  # the same rows on every rank
     for rid, n, free in (("a", 24, None), ("b", 8, None), ("c", 8, "a"), ("d", 40, None)):
@@ -316,7 +306,6 @@ def _send_starts(group: CPGroup) -> list[tuple[int | None, ...]]:
         idx = torch.randn(n, fmt.index_head_dim, generator=g)
         pool.write(0, kv, kv.rows.split(lat, pool.ops), kv.rows.split(idx, pool.ops))
         view = pool.materialize(0, kv)
-        from cpkv.kv import pack_rows
         assert torch.equal(view.latent, pack_rows(lat, fmt, "latent", pool.ops))
         assert torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", pool.ops))
         out.append(kv.materialize.send_start)

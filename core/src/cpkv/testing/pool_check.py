@@ -21,6 +21,7 @@ from cpkv.runtime.group import CPGroup
 __all__ = [
     "PoolOutcome",
     "PoolScenario",
+    "kv_ops",
     "page_share_bound",
     "random_batches",
     "run_pool_scenario",
@@ -72,7 +73,8 @@ def truth_rows(seed: int, rid: str, layers: int, length: int, dim: int) -> torch
     return torch.randn(layers, length, dim, generator=g)
 
 
-def _ops(group: CPGroup, preference: tuple[str, ...]) -> OpTable:
+def kv_ops(group: CPGroup, preference: tuple[str, ...] = ("torch",)) -> OpTable:
+    """The KV op table of ``preference``, agreed across the group's ranks."""
     host = PluginHost()
     try:
         return OpTable.resolve(host.backends(), preference, KV_OPS, agree=group.agree_all)
@@ -82,7 +84,7 @@ def _ops(group: CPGroup, preference: tuple[str, ...]) -> OpTable:
 
 def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
     """Run every batch on a sharded and a replicated pool; compare full views bit for bit."""
-    ops = _ops(group, sc.preference)
+    ops = kv_ops(group, sc.preference)
     fmt, ps = sc.fmt, sc.fmt.page_size
     # the replica is the reference: give it room for every page, so only the sharded pool can
     # run out (a replica needs C times the pages of a shard)
