@@ -27,23 +27,35 @@ def median_ms(fn: Callable[[], Any], device: torch.device | str = "cuda", warmup
               iters: int = 20) -> float:
     """Median milliseconds of ``fn`` after ``warmup`` calls: CUDA events around each call on a
     CUDA device (the current stream), ``perf_counter`` elsewhere."""
+    if torch.device(device).type == "cuda":
+        return _event_ms(fn, warmup, iters, before=None)
     for _ in range(warmup):
         fn()
     times: list[float] = []
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _event_ms(fn: Callable[[], Any], warmup: int, iters: int,
+              before: Callable[[], Any] | None) -> float:
+    """Median of CUDA-event intervals around ``fn`` on the current stream, ``before`` queued
+    ahead of each start event."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
     return statistics.median(times)
 
 
@@ -75,21 +87,13 @@ def device_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20,
     element), queued after the spin and before the start event, so that every rank's interval
     starts when all ranks' GPUs are there (host skew between ranks stays outside).
     """
-    if not torch.cuda.is_available() or torch.cuda.current_device() < 0:
+    if not torch.cuda.is_available():
         return median_ms(fn, "cpu", warmup, iters)
-    for _ in range(warmup):
-        fn()
     cycles = int(_cycles_per_ms() * lead_ms)
-    times: list[float] = []
-    torch.cuda.synchronize()
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def lead() -> None:
         torch.cuda._sleep(cycles)
         if align is not None:
             align()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+
+    return _event_ms(fn, warmup, iters, before=lead)
