@@ -1,8 +1,9 @@
 """Exploration on the lent H200s behind docs/perf.md (not the headline bench: `cpkv bench gpu`).
 
 Sections (argv): fp8diag (fp8_unpack vs the reference at 64K tokens: every mismatch listed),
-kv (gather / scatter / copy: eager vs device time), mla (sparse MLA launch configurations),
-mat (CP2 materialization: eager vs device time; needs 2 GPUs). One JSON object per line.
+kv (gather / scatter / copy: eager vs device time), mla (sparse MLA launch configurations,
+MLA_WIDE=1 for the wide variants), kvtune (the copy kernels' launch shape). One JSON object per
+line. Materialization in both modes, with its parts timed: `cpkv bench gpu` (detail).
 """
 
 from __future__ import annotations
@@ -130,48 +131,6 @@ def mla() -> None:
             continue
         emit(sec="mla", cfg=v, tflops=flops / ms / 1e9, tflops_local=flops / ms_loc / 1e9,
              diff_vs_default=diff)
-
-
-def _mat_rank(group, tokens):
-    import torch.distributed as dist
-
-    from cpkv.bench.gpu import MaterializeSpec, materialize_rank  # noqa: F401
-    from cpkv.contracts import KVFormat
-    from cpkv.kv import ShardedKVPool
-    from cpkv.ops import KV_OPS, OpTable
-    from cpkv.planning import plan_batch
-    from cpkv.plugin import PluginHost
-
-    host = PluginHost()
-    ops = OpTable.resolve(host.backends(), ["triton", "torch"], KV_OPS, agree=group.agree_all)
-    host.close()
-    fmt = KVFormat.deepseek_v32("fp8")
-    pages = -(-tokens // 64)
-    pool = ShardedKVPool(fmt, 1, group, ops, pages_per_rank=pages)
-    plan = plan_batch([(0, tokens)], group.size, 64)
-    kvb = pool.prepare(plan, ["r"])
-    m = kvb.materialize
-    tiny = torch.zeros(1, device=group.device)
-    al = lambda: dist.all_reduce(tiny)  # noqa: E731
-    send = torch.empty(m.max_send[0], 64, fmt.bytes_per_token, dtype=torch.uint8, device=group.device)
-    recv = torch.empty(group.size * m.max_send[0], 64, fmt.bytes_per_token, dtype=torch.uint8,
-                       device=group.device)
-    out = {}
-    for name, fn in {"materialize": lambda: pool.materialize(0, kvb),
-                     "raw_all_gather": lambda: dist.all_gather_into_tensor(recv, send),
-                     "send_gather": lambda: pool._send(0, m, 0),
-                     "view_gather": lambda: ops.page_gather(recv.view(-1, fmt.bytes_per_token),
-                                                            m.view_index)}.items():
-        out[name] = {"eager_ms": median_ms(fn), "device_ms": device_ms(fn, align=al)}
-    return out
-
-
-def mat() -> None:
-    from cpkv.runtime.launch import run_ranks
-
-    for tokens in (65536,):
-        res = run_ranks(_mat_rank, 2, args=(tokens,), backend="nccl", timeout_s=300)
-        emit(sec="mat", tokens=tokens, rank0=res[0].value, rank1=res[1].value)
 
 
 def kvtune() -> None:

@@ -1,10 +1,10 @@
-# Exploration behind docs/perf.md (2x H200): fp8_unpack mismatches, KV kernels eager vs device
-# time, sparse-MLA launch configurations, CP2 materialization eager vs device time.
+# Exploration behind docs/perf.md (one H200): fp8_unpack mismatches, KV kernels eager vs device
+# time, sparse-MLA launch configurations, the copy kernels' launch shape.
 set -e
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PYTHONPATH
-SECS=${SECS:-fp8diag kv mla mat}
+SECS=${SECS:-fp8diag kv mla kvtune}
 for s in $SECS; do
   timeout 240 python3 benchmarks/gpu_explore.py $s > $OUT/explore_$s.jsonl 2>$OUT/explore_$s.err || echo "$s rc=$?"
   tail -3 $OUT/explore_$s.err | grep -v Warning || true
