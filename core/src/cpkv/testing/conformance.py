@@ -196,6 +196,22 @@ def _unchanged(op: str, case: str, before: list[torch.Tensor], after: list[torch
                      against="its value before the call")
 
 
+def _check_row_copy(op: str, case: str, impl: Any, ref: Any, args: tuple[Any, ...],
+                    inputs: list[torch.Tensor], independent: torch.Tensor, against: str,
+                    contiguous: bool) -> None:
+    """A row-moving op on ``args``: equal to the reference, inputs untouched, equal to an
+    ``independent`` formula (so that a wrong reference cannot pass with a wrong backend), and a
+    contiguous result where the spec says so."""
+    keep = [t.clone() for t in inputs]
+    want = getattr(ref, op)(*args)
+    got = _call(op, case, getattr(impl, op), *args)
+    _assert_same(op, case, "output", got, want)
+    _unchanged(op, case, keep, inputs)
+    _assert_same(op, case, "output", got, independent, against=against)
+    if contiguous and not got.is_contiguous():
+        raise AssertionError(f"{op} [{case}]: output is not contiguous")
+
+
 # ---- per-op checks ---------------------------------------------------------------------------
 def _check_page_gather(impl: Any, ref: Any, device: str, seed: int) -> None:
     op = "page_gather"
@@ -207,15 +223,8 @@ def _check_page_gather(impl: Any, ref: Any, device: str, seed: int) -> None:
             src = _nonzero((pages, *row), dtype, g)
             index = torch.randint(0, pages, (n,), generator=g, dtype=torch.int64)
             src, index = _to(device, src, index)
-            keep = [src.clone(), index.clone()]
-            want = ref.page_gather(src, index)
-            got = _call(op, case, impl.page_gather, src, index)
-            _assert_same(op, case, "output", got, want)
-            _unchanged(op, case, keep, [src, index])
-            # an independent formula, so that a wrong reference cannot pass with a wrong backend
-            _assert_same(op, case, "output", got, src[index], against="src[index]")
-            if not got.is_contiguous():
-                raise AssertionError(f"{op} [{case}]: output is not contiguous")
+            _check_row_copy(op, case, impl, ref, (src, index), [src, index],
+                            src[index], "src[index]", contiguous=True)
 
 
 def _check_peer_gather(impl: Any, ref: Any, device: str, seed: int) -> None:
@@ -231,17 +240,11 @@ def _check_peer_gather(impl: Any, ref: Any, device: str, seed: int) -> None:
                 lim = torch.tensor(sizes, dtype=torch.int64)[owner]
                 rows = (torch.rand(n, generator=g) * lim).long().clamp(max=lim - 1)
                 *srcs, owner, rows = _to(device, *srcs, owner, rows)
-                keep = [s.clone() for s in srcs] + [owner.clone(), rows.clone()]
-                want = ref.peer_gather(srcs, owner, rows)
-                got = _call(op, case, impl.peer_gather, srcs, owner, rows)
-                _assert_same(op, case, "output", got, want)
-                _unchanged(op, case, keep, [*srcs, owner, rows])
-                indep = (torch.stack([srcs[o][r] for o, r in zip(owner.tolist(), rows.tolist(),
-                                                                   strict=True)])
-                         if n else want)
-                _assert_same(op, case, "output", got, indep, against="srcs[owner[i]][rows[i]]")
-                if not got.is_contiguous():
-                    raise AssertionError(f"{op} [{case}]: output is not contiguous")
+                indep = torch.empty((0, *row), dtype=dtype, device=owner.device) if not n else \
+                    torch.stack([srcs[a][b] for a, b in zip(owner.tolist(), rows.tolist(),
+                                                            strict=True)])
+                _check_row_copy(op, case, impl, ref, (srcs, owner, rows), [*srcs, owner, rows],
+                                indep, "srcs[owner[i]][rows[i]]", contiguous=True)
 
 
 def _check_page_scatter(impl: Any, ref: Any, device: str, seed: int) -> None:
@@ -284,12 +287,8 @@ def _check_rerange(impl: Any, ref: Any, device: str, seed: int) -> None:
             gathered = _nonzero((rows, *row), dtype, g)
             perm = torch.randperm(rows, generator=g)[:n]
             gathered, perm = _to(device, gathered, perm)
-            keep = [gathered.clone(), perm.clone()]
-            want = ref.rerange(gathered, perm)
-            got = _call(op, case, impl.rerange, gathered, perm)
-            _assert_same(op, case, "output", got, want)
-            _unchanged(op, case, keep, [gathered, perm])
-            _assert_same(op, case, "output", got, gathered[perm], against="gathered[perm]")
+            _check_row_copy(op, case, impl, ref, (gathered, perm), [gathered, perm],
+                            gathered[perm], "gathered[perm]", contiguous=False)
 
 
 def _fp8_cases() -> Iterator[tuple[str, KVFormat, str, int]]:
