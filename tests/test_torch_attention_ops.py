@@ -18,6 +18,7 @@ from cpkv.testing.conformance import (
     check_backend,
     check_op,
     reference_backend,
+    sync_check_inputs,
 )
 from cpkv_backend_torch.ops import TorchOps
 
@@ -355,15 +356,9 @@ def test_attention_ops_never_read_device_data() -> None:
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 def test_attention_ops_do_not_sync_on_cuda() -> None:
     dev = "cuda"
-    q = torch.randn(64, 64, 128, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(64, 64, device=dev)
-    k = torch.randn(500, 128, device=dev)
-    scale = k.abs().amax(1) / 448
-    k8 = (k / scale[:, None]).to(torch.float8_e4m3fn)
-    ks = torch.zeros(64, dtype=torch.int64, device=dev)
-    ke = torch.arange(64, dtype=torch.int64, device=dev) * 7
-    kv = torch.randn(500, 576, device=dev, dtype=torch.bfloat16)
-    qm = torch.randn(64, 16, 576, device=dev, dtype=torch.bfloat16)
+    x = sync_check_inputs(dev)
+    q, w, k, scale, k8, ks, ke, kv, qm = (x[n] for n in ("q", "w", "k", "scale", "k8", "ks",
+                                                         "ke", "kv", "qm"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -269,15 +269,9 @@ def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int,
 def test_attention_kernels_do_not_sync_on_cuda() -> None:
     dev = "cuda"
     impl = AttentionKernels()
-    q = torch.randn(64, 64, 128, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(64, 64, device=dev)
-    k = torch.randn(500, 128, device=dev)
-    scale = k.abs().amax(1) / 448
-    k8 = (k / scale[:, None]).to(torch.float8_e4m3fn)
-    ks = torch.zeros(64, dtype=torch.int64, device=dev)
-    ke = torch.arange(64, dtype=torch.int64, device=dev) * 7
-    kv = torch.randn(500, 576, device=dev, dtype=torch.bfloat16)
-    qm = torch.randn(64, 16, 576, device=dev, dtype=torch.bfloat16)
+    x = conf.sync_check_inputs(dev)
+    q, w, k, scale, k8, ks, ke, kv, qm = (x[n] for n in ("q", "w", "k", "scale", "k8", "ks",
+                                                         "ke", "kv", "qm"))
     for kk, sc in ((k.bfloat16(), None), (k8, scale)):  # compile outside the sync check
         impl.topk(impl.indexer_logits(q, w, kk, sc, ks, ke), 64, ks, ke)
     impl.sparse_mla(qm, kv, torch.zeros(64, 64, dtype=torch.int32, device=dev), 0.1, 512)

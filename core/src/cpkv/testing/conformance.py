@@ -594,6 +594,24 @@ def _check_sparse_mla(impl: Any, ref: Any, device: str, seed: int) -> None:
                     _unchanged(op, case, keep, [q, kv, idx])
 
 
+def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Inputs of one layer's attention ops at a realistic shape, for the GPU tests that run the
+    ops under ``torch.cuda.set_sync_debug_mode("error")``: 64 query rows x 64 indexer heads x 128
+    against 500 keys (``k`` float32, ``k8`` float8_e4m3fn with ``scale``), causal ranges
+    ``ks``/``ke``, a 576-wide latent view ``kv`` and 16-head queries ``qm``."""
+    k = torch.randn(500, 128, device=device)
+    scale = k.abs().amax(1) / 448
+    return {
+        "q": torch.randn(64, 64, 128, device=device, dtype=torch.bfloat16),
+        "w": torch.randn(64, 64, device=device),
+        "k": k, "scale": scale, "k8": (k / scale[:, None]).to(torch.float8_e4m3fn),
+        "ks": torch.zeros(64, dtype=torch.int64, device=device),
+        "ke": torch.arange(64, dtype=torch.int64, device=device) * 7,
+        "kv": torch.randn(500, 576, device=device, dtype=torch.bfloat16),
+        "qm": torch.randn(64, 16, 576, device=device, dtype=torch.bfloat16),
+    }
+
+
 #: op name -> its check(impl, reference, device, seed)
 CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.PAGE_GATHER.value: _check_page_gather,
