@@ -220,6 +220,10 @@ class ShardedKVPool:
                             tuple((rid, e) for rid, e, _ in new), capacity=self.capacity)
         if self.debug:
             self._verify_out_cache(batch)
+        if self._peers is not None:
+            # peers may still be reading pages of the previous batch that this one reuses (freed
+            # and reallocated): every rank's earlier reads finish before any of this batch's writes
+            self._peers.barrier()
         return batch
 
     def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
@@ -230,10 +234,6 @@ class ShardedKVPool:
         """
         lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
         idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
-        if self._peers is not None and layer == 0:
-            # peers may still be reading pages of the previous batch that this batch reuses
-            # (freed and reallocated): once per batch, before the first write
-            self._peers.barrier()
         rows = self.kv[layer].view(-1, self.fmt.bytes_per_token)
         nl = lat_b.shape[1]
         lat_rows, idx_rows = rows[:, :nl], rows[:, nl:]  # dense rows, row stride B
