@@ -1,24 +1,37 @@
-"""Exploration on the lent H200s behind docs/perf.md (not the headline bench: `cpkv bench gpu`).
+"""GPU exploration behind docs/perf.md (one GPU; not the headline bench: `cpkv bench gpu`).
 
-Sections (argv): fp8diag (fp8_unpack vs the reference at 64K tokens: every mismatch listed),
+Usage: python benchmarks/gpu_explore.py [--out-dir DIR] SECTION [SECTION ...]
+
+Sections: fp8diag (fp8_unpack vs the reference at 64K tokens: every mismatch listed),
 kv (gather / scatter / copy: eager vs device time), mla (sparse MLA launch configurations,
 MLA_WIDE=1 for the wide variants), kvtune (the copy kernels' launch shape). One JSON object per
-line. Materialization in both modes, with its parts timed: `cpkv bench gpu` (detail).
+line, printed and written to ``DIR/explore_<section>.jsonl``; DIR defaults to ``$BENCH_OUT``, else
+``benchmarks/results``. Materialization in both modes, with its parts timed: `cpkv bench gpu`
+(detail).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+from pathlib import Path
+from typing import IO
 
 import torch
 
 from cpkv.bench.timing import device_ms, median_ms
 
+#: the open output file of the running section (rows are printed as well)
+_sink: IO[str] | None = None
+
 
 def emit(**row):
-    print(json.dumps(row), flush=True)
+    line = json.dumps(row)
+    print(line, flush=True)
+    if _sink is not None:
+        _sink.write(line + "\n")
+        _sink.flush()
 
 
 def fp8diag() -> None:
@@ -165,11 +178,30 @@ def kvtune() -> None:
     kvmod.COPY_TUNE.update(keep)
 
 
+SECTIONS = {"fp8diag": fp8diag, "kv": kv, "mla": mla, "kvtune": kvtune}
+
+
+def main() -> None:
+    global _sink
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sections", nargs="+", choices=sorted(SECTIONS))
+    ap.add_argument("--out-dir", type=Path,
+                    default=Path(os.environ.get("BENCH_OUT") or "benchmarks/results"),
+                    help="where explore_<section>.jsonl go (default: $BENCH_OUT, else "
+                         "benchmarks/results)")
+    args = ap.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for sec in args.sections:
+        with open(args.out_dir / f"explore_{sec}.jsonl", "w", encoding="utf-8") as f:
+            _sink = f
+            try:
+                SECTIONS[sec]()
+            except Exception as exc:
+                import traceback
+                traceback.print_exc()
+                emit(sec=sec, error=repr(exc)[:500])
+        _sink = None
+
+
 if __name__ == "__main__":
-    for sec in sys.argv[1:]:
-        try:
-            globals()[sec]()
-        except Exception as exc:
-            import traceback
-            traceback.print_exc()
-            emit(sec=sec, error=repr(exc)[:500])
+    main()

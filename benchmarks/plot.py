@@ -1,11 +1,14 @@
-"""Plot benchmarks/results/gpu_h200.json as ratios against their targets -> docs/perf_gpu.png.
+"""Plot a `cpkv bench gpu` report as ratios against their targets -> docs/perf_gpu.png.
 
-Run: python benchmarks/plot.py  (needs matplotlib)
+Run: python benchmarks/plot.py [REPORT] [--out PNG]  (needs matplotlib). REPORT defaults to
+``$BENCH_OUT/gpu_h200.json``, else ``benchmarks/results/gpu_h200.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -31,7 +34,13 @@ def _score(r: dict) -> float:
 
 
 def main() -> None:
-    data = json.loads((ROOT / "benchmarks/results/gpu_h200.json").read_text())
+    ap = argparse.ArgumentParser(description="Plot a cpkv bench gpu report against its targets.")
+    ap.add_argument("report", type=Path, nargs="?",
+                    default=Path(os.environ.get("BENCH_OUT") or ROOT / "benchmarks/results")
+                    / "gpu_h200.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/perf_gpu.png")
+    args = ap.parse_args()
+    data = json.loads(args.report.read_text())
     rows = [r for r in data["results"] if r["name"] in TARGETS or r["name"] in VALUE_TARGETS]
     names = [r["name"] for r in rows]
     got = [_score(r) for r in rows]
@@ -47,9 +56,8 @@ def main() -> None:
                  else f"{r['ratio']:.3g}x")
         ax.text(g, y, f"  {label}", va="center", fontsize=8)
     fig.tight_layout()
-    out = ROOT / "docs/perf_gpu.png"
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import cpkv
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.multiprocess
 def test_import_cpkv_is_light() -> None:
     code = "import sys, cpkv; assert 'torch' not in sys.modules, 'import cpkv pulled in torch'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test runs the ``cpkv`` command in a subprocess
+
 ISSUE_PLAN = ["plan", "--cp", "4", "--page-size", "64", "--mode", "zigzag", "--extend",
               "1010,600,7", "--prefix", "0,70,0", "--prefix-owner", "interleave", "--json"]
 
@@ -61,6 +63,7 @@ def test_plan_rejects_bad_input(args: list[str], message: str) -> None:
     assert out.returncode == 2 and message in out.stderr
 
 
+@pytest.mark.slow
 def test_run_default_shards_kv_and_reports(tmp_path) -> None:  # type: ignore[no-untyped-def]
     report = tmp_path / "report.json"
     out = cpkv("run", "--report", str(report))

@@ -27,6 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "custom_backend"
 OTHER_OPS = [o.value for o in KV_OPS if o.value != "rerange"]
 
+# every test uses the example installed by ``pip install`` in a subprocess (autouse ``example``)
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture(scope="session")
 def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -61,11 +64,11 @@ def _forget_example() -> None:
 @pytest.fixture(autouse=True)
 def example(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The installed example on ``sys.path`` for one test (importlib.metadata then sees its
-    dist-info and entry point); no ``CPKV_*`` or ``EXAMPLE_BACKEND_*`` variables."""
+    dist-info and entry point); no ``EXAMPLE_BACKEND_*`` variables (``CPKV_*``: conftest.py)."""
     import os
 
     for name in list(os.environ):
-        if name.upper().startswith(("CPKV_", "EXAMPLE_BACKEND_")):
+        if name.upper().startswith("EXAMPLE_BACKEND_"):
             monkeypatch.delenv(name)
     _forget_example()
     monkeypatch.syspath_prepend(str(example_site))
@@ -135,7 +138,7 @@ def _env() -> dict[str, str]:
 # ---- selection from the settings file ---------------------------------------------------------
 def test_settings_select_example_for_rerange_and_torch_for_the_rest(tmp_path: Path) -> None:
     settings = load_settings(_settings_file(tmp_path))
-    assert settings.backend.effective_preference() == ["example", "cuda", "triton", "torch"]
+    assert settings.backend.effective_preference() == ["example", "triton", "torch"]
     table, events, logs = _resolve(tmp_path)
     assert table.chosen == {"rerange": "example", **dict.fromkeys(OTHER_OPS, "torch")}
     assert type(table.rerange.__self__).__name__ == "ExampleOps"

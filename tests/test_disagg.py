@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpkv.comm import CPGroup
 from cpkv.contracts import KVFormat, cdiv
 from cpkv.disagg import (
     Ack,
@@ -32,10 +33,10 @@ from cpkv.disagg import (
     page_checksums,
     part_nbytes,
 )
-from cpkv.kv import PoolExhausted, ShardedKVPool
+from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 from cpkv.models import load_model, write_tiny_checkpoint
 from cpkv.ops import ALL_OPS
-from cpkv.runtime import CPGroup, RankFailed, run_ranks
+from cpkv.runtime import RankFailed, run_ranks
 from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
 from cpkv.runtime.setup import resolve_ops
 from cpkv.settings import load_settings
@@ -67,7 +68,7 @@ def test_manifest_runs_cover_owned_pages_once(table: Any, ps: int, final: bool, 
     whole = valid // ps
     upto = cdiv(valid, ps) if final else whole
     sent = data.draw(st.integers(0, upto))
-    m = manifest_for("r", owners, slots, valid, ps, c, final=final, already_sent=sent)
+    m = manifest_for("r", RequestPages(owners, slots, valid), ps, c, final=final, already_sent=sent)
     assert m.num_pages == upto and m.first_page == sent
     assert m.valid_len == (valid if final else whole * ps)  # a non-final chunk: whole pages only
     seen = []
@@ -152,7 +153,7 @@ def _deliver(rx: DecodeReceiver, ranks: list[_FakeRank], m: TransferManifest,
 
 def _transfer(rx: DecodeReceiver, ranks: list[_FakeRank], owners: list[int], slots: list[int],
               rid: str, valid: int, **kw: Any) -> bool:
-    m = manifest_for(rid, owners, slots, valid, PAGE, len(ranks), **kw)
+    m = manifest_for(rid, RequestPages(owners, slots, valid), PAGE, len(ranks), **kw)
     rx.reserve(m)
     return rx.complete(m, _deliver(rx, ranks, m))
 
@@ -188,18 +189,18 @@ def test_chunks_extend_the_published_entry() -> None:
     """Rule 26: whole pages after a non-final chunk, the tail page after the final one."""
     ranks, owners, slots = _source(2, 7)
     rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
-    m1 = manifest_for("a", owners[:3], slots[:3], 21, PAGE, 2, final=False)  # 2 whole pages of 21
+    m1 = manifest_for("a", RequestPages(owners[:3], slots[:3], 21), PAGE, 2, final=False)  # 2 whole of 21
     assert (m1.num_pages, m1.valid_len) == (2, 16)
     rx.reserve(m1)
     assert rx.complete(m1, _deliver(rx, ranks, m1))
     assert rx.pool.table["a"].valid_len == 16 and len(rx.pool.table["a"].slots) == 2
-    m2 = manifest_for("a", owners, slots, 53, PAGE, 2, final=True, already_sent=2)
+    m2 = manifest_for("a", RequestPages(owners, slots, 53), PAGE, 2, final=True, already_sent=2)
     assert (m2.first_page, m2.num_pages, m2.valid_len) == (2, 7, 53)
     rx.reserve(m2)
     assert rx.complete(m2, _deliver(rx, ranks, m2))
     assert rx.pool.table["a"].valid_len == 53
     _check_landed(rx, ranks, "a", owners, slots)
-    bad = manifest_for("b", owners, slots, 53, PAGE, 2, already_sent=2)  # no earlier chunk
+    bad = manifest_for("b", RequestPages(owners, slots, 53), PAGE, 2, already_sent=2)  # no earlier chunk
     with pytest.raises(TransferError, match="starts at page 2"):
         rx.reserve(bad)
 
@@ -216,7 +217,7 @@ def test_faulty_transfer_publishes_nothing(fault: str) -> None:
     rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
     assert _transfer(rx, ranks, owners, slots, "before", 12)  # something already published
     before = _snapshot(rx.pool)
-    m = manifest_for("a", owners, slots, 61, PAGE, 2)
+    m = manifest_for("a", RequestPages(owners, slots, 61), PAGE, 2)
     rx.reserve(m)
     sums: dict[int, list[int]]
     if fault == "missing_part":
@@ -252,7 +253,7 @@ def test_counts_are_checked_without_debug() -> None:
     ranks, owners, slots = _source(2, 4, seed=2)
     rx = DecodeReceiver(_pool(CPGroup.single()), debug=False)
     before = _snapshot(rx.pool)
-    m = manifest_for("a", owners, slots, 30, PAGE, 2)
+    m = manifest_for("a", RequestPages(owners, slots, 30), PAGE, 2)
     rx.reserve(m)
     _deliver(rx, ranks, m, skip=0)
     assert not rx.complete(m) and _snapshot(rx.pool) == before
@@ -264,7 +265,7 @@ def test_reserve_is_all_or_nothing() -> None:
     rx = DecodeReceiver(_pool(CPGroup.single(), capacity=8))
     assert _transfer(rx, ranks, owners, slots, "a", 6 * PAGE)
     before = _snapshot(rx.pool)
-    m = manifest_for("b", owners, slots, 6 * PAGE, PAGE, 2)
+    m = manifest_for("b", RequestPages(owners, slots, 6 * PAGE), PAGE, 2)
     with pytest.raises(PoolExhausted):
         rx.reserve(m)
     assert _snapshot(rx.pool) == before and rx.in_flight() == []
@@ -320,7 +321,7 @@ def test_transport_error_midway_publishes_nothing(ok_parts: int) -> None:
     before = _snapshot(rx.pool)
     store = _Box()
     senders = [StoreSideChannel(store, r, 1.0) for r in range(2)]
-    m = manifest_for("a", owners, slots, 60, PAGE, 2)
+    m = manifest_for("a", RequestPages(owners, slots, 60), PAGE, 2)
     for r, ch in enumerate(senders):
         part = next(p for p in m.parts if p.rank == r)
         ch.send(2, Offer(r, m, part_nbytes(rx.pool, part.num_pages), None))
@@ -341,7 +342,7 @@ def test_mismatched_offers_are_refused() -> None:
     rx = DecodeReceiver(_pool(CPGroup.single()))
     before = _snapshot(rx.pool)
     store = _Box()
-    m = manifest_for("a", owners, slots, 60, PAGE, 2)
+    m = manifest_for("a", RequestPages(owners, slots, 60), PAGE, 2)
     StoreSideChannel(store, 0, 1.0).send(2, Offer(0, m, part_nbytes(rx.pool, m.parts[0].num_pages)))
     StoreSideChannel(store, 1, 1.0).send(2, Offer(1, m, 12345))  # wrong byte count
     link = _FailingLink(StoreSideChannel(store, 2, 1.0), ranks, 2)
@@ -390,8 +391,9 @@ def _reference(spec: JobSpec) -> list[list[int]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix"), [(2, "zigzag", (20, 0, 3, 64)),
-                                                    (4, "interleave", ())])
+@pytest.mark.parametrize(("cp", "mode", "prefix"), [
+    (2, "zigzag", (20, 0, 3, 64)),
+    pytest.param(4, "interleave", (), marks=pytest.mark.slow)])
 def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...]) -> None:
     spec = _spec(tiny, cp, mode, prefix)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
@@ -431,9 +433,8 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
 
     import torch.distributed as dist
 
-    from cpkv.disagg import LinkSpec
-    from cpkv.runtime.decode import DecodeWorker
-    from cpkv.runtime.job import _transport
+    from cpkv.disagg import select_transport
+    from cpkv.runtime.decode import DecodeSession
 
     s, c = spec.settings, spec.settings.cp.size
     if world.rank == 1:
@@ -446,12 +447,12 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
     if world.rank < c:
         return disagg_rank(world, spec)
     dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s))
-    worker = DecodeWorker(load_model(spec.model_dir), s)
-    link = _transport(s, world).connect(LinkSpec(endpoint=c, cp_size=c, pool=worker.pool,
-                                                 timeout_s=s.transfer.timeout_s, debug=True))
+    decode = DecodeSession(load_model(spec.model_dir), s)  # debug: checksums compared
+    decode.connect(select_transport(s, world.agree_all), cp_size=c)
+    worker = decode.worker
     fresh = worker.pool.allocator.snapshot()
     try:
-        DecodeTransfer(link, worker.receiver, c).receive()
+        decode.receive()
     except TransferError as exc:
         rec: dict[str, Any] = {"error": str(exc), "table": list(worker.pool.table),
                                "unchanged": worker.pool.allocator.snapshot() == fresh,

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpkv.comm import CPGroup
 from cpkv.fallback import recording
-from cpkv.runtime import CPGroup, run_ranks
+from cpkv.runtime import run_ranks
 from cpkv.settings import load_settings
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.multiprocess,  # every test spawns its ranks with run_ranks
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 

@@ -9,13 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackReason, KVDtype, KVFormat, SplitMode
 from cpkv.fallback import recording
 from cpkv.kv import PoolExhausted, ShardedKVPool, pack_rows
 from cpkv.ops import OpTable
 from cpkv.planning import plan_batch
 from cpkv.plugin import PluginHost
-from cpkv.runtime import CPGroup, run_ranks
+from cpkv.runtime import run_ranks
 from cpkv.testing.pool_check import (
     PoolScenario,
     kv_ops,
@@ -47,7 +48,7 @@ def _scenarios(cp: int, seed: int) -> list[PoolScenario]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_full_view_equals_replicated(cp: int) -> None:
     scenarios = _scenarios(cp, seed=cp)
     results = run_ranks(run_pool_scenarios, cp, args=(scenarios,), timeout_s=240)
@@ -199,7 +200,7 @@ def test_paged_translation_points_at_the_rows_the_view_holds() -> None:  # rule 
 
 # ---- P2P materialization (kv.materialize = "p2p"): shared memory between Gloo ranks --------
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_p2p_full_view_equals_replicated(cp: int) -> None:
     """Every rank reads the owners' pages straight from their (shared-memory) buffers: the same
     views, bit for bit, as the replica and the truth, in both modes, every format."""
@@ -250,7 +251,7 @@ def test_p2p_pages_freed_and_reused_across_batches() -> None:
 
 
 def _p2p_unavailable_on_rank_1(group: CPGroup) -> tuple[str, bool]:
-    from cpkv.runtime import peer
+    from cpkv.comm import peer
 
     if group.rank == 1:  # this rank finds no room for its shared buffer
         peer._shm_dir = lambda need: None

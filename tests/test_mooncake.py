@@ -21,6 +21,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("MC_MIN_RPC_PORT", "47310")
 os.environ.setdefault("MC_MAX_RPC_PORT", "47990")
 
+from cpkv.comm import CPGroup
 from cpkv.disagg import (
     DecodeReceiver,
     DecodeTransfer,
@@ -32,7 +33,8 @@ from cpkv.disagg import (
 )
 from cpkv.disagg.plan import PageRun
 from cpkv.fallback import recording
-from cpkv.runtime import CPGroup, RankFailed, run_ranks
+from cpkv.kv import RequestPages
+from cpkv.runtime import RankFailed, run_ranks
 from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
 from cpkv.settings import SettingsError, load_settings
 from cpkv_transfer_mooncake.plugin import probe
@@ -191,8 +193,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix"), [(2, "zigzag", (20, 0, 3, 64)),
-                                                    (4, "interleave", ())])
+@pytest.mark.parametrize(("cp", "mode", "prefix"), [
+    (2, "zigzag", (20, 0, 3, 64)),
+    pytest.param(4, "interleave", (), marks=pytest.mark.slow)])
 def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...]) -> None:
     from cpkv.models import load_model
 
@@ -250,9 +253,9 @@ def _big_pool(r: Any, n: int, seed: int) -> Any:
 
 
 def _connect(world: CPGroup, pool: Any, max_batch: int) -> Any:
-    from cpkv_transfer_mooncake.transport import MooncakeTransport
+    from cpkv_transfer_mooncake import plugin
 
-    return MooncakeTransport().connect(LinkSpec(
+    return plugin.load().connect(LinkSpec(
         endpoint=world.rank, cp_size=C, pool=pool, timeout_s=TIMEOUT, debug=True,
         options={"max_batch_entries": max_batch, "hostname": "127.0.0.1", "protocol": "tcp"}))
 
@@ -331,7 +334,7 @@ def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str,
         return recs
     sender = PrefillTransfer(link, pool, world.rank, C, debug=True)
     for fault in faults:
-        m = manifest_for(fault, owners, slots, valid, PAGE, C)
+        m = manifest_for(fault, RequestPages(owners, slots, valid), PAGE, C)
         undo = _apply_fault(link, fault) if world.rank == 1 else (lambda: None)
         rec: dict[str, Any] = {}
         try:
@@ -341,7 +344,7 @@ def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str,
             rec["error"] = str(exc)
         undo()
         link.stats.update(batches=0, entries=0, largest_batch=0)
-        sender.send(manifest_for(f"next-{fault}", owners, slots, valid, PAGE, C))
+        sender.send(manifest_for(f"next-{fault}", RequestPages(owners, slots, valid), PAGE, C))
         rec["stats"] = dict(link.stats)
         recs[fault] = rec
     link.close()
@@ -356,6 +359,7 @@ def fault_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], 
     return [r.value for r in res], json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the shared fault_session fixture spawns the ranks once (~20 s)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("fault", "why"), [
     ("port", r"rank 1's writes failed: .*batch_transfer_sync_write of \d+ entries .* to "
@@ -386,6 +390,7 @@ def test_fault_publishes_nothing(fault_session: Any, fault: str, why: str) -> No
         assert ranks[r][fault]["stats"]["batches"] == 3
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_peer_killed_mid_transfer(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
@@ -401,6 +406,7 @@ def test_peer_killed_mid_transfer(tmp_path: Path) -> None:
 
 # ---- cpkv run ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cpkv_run_with_the_example_config(tmp_path: Path) -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "mooncake.toml"

@@ -36,16 +36,6 @@ BUILTINS = {
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _no_cpkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Settings read ``CPKV_*`` variables: the CLI tests must not see the caller's."""
-    import os
-
-    for name in list(os.environ):
-        if name.upper().startswith("CPKV_"):
-            monkeypatch.delenv(name)
-
-
 @pytest.fixture
 def host() -> Iterator[PluginHost]:
     h = PluginHost()
@@ -178,6 +168,7 @@ def test_builtin_loads() -> None:
         h.close()
 
 
+@pytest.mark.multiprocess
 def test_plugin_modules_are_light() -> None:
     """Discovery and probing of the entry points import neither triton nor mooncake, and
     importing the plugin modules does not import torch."""

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpkv.comm import CPGroup
 from cpkv.contracts import SplitMode
 from cpkv.fallback import recording
 from cpkv.models import write_tiny_checkpoint
-from cpkv.runtime import CPGroup, run_ranks
+from cpkv.runtime import run_ranks
 from cpkv.runtime.job import JobSpec, compare_topk, prefill_rank
 from cpkv.settings import load_settings
 
@@ -77,7 +78,8 @@ def test_single_rank_prefill_with_prefix_equals_without(tiny: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow),
+                                pytest.param(8, marks=pytest.mark.slow)])
 def test_cp_prefill_equals_single_rank(cp: int, tiny: Path) -> None:
     cases = _cases(cp)
     results = run_ranks(_run_cases, cp, args=(str(tiny), cases), timeout_s=300)

@@ -21,6 +21,7 @@ def _cpkv(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300, env={**os.environ, **env}, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("mode", "materialize"), [("zigzag", "all_gather"), ("interleave", "p2p")])
 def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str, materialize: str) -> None:
@@ -56,6 +57,7 @@ def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str, materialize: s
     assert [len(t) for t in rep["decode"]["tokens"]] == [8, 8, 8]
 
 
+@pytest.mark.multiprocess
 def test_run_rejects_bad_prompts(tmp_path: Path) -> None:
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps([[1, 2, 99999]]))

@@ -14,11 +14,10 @@ from multiprocessing import resource_tracker
 import pytest
 import torch
 
+from cpkv.comm import CollectiveCheckError, CPGroup
 from cpkv.contracts import FallbackReason
 from cpkv.fallback import report_fallback
 from cpkv.runtime import (
-    CollectiveCheckError,
-    CPGroup,
     RankFailed,
     RankResult,
     RankTimeout,

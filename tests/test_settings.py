@@ -15,16 +15,6 @@ from cpkv.settings import BackendSettings, Settings, SettingsError, load_setting
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpkv.toml"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No CPKV_* variable from the outer environment leaks into a test."""
-    import os
-
-    for name in list(os.environ):
-        if name.upper().startswith("CPKV_"):
-            monkeypatch.delenv(name)
-
-
 def _write(tmp_path: Path, text: str, name: str = "cpkv.toml") -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -69,7 +59,7 @@ def test_defaults_without_a_file() -> None:
         4096,
     )
     assert s.backend.name == "auto"
-    assert s.backend.preference == ["cuda", "triton", "torch"]
+    assert s.backend.preference == ["triton", "torch"]
     assert (s.transfer.name, s.transfer.timeout_s) == ("nccl", 30.0)
     assert (s.plugins.disable, s.plugins.allow) == ([], None)
     assert s.fallback.policy is FallbackPolicy.WARN
@@ -318,13 +308,13 @@ def test_settings_error_is_a_value_error() -> None:
 
 
 def test_effective_preference_auto_keeps_order() -> None:
-    assert BackendSettings().effective_preference() == ["cuda", "triton", "torch"]
+    assert BackendSettings().effective_preference() == ["triton", "torch"]
 
 
 def test_effective_preference_named_backend_goes_first_once() -> None:
     b = BackendSettings(name="torch")
-    assert b.effective_preference() == ["torch", "cuda", "triton"]
-    assert b.preference == ["cuda", "triton", "torch"]  # not mutated
+    assert b.effective_preference() == ["torch", "triton"]
+    assert b.preference == ["triton", "torch"]  # not mutated
 
 
 def test_effective_preference_unlisted_backend_is_prepended() -> None:
@@ -333,5 +323,5 @@ def test_effective_preference_unlisted_backend_is_prepended() -> None:
 
 
 def test_backend_name_from_env_feeds_preference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CPKV_BACKEND__NAME", "triton")
-    assert load_settings().backend.effective_preference() == ["triton", "cuda", "torch"]
+    monkeypatch.setenv("CPKV_BACKEND__NAME", "cuda")
+    assert load_settings().backend.effective_preference() == ["cuda", "triton", "torch"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import structlog
 
+from cpkv.comm import CPGroup
 from cpkv.contracts import Availability, FallbackReason, KVDtype, KVFormat, Op
 from cpkv.fallback import recording
 from cpkv.plugin import BackendSpec, PluginHost, hookimpl
-from cpkv.runtime import CPGroup
 from cpkv.runtime.setup import StartupError, check_startup, create_pool, resolve_ops
 from cpkv.settings import load_settings
 
@@ -16,7 +16,7 @@ SMALL = {"kv_lora_rank": 64, "rope_dim": 16, "index_head_dim": 32, "quant_block"
 
 
 def test_no_kernel_backend_falls_back_to_torch_rerange_once() -> None:
-    settings = load_settings()  # preference cuda, triton, torch
+    settings = load_settings()  # preference triton, torch
     with recording() as rec, structlog.testing.capture_logs() as logs:
         ops, _ = resolve_ops(settings, CPGroup.single())
     assert ops.chosen["rerange"] == "torch"
@@ -24,8 +24,8 @@ def test_no_kernel_backend_falls_back_to_torch_rerange_once() -> None:
     assert len(events) == 1  # said once, for every op it covers
     ev = events[0]
     assert ev.reason is FallbackReason.PLUGIN_UNAVAILABLE
-    assert (ev.requested, ev.selected) == ("cuda", "torch")
-    assert "cuda:" in ev.detail and "triton:" in ev.detail
+    assert (ev.requested, ev.selected) == ("triton", "torch")
+    assert "triton:" in ev.detail and "cuda:" not in ev.detail  # cuda is not tried by default
     assert sum(1 for e in logs if e["event"] == "cpkv.fallback") == len(rec.events)
 
 

@@ -17,7 +17,6 @@ from cpkv.testing.conformance import (
     FORMATS,
     check_backend,
     check_op,
-    reference_backend,
     sync_check_inputs,
 )
 from cpkv_backend_torch.ops import TorchOps
@@ -25,11 +24,6 @@ from cpkv_backend_torch.ops import TorchOps
 DS = FORMATS["deepseek_v32"]
 OPS = TorchOps()
 NEG_INF = float("-inf")
-
-
-@pytest.fixture(scope="module")
-def ref() -> Any:
-    return reference_backend()
 
 
 def _i64(xs: list[int]) -> torch.Tensor:

@@ -5,6 +5,7 @@ must reject."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -23,7 +24,6 @@ from cpkv.testing.conformance import (
     check_backend,
     check_fp8_round_trip,
     check_op,
-    reference_backend,
 )
 from cpkv_backend_torch.ops import AMAX_FLOOR, TorchOps
 
@@ -33,11 +33,6 @@ SMALL = FORMATS["small"]
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
-
-
-@pytest.fixture(scope="module")
-def ref() -> Any:
-    return reference_backend()
 
 
 # ---- the reference through the registry ------------------------------------------------------
@@ -278,6 +273,11 @@ class _OnDevice:
 
     def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return self._run("page_gather", src, index)
+
+    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+        on = [s.to(self.device) for s in srcs]
+        return self.impl.peer_gather(on, owner.to(self.device), rows.to(self.device)).cpu()
 
     def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         on = dst.to(self.device)

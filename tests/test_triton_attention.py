@@ -66,26 +66,25 @@ SMALL_SIZES = ((0, 0, 8), (0, 50, 8), (1, 1, 8), (3, 5, 8), (17, 40, 64), (5, 70
 NEG_INF = float("-inf")
 
 
-@pytest.fixture(scope="module")
-def ref() -> Any:
-    return conf.reference_backend()
-
-
 @pytest.fixture
 def small_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(conf, "ATTN_SIZES", SMALL_SIZES)
 
 
 def test_ops_declared() -> None:
-    assert frozenset({Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA}) == attention.OPS
-    for op in attention.OPS:
+    from cpkv_backend_triton.plugin import OPS
+
+    attn = frozenset({Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA})
+    assert attn <= OPS
+    for op in attn:
         assert callable(getattr(AttentionKernels(), op.value))
 
 
 # ---- interpreter (CPU) ------------------------------------------------------------------------
 @interp
 @pytest.mark.usefixtures("small_sizes")
-@pytest.mark.parametrize("op", ["indexer_logits", "topk", "sparse_mla"])
+@pytest.mark.parametrize("op", ["indexer_logits", "topk",
+                                pytest.param("sparse_mla", marks=pytest.mark.slow)])
 def test_conformance_interpreter(ref: Any, op: str) -> None:
     conf.check_op(AttentionKernels(), ref, op, device="cpu")
 

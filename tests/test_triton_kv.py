@@ -35,12 +35,11 @@ finally:
     else:
         os.environ["TRITON_INTERPRET"] = _PREV
 
-from cpkv.contracts import KVDtype, KVFormat  # noqa: E402
+from cpkv.contracts import KVDtype, KVFormat, Op  # noqa: E402
 from cpkv.fallback import recording  # noqa: E402
 from cpkv.ops import KV_OPS  # noqa: E402
 from cpkv.plugin import PluginHost  # noqa: E402
 from cpkv.testing.conformance import FORMATS, check_fp8_round_trip, check_op  # noqa: E402
-from cpkv.testing.conformance import reference_backend as _reference_backend  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 DS = KVFormat.deepseek_v32(KVDtype.FP8)
@@ -52,11 +51,6 @@ def _interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     if INTERPRET:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield
-
-
-@pytest.fixture(scope="module")
-def ref() -> Any:
-    return _reference_backend()
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +82,29 @@ def test_plugin_lists_kv_ops_and_is_available_in_the_interpreter() -> None:
             assert callable(getattr(loaded, op.value))
     finally:
         h.close()
+
+
+def test_plugin_ops_are_the_ops_triton_ops_has() -> None:
+    """The plugin's static list names exactly the ops the kernel modules put on ``TritonOps``."""
+    from cpkv_backend_triton import plugin
+    from cpkv_backend_triton.ops import IMPORT_ERRORS
+
+    assert not IMPORT_ERRORS
+    present = frozenset(op for op in Op if callable(getattr(TritonOps, op.value, None)))
+    assert present == plugin.OPS
+
+
+def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpkv_backend_triton import ops, plugin
+
+    class KVOnly(ops.KVKernels):  # as if attention.py had failed to import
+        pass
+
+    monkeypatch.setattr(ops, "TritonOps", KVOnly)
+    monkeypatch.setattr(ops, "IMPORT_ERRORS", {"attention": "ImportError('no attention')"})
+    with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', 'sparse_mla', 'topk'\] "
+                                           r"but does not have them: .*no attention"):
+        plugin.load()
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CUDA device is present")

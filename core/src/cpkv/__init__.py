@@ -43,7 +43,7 @@ _API = {
     "PoolExhausted": "cpkv.kv",
     "create_pool": "cpkv.runtime.setup",
     "StartupError": "cpkv.runtime.setup",
-    "CPGroup": "cpkv.runtime.group",
+    "CPGroup": "cpkv.comm",
     "run_ranks": "cpkv.runtime.launch",
     "RankFailed": "cpkv.runtime.launch",
     "PrefillSession": "cpkv.runtime.session",
@@ -68,12 +68,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
+    from cpkv.comm import CPGroup
     from cpkv.contracts import CPPlan, KVFormat, RequestSpec, SplitMode
     from cpkv.fallback import FallbackError, recording
     from cpkv.kv import PoolExhausted, ShardedKVPool
     from cpkv.models import DeepseekV32, load_model
     from cpkv.planning import PlanError, plan_batch
-    from cpkv.runtime.group import CPGroup
     from cpkv.runtime.launch import RankFailed, run_ranks
     from cpkv.runtime.prefill import PrefillResult
     from cpkv.runtime.session import PrefillSession

@@ -1,6 +1,7 @@
 """The compute ops a backend provides, and the per-run table that binds each op to a backend.
 
-Backends implement any subset of :class:`KVOps` (one attribute per :class:`~cpkv.contracts.Op`);
+Backends implement any subset of :class:`~cpkv.contracts.KVOps` (defined with the contracts,
+re-exported here; one attribute per :class:`~cpkv.contracts.Op`);
 the registry picks, per op, the first backend in the preference order that provides it and is
 available on every rank. The core calls ops only through an :class:`OpTable`, never by importing a
 backend. Ops never sync the host and never allocate per-call host tensors.
@@ -9,20 +10,23 @@ backend. Ops never sync the host and never allocate per-call host tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
-from cpkv.contracts import Op
-from cpkv.plugin import AgreeFn, Registry
+from cpkv.contracts import KVOps, KVPart, Op
+from cpkv.plugin import AgreeFn, BackendRegistry
 
 if TYPE_CHECKING:
     import torch
 
     from cpkv.contracts import KVFormat
 
-__all__ = ["KV_OPS", "KVOps", "KVPart", "OpTable"]
+    # for type checkers the table IS a KVOps (each op typed as the Protocol says); at runtime it
+    # is a plain object whose __getattr__ hands out the bound callable chosen per op
+    _OpsBase = KVOps
+else:
+    _OpsBase = object
 
-#: which pool buffer a row belongs to: the MLA latent (nope + rope) or the indexer key
-KVPart = Literal["latent", "index_k"]
+__all__ = ["KV_OPS", "KVOps", "KVPart", "OpTable"]
 
 #: the ops the sharded pool and the CP runtime need (issue #3)
 KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.FP8_PACK, Op.FP8_UNPACK,
@@ -172,88 +176,12 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
         raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
 
 
-class KVOps(Protocol):
-    """Signatures of the KV ops. Shapes: N rows (tokens) or pages along dim 0; B bytes per token.
-
-    page_gather(src, index) -> out
-        ``out[i] = src[index[i]]`` along dim 0; ``src`` is [P, ...] (pages or token rows), ``index``
-        int64 [n] on ``src.device``; returns a new contiguous [n, ...] tensor.
-    page_scatter(dst, index, src) -> None
-        ``dst[index[i]] = src[i]`` in place along dim 0; ``index`` entries are unique.
-    rerange(gathered, perm) -> natural
-        rank-major padded rows back to natural order in one pass: ``natural[n] = gathered[perm[n]]``.
-    fp8_pack(x, fmt, part) -> uint8 [N, B]
-        ``part="latent"``: x [N, kv_lora_rank + rope_dim] -> per token ``kv_lora_rank`` e4m3 bytes,
-        ``kv_lora_rank // quant_block`` fp32 scales, ``rope_dim`` bf16 values (656 B for
-        DeepSeek-V3.2). ``part="index_k"``: x [N, index_head_dim] -> e4m3 bytes and one fp32
-        scale for the whole key (132 B); ``quant_block`` applies to the latent only. Native
-        (little-endian) byte order, in that order. Bit-exact across backends: in fp32,
-        ``scale = max(amax, 1e-12) / 448`` as a true division (not a multiply by 1/448, which
-        rounds differently), ``q = e4m3(clamp(x / scale, -448, 448))`` rounded to nearest even.
-    fp8_unpack(packed, fmt, part, dtype) -> [N, D] ``dtype``
-        the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored.
-
-    peer_gather(srcs, owner, rows) -> [n, ...]
-        ``out[i] = srcs[owner[i]][rows[i]]``: one pass that reads each row from the buffer of the
-        rank owning it (``srcs[r]``: rank r's buffer as mapped into this process, e.g. over
-        NVLink; every ``srcs[r]`` has the same dtype and trailing shape). owner / rows int64 [n];
-        a new contiguous tensor on this device. The P2P materialization (``kv.materialize =
-        "p2p"``) builds the full view with it, no collective and no send buffer.
-
-    indexer_logits(q, w, k, k_scale, key_start, key_end) -> float32 [N, T]
-        The lightning indexer (rule 19) for N query rows against the T keys of the flat full view:
-        ``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` for ``key_start[i] <= j <
-        key_end[i]``, ``-inf`` elsewhere; computed in float32. q [N, Hi, D] (any float dtype),
-        w [N, Hi] float32 (every scale already folded in), k [T, D] float/bf16, or
-        ``float8_e4m3fn`` with ``k_scale`` [T] float32 (k dequantised as ``k.float() *
-        k_scale[:, None]``; ``k_scale`` is None for float keys). key_start/key_end int64 [N].
-        The caller chunks rows so that N x T x 4 B stays under the logits budget (rule 21).
-    topk(logits, k, key_start, key_end) -> int32 [N, k]
-        Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside
-        each row's [key_start, key_end); when the range holds at most k keys, all of them in
-        ascending order; the remaining slots are -1, the only invalid value (rule 19). Rows with
-        more than k keys list their choice in descending logit order. The reference breaks ties
-        by the lower column so that the choice never depends on the batch's shape; conformance
-        accepts any tie order. Logits inside a range are finite; values outside it are ignored.
-    sparse_mla(q, kv, indices, scale, dv) -> float32 [N, H, dv]
-        Sparse MLA over the selected keys (absorbed form, FlashMLA's sparse prefill interface):
-        q [N, H, Dk], kv [T, Dk] (the latent full view, nope + rope), indices int32 [N, k] with
-        -1 masked. ``s_j = scale * q[i, h] . kv[j]``, ``p = softmax_j(s)`` over valid j,
-        ``out[i, h] = sum_j p_j * kv[j, :dv]``; float32. A row with no valid index gives zeros.
-
-    Wrong shapes or dtypes raise ValueError naming them.
-    """
-
-    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
-
-    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None: ...
-
-    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor: ...
-
-    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor: ...
-
-    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype) -> torch.Tensor: ...
-
-    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor: ...
-
-    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
-                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
-                       key_end: torch.Tensor) -> torch.Tensor: ...
-
-    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
-             key_end: torch.Tensor) -> torch.Tensor: ...
-
-    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
-                   dv: int) -> torch.Tensor: ...
-
-
-class OpTable:
+class OpTable(_OpsBase):
     """Op -> bound callable of the backend chosen for it. Resolved once per run (at plan time).
 
     Attribute access (``table.rerange(...)``) calls the chosen backend; ``table.chosen`` maps each
-    op name to the backend name, for reports.
+    op name to the backend name, for reports. Type checkers see a :class:`KVOps` (only the ops it
+    was resolved for are there at runtime: another raises AttributeError naming the resolved ones).
     """
 
     def __init__(self, impls: dict[str, Callable[..., Any]], chosen: dict[str, str]) -> None:
@@ -261,7 +189,7 @@ class OpTable:
         self.chosen = dict(chosen)
 
     @classmethod
-    def resolve(cls, registry: Registry, preference: Sequence[str],
+    def resolve(cls, registry: BackendRegistry, preference: Sequence[str],
                 ops: Sequence[Op] = KV_OPS, agree: AgreeFn | None = None) -> OpTable:
         """Pick a backend per op (fallbacks reported by the registry), bind the callables.
 
@@ -273,8 +201,9 @@ class OpTable:
                    {k: s.name for k, s in sel.items()})
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
+        impls: dict[str, Callable[..., Any]] = self.__dict__.get("_impls", {})
         try:
-            return self.__dict__["_impls"][name]
+            return impls[name]
         except KeyError:
             raise AttributeError(f"no backend was selected for op {name!r}; resolved ops: "
-                                 f"{sorted(self.__dict__.get('_impls', {}))}") from None
+                                 f"{sorted(impls)}") from None

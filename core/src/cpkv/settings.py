@@ -15,9 +15,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,7 +26,7 @@ from pydantic_settings import (
 )
 from pydantic_settings import SettingsError as _SourceError
 
-from cpkv.contracts import FallbackPolicy, KVDtype, SplitMode
+from cpkv.contracts import FallbackPolicy, KVDtype, MaterializeMode, SplitMode
 
 __all__ = [
     "BackendSettings",
@@ -74,13 +74,21 @@ class KVSettings(_Section):
     dtype: KVDtype = Field(KVDtype.BF16, description="pool storage format")
     page_size: int = Field(64, ge=1, description="tokens per KV page")
     pages_per_rank: int = Field(4096, ge=1, description="pool capacity per rank, in pages")
-    materialize: Literal["all_gather", "p2p"] = Field(
-        "all_gather",
+    materialize: MaterializeMode = Field(
+        MaterializeMode.ALL_GATHER,
         description="how a sharded pool builds the full view: 'all_gather' (owned pages into a "
                     "send buffer, one all-gather, one gather into natural order) or 'p2p' (pages "
                     "kept in peer-mapped memory, read from their owners in one pass; symmetric "
                     "memory over NVLink on CUDA, shared memory on CPU)",
     )
+
+    @field_validator("materialize")
+    @classmethod
+    def _sharded_mode(cls, v: MaterializeMode) -> MaterializeMode:
+        if v is MaterializeMode.REPLICA:
+            raise ValueError("'replica' is what kv.shared = false selects; a sharded pool builds "
+                             "its views with 'all_gather' or 'p2p'")
+        return v
 
 
 class BackendSettings(_Section):
@@ -88,7 +96,7 @@ class BackendSettings(_Section):
 
     name: str = Field("auto", min_length=1, description="a backend entry-point name, or 'auto'")
     preference: list[str] = Field(
-        default_factory=lambda: ["cuda", "triton", "torch"],
+        default_factory=lambda: ["triton", "torch"],
         min_length=1,
         description="backends tried in this order, per op",
     )
@@ -292,6 +300,11 @@ class Settings(BaseSettings):
             raise SettingsError(_describe(exc, values, toml)) from exc
         except _SourceError as exc:  # e.g. a list-valued CPKV_* variable that is not JSON
             raise SettingsError(f"invalid cpkv settings: {exc}") from exc
+
+    def with_cp_size(self, size: int) -> Settings:
+        """These settings for a CP group of ``size`` ranks (e.g. 1: a decode rank, the
+        single-rank reference); every other value unchanged."""
+        return self.model_copy(update={"cp": self.cp.model_copy(update={"size": size})})
 
     @classmethod
     def settings_customise_sources(

@@ -2,6 +2,10 @@
 
 Importing this module imports no torch and builds nothing; kernels will be compiled lazily with
 nvcc on first load, so the probe checks for a compiler and a device.
+
+There are no kernels yet (the first planned: FlashMLA's sparse MLA, docs/perf.md), so the probe
+always says no and the backend is not in the default preference (``["triton", "torch"]``); it
+joins it, first, once it has kernels. Until then it is tried only when a settings file names it.
 """
 
 from __future__ import annotations

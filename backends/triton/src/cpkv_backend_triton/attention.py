@@ -54,14 +54,11 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.contracts import FallbackReason, Op
+from cpkv.contracts import FallbackReason
 from cpkv.fallback import report_fallback
 from cpkv.ops import check_indexer_args, check_sparse_mla_args, check_topk_args
 
-__all__ = ["OPS", "AttentionKernels"]
-
-#: the ops this module implements (composed into the triton backend's ``TritonOps``)
-OPS = frozenset({Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA})
+__all__ = ["AttentionKernels"]
 
 _LOWP = (torch.bfloat16, torch.float16)
 

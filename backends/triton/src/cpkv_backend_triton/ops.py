@@ -3,8 +3,8 @@
 Each kernel module is imported on its own, inside a try: a module that is missing or cannot be
 imported (``ImportError``) contributes an empty mixin and its error is kept in
 :data:`IMPORT_ERRORS`, so the KV kernels (``kv.py``) and the attention kernels (``attention.py``)
-land independently. The plugin lists only the ops of the mixins that are there
-(``plugin.kernel_ops``) and ``plugin.load`` checks that every listed op is a method here.
+land independently. The plugin lists the ops statically (``plugin.OPS``) and ``plugin.load``
+checks that every listed op is a method here, naming these import errors otherwise.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Declares the ``triton`` backend (entry point ``cpkv.backends: triton``).
 
-Importing this module imports neither triton nor torch; neither does listing the ops: the ops are
-the methods, named like a :class:`~cpkv.contracts.Op`, that the kernel modules (``kv.py``,
-``attention.py``) define, read from their source without importing them. ``load`` imports them
-(``ops.TritonOps``) and checks that every listed op is there.
+Importing this module imports neither triton nor torch. The ops are the static list :data:`OPS`,
+the ops the kernel modules (``kv.py``, ``attention.py``) implement as methods of their mixins;
+``load`` imports them (``ops.TritonOps``) and checks that every listed op is there
+(``tests/test_triton_kv.py`` checks that the list equals the ops ``TritonOps`` has).
 """
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
 
@@ -16,36 +15,11 @@ from cpkv.contracts import Availability, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "triton"
-#: the kernel modules, each providing one mixin of ``TritonOps``
-KERNEL_MODULES: tuple[str, ...] = ("kv", "attention")
-_OP_NAMES = frozenset(o.value for o in Op)
-
-
-def _module_ops(module: str) -> frozenset[Op]:
-    """The ops ``cpkv_backend_triton.<module>`` defines as methods of its top-level classes;
-    empty when the module is not there or its source does not parse."""
-    try:
-        spec = importlib.util.find_spec(f"{__package__}.{module}")
-    except (ImportError, ValueError):
-        return frozenset()
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-        return frozenset()
-    try:
-        with open(spec.origin, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=spec.origin)
-    except (OSError, SyntaxError, ValueError):
-        return frozenset()
-    names = {item.name for node in tree.body if isinstance(node, ast.ClassDef)
-             for item in node.body if isinstance(item, ast.FunctionDef)}
-    return frozenset(Op(n) for n in names & _OP_NAMES)
-
-
-def kernel_ops() -> frozenset[Op]:
-    """Every op the kernel modules present here provide."""
-    ops: frozenset[Op] = frozenset()
-    for m in KERNEL_MODULES:
-        ops |= _module_ops(m)
-    return ops
+#: the ops of ``kv.KVKernels`` and ``attention.AttentionKernels``, the mixins of ``TritonOps``
+OPS: frozenset[Op] = frozenset({
+    Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK,
+    Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA,
+})
 
 
 def _cuda_device_missing() -> str | None:
@@ -69,16 +43,12 @@ def _reasons() -> list[str]:
         reasons.append("triton is not installed")
     if not _interpret() and (why := _cuda_device_missing()) is not None:
         reasons.append(why)
-    if not kernel_ops():
-        reasons.append(f"no kernel module ({', '.join(m + '.py' for m in KERNEL_MODULES)}) "
-                       f"provides an op")
     return reasons
 
 
 def probe() -> Availability:
-    """Available when triton is installed, a kernel module provides an op, and a CUDA device is
-    present or ``TRITON_INTERPRET=1`` is set. Every check runs; an unavailable result names all
-    the failing ones, joined by "; "."""
+    """Available when triton is installed and a CUDA device is present or ``TRITON_INTERPRET=1``
+    is set. Every check runs; an unavailable result names all the failing ones, joined by "; "."""
     reasons = _reasons()
     return Availability.no("; ".join(reasons)) if reasons else Availability.yes()
 
@@ -96,7 +66,7 @@ def load() -> object:
     from .ops import IMPORT_ERRORS, TritonOps
 
     impl = TritonOps()
-    missing = sorted(o.value for o in kernel_ops() if not callable(getattr(impl, o.value, None)))
+    missing = sorted(o.value for o in OPS if not callable(getattr(impl, o.value, None)))
     if missing:
         raise RuntimeError(f"the triton backend lists {missing} but does not have them: kernel "
                            f"module import errors {IMPORT_ERRORS}")
@@ -105,5 +75,5 @@ def load() -> object:
 
 @hookimpl
 def cpkv_register_backends(registrar: BackendRegistrar) -> None:
-    registrar.add(BackendSpec(name=NAME, ops=kernel_ops(), probe=probe, load=load,
+    registrar.add(BackendSpec(name=NAME, ops=OPS, probe=probe, load=load,
                               description="Triton GPU kernels", page_sizes=None))

@@ -14,15 +14,19 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cpkv.contracts import KVFormat
+from cpkv.contracts import KVFormat, KVOps
 from cpkv.plugin import PluginHost
 
 from .report import BenchRow
 from .timing import device_ms, median_ms
+
+if TYPE_CHECKING:
+    from cpkv.kv import AllGatherViews, MaterializePlan, ShardedKVPool
 
 __all__ = ["ceilings", "cuda_ms", "kernel_rows", "materialize_rank", "prefill_rank"]
 
@@ -47,7 +51,7 @@ def ceilings(dev: torch.device) -> dict[str, float]:
     return {"copy_gbps": 2 * (1 << 30) / ms / 1e6, "matmul_tflops": 2 * 8192 ** 3 / mm / 1e9}
 
 
-def _backends() -> tuple[Any, Any, str]:
+def _backends() -> tuple[KVOps, KVOps | None, str]:
     host = PluginHost()
     reg = host.backends()
     ref = reg.load("torch")
@@ -134,11 +138,25 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     return rows
 
 
-def _chunked_ref_mla(ref: Any, q: torch.Tensor, kv: torch.Tensor, ind: torch.Tensor, scale: float,
+def _chunked_ref_mla(ref: KVOps, q: torch.Tensor, kv: torch.Tensor, ind: torch.Tensor, scale: float,
                      dv: int) -> torch.Tensor:
     # the reference gathers [rows, k, 576] fp32: 128 rows at a time keeps it near 600 MB
     return torch.cat([ref.sparse_mla(q[s:s + 128], kv, ind[s:s + 128], scale, dv)
                       for s in range(0, q.shape[0], 128)])
+
+
+def _all_gather_views(pool: ShardedKVPool) -> AllGatherViews:
+    """The all-gather strategy of ``pool`` (its send buffers are timed on their own)."""
+    from cpkv.kv import AllGatherViews
+
+    if not isinstance(pool.views, AllGatherViews):
+        raise RuntimeError(f"expected an all_gather pool, got materialize={pool.materialize_mode}")
+    return pool.views
+
+
+def _all_gather_part(views: AllGatherViews, m: MaterializePlan, part: int) -> torch.Tensor:
+    """One all-gather of this rank's pages of ``part`` of layer 0 (as a full view does)."""
+    return views.group.all_gather_rows(views._send(0, m, part), m.max_send[part])
 
 
 @dataclass(frozen=True)
@@ -180,20 +198,22 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
             b.random_(0, 255, generator=torch.Generator(group.device).manual_seed(group.rank))
         torch.cuda.synchronize()
         out[f"mode_{mode}"] = pool.materialize_mode
-        out[f"materialize_{mode}_ms"] = device_ms(lambda p=pool, b=kv: p.materialize(0, b),
-                                                  iters=20, align=align)
-        out["eager"][mode] = cuda_ms(lambda p=pool, b=kv: p.materialize(0, b), iters=20)
+        out[f"materialize_{mode}_ms"] = device_ms(partial(pool.materialize, 0, kv), iters=20,
+                                                  align=align)
+        out["eager"][mode] = cuda_ms(partial(pool.materialize, 0, kv), iters=20)
         v = pool.materialize(0, kv)
         views[mode] = (v.latent.contiguous(), v.index_k.contiguous())
         if mode == "all_gather":
             m = kv.materialize
-            send = pool._send(0, m, 0).contiguous()
+            ag = _all_gather_views(pool)
+            send = ag._send(0, m, 0).contiguous()
             out["send_is_pool_slice"] = m.send_start[0] is not None
-            out["send_buffer_ms"] = device_ms(lambda p=pool, mm=m: p._send(0, mm, 0), iters=20)
+            out["send_buffer_ms"] = device_ms(partial(ag._send, 0, m, 0), iters=20)
+            del ag  # holds the pool's buffers
             gathered = torch.empty(group.size * m.max_send[0] * PAGE, fmt.bytes_per_token,
                                    dtype=torch.uint8, device=group.device)
-            out["view_gather_ms"] = device_ms(
-                lambda b=gathered, i=m.view_index: ops.page_gather(b, i), iters=20)
+            out["view_gather_ms"] = device_ms(partial(ops.page_gather, gathered, m.view_index),
+                                              iters=20)
         del pool
         torch.cuda.empty_cache()
     out["p2p_view_equals_all_gather_view"] = all(
@@ -304,16 +324,17 @@ def prefetch_rank(group: Any, spec: PrefetchSpec) -> dict[str, Any]:
             session.prefill([("m", ids[: spec.prefix])])
             plan = session.driver.plan([("m", ids[spec.prefix:])])
             kv = pool.prepare(plan, ["m"])
-            out["materialize_whole_ms"] = cuda_ms(lambda p=pool, b=kv: p.materialize(0, b),
-                                                  iters=10)
+            out["materialize_whole_ms"] = cuda_ms(partial(pool.materialize, 0, kv), iters=10)
             pf = pool.prefetch(0, kv)
             torch.cuda.synchronize()
-            out["materialize_after_prefetch_ms"] = cuda_ms(
-                lambda p=pool, b=kv, f=pf: p.materialize(0, b, f), iters=1, warmup=0)
+            out["materialize_after_prefetch_ms"] = cuda_ms(partial(pool.materialize, 0, kv, pf),
+                                                           iters=1, warmup=0)
             # the part that stays on the critical path, timed repeatedly on its own
-            m = kv.materialize_split
+            split = kv.materialize_split
+            if split is None:
+                raise RuntimeError("the extend batch has no whole prefix page to prefetch: "
+                                   f"prefix={spec.prefix} tokens")
             out["new_part_all_gather_ms"] = cuda_ms(
-                lambda p=pool, mm=m: p.group.all_gather_rows(p._send(0, mm, 1), mm.max_send[1]),
-                iters=10)
+                partial(_all_gather_part, _all_gather_views(pool), split, 1), iters=10)
             pool.abort(kv)
     return out

@@ -12,6 +12,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import structlog.testing
 
@@ -62,13 +63,12 @@ def run(cp_sizes: tuple[int, ...] = (2, 8), page_size: int = 64, repeat: int = 5
         for cp in cp_sizes:
             reqs = _batch(n, max_e, share, cp, page_size, rng)
             tokens = [rng.randrange(1000) for _ in range(sum(r.extend_len for r in reqs))]
-            base = _median_s(lambda t=tokens: torch.tensor(t, dtype=torch.int64), repeat)
+            base = _median_s(partial(torch.tensor, tokens, dtype=torch.int64), repeat)
             for mode in SplitMode:
                 progress(f"plan {label} CP{cp} {mode.value}")
                 # short extends are expected in these mixes: count them, keep them off the log
                 with recording(), structlog.testing.capture_logs():
-                    dt = _median_s(lambda r=reqs, c=cp, m=mode: plan_batch(r, c, page_size, m),
-                                   repeat)
+                    dt = _median_s(partial(plan_batch, reqs, cp, page_size, mode), repeat)
                 rows.append(BenchRow.of(
                     name=f"plan_{label}_cp{cp}_{mode.value}_us_per_request",
                     value=dt / n * 1e6, unit="us/request",

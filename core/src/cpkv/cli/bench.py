@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -39,14 +40,14 @@ def plan_cmd(out: str, repeat: int) -> None:
     err = Console(stderr=True)
     rows = plan.run(repeat=repeat, progress=lambda s: err.print(f"[dim]{s}[/]"))
     report = BenchReport(machine=machine_description(),
-                         command="cpkv bench plan " + shlex.join(sys.argv[3:]), results=rows)
+                         command="cpkv bench plan " + shlex.join(sys.argv[3:]), results=tuple(rows))
     _show(rows)
     click.echo(f"wrote {report.write(out)}")
 
 
 #: DeepSeek-V3.2 attention at full size; a small dense MLP and vocabulary keep the stack about the
 #: attention path (the MoE reference computes every expert; engines bring their fused MoE)
-DEEPSEEK_STACK = dict(
+DEEPSEEK_STACK: dict[str, Any] = dict(
     hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
     index_head_dim=128, index_topk=2048, intermediate_size=2048, vocab_size=1024,
@@ -114,7 +115,7 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
         write_tiny_checkpoint(ckpt, seed=0, num_hidden_layers=layers, first_k_dense_replace=layers,
                               **DEEPSEEK_STACK)
         spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize)
-        per: dict[int, list[dict]] = {}
+        per: dict[int, list[dict[str, Any]]] = {}
         for c in (1, 2):
             err.print(f"[dim]CP{c} prefill at {lens}[/]")
             res = run_ranks(gpu.prefill_rank, c, args=(spec,), backend="nccl", timeout_s=580)
@@ -143,7 +144,7 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                                 1 / on, "batches/s", "the same extend without prefetch",
                                 1 / off))
     report = BenchReport(machine=machine_description(),
-                         command="cpkv bench gpu " + shlex.join(sys.argv[3:]), results=rows,
+                         command="cpkv bench gpu " + shlex.join(sys.argv[3:]), results=tuple(rows),
                          detail=detail)
     _show(rows)
     click.echo(f"wrote {report.write(out)}")

@@ -55,8 +55,8 @@ def render_plan(plan: CPPlan, console: Console) -> None:
     rt.add_column("rank")
     rt.add_column("rows", justify="right")
     rt.add_column("share", justify="right")
-    for r, n in enumerate(plan.rank_counts):
-        rt.add_row(str(r), str(n), f"{n / max(1, plan.num_tokens):.1%}")
+    for rank, n in enumerate(plan.rank_counts):
+        rt.add_row(str(rank), str(n), f"{n / max(1, plan.num_tokens):.1%}")
     console.print(rt)
     console.print(f"max_rank_len = {plan.max_rank_len}")
 

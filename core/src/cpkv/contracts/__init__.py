@@ -1,11 +1,13 @@
 """Typed contracts of cpkv: frozen pydantic values that every layer agrees on.
 
 Nothing here holds a tensor or imports torch; tensors travel as arguments next to these models.
+The backend op Protocol (:class:`KVOps`) lives here too, its tensor types for type checkers only.
 """
 
 from ._base import Contract, Count, CPSize, PageIndex, PageSize, Position, Rank
 from .fallback import FallbackEvent, FallbackPolicy, FallbackReason
-from .formats import KVDtype, KVFormat
+from .formats import KVDtype, KVFormat, MaterializeMode
+from .ops import KVOps, KVPart
 from .plan import (
     CPPlan,
     OwnerMap,
@@ -30,6 +32,9 @@ __all__ = [
     "FallbackReason",
     "KVDtype",
     "KVFormat",
+    "KVOps",
+    "KVPart",
+    "MaterializeMode",
     "Op",
     "OwnerMap",
     "PageExtent",

@@ -19,6 +19,20 @@ class KVDtype(StrEnum):
     FP32 = "fp32"
 
 
+class MaterializeMode(StrEnum):
+    """How a pool builds a layer's full view (chosen once, at pool construction).
+
+    ``REPLICA``: every rank holds every page (``kv.shared = false``, the baseline); the view is a
+    local gather. ``ALL_GATHER``: owners' pages move by one all-gather, then one local gather
+    lays them out in natural order. ``P2P``: pages live in peer-mapped memory and each view row
+    is read from its owner in one pass.
+    """
+
+    REPLICA = "replica"
+    ALL_GATHER = "all_gather"
+    P2P = "p2p"
+
+
 class KVFormat(Contract):
     """Byte layout of one token of one layer in the pool (the contract's formats table).
 

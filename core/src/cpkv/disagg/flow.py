@@ -13,13 +13,13 @@ Per request (one :class:`TransferManifest`, identical on every prefill rank):
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpkv.kv import PoolExhausted
+from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 
-from .plan import RankTransfer, TransferManifest
+from .plan import RankTransfer, TransferManifest, manifest_for
 from .receiver import DecodeReceiver, TransferError, page_checksums, part_nbytes
 from .transport import Ack, Grant, Link, Offer
 
@@ -34,6 +34,8 @@ class Sent:
     nbytes: int
     entries: int  # coalesced page runs sent (each one entry per layer and buffer)
     seconds: float
+    #: what was sent (identical on every prefill rank)
+    manifest: TransferManifest | None = None
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,38 @@ def _part_of(manifest: TransferManifest, rank: int) -> RankTransfer:
 
 
 class PrefillTransfer:
-    """The sending side on prefill CP rank ``rank`` (endpoint ``rank`` of ``link``)."""
+    """The sending side on prefill CP rank ``rank`` (endpoint ``rank`` of ``link``).
 
-    def __init__(self, link: Link, pool: Any, rank: int, cp_size: int, *, debug: bool = False) -> None:
+    :meth:`send_request` sends a request's pages from the pool's page table and remembers how
+    many pages of it were sent, so the chunks of a chunked prefill continue each other;
+    :meth:`send` sends a manifest built elsewhere.
+    """
+
+    def __init__(self, link: Link, pool: ShardedKVPool, rank: int, cp_size: int, *,
+                 debug: bool = False) -> None:
         self.link, self.pool, self.rank, self.cp_size, self.debug = link, pool, rank, cp_size, debug
+        #: request -> logical pages already sent (by earlier chunks)
+        self.sent_pages: dict[str, int] = {}
+
+    def send_request(self, request: Hashable, pages: RequestPages, *, final: bool = True,
+                     meta: Mapping[str, Any] | None = None) -> Sent:
+        """Send the pages of ``request`` (page table ``pages``) not sent before: after a non-final
+        chunk only its whole pages (rule 26), after the final one the rest, tail page included.
+        Every prefill rank calls it with the same arguments; returns once decode published.
+
+        Raises:
+            TransferError: the decode rank refused or did not publish the request (nothing of
+                this call counts as sent then).
+        """
+        rid = str(request)
+        m = manifest_for(rid, pages, self.pool.fmt.page_size, self.cp_size, final=final,
+                         already_sent=self.sent_pages.get(rid, 0))
+        done = self.send(m, meta)
+        if final:
+            self.sent_pages.pop(rid, None)
+        else:
+            self.sent_pages[rid] = m.num_pages
+        return done
 
     def send(self, manifest: TransferManifest, meta: Mapping[str, Any] | None = None) -> Sent:
         """Send this rank's part of ``manifest`` (every prefill rank calls it with the same
@@ -79,7 +109,7 @@ class PrefillTransfer:
         ack: Ack = self.link.channel.recv(decode)
         if not ack.published:
             raise TransferError(f"decode did not publish request {manifest.request!r}: {ack.error}")
-        return Sent(manifest.request, sent, len(part.runs), time.perf_counter() - t0)
+        return Sent(manifest.request, sent, len(part.runs), time.perf_counter() - t0, manifest)
 
 
 class DecodeTransfer:

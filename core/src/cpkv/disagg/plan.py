@@ -15,6 +15,7 @@ from typing import Self
 from pydantic import Field, model_validator
 
 from cpkv.contracts import Contract, Count, PageIndex, Rank, cdiv
+from cpkv.kv import RequestPages
 
 __all__ = ["PageRun", "RankTransfer", "TransferManifest", "coalesce", "manifest_for",
            "rank_transfer"]
@@ -97,16 +98,26 @@ def rank_transfer(request: Hashable, owners: Sequence[int], slots: Sequence[int]
     return RankTransfer(request=str(request), rank=rank, runs=tuple(coalesce(mine)))
 
 
-def manifest_for(request: Hashable, owners: Sequence[int], slots: Sequence[int], valid_len: int,
-                 page_size: int, cp_size: int, *, final: bool = True,
-                 already_sent: int = 0) -> TransferManifest:
-    """The manifest of a request's pages [already_sent, n): n covers ``valid_len`` tokens when
+def manifest_for(request: Hashable, pages: RequestPages, page_size: int, cp_size: int, *,
+                 final: bool = True, already_sent: int = 0) -> TransferManifest:
+    """The manifest of a request's pages [already_sent, n) from its page table ``pages`` (a
+    prefill pool's :class:`~cpkv.kv.RequestPages`): n covers ``pages.valid_len`` tokens when
     ``final``, else only the whole pages (a non-final chunk never sends the tail page, which the
-    next chunk still writes: rule 26). ``owners``/``slots`` are the pool's page table."""
-    n = cdiv(valid_len, page_size) if final else valid_len // page_size
+    next chunk still writes: rule 26).
+
+    Raises:
+        ValueError: the page table is shorter than its valid length needs, or ``already_sent``
+            is past the pages this call would send (the manifest does not validate).
+    """
+    valid_len, ps = pages.valid_len, page_size
+    n = cdiv(valid_len, ps) if final else valid_len // ps
+    if len(pages.owners) < n or len(pages.slots) < n:
+        raise ValueError(f"request {request!r}: {valid_len} valid tokens need {n} pages of {ps}, "
+                         f"the page table has {len(pages.owners)} owners and {len(pages.slots)} "
+                         f"slots")
     span = range(already_sent, n)
-    parts = tuple(rank_transfer(request, owners, slots, r, span) for r in range(cp_size))
+    parts = tuple(rank_transfer(request, pages.owners, pages.slots, r, span) for r in range(cp_size))
     parts = tuple(p for p in parts if p.runs)
-    covered = valid_len if final else n * page_size
-    return TransferManifest(request=str(request), page_size=page_size, valid_len=covered,
+    covered = valid_len if final else n * ps
+    return TransferManifest(request=str(request), page_size=ps, valid_len=covered,
                             num_pages=n, first_page=already_sent, parts=parts)

@@ -107,7 +107,7 @@ def _layout(plan: CPPlan, pages: Sequence[RequestPages], c: int, rank: int, part
     """Send lists of ``rank`` per part (padded), their common lengths, the view's source rows and
     where each send list starts when it is consecutive slots."""
     ps = plan.page_size
-    send = [[[] for _ in range(c)] for _ in range(parts)]  # part -> rank -> slots
+    send: list[list[list[int]]] = [[[] for _ in range(c)] for _ in range(parts)]  # part, rank
     where: list[list[tuple[int, int, int]]] = []
     for i, (req, rp) in enumerate(zip(plan.requests, pages, strict=True)):
         w = []
@@ -196,10 +196,11 @@ def build_batch(
     view_physical = dev(_cat(slot_rows))
 
     def mplan(parts: int, part_of: Callable[[int, int], int]) -> MaterializePlan:
+        slots: list[list[int]] = []
+        maxes: tuple[int, ...] = ()
+        view, starts = slot_rows, list[int | None]()
         if shared:
             slots, maxes, view, starts = _layout(plan, pages, c, rank, parts, part_of, capacity)
-        else:
-            slots, maxes, view, starts = (), (), slot_rows, []
         return MaterializePlan(send_slots=tuple(dev(x) for x in slots), max_send=maxes,
                                send_start=tuple(starts),
                                view_index=dev(_cat(view)), cu_seqlens=dev(cu), seq_lens=seq_lens,

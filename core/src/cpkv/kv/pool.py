@@ -11,50 +11,31 @@ materialization plan (host work, once); per layer: :meth:`write` then :meth:`mat
 then :meth:`commit` (or :meth:`abort`). With ``shared=False`` every rank keeps a full replica:
 the baseline that sharding is measured against.
 
-Materialization of a sharded pool, ``materialize=``:
-
-* ``"all_gather"``: each rank gathers its owned pages of the batch into a send buffer, one
-  all-gather moves them, one gather lays the view out in natural order (rule 15).
-* ``"p2p"``: every rank's buffers live in peer-mapped memory (:mod:`cpkv.runtime.peer`); after a
-  barrier each rank reads every view row from its owner's buffer in one pass (``peer_gather``):
-  no send buffer, no collective, no staging copy. When the ranks cannot map each other's memory
-  the pool says so (fallback ``peer_memory_unavailable``) and uses the all-gather path.
+How the full view is built (and where the pages are stored for that) is the pool's
+:class:`~cpkv.kv.materialize.Materializer`, chosen once at construction from ``materialize``
+(:class:`~cpkv.contracts.MaterializeMode`): see :mod:`cpkv.kv.materialize`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import structlog
 import torch
 
-from cpkv.contracts import CPPlan, FallbackReason, KVFormat, RequestSpec, cdiv
+from cpkv.comm import CPGroup
+from cpkv.contracts import CPPlan, FallbackReason, KVFormat, MaterializeMode, RequestSpec, cdiv
 from cpkv.fallback import report_fallback
-from cpkv.runtime.peer import PeerAccessUnavailable, PeerBuffers
 
 from .allocator import PageAllocator, PoolExhausted
-from .batch import BatchKV, MaterializePlan, RequestPages, build_batch
+from .batch import BatchKV, RequestPages, build_batch
+from .materialize import Materializer, Prefetch, open_materializer
 from .view import FullView, pack_rows
 
 if TYPE_CHECKING:
     from cpkv.ops import OpTable
-    from cpkv.runtime.group import CPGroup
 
 __all__ = ["PoolExhausted", "Prefetch", "ShardedKVPool"]
-
-log = structlog.get_logger(__name__)
-
-
-@dataclass
-class Prefetch:
-    """A layer's prefix pages in flight: the gathered buffer (its first part filled) and the event
-    that marks the side stream's collective done (None on CPU, where it ran inline)."""
-
-    buf: torch.Tensor
-    event: torch.cuda.Event | None
 
 
 class ShardedKVPool:
@@ -68,68 +49,39 @@ class ShardedKVPool:
         shared: one owner per page (True) or a full replica on every rank (False).
         pages_per_rank: capacity of this rank's buffers, in pages.
         debug: cross-rank checks that sync (plan hash, allocator state, out-cache ownership).
-        materialize: ``"all_gather"`` or ``"p2p"`` (see the module docstring); a replica reads
-            its own pages either way.
+        materialize: how a sharded pool builds full views (``"all_gather"`` or ``"p2p"``, see
+            :mod:`cpkv.kv.materialize`); a replica (``shared=False``) always reads its own pages.
+
+    Raises:
+        ValueError: ``num_layers < 1``, or an unknown ``materialize`` mode.
     """
 
     def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable, *,
                  shared: bool = True, pages_per_rank: int = 4096, debug: bool = False,
-                 materialize: str = "all_gather") -> None:
+                 materialize: MaterializeMode | str = MaterializeMode.ALL_GATHER) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        if materialize not in ("all_gather", "p2p"):
-            raise ValueError(f"materialize must be 'all_gather' or 'p2p', got {materialize!r}")
+        modes = (MaterializeMode.ALL_GATHER.value, MaterializeMode.P2P.value)
+        if materialize not in modes:
+            raise ValueError(f"materialize must be one of {modes}, got {materialize!r}")
         self.fmt, self.num_layers, self.group, self.ops = fmt, num_layers, group, ops
         self.shared, self.debug = shared, debug
         self.capacity = pages_per_rank
         self.allocator = PageAllocator(group.size if shared else 1, pages_per_rank)
-        ps, dev = fmt.page_size, group.device
-        self._peers: PeerBuffers | None = None
-        if shared and materialize == "p2p":
-            self._peers = self._open_peers()
-        if self._peers is not None:
-            self.kv, self._peer_rows = self._carve()
-        else:
-            self.kv = [torch.zeros(pages_per_rank, ps, fmt.bytes_per_token, dtype=torch.uint8,
-                                   device=dev) for _ in range(num_layers)]
+        mode = MaterializeMode(materialize) if shared else MaterializeMode.REPLICA
+        self.views: Materializer = open_materializer(mode, fmt, num_layers, pages_per_rank, group,
+                                                     ops)
+        #: per layer: uint8 [pages, ps, latent + index bytes] (the strategy's storage)
+        self.kv = self.views.kv
         nl = fmt.latent_bytes_per_token
         self.latent = [b[..., :nl] for b in self.kv]
         self.index_k = [b[..., nl:] for b in self.kv]
         self.table: dict[Hashable, RequestPages] = {}
-        self._stream: torch.cuda.Stream | None = None
 
-    # ---- peer-mapped buffers (materialize="p2p") ---------------------------------------------
     @property
-    def materialize_mode(self) -> str:
-        """``"p2p"`` when the full view is read from peer-mapped buffers, else ``"all_gather"``."""
-        return "p2p" if self._peers is not None else "all_gather"
-
-    def _layer_bytes(self) -> int:
-        return self.capacity * self.fmt.page_bytes
-
-    def _open_peers(self) -> PeerBuffers | None:
-        total = self.num_layers * self._layer_bytes()
-        try:
-            peers = self.group.peer_buffers(total)
-        except PeerAccessUnavailable as exc:  # raised on every rank alike
-            report_fallback(op="kv_materialize", requested="p2p (peer-mapped pool buffers)",
-                            selected="all_gather", reason=FallbackReason.PEER_MEMORY_UNAVAILABLE,
-                            detail=str(exc))
-            return None
-        log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=self.group.size)
-        return peers
-
-    def _carve(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-        """Per layer: this rank's [pages, ps, B] buffer and every rank's [pages * ps, B] rows."""
-        assert self._peers is not None
-        ps, b, n = self.fmt.page_size, self.fmt.bytes_per_token, self._layer_bytes()
-        own, peer = [], []
-        for layer in range(self.num_layers):
-            off = layer * n
-            own.append(self._peers.local[off:off + n].view(self.capacity, ps, b))
-            peer.append([buf[off:off + n].view(self.capacity * ps, b)
-                         for buf in self._peers.buffers])
-        return own, peer
+    def materialize_mode(self) -> MaterializeMode:
+        """How this pool builds full views, after any fallback (``replica`` for a replica)."""
+        return self.views.mode
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @property
@@ -194,10 +146,14 @@ class ShardedKVPool:
                 if rp is not None and req.page_owners[k] != rp.owners[k]:
                     raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
                                      f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
-            owners = [req.page_owners[k] for k in range(existing, cdiv(req.end, ps))]
-            for o in owners:
-                needs[self._alloc_rank(o)] += 1  # type: ignore[arg-type]
-            new.append((rid, existing, owners))  # type: ignore[arg-type]
+            owners: list[int] = []
+            for k in range(existing, cdiv(req.end, ps)):
+                o = req.page_owners[k]
+                if o is None:  # the plan validates this away: pages from the prefix's tail on
+                    raise ValueError(f"request {rid!r}: the plan has no owner for page {k}")
+                owners.append(o)
+                needs[self._alloc_rank(o)] += 1
+            new.append((rid, existing, owners))
         if self.shared and not plan.page_aligned:
             bad = [f"{rid!r} (P={r.prefix_len}, E={r.extend_len})"
                    for rid, r in zip(rids, plan.requests, strict=True) if not r.page_aligned]
@@ -220,10 +176,7 @@ class ShardedKVPool:
                             tuple((rid, e) for rid, e, _ in new), capacity=self.capacity)
         if self.debug:
             self._verify_out_cache(batch)
-        if self._peers is not None:
-            # peers may still be reading pages of the previous batch that this one reuses (freed
-            # and reallocated): every rank's earlier reads finish before any of this batch's writes
-            self._peers.barrier()
+        self.views.begin_batch(batch)
         return batch
 
     def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
@@ -252,82 +205,18 @@ class ShardedKVPool:
             self.ops.page_scatter(lat_rows, batch.owner_dst, mine[:, :nl])
             self.ops.page_scatter(idx_rows, batch.owner_dst, mine[:, nl:])
 
-    def _send(self, layer: int, m: MaterializePlan, part: int) -> torch.Tensor:
-        """This rank's pages of ``part`` of ``layer`` (latent and index-K per token): a slice of
-        the pool when they are consecutive slots (no copy), else one page gather."""
-        start = m.send_start[part]
-        if start is not None:
-            return self.kv[layer][start:start + m.max_send[part]]
-        return self.ops.page_gather(self.kv[layer], m.send_slots[part])
-
     def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
-        """Start moving ``layer``'s cached prefix pages (those this batch does not write) into the
-        full view, on a side stream on GPUs, while the current layer computes.
-
-        Returns None when there is nothing to prefetch (no whole prefix page, or a replica).
-        Every rank calls it at the same point (it is a collective).
-        """
-        m = batch.materialize_split
-        if m is None or self._peers is not None:  # p2p: the view is one pass, nothing to stage
-            return None
-        c, b = self.group.size, self.fmt.bytes_per_token
-        stream = self._side_stream()
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            if stream is not None:  # the pages were written on the main stream
-                stream.wait_stream(torch.cuda.current_stream(self.group.device))
-            buf = torch.empty((c * sum(m.max_send), self.fmt.page_size, b), dtype=torch.uint8,
-                              device=self.group.device)
-            self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0],
-                                       out=buf[: c * m.max_send[0]])
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-        return Prefetch(buf=buf, event=event)
-
-    def _side_stream(self) -> torch.cuda.Stream | None:
-        if self.group.device.type != "cuda":
-            return None  # CPU: the same collectives, inline
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.group.device)
-        return self._stream
+        """Start moving ``layer``'s cached prefix pages into the full view ahead of time (on a side
+        stream on GPUs) while the current layer computes; None when the strategy has nothing to
+        stage. Every rank calls it at the same point (it may be a collective)."""
+        return self.views.prefetch(layer, batch)
 
     def materialize(self, layer: int, batch: BatchKV,
                     prefetched: Prefetch | None = None) -> FullView:
-        """The full view of ``layer`` for the batch: the owned pages of every rank (latent and
-        index-K together, stored format) moved by one collective, then one local gather into
-        natural order. With ``prefetched`` (from :meth:`prefetch`), only the pages this batch
-        wrote are moved now."""
-        nl, b = self.fmt.latent_bytes_per_token, self.fmt.bytes_per_token
-        if not self.shared:
-            m = batch.materialize
-            full = self.ops.page_gather(self.kv[layer].view(-1, b), m.view_index)
-            return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
-                            seq_lens=m.seq_lens)
-        if self._peers is not None:
-            m = batch.materialize
-            self._peers.barrier()  # every owner's writes of this layer are done and visible
-            full = self.ops.peer_gather(self._peer_rows[layer], m.view_owner, m.view_physical)
-            return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
-                            seq_lens=m.seq_lens)
-        c = self.group.size
-        if prefetched is None:
-            m = batch.materialize
-            buf = self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0])
-        else:
-            m = batch.materialize_split
-            assert m is not None, "a prefetch exists only for batches with a split plan"
-            buf = prefetched.buf
-            if prefetched.event is not None:
-                cur = torch.cuda.current_stream(self.group.device)
-                cur.wait_event(prefetched.event)
-                buf.record_stream(cur)
-            self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
-                                       out=buf[c * m.max_send[0]:])
-        full = self.ops.page_gather(buf.view(-1, b), m.view_index)
-        return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
-                        seq_lens=m.seq_lens)
+        """The full view of ``layer`` for the batch, in natural order (rule 15), built by the
+        pool's strategy; with ``prefetched`` (from :meth:`prefetch`) only the pages this batch
+        wrote are still moved."""
+        return self.views.full_view(layer, batch, prefetched)
 
     def commit(self, batch: BatchKV) -> None:
         """Mark the batch's tokens valid (call after every layer wrote)."""

@@ -15,8 +15,8 @@ import torch
 from cpkv.contracts import CPPlan
 
 if TYPE_CHECKING:
+    from cpkv.comm import CPGroup
     from cpkv.ops import OpTable
-    from cpkv.runtime.group import CPGroup
 
 __all__ = ["RowLayout"]
 

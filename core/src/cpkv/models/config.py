@@ -7,13 +7,13 @@ transformers 5 ``rope_parameters`` (``rope_type``, ``rope_theta``, yarn keys) an
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["MODEL_TYPE", "DeepseekV32Config", "RopeConfig"]
 
-MODEL_TYPE = "deepseek_v32"
+MODEL_TYPE: Final = "deepseek_v32"
 
 
 class RopeConfig(BaseModel):

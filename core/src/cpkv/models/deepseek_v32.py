@@ -252,7 +252,7 @@ class DeepseekV32:
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference routing of normed rows ``h``: ``(weights [N, k] float32, expert ids [N, k])``."""
         c, w = self.config, self._layer(layer)
-        if w.router is None:
+        if w.router is None or w.router_bias is None:
             raise ValueError(f"layer {layer} is dense, it has no router")
         scores = F.linear(h.float(), w.router).sigmoid()
         choice = scores + w.router_bias

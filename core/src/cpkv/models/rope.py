@@ -33,7 +33,7 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     if rope.type == "default":
         return 1.0 / pos_freqs, 1.0
     assert rope.factor is not None and rope.original_max_position_embeddings is not None
-    factor = rope.factor
+    factor, original_max = rope.factor, rope.original_max_position_embeddings
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
@@ -43,7 +43,7 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
             attention_factor = yarn_get_mscale(factor)
 
     def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (
             2 * math.log(base))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)

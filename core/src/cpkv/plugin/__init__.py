@@ -16,10 +16,12 @@ from .manager import GROUPS, Discovered, PluginHost
 from .registry import (
     AgreeFn,
     BackendRegistrar,
+    BackendRegistry,
     BackendSpec,
     Registry,
     Selection,
     TransferRegistrar,
+    TransferRegistry,
     TransferSpec,
 )
 from .spec import hookimpl, hookspec
@@ -28,12 +30,14 @@ __all__ = [
     "GROUPS",
     "AgreeFn",
     "BackendRegistrar",
+    "BackendRegistry",
     "BackendSpec",
     "Discovered",
     "PluginHost",
     "Registry",
     "Selection",
     "TransferRegistrar",
+    "TransferRegistry",
     "TransferSpec",
     "hookimpl",
     "hookspec",

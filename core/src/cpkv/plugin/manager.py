@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import TypeVar
 
 import pluggy
 import structlog
@@ -19,11 +19,22 @@ from cpkv import fallback
 from cpkv.contracts import Availability, FallbackEvent, FallbackReason, PluginInfo, PluginKind
 
 from . import spec
-from .registry import BackendRegistrar, Registry, TransferRegistrar
+from .registry import (
+    BackendRegistrar,
+    BackendRegistry,
+    BackendSpec,
+    Registry,
+    TransferRegistrar,
+    TransferRegistry,
+    TransferSpec,
+    _Registrar,
+)
 
 __all__ = ["GROUPS", "Discovered", "PluginHost"]
 
 log = structlog.get_logger(__name__)
+
+_SpecT = TypeVar("_SpecT", BackendSpec, TransferSpec)
 
 GROUPS: dict[PluginKind, str] = {
     PluginKind.BACKEND: "cpkv.backends",
@@ -104,7 +115,7 @@ class PluginHost:
 
     def register(
         self,
-        plugin: Any,
+        plugin: object,
         name: str,
         kind: PluginKind = PluginKind.BACKEND,
         entry_point: str = "",
@@ -127,8 +138,12 @@ class PluginHost:
                                           distribution, version))
 
     # ---- typed hook facade -----------------------------------------------------------------
-    def _collect(self, hook_name: str, registrar_cls: type) -> tuple[list[Any], dict[str, Any]]:
-        specs: list[tuple[str, Any]] = []
+    def _collect(
+        self, kind: PluginKind, hook_name: str, registrar_cls: type[_Registrar[_SpecT]]
+    ) -> tuple[list[tuple[str, _SpecT]], dict[str, tuple[FallbackReason, str]]]:
+        """(plugin name, spec) of every spec the ``hook_name`` impls registered, and the plugins
+        that cannot be used (their hook raised, or discovery failed / disabled them)."""
+        specs: list[tuple[str, _SpecT]] = []
         unusable: dict[str, tuple[FallbackReason, str]] = {}
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             registrar = registrar_cls(plugin=impl.plugin_name)
@@ -143,29 +158,27 @@ class PluginHost:
                                               f"{hook_name} raised {exc!r}")
                 continue
             specs.extend((impl.plugin_name, s) for s in registrar.specs)
-        return specs, unusable
-
-    def _registry(self, kind: PluginKind) -> Registry:
-        hook, registrar = {
-            PluginKind.BACKEND: ("cpkv_register_backends", BackendRegistrar),
-            PluginKind.TRANSFER: ("cpkv_register_transfers", TransferRegistrar),
-        }[kind]
-        specs, unusable = self._collect(hook, registrar)
         for d in self.discovered:
             if d.kind is kind and d.reason is not None:
                 unusable[d.name] = (d.reason, d.error or "")
-        reg = Registry(kind, [s for _, s in specs], unusable)
-        for plugin, s in specs:  # the first registration wins, as in Registry (duplicates)
-            reg.origin.setdefault(s.name, plugin)
+        return specs, unusable
+
+    def backends(self) -> BackendRegistry:
+        """Registry of every discovered compute backend."""
+        specs, unusable = self._collect(PluginKind.BACKEND, "cpkv_register_backends",
+                                        BackendRegistrar)
+        reg = Registry(PluginKind.BACKEND, [s for _, s in specs], unusable)
+        _set_origins(reg.origin, specs)
         return reg
 
-    def backends(self) -> Registry:
-        """Registry of every discovered compute backend."""
-        return self._registry(PluginKind.BACKEND)
-
-    def transfers(self) -> Registry:
-        """Registry of every discovered transfer plugin."""
-        return self._registry(PluginKind.TRANSFER)
+    def transfers(self) -> TransferRegistry:
+        """Registry of every discovered transfer plugin (loading an ``object``: the disagg layer
+        checks it against its ``Transport`` Protocol)."""
+        specs, unusable = self._collect(PluginKind.TRANSFER, "cpkv_register_transfers",
+                                        TransferRegistrar)
+        reg = Registry(PluginKind.TRANSFER, [s for _, s in specs], unusable)
+        _set_origins(reg.origin, specs)
+        return reg
 
     def _on_fallback(self, event: FallbackEvent) -> None:
         self.pm.hook.cpkv_on_fallback(event=event)
@@ -173,11 +186,13 @@ class PluginHost:
     # ---- listing -----------------------------------------------------------------------------
     def infos(self) -> list[PluginInfo]:
         """Every discovered plugin with its distribution, version and availability."""
-        regs = {k: self._registry(k) for k in GROUPS}
+        regs: dict[PluginKind, BackendRegistry | TransferRegistry] = {
+            PluginKind.BACKEND: self.backends(), PluginKind.TRANSFER: self.transfers()}
         out: list[PluginInfo] = []
         for d in self.discovered:
             reg = regs[d.kind]
-            specs = [s for s in reg.specs.values() if reg.origin.get(s.name) == d.name]
+            specs: list[BackendSpec | TransferSpec] = [
+                s for s in reg.specs.values() if reg.origin.get(s.name) == d.name]
             if d.reason is not None or not specs:
                 why = d.error or (reg.unusable.get(d.name, (None, "registered nothing"))[1])
                 out.append(PluginInfo(name=d.name, kind=d.kind, distribution=d.distribution,
@@ -185,9 +200,17 @@ class PluginHost:
                                       availability=Availability.no(why)))
                 continue
             for s in specs:
-                ops = tuple(sorted(o.value for o in getattr(s, "ops", ())))
+                ops = tuple(sorted(o.value for o in s.ops)) if isinstance(s, BackendSpec) else ()
                 out.append(PluginInfo(name=s.name, kind=d.kind, distribution=d.distribution,
                                       version=d.version, entry_point=d.entry_point, ops=ops,
                                       availability=reg.availability(s.name),
                                       description=s.description))
         return out
+
+
+def _set_origins(origin: dict[str, str],
+                 specs: Iterable[tuple[str, BackendSpec | TransferSpec]]) -> None:
+    """Record which plugin registered each spec; the first registration wins, as in
+    :class:`Registry` (duplicates)."""
+    for plugin, s in specs:
+        origin.setdefault(s.name, plugin)

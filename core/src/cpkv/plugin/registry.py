@@ -5,20 +5,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeAlias, TypeVar, cast, overload
 
 import structlog
 
-from cpkv.contracts import Availability, FallbackReason, Op, PluginKind
+from cpkv.contracts import Availability, FallbackReason, KVOps, Op, PluginKind
 from cpkv.fallback import report_fallback
 
 __all__ = [
     "AgreeFn",
     "BackendRegistrar",
+    "BackendRegistry",
     "BackendSpec",
     "Registry",
     "Selection",
     "TransferRegistrar",
+    "TransferRegistry",
     "TransferSpec",
 ]
 
@@ -31,12 +33,14 @@ AgreeFn = Callable[[dict[str, bool]], dict[str, bool]]
 @dataclass(frozen=True)
 class BackendSpec:
     """A compute backend. ``probe`` decides availability without importing kernels; ``load``
-    returns the backend object, which has one callable attribute per op in ``ops``."""
+    returns the backend object, a :class:`~cpkv.contracts.KVOps`: it has one callable attribute
+    per op in ``ops``, and only those are ever called (a backend of a few ops returns its object
+    as ``typing.cast(KVOps, obj)`` to satisfy a type checker)."""
 
     name: str
     ops: frozenset[Op]
     probe: Callable[[], Availability]
-    load: Callable[[], Any]
+    load: Callable[[], KVOps]
     description: str = ""
     #: page sizes its kernels support; None = any
     page_sizes: frozenset[int] | None = None
@@ -44,24 +48,34 @@ class BackendSpec:
 
 @dataclass(frozen=True)
 class TransferSpec:
-    """A KV transfer plugin (prefill ranks -> decode). ``load`` returns its transport factory."""
+    """A KV transfer plugin (prefill ranks -> decode). ``load`` returns its transport factory.
+
+    Typed ``object`` here: its Protocol (``cpkv.disagg.transport.Transport``) belongs to a layer
+    above this one, which checks what ``load`` returned (``isinstance``) before using it.
+    """
 
     name: str
     probe: Callable[[], Availability]
-    load: Callable[[], Any]
+    load: Callable[[], object]
     description: str = ""
 
 
-@dataclass
-class _Registrar:
-    plugin: str
-    specs: list[Any] = field(default_factory=list)
+#: the spec type of a registry (a registrar, a selection); the registrars admit exactly these two
+SpecT = TypeVar("SpecT", BackendSpec, TransferSpec)
+#: what a spec's ``load`` returns: ``KVOps`` for backends, ``object`` for transfers
+ImplT = TypeVar("ImplT")
 
-    def add(self, spec: Any) -> None:
+
+@dataclass
+class _Registrar(Generic[SpecT]):
+    plugin: str
+    specs: list[SpecT] = field(default_factory=list)
+
+    def add(self, spec: SpecT) -> None:
         self.specs.append(spec)
 
 
-class BackendRegistrar(_Registrar):
+class BackendRegistrar(_Registrar[BackendSpec]):
     """Handed to ``cpkv_register_backends``; collects :class:`BackendSpec`."""
 
     def add(self, spec: BackendSpec) -> None:
@@ -70,7 +84,7 @@ class BackendRegistrar(_Registrar):
         super().add(spec)
 
 
-class TransferRegistrar(_Registrar):
+class TransferRegistrar(_Registrar[TransferSpec]):
     """Handed to ``cpkv_register_transfers``; collects :class:`TransferSpec`."""
 
     def add(self, spec: TransferSpec) -> None:
@@ -80,39 +94,57 @@ class TransferRegistrar(_Registrar):
 
 
 @dataclass(frozen=True)
-class Selection:
-    """What the registry chose for one op: the spec and the loaded backend object."""
+class Selection(Generic[ImplT]):
+    """What the registry chose for one op: the spec's name and the loaded plugin object."""
 
     op: str
     name: str
-    impl: Any
+    impl: ImplT
 
 
-class Registry:
-    """Specs of one kind, with cached probes and loads.
+class Registry(Generic[SpecT, ImplT]):
+    """Specs of one kind, with cached probes and loads: :data:`BackendRegistry` (specs
+    :class:`BackendSpec`, loading :class:`~cpkv.contracts.KVOps`) or :data:`TransferRegistry`
+    (specs :class:`TransferSpec`, loading ``object``). The constructor infers which from ``specs``.
 
     ``unusable`` maps names that were discovered but cannot be used (load failed, disabled) to
     (reason, detail); they are never probed.
     """
 
+    @overload
+    def __init__(
+        self: Registry[BackendSpec, KVOps],
+        kind: PluginKind,
+        specs: Iterable[BackendSpec],
+        unusable: Mapping[str, tuple[FallbackReason, str]] | None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: Registry[TransferSpec, object],
+        kind: PluginKind,
+        specs: Iterable[TransferSpec],
+        unusable: Mapping[str, tuple[FallbackReason, str]] | None = None,
+    ) -> None: ...
+
     def __init__(
         self,
         kind: PluginKind,
-        specs: Iterable[BackendSpec | TransferSpec],
+        specs: Iterable[BackendSpec] | Iterable[TransferSpec],
         unusable: Mapping[str, tuple[FallbackReason, str]] | None = None,
     ) -> None:
         self.kind = kind
-        self.specs: dict[str, Any] = {}
+        self.specs: dict[str, SpecT] = {}
         for s in specs:
             if s.name in self.specs:
                 log.warning("cpkv.plugin.duplicate", kind=kind.value, name=s.name)
                 continue
-            self.specs[s.name] = s
+            self.specs[s.name] = cast(SpecT, s)  # SpecT is the element type the overload matched
         self.unusable = dict(unusable or {})
         #: spec name -> name of the plugin (entry point) that registered it
         self.origin: dict[str, str] = {}
         self._avail: dict[str, Availability] = {}
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[str, ImplT] = {}
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
@@ -133,11 +165,12 @@ class Registry:
                     self._avail[name] = Availability.no(f"probe raised {exc!r}")
             return self._avail[name]
 
-    def load(self, name: str) -> Any:
+    def load(self, name: str) -> ImplT:
         """Load (once) and return the plugin object of an available plugin."""
         with self._lock:
             if name not in self._loaded:
-                self._loaded[name] = self.specs[name].load()
+                # the constructor's overloads pair each spec type with what its load returns
+                self._loaded[name] = cast(ImplT, self.specs[name].load())
             return self._loaded[name]
 
     def _why_not(self, name: str, op: str | None) -> tuple[FallbackReason, str] | None:
@@ -149,7 +182,7 @@ class Registry:
         av = self.availability(name)
         if not av.available:
             return FallbackReason.PLUGIN_UNAVAILABLE, f"{name}: {av.reason}"
-        if op is not None and op not in self.specs[name].ops:
+        if op is not None and op not in _ops_of(self.specs[name]):
             return FallbackReason.OP_NOT_PROVIDED, f"{name}: does not provide {op}"
         return None
 
@@ -158,7 +191,7 @@ class Registry:
         preference: Sequence[str],
         ops: Sequence[str] | None = None,
         agree: AgreeFn | None = None,
-    ) -> dict[str, Selection]:
+    ) -> dict[str, Selection[ImplT]]:
         """Choose one plugin per op (or one plugin overall when ``ops`` is None).
 
         Walks ``preference`` in order; every step away from its first entry is reported through
@@ -173,7 +206,7 @@ class Registry:
         local = {n: self._why_not(n, None) is None for n in preference}
         usable = agree(dict(local)) if agree else local
         wanted: list[str | None] = list(ops) if ops is not None else [None]
-        chosen: dict[str, Selection] = {}
+        chosen: dict[str, Selection[ImplT]] = {}
         steps: dict[tuple[str, FallbackReason], list[str]] = {}
         details: dict[tuple[str, FallbackReason], list[str]] = {}
         for op in wanted:
@@ -209,3 +242,15 @@ class Registry:
         for sel in chosen.values():
             log.debug("cpkv.backend.selected", kind=self.kind.value, op=sel.op, name=sel.name)
         return chosen
+
+
+def _ops_of(spec: BackendSpec | TransferSpec) -> frozenset[Op]:
+    """The ops a spec provides (a transfer provides none)."""
+    return spec.ops if isinstance(spec, BackendSpec) else frozenset()
+
+
+#: the registry of compute backends (:meth:`cpkv.plugin.PluginHost.backends`)
+BackendRegistry: TypeAlias = Registry[BackendSpec, KVOps]
+#: the registry of transfer plugins (:meth:`cpkv.plugin.PluginHost.transfers`); the disagg layer
+#: checks the loaded object against its ``Transport`` Protocol
+TransferRegistry: TypeAlias = Registry[TransferSpec, object]

@@ -1,11 +1,9 @@
-"""Multi-rank runtime: the CP group wrapper and the bounded single-node launcher."""
+"""Multi-rank runtime: the prefill driver, sessions, the decode worker and the bounded
+single-node launcher. (The CP group itself is :mod:`cpkv.comm`.)"""
 
-from cpkv.runtime.group import CollectiveCheckError, CPGroup
 from cpkv.runtime.launch import RankFailed, RankResult, RankTimeout, run_ranks
 
 __all__ = [
-    "CPGroup",
-    "CollectiveCheckError",
     "RankFailed",
     "RankResult",
     "RankTimeout",

@@ -5,7 +5,9 @@ that a :class:`~cpkv.disagg.DecodeReceiver` fills. A decode step is a one-token 
 request through the same driver as prefill (:class:`~cpkv.runtime.prefill.CPPrefill` on a
 one-rank group): it embeds the new token, computes its KV, appends it to the request's pages
 (finishing the tail page first), and runs the indexer, top-k and sparse attention over the full
-layout. :func:`reference_generate` is the same greedy generation in one process, prefill included.
+layout. :class:`DecodeSession` is what a decode process embeds: the worker plus the receiving
+side of a transfer (:meth:`DecodeSession.connect`, :meth:`DecodeSession.receive`).
+:func:`reference_generate` is the same greedy generation in one process, prefill included.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.disagg import DecodeReceiver
+from cpkv.comm import CPGroup
+from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
-from .group import CPGroup
 from .session import PrefillSession
 
 if TYPE_CHECKING:
@@ -25,13 +27,8 @@ if TYPE_CHECKING:
     from cpkv.plugin import PluginHost
     from cpkv.settings import Settings
 
-__all__ = ["DecodeWorker", "decode_step", "generate", "greedy", "one_rank_settings",
+__all__ = ["DecodeSession", "DecodeWorker", "decode_step", "generate", "greedy",
            "reference_generate"]
-
-
-def one_rank_settings(settings: Settings) -> Settings:
-    """``settings`` for a one-rank (non-CP) group."""
-    return settings.model_copy(update={"cp": settings.cp.model_copy(update={"size": 1})})
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
@@ -68,7 +65,7 @@ class DecodeWorker:
 
     def __init__(self, model: DeepseekV32, settings: Settings, device: torch.device | str = "cpu",
                  host: PluginHost | None = None) -> None:
-        self.session = PrefillSession(model, one_rank_settings(settings),
+        self.session = PrefillSession(model, settings.with_cp_size(1),
                                       CPGroup.single(device, settings.runtime.timeout_s), host)
         self.pool = self.session.pool
         self.receiver = DecodeReceiver(self.pool, debug=settings.debug)
@@ -92,7 +89,7 @@ def reference_generate(model: DeepseekV32, settings: Settings, prompts: Sequence
     """Single-process greedy generation: prefill the prompts on one rank (in the same batches
     as ``chunks`` gives: per batch the token count of each prompt, 0 = not in that batch), then
     the same batched greedy steps as :meth:`DecodeWorker.generate`."""
-    session = PrefillSession(model, one_rank_settings(settings), CPGroup.single())
+    session = PrefillSession(model, settings.with_cp_size(1), CPGroup.single())
     rids = [f"p{i}" for i in range(len(prompts))]
     done = [0] * len(prompts)
     last: dict[int, int] = {}
@@ -103,3 +100,51 @@ def reference_generate(model: DeepseekV32, settings: Settings, prompts: Sequence
             done[i] += len(ids)
             last[i] = tok
     return generate(session, [(rids[i], last[i]) for i in range(len(prompts))], num_tokens)
+
+
+class DecodeSession:
+    """A decode process's side of prefill -> decode transfer: a :class:`DecodeWorker` and the
+    receiving protocol (offers, reservation, data, publish; nothing partial is published).
+
+    Args:
+        model, settings, device, host: as for :class:`DecodeWorker`.
+    """
+
+    def __init__(self, model: DeepseekV32, settings: Settings, device: torch.device | str = "cpu",
+                 host: PluginHost | None = None) -> None:
+        self.settings = settings
+        self.worker = DecodeWorker(model, settings, device, host)
+        self.pool = self.worker.pool
+        self._rx: DecodeTransfer | None = None
+
+    def connect(self, transport: Transport, *, cp_size: int,
+                world_ranks: tuple[int, ...] | None = None) -> Link:
+        """Join the transfer from ``cp_size`` prefill ranks as endpoint ``cp_size`` (a collective
+        with their :meth:`PrefillSession.connect`)."""
+        link = open_link(transport, self.settings, endpoint=cp_size, cp_size=cp_size,
+                         pool=self.pool, world_ranks=world_ranks)
+        self._rx = DecodeTransfer(link, self.worker.receiver, cp_size)
+        return link
+
+    def receive(self) -> Received:
+        """Receive, check and publish the next request the prefill ranks send.
+
+        Raises:
+            RuntimeError: :meth:`connect` was not called.
+            TransferError: refused or failed; nothing of it was published.
+        """
+        if self._rx is None:
+            raise RuntimeError("DecodeSession.receive needs a transfer: call connect(...) first")
+        return self._rx.receive()
+
+    def step(self, batch: Sequence[tuple[Hashable, int]]) -> list[int]:
+        """One decode step (see :meth:`DecodeWorker.step`)."""
+        return self.worker.step(batch)
+
+    def generate(self, first: Sequence[tuple[Hashable, int]], num_tokens: int) -> list[list[int]]:
+        """Greedy tokens per request (see :meth:`DecodeWorker.generate`)."""
+        return self.worker.generate(first, num_tokens)
+
+    def release(self, rid: Hashable) -> None:
+        """Free a finished request's pages."""
+        self.worker.release(rid)

@@ -2,7 +2,7 @@
 
 :func:`run_ranks` spawns ``size`` processes (``spawn`` start method), each of which joins a
 ``torch.distributed`` process group over TCP on 127.0.0.1 and calls ``fn(group, *args)`` with a
-:class:`~cpkv.runtime.group.CPGroup`. It is the test harness for multi-rank code on CPU (Gloo) and
+:class:`~cpkv.comm.CPGroup`. It is the test harness for multi-rank code on CPU (Gloo) and
 the single-node launcher on GPUs (NCCL).
 
 Rendezvous: the parent creates the ``TCPStore`` server itself on port 0, so the OS picks a free
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
-from cpkv.runtime.group import CPGroup
 
 __all__ = ["RankFailed", "RankResult", "RankTimeout", "run_ranks"]
 

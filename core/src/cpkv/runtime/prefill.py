@@ -22,10 +22,9 @@ from cpkv.kv import BatchKV, FullView, ShardedKVPool, unpack_rows
 from cpkv.planning import plan_batch
 
 if TYPE_CHECKING:
+    from cpkv.comm import CPGroup
     from cpkv.models import DeepseekV32
     from cpkv.ops import OpTable
-
-    from .group import CPGroup
 
 __all__ = ["CPPrefill", "PrefillResult", "TopkCapture", "row_chunks"]
 

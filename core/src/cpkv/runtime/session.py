@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from cpkv.comm import CPGroup
+from cpkv.disagg import Link, PrefillTransfer, Sent, Transport, open_link
 from cpkv.kv import RequestPages
 from cpkv.ops import ALL_OPS
 from cpkv.plugin import PluginHost
@@ -13,10 +15,9 @@ from .prefill import CPPrefill, PrefillResult
 from .setup import create_pool
 
 if TYPE_CHECKING:
+    from cpkv.comm import CPGroup
     from cpkv.models import DeepseekV32
     from cpkv.settings import Settings
-
-    from .group import CPGroup
 
 __all__ = ["PrefillSession"]
 
@@ -25,7 +26,9 @@ class PrefillSession:
     """CP prefill of a loaded model on one rank: the sharded pool, the ops, the driver.
 
     Every rank of the CP group creates one with the same settings and calls :meth:`prefill`
-    with the same batches (the calls are collectives).
+    with the same batches (the calls are collectives). To hand requests to a decode rank, every
+    rank joins a transfer once (:meth:`connect`) and then calls :meth:`send` for a request after
+    the batch that computed it (the decode side is :class:`~cpkv.runtime.decode.DecodeSession`).
 
     Args:
         model: the loaded model (``cpkv.models.load_model``).
@@ -45,6 +48,7 @@ class PrefillSession:
         self.driver = CPPrefill(model, self.pool, self.ops, mode=settings.cp.mode,
                                 logits_budget_bytes=settings.runtime.logits_budget_mb << 20,
                                 prefetch=settings.runtime.prefetch)
+        self._sender: PrefillTransfer | None = None
 
     def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
                 capture_topk: bool = False) -> PrefillResult:
@@ -59,3 +63,34 @@ class PrefillSession:
     def release(self, rid: Hashable) -> None:
         """Free a finished request's pages on every rank (call on every rank)."""
         self.pool.free(rid)
+
+    # ---- prefill -> decode transfer ------------------------------------------------------------
+    def connect(self, transport: Transport, *,
+                world_ranks: tuple[int, ...] | None = None) -> Link:
+        """Join a prefill -> decode transfer as endpoint ``group.rank`` (the decode rank is
+        endpoint ``group.size``): a collective over the C prefill ranks and the decode rank.
+        ``transport`` comes from :func:`cpkv.disagg.select_transport`; ``world_ranks`` maps
+        endpoints to ``torch.distributed`` ranks for transports that use a process group.
+        Timeout, debug switch and plugin options come from the session's settings."""
+        link = open_link(transport, self.settings, endpoint=self.group.rank,
+                         cp_size=self.group.size, pool=self.pool, world_ranks=world_ranks)
+        self._sender = PrefillTransfer(link, self.pool, self.group.rank, self.group.size,
+                                       debug=self.settings.debug)
+        return link
+
+    def send(self, rid: Hashable, *, final: bool = True,
+             meta: Mapping[str, Any] | None = None) -> Sent:
+        """Send the pages of ``rid`` this rank owns that were not sent before, with their logical
+        positions (every rank calls it with the same arguments, after the batch that computed
+        them). ``final=False`` after a non-final chunk of a chunked prefill: only the whole pages
+        it completed move (the tail page is still being written); ``final=True`` sends the rest.
+        ``meta`` (e.g. ``{"first_token": t}``) reaches the decode side with the request. Returns
+        once the decode rank published the request.
+
+        Raises:
+            RuntimeError: :meth:`connect` was not called.
+            TransferError: the decode rank refused or did not publish the request.
+        """
+        if self._sender is None:
+            raise RuntimeError("PrefillSession.send needs a transfer: call connect(transport) first")
+        return self._sender.send_request(rid, self.pages(rid), final=final, meta=meta)

@@ -17,9 +17,8 @@ from cpkv.ops import KV_OPS, OpTable
 from cpkv.plugin import PluginHost, Registry
 
 if TYPE_CHECKING:
+    from cpkv.comm import CPGroup
     from cpkv.settings import Settings
-
-    from .group import CPGroup
 
 __all__ = ["MATERIALIZE_PATHS", "StartupError", "check_startup", "create_pool", "resolve_ops"]
 

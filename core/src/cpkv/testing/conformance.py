@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -149,12 +148,6 @@ def _call(op: str, case: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 # ---- inputs ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Case:
-    label: str
-    seed: int
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import random
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from cpkv.comm import CPGroup
 from cpkv.contracts import KVFormat, SplitMode, cdiv
 from cpkv.kv import PoolExhausted, ShardedKVPool, pack_rows
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.planning import plan_batch
 from cpkv.plugin import PluginHost
-from cpkv.runtime.group import CPGroup
 
 __all__ = [
     "PoolOutcome",
@@ -61,9 +60,6 @@ class PoolOutcome:
     views_checked: int = 0
     materialize_mode: str = ""
     prefetched_views: int = 0
-    seconds_prepare: float = 0.0
-    seconds_write: float = 0.0
-    seconds_materialize: float = 0.0
 
 
 def truth_rows(seed: int, rid: str, layers: int, length: int, dim: int) -> torch.Tensor:
@@ -113,10 +109,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
             specs = [pools[True].request_spec(r, e) for r, e in batch_reqs]
             plan = plan_batch(specs, group.size, ps, sc.mode)
             for shared, pool in pools.items():
-                t0 = time.perf_counter()
                 batches[shared] = pool.prepare(plan, rids)
-                if shared:
-                    out.seconds_prepare += time.perf_counter() - t0
         except PoolExhausted as exc:
             out.exhausted.append(f"batch {bi}: {exc}")
             for shared, bk in batches.items():
@@ -132,13 +125,8 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                              zip(rids, plan.requests, strict=True)])
             for shared, pool in pools.items():
                 bk = batches[shared]
-                t0 = time.perf_counter()
                 pool.write(layer, bk, bk.rows.split(lat, ops), bk.rows.split(idx, ops))
-                t1 = time.perf_counter()
                 views[shared] = pool.materialize(layer, bk)
-                if shared:
-                    out.seconds_write += t1 - t0
-                    out.seconds_materialize += time.perf_counter() - t1
             split = batches[True].materialize_split
             if split is not None:  # the prefetched path must give the same view
                 pf = pools[True].prefetch(layer, batches[True])
@@ -167,8 +155,9 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
     out.bytes_held = sharded.bytes_held()
     out.replica_bytes_held = pools[False].bytes_held()
     out.logical_bytes = sharded.replicated_bytes()
-    for rid, rp in sharded.table.items():
-        out.pages[rid] = (sum(1 for o in rp.owners if o == group.rank), len(rp.owners))
+    for key, rp in sharded.table.items():
+        # the scenario's request ids are strings (the pool keys any hashable)
+        out.pages[str(key)] = (sum(1 for o in rp.owners if o == group.rank), len(rp.owners))
     return out
 
 

@@ -3,7 +3,9 @@
 Importing this module imports neither torch nor mooncake. The probe looks the ``mooncake``
 package up and loads the system libraries its engine links (``libibverbs.so.1``, ...) without
 importing it: discovery stays light, and a missing library is a precise reason instead of a crash.
-``load()`` imports the engine (``MC_LOG_LEVEL=ERROR`` unless set: glog floods stderr otherwise).
+``load()`` imports the engine (``MC_LOG_LEVEL=ERROR`` unless set: glog floods stderr otherwise)
+and then the transport (``transport.py``, the heavy implementation), handing it the engine class.
+Imports run one way: ``transport.py`` never imports this module.
 """
 
 from __future__ import annotations
@@ -103,10 +105,10 @@ def load() -> object:
     Raises:
         RuntimeError: the engine cannot be imported here (the probe's reasons, or the import's).
     """
-    import_engine()
+    engine_cls = import_engine()
     from .transport import MooncakeTransport
 
-    return MooncakeTransport()
+    return MooncakeTransport(engine_cls)
 
 
 @hookimpl

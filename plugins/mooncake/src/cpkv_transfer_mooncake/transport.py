@@ -444,11 +444,13 @@ class MooncakeLink:
 
 
 class MooncakeTransport:
-    """What ``load()`` returns."""
+    """What ``plugin.load()`` returns, holding the engine class it imported
+    (``mooncake.engine.TransferEngine``): this module never imports the plugin module."""
 
     name = "mooncake"
 
-    def connect(self, spec: LinkSpec) -> MooncakeLink:
-        from .plugin import import_engine
+    def __init__(self, engine_cls: Any) -> None:
+        self.engine_cls = engine_cls
 
-        return MooncakeLink(spec, import_engine())
+    def connect(self, spec: LinkSpec) -> MooncakeLink:
+        return MooncakeLink(spec, self.engine_cls)

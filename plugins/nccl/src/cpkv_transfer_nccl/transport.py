@@ -39,7 +39,6 @@ class NcclLink:
         else:
             self.data_group = self.meta_group
         self.channel = DistSideChannel(spec, self.meta_group)
-        self.bytes_sent = 0
 
     def send_part(self, part: RankTransfer, dst_slots: Sequence[int]) -> int:
         """One buffer per (rank, request): the destination slots are the receiver's business."""
@@ -47,7 +46,6 @@ class NcclLink:
             raise ValueError(f"{len(dst_slots)} destination slots for {part.num_pages} pages")
         buf = pack_part(self.spec.pool, part)
         dist.send(buf, dst=self.spec.world_rank(self.spec.decode_endpoint), group=self.data_group)
-        self.bytes_sent += buf.numel()
         return buf.numel()
 
     def recv_part(self, part: RankTransfer, receiver: DecodeReceiver) -> int:

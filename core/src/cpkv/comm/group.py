@@ -13,7 +13,9 @@ Costs (collectives per call, host syncs):
 * :meth:`CPGroup.check_all`: one ``all_reduce(MIN)``; plus one ``all_gather_object`` only when some
   rank failed (every rank takes the same branch); host sync.
 * :meth:`CPGroup.barrier`: one barrier.
-* :meth:`CPGroup.peer_buffers`: a few collectives at allocation (once, at pool creation).
+* :meth:`CPGroup.all_gather_object`: one ``all_gather_object``; host sync (setup and error paths).
+
+Peer-mapped buffers over a group (:func:`cpkv.comm.peer.open_peer_buffers`) are built from these.
 
 :meth:`CPGroup.single` is a size-1 group that needs no ``torch.distributed`` at all.
 """
@@ -23,16 +25,15 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .peer import PeerBuffers, open_peer_buffers
-
 __all__ = ["Backend", "CPGroup", "CollectiveCheckError"]
 
 Backend = Literal["gloo", "nccl", "local"]
+T = TypeVar("T")
 
 
 # torch >= 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor warns
@@ -74,7 +75,7 @@ class CPGroup:
         backend: Backend,
         device: torch.device,
         timeout_s: float,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")
@@ -97,7 +98,7 @@ class CPGroup:
     @classmethod
     def from_process_group(
         cls,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         *,
         timeout_s: float = 120.0,
         device: torch.device | str | None = None,
@@ -137,6 +138,22 @@ class CPGroup:
             f"CPGroup(rank={self.rank}, size={self.size}, backend={self.backend!r}, "
             f"device={str(self.device)!r}, timeout_s={self.timeout_s})"
         )
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The ``torch.distributed`` process group (the default group when none was given).
+
+        Raises:
+            RuntimeError: a ``local`` group has no process group.
+        """
+        if self.is_local:
+            raise RuntimeError("a local (one-rank) CP group has no torch.distributed process group")
+        if self._pg is not None:
+            return self._pg
+        world = dist.group.WORLD
+        if not isinstance(world, dist.ProcessGroup):
+            raise RuntimeError("torch.distributed has no default process group")
+        return world
 
     @property
     def is_local(self) -> bool:
@@ -231,9 +248,17 @@ class CPGroup:
         """
         if self.is_local:
             return True
-        values: list[Any] = [None] * self.size
-        dist.all_gather_object(values, str(value), group=self._pg)
+        values = self.all_gather_object(str(value))
         return all(v == values[0] for v in values)
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (picklable), in rank order. One ``all_gather_object``; host sync:
+        for setup and error paths, never per layer."""
+        if self.is_local:
+            return [obj]
+        values: list[T | None] = [None] * self.size
+        dist.all_gather_object(values, obj, group=self._pg)
+        return values  # type: ignore[return-value]  # every slot was filled by the collective
 
     def check_all(self, ok: bool, message: str) -> None:
         """Collective check: when any rank passes ``ok=False``, every rank raises alike.
@@ -256,19 +281,9 @@ class CPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
         if int(t.item()) == 1:
             return
-        gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, (bool(ok), str(message)), group=self._pg)
+        gathered = self.all_gather_object((bool(ok), str(message)))
         failures = {r: m for r, (rok, m) in enumerate(gathered) if not rok}
         raise CollectiveCheckError(failures, self.size)
-
-    def peer_buffers(self, nbytes: int) -> PeerBuffers:
-        """One ``nbytes`` buffer per rank, every one mapped into every rank (see
-        :mod:`cpkv.runtime.peer`).
-
-        Raises:
-            PeerAccessUnavailable: on every rank alike, with every failing rank's reason.
-        """
-        return open_peer_buffers(self, nbytes)
 
     def barrier(self) -> None:
         """Wait until every rank of the group got here (bounded by :attr:`timeout_s`)."""

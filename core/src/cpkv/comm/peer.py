@@ -25,13 +25,11 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from .group import CPGroup
+from .group import CPGroup
 
 __all__ = ["PeerAccessUnavailable", "PeerBuffers", "open_peer_buffers"]
 
@@ -88,19 +86,18 @@ def _fail_all(group: CPGroup, reason: str | None) -> None:
     ok = group.agree_all({"peer": reason is None})["peer"]
     if ok:
         return
-    reasons = [None] * group.size
-    dist.all_gather_object(reasons, reason, group=group._pg)
+    reasons = group.all_gather_object(reason)
     why = "; ".join(f"rank {r}: {m}" for r, m in enumerate(reasons) if m)
     raise PeerAccessUnavailable(why or "a rank could not map its peers")
 
 
 def _symmetric(group: CPGroup, nbytes: int) -> PeerBuffers:
     err: str | None = None
-    buf = handle = None
+    buf: torch.Tensor | None = None
+    pg = group.process_group
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
-        pg = group._pg if group._pg is not None else dist.group.WORLD
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # older torch needs the group enabled first
             with contextlib.suppress(Exception):
@@ -109,6 +106,8 @@ def _symmetric(group: CPGroup, nbytes: int) -> PeerBuffers:
     except Exception as exc:  # no symmetric memory in this torch / driver
         err = f"symmetric memory allocation failed: {exc!r}"[:300]
     _fail_all(group, err)
+    assert buf is not None  # _fail_all raised otherwise
+    bufs: tuple[torch.Tensor, ...] = ()
     try:
         handle = symm_mem.rendezvous(buf, pg)
         bufs = tuple(buf if r == group.rank else handle.get_buffer(r, (nbytes,), torch.uint8)
@@ -117,9 +116,8 @@ def _symmetric(group: CPGroup, nbytes: int) -> PeerBuffers:
         err = f"symmetric memory rendezvous failed: {exc!r}"[:300]
     _fail_all(group, err)
     buf.zero_()
-    h = handle
     return PeerBuffers(rank=group.rank, buffers=bufs, kind="symmetric_memory",
-                       _barrier=lambda: h.barrier(channel=0), _keep=[handle])
+                       _barrier=lambda: handle.barrier(channel=0), _keep=[handle])
 
 
 def _shm_dir(need: int) -> str | None:
@@ -134,16 +132,14 @@ def _shm_dir(need: int) -> str | None:
 
 
 def _shared_files(group: CPGroup, nbytes: int) -> PeerBuffers:
-    tokens: list[str | None] = [None] * group.size
-    dist.all_gather_object(tokens, uuid.uuid4().hex, group=group._pg)
-    token = tokens[:1]  # rank 0's names every file of this group
+    token = group.all_gather_object(uuid.uuid4().hex)[0]  # rank 0's names every file of the group
     err: str | None = None
     path = ""
     d = _shm_dir(nbytes)
     if d is None:
         err = f"no shared-memory directory with {nbytes} free bytes (/dev/shm, the temp dir)"
     else:
-        path = os.path.join(d, f"cpkv-peer-{token[0]}-{group.rank}")
+        path = os.path.join(d, f"cpkv-peer-{token}-{group.rank}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
@@ -156,8 +152,7 @@ def _shared_files(group: CPGroup, nbytes: int) -> PeerBuffers:
                 os.unlink(path)
     try:
         _fail_all(group, err)
-        paths = [None] * group.size
-        dist.all_gather_object(paths, path, group=group._pg)
+        paths = group.all_gather_object(path)
         bufs: list[torch.Tensor] = []
         err = None
         try:
@@ -170,6 +165,5 @@ def _shared_files(group: CPGroup, nbytes: int) -> PeerBuffers:
         if path:
             with contextlib.suppress(OSError):
                 os.unlink(path)  # ... so the names can go: the mappings stay
-    pg = group._pg
     return PeerBuffers(rank=group.rank, buffers=tuple(bufs), kind="shared_file",
-                       _barrier=lambda: dist.barrier(group=pg))
+                       _barrier=group.barrier)

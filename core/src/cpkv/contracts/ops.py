@@ -1,0 +1,98 @@
+"""The compute-op Protocol every backend implements (any subset of it, one method per
+:class:`~cpkv.contracts.Op`), and the names of the pool parts the fp8 ops pack.
+
+Typing only: torch is imported for type checkers, never at runtime (contracts hold no tensors).
+The per-run table that binds each op to a backend is :class:`cpkv.ops.OpTable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from .formats import KVFormat
+
+__all__ = ["KVOps", "KVPart"]
+
+#: which pool buffer a row belongs to: the MLA latent (nope + rope) or the indexer key
+KVPart = Literal["latent", "index_k"]
+
+
+class KVOps(Protocol):
+    """Signatures of the KV ops. Shapes: N rows (tokens) or pages along dim 0; B bytes per token.
+
+    page_gather(src, index) -> out
+        ``out[i] = src[index[i]]`` along dim 0; ``src`` is [P, ...] (pages or token rows), ``index``
+        int64 [n] on ``src.device``; returns a new contiguous [n, ...] tensor.
+    page_scatter(dst, index, src) -> None
+        ``dst[index[i]] = src[i]`` in place along dim 0; ``index`` entries are unique.
+    rerange(gathered, perm) -> natural
+        rank-major padded rows back to natural order in one pass: ``natural[n] = gathered[perm[n]]``.
+    fp8_pack(x, fmt, part) -> uint8 [N, B]
+        ``part="latent"``: x [N, kv_lora_rank + rope_dim] -> per token ``kv_lora_rank`` e4m3 bytes,
+        ``kv_lora_rank // quant_block`` fp32 scales, ``rope_dim`` bf16 values (656 B for
+        DeepSeek-V3.2). ``part="index_k"``: x [N, index_head_dim] -> e4m3 bytes and one fp32
+        scale for the whole key (132 B); ``quant_block`` applies to the latent only. Native
+        (little-endian) byte order, in that order. Bit-exact across backends: in fp32,
+        ``scale = max(amax, 1e-12) / 448`` as a true division (not a multiply by 1/448, which
+        rounds differently), ``q = e4m3(clamp(x / scale, -448, 448))`` rounded to nearest even.
+    fp8_unpack(packed, fmt, part, dtype) -> [N, D] ``dtype``
+        the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored.
+
+    peer_gather(srcs, owner, rows) -> [n, ...]
+        ``out[i] = srcs[owner[i]][rows[i]]``: one pass that reads each row from the buffer of the
+        rank owning it (``srcs[r]``: rank r's buffer as mapped into this process, e.g. over
+        NVLink; every ``srcs[r]`` has the same dtype and trailing shape). owner / rows int64 [n];
+        a new contiguous tensor on this device. The P2P materialization (``kv.materialize =
+        "p2p"``) builds the full view with it, no collective and no send buffer.
+
+    indexer_logits(q, w, k, k_scale, key_start, key_end) -> float32 [N, T]
+        The lightning indexer (rule 19) for N query rows against the T keys of the flat full view:
+        ``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` for ``key_start[i] <= j <
+        key_end[i]``, ``-inf`` elsewhere; computed in float32. q [N, Hi, D] (any float dtype),
+        w [N, Hi] float32 (every scale already folded in), k [T, D] float/bf16, or
+        ``float8_e4m3fn`` with ``k_scale`` [T] float32 (k dequantised as ``k.float() *
+        k_scale[:, None]``; ``k_scale`` is None for float keys). key_start/key_end int64 [N].
+        The caller chunks rows so that N x T x 4 B stays under the logits budget (rule 21).
+    topk(logits, k, key_start, key_end) -> int32 [N, k]
+        Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside
+        each row's [key_start, key_end); when the range holds at most k keys, all of them in
+        ascending order; the remaining slots are -1, the only invalid value (rule 19). Rows with
+        more than k keys list their choice in descending logit order. The reference breaks ties
+        by the lower column so that the choice never depends on the batch's shape; conformance
+        accepts any tie order. Logits inside a range are finite; values outside it are ignored.
+    sparse_mla(q, kv, indices, scale, dv) -> float32 [N, H, dv]
+        Sparse MLA over the selected keys (absorbed form, FlashMLA's sparse prefill interface):
+        q [N, H, Dk], kv [T, Dk] (the latent full view, nope + rope), indices int32 [N, k] with
+        -1 masked. ``s_j = scale * q[i, h] . kv[j]``, ``p = softmax_j(s)`` over valid j,
+        ``out[i, h] = sum_j p_j * kv[j, :dv]``; float32. A row with no valid index gives zeros.
+
+    Wrong shapes or dtypes raise ValueError naming them.
+    """
+
+    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
+
+    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor: ...
+
+    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor: ...
+
+    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
+                   dtype: torch.dtype) -> torch.Tensor: ...
+
+    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor: ...
+
+    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                       key_end: torch.Tensor) -> torch.Tensor: ...
+
+    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
+             key_end: torch.Tensor) -> torch.Tensor: ...
+
+    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
+                   dv: int) -> torch.Tensor: ...

@@ -1,0 +1,235 @@
+"""Materialization strategies: how a pool stores its pages and builds a layer's full view.
+
+A strategy is chosen once, when the pool is built (:func:`open_materializer`), and owns the
+pool's page storage (``kv[layer]``: uint8 ``[pages, ps, latent + index bytes]``), because where
+pages live decides how they are read: a replica and the all-gather path keep plain device
+buffers, the peer path keeps them in peer-mapped memory. The pool keeps ownership, allocation
+and writes; per batch it calls :meth:`Materializer.begin_batch` once (after the pages are
+reserved, before the first write), then per layer :meth:`~Materializer.prefetch` (optional) and
+:meth:`~Materializer.full_view`.
+
+* :class:`ReplicaViews` (``replica``, ``kv.shared = false``): every page is local; one gather.
+* :class:`AllGatherViews` (``all_gather``): each rank's owned pages of the batch go into one
+  send buffer (a slice of the pool when they are consecutive slots), one all-gather moves them,
+  one gather lays the view out in natural order (rule 15). Cached prefix pages can move a layer
+  ahead on a side stream (:meth:`AllGatherViews.prefetch`).
+* :class:`PeerViews` (``p2p``): after a barrier each rank reads every view row from its owner's
+  peer-mapped buffer in one pass (``peer_gather``): no send buffer, no collective, no staging.
+
+Seams for what comes next: a cache tier (host pages loaded back into an owner's slots) queues its
+loads in :meth:`~Materializer.begin_batch`, where every strategy already orders the batch's
+writes; an in-place (PAGED) read path is one more strategy whose :meth:`~Materializer.full_view`
+returns the buffer the movement filled (rank-major pages, or the peer-mapped pool) with the
+``view_owner`` / ``view_physical`` translation of :class:`~cpkv.kv.batch.MaterializePlan`
+instead of a natural-order copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import structlog
+import torch
+
+from cpkv.comm import CPGroup, PeerAccessUnavailable, PeerBuffers, open_peer_buffers
+from cpkv.contracts import FallbackReason, KVFormat, MaterializeMode
+from cpkv.fallback import report_fallback
+
+from .batch import BatchKV, MaterializePlan
+from .view import FullView
+
+if TYPE_CHECKING:
+    from cpkv.ops import OpTable
+
+__all__ = ["AllGatherViews", "Materializer", "PeerViews", "Prefetch", "ReplicaViews",
+           "open_materializer"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Prefetch:
+    """A layer's prefix pages in flight: the gathered buffer (its first part filled) and the event
+    that marks the side stream's collective done (None on CPU, where it ran inline)."""
+
+    buf: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+class Materializer(Protocol):
+    """One pool's way of storing pages and building full views (see the module docstring).
+
+    Every method is called at the same point on every rank; any collective inside has the same
+    order and shapes everywhere (rule 16).
+    """
+
+    #: which strategy this is (reported as the run's ``materialize``)
+    mode: MaterializeMode
+    #: per layer, this rank's page storage: uint8 [pages, ps, latent + index bytes]
+    kv: list[torch.Tensor]
+
+    def begin_batch(self, batch: BatchKV) -> None:
+        """Once per batch, after its pages are reserved and before any layer writes."""
+
+    def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
+        """Start moving ``layer``'s cached prefix pages ahead of time, or None (nothing to do)."""
+
+    def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
+        """The full view of ``layer`` for the batch (after every rank wrote that layer)."""
+
+
+def _view(full: torch.Tensor, fmt: KVFormat, m: MaterializePlan) -> FullView:
+    nl = fmt.latent_bytes_per_token
+    return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
+                    seq_lens=m.seq_lens)
+
+
+def _plain_storage(fmt: KVFormat, num_layers: int, capacity: int,
+                   device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(capacity, fmt.page_size, fmt.bytes_per_token, dtype=torch.uint8,
+                        device=device) for _ in range(num_layers)]
+
+
+class ReplicaViews:
+    """Every rank holds every page: the view is one local gather of the rank's own rows."""
+
+    mode = MaterializeMode.REPLICA
+
+    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, ops: OpTable) -> None:
+        self.kv, self.fmt, self.ops = kv, fmt, ops
+
+    def begin_batch(self, batch: BatchKV) -> None:
+        return None
+
+    def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
+        return None
+
+    def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
+        m = batch.materialize
+        rows = self.kv[layer].view(-1, self.fmt.bytes_per_token)
+        return _view(self.ops.page_gather(rows, m.view_index), self.fmt, m)
+
+
+class AllGatherViews:
+    """Owned pages -> one all-gather -> one gather into natural order; prefix pages optionally a
+    layer ahead on a side stream (CUDA) or inline (CPU)."""
+
+    mode = MaterializeMode.ALL_GATHER
+
+    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, group: CPGroup, ops: OpTable) -> None:
+        self.kv, self.fmt, self.group, self.ops = kv, fmt, group, ops
+        self._stream: torch.cuda.Stream | None = None
+
+    def begin_batch(self, batch: BatchKV) -> None:
+        return None
+
+    def _send(self, layer: int, m: MaterializePlan, part: int) -> torch.Tensor:
+        """This rank's pages of ``part`` of ``layer``: a slice of the pool when they are
+        consecutive slots (no copy), else one page gather."""
+        start = m.send_start[part]
+        if start is not None:
+            return self.kv[layer][start:start + m.max_send[part]]
+        return self.ops.page_gather(self.kv[layer], m.send_slots[part])
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        if self.group.device.type != "cuda":
+            return None  # CPU: the same collectives, inline
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.group.device)  # type: ignore[no-untyped-call]
+        return self._stream
+
+    def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
+        """Move ``layer``'s cached prefix pages (those this batch does not write) into the first
+        part of the gathered buffer. None when the batch has no whole prefix page. A collective."""
+        m = batch.materialize_split
+        if m is None:
+            return None
+        c, b = self.group.size, self.fmt.bytes_per_token
+        stream = self._side_stream()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            if stream is not None:  # the pages were written on the main stream
+                stream.wait_stream(torch.cuda.current_stream(self.group.device))
+            buf = torch.empty((c * sum(m.max_send), self.fmt.page_size, b), dtype=torch.uint8,
+                              device=self.group.device)
+            self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0],
+                                       out=buf[: c * m.max_send[0]])
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+        return Prefetch(buf=buf, event=event)
+
+    def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
+        """One collective of the owned pages (only the pages this batch wrote when
+        ``prefetched`` holds the rest), then one gather into natural order."""
+        c, b = self.group.size, self.fmt.bytes_per_token
+        if prefetched is None:
+            m = batch.materialize
+            buf = self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0])
+        else:
+            split = batch.materialize_split
+            if split is None:
+                raise ValueError("a prefetch exists only for batches with a split plan")
+            m, buf = split, prefetched.buf
+            if prefetched.event is not None:
+                cur = torch.cuda.current_stream(self.group.device)
+                cur.wait_event(prefetched.event)
+                buf.record_stream(cur)
+            self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
+                                       out=buf[c * m.max_send[0]:])
+        return _view(self.ops.page_gather(buf.view(-1, b), m.view_index), self.fmt, m)
+
+
+class PeerViews:
+    """Pages in peer-mapped memory; each view row read from its owner in one pass."""
+
+    mode = MaterializeMode.P2P
+
+    def __init__(self, peers: PeerBuffers, fmt: KVFormat, num_layers: int, capacity: int,
+                 ops: OpTable) -> None:
+        self.peers, self.fmt, self.ops = peers, fmt, ops
+        ps, b, n = fmt.page_size, fmt.bytes_per_token, capacity * fmt.page_bytes
+        self.kv = [peers.local[i * n:(i + 1) * n].view(capacity, ps, b) for i in range(num_layers)]
+        #: per layer, every rank's buffer as token rows [pages * ps, B]
+        self.rows = [[buf[i * n:(i + 1) * n].view(capacity * ps, b) for buf in peers.buffers]
+                     for i in range(num_layers)]
+
+    def begin_batch(self, batch: BatchKV) -> None:
+        # peers may still be reading pages of the previous batch that this one reuses (freed and
+        # reallocated): every rank's earlier reads finish before any of this batch's writes
+        self.peers.barrier()
+
+    def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
+        return None  # the view is one pass: nothing to stage
+
+    def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
+        m = batch.materialize
+        self.peers.barrier()  # every owner's writes of this layer are done and visible
+        return _view(self.ops.peer_gather(self.rows[layer], m.view_owner, m.view_physical),
+                     self.fmt, m)
+
+
+def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, capacity: int,
+                      group: CPGroup, ops: OpTable) -> Materializer:
+    """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer).
+
+    ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
+    rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
+    """
+    if mode is MaterializeMode.REPLICA:
+        return ReplicaViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, ops)
+    if mode is MaterializeMode.P2P:
+        total = num_layers * capacity * fmt.page_bytes
+        try:
+            peers = open_peer_buffers(group, total)
+        except PeerAccessUnavailable as exc:  # raised on every rank alike
+            report_fallback(op="kv_materialize", requested="p2p (peer-mapped pool buffers)",
+                            selected="all_gather", reason=FallbackReason.PEER_MEMORY_UNAVAILABLE,
+                            detail=str(exc))
+        else:
+            log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=group.size)
+            return PeerViews(peers, fmt, num_layers, capacity, ops)
+    return AllGatherViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, group, ops)

@@ -1,0 +1,49 @@
+"""The job's decode rank: receives every request from the C prefill ranks through
+:class:`~cpkv.runtime.decode.DecodeSession` (the library API an engine calls), then decodes."""
+
+from __future__ import annotations
+
+import time
+
+from cpkv.comm import CPGroup
+from cpkv.disagg import page_checksums, select_transport
+
+from ..decode import DecodeSession
+from .report import DecodeReport
+from .spec import JobSpec
+
+__all__ = ["decode_rank"]
+
+
+def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
+    """Endpoint C of the transfer (``world.rank == cp.size``): receive and publish each request
+    the prefill ranks send (one per request and batch it appears in), then generate
+    ``spec.decode_tokens`` greedy tokens per prompt, starting from the first tokens the prefill
+    ranks sent along."""
+    from cpkv.models import load_model
+
+    s, c = spec.settings, spec.settings.cp.size
+    t0 = time.perf_counter()
+    decode = DecodeSession(load_model(spec.model_dir), s, world.device)
+    load_s = time.perf_counter() - t0
+    decode.connect(select_transport(s, world.agree_all), cp_size=c)
+    got, entries = [0] * c, 0
+    first: dict[str, int] = {}
+    crcs: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    for counts in spec.batches():
+        for _ in (n for n in counts if n > 0):
+            r = decode.receive()
+            rid = r.manifest.request
+            if s.debug:
+                crcs[rid] = page_checksums(decode.pool, decode.pool.table[rid].slots)
+            got = [a + b for a, b in zip(got, r.bytes_per_rank, strict=True)]
+            entries += r.entries
+            if "first_token" in r.meta:
+                first[rid] = int(r.meta["first_token"])
+    receive_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokens = decode.generate([(rid, first[rid]) for rid in spec.rids], spec.decode_tokens)
+    return DecodeReport(tokens=tokens, bytes_per_rank=got, entries=entries,
+                        seconds={"load": load_s, "receive": receive_s,
+                                 "decode": time.perf_counter() - t0}, page_crcs=crcs)

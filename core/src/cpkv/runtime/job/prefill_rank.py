@@ -1,0 +1,50 @@
+"""The job's prefill ranks: CP prefill alone, or CP prefill that hands each request to the decode
+rank through :meth:`PrefillSession.send` (the library API an engine calls)."""
+
+from __future__ import annotations
+
+from cpkv.comm import CPGroup
+from cpkv.disagg import Sent, page_checksums, select_transport
+
+from ..decode import greedy
+from ..prefill import PrefillResult
+from .report import RankReport, SenderReport, rank_report
+from .spec import JobSpec, open_session, prefill_batches
+
+__all__ = ["prefill_rank", "prefill_sender_rank"]
+
+
+def prefill_rank(group: CPGroup, spec: JobSpec) -> RankReport:
+    """One rank of the CP group: load the model, prefill the prompts (cached prefixes first)."""
+    session, load_s = open_session(group, spec)
+    return rank_report(group, session, prefill_batches(session, spec), load_s)
+
+
+def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> SenderReport:
+    """A prefill rank of the disaggregated job: CP prefill on ``group`` (endpoint
+    ``group.rank``), sending each request's pages after the batch that computed them: the whole
+    pages after a non-final chunk, the rest after the final one, with the first greedy token.
+    ``world`` (the C prefill ranks and the decode rank) agrees on the transfer plugin."""
+    s = spec.settings
+    session, load_s = open_session(group, spec)
+    session.connect(select_transport(s, world.agree_all))
+    rids = spec.rids
+    sent: list[Sent] = []
+
+    def send(batch: list[tuple[int, bool]], res: PrefillResult) -> None:
+        for (i, final), tok in zip(batch, greedy(res.last_logits), strict=True):
+            sent.append(session.send(rids[i], final=final,
+                                     meta={"first_token": tok} if final else {}))
+
+    res = prefill_batches(session, spec, send)
+    out = SenderReport(prefill=rank_report(group, session, res, load_s),
+                       bytes_sent=sum(d.nbytes for d in sent), entries=sum(d.entries for d in sent),
+                       seconds=sum(d.seconds for d in sent),
+                       manifests=[d.manifest for d in sent if d.manifest is not None])
+    if s.debug:
+        for rid in rids:
+            rp = session.pages(rid)
+            mine = [k for k, o in enumerate(rp.owners) if o == group.rank]
+            sums = page_checksums(session.pool, [rp.slots[k] for k in mine])
+            out.page_crcs[rid] = dict(zip(mine, sums, strict=True))
+    return out

@@ -1,0 +1,31 @@
+"""The job's reference: the same prompts on one rank (prefill, then greedy generation)."""
+
+from __future__ import annotations
+
+from cpkv.comm import CPGroup
+
+from ..decode import generate, greedy
+from ..prefill import PrefillResult
+from .report import RankReport, rank_report
+from .spec import JobSpec, open_session, prefill_batches
+
+__all__ = ["reference_rank"]
+
+
+def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
+    """Prefill on one rank in the job's batches, then ``spec.decode_tokens`` greedy tokens per
+    prompt with the same batched steps as the decode rank. ``spec.settings.cp.size`` must be 1."""
+    group = CPGroup.single()
+    session, load_s = open_session(group, spec)
+    first: dict[int, int] = {}
+
+    def keep(batch: list[tuple[int, bool]], res: PrefillResult) -> None:
+        for (i, _), tok in zip(batch, greedy(res.last_logits), strict=True):
+            first[i] = tok
+
+    res = prefill_batches(session, spec, keep)
+    rep = rank_report(group, session, res, load_s)
+    rids = spec.rids
+    tokens = (generate(session, [(rids[i], first[i]) for i in range(len(rids))], spec.decode_tokens)
+              if spec.decode_tokens else [])
+    return rep, tokens

@@ -1,0 +1,123 @@
+"""What the job's processes hand back, and the job's report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cpkv.comm import CPGroup
+from cpkv.disagg import TransferManifest
+
+from ..prefill import PrefillResult
+from ..session import PrefillSession
+
+__all__ = ["DecodeReport", "JobReport", "RankReport", "SenderReport", "compare_topk",
+           "rank_report"]
+
+
+@dataclass
+class RankReport:
+    """What one prefill rank (or the reference) hands back."""
+
+    rank: int
+    last_logits: torch.Tensor
+    kv_bytes: int
+    kv_bytes_replicated: int
+    seconds: dict[str, float]
+    #: how the pool built its full views: "all_gather", "p2p" or "replica"
+    materialize: str = "all_gather"
+    topk_indices: list[torch.Tensor] = field(default_factory=list)
+    topk_scores: list[torch.Tensor] = field(default_factory=list)
+
+
+def rank_report(group: CPGroup, session: PrefillSession, res: PrefillResult,
+                load_s: float) -> RankReport:
+    """The report of a rank after its last batch ``res``."""
+    cap = res.topk
+    return RankReport(
+        rank=group.rank,
+        last_logits=res.last_logits.float().cpu(),
+        kv_bytes=session.pool.bytes_held(),
+        kv_bytes_replicated=session.pool.replicated_bytes(),
+        seconds={"load": load_s, **res.seconds},
+        materialize=session.pool.materialize_mode.value,
+        topk_indices=[t.cpu() for t in cap.indices] if cap else [],
+        topk_scores=[t.cpu() for t in cap.scores] if cap else [],
+    )
+
+
+@dataclass
+class DecodeReport:
+    """What the decode rank hands back."""
+
+    tokens: list[list[int]]
+    bytes_per_rank: list[int]
+    entries: int
+    seconds: dict[str, float]
+    #: debug only: request -> CRC32 of each logical page as published (before decoding)
+    page_crcs: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class SenderReport:
+    """What a prefill rank of the disaggregated job hands back."""
+
+    prefill: RankReport
+    bytes_sent: int
+    entries: int
+    seconds: float
+    #: the manifests it sent, in order (chunks of one request continue each other)
+    manifests: list[TransferManifest] = field(default_factory=list)
+    #: debug only: request -> {logical page: CRC32} of the pages this rank owns
+    page_crcs: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+def compare_topk(a: list[torch.Tensor], sa: list[torch.Tensor], b: list[torch.Tensor],
+                 sb: list[torch.Tensor], rel_tie: float = 1e-6) -> int:
+    """Rows whose top-k sets differ, ignoring keys whose score ties the k-th within ``rel_tie``.
+
+    a/b: per layer int32 [rows, k] indices; sa/sb: their scores. Returns the count of rows with a
+    real difference (0 means the sets are identical up to ties).
+    """
+    bad = 0
+    for ia, xa, ib, xb in zip(a, sa, b, sb, strict=True):
+        for r in range(ia.shape[0]):
+            pa = {int(i): float(s) for i, s in zip(ia[r], xa[r], strict=True) if i >= 0}
+            pb = {int(i): float(s) for i, s in zip(ib[r], xb[r], strict=True) if i >= 0}
+            if pa.keys() == pb.keys():
+                continue
+            floor = min([*pa.values(), *pb.values()])
+            tol = rel_tie * max(1.0, abs(floor))
+            diff = [pa.get(i, pb.get(i)) for i in pa.keys() ^ pb.keys()]
+            if any(abs(s - floor) > tol for s in diff if s is not None):
+                bad += 1
+    return bad
+
+
+@dataclass
+class JobReport:
+    """The main job's report (``cpkv run``; ``to_json`` for ``--report``)."""
+
+    cp: int
+    mode: str
+    kv_dtype: str
+    #: how the sharded pool built its full views ("all_gather" or "p2p", after any fallback)
+    materialize: str
+    prompt_lens: list[int]
+    kv_bytes_per_rank: list[int]
+    kv_bytes_replicated: int
+    max_rel_err_vs_reference: float
+    topk_rows_differing: int | None
+    fallbacks: list[dict[str, Any]]
+    seconds: dict[str, float]
+    logits: torch.Tensor  # float32 [prompts, vocab], CP run, input order
+    reference_logits: torch.Tensor
+    #: {plugin, bytes_per_rank, entries, seconds}; None without the transfer phase
+    transfer: dict[str, Any] | None = None
+    #: {tokens, reference_tokens, tokens_match_reference}; None without the decode phase
+    decode: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}

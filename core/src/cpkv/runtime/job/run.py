@@ -1,0 +1,119 @@
+"""Putting the job's roles together: the rank processes, the reference, the report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from cpkv.comm import CPGroup
+from cpkv.fallback import recording
+from cpkv.settings import Settings
+
+from ..launch import run_ranks
+from .decode_rank import decode_rank
+from .prefill_rank import prefill_rank, prefill_sender_rank
+from .reference import reference_rank
+from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk
+from .spec import JobSpec
+
+__all__ = ["disagg_rank", "run_job"]
+
+
+def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
+    """One process of the disaggregated job (a world of C + 1): ranks 0..C-1 prefill on their
+    CP group and send their pages (:func:`prefill_sender_rank`); rank C receives, publishes and
+    decodes (:func:`decode_rank`).
+
+    Raises:
+        ValueError: the world does not have ``cp.size + 1`` processes.
+    """
+    s = spec.settings
+    c = s.cp.size
+    if world.size != c + 1:
+        raise ValueError(f"the disaggregated job needs cp.size + 1 = {c + 1} processes, got {world.size}")
+    # a collective over the whole world, in the same order everywhere
+    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s))
+    if world.rank < c:
+        group = CPGroup.from_process_group(cp_pg, timeout_s=s.runtime.timeout_s, device=world.device)
+        return prefill_sender_rank(world, group, spec)
+    return decode_rank(world, spec)
+
+
+def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,
+            prefix_lens: Sequence[int] = (), capture_topk: bool = True, decode_tokens: int = 0,
+            progress: Callable[[str], None] = lambda s: None) -> JobReport:
+    """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
+
+    With ``decode_tokens > 0`` the C prefill ranks and one decode rank run in one world of
+    C + 1 processes: the pages move with the transfer plugin ``settings.transfer.name`` and the
+    decode rank generates ``decode_tokens`` greedy tokens per prompt, compared with the reference's.
+
+    Raises:
+        RankFailed / RankTimeout: a rank failed (its own error) or hung.
+        RuntimeError: the bytes the prefill ranks sent and the decode rank received differ.
+    """
+    spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
+                   settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
+                   decode_tokens=decode_tokens)
+    c = settings.cp.size
+    t = time.perf_counter()
+    decode: DecodeReport | None = None
+    senders: list[SenderReport] = []
+    policy = settings.fallback.policy.value
+    if decode_tokens > 0:
+        progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes")
+        results = run_ranks(disagg_rank, c + 1, args=(spec,), timeout_s=settings.runtime.timeout_s,
+                            fallback_policy=policy)
+        decode = results[c].value
+        senders = [r.value for r in results[:c]]
+        pre = [(r.rank, r.value.prefill, r.fallbacks) for r in results[:c]]
+    else:
+        progress(f"CP{c} prefill on {c} rank processes")
+        results = run_ranks(prefill_rank, c, args=(spec,), timeout_s=settings.runtime.timeout_s,
+                            fallback_policy=policy)
+        pre = [(r.rank, r.value, r.fallbacks) for r in results]
+    cp_wall = time.perf_counter() - t
+    progress("single-rank reference")
+    ref_spec = JobSpec(model_dir, spec.prompts, settings.with_cp_size(1), capture_topk,
+                       spec.prefix_lens, decode_tokens)
+    t = time.perf_counter()
+    with recording(settings.fallback.policy) as ref_rec:
+        ref, ref_tokens = reference_rank(ref_spec)
+    ref_wall = time.perf_counter() - t
+    r0: RankReport = pre[0][1]
+    err = ((r0.last_logits - ref.last_logits).abs().amax(dim=-1)
+           / ref.last_logits.abs().amax(dim=-1).clamp_min(1e-30)).max().item()
+    topk_bad = (compare_topk(r0.topk_indices, r0.topk_scores, ref.topk_indices, ref.topk_scores)
+                if capture_topk else None)
+    fallbacks: list[dict[str, Any]] = [{"rank": r, **e.model_dump(mode="json")}
+                                       for r, _, evs in pre for e in evs]
+    if decode is not None:
+        fallbacks += [{"rank": "decode", **e.model_dump(mode="json")} for e in results[c].fallbacks]
+    fallbacks += [{"rank": "reference", **e.model_dump(mode="json")} for e in ref_rec.events]
+    phases = {k: max(v.seconds.get(k, 0.0) for _, v, _ in pre) for k in r0.seconds}
+    seconds = {"cp_wall": cp_wall, "reference_wall": ref_wall,
+               **{f"cp_{k}": v for k, v in phases.items()}}
+    transfer = dec = None
+    if decode is not None:
+        sent = [r.bytes_sent for r in senders]
+        if sent != decode.bytes_per_rank:
+            raise RuntimeError(f"transfer accounting: prefill ranks sent {sent} bytes, the decode "
+                               f"rank received {decode.bytes_per_rank}")
+        transfer = {"plugin": settings.transfer.name, "bytes_per_rank": sent,
+                    "entries": decode.entries, "seconds": max(r.seconds for r in senders)}
+        dec = {"tokens": decode.tokens, "reference_tokens": ref_tokens,
+               "tokens_match_reference": decode.tokens == ref_tokens}
+        seconds.update({f"decode_{k}": v for k, v in decode.seconds.items()})
+    return JobReport(
+        cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,
+        materialize=r0.materialize,
+        prompt_lens=[len(p) for p in prompts],
+        kv_bytes_per_rank=[v.kv_bytes for _, v, _ in pre],
+        kv_bytes_replicated=r0.kv_bytes_replicated,
+        max_rel_err_vs_reference=err, topk_rows_differing=topk_bad, fallbacks=fallbacks,
+        seconds=seconds, logits=r0.last_logits, reference_logits=ref.last_logits,
+        transfer=transfer, decode=dec)
