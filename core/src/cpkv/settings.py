@@ -31,6 +31,7 @@ from cpkv.contracts import FallbackPolicy, KVDtype, MaterializeMode, SplitMode
 __all__ = [
     "BackendSettings",
     "CPSettings",
+    "CacheSettings",
     "FallbackSettings",
     "KVSettings",
     "PluginSettings",
@@ -146,6 +147,16 @@ class RuntimeSettings(_Section):
     logits_budget_mb: int = Field(256, ge=1, description="indexer logits memory budget per chunk")
     prefetch: bool = Field(
         True, description="gather the next layer's cached prefix pages while this layer computes"
+    )
+
+
+class CacheSettings(_Section):
+    """Prefix cache over the sharded pool (rule 28)."""
+
+    enabled: bool = Field(
+        True, description="radix prefix cache: a new request starts from the longest cached "
+                          "prefix of its tokens (a hit may end inside a page); finished requests "
+                          "stay cached until pool pressure evicts them, least recently used first",
     )
 
 
@@ -285,6 +296,7 @@ class Settings(BaseSettings):
     plugins: PluginSettings = Field(default_factory=PluginSettings)
     fallback: FallbackSettings = Field(default_factory=FallbackSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
     run: RunSettings = Field(default_factory=RunSettings)
 
     def __init__(self, **values: Any) -> None:

@@ -126,7 +126,7 @@ class DecodeReceiver:
             raise TransferError(f"request {rid!r}: the manifest starts at page {manifest.first_page}"
                                 f", the decode pool holds {have_pages} pages / {have_len} tokens")
         pages = list(range(manifest.first_page, manifest.num_pages))
-        got = self.pool.allocator.allocate([len(pages)], what=f"transfer of {rid!r}")[0]
+        got = self.pool.allocate_pages(0, len(pages), what=f"transfer of {rid!r}")
         slots = dict(zip(pages, got, strict=True))
         self._res[rid] = _Reservation(manifest, slots)
         return dict(slots)
@@ -264,7 +264,7 @@ class DecodeReceiver:
         rid = manifest if isinstance(manifest, str) else manifest.request
         res = self._res.pop(rid, None)
         if res is not None and res.slots:
-            self.pool.allocator.release(0, list(res.slots.values()))
+            self.pool.release((0, s) for s in res.slots.values())
 
     def free(self, rid: Hashable) -> None:
         """Release a published request (after decoding it)."""

@@ -78,6 +78,8 @@ class BatchKV:
     materialize_split: MaterializePlan | None
     #: pages this batch reserved, per rank: [(rid, first new page)]; undone by abort
     new_pages: tuple[tuple[Hashable, int], ...]
+    #: copies on write of shared tail pages: (rid, logical page, old slot, new slot)
+    copies: tuple[tuple[Hashable, int, int, int], ...] = ()
 
 
 def _rows_of(pages: Sequence[int], length: int, ps: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ How the full view is built (and where the pages are stored for that) is the pool
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,6 +78,12 @@ class ShardedKVPool:
         self.latent = [b[..., :nl] for b in self.kv]
         self.index_k = [b[..., nl:] for b in self.kv]
         self.table: dict[Hashable, RequestPages] = {}
+        #: references to each held page, by (allocation rank, slot): the requests whose page
+        #: tables hold it plus the prefix cache's; a page returns to the free list at zero
+        self._refs: dict[tuple[int, int], int] = {}
+        #: called with each allocation rank's need when a batch does not fit (the prefix cache
+        #: evicts); returns whether the pages are free now. Deterministic: same on every rank
+        self.reclaim: Callable[[Sequence[int]], bool] | None = None
 
     @property
     def materialize_mode(self) -> MaterializeMode:
@@ -108,7 +115,8 @@ class ShardedKVPool:
         return self.pages_held() * self.fmt.page_bytes * self.num_layers
 
     def logical_pages(self) -> int:
-        return sum(len(rp.slots) for rp in self.table.values())
+        """Distinct pages held in the whole group (shared pages once): the logical footprint."""
+        return len(self._refs)
 
     def replicated_bytes(self) -> int:
         """What one rank of a replicated pool would hold for the same requests."""
@@ -133,6 +141,8 @@ class ShardedKVPool:
             raise RuntimeError("debug: CP ranks planned different batches (plan hashes differ)")
         needs = [0] * self.allocator.num_ranks
         new: list[tuple[Hashable, int, list[int]]] = []
+        #: shared tail pages this batch writes into: (rid, logical page), copied first
+        cows: list[tuple[Hashable, int]] = []
         for rid, req in zip(rids, plan.requests, strict=True):
             rp = self.table.get(rid)
             have = 0 if rp is None else rp.valid_len
@@ -146,6 +156,11 @@ class ShardedKVPool:
                 if rp is not None and req.page_owners[k] != rp.owners[k]:
                     raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
                                      f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
+            if rp is not None and req.prefix_len % ps:
+                k = req.prefix_len // ps  # the head fragment writes into this page (rule 3)
+                if self._refs[self._key(rp.owners[k], rp.slots[k])] > 1:
+                    cows.append((rid, k))  # others still read it: copy on write, on its owner
+                    needs[self._alloc_rank(rp.owners[k])] += 1
             owners: list[int] = []
             for k in range(existing, cdiv(req.end, ps)):
                 o = req.page_owners[k]
@@ -161,23 +176,51 @@ class ShardedKVPool:
                             selected="owner write from the gathered rows",
                             reason=FallbackReason.OWNER_WRITE,
                             detail=f"{len(bad)} requests not page-aligned: {', '.join(bad[:8])}")
-        slots = self.allocator.allocate(needs, what=f"a batch of {len(rids)} requests")
+        slots = self._allocate(needs, f"a batch of {len(rids)} requests")
         # commit the reservation to the page tables (nothing can fail from here on)
         cursor = [0] * len(slots)
+
+        def take(owner: int) -> int:
+            a = self._alloc_rank(owner)
+            slot = slots[a][cursor[a]]
+            cursor[a] += 1
+            self._refs[(a, slot)] = 1
+            return slot
+
+        copies: list[tuple[Hashable, int, int, int]] = []
+        for rid, k in cows:
+            rp = self.table[rid]
+            old, fresh = rp.slots[k], take(rp.owners[k])
+            rp.slots[k] = fresh
+            self._drop([self._key(rp.owners[k], old)])  # still held by the others
+            copies.append((rid, k, old, fresh))
         for rid, _existing, owners in new:
             rp = self.table.setdefault(rid, RequestPages())
             for o in owners:
-                a = self._alloc_rank(o)
                 rp.owners.append(o)
-                rp.slots.append(slots[a][cursor[a]])
+                rp.slots.append(take(o))
                 rp.pending.append(len(rp.slots) - 1)
-                cursor[a] += 1
         batch = build_batch(plan, rids, self.table, self.rank, self.shared, self.group.device,
                             tuple((rid, e) for rid, e, _ in new), capacity=self.capacity)
+        batch = replace(batch, copies=tuple(copies))
         if self.debug:
             self._verify_out_cache(batch)
         self.views.begin_batch(batch)
+        self._copy_pages(batch)
         return batch
+
+    def _copy_pages(self, batch: BatchKV) -> None:
+        """Copy on write: this rank's shared tail pages that the batch writes into get their own
+        copy first (every layer; after ``begin_batch``, so no peer still reads the new slot)."""
+        mine = [(old, fresh) for rid, k, old, fresh in batch.copies
+                if self._alloc_rank(self.table[rid].owners[k]) == self._alloc_rank(self.rank)]
+        if not mine:
+            return
+        dev = self.group.device
+        src = torch.tensor([o for o, _ in mine], dtype=torch.int64).to(dev)
+        dst = torch.tensor([f for _, f in mine], dtype=torch.int64).to(dev)
+        for buf in self.kv:
+            self.ops.page_scatter(buf, dst, self.ops.page_gather(buf, src))
 
     def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
         """Store this rank's new KV rows of ``layer`` (compute dtype, [local rows, D]).
@@ -226,26 +269,110 @@ class ShardedKVPool:
             rp.pending.clear()
 
     def abort(self, batch: BatchKV) -> None:
-        """Give back the pages the batch reserved; its requests hold what they held before."""
+        """Give back the pages the batch reserved (its copies on write too); its requests hold
+        what they held before."""
+        for rid, k, old, fresh in batch.copies:
+            rp = self.table[rid]
+            self.retain([(rp.owners[k], old)])
+            self._drop([self._key(rp.owners[k], fresh)])
+            rp.slots[k] = old
         for rid, first_new in batch.new_pages:
             rp = self.table[rid]
-            for a in range(self.allocator.num_ranks):
-                mine = [rp.slots[k] for k in range(first_new, len(rp.slots))
-                        if self._alloc_rank(rp.owners[k]) == a]
-                if mine:
-                    self.allocator.release(a, mine)
+            self._drop(self._key(rp.owners[k], rp.slots[k]) for k in range(first_new, len(rp.slots)))
             del rp.owners[first_new:], rp.slots[first_new:]
             rp.pending.clear()
             if not rp.slots:
                 del self.table[rid]
 
     def free(self, rid: Hashable) -> None:
-        """Release every page of a finished request."""
+        """Release a finished request's references to its pages (a page no one else holds goes
+        back to the free list)."""
         rp = self.table.pop(rid)
-        for a in range(self.allocator.num_ranks):
-            mine = [s for s, o in zip(rp.slots, rp.owners, strict=True) if self._alloc_rank(o) == a]
-            if mine:
-                self.allocator.release(a, mine)
+        self._drop(self._key(o, s) for o, s in zip(rp.owners, rp.slots, strict=True))
+
+    # ---- shared pages (the prefix cache) -------------------------------------------------------
+    def _allocate(self, needs: list[int], what: str) -> list[list[int]]:
+        """The allocator's pages, asking the reclaimer (the prefix cache) to evict first when
+        they do not fit. Raises :class:`PoolExhausted` when they still do not."""
+        try:
+            return self.allocator.allocate(needs, what=what)
+        except PoolExhausted:
+            if self.reclaim is None or not self.reclaim(needs):
+                raise
+            return self.allocator.allocate(needs, what=what)
+
+    def _key(self, owner: int, slot: int) -> tuple[int, int]:
+        return self._alloc_rank(owner), slot
+
+    def _drop(self, keys: Iterable[tuple[int, int]]) -> int:
+        """One reference less to each page; pages at zero go back to the free lists. Returns
+        how many did."""
+        freed: dict[int, list[int]] = {}
+        for key in keys:
+            n = self._refs[key] - 1
+            if n:
+                self._refs[key] = n
+            else:
+                del self._refs[key]
+                freed.setdefault(key[0], []).append(key[1])
+        for a, slots in freed.items():
+            self.allocator.release(a, slots)
+        return sum(len(v) for v in freed.values())
+
+    def refcount(self, owner: int, slot: int) -> int:
+        """References to the page at ``slot`` on ``owner`` (0: free)."""
+        return self._refs.get(self._key(owner, slot), 0)
+
+    def retain(self, pages: Iterable[tuple[int, int]]) -> None:
+        """One more reference to each (owner rank, slot) page.
+
+        Raises:
+            ValueError: a page is not held (nothing was changed).
+        """
+        keys = [self._key(o, s) for o, s in pages]
+        missing = [k for k in keys if k not in self._refs]
+        if missing:
+            raise ValueError(f"cannot share pages that are not held: {missing[:8]}")
+        for k in keys:
+            self._refs[k] += 1
+
+    def release(self, pages: Iterable[tuple[int, int]]) -> int:
+        """One reference less to each (owner rank, slot) page; returns how many went back to the
+        free lists."""
+        return self._drop(self._key(o, s) for o, s in pages)
+
+    def allocate_pages(self, owner: int, n: int, what: str = "pages") -> list[int]:
+        """``n`` new pages on ``owner`` that no request holds yet (one reference each, the
+        caller's: give them back with :meth:`release`, or hand them to a request's page table).
+        Under pressure the reclaimer (the prefix cache) is asked first.
+
+        Raises:
+            PoolExhausted: not enough free pages (nothing taken).
+        """
+        needs = [0] * self.allocator.num_ranks
+        needs[self._alloc_rank(owner)] = n
+        slots = self._allocate(needs, what)[self._alloc_rank(owner)]
+        for slot in slots:
+            self._refs[self._key(owner, slot)] = 1
+        return slots
+
+    def adopt(self, rid: Hashable, pages: Sequence[tuple[int, int]], valid_len: int) -> None:
+        """Start request ``rid`` from ``valid_len`` tokens already stored in ``pages`` ((owner,
+        slot) of logical pages 0.., shared with whoever holds them): the next batch of ``rid``
+        continues after them (a tail page that others hold is copied before it is written).
+
+        Raises:
+            ValueError: ``rid`` is in the pool, or ``pages`` does not cover ``valid_len``, or a
+                page is not held.
+        """
+        if rid in self.table:
+            raise ValueError(f"request {rid!r} is already in the pool")
+        if valid_len < 1 or len(pages) != cdiv(valid_len, self.fmt.page_size):
+            raise ValueError(f"{valid_len} valid tokens need {cdiv(valid_len, self.fmt.page_size)} "
+                             f"pages of {self.fmt.page_size}, got {len(pages)}")
+        self.retain(pages)
+        self.table[rid] = RequestPages(owners=[o for o, _ in pages], slots=[s for _, s in pages],
+                                       valid_len=valid_len)
 
     # ---- debug -------------------------------------------------------------------------------
     def _verify_out_cache(self, batch: BatchKV) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from cpkv.cache import PrefixCache
 from cpkv.comm import CPGroup
 from cpkv.disagg import Link, PrefillTransfer, Sent, Transport, open_link
 from cpkv.kv import RequestPages
@@ -49,12 +50,40 @@ class PrefillSession:
                                 logits_budget_bytes=settings.runtime.logits_budget_mb << 20,
                                 prefetch=settings.runtime.prefetch)
         self._sender: PrefillTransfer | None = None
+        #: the prefix cache (``cache.enabled``): same tree on every rank, fed by these calls
+        self.cache: PrefixCache | None = PrefixCache(self.pool) if settings.cache.enabled else None
 
     def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
                 capture_topk: bool = False) -> PrefillResult:
         """Prefill ``[(request id, new token ids), ...]``; a request the session already holds
         continues from its cached tokens (the prefix may end inside a page)."""
         return self.driver.run(batch, all_logits=all_logits, capture_topk=capture_topk)
+
+    def admit(self, rid: Hashable, tokens: Sequence[int]) -> int:
+        """Start new request ``rid`` (``tokens``: all its token ids) from the longest prefix the
+        cache holds: returns the hit in tokens (0 without a cache or a hit; never all of
+        ``tokens``: the last one is always computed). Then prefill ``tokens[hit:]`` for it.
+        Every rank calls it alike (every rank holds the same cache).
+
+        Raises:
+            ValueError: ``rid`` is already in the pool.
+        """
+        if rid in self.pool.table:
+            raise ValueError(f"request {rid!r} is already in the pool")
+        if self.cache is None or len(tokens) < 2:
+            return 0
+        hit = self.cache.attach(rid, self.cache.match(tokens))
+        if self.settings.debug:
+            self.cache.check_agreement()
+        return hit
+
+    def finish(self, rid: Hashable, tokens: Sequence[int] | None = None) -> None:
+        """Request ``rid`` is done: with ``tokens`` (its token ids from position 0, at least its
+        valid length) and a cache, its KV stays cached for later requests; then its own
+        references go (pages no one else holds are free again). Call on every rank."""
+        if tokens is not None and self.cache is not None:
+            self.cache.insert(rid, tokens)
+        self.pool.free(rid)
 
     def pages(self, rid: Hashable) -> RequestPages:
         """The request's logical page table: owner rank and physical slot of each page."""

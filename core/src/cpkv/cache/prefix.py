@@ -1,0 +1,131 @@
+"""The CP-aware prefix cache: a radix tree of token ids over the sharded pool's pages (rule 28).
+
+Every rank keeps one :class:`PrefixCache` over its pool and feeds it the same calls, so every
+rank holds the same tree and makes the same decisions (hits, evictions) without communication.
+The pages themselves stay where they are: on their owner rank, in its pool (rule 11). A hit
+hands the new request the cached pages (shared, reference counted by the pool); when the hit
+ends inside a page, the new request's head fragment would write into a page other requests
+still read, so the pool copies that page on its owner first (copy on write, in
+:meth:`~cpkv.kv.ShardedKVPool.prepare`), and the fragment runs on that owner (rule 3).
+
+Keys past a request's valid length are never read: a full view holds exactly
+``[0, prefix + extend)`` of each request (the tail page's rest is masked by construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from cpkv.contracts import cdiv
+from cpkv.kv import ShardedKVPool
+
+from .radix import PageRef, PrefixMatch, RadixTree
+
+__all__ = ["CacheStats", "PrefixCache"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class CacheStats:
+    """Counters of one cache (identical on every rank)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    looked_up_tokens: int = 0
+    inserted_tokens: int = 0
+    evicted_nodes: int = 0
+    #: pages whose last reference went with an eviction (their slots are free again)
+    pages_evicted: int = 0
+
+
+class PrefixCache:
+    """Radix prefix cache over ``pool`` (see the module docstring).
+
+    Args:
+        pool: this rank's pool; the cache registers itself as the pool's page reclaimer, so a
+            batch that does not fit evicts least recently used cached prefixes, then allocates.
+    """
+
+    def __init__(self, pool: ShardedKVPool) -> None:
+        self.pool = pool
+        self.tree = RadixTree(pool.fmt.page_size)
+        self.stats = CacheStats()
+        pool.reclaim = self.evict_for
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.fmt.page_size
+
+    def match(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``tokens``, in tokens, leaving at least the last token to
+        compute (its logits are the request's output)."""
+        m = self.tree.match(tokens, limit=len(tokens) - 1)
+        self.stats.lookups += 1
+        self.stats.looked_up_tokens += len(tokens)
+        self.stats.hit_tokens += m.hit_tokens
+        return m
+
+    def attach(self, rid: Hashable, match: PrefixMatch) -> int:
+        """Start request ``rid`` from the cached prefix ``match``: its page table takes the
+        cached pages (shared) and its valid length the hit. Returns the hit length; the caller
+        prefills the tokens after it. A zero hit attaches nothing.
+
+        Raises:
+            ValueError: ``rid`` is already in the pool.
+        """
+        if match.hit_tokens == 0:
+            return 0
+        self.pool.adopt(rid, match.pages, match.hit_tokens)
+        self.tree.touch(match)
+        return match.hit_tokens
+
+    def insert(self, rid: Hashable, tokens: Sequence[int]) -> int:
+        """Cache request ``rid``'s tokens: ``tokens`` are its token ids from position 0 (at least
+        its valid length). The tree references its pages; the request keeps its own references
+        until it is freed. Returns the tokens inserted (its valid length).
+
+        Raises:
+            ValueError: fewer tokens than the request's valid length, or it has an uncommitted
+                batch.
+        """
+        rp = self.pool.table[rid]
+        if rp.pending:
+            raise ValueError(f"request {rid!r} has an uncommitted batch; insert after commit")
+        n = rp.valid_len
+        if len(tokens) < n:
+            raise ValueError(f"request {rid!r} holds {n} tokens, {len(tokens)} token ids given")
+        pages: list[PageRef] = [(rp.owners[k], rp.slots[k]) for k in range(cdiv(n, self.page_size))]
+        self.pool.retain(self.tree.insert(tokens[:n], pages))
+        self.stats.inserted_tokens += n
+        return n
+
+    def evict_for(self, needs: Sequence[int]) -> bool:
+        """Evict least recently used prefixes until every allocation rank has ``needs[a]`` free
+        pages. Returns whether it got there (all ranks decide alike: the tree is the same)."""
+        alloc = self.pool.allocator
+        while any(alloc.free_pages(a) < n for a, n in enumerate(needs)):
+            dropped = self.tree.evict_one()
+            if dropped is None:
+                return False
+            self.stats.evicted_nodes += 1
+            self.stats.pages_evicted += self.pool.release(dropped)
+        return True
+
+    def clear(self) -> None:
+        """Drop every cached prefix (pages no request holds go back to the free lists)."""
+        while (dropped := self.tree.evict_one()) is not None:
+            self.stats.evicted_nodes += 1
+            self.stats.pages_evicted += self.pool.release(dropped)
+
+    def check_agreement(self) -> None:
+        """Debug: every rank's tree is the same (a collective; syncs).
+
+        Raises:
+            RuntimeError: on every rank, when the trees differ.
+        """
+        if not self.pool.group.all_equal(self.tree.signature()):
+            raise RuntimeError("debug: CP ranks' prefix caches disagree")

@@ -1,0 +1,241 @@
+"""The prefix cache's radix tree: token-valid hits, the right page for every part of a hit,
+balanced page references (properties over random inserts, matches and evictions)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpkv.cache import RadixTree
+from cpkv.cache.radix import PageRef
+from cpkv.comm import CPGroup
+from cpkv.fallback import recording
+from cpkv.models import write_tiny_checkpoint
+from cpkv.runtime import run_ranks
+from cpkv.settings import load_settings
+
+# few distinct tokens: shared prefixes and divergence inside pages are common
+_seqs = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=40), min_size=1, max_size=8)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(_seqs, st.sampled_from([1, 3, 4, 8]), st.lists(st.integers(0, 2), max_size=40))
+def test_hits_are_token_valid_and_pages_hold_the_hit(seqs: list[list[int]], ps: int,
+                                                     query: list[int]) -> None:
+    """The hit is the longest common prefix with any inserted sequence, in tokens (never floored
+    to a page), and page k of the hit was written by a sequence that agrees with the query on
+    every token of page k below the hit (so its bytes there are the query's KV)."""
+    tree = RadixTree(ps)
+    pages_of: dict[PageRef, tuple[int, int]] = {}  # page -> (sequence, logical page)
+    for i, s in enumerate(seqs):
+        pages = [(i, k) for k in range(-(-len(s) // ps))]
+        pages_of.update({p: (i, k) for k, p in enumerate(pages)})
+        tree.insert(s, pages)
+    for q in [query, *seqs]:
+        m = tree.match(q)
+        want = max(_lcp(q, s) for s in seqs)
+        assert m.hit_tokens == want
+        assert len(m.pages) == -(-want // ps)
+        for k, page in enumerate(m.pages):
+            writer, logical = pages_of[page]
+            assert logical == k
+            upto = min(want, (k + 1) * ps)
+            assert seqs[writer][k * ps:upto] == q[k * ps:upto]
+        limited = tree.match(q, limit=max(0, len(q) - 1))
+        assert limited.hit_tokens == min(want, max(0, len(q) - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_seqs, st.sampled_from([1, 4, 8]), st.data())
+def test_references_balance_through_eviction(seqs: list[list[int]], ps: int,
+                                             data: st.DataObject) -> None:
+    """Every page reference the tree adds (inserts, splits) is dropped again by evictions, and
+    evicting everything leaves an empty tree; a match after partial eviction is still right."""
+    tree = RadixTree(ps)
+    held: Counter[PageRef] = Counter()
+    for i, s in enumerate(seqs):
+        held.update(tree.insert(s, [(i, k) for k in range(-(-len(s) // ps))]))
+        if data.draw(st.booleans()):
+            dropped = tree.evict_one()
+            assert dropped is not None
+            held.subtract(dropped)
+            assert all(v >= 0 for v in held.values())
+    while (dropped := tree.evict_one()) is not None:
+        held.subtract(dropped)
+    assert +held == Counter()
+    assert tree.num_tokens() == 0 and tree.match(seqs[0]).hit_tokens == 0
+
+
+def test_a_hit_ends_mid_page() -> None:
+    """The issue's example: a prefix ending at token 70 with 64-token pages is a hit of 70 over
+    two pages, the second taken from the sequence that wrote it."""
+    tree = RadixTree(64)
+    a = list(range(100))
+    tree.insert(a, [(0, 10), (1, 11)])
+    b = [*range(70), *(1000 + t for t in range(50))]
+    m = tree.match(b)
+    assert m.hit_tokens == 70 and m.pages == ((0, 10), (1, 11))
+    # b diverges inside page 1 and brings its own copy of it: a later query that follows b
+    # past token 70 must read b's page 1, one that follows a must read a's
+    added = tree.insert(b, [(0, 10), (0, 20)])
+    assert sorted(added) == [(0, 20), (1, 11)]  # b's node, and page 1 now in two nodes of a
+    assert tree.match([*b[:90], 7]).pages == ((0, 10), (0, 20))
+    assert tree.match([*a[:90], 7]).pages == ((0, 10), (1, 11))
+    assert tree.match([*a[:66], 7]).pages == ((0, 10), (1, 11))
+
+
+def test_least_recently_used_leaf_goes_first() -> None:
+    tree = RadixTree(4)
+    tree.insert([1, 2, 3, 4, 5], [(0, 0), (0, 1)])
+    tree.insert([7, 7, 7], [(1, 0)])
+    tree.touch(tree.match([1, 2, 3, 4, 5]))
+    assert tree.evict_one() == [(1, 0)]
+    assert tree.match([1, 2, 3, 4, 5]).hit_tokens == 5
+
+
+# ---- the cache over a real sharded pool: CP ranks (Gloo), a tiny DeepSeek-V3.2 checkpoint -------
+PAGE = 8  # small pages: hits end inside pages often
+
+
+def _scenario(seed: int, vocab: int = 512) -> list[tuple[str, list[int]]]:
+    """Requests in arrival order: shared system prompts ending mid-page, a multi-turn follow-up
+    (a later request extends an earlier one), an unrelated one, and exact repeats."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    system, doc = toks(37), toks(29)  # 37 and 66 end inside 8-token pages
+    a = system + toks(40)
+    return [("a", a), ("b", system + toks(25)), ("c", system + doc + toks(17)),
+            ("d", a + toks(1) + toks(21)), ("e", toks(30)), ("f", system + doc + toks(5)),
+            ("g", list(a))]
+
+
+def _poison_unheld(session: Any) -> int:
+    """Write NaN bytes (0xFF) into every row of this rank's pool that no request and no cache node
+    holds as valid: if anything read past a valid length, logits would turn NaN. Returns rows."""
+    pool, ps = session.pool, PAGE
+    valid: dict[tuple[int, int], int] = {}
+
+    def hold(owner: int, slot: int, rows: int) -> None:
+        valid[(owner, slot)] = max(valid.get((owner, slot), 0), rows)
+
+    for rp in pool.table.values():
+        for k, (o, s) in enumerate(zip(rp.owners, rp.slots, strict=True)):
+            hold(o, s, min(ps, rp.valid_len - k * ps))
+    stack = list(session.cache.tree.root.children.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        for k, (o, s) in n.pages.items():
+            hold(o, s, min(ps, n.end - k * ps))
+    mine = pool.rank if pool.shared else None
+    rows = 0
+    for slot in range(pool.capacity):
+        owner = pool.rank if mine is not None else 0
+        keep = valid.get((owner, slot), 0) if mine is not None else max(
+            (v for (o, s), v in valid.items() if s == slot), default=0)
+        if keep < ps:
+            for buf in pool.kv:
+                buf[slot, keep:] = 0xFF
+            rows += ps - keep
+    return rows
+
+
+def _serve(group: Any, model_dir: str, settings: Any, reqs: list[tuple[str, list[int]]],
+           poison: bool) -> dict[str, Any]:
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    session = PrefillSession(load_model(model_dir), settings, group)
+    out: dict[str, Any] = {"logits": {}, "hits": {}, "poisoned": 0}
+    for rid, toks in reqs:
+        hit = session.admit(rid, toks)
+        if poison:
+            out["poisoned"] += _poison_unheld(session)
+        res = session.prefill([(rid, toks[hit:])])
+        out["logits"][rid] = res.last_logits[0].float().cpu()
+        out["hits"][rid] = hit
+        session.finish(rid, toks)
+    assert session.cache is not None
+    out["stats"] = dict(session.cache.stats.__dict__)
+    out["signature"] = session.cache.tree.signature()
+    session.cache.clear()
+    alloc = session.pool.allocator
+    out["all_free"] = all(alloc.free_pages(a) == alloc.capacity for a in range(alloc.num_ranks))
+    out["refs_left"] = session.pool.logical_pages()
+    return out
+
+
+def _reference_logits(model_dir: str, settings: Any, reqs: list[tuple[str, list[int]]]) -> dict:  # type: ignore[type-arg]
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    one = settings.with_cp_size(1).model_copy(
+        update={"cache": settings.cache.model_copy(update={"enabled": False}),
+                "kv": settings.kv.model_copy(update={"pages_per_rank": 256})})
+    session = PrefillSession(load_model(model_dir), one, CPGroup.single())
+    out = {}
+    for rid, toks in reqs:
+        out[rid] = session.prefill([(rid, toks)]).last_logits[0].float().cpu()
+        session.finish(rid)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode", "dtype", "pages"), [
+    (2, "zigzag", "fp32", 256), (2, "interleave", "fp8", 256),
+    # a pool too small to keep every finished request: later batches evict, least recent first
+    pytest.param(2, "zigzag", "bf16", 14, id="2-zigzag-bf16-evicting"),
+    pytest.param(4, "interleave", "bf16", 256, marks=pytest.mark.slow),
+])
+def test_cache_hits_equal_a_no_cache_single_rank_run(tiny: Path, cp: int, mode: str, dtype: str,
+                                                     pages: int) -> None:
+    """Requests served one by one on C ranks, each starting from the longest cached prefix (hits
+    in tokens, ending inside pages), with every pool row no one holds poisoned before each
+    batch: logits equal one rank without a cache; every rank holds the same tree; after the
+    cache is cleared every page is free again."""
+    reqs = _scenario(cp)
+    s = load_settings(cp={"size": cp, "mode": mode},
+                      kv={"page_size": PAGE, "dtype": dtype, "pages_per_rank": pages},
+                      backend={"preference": ["torch"]}, debug=True)
+    with recording():
+        results = run_ranks(_serve, cp, args=(str(tiny), s, reqs, True), timeout_s=300)
+    ref = _reference_logits(str(tiny), s, reqs)
+    r0 = results[0].value
+    tol = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 2e-2}[dtype]
+    for rid, _ in reqs:
+        a, b = r0["logits"][rid], ref[rid]
+        rel = ((a - b).abs().amax() / b.abs().amax()).item()
+        assert rel <= tol, f"{rid}: logits differ from the no-cache run by {rel:.2e}"
+    hits = r0["hits"]
+    assert hits["b"] == 37 and hits["c"] == 37 and hits["e"] == 0  # token-valid, mid-page
+    if pages > 100:  # nothing evicted: the follow-ups hit their whole earlier request
+        assert hits["d"] == len(reqs[0][1]) and hits["f"] == 66 and hits["g"] == len(reqs[0][1]) - 1
+        assert r0["stats"]["pages_evicted"] == 0
+    else:
+        assert r0["stats"]["pages_evicted"] > 0
+    assert r0["poisoned"] > 0
+    assert len({r.value["signature"] for r in results}) == 1
+    assert all(r.value["all_free"] and r.value["refs_left"] == 0 for r in results)
