@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from cpkv.cache import RadixTree
@@ -239,3 +239,172 @@ def test_cache_hits_equal_a_no_cache_single_rank_run(tiny: Path, cp: int, mode: 
     assert r0["poisoned"] > 0
     assert len({r.value["signature"] for r in results}) == 1
     assert all(r.value["all_free"] and r.value["refs_left"] == 0 for r in results)
+
+
+# ---- random programs of serve / keep / release / evict across ranks ---------------------------
+@st.composite
+def _programs(draw: st.DrawFn) -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """Ops over requests whose tokens share random prefixes of a few roots (ending anywhere in
+    a page): ("serve", [req]) admit+prefill+finish; ("pair", [r1, r2]) both in one batch;
+    ("keep", [req]) admit+prefill, cached later by ("release", [req]); ("evict", []) one
+    least recently used prefix."""
+    roots = draw(st.lists(st.lists(st.integers(0, 5), min_size=8, max_size=40), min_size=1,
+                          max_size=2))
+
+    def request(i: int) -> tuple[str, list[int]]:
+        root = draw(st.sampled_from(roots))
+        cut = draw(st.integers(0, len(root)))
+        tail = draw(st.lists(st.integers(0, 5), min_size=1, max_size=12))
+        return f"r{i}", root[:cut] + tail
+
+    ops: list[tuple[str, list[tuple[str, list[int]]]]] = []
+    kept: list[tuple[str, list[int]]] = []
+    for i in range(draw(st.integers(3, 8))):
+        kind = draw(st.sampled_from(["serve", "serve", "pair", "keep", "release", "evict"]))
+        if kind == "release" and kept:
+            ops.append(("release", [kept.pop(0)]))
+        elif kind == "keep" and len(kept) < 2:
+            kept.append(request(i))
+            ops.append(("keep", [kept[-1]]))
+        elif kind == "pair":
+            ops.append(("pair", [request(i), (f"r{i}b", request(i)[1])]))
+        elif kind == "evict":
+            ops.append(("evict", []))
+        else:
+            ops.append(("serve", [request(i)]))
+    return ops
+
+
+def _run_program(group: Any, model_dir: str, settings: Any,
+                 ops: list[tuple[str, list[tuple[str, list[int]]]]]) -> dict[str, Any]:
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    session = PrefillSession(load_model(model_dir), settings, group)
+    assert session.cache is not None
+    start = [sorted(f) for f in session.pool.allocator.snapshot()]
+    logits: dict[str, Any] = {}
+    hits: dict[str, int] = {}
+    for kind, reqs in ops:
+        if kind == "evict":
+            session.cache.evict(1)
+            continue
+        if kind == "release":
+            rid, toks = reqs[0]
+            session.finish(rid, toks)
+            continue
+        for rid, toks in reqs:
+            hits[rid] = session.admit(rid, toks)
+        res = session.prefill([(rid, toks[hits[rid]:]) for rid, toks in reqs])
+        for j, (rid, _) in enumerate(reqs):
+            logits[rid] = res.last_logits[j].float().cpu()
+        if kind != "keep":
+            for rid, toks in reqs:
+                session.finish(rid, toks)
+    for rid in list(session.pool.table):  # kept and never released: dropped uncached
+        session.finish(rid)
+    signature = session.cache.tree.signature()
+    session.cache.clear()
+    return {"logits": logits, "hits": hits, "signature": signature,
+            "restored": [sorted(f) for f in session.pool.allocator.snapshot()] == start
+            and session.pool.logical_pages() == 0}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # 3 programs x (C ranks + a reference) per case
+@pytest.mark.parametrize(("cp", "mode", "dtype", "pages"), [
+    (2, "zigzag", "fp32", 24), (2, "interleave", "fp8", 256), (4, "zigzag", "bf16", 24),
+    (4, "interleave", "fp32", 256),
+])
+@settings(max_examples=3, deadline=None, derandomize=True, phases=[Phase.generate])
+@given(ops=_programs())
+def test_random_programs_match_a_no_cache_run_and_give_every_page_back(
+        tiny: Path, cp: int, mode: str, dtype: str, pages: int,
+        ops: list[tuple[str, list[tuple[str, list[int]]]]]) -> None:
+    s = load_settings(cp={"size": cp, "mode": mode},
+                      kv={"page_size": PAGE, "dtype": dtype, "pages_per_rank": pages},
+                      backend={"preference": ["torch"]}, debug=True)
+    with recording():
+        results = run_ranks(_run_program, cp, args=(str(tiny), s, ops), timeout_s=300)
+    r0 = results[0].value
+    reqs = [(rid, toks) for kind, rs in ops if kind in ("serve", "pair", "keep") for rid, toks in rs]
+    ref = _reference_logits(str(tiny), s, reqs)
+    tol = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 2e-2}[dtype]
+    for rid, toks in reqs:
+        a, b = r0["logits"][rid], ref[rid]
+        rel = ((a - b).abs().amax() / b.abs().amax()).item()
+        assert rel <= tol, f"{rid} (hit {r0['hits'][rid]} of {len(toks)}): {rel:.2e}"
+        assert 0 <= r0["hits"][rid] < len(toks)
+    assert len({r.value["signature"] for r in results}) == 1
+    assert all(r.value["restored"] for r in results)
+
+
+# ---- the pool under the cache: pressure, abort after a copy on write, eviction order ----------
+def _small_pool(pages: int) -> tuple[Any, Any]:
+    from cpkv.cache import PrefixCache
+    from cpkv.contracts import KVDtype, KVFormat
+    from cpkv.kv import ShardedKVPool
+    from cpkv.ops import OpTable
+    from cpkv.plugin import PluginHost
+
+    host = PluginHost()
+    try:
+        ops = OpTable.resolve(host.backends(), ["torch"])
+    finally:
+        host.close()
+    fmt = KVFormat(dtype=KVDtype.BF16, page_size=4, kv_lora_rank=64, rope_dim=16,
+                   index_head_dim=32, quant_block=32)
+    pool = ShardedKVPool(fmt, 1, CPGroup.single(), ops, pages_per_rank=pages)
+    return pool, PrefixCache(pool)
+
+
+def _cached(pool: Any, cache: Any, rid: str, toks: list[int]) -> None:
+    from cpkv.planning import plan_batch
+
+    pool.commit(pool.prepare(plan_batch([pool.request_spec(rid, len(toks))], 1, 4), [rid]))
+    cache.insert(rid, toks)
+    pool.free(rid)
+
+
+def test_a_batch_that_cannot_fit_leaves_the_cache_alone() -> None:
+    from cpkv.kv import PoolExhausted
+    from cpkv.planning import plan_batch
+
+    pool, cache = _small_pool(5)
+    _cached(pool, cache, "a", list(range(12)))
+    before = (cache.tree.signature(), pool.allocator.snapshot())
+    with pytest.raises(PoolExhausted, match="needs 10 pages, has 2 free"):
+        pool.prepare(plan_batch([pool.request_spec("z", 40)], 1, 4), ["z"])
+    assert (cache.tree.signature(), pool.allocator.snapshot()) == before
+    assert cache.stats.evicted_nodes == 0
+
+
+def test_abort_after_pressure_freed_the_shared_tail_page() -> None:
+    """The tail page was shared when the batch was planned; making room evicted its other
+    holder, so it is written in place (no copy), and abort gives back exactly the new pages."""
+    from cpkv.planning import plan_batch
+
+    pool, cache = _small_pool(5)
+    a = list(range(12))
+    _cached(pool, cache, "a", a)
+    b = a[:5] + [100 + i for i in range(8)]
+    hit = cache.attach("b", cache.match(b))
+    held = {rid: (list(rp.slots), rp.valid_len) for rid, rp in pool.table.items()}
+    batch = pool.prepare(plan_batch([pool.request_spec("b", len(b) - hit)], 1, 4), ["b"])
+    assert hit == 5 and cache.stats.pages_evicted > 0 and batch.copies == ()
+    pool.abort(batch)
+    assert {rid: (list(rp.slots), rp.valid_len) for rid, rp in pool.table.items()} == held
+    pool.free("b")
+    cache.clear()
+    assert pool.allocator.free_pages(0) == 5 and pool.logical_pages() == 0
+
+
+def test_a_split_keeps_the_unused_rest_older() -> None:
+    """After b's insert splits a's node, the rest of a (which b did not use) is older than b's
+    new leaf: it goes first."""
+    tree = RadixTree(8)
+    a = list(range(77))
+    b = a[:37] + [1000 + i for i in range(25)]
+    tree.insert(a, [(k % 2, k) for k in range(10)])
+    tree.insert(b, [(k % 2, 100 + k) for k in range(8)])
+    assert tree.evict_one() == [(0, 4), (1, 5), (0, 6), (1, 7), (0, 8), (1, 9)]  # a's pages 4..9

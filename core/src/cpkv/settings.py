@@ -166,6 +166,8 @@ class RunSettings(_Section):
     model: str = Field("tiny", min_length=1,
                        description="checkpoint directory, or 'tiny' (a small random model)")
     prompts: str | None = Field(None, description="JSON file with a list of token-id lists")
+    batch_size: int = Field(1, ge=1, description="prompts per prefill batch, served in order "
+                                                 "(each can hit what earlier batches cached)")
 
 
 # The TOML file of the load in progress. A context variable, not a class attribute, so concurrent

@@ -14,6 +14,7 @@ Keys past a request's valid length are never read: a full view holds exactly
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -103,10 +104,29 @@ class PrefixCache:
         self.stats.inserted_tokens += n
         return n
 
+    def _evictable(self) -> list[int]:
+        """Per allocation rank: pages that only the tree holds (what evicting everything frees)."""
+        held: Counter[PageRef] = Counter()
+        stack = list(self.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            held.update(node.pages.values())
+        out = [0] * self.pool.allocator.num_ranks
+        for (owner, slot), n in held.items():
+            if self.pool.refcount(owner, slot) == n:
+                out[0 if not self.pool.shared else owner] += 1
+        return out
+
     def evict_for(self, needs: Sequence[int]) -> bool:
         """Evict least recently used prefixes until every allocation rank has ``needs[a]`` free
-        pages. Returns whether it got there (all ranks decide alike: the tree is the same)."""
+        pages. Returns whether it got there (all ranks decide alike: the tree is the same). When
+        even evicting everything would not make room, evicts nothing and returns False: the
+        caller's error then leaves the cache as it was."""
         alloc = self.pool.allocator
+        room = self._evictable()
+        if any(alloc.free_pages(a) + room[a] < n for a, n in enumerate(needs)):
+            return False
         while any(alloc.free_pages(a) < n for a, n in enumerate(needs)):
             dropped = self.tree.evict_one()
             if dropped is None:
@@ -114,6 +134,19 @@ class PrefixCache:
             self.stats.evicted_nodes += 1
             self.stats.pages_evicted += self.pool.release(dropped)
         return True
+
+    def evict(self, nodes: int) -> int:
+        """Evict up to ``nodes`` least recently used prefixes; returns the pages freed."""
+        freed = 0
+        for _ in range(nodes):
+            dropped = self.tree.evict_one()
+            if dropped is None:
+                break
+            self.stats.evicted_nodes += 1
+            n = self.pool.release(dropped)
+            self.stats.pages_evicted += n
+            freed += n
+        return freed
 
     def clear(self) -> None:
         """Drop every cached prefix (pages no request holds go back to the free lists)."""

@@ -129,23 +129,25 @@ class RadixTree:
         m = self.match(tokens)
         hit = m.hit_tokens
         parent = self.root
+        used = list(m.path)
         if m.path:
             last = m.path[-1]
             if hit < last.end:
                 added += self._split(last, hit)
                 assert last.parent is not None  # the upper part of the split, ending at ``hit``
-                parent = last.parent
+                parent = used[-1] = last.parent  # the rest of ``last`` was not used by this insert
             else:
                 parent = last
+        self._clock += 1
+        for n in used:
+            n.last_use = self._clock
         if hit < len(tokens):
             span = range(hit // ps, -(-len(tokens) // ps))
             node = _Node(start=hit, tokens=tuple(tokens[hit:]), pages={k: pages[k] for k in span},
                          parent=parent)
             parent.children[tokens[hit]] = node
             added += list(node.pages.values())
-            self._clock += 1
             node.last_use = self._clock
-        self.touch(m)
         return added
 
     def _split(self, node: _Node, at: int) -> list[PageRef]:

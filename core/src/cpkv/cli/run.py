@@ -26,9 +26,21 @@ from cpkv.runtime import RankFailed, RankTimeout
 from cpkv.runtime.job import JobReport, run_job
 from cpkv.settings import SettingsError, load_settings
 
-#: the default prompts: three of different lengths; the shortest is a short extend (it takes the
-#: visible token-balanced fallback) and the longest spans many pages
-DEFAULT_LENGTHS = (600, 300, 40)
+#: the default prompts (see _default_prompts): a long one, one sharing its first 100 tokens
+#: (a cache hit that ends inside a 64-token page), a short extend (it takes the visible
+#: token-balanced fallback), and a multi-turn follow-up that extends the first one
+DEFAULT_LENGTHS = (600, 300, 40, 660)
+
+
+def _default_prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    first = toks(DEFAULT_LENGTHS[0])
+    return [first, first[:100] + toks(DEFAULT_LENGTHS[1] - 100), toks(DEFAULT_LENGTHS[2]),
+            first + toks(DEFAULT_LENGTHS[3] - len(first))]
 #: CP vs one rank: the same model and pool format, so only row-batching rounding differs; an fp8
 #: pool can turn an ulp into one quantisation step
 TOLERANCE = {KVDtype.FP32: 1e-4, KVDtype.BF16: 1e-3, KVDtype.FP8: 2e-2}
@@ -36,8 +48,7 @@ TOLERANCE = {KVDtype.FP32: 1e-4, KVDtype.BF16: 1e-3, KVDtype.FP8: 2e-2}
 
 def _prompts(path: str | None, vocab: int) -> list[list[int]]:
     if path is None:
-        rng = random.Random(0)
-        return [[rng.randrange(vocab) for _ in range(n)] for n in DEFAULT_LENGTHS]
+        return _default_prompts(vocab)
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -83,6 +94,11 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
     console.print(f"{verdict}: CP logits vs one rank: max relative error "
                   f"{rep.max_rel_err_vs_reference:.2e} (tolerance {tol:.0e}); rows with different "
                   f"top-k sets: {rep.topk_rows_differing}")
+    if rep.cache is not None:
+        c = rep.cache
+        console.print(f"prefix cache: hit tokens per prompt {c['hit_tokens']} "
+                      f"({c['hit_fraction']:.1%} of all prompt tokens), pages evicted "
+                      f"{c['pages_evicted']}", soft_wrap=True)
     if rep.transfer is not None and rep.decode is not None:
         tr = rep.transfer
         console.print(f"transfer ({tr['plugin']}): bytes per prefill rank "
@@ -136,6 +152,7 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
     with console.status("starting") as status:
         try:
             rep = run_job(settings, str(ckpt), token_lists, decode_tokens=decode_tokens,
+                          batch_size=settings.run.batch_size,
                           progress=lambda s: status.update(s))
         except RankFailed as exc:
             if (exc.error_type or "").endswith("FallbackError"):  # policy "error": the reason is enough

@@ -190,7 +190,10 @@ class ShardedKVPool:
         copies: list[tuple[Hashable, int, int, int]] = []
         for rid, k in cows:
             rp = self.table[rid]
-            old, fresh = rp.slots[k], take(rp.owners[k])
+            old = rp.slots[k]
+            if self._refs[self._key(rp.owners[k], old)] == 1:
+                continue  # the reclaimer evicted the other holders: the page is this request's
+            fresh = take(rp.owners[k])
             rp.slots[k] = fresh
             self._drop([self._key(rp.owners[k], old)])  # still held by the others
             copies.append((rid, k, old, fresh))
@@ -200,6 +203,9 @@ class ShardedKVPool:
                 rp.owners.append(o)
                 rp.slots.append(take(o))
                 rp.pending.append(len(rp.slots) - 1)
+        for a, got in enumerate(slots):  # copies that turned out unneeded: their pages go back
+            if cursor[a] < len(got):
+                self.allocator.release(a, got[cursor[a]:])
         batch = build_batch(plan, rids, self.table, self.rank, self.shared, self.group.device,
                             tuple((rid, e) for rid, e, _ in new), capacity=self.capacity)
         batch = replace(batch, copies=tuple(copies))

@@ -30,21 +30,22 @@ def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> Sender
     session.connect(select_transport(s, world.agree_all))
     rids = spec.rids
     sent: list[Sent] = []
+    crcs: dict[str, dict[int, int]] = {}
 
     def send(batch: list[tuple[int, bool]], res: PrefillResult) -> None:
+        # every page of the request moves, cached prefix pages too (each from its owner)
         for (i, final), tok in zip(batch, greedy(res.last_logits), strict=True):
             sent.append(session.send(rids[i], final=final,
                                      meta={"first_token": tok} if final else {}))
+            if s.debug and final:  # before the request is finished into the cache
+                rp = session.pages(rids[i])
+                mine = [k for k, o in enumerate(rp.owners) if o == group.rank]
+                sums = page_checksums(session.pool, [rp.slots[k] for k in mine])
+                crcs[rids[i]] = dict(zip(mine, sums, strict=True))
 
-    res = prefill_batches(session, spec, send)
-    out = SenderReport(prefill=rank_report(group, session, res, load_s),
-                       bytes_sent=sum(d.nbytes for d in sent), entries=sum(d.entries for d in sent),
-                       seconds=sum(d.seconds for d in sent),
-                       manifests=[d.manifest for d in sent if d.manifest is not None])
-    if s.debug:
-        for rid in rids:
-            rp = session.pages(rid)
-            mine = [k for k, o in enumerate(rp.owners) if o == group.rank]
-            sums = page_checksums(session.pool, [rp.slots[k] for k in mine])
-            out.page_crcs[rid] = dict(zip(mine, sums, strict=True))
-    return out
+    served = prefill_batches(session, spec, send)
+    return SenderReport(prefill=rank_report(group, session, served, load_s),
+                        bytes_sent=sum(d.nbytes for d in sent), entries=sum(d.entries for d in sent),
+                        seconds=sum(d.seconds for d in sent),
+                        manifests=[d.manifest for d in sent if d.manifest is not None],
+                        page_crcs=crcs)

@@ -13,8 +13,9 @@ __all__ = ["reference_rank"]
 
 
 def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
-    """Prefill on one rank in the job's batches, then ``spec.decode_tokens`` greedy tokens per
-    prompt with the same batched steps as the decode rank. ``spec.settings.cp.size`` must be 1."""
+    """Prefill on one rank in the job's batches **without** a prefix cache (every prompt
+    computed whole), then ``spec.decode_tokens`` greedy tokens per prompt with the same batched
+    steps as the decode rank. ``spec.settings.cp.size`` must be 1."""
     group = CPGroup.single()
     session, load_s = open_session(group, spec)
     first: dict[int, int] = {}
@@ -23,8 +24,8 @@ def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
         for (i, _), tok in zip(batch, greedy(res.last_logits), strict=True):
             first[i] = tok
 
-    res = prefill_batches(session, spec, keep)
-    rep = rank_report(group, session, res, load_s)
+    served = prefill_batches(session, spec, keep, use_cache=False)
+    rep = rank_report(group, session, served, load_s)
     rids = spec.rids
     tokens = (generate(session, [(rids[i], first[i]) for i in range(len(rids))], spec.decode_tokens)
               if spec.decode_tokens else [])

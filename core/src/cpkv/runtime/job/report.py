@@ -10,11 +10,11 @@ import torch
 from cpkv.comm import CPGroup
 from cpkv.disagg import TransferManifest
 
-from ..prefill import PrefillResult
 from ..session import PrefillSession
+from .spec import Served
 
 __all__ = ["DecodeReport", "JobReport", "RankReport", "SenderReport", "compare_topk",
-           "rank_report"]
+           "rank_report", "tail_rows"]
 
 
 @dataclass
@@ -30,21 +30,31 @@ class RankReport:
     materialize: str = "all_gather"
     topk_indices: list[torch.Tensor] = field(default_factory=list)
     topk_scores: list[torch.Tensor] = field(default_factory=list)
+    #: extend tokens of each request of the captured (last) batch, in batch order
+    topk_extends: list[int] = field(default_factory=list)
+    #: per prompt: tokens taken from the prefix cache
+    hits: list[int] = field(default_factory=list)
+    #: cache counters (PrefixCache.stats) after the run; empty without a cache
+    cache: dict[str, int] = field(default_factory=dict)
 
 
-def rank_report(group: CPGroup, session: PrefillSession, res: PrefillResult,
+def rank_report(group: CPGroup, session: PrefillSession, served: Served,
                 load_s: float) -> RankReport:
-    """The report of a rank after its last batch ``res``."""
+    """The report of a rank after the job's batches."""
+    res = served.last
     cap = res.topk
     return RankReport(
         rank=group.rank,
-        last_logits=res.last_logits.float().cpu(),
+        last_logits=served.last_logits.cpu(),
         kv_bytes=session.pool.bytes_held(),
         kv_bytes_replicated=session.pool.replicated_bytes(),
         seconds={"load": load_s, **res.seconds},
         materialize=session.pool.materialize_mode.value,
         topk_indices=[t.cpu() for t in cap.indices] if cap else [],
         topk_scores=[t.cpu() for t in cap.scores] if cap else [],
+        topk_extends=served.last_extends,
+        hits=served.hits,
+        cache=dict(vars(session.cache.stats)) if session.cache is not None else {},
     )
 
 
@@ -72,6 +82,19 @@ class SenderReport:
     manifests: list[TransferManifest] = field(default_factory=list)
     #: debug only: request -> {logical page: CRC32} of the pages this rank owns
     page_crcs: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+def tail_rows(have: list[int], want: list[int]) -> torch.Tensor:
+    """Rows of a capture whose requests extended ``have`` tokens each (batch order) that are the
+    last ``want`` tokens of each: a cached run's rows inside an uncached run's capture."""
+    rows: list[int] = []
+    off = 0
+    for h, w in zip(have, want, strict=True):
+        if w > h:
+            raise ValueError(f"cannot take the last {w} rows of a request that extended {h}")
+        rows.extend(range(off + h - w, off + h))
+        off += h
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def compare_topk(a: list[torch.Tensor], sa: list[torch.Tensor], b: list[torch.Tensor],
@@ -118,6 +141,9 @@ class JobReport:
     transfer: dict[str, Any] | None = None
     #: {tokens, reference_tokens, tokens_match_reference}; None without the decode phase
     decode: dict[str, Any] | None = None
+    #: {enabled, hit_tokens (per prompt), hit_fraction, pages_evicted, pages_loaded_from_host,
+    #: recomputed_tokens}; None without a cache
+    cache: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}

@@ -17,7 +17,7 @@ from ..launch import run_ranks
 from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
 from .reference import reference_rank
-from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk
+from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk, tail_rows
 from .spec import JobSpec
 
 __all__ = ["disagg_rank", "run_job"]
@@ -45,8 +45,13 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
 
 def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,
             prefix_lens: Sequence[int] = (), capture_topk: bool = True, decode_tokens: int = 0,
+            batch_size: int = 0,
             progress: Callable[[str], None] = lambda s: None) -> JobReport:
     """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
+
+    The prompts are served in order, ``batch_size`` per prefill batch (0: all in one); with the
+    prefix cache on (``cache.enabled``) each one starts from the longest prefix earlier batches
+    left, and the reference computes every prompt whole, without a cache.
 
     With ``decode_tokens > 0`` the C prefill ranks and one decode rank run in one world of
     C + 1 processes: the pages move with the transfer plugin ``settings.transfer.name`` and the
@@ -58,7 +63,7 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     """
     spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
                    settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
-                   decode_tokens=decode_tokens)
+                   decode_tokens=decode_tokens, batch_size=batch_size)
     c = settings.cp.size
     t = time.perf_counter()
     decode: DecodeReport | None = None
@@ -78,8 +83,10 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         pre = [(r.rank, r.value, r.fallbacks) for r in results]
     cp_wall = time.perf_counter() - t
     progress("single-rank reference")
-    ref_spec = JobSpec(model_dir, spec.prompts, settings.with_cp_size(1), capture_topk,
-                       spec.prefix_lens, decode_tokens)
+    no_cache = settings.with_cp_size(1).model_copy(
+        update={"cache": settings.cache.model_copy(update={"enabled": False})})
+    ref_spec = JobSpec(model_dir, spec.prompts, no_cache, capture_topk, spec.prefix_lens,
+                       decode_tokens, batch_size)
     t = time.perf_counter()
     with recording(settings.fallback.policy) as ref_rec:
         ref, ref_tokens = reference_rank(ref_spec)
@@ -87,8 +94,12 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     r0: RankReport = pre[0][1]
     err = ((r0.last_logits - ref.last_logits).abs().amax(dim=-1)
            / ref.last_logits.abs().amax(dim=-1).clamp_min(1e-30)).max().item()
-    topk_bad = (compare_topk(r0.topk_indices, r0.topk_scores, ref.topk_indices, ref.topk_scores)
-                if capture_topk else None)
+    topk_bad = None
+    if capture_topk:  # the reference computed whole prompts: compare the rows both computed
+        rows = tail_rows(ref.topk_extends, r0.topk_extends)
+        topk_bad = compare_topk(r0.topk_indices, r0.topk_scores,
+                                [t[rows] for t in ref.topk_indices],
+                                [t[rows] for t in ref.topk_scores])
     fallbacks: list[dict[str, Any]] = [{"rank": r, **e.model_dump(mode="json")}
                                        for r, _, evs in pre for e in evs]
     if decode is not None:
@@ -108,6 +119,15 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         dec = {"tokens": decode.tokens, "reference_tokens": ref_tokens,
                "tokens_match_reference": decode.tokens == ref_tokens}
         seconds.update({f"decode_{k}": v for k, v in decode.seconds.items()})
+    cache = None
+    if settings.cache.enabled:
+        st = r0.cache
+        total = sum(len(p) for p in prompts)
+        cache = {"enabled": True, "hit_tokens": r0.hits,
+                 "hit_fraction": sum(r0.hits) / max(1, total),
+                 "pages_evicted": st.get("pages_evicted", 0),
+                 # no host tier yet: nothing is loaded back or recomputed after a lost page
+                 "pages_loaded_from_host": 0, "recomputed_tokens": 0}
     return JobReport(
         cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,
         materialize=r0.materialize,
@@ -116,4 +136,4 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         kv_bytes_replicated=r0.kv_bytes_replicated,
         max_rel_err_vs_reference=err, topk_rows_differing=topk_bad, fallbacks=fallbacks,
         seconds=seconds, logits=r0.last_logits, reference_logits=ref.last_logits,
-        transfer=transfer, decode=dec)
+        transfer=transfer, decode=dec, cache=cache)

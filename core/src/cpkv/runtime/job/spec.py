@@ -6,13 +6,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from cpkv.comm import CPGroup
 from cpkv.settings import Settings
 
 from ..prefill import PrefillResult
 from ..session import PrefillSession
 
-__all__ = ["BatchDone", "JobSpec", "open_session", "prefill_batches"]
+__all__ = ["BatchDone", "JobSpec", "Served", "open_session", "prefill_batches"]
 
 #: called after each prefill batch with ``[(prompt index, final chunk?)]`` and its result
 BatchDone = Callable[[list[tuple[int, bool]], PrefillResult], None]
@@ -31,6 +33,9 @@ class JobSpec:
     prefix_lens: tuple[int, ...] = ()
     #: greedy tokens per prompt on the decode rank (0: no transfer and decode phases)
     decode_tokens: int = 0
+    #: prompts per prefill batch, served in order (0: all in one batch); ignored with
+    #: ``prefix_lens``. With a cache, each prompt can hit what earlier batches left
+    batch_size: int = 0
 
     @property
     def rids(self) -> list[str]:
@@ -38,11 +43,16 @@ class JobSpec:
         return [f"p{i}" for i in range(len(self.prompts))]
 
     def batches(self) -> list[list[int]]:
-        """Tokens of each prompt per prefill batch (0 = not in that batch)."""
-        if not any(self.prefix_lens):
-            return [[len(p) for p in self.prompts]]
-        return [list(self.prefix_lens),
-                [len(p) - n for p, n in zip(self.prompts, self.prefix_lens, strict=True)]]
+        """Tokens of each prompt per prefill batch (0 = not in that batch), before cache hits:
+        the chunks of ``prefix_lens`` (a first batch of prefixes, then the rest), else groups of
+        ``batch_size`` whole prompts in order."""
+        if any(self.prefix_lens):
+            return [list(self.prefix_lens),
+                    [len(p) - n for p, n in zip(self.prompts, self.prefix_lens, strict=True)]]
+        n = len(self.prompts)
+        size = self.batch_size or n
+        return [[len(p) if b <= i < b + size else 0 for i, p in enumerate(self.prompts)]
+                for b in range(0, n, size)]
 
 
 def open_session(group: CPGroup, spec: JobSpec) -> tuple[PrefillSession, float]:
@@ -59,21 +69,58 @@ def _nothing(batch: list[tuple[int, bool]], res: PrefillResult) -> None:
     return None
 
 
-def prefill_batches(session: PrefillSession, spec: JobSpec,
-                    after: BatchDone = _nothing) -> PrefillResult:
-    """Prefill the job's batches (cached prefixes first), calling ``after`` after each; returns
-    the last batch's result."""
+@dataclass
+class Served:
+    """What the prefill loop hands back: per prompt its last-token logits and cache hit; the
+    last batch's result (its top-k capture) and each of its requests' extend length."""
+
+    last_logits: torch.Tensor  # float32 [prompts, vocab], prompt order
+    hits: list[int]
+    last: PrefillResult
+    last_extends: list[int]
+
+
+def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _nothing, *,
+                    use_cache: bool = True) -> Served:
+    """Prefill the job's batches in order, calling ``after`` after each. A prompt served whole in
+    a batch first takes the longest cached prefix (``session.admit``; with ``use_cache`` and
+    a session cache), and a prompt whose final chunk ran is finished into the cache after
+    ``after`` (which may still send its pages); without ``use_cache`` requests stay in the pool
+    (the reference decodes them later).
+
+    Raises:
+        ValueError: the job has no prompts.
+    """
     rids, done = spec.rids, [0] * len(spec.prompts)
     batches = spec.batches()
+    if not batches or not spec.prompts:
+        raise ValueError("the job has no prompts")
+    hits = [0] * len(spec.prompts)
+    last_logits: list[torch.Tensor | None] = [None] * len(spec.prompts)
     res: PrefillResult | None = None
+    extends: list[int] = []
+    cache = use_cache and session.cache is not None
     for b, counts in enumerate(batches):
         idx = [i for i, n in enumerate(counts) if n > 0]
+        ends = [done[i] + counts[i] for i in idx]
+        if cache:  # a prompt served whole in this batch starts from the cache
+            for i in idx:
+                if done[i] == 0 and counts[i] == len(spec.prompts[i]):
+                    hits[i] = done[i] = session.admit(rids[i], spec.prompts[i])
+        extends = [e - done[i] for i, e in zip(idx, ends, strict=True)]
         last = b == len(batches) - 1
-        res = session.prefill([(rids[i], spec.prompts[i][done[i]:done[i] + counts[i]]) for i in idx],
+        res = session.prefill([(rids[i], spec.prompts[i][done[i]:e])
+                               for i, e in zip(idx, ends, strict=True)],
                               capture_topk=spec.capture_topk and last)
-        for i in idx:
-            done[i] += counts[i]
-        after([(i, done[i] == len(spec.prompts[i])) for i in idx], res)
-    if res is None:
-        raise ValueError("the job has no prompts")
-    return res
+        for j, (i, e) in enumerate(zip(idx, ends, strict=True)):
+            done[i] = e
+            last_logits[i] = res.last_logits[j].float()
+        finished = [(i, done[i] == len(spec.prompts[i])) for i in idx]
+        after(finished, res)
+        if cache:
+            for i, final in finished:
+                if final:
+                    session.finish(rids[i], spec.prompts[i])
+    assert res is not None
+    logits = torch.stack([t for t in last_logits if t is not None])
+    return Served(last_logits=logits, hits=hits, last=res, last_extends=extends)
