@@ -45,6 +45,46 @@ def plan_cmd(out: str, repeat: int) -> None:
     click.echo(f"wrote {report.write(out)}")
 
 
+@command.command("cache")
+@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/cache_cpu.json",
+              show_default=True)
+@click.option("--cp", type=click.IntRange(min=1), default=2, show_default=True,
+              help="CP ranks (Gloo processes).")
+@click.option("--requests", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prefix", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Shared prefix tokens (the issue's workload: 8192, ~25 min on 2 cores).")
+@click.option("--suffix", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Distinct suffix tokens per request (the issue's workload: 512).")
+@click.option("--page-size", type=click.IntRange(min=1), default=64, show_default=True)
+def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_size: int) -> None:
+    """Prefix cache on CPU: shared prefix + distinct suffixes served one per batch, cache on vs
+    off in the same ranks (tiny DeepSeek-V3.2, bf16 pool, torch ops); fails if logits differ."""
+    import tempfile
+
+    from cpkv.bench import cache
+    from cpkv.models import write_tiny_checkpoint
+
+    err = Console(stderr=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0,
+                                     max_position_embeddings=max(4096, prefix + suffix))
+        settings = cache.bench_settings(cp, requests, prefix, suffix, page_size)
+        rows, detail = cache.run(ckpt, settings, requests=requests, prefix=prefix, suffix=suffix,
+                                 progress=lambda s: err.print(f"[dim]{s}[/]"))
+    report = BenchReport(machine=machine_description(),
+                         command="cpkv bench cache " + shlex.join(sys.argv[3:]),
+                         results=tuple(rows), detail=detail)
+    _show(rows)
+    click.echo(f"max relative error of the cached run's last-token logits: "
+               f"{detail['max_rel_err']:.2e} (tolerance {detail['tolerance']:.0e})")
+    click.echo(f"wrote {report.write(out)}")
+    if not detail["correct"] or not detail["hits_agree_across_ranks"]:
+        raise click.ClickException(
+            f"the cached run differs from the no-cache run: max relative logit error "
+            f"{detail['max_rel_err']:.2e} > {detail['tolerance']:.0e}, or ranks disagree on hits "
+            f"(hits_agree_across_ranks={detail['hits_agree_across_ranks']})")
+
+
 #: DeepSeek-V3.2 attention at full size; a small dense MLP and vocabulary keep the stack about the
 #: attention path (the MoE reference computes every expert; engines bring their fused MoE)
 DEEPSEEK_STACK: dict[str, Any] = dict(
