@@ -408,3 +408,39 @@ def test_a_split_keeps_the_unused_rest_older() -> None:
     tree.insert(a, [(k % 2, k) for k in range(10)])
     tree.insert(b, [(k % 2, 100 + k) for k in range(8)])
     assert tree.evict_one() == [(0, 4), (1, 5), (0, 6), (1, 7), (0, 8), (1, 9)]  # a's pages 4..9
+
+
+def _serve_with_short_rank(group: Any, model_dir: str, settings: Any,
+                           reqs: list[tuple[str, list[int]]]) -> dict[str, Any]:
+    """Rank 1 can serve at most 40 tokens of any cached prefix (as if it lost the pages past
+    them); the other ranks have the whole hit."""
+    if group.rank == 1:
+        from cpkv.cache import radix
+
+        full = radix.RadixTree.match
+
+        def short(self: Any, tokens: Any, limit: int | None = None) -> Any:
+            return full(self, tokens, 40 if limit is None else min(limit, 40))
+
+        radix.RadixTree.match = short  # type: ignore[method-assign]
+    return _serve(group, model_dir, settings, reqs, False)
+
+
+@pytest.mark.multiprocess
+def test_every_rank_uses_the_shortest_hit_and_says_so(tiny: Path) -> None:
+    reqs = _scenario(2)
+    s = load_settings(cp={"size": 2, "mode": "interleave"}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]})
+    with recording():
+        results = run_ranks(_serve_with_short_rank, 2, args=(str(tiny), s, reqs), timeout_s=300)
+    ref = _reference_logits(str(tiny), s, reqs)
+    for r in results:
+        hits = r.value["hits"]
+        assert hits["d"] == 40 and hits["b"] == 37  # min(77 on rank 0, 40 on rank 1); 37 < 40
+        for rid, _ in reqs:
+            a, b = r.value["logits"][rid], ref[rid]
+            assert ((a - b).abs().amax() / b.abs().amax()).item() <= 1e-4, rid
+        shortened = [e for e in r.fallbacks if e.reason.value == "cache_hit_shortened"]
+        assert shortened and all(e.op == "prefix_cache" for e in shortened)
+        assert r.value["stats"]["recomputed_tokens"] == (77 - 40 + 66 - 40 + 76 - 40
+                                                         if r.rank == 0 else 0)

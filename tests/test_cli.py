@@ -80,6 +80,8 @@ def test_run_default_shards_kv_and_reports(tmp_path) -> None:  # type: ignore[no
     # served one by one: the second prompt hits the first's 100 shared tokens (mid-page), the
     # follow-up all 600 of the first; the reference ran without a cache and still matches
     assert data["cache"]["hit_tokens"] == [0, 100, 0, 600]
+    # every request's pages move to decode, its cached prefix too: more than the ranks keep
+    assert sum(data["transfer"]["bytes_per_rank"]) > sum(per_rank)
     assert data["decode"]["tokens_match_reference"] is True
 
 

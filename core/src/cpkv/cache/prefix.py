@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from cpkv.contracts import cdiv
+from cpkv.contracts import FallbackReason, cdiv
+from cpkv.fallback import report_fallback
 from cpkv.kv import ShardedKVPool
 
 from .radix import PageRef, PrefixMatch, RadixTree
@@ -41,6 +42,8 @@ class CacheStats:
     evicted_nodes: int = 0
     #: pages whose last reference went with an eviction (their slots are free again)
     pages_evicted: int = 0
+    #: tokens a rank had cached but recomputed because another rank had less (rule 29)
+    recomputed_tokens: int = 0
 
 
 class PrefixCache:
@@ -69,6 +72,26 @@ class PrefixCache:
         self.stats.looked_up_tokens += len(tokens)
         self.stats.hit_tokens += m.hit_tokens
         return m
+
+    def agree(self, match: PrefixMatch) -> PrefixMatch:
+        """The hit every rank can serve: the minimum over ranks (rule 29; a collective, one host
+        sync per request). Ranks fed the same calls agree already; a rank that has less (it lost
+        a cached page) shortens every rank's hit, reported on every rank as fallback
+        ``cache_hit_shortened``, and the rest is recomputed."""
+        hit, neg_most = self.pool.group.agree_min([match.hit_tokens, -match.hit_tokens])
+        if hit == -neg_most:  # every rank has the same hit
+            return match
+        report_fallback(op="prefix_cache", requested=f"cached prefix of up to {-neg_most} tokens",
+                        selected=f"{hit} tokens (the shortest hit of any rank), the rest recomputed",
+                        reason=FallbackReason.CACHE_HIT_SHORTENED,
+                        detail=f"ranks could serve {hit} to {-neg_most} tokens; this rank "
+                               f"{match.hit_tokens}")
+        self.stats.hit_tokens -= match.hit_tokens - hit
+        self.stats.recomputed_tokens += match.hit_tokens - hit
+        if hit == match.hit_tokens:
+            return match
+        return PrefixMatch(hit_tokens=hit, pages=match.pages[:cdiv(hit, self.page_size)],
+                           path=match.path)
 
     def attach(self, rid: Hashable, match: PrefixMatch) -> int:
         """Start request ``rid`` from the cached prefix ``match``: its page table takes the

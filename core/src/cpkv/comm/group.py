@@ -9,6 +9,7 @@ Costs (collectives per call, host syncs):
 
 * :meth:`CPGroup.all_gather_rows`: one ``all_gather_single`` of raw bytes; no host sync.
 * :meth:`CPGroup.agree_all`: one ``all_reduce(MIN)`` of ``len(keys) + 2`` int64; one host sync.
+* :meth:`CPGroup.agree_min`: one ``all_reduce(MIN)`` of a few int64; one host sync.
 * :meth:`CPGroup.all_equal`: one ``all_gather_object`` (two collectives inside torch); host sync.
 * :meth:`CPGroup.check_all`: one ``all_reduce(MIN)``; plus one ``all_gather_object`` only when some
   rank failed (every rank takes the same branch); host sync.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from collections.abc import Sequence
 from typing import Literal, TypeVar
 
 import torch
@@ -240,6 +242,16 @@ class CPGroup:
         if vals[-2] != crc or vals[-1] != -crc:
             raise ValueError(f"agree_all: ranks passed different key sets (rank {self.rank}: {keys})")
         return {k: bool(v) for k, v in zip(keys, vals[:-2], strict=True)}
+
+    def agree_min(self, values: Sequence[int]) -> list[int]:
+        """Per position, the minimum over ranks of ``values`` (the same length on every rank;
+        pass ``-x`` for a maximum). One ``all_reduce(MIN)`` of int64; one host sync (per request
+        at most, never per layer)."""
+        if self.is_local:
+            return [int(v) for v in values]
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
+        return [int(v) for v in t.tolist()]
 
     def all_equal(self, value: str) -> bool:
         """Whether every rank passed the same string (e.g. a plan hash, rule 31's debug check).

@@ -37,6 +37,9 @@ class FallbackReason(StrEnum):
     DRAFT_PLAN_MISSING = "draft_plan_missing"
     #: ``kv.materialize = "p2p"`` but the ranks cannot map each other's memory: all-gather path
     PEER_MEMORY_UNAVAILABLE = "peer_memory_unavailable"
+    #: a rank can serve less of a cached prefix than the others (e.g. it lost a host page):
+    #: every rank uses the shortest hit and recomputes the rest
+    CACHE_HIT_SHORTENED = "cache_hit_shortened"
 
 
 class FallbackPolicy(StrEnum):

@@ -62,8 +62,9 @@ class PrefillSession:
     def admit(self, rid: Hashable, tokens: Sequence[int]) -> int:
         """Start new request ``rid`` (``tokens``: all its token ids) from the longest prefix the
         cache holds: returns the hit in tokens (0 without a cache or a hit; never all of
-        ``tokens``: the last one is always computed). Then prefill ``tokens[hit:]`` for it.
-        Every rank calls it alike (every rank holds the same cache).
+        ``tokens``: the last one is always computed), the minimum over ranks (a collective:
+        one host sync per request). Then prefill ``tokens[hit:]`` for it. Every rank calls it
+        alike (every rank holds the same cache).
 
         Raises:
             ValueError: ``rid`` is already in the pool.
@@ -72,7 +73,7 @@ class PrefillSession:
             raise ValueError(f"request {rid!r} is already in the pool")
         if self.cache is None or len(tokens) < 2:
             return 0
-        hit = self.cache.attach(rid, self.cache.match(tokens))
+        hit = self.cache.attach(rid, self.cache.agree(self.cache.match(tokens)))
         if self.settings.debug:
             self.cache.check_agreement()
         return hit

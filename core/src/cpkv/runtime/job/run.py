@@ -126,8 +126,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         cache = {"enabled": True, "hit_tokens": r0.hits,
                  "hit_fraction": sum(r0.hits) / max(1, total),
                  "pages_evicted": st.get("pages_evicted", 0),
-                 # no host tier yet: nothing is loaded back or recomputed after a lost page
-                 "pages_loaded_from_host": 0, "recomputed_tokens": 0}
+                 # no host tier yet: nothing is loaded back from host memory
+                 "pages_loaded_from_host": 0,
+                 "recomputed_tokens": st.get("recomputed_tokens", 0)}
     return JobReport(
         cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,
         materialize=r0.materialize,
