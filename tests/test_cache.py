@@ -139,10 +139,7 @@ def _poison_unheld(session: Any) -> int:
     for rp in pool.table.values():
         for k, (o, s) in enumerate(zip(rp.owners, rp.slots, strict=True)):
             hold(o, s, min(ps, rp.valid_len - k * ps))
-    stack = list(session.cache.tree.root.children.values())
-    while stack:
-        n = stack.pop()
-        stack.extend(n.children.values())
+    for n in session.cache.tree.nodes():
         for k, (o, s) in n.pages.items():
             hold(o, s, min(ps, n.end - k * ps))
     mine = pool.rank if pool.shared else None

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -383,11 +384,10 @@ def _spec(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...] = (), n: int =
 
 def _reference(spec: JobSpec) -> list[list[int]]:
     from cpkv.fallback import recording
-    from cpkv.runtime.decode import reference_generate
+    from cpkv.runtime.job import reference_rank
 
     with recording():
-        return reference_generate(load_model(spec.model_dir), spec.settings, spec.prompts,
-                                  spec.decode_tokens, chunks=spec.batches())
+        return reference_rank(replace(spec, settings=spec.settings.with_cp_size(1)))[1]
 
 
 @pytest.mark.multiprocess

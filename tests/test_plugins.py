@@ -21,7 +21,7 @@ from cpkv import fallback
 from cpkv.cli.plugins import command as plugins_command
 from cpkv.contracts import Availability, FallbackReason, Op, PluginInfo, PluginKind
 from cpkv.ops import ALL_OPS
-from cpkv.plugin import BackendSpec, PluginHost, Registry, TransferSpec, hookimpl, spec
+from cpkv.plugin import BackendRegistry, BackendSpec, PluginHost, TransferSpec, hookimpl, spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -471,7 +471,7 @@ def test_registry_probe_that_raises_counts_as_unavailable() -> None:
     def probe() -> Availability:
         raise OSError("driver exploded")
 
-    reg = Registry(PluginKind.BACKEND,
+    reg = BackendRegistry(PluginKind.BACKEND,
                    [BackendSpec(name="x", ops=frozenset(), probe=probe, load=object)])
     av = reg.availability("x")
     assert not av.available and "driver exploded" in av.reason

@@ -129,17 +129,22 @@ class PrefixCache:
 
     def _evictable(self) -> list[int]:
         """Per allocation rank: pages that only the tree holds (what evicting everything frees)."""
-        held: Counter[PageRef] = Counter()
-        stack = list(self.tree.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            held.update(node.pages.values())
+        held: Counter[PageRef] = Counter(p for n in self.tree.nodes() for p in n.pages.values())
         out = [0] * self.pool.allocator.num_ranks
         for (owner, slot), n in held.items():
             if self.pool.refcount(owner, slot) == n:
-                out[0 if not self.pool.shared else owner] += 1
+                out[self.pool.alloc_rank(owner)] += 1
         return out
+
+    def _evict_one(self) -> int | None:
+        """Evict the least recently used prefix; the pages it freed, or None when empty."""
+        dropped = self.tree.evict_one()
+        if dropped is None:
+            return None
+        freed = self.pool.release(dropped)
+        self.stats.evicted_nodes += 1
+        self.stats.pages_evicted += freed
+        return freed
 
     def evict_for(self, needs: Sequence[int]) -> bool:
         """Evict least recently used prefixes until every allocation rank has ``needs[a]`` free
@@ -151,31 +156,24 @@ class PrefixCache:
         if any(alloc.free_pages(a) + room[a] < n for a, n in enumerate(needs)):
             return False
         while any(alloc.free_pages(a) < n for a, n in enumerate(needs)):
-            dropped = self.tree.evict_one()
-            if dropped is None:
+            if self._evict_one() is None:
                 return False
-            self.stats.evicted_nodes += 1
-            self.stats.pages_evicted += self.pool.release(dropped)
         return True
 
     def evict(self, nodes: int) -> int:
         """Evict up to ``nodes`` least recently used prefixes; returns the pages freed."""
         freed = 0
         for _ in range(nodes):
-            dropped = self.tree.evict_one()
-            if dropped is None:
+            n = self._evict_one()
+            if n is None:
                 break
-            self.stats.evicted_nodes += 1
-            n = self.pool.release(dropped)
-            self.stats.pages_evicted += n
             freed += n
         return freed
 
     def clear(self) -> None:
         """Drop every cached prefix (pages no request holds go back to the free lists)."""
-        while (dropped := self.tree.evict_one()) is not None:
-            self.stats.evicted_nodes += 1
-            self.stats.pages_evicted += self.pool.release(dropped)
+        while self._evict_one() is not None:
+            pass
 
     def check_agreement(self) -> None:
         """Debug: every rank's tree is the same (a collective; syncs).

@@ -167,14 +167,16 @@ class RadixTree:
         return added
 
     # ---- eviction ----------------------------------------------------------------------------
-    def leaves(self) -> Iterator[_Node]:
+    def nodes(self) -> Iterator[_Node]:
+        """Every node but the root (depth first)."""
         stack = list(self.root.children.values())
         while stack:
             n = stack.pop()
-            if n.children:
-                stack.extend(n.children.values())
-            else:
-                yield n
+            stack.extend(n.children.values())
+            yield n
+
+    def leaves(self) -> Iterator[_Node]:
+        return (n for n in self.nodes() if not n.children)
 
     def evict_one(self) -> list[PageRef] | None:
         """Remove the least recently used leaf; returns its page references (dropped), or None
@@ -193,12 +195,7 @@ class RadixTree:
 
     def num_tokens(self) -> int:
         """Tokens held in the tree (sum over nodes)."""
-        total, stack = 0, list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            total += len(n.tokens)
-            stack.extend(n.children.values())
-        return total
+        return sum(len(n.tokens) for n in self.nodes())
 
     def signature(self) -> str:
         """A canonical text of the whole tree (token runs, pages, use order): equal on every rank

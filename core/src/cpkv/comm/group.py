@@ -235,10 +235,7 @@ class CPGroup:
         if self.is_local:
             return {k: bool(local[k]) for k in keys}
         crc = zlib.crc32("\0".join(keys).encode())
-        flags = [1 if local[k] else 0 for k in keys]
-        t = torch.tensor([*flags, crc, -crc], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
-        vals = t.tolist()
+        vals = self.agree_min([*(1 if local[k] else 0 for k in keys), crc, -crc])
         if vals[-2] != crc or vals[-1] != -crc:
             raise ValueError(f"agree_all: ranks passed different key sets (rank {self.rank}: {keys})")
         return {k: bool(v) for k, v in zip(keys, vals[:-2], strict=True)}
@@ -289,9 +286,7 @@ class CPGroup:
             if not ok:
                 raise CollectiveCheckError({0: message}, 1)
             return
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
-        if int(t.item()) == 1:
+        if self.agree_min([1 if ok else 0])[0] == 1:
             return
         gathered = self.all_gather_object((bool(ok), str(message)))
         failures = {r: m for r, (rok, m) in enumerate(gathered) if not rok}

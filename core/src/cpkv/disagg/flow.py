@@ -35,7 +35,7 @@ class Sent:
     entries: int  # coalesced page runs sent (each one entry per layer and buffer)
     seconds: float
     #: what was sent (identical on every prefill rank)
-    manifest: TransferManifest | None = None
+    manifest: TransferManifest
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ def build_batch(
     device: torch.device,
     new_pages: tuple[tuple[Hashable, int], ...],
     capacity: int,
+    copies: tuple[tuple[Hashable, int, int, int], ...] = (),
 ) -> BatchKV:
     """Out-cache locations and materialization plan of ``rank`` (tables already hold the pages)."""
     ps, c = plan.page_size, plan.cp_size
@@ -225,4 +226,5 @@ def build_batch(
         materialize=whole,
         materialize_split=split,
         new_pages=new_pages,
+        copies=copies,
     )

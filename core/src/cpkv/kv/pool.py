@@ -19,7 +19,6 @@ How the full view is built (and where the pages are stored for that) is the pool
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -95,7 +94,9 @@ class ShardedKVPool:
     def rank(self) -> int:
         return self.group.rank
 
-    def _alloc_rank(self, owner: int) -> int:
+    def alloc_rank(self, owner: int) -> int:
+        """Whose free list a page of ``owner`` comes from: the owner's, or the one list of a
+        replica."""
         return owner if self.shared else 0
 
     def request_spec(self, rid: Hashable, extend_len: int) -> RequestSpec:
@@ -108,7 +109,7 @@ class ShardedKVPool:
 
     def pages_held(self) -> int:
         """Pages stored on this rank (a replica counts every page)."""
-        return self.allocator.used_pages(self._alloc_rank(self.rank))
+        return self.allocator.used_pages(self.alloc_rank(self.rank))
 
     def bytes_held(self) -> int:
         """Persistent KV bytes on this rank: pages held x page bytes x layers."""
@@ -160,14 +161,14 @@ class ShardedKVPool:
                 k = req.prefix_len // ps  # the head fragment writes into this page (rule 3)
                 if self._refs[self._key(rp.owners[k], rp.slots[k])] > 1:
                     cows.append((rid, k))  # others still read it: copy on write, on its owner
-                    needs[self._alloc_rank(rp.owners[k])] += 1
+                    needs[self.alloc_rank(rp.owners[k])] += 1
             owners: list[int] = []
             for k in range(existing, cdiv(req.end, ps)):
                 o = req.page_owners[k]
                 if o is None:  # the plan validates this away: pages from the prefix's tail on
                     raise ValueError(f"request {rid!r}: the plan has no owner for page {k}")
                 owners.append(o)
-                needs[self._alloc_rank(o)] += 1
+                needs[self.alloc_rank(o)] += 1
             new.append((rid, existing, owners))
         if self.shared and not plan.page_aligned:
             bad = [f"{rid!r} (P={r.prefix_len}, E={r.extend_len})"
@@ -181,7 +182,7 @@ class ShardedKVPool:
         cursor = [0] * len(slots)
 
         def take(owner: int) -> int:
-            a = self._alloc_rank(owner)
+            a = self.alloc_rank(owner)
             slot = slots[a][cursor[a]]
             cursor[a] += 1
             self._refs[(a, slot)] = 1
@@ -207,8 +208,8 @@ class ShardedKVPool:
             if cursor[a] < len(got):
                 self.allocator.release(a, got[cursor[a]:])
         batch = build_batch(plan, rids, self.table, self.rank, self.shared, self.group.device,
-                            tuple((rid, e) for rid, e, _ in new), capacity=self.capacity)
-        batch = replace(batch, copies=tuple(copies))
+                            tuple((rid, e) for rid, e, _ in new), capacity=self.capacity,
+                            copies=tuple(copies))
         if self.debug:
             self._verify_out_cache(batch)
         self.views.begin_batch(batch)
@@ -219,7 +220,7 @@ class ShardedKVPool:
         """Copy on write: this rank's shared tail pages that the batch writes into get their own
         copy first (every layer; after ``begin_batch``, so no peer still reads the new slot)."""
         mine = [(old, fresh) for rid, k, old, fresh in batch.copies
-                if self._alloc_rank(self.table[rid].owners[k]) == self._alloc_rank(self.rank)]
+                if self.alloc_rank(self.table[rid].owners[k]) == self.alloc_rank(self.rank)]
         if not mine:
             return
         dev = self.group.device
@@ -308,7 +309,7 @@ class ShardedKVPool:
             return self.allocator.allocate(needs, what=what)
 
     def _key(self, owner: int, slot: int) -> tuple[int, int]:
-        return self._alloc_rank(owner), slot
+        return self.alloc_rank(owner), slot
 
     def _drop(self, keys: Iterable[tuple[int, int]]) -> int:
         """One reference less to each page; pages at zero go back to the free lists. Returns
@@ -356,8 +357,8 @@ class ShardedKVPool:
             PoolExhausted: not enough free pages (nothing taken).
         """
         needs = [0] * self.allocator.num_ranks
-        needs[self._alloc_rank(owner)] = n
-        slots = self._allocate(needs, what)[self._alloc_rank(owner)]
+        needs[self.alloc_rank(owner)] = n
+        slots = self._allocate(needs, what)[self.alloc_rank(owner)]
         for slot in slots:
             self._refs[self._key(owner, slot)] = 1
         return slots

@@ -23,7 +23,6 @@ from .registry import (
     BackendRegistrar,
     BackendRegistry,
     BackendSpec,
-    Registry,
     TransferRegistrar,
     TransferRegistry,
     TransferSpec,
@@ -167,7 +166,7 @@ class PluginHost:
         """Registry of every discovered compute backend."""
         specs, unusable = self._collect(PluginKind.BACKEND, "cpkv_register_backends",
                                         BackendRegistrar)
-        reg = Registry(PluginKind.BACKEND, [s for _, s in specs], unusable)
+        reg = BackendRegistry(PluginKind.BACKEND, [s for _, s in specs], unusable)
         _set_origins(reg.origin, specs)
         return reg
 
@@ -176,7 +175,7 @@ class PluginHost:
         checks it against its ``Transport`` Protocol)."""
         specs, unusable = self._collect(PluginKind.TRANSFER, "cpkv_register_transfers",
                                         TransferRegistrar)
-        reg = Registry(PluginKind.TRANSFER, [s for _, s in specs], unusable)
+        reg = TransferRegistry(PluginKind.TRANSFER, [s for _, s in specs], unusable)
         _set_origins(reg.origin, specs)
         return reg
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeAlias, TypeVar, cast, overload
+from typing import Generic, TypeAlias, TypeVar, cast
 
 import structlog
 
@@ -105,32 +105,16 @@ class Selection(Generic[ImplT]):
 class Registry(Generic[SpecT, ImplT]):
     """Specs of one kind, with cached probes and loads: :data:`BackendRegistry` (specs
     :class:`BackendSpec`, loading :class:`~cpkv.contracts.KVOps`) or :data:`TransferRegistry`
-    (specs :class:`TransferSpec`, loading ``object``). The constructor infers which from ``specs``.
+    (specs :class:`TransferSpec`, loading ``object``): construct through those aliases.
 
     ``unusable`` maps names that were discovered but cannot be used (load failed, disabled) to
     (reason, detail); they are never probed.
     """
 
-    @overload
-    def __init__(
-        self: Registry[BackendSpec, KVOps],
-        kind: PluginKind,
-        specs: Iterable[BackendSpec],
-        unusable: Mapping[str, tuple[FallbackReason, str]] | None = None,
-    ) -> None: ...
-
-    @overload
-    def __init__(
-        self: Registry[TransferSpec, object],
-        kind: PluginKind,
-        specs: Iterable[TransferSpec],
-        unusable: Mapping[str, tuple[FallbackReason, str]] | None = None,
-    ) -> None: ...
-
     def __init__(
         self,
         kind: PluginKind,
-        specs: Iterable[BackendSpec] | Iterable[TransferSpec],
+        specs: Iterable[SpecT],
         unusable: Mapping[str, tuple[FallbackReason, str]] | None = None,
     ) -> None:
         self.kind = kind
@@ -139,7 +123,7 @@ class Registry(Generic[SpecT, ImplT]):
             if s.name in self.specs:
                 log.warning("cpkv.plugin.duplicate", kind=kind.value, name=s.name)
                 continue
-            self.specs[s.name] = cast(SpecT, s)  # SpecT is the element type the overload matched
+            self.specs[s.name] = s
         self.unusable = dict(unusable or {})
         #: spec name -> name of the plugin (entry point) that registered it
         self.origin: dict[str, str] = {}
@@ -169,7 +153,7 @@ class Registry(Generic[SpecT, ImplT]):
         """Load (once) and return the plugin object of an available plugin."""
         with self._lock:
             if name not in self._loaded:
-                # the constructor's overloads pair each spec type with what its load returns
+                # the aliases pair each spec type with what its load returns
                 self._loaded[name] = cast(ImplT, self.specs[name].load())
             return self._loaded[name]
 

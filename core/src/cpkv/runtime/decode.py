@@ -7,7 +7,8 @@ one-rank group): it embeds the new token, computes its KV, appends it to the req
 (finishing the tail page first), and runs the indexer, top-k and sparse attention over the full
 layout. :class:`DecodeSession` is what a decode process embeds: the worker plus the receiving
 side of a transfer (:meth:`DecodeSession.connect`, :meth:`DecodeSession.receive`).
-:func:`reference_generate` is the same greedy generation in one process, prefill included.
+The job's reference (:func:`cpkv.runtime.job.reference_rank`) is the same greedy generation in
+one process, prefill included.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ if TYPE_CHECKING:
     from cpkv.plugin import PluginHost
     from cpkv.settings import Settings
 
-__all__ = ["DecodeSession", "DecodeWorker", "decode_step", "generate", "greedy",
-           "reference_generate"]
+__all__ = ["DecodeSession", "DecodeWorker", "decode_step", "generate", "greedy"]
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
@@ -81,25 +81,6 @@ class DecodeWorker:
 
     def release(self, rid: Hashable) -> None:
         self.pool.free(rid)
-
-
-def reference_generate(model: DeepseekV32, settings: Settings, prompts: Sequence[Sequence[int]],
-                       num_tokens: int, *, chunks: Sequence[Sequence[int]] | None = None,
-                       ) -> list[list[int]]:
-    """Single-process greedy generation: prefill the prompts on one rank (in the same batches
-    as ``chunks`` gives: per batch the token count of each prompt, 0 = not in that batch), then
-    the same batched greedy steps as :meth:`DecodeWorker.generate`."""
-    session = PrefillSession(model, settings.with_cp_size(1), CPGroup.single())
-    rids = [f"p{i}" for i in range(len(prompts))]
-    done = [0] * len(prompts)
-    last: dict[int, int] = {}
-    for counts in chunks or [[len(p) for p in prompts]]:
-        batch = [(i, prompts[i][done[i]:done[i] + n]) for i, n in enumerate(counts) if n > 0]
-        res = session.prefill([(rids[i], ids) for i, ids in batch])
-        for (i, ids), tok in zip(batch, greedy(res.last_logits), strict=True):
-            done[i] += len(ids)
-            last[i] = tok
-    return generate(session, [(rids[i], last[i]) for i in range(len(prompts))], num_tokens)
 
 
 class DecodeSession:

@@ -47,5 +47,5 @@ def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> Sender
     return SenderReport(prefill=rank_report(group, session, served, load_s),
                         bytes_sent=sum(d.nbytes for d in sent), entries=sum(d.entries for d in sent),
                         seconds=sum(d.seconds for d in sent),
-                        manifests=[d.manifest for d in sent if d.manifest is not None],
+                        manifests=[d.manifest for d in sent],
                         page_crcs=crcs)
