@@ -19,6 +19,7 @@ from cpkv.fallback import recording
 from cpkv.models import write_tiny_checkpoint
 from cpkv.runtime import run_ranks
 from cpkv.settings import load_settings
+from cpkv.testing.cache_check import all_free, reference_problems
 
 # few distinct tokens: shared prefixes and divergence inside pages are common
 _seqs = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=40), min_size=1, max_size=8)
@@ -69,7 +70,7 @@ def test_references_balance_through_eviction(seqs: list[list[int]], ps: int,
     tree = RadixTree(ps)
     held: Counter[PageRef] = Counter()
     for i, s in enumerate(seqs):
-        held.update(tree.insert(s, [(i, k) for k in range(-(-len(s) // ps))]))
+        held.update(tree.insert(s, [(i, k) for k in range(-(-len(s) // ps))]).device)
         if data.draw(st.booleans()):
             dropped = tree.evict_one()
             assert dropped is not None
@@ -93,7 +94,8 @@ def test_a_hit_ends_mid_page() -> None:
     # b diverges inside page 1 and brings its own copy of it: a later query that follows b
     # past token 70 must read b's page 1, one that follows a must read a's
     added = tree.insert(b, [(0, 10), (0, 20)])
-    assert sorted(added) == [(0, 20), (1, 11)]  # b's node, and page 1 now in two nodes of a
+    # b's node, and page 1 now in two nodes of a
+    assert sorted(added.device) == [(0, 20), (1, 11)] and added.host == []
     assert tree.match([*b[:90], 7]).pages == ((0, 10), (0, 20))
     assert tree.match([*a[:90], 7]).pages == ((0, 10), (1, 11))
     assert tree.match([*a[:66], 7]).pages == ((0, 10), (1, 11))
@@ -139,9 +141,18 @@ def _poison_unheld(session: Any) -> int:
     for rp in pool.table.values():
         for k, (o, s) in enumerate(zip(rp.owners, rp.slots, strict=True)):
             hold(o, s, min(ps, rp.valid_len - k * ps))
+    host = session.cache.host
+    host_valid: dict[int, int] = {}
     for n in session.cache.tree.nodes():
         for k, (o, s) in n.pages.items():
-            hold(o, s, min(ps, n.end - k * ps))
+            if not n.on_host:
+                hold(o, s, min(ps, n.end - k * ps))
+            elif pool.alloc_rank(o) == pool.alloc_rank(pool.rank):
+                host_valid[s] = max(host_valid.get(s, 0), min(ps, n.end - k * ps))
+    for load in pool._loads:  # host pages still to be read by a queued load: whole pages
+        for o, s, _ in load.pages:
+            if pool.alloc_rank(o) == pool.alloc_rank(pool.rank):
+                host_valid[s] = ps
     mine = pool.rank if pool.shared else None
     rows = 0
     for slot in range(pool.capacity):
@@ -150,6 +161,12 @@ def _poison_unheld(session: Any) -> int:
             (v for (o, s), v in valid.items() if s == slot), default=0)
         if keep < ps:
             for buf in pool.kv:
+                buf[slot, keep:] = 0xFF
+            rows += ps - keep
+    for slot in range(host.capacity if host is not None else 0):
+        keep = host_valid.get(slot, 0)
+        if keep < ps:
+            for buf in host.kv:
                 buf[slot, keep:] = 0xFF
             rows += ps - keep
     return rows
@@ -173,9 +190,10 @@ def _serve(group: Any, model_dir: str, settings: Any, reqs: list[tuple[str, list
     assert session.cache is not None
     out["stats"] = dict(session.cache.stats.__dict__)
     out["signature"] = session.cache.tree.signature()
+    out["problems"] = reference_problems(session.cache)
     session.cache.clear()
-    alloc = session.pool.allocator
-    out["all_free"] = all(alloc.free_pages(a) == alloc.capacity for a in range(alloc.num_ranks))
+    session.pool.flush_loads()
+    out["all_free"] = all_free(session.cache)
     out["refs_left"] = session.pool.logical_pages()
     return out
 
@@ -201,22 +219,25 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "dtype", "pages"), [
-    (2, "zigzag", "fp32", 256), (2, "interleave", "fp8", 256),
+@pytest.mark.parametrize(("cp", "mode", "dtype", "pages", "host"), [
+    (2, "zigzag", "fp32", 256, 0), (2, "interleave", "fp8", 256, 0),
     # a pool too small to keep every finished request: later batches evict, least recent first
-    pytest.param(2, "zigzag", "bf16", 14, id="2-zigzag-bf16-evicting"),
-    pytest.param(4, "interleave", "bf16", 256, marks=pytest.mark.slow),
+    pytest.param(2, "zigzag", "bf16", 14, 0, id="2-zigzag-bf16-evicting"),
+    # the same, with a host tier that keeps what the pool evicts: every hit as with a big pool
+    pytest.param(2, "interleave", "fp8", 9, 64, id="2-interleave-fp8-host"),
+    pytest.param(4, "zigzag", "bf16", 5, 64, id="4-zigzag-bf16-host", marks=pytest.mark.slow),
+    pytest.param(4, "interleave", "bf16", 256, 0, marks=pytest.mark.slow),
 ])
 def test_cache_hits_equal_a_no_cache_single_rank_run(tiny: Path, cp: int, mode: str, dtype: str,
-                                                     pages: int) -> None:
+                                                     pages: int, host: int) -> None:
     """Requests served one by one on C ranks, each starting from the longest cached prefix (hits
     in tokens, ending inside pages), with every pool row no one holds poisoned before each
-    batch: logits equal one rank without a cache; every rank holds the same tree; after the
-    cache is cleared every page is free again."""
+    batch (host tier rows too): logits equal one rank without a cache; every rank holds the
+    same tree; after the cache is cleared every page is free again."""
     reqs = _scenario(cp)
     s = load_settings(cp={"size": cp, "mode": mode},
                       kv={"page_size": PAGE, "dtype": dtype, "pages_per_rank": pages},
-                      backend={"preference": ["torch"]}, debug=True)
+                      cache={"host_pages": host}, backend={"preference": ["torch"]}, debug=True)
     with recording():
         results = run_ranks(_serve, cp, args=(str(tiny), s, reqs, True), timeout_s=300)
     ref = _reference_logits(str(tiny), s, reqs)
@@ -228,14 +249,18 @@ def test_cache_hits_equal_a_no_cache_single_rank_run(tiny: Path, cp: int, mode: 
         assert rel <= tol, f"{rid}: logits differ from the no-cache run by {rel:.2e}"
     hits = r0["hits"]
     assert hits["b"] == 37 and hits["c"] == 37 and hits["e"] == 0  # token-valid, mid-page
-    if pages > 100:  # nothing evicted: the follow-ups hit their whole earlier request
+    if pages > 100 or host:  # nothing lost: the follow-ups hit their whole earlier request
         assert hits["d"] == len(reqs[0][1]) and hits["f"] == 66 and hits["g"] == len(reqs[0][1]) - 1
+    if pages > 100:
         assert r0["stats"]["pages_evicted"] == 0
     else:
         assert r0["stats"]["pages_evicted"] > 0
+    # with a host tier, evicted prefixes came back from it
+    assert (r0["stats"]["pages_loaded_from_host"] > 0) == bool(host)
     assert r0["poisoned"] > 0
     assert len({r.value["signature"] for r in results}) == 1
     assert all(r.value["all_free"] and r.value["refs_left"] == 0 for r in results)
+    assert all(r.value["problems"] == [] for r in results)
 
 
 # ---- random programs of serve / keep / release / evict across ranks ---------------------------

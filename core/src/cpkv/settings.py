@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
@@ -157,6 +157,16 @@ class CacheSettings(_Section):
         True, description="radix prefix cache: a new request starts from the longest cached "
                           "prefix of its tokens (a hit may end inside a page); finished requests "
                           "stay cached until pool pressure evicts them, least recently used first",
+    )
+    host_pages: int = Field(
+        0, ge=0, description="host tier capacity, in pages per rank (pinned memory on GPUs): an "
+                             "evicted prefix is backed up there by its pages' owners and loaded "
+                             "back on a hit; 0 turns the host tier off (evicted pages are gone)",
+    )
+    eviction: Literal["lru", "none"] = Field(
+        "lru", description="'lru': a batch that does not fit evicts the least recently used "
+                           "cached prefixes first; 'none': cached prefixes stay until released "
+                           "and such a batch fails (PoolExhausted)",
     )
 
 

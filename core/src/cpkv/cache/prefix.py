@@ -10,6 +10,11 @@ still read, so the pool copies that page on its owner first (copy on write, in
 
 Keys past a request's valid length are never read: a full view holds exactly
 ``[0, prefix + extend)`` of each request (the tail page's rest is masked by construction).
+
+With a host tier (:class:`~cpkv.kv.host.HostPages`), eviction first backs a node's pages up on
+their owners' host memory and keeps the node (now on the host); a hit through host nodes brings
+them back into new device slots on the same owners, loaded a layer ahead of the layer loop by
+the next batch. When the host tier is full its least recently used nodes are dropped.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import structlog
 
 from cpkv.contracts import FallbackReason, cdiv
 from cpkv.fallback import report_fallback
-from cpkv.kv import ShardedKVPool
+from cpkv.kv import PoolExhausted, ShardedKVPool
+from cpkv.kv.host import HostPages
+from cpkv.kv.stage import PageLoad
 
-from .radix import PageRef, PrefixMatch, RadixTree
+from .radix import PageRef, PrefixMatch, RadixTree, _Node
 
 __all__ = ["CacheStats", "PrefixCache"]
 
@@ -44,6 +51,12 @@ class CacheStats:
     pages_evicted: int = 0
     #: tokens a rank had cached but recomputed because another rank had less (rule 29)
     recomputed_tokens: int = 0
+    #: pages backed up into the host tier by evictions
+    pages_saved_to_host: int = 0
+    #: host pages loaded back into device slots for a hit
+    pages_loaded_from_host: int = 0
+    #: host pages whose last reference went when the host tier made room (least recently used)
+    host_pages_dropped: int = 0
 
 
 class PrefixCache:
@@ -51,14 +64,24 @@ class PrefixCache:
 
     Args:
         pool: this rank's pool; the cache registers itself as the pool's page reclaimer, so a
-            batch that does not fit evicts least recently used cached prefixes, then allocates.
+            batch that does not fit evicts least recently used cached prefixes, then allocates
+            (unless ``evict`` is False: then a batch that does not fit raises).
+        host: the host tier (evicted pages are backed up there first), or None (they are gone).
+        evict: whether pool pressure evicts cached prefixes.
     """
 
-    def __init__(self, pool: ShardedKVPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: ShardedKVPool, host: HostPages | None = None, *,
+                 evict: bool = True) -> None:
+        if host is not None and host.allocator.num_ranks != pool.allocator.num_ranks:
+            raise ValueError(f"host tier has {host.allocator.num_ranks} allocation ranks, the pool "
+                             f"{pool.allocator.num_ranks}")
+        self.pool, self.host = pool, host
         self.tree = RadixTree(pool.fmt.page_size)
         self.stats = CacheStats()
-        pool.reclaim = self.evict_for
+        #: nodes no eviction may take right now (a hit being attached)
+        self._keep: set[_Node] = set()
+        if evict:
+            pool.reclaim = self.evict_for
 
     @property
     def page_size(self) -> int:
@@ -68,10 +91,36 @@ class PrefixCache:
         """The longest cached prefix of ``tokens``, in tokens, leaving at least the last token to
         compute (its logits are the request's output)."""
         m = self.tree.match(tokens, limit=len(tokens) - 1)
+        if m.on_host:
+            m = self._servable(m)
         self.stats.lookups += 1
         self.stats.looked_up_tokens += len(tokens)
         self.stats.hit_tokens += m.hit_tokens
         return m
+
+    def _servable(self, m: PrefixMatch) -> PrefixMatch:
+        """``m`` cut before the first host page whose bytes this rank lost (rule 29: the others
+        then shorten their hit to this one's in :meth:`agree`)."""
+        if self.host is None or not self.host.lost:
+            return m
+        me, hit = self.pool.alloc_rank(self.pool.rank), m.hit_tokens
+        ps, cut = self.page_size, None
+        while True:
+            for k, (node, (owner, slot)) in enumerate(self.tree.page_sources(m.path, hit)):
+                if node.on_host and self.pool.alloc_rank(owner) == me and slot in self.host.lost:
+                    cut = (k, slot)
+                    hit = max(node.start, k * ps)  # below it, page k comes from the parent
+                    break
+            else:
+                break
+        if cut is None:
+            return m
+        report_fallback(op="prefix_cache", requested=f"cached prefix of {m.hit_tokens} tokens",
+                        selected=f"{hit} tokens, the rest recomputed",
+                        reason=FallbackReason.HOST_PAGE_MISSING,
+                        detail=f"rank {self.pool.rank} lost host page {cut[1]} (logical page "
+                               f"{cut[0]})")
+        return self.tree.prefix(m.path, hit)
 
     def agree(self, match: PrefixMatch) -> PrefixMatch:
         """The hit every rank can serve: the minimum over ranks (rule 29; a collective, one host
@@ -90,22 +139,74 @@ class PrefixCache:
         self.stats.recomputed_tokens += match.hit_tokens - hit
         if hit == match.hit_tokens:
             return match
-        return PrefixMatch(hit_tokens=hit, pages=match.pages[:cdiv(hit, self.page_size)],
-                           path=match.path)
+        return self.tree.prefix(match.path, hit)
 
     def attach(self, rid: Hashable, match: PrefixMatch) -> int:
         """Start request ``rid`` from the cached prefix ``match``: its page table takes the
         cached pages (shared) and its valid length the hit. Returns the hit length; the caller
         prefills the tokens after it. A zero hit attaches nothing.
 
+        Host nodes on the hit are brought back first: new device slots on the same owners
+        (evicting other prefixes if needed), loaded by the next batch a layer ahead. When even
+        that does not fit, the hit stops before the first host node (the same on every rank:
+        fallback ``cache_hit_shortened``).
+
         Raises:
             ValueError: ``rid`` is already in the pool.
         """
+        if rid in self.pool.table:
+            raise ValueError(f"request {rid!r} is already in the pool")
+        if match.on_host:
+            match = self._bring_back(match)
         if match.hit_tokens == 0:
             return 0
         self.pool.adopt(rid, match.pages, match.hit_tokens)
         self.tree.touch(match)
         return match.hit_tokens
+
+    def _bring_back(self, match: PrefixMatch) -> PrefixMatch:
+        """Load the host nodes of ``match`` back into device slots (see :meth:`attach`)."""
+        assert self.host is not None
+        hit, host = match.hit_tokens, self.host
+        last = match.path[-1]
+        if last.on_host and hit < last.end:  # only the hit comes back
+            host.retain(self._hkey(r) for r in self.tree.split(last, hit))
+            assert last.parent is not None  # the upper part of the split: [start, hit)
+            match = self.tree.prefix((*match.path[:-1], last.parent), hit)
+        nodes = match.on_host
+        refs = [(n, k, r) for n in nodes for k, r in sorted(n.pages.items())]
+        needs = [0] * self.pool.allocator.num_ranks
+        for _, _, (owner, _) in refs:
+            needs[self.pool.alloc_rank(owner)] += 1
+        self._keep = set(match.path)
+        try:
+            slots = self.pool.take_pages(needs, f"{len(refs)} host pages of a cached prefix")
+        except PoolExhausted as exc:
+            short = nodes[0].start
+            report_fallback(op="prefix_cache", requested=f"cached prefix of {hit} tokens",
+                            selected=f"{short} tokens (the device part), the rest recomputed",
+                            reason=FallbackReason.CACHE_HIT_SHORTENED,
+                            detail=f"no room to load {len(refs)} host pages: {exc}")
+            self.stats.hit_tokens -= hit - short
+            return self.tree.prefix(match.path, short)
+        finally:
+            self._keep = set()
+        cursor = [0] * len(slots)
+        moves: list[tuple[int, int, int]] = []
+        for node in nodes:
+            dev: dict[int, PageRef] = {}
+            for k, (owner, hslot) in sorted(node.pages.items()):
+                a = self.pool.alloc_rank(owner)
+                dev[k] = (owner, slots[a][cursor[a]])
+                cursor[a] += 1
+                moves.append((owner, hslot, dev[k][1]))
+            node.pages, node.on_host = dev, False  # the load holds the host references now
+        self.pool.queue_load(PageLoad(host, tuple(moves)))
+        self.stats.pages_loaded_from_host += len(moves)
+        return self.tree.prefix(match.path, hit)
+
+    def _hkey(self, ref: PageRef) -> tuple[int, int]:
+        return self.pool.alloc_rank(ref[0]), ref[1]
 
     def insert(self, rid: Hashable, tokens: Sequence[int]) -> int:
         """Cache request ``rid``'s tokens: ``tokens`` are its token ids from position 0 (at least
@@ -123,13 +224,29 @@ class PrefixCache:
         if len(tokens) < n:
             raise ValueError(f"request {rid!r} holds {n} tokens, {len(tokens)} token ids given")
         pages: list[PageRef] = [(rp.owners[k], rp.slots[k]) for k in range(cdiv(n, self.page_size))]
-        self.pool.retain(self.tree.insert(tokens[:n], pages))
+        added = self.tree.insert(tokens[:n], pages)
+        self.pool.retain(added.device)
+        if added.host:
+            assert self.host is not None
+            self.host.retain(self._hkey(r) for r in added.host)
+        for node in self.tree.match(tokens[:n]).on_host:  # the request holds these tokens now
+            dev = {k: pages[k] for k in node.pages}
+            self.pool.retain(dev.values())
+            self._release_host(node)  # the device copy replaces it
+            node.pages, node.on_host = dev, False
         self.stats.inserted_tokens += n
         return n
 
+    def _release_host(self, node: _Node) -> int:
+        """Drop ``node``'s host references; the host pages that freed."""
+        assert self.host is not None
+        return self.host.release(self._hkey(r) for r in node.pages.values())
+
     def _evictable(self) -> list[int]:
         """Per allocation rank: pages that only the tree holds (what evicting everything frees)."""
-        held: Counter[PageRef] = Counter(p for n in self.tree.nodes() for p in n.pages.values())
+        held: Counter[PageRef] = Counter(p for n in self.tree.nodes()
+                                         if not n.on_host and n not in self._keep
+                                         for p in n.pages.values())
         out = [0] * self.pool.allocator.num_ranks
         for (owner, slot), n in held.items():
             if self.pool.refcount(owner, slot) == n:
@@ -137,14 +254,68 @@ class PrefixCache:
         return out
 
     def _evict_one(self) -> int | None:
-        """Evict the least recently used prefix; the pages it freed, or None when empty."""
-        dropped = self.tree.evict_one()
-        if dropped is None:
+        """Evict the least recently used device prefix (to the host tier when there is one and
+        it has room, else out of the tree); the device pages it freed, or None when none is
+        left."""
+        node = self.tree.lru(on_host=False, keep=self._keep)
+        if node is None:
             return None
-        freed = self.pool.release(dropped)
+        dev = list(node.pages.values())
+        if not self._save(node):
+            self.stats.host_pages_dropped += self._remove(node)
+        freed = self.pool.release(dev)
         self.stats.evicted_nodes += 1
         self.stats.pages_evicted += freed
         return freed
+
+    def _save(self, node: _Node) -> bool:
+        """Back ``node``'s pages up into the host tier (each owner copies its own) and mark it a
+        host node; False when there is no host tier or no room even after dropping its least
+        recently used nodes."""
+        host = self.host
+        if host is None:
+            return False
+        needs = [0] * host.allocator.num_ranks
+        for owner, _ in node.pages.values():
+            needs[self.pool.alloc_rank(owner)] += 1
+        if any(n > host.capacity for n in needs):
+            return False
+        while any(host.free_pages(a) < n for a, n in enumerate(needs)):
+            victim = self.tree.lru(on_host=True, keep=self._keep)
+            if victim is None:
+                return False
+            self.stats.host_pages_dropped += self._remove(victim)
+        if self.pool.loads_pending:
+            self.pool.flush_loads()  # a page saved now may still be waiting for its load
+        slots = host.take(needs)
+        me = self.pool.alloc_rank(self.pool.rank)
+        cursor = [0] * len(slots)
+        saved: dict[int, PageRef] = {}
+        dev_mine: list[int] = []
+        host_mine: list[int] = []
+        for k, (owner, dslot) in sorted(node.pages.items()):
+            a = self.pool.alloc_rank(owner)
+            saved[k] = (owner, slots[a][cursor[a]])
+            cursor[a] += 1
+            if a == me:
+                dev_mine.append(dslot)
+                host_mine.append(saved[k][1])
+        host.save(self.pool.kv, dev_mine, host_mine, self.pool.ops)
+        node.pages, node.on_host = saved, True
+        self.stats.pages_saved_to_host += len(saved)
+        return True
+
+    def _remove(self, node: _Node) -> int:
+        """Take ``node`` and its subtree out of the tree, releasing their host references (the
+        device references of ``node`` itself are the caller's to release); the host pages that
+        freed."""
+        dropped = 0
+        for n in self.tree.remove(node):
+            if n.on_host:
+                dropped += self._release_host(n)
+            elif n is not node:
+                self.stats.pages_evicted += self.pool.release(n.pages.values())
+        return dropped
 
     def evict_for(self, needs: Sequence[int]) -> bool:
         """Evict least recently used prefixes until every allocation rank has ``needs[a]`` free
@@ -171,9 +342,15 @@ class PrefixCache:
         return freed
 
     def clear(self) -> None:
-        """Drop every cached prefix (pages no request holds go back to the free lists)."""
-        while self._evict_one() is not None:
-            pass
+        """Drop every cached prefix, host tier included (pages no request holds go back to the
+        free lists)."""
+        for node in list(self.tree.root.children.values()):
+            for n in self.tree.remove(node):
+                if n.on_host:
+                    self.stats.host_pages_dropped += self._release_host(n)
+                else:
+                    self.stats.pages_evicted += self.pool.release(n.pages.values())
+                self.stats.evicted_nodes += 1
 
     def check_agreement(self) -> None:
         """Debug: every rank's tree is the same (a collective; syncs).

@@ -12,6 +12,10 @@ hold the same page (one request inserted both) or a different one (a request tha
 inside the page wrote its own copy of it). For a hit of ``h`` tokens, page k comes from the
 deepest node on the path that holds token ``min(h, (k + 1) * ps) - 1``.
 
+A node is on the device (its refs are device pool slots) or on the host (``on_host``: its refs
+are host tier slots, after an eviction backed it up). A host node's descendants are host nodes:
+a request whose hit runs through host nodes brings them back first.
+
 The tree is host metadata, deterministic, and fed the same calls on every rank, so every rank
 holds the same tree. It never touches device memory: it tells its owner (the cache) which pages
 it starts and stops referencing, and the owner keeps the reference counts.
@@ -19,10 +23,10 @@ it starts and stops referencing, and the owner keeps the reference counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["PageRef", "PrefixMatch", "RadixTree"]
+__all__ = ["Inserted", "PageRef", "PrefixMatch", "RadixTree"]
 
 #: one physical page: (owner rank, slot on that rank's pool)
 PageRef = tuple[int, int]
@@ -36,6 +40,8 @@ class _Node:
     parent: _Node | None
     children: dict[int, _Node] = field(default_factory=dict)
     last_use: int = 0
+    #: the pages are host tier slots (backed up by an eviction), not device pool slots
+    on_host: bool = False
 
     @property
     def end(self) -> int:
@@ -55,6 +61,20 @@ class PrefixMatch:
     hit_tokens: int
     pages: tuple[PageRef, ...]
     path: tuple[_Node, ...] = ()
+
+    @property
+    def on_host(self) -> tuple[_Node, ...]:
+        """The matched nodes whose pages are on the host (they are loaded back before use)."""
+        return tuple(n for n in self.path if n.on_host)
+
+
+@dataclass(frozen=True)
+class Inserted:
+    """The page references an insert added: device pool pages, and host tier pages (a split
+    of a host node shares its straddling page between the two halves)."""
+
+    device: list[PageRef]
+    host: list[PageRef]
 
 
 class RadixTree:
@@ -94,17 +114,25 @@ class RadixTree:
             if n < len(child.tokens):
                 break
             node = child
-        return PrefixMatch(hit_tokens=pos, pages=self._pages(path, pos), path=tuple(path))
+        return self.prefix(tuple(path), pos)
 
-    def _pages(self, path: Sequence[_Node], hit: int) -> tuple[PageRef, ...]:
+    def prefix(self, path: Sequence[_Node], hit: int) -> PrefixMatch:
+        """The match of the first ``hit`` tokens along ``path`` (a match's path, or its start)."""
+        path = tuple(n for n in path if n.start < hit)
+        return PrefixMatch(hit_tokens=hit, pages=tuple(r for _, r in self.page_sources(path, hit)),
+                           path=path)
+
+    def page_sources(self, path: Sequence[_Node], hit: int) -> list[tuple[_Node, PageRef]]:
+        """For each page of a hit of ``hit`` tokens along ``path``: the node it is read from
+        (the deepest that holds the page's last hit token) and its reference."""
         ps, out = self.page_size, []
         i = 0
         for k in range(-(-hit // ps)):
             last = min(hit, (k + 1) * ps) - 1
             while path[i].end <= last:
                 i += 1
-            out.append(path[i].pages[k])
-        return tuple(out)
+            out.append((path[i], path[i].pages[k]))
+        return out
 
     def touch(self, match: PrefixMatch) -> None:
         """Mark the matched nodes used now (least recently used nodes are evicted first)."""
@@ -113,10 +141,11 @@ class RadixTree:
             n.last_use = self._clock
 
     # ---- insertion ---------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], pages: Sequence[PageRef]) -> list[PageRef]:
-        """Cache ``tokens`` stored in ``pages`` (``ceil(len(tokens) / ps)`` of them, page 0
-        first). Tokens the tree already holds keep the tree's pages. Returns the page references
-        the tree added (a page once per node that now holds it).
+    def insert(self, tokens: Sequence[int], pages: Sequence[PageRef]) -> Inserted:
+        """Cache ``tokens`` stored in device ``pages`` (``ceil(len(tokens) / ps)`` of them,
+        page 0 first). Tokens the tree already holds keep the tree's pages (host nodes among them
+        stay on the host: :meth:`promote` swaps them for the request's pages). Returns the page
+        references the tree added (a page once per node that now holds it).
 
         Raises:
             ValueError: ``pages`` does not cover ``tokens``.
@@ -125,7 +154,7 @@ class RadixTree:
         if len(pages) != -(-len(tokens) // ps):
             raise ValueError(f"{len(tokens)} tokens need {-(-len(tokens) // ps)} pages of {ps}, "
                              f"got {len(pages)}")
-        added: list[PageRef] = []
+        added = Inserted(device=[], host=[])
         m = self.match(tokens)
         hit = m.hit_tokens
         parent = self.root
@@ -133,7 +162,7 @@ class RadixTree:
         if m.path:
             last = m.path[-1]
             if hit < last.end:
-                added += self._split(last, hit)
+                (added.host if last.on_host else added.device).extend(self.split(last, hit))
                 assert last.parent is not None  # the upper part of the split, ending at ``hit``
                 parent = used[-1] = last.parent  # the rest of ``last`` was not used by this insert
             else:
@@ -146,18 +175,18 @@ class RadixTree:
             node = _Node(start=hit, tokens=tuple(tokens[hit:]), pages={k: pages[k] for k in span},
                          parent=parent)
             parent.children[tokens[hit]] = node
-            added += list(node.pages.values())
+            added.device.extend(node.pages.values())
             node.last_use = self._clock
         return added
 
-    def _split(self, node: _Node, at: int) -> list[PageRef]:
+    def split(self, node: _Node, at: int) -> list[PageRef]:
         """Cut ``node`` at absolute token ``at``: a new upper node [start, at) takes its place,
         the node keeps [at, end). Returns the page references added (a straddling page)."""
         ps = self.page_size
         cut = at - node.start
         upper_pages = {k: r for k, r in node.pages.items() if k * ps < at}
         upper = _Node(start=node.start, tokens=node.tokens[:cut], pages=upper_pages,
-                      parent=node.parent, last_use=node.last_use)
+                      parent=node.parent, last_use=node.last_use, on_host=node.on_host)
         assert node.parent is not None
         node.parent.children[node.tokens[0]] = upper
         lower_pages = {k: r for k, r in node.pages.items() if (k + 1) * ps > at}
@@ -177,6 +206,33 @@ class RadixTree:
 
     def leaves(self) -> Iterator[_Node]:
         return (n for n in self.nodes() if not n.children)
+
+    def lru(self, on_host: bool, keep: Collection[_Node] = ()) -> _Node | None:
+        """The least recently used node that can leave its tier, not in ``keep``: a device
+        node with no device child (``on_host=False``), or a host leaf. Ties break by position
+        in the tree (deterministic)."""
+        best: _Node | None = None
+        for n in self.nodes():
+            if n.on_host != on_host or n in keep:
+                continue
+            if any(on_host or not c.on_host for c in n.children.values()):
+                continue
+            if best is None or (n.last_use, n.start, n.tokens) < (best.last_use, best.start,
+                                                                   best.tokens):
+                best = n
+        return best
+
+    def remove(self, node: _Node) -> list[_Node]:
+        """Take ``node`` and everything below it out of the tree; returns those nodes (their
+        page references are dropped: the caller releases them, each in its node's tier)."""
+        assert node.parent is not None
+        del node.parent.children[node.tokens[0]]
+        out, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
 
     def evict_one(self) -> list[PageRef] | None:
         """Remove the least recently used leaf; returns its page references (dropped), or None
@@ -205,7 +261,8 @@ class RadixTree:
         def walk(n: _Node, depth: int) -> None:
             for key in sorted(n.children):
                 c = n.children[key]
-                out.append(f"{depth}:{c.start}:{c.tokens}:{sorted(c.pages.items())}:{c.last_use}")
+                out.append(f"{depth}:{c.start}:{c.tokens}:{sorted(c.pages.items())}:{c.last_use}"
+                           f"{':host' if c.on_host else ''}")
                 walk(c, depth + 1)
 
         walk(self.root, 0)

@@ -40,6 +40,9 @@ class FallbackReason(StrEnum):
     #: a rank can serve less of a cached prefix than the others (e.g. it lost a host page):
     #: every rank uses the shortest hit and recomputes the rest
     CACHE_HIT_SHORTENED = "cache_hit_shortened"
+    #: a host tier page this rank owns is gone (a failed lower-tier read, a fault): its hit stops
+    #: before it, and the ranks then agree on the shorter hit (``cache_hit_shortened``)
+    HOST_PAGE_MISSING = "host_page_missing"
 
 
 class FallbackPolicy(StrEnum):

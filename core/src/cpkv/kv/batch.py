@@ -15,6 +15,7 @@ import torch
 from cpkv.contracts import CPPlan, cdiv
 
 from .rows import RowLayout
+from .stage import PageStage
 
 __all__ = ["BatchKV", "MaterializePlan", "RequestPages"]
 
@@ -78,6 +79,8 @@ class BatchKV:
     materialize_split: MaterializePlan | None
     #: pages this batch reserved, per rank: [(rid, first new page)]; undone by abort
     new_pages: tuple[tuple[Hashable, int], ...]
+    #: per-layer page work before the layer's first read or write (host loads, copies on write)
+    stage: PageStage
     #: copies on write of shared tail pages: (rid, logical page, old slot, new slot)
     copies: tuple[tuple[Hashable, int, int, int], ...] = ()
 
@@ -141,6 +144,7 @@ def build_batch(
     device: torch.device,
     new_pages: tuple[tuple[Hashable, int], ...],
     capacity: int,
+    stage: PageStage,
     copies: tuple[tuple[Hashable, int, int, int], ...] = (),
 ) -> BatchKV:
     """Out-cache locations and materialization plan of ``rank`` (tables already hold the pages)."""
@@ -226,5 +230,6 @@ def build_batch(
         materialize=whole,
         materialize_split=split,
         new_pages=new_pages,
+        stage=stage,
         copies=copies,
     )

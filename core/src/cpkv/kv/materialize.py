@@ -118,9 +118,10 @@ class AllGatherViews:
 
     mode = MaterializeMode.ALL_GATHER
 
-    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, group: CPGroup, ops: OpTable) -> None:
+    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, group: CPGroup, ops: OpTable,
+                 side: torch.cuda.Stream | None = None) -> None:
         self.kv, self.fmt, self.group, self.ops = kv, fmt, group, ops
-        self._stream: torch.cuda.Stream | None = None
+        self._stream = side
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -213,8 +214,10 @@ class PeerViews:
 
 
 def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, capacity: int,
-                      group: CPGroup, ops: OpTable) -> Materializer:
-    """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer).
+                      group: CPGroup, ops: OpTable,
+                      side: torch.cuda.Stream | None = None) -> Materializer:
+    """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer);
+    ``side`` is the pool's side stream (work a layer ahead: the prefetch runs on it).
 
     ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
     rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
@@ -232,4 +235,5 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
         else:
             log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=group.size)
             return PeerViews(peers, fmt, num_layers, capacity, ops)
-    return AllGatherViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, group, ops)
+    return AllGatherViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, group, ops,
+                          side)

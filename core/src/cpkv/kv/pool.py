@@ -30,6 +30,7 @@ from cpkv.fallback import report_fallback
 from .allocator import PageAllocator, PoolExhausted
 from .batch import BatchKV, RequestPages, build_batch
 from .materialize import Materializer, Prefetch, open_materializer
+from .stage import PageLoad, PageStage
 from .view import FullView, pack_rows
 
 if TYPE_CHECKING:
@@ -69,8 +70,12 @@ class ShardedKVPool:
         self.capacity = pages_per_rank
         self.allocator = PageAllocator(group.size if shared else 1, pages_per_rank)
         mode = MaterializeMode(materialize) if shared else MaterializeMode.REPLICA
+        #: the side stream of work done a layer ahead (prefix pages, host loads); None on CPU
+        self.side: torch.cuda.Stream | None = None
+        if group.device.type == "cuda":
+            self.side = torch.cuda.Stream(device=group.device)  # type: ignore[no-untyped-call]
         self.views: Materializer = open_materializer(mode, fmt, num_layers, pages_per_rank, group,
-                                                     ops)
+                                                     ops, self.side)
         #: per layer: uint8 [pages, ps, latent + index bytes] (the strategy's storage)
         self.kv = self.views.kv
         nl = fmt.latent_bytes_per_token
@@ -83,6 +88,10 @@ class ShardedKVPool:
         #: called with each allocation rank's need when a batch does not fit (the prefix cache
         #: evicts); returns whether the pages are free now. Deterministic: same on every rank
         self.reclaim: Callable[[Sequence[int]], bool] | None = None
+        #: host pages queued to load back (the cache's host tier), staged by the next batch
+        self._loads: list[PageLoad] = []
+        #: stages of prepared batches not committed or aborted yet
+        self._staging: list[PageStage] = []
 
     @property
     def materialize_mode(self) -> MaterializeMode:
@@ -207,27 +216,23 @@ class ShardedKVPool:
         for a, got in enumerate(slots):  # copies that turned out unneeded: their pages go back
             if cursor[a] < len(got):
                 self.allocator.release(a, got[cursor[a]:])
+        # per layer, before the layer is read or written: queued host loads, then this rank's
+        # copies on write (a copied tail page may just have been loaded)
+        me = self.alloc_rank(self.rank)
+        stage = PageStage(self.kv, self._loads,
+                          [(old, fresh) for rid, k, old, fresh in copies
+                           if self.alloc_rank(self.table[rid].owners[k]) == me],
+                          self.alloc_rank, me, self.ops, self.group.device, self.side)
+        self._loads = []
         batch = build_batch(plan, rids, self.table, self.rank, self.shared, self.group.device,
                             tuple((rid, e) for rid, e, _ in new), capacity=self.capacity,
-                            copies=tuple(copies))
+                            copies=tuple(copies), stage=stage)
+        self._staging.append(stage)
         if self.debug:
             self._verify_out_cache(batch)
+        # after this no peer still reads the batch's new slots (p2p), so staged copies may land
         self.views.begin_batch(batch)
-        self._copy_pages(batch)
         return batch
-
-    def _copy_pages(self, batch: BatchKV) -> None:
-        """Copy on write: this rank's shared tail pages that the batch writes into get their own
-        copy first (every layer; after ``begin_batch``, so no peer still reads the new slot)."""
-        mine = [(old, fresh) for rid, k, old, fresh in batch.copies
-                if self.alloc_rank(self.table[rid].owners[k]) == self.alloc_rank(self.rank)]
-        if not mine:
-            return
-        dev = self.group.device
-        src = torch.tensor([o for o, _ in mine], dtype=torch.int64).to(dev)
-        dst = torch.tensor([f for _, f in mine], dtype=torch.int64).to(dev)
-        for buf in self.kv:
-            self.ops.page_scatter(buf, dst, self.ops.page_gather(buf, src))
 
     def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
         """Store this rank's new KV rows of ``layer`` (compute dtype, [local rows, D]).
@@ -235,6 +240,7 @@ class ShardedKVPool:
         Page-aligned requests: each rank writes its own rows into its own pages, no communication.
         Otherwise (or for a replica) one all-gather of the packed rows, then owners write.
         """
+        batch.stage.ready(layer)
         lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
         idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
         rows = self.kv[layer].view(-1, self.fmt.bytes_per_token)
@@ -258,7 +264,9 @@ class ShardedKVPool:
     def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
         """Start moving ``layer``'s cached prefix pages into the full view ahead of time (on a side
         stream on GPUs) while the current layer computes; None when the strategy has nothing to
-        stage. Every rank calls it at the same point (it may be a collective)."""
+        stage. Every rank calls it at the same point (it may be a collective). Host pages and
+        copies on write of ``layer`` start here too, on the same side stream."""
+        batch.stage.issue(layer)
         return self.views.prefetch(layer, batch)
 
     def materialize(self, layer: int, batch: BatchKV,
@@ -266,10 +274,12 @@ class ShardedKVPool:
         """The full view of ``layer`` for the batch, in natural order (rule 15), built by the
         pool's strategy; with ``prefetched`` (from :meth:`prefetch`) only the pages this batch
         wrote are still moved."""
+        batch.stage.ready(layer)
         return self.views.full_view(layer, batch, prefetched)
 
     def commit(self, batch: BatchKV) -> None:
         """Mark the batch's tokens valid (call after every layer wrote)."""
+        self._end_stage(batch)
         for rid, req in zip(batch.rids, batch.plan.requests, strict=True):
             rp = self.table[rid]
             rp.valid_len = req.end
@@ -277,7 +287,9 @@ class ShardedKVPool:
 
     def abort(self, batch: BatchKV) -> None:
         """Give back the pages the batch reserved (its copies on write too); its requests hold
-        what they held before."""
+        what they held before. Host pages the batch was loading land anyway (the cache already
+        points at their new slots)."""
+        self._end_stage(batch)
         for rid, k, old, fresh in batch.copies:
             rp = self.table[rid]
             self.retain([(rp.owners[k], old)])
@@ -296,6 +308,35 @@ class ShardedKVPool:
         back to the free list)."""
         rp = self.table.pop(rid)
         self._drop(self._key(o, s) for o, s in zip(rp.owners, rp.slots, strict=True))
+
+    def _end_stage(self, batch: BatchKV) -> None:
+        batch.stage.finish()
+        if batch.stage in self._staging:
+            self._staging.remove(batch.stage)
+
+    # ---- host pages (the prefix cache's host tier) --------------------------------------------
+    def queue_load(self, load: PageLoad) -> None:
+        """Load host pages back into (already reserved) device slots before the next batch reads
+        or writes them: one layer ahead of the layer loop, on the side stream on GPUs. The load
+        holds its host pages until it is done."""
+        self._loads.append(load)
+
+    @property
+    def loads_pending(self) -> bool:
+        """Queued or in-flight host loads (or copies) whose bytes are not all in place yet."""
+        return bool(self._loads) or any(not s.empty for s in self._staging)
+
+    def flush_loads(self) -> None:
+        """Finish every queued host load and every in-flight batch's staged page work now (the
+        current stream is ordered after it): before a save reads device pages whose load was
+        queued, or before a transfer reads them."""
+        for stage in self._staging:
+            stage.finish()
+        if self._loads:
+            me = self.alloc_rank(self.rank)
+            PageStage(self.kv, self._loads, [], self.alloc_rank, me, self.ops, self.group.device,
+                      self.side).finish()
+            self._loads = []
 
     # ---- shared pages (the prefix cache) -------------------------------------------------------
     def _allocate(self, needs: list[int], what: str) -> list[list[int]]:
@@ -358,9 +399,19 @@ class ShardedKVPool:
         """
         needs = [0] * self.allocator.num_ranks
         needs[self.alloc_rank(owner)] = n
-        slots = self._allocate(needs, what)[self.alloc_rank(owner)]
-        for slot in slots:
-            self._refs[self._key(owner, slot)] = 1
+        return self.take_pages(needs, what)[self.alloc_rank(owner)]
+
+    def take_pages(self, needs: Sequence[int], what: str = "pages") -> list[list[int]]:
+        """``needs[a]`` new pages on every allocation rank ``a``, all or nothing, one reference
+        each (the caller's), the reclaimer asked first under pressure.
+
+        Raises:
+            PoolExhausted: not enough free pages (nothing taken).
+        """
+        slots = self._allocate(list(needs), what)
+        for a, got in enumerate(slots):
+            for slot in got:
+                self._refs[(a, slot)] = 1
         return slots
 
     def adopt(self, rid: Hashable, pages: Sequence[tuple[int, int]], valid_len: int) -> None:

@@ -9,6 +9,7 @@ from cpkv.cache import PrefixCache
 from cpkv.comm import CPGroup
 from cpkv.disagg import Link, PrefillTransfer, Sent, Transport, open_link
 from cpkv.kv import RequestPages
+from cpkv.kv.host import HostPages
 from cpkv.ops import ALL_OPS
 from cpkv.plugin import PluginHost
 
@@ -51,7 +52,13 @@ class PrefillSession:
                                 prefetch=settings.runtime.prefetch)
         self._sender: PrefillTransfer | None = None
         #: the prefix cache (``cache.enabled``): same tree on every rank, fed by these calls
-        self.cache: PrefixCache | None = PrefixCache(self.pool) if settings.cache.enabled else None
+        self.cache: PrefixCache | None = None
+        if settings.cache.enabled:
+            c, tier = settings.cache, None
+            if c.host_pages:
+                tier = HostPages(fmt, model.num_layers, c.host_pages,
+                                 self.pool.allocator.num_ranks, group.device)
+            self.cache = PrefixCache(self.pool, tier, evict=c.eviction == "lru")
 
     def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
                 capture_topk: bool = False) -> PrefillResult:
@@ -123,4 +130,6 @@ class PrefillSession:
         """
         if self._sender is None:
             raise RuntimeError("PrefillSession.send needs a transfer: call connect(transport) first")
+        if self.pool.loads_pending:
+            self.pool.flush_loads()  # host pages a hit brought back are in place before they move
         return self._sender.send_request(rid, self.pages(rid), final=final, meta=meta)

@@ -1,0 +1,149 @@
+"""Host copies of KV pages (the prefix cache's host tier storage, rule 28).
+
+A :class:`HostPages` holds, per layer, ``[capacity, ps, latent + index bytes]`` uint8 in host
+memory (pinned when the pool is on a GPU): the stored format, latent and index-K together, one
+block per page, exactly as the device pool holds it. Like the device pool, the bookkeeping (free
+lists, reference counts) is replicated on every rank and fed the same calls, while the bytes of a
+page live only on its **owner**: rank r's host buffers hold the pages rank r owns (every page on
+a replica pool).
+
+* :meth:`save` copies device pages into host slots (the owner's eviction backup; stream ordered
+  on the device's current stream, so the slots can be reused by the next writes at once).
+* :meth:`load` copies host slots of one layer into device slots (the pool calls it per layer, one
+  layer ahead on a side stream: :class:`~cpkv.kv.stage.PageStage`). Runs of consecutive host
+  slots move in one copy each into a staging buffer, then one page scatter lays them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from cpkv.contracts import KVFormat
+
+from .allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from cpkv.ops import OpTable
+
+__all__ = ["HostPages", "slot_runs"]
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position in slots, first slot, length)`` of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            j, first, n = runs[-1]
+            runs[-1] = (j, first, n + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
+
+
+class HostPages:
+    """Host page storage of one rank, with replicated slot bookkeeping (see module docstring).
+
+    Args:
+        fmt: the device pool's stored format.
+        num_layers: layers with KV.
+        capacity: host pages per owner rank.
+        num_ranks: allocation ranks (the device pool's: the CP size, or 1 for a replica).
+        device: the device pool's device; host memory is pinned when it is a GPU.
+    """
+
+    def __init__(self, fmt: KVFormat, num_layers: int, capacity: int, num_ranks: int,
+                 device: torch.device) -> None:
+        if capacity < 1:
+            raise ValueError(f"host capacity must be >= 1 page, got {capacity}")
+        self.fmt, self.num_layers, self.device = fmt, num_layers, device
+        self.allocator = PageAllocator(num_ranks, capacity)
+        pin = device.type == "cuda"
+        self.kv = [torch.zeros(capacity, fmt.page_size, fmt.bytes_per_token, dtype=torch.uint8,
+                               pin_memory=pin) for _ in range(num_layers)]
+        #: references to each held host page, by (allocation rank, slot)
+        self._refs: dict[tuple[int, int], int] = {}
+        #: this rank's host slots whose bytes are gone (a failed read of a lower tier, or a
+        #: fault injected by a test): a hit stops before them (rule 29)
+        self.lost: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def free_pages(self, alloc_rank: int) -> int:
+        return self.allocator.free_pages(alloc_rank)
+
+    def used_pages(self) -> int:
+        """Host pages held, over all allocation ranks."""
+        return sum(self.allocator.used_pages(a) for a in range(self.allocator.num_ranks))
+
+    # ---- bookkeeping (replicated) --------------------------------------------------------------
+    def take(self, needs: Sequence[int]) -> list[list[int]]:
+        """``needs[a]`` free host slots on each allocation rank, all or nothing, one reference
+        each.
+
+        Raises:
+            PoolExhausted: not enough free host slots (nothing taken).
+        """
+        slots = self.allocator.allocate(needs, what="host pages")
+        for a, got in enumerate(slots):
+            for s in got:
+                self._refs[(a, s)] = 1
+                self.lost.discard(s)
+        return slots
+
+    def retain(self, keys: Iterable[tuple[int, int]]) -> None:
+        for k in keys:
+            self._refs[k] += 1
+
+    def release(self, keys: Iterable[tuple[int, int]]) -> int:
+        """One reference less to each (allocation rank, slot); returns how many were freed."""
+        freed: dict[int, list[int]] = {}
+        for k in keys:
+            n = self._refs[k] - 1
+            if n:
+                self._refs[k] = n
+            else:
+                del self._refs[k]
+                freed.setdefault(k[0], []).append(k[1])
+        for a, slots in freed.items():
+            self.allocator.release(a, slots)
+        return sum(len(v) for v in freed.values())
+
+    def refcount(self, key: tuple[int, int]) -> int:
+        return self._refs.get(key, 0)
+
+    # ---- bytes (this rank's pages only) --------------------------------------------------------
+    def save(self, dev_kv: Sequence[torch.Tensor], dev_slots: Sequence[int],
+             host_slots: Sequence[int], ops: OpTable) -> None:
+        """Copy device pages ``dev_slots`` (every layer) into ``host_slots``. On a GPU the copy
+        is queued on the current stream (asynchronous into pinned memory): work queued after it
+        may overwrite the device slots."""
+        if not dev_slots:
+            return
+        src = torch.tensor(list(dev_slots), dtype=torch.int64).to(self.device)
+        runs = slot_runs(host_slots)
+        for layer, buf in enumerate(dev_kv):
+            pages = ops.page_gather(buf, src)
+            host = self.kv[layer]
+            for j, first, n in runs:
+                host[first:first + n].copy_(pages[j:j + n], non_blocking=True)
+
+    def load(self, layer: int, dev_buf: torch.Tensor, host_slots: Sequence[int],
+             dev_slots: torch.Tensor, ops: OpTable) -> None:
+        """Copy host pages ``host_slots`` of ``layer`` into ``dev_buf``'s pages ``dev_slots``
+        (int64 on the device, same order), on the current stream."""
+        host = self.kv[layer]
+        if self.device.type != "cuda":
+            src = torch.tensor(list(host_slots), dtype=torch.int64)
+            ops.page_scatter(dev_buf, dev_slots, host.index_select(0, src))
+            return
+        staging = torch.empty((len(host_slots), *host.shape[1:]), dtype=torch.uint8,
+                              device=self.device)
+        for j, first, n in slot_runs(host_slots):
+            staging[j:j + n].copy_(host[first:first + n], non_blocking=True)
+        ops.page_scatter(dev_buf, dev_slots, staging)
+

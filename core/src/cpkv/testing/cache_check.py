@@ -1,0 +1,59 @@
+"""Checks of a prefix cache's bookkeeping against what holds its pages (tests and debug runs).
+
+:func:`reference_problems` recounts every page reference from its holders: a device page is held
+once per request page table and once per device tree node that lists it; a host page once per
+host tree node and once per queued load. It also checks the tree's tier rule (a host node's
+children are host nodes) and that every held slot is off the free lists.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from cpkv.cache import PrefixCache
+
+__all__ = ["all_free", "reference_problems"]
+
+
+def reference_problems(cache: PrefixCache) -> list[str]:
+    """What is wrong with ``cache``'s reference counts (empty when nothing)."""
+    pool, host = cache.pool, cache.host
+    dev: Counter[tuple[int, int]] = Counter()
+    hst: Counter[tuple[int, int]] = Counter()
+    for rp in pool.table.values():
+        dev.update(pool._key(o, s) for o, s in zip(rp.owners, rp.slots, strict=True))
+    problems: list[str] = []
+    for n in cache.tree.nodes():
+        refs = [(pool.alloc_rank(o), s) for o, s in n.pages.values()]
+        (hst if n.on_host else dev).update(refs)
+        if n.on_host and any(not c.on_host for c in n.children.values()):
+            problems.append(f"host node [{n.start}, {n.end}) has a device child")
+    for load in pool._loads:
+        hst.update((pool.alloc_rank(o), h) for o, h, _ in load.pages)
+    if dict(dev) != pool._refs:
+        problems.append(f"device references {dict(pool._refs)} != holders {dict(dev)}")
+    if host is not None and dict(hst) != host._refs:
+        problems.append(f"host references {dict(host._refs)} != holders {dict(hst)}")
+    if host is None and hst:
+        problems.append("host nodes without a host tier")
+    for a in range(pool.allocator.num_ranks):
+        free = set(pool.allocator.snapshot()[a])
+        held = {s for (r, s) in dev if r == a}
+        if free & held:
+            problems.append(f"rank {a}: held device slots on the free list: {sorted(free & held)}")
+        if len(free) + len(held) != pool.allocator.capacity:
+            problems.append(f"rank {a}: {len(free)} free + {len(held)} held != "
+                            f"{pool.allocator.capacity} device slots")
+        if host is not None:
+            hfree = set(host.allocator.snapshot()[a])
+            hheld = {s for (r, s) in hst if r == a}
+            if hfree & hheld or len(hfree) + len(hheld) != host.capacity:
+                problems.append(f"rank {a}: host free list {sorted(hfree)} vs held {sorted(hheld)}")
+    return problems
+
+
+def all_free(cache: PrefixCache) -> bool:
+    """Every device and host slot is free (after every request was released and the cache
+    cleared)."""
+    pools = [cache.pool.allocator] + ([cache.host.allocator] if cache.host is not None else [])
+    return all(p.free_pages(a) == p.capacity for p in pools for a in range(p.num_ranks))
