@@ -57,6 +57,9 @@ class CacheStats:
     pages_loaded_from_host: int = 0
     #: host pages whose last reference went when the host tier made room (least recently used)
     host_pages_dropped: int = 0
+    #: nodes that left the tree under pressure without a host backup (their tokens are no longer
+    #: cached): no host tier, no room in it, or dropped from it
+    nodes_dropped: int = 0
 
 
 class PrefixCache:
@@ -311,6 +314,7 @@ class PrefixCache:
         freed."""
         dropped = 0
         for n in self.tree.remove(node):
+            self.stats.nodes_dropped += 1
             if n.on_host:
                 dropped += self._release_host(n)
             elif n is not node:
