@@ -26,9 +26,15 @@ FMT = KVFormat(dtype=KVDtype.BF16, page_size=PS, kv_lora_rank=64, rope_dim=16, i
                quant_block=32)
 
 
-def _pool(pages: int, host_pages: int | None, layers: int = 2) -> tuple[ShardedKVPool, PrefixCache]:
-    pool = ShardedKVPool(FMT, layers, CPGroup.single(), kv_ops(CPGroup.single()),
-                         pages_per_rank=pages)
+DEVICES = [pytest.param("cpu"),
+           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="no CUDA device")])]
+
+
+def _pool(pages: int, host_pages: int | None, layers: int = 2,
+          device: str = "cpu") -> tuple[ShardedKVPool, PrefixCache]:
+    group = CPGroup.single(torch.device(device))
+    pool = ShardedKVPool(FMT, layers, group, kv_ops(group), pages_per_rank=pages)
     host = None if host_pages is None else HostPages(FMT, layers, host_pages, 1, pool.group.device)
     return pool, PrefixCache(pool, host)
 
@@ -70,17 +76,19 @@ def test_slot_runs() -> None:
     assert slot_runs([]) == []
 
 
-def test_host_round_trip_is_bit_exact() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_round_trip_is_bit_exact(device: str) -> None:
     """Pages saved to scattered host slots and loaded into other device slots come back byte
     for byte (every layer, latent and index-K columns together)."""
-    pool, _ = _pool(8, None, layers=3)
+    pool, _ = _pool(8, None, layers=3, device=device)
     host = HostPages(FMT, 3, 6, 1, pool.group.device)
+    assert host.kv[0].is_pinned() == (device == "cuda")
     g = torch.Generator().manual_seed(0)
     for buf in pool.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
     before = [buf.clone() for buf in pool.kv]
     host.save(pool.kv, [1, 2, 6], [5, 0, 1], pool.ops)
-    dst = torch.tensor([7, 3, 0])
+    dst = torch.tensor([7, 3, 0], device=device)
     for layer in range(3):
         host.load(layer, pool.kv[layer], [5, 0, 1], dst, pool.ops)
         for d, s in zip([7, 3, 0], [1, 2, 6], strict=True):
@@ -88,11 +96,13 @@ def test_host_round_trip_is_bit_exact() -> None:
         assert torch.equal(pool.kv[layer][4], before[layer][4])  # nothing else moved
 
 
-def test_an_evicted_prefix_comes_back_from_the_host() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_evicted_prefix_comes_back_from_the_host(device: str) -> None:
     """A pool of 6 pages keeps one 20-token request at a time: the others are evicted to the
     host, and a later hit through them loads them back (bytes checked), including a hit that
-    ends inside a host node (only the hit comes back) and inside a page (copied on write)."""
-    pool, cache = _pool(6, 32)
+    ends inside a host node (only the hit comes back) and inside a page (copied on write). On
+    a GPU the loads and copies run a layer ahead on the pool's side stream."""
+    pool, cache = _pool(6, 32, device=device)
     a = list(range(20))
     b = [50 + t for t in range(20)]
     assert _serve(pool, cache, "a", a) == 0

@@ -85,6 +85,22 @@ def test_run_default_shards_kv_and_reports(tmp_path) -> None:  # type: ignore[no
     assert data["decode"]["tokens_match_reference"] is True
 
 
+@pytest.mark.slow
+def test_run_with_a_small_pool_brings_prefixes_back_from_the_host_tier(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """7 pages per rank cannot keep the first prompt while the second runs: it is evicted to
+    the host tier, and the follow-up loads it back; every result still equals the reference."""
+    report = tmp_path / "report.json"
+    out = cpkv("run", "--report", str(report),
+               env={"CPKV_KV__PAGES_PER_RANK": "7", "CPKV_CACHE__HOST_PAGES": "32"})
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    assert data["correct"] is True and data["decode"]["tokens_match_reference"] is True
+    c = data["cache"]
+    assert c["hit_tokens"] == [0, 100, 0, 600] and c["host_pages"] == 32
+    assert c["pages_evicted"] > 0 and c["pages_saved_to_host"] > 0
+    assert c["pages_loaded_from_host"] > 0
+
+
 def test_run_with_error_policy_fails_with_the_reason() -> None:
     out = cpkv("run", env={"CPKV_FALLBACK__POLICY": "error"})
     assert out.returncode == 1

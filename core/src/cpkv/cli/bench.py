@@ -85,6 +85,46 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
             f"(hits_agree_across_ranks={detail['hits_agree_across_ranks']})")
 
 
+@command.command("host")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Default: benchmarks/results/host_h200.json on a GPU, else host_cpu.json.")
+@click.option("--pages", type=click.IntRange(min=1), default=None,
+              help="Pages per layer moved (default: 1024 on a GPU, 128 on a CPU).")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Layers (default: 4 on a GPU, 2 on a CPU).")
+@click.option("--device", default=None,
+              help="torch device (default: cuda when available, else cpu).")
+def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str | None) -> None:
+    """Host tier reload (host -> device) and save (device -> host) of scattered fp8
+    DeepSeek-V3.2 pages vs one contiguous pinned copy of the same bytes; fails unless the
+    round trip is bit exact."""
+    import torch
+
+    from cpkv.bench import host
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise click.ClickException(f"--device {dev}: no CUDA device is available")
+    pages = pages or (1024 if cuda else 128)
+    layers = layers or (4 if cuda else 2)
+    out = out or f"benchmarks/results/host_{'h200' if cuda else 'cpu'}.json"
+    err = Console(stderr=True)
+    try:
+        rows, detail = host.run(dev, pages, layers, progress=lambda s: err.print(f"[dim]{s}[/]"))
+    except host.RoundTripError as e:
+        raise click.ClickException(str(e)) from e
+    report = BenchReport(machine=machine_description(),
+                         command="cpkv bench host " + shlex.join(sys.argv[3:]),
+                         results=tuple(rows), detail=detail)
+    _show(rows)
+    click.echo(f"{detail['bytes_per_token']} B per token, {detail['page_bytes']} B per page, "
+               f"{pages} pages x {layers} layers; bit exact: {detail['bit_exact']}")
+    click.echo(f"wrote {report.write(out)}")
+    if not detail["bit_exact"]:
+        raise click.ClickException("the host tier round trip is not bit exact")
+
+
 #: DeepSeek-V3.2 attention at full size; a small dense MLP and vocabulary keep the stack about the
 #: attention path (the MoE reference computes every expert; engines bring their fused MoE)
 DEEPSEEK_STACK: dict[str, Any] = dict(

@@ -98,7 +98,9 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
         c = rep.cache
         console.print(f"prefix cache: hit tokens per prompt {c['hit_tokens']} "
                       f"({c['hit_fraction']:.1%} of all prompt tokens), pages evicted "
-                      f"{c['pages_evicted']}", soft_wrap=True)
+                      f"{c['pages_evicted']}, saved to / loaded from the host tier "
+                      f"{c['pages_saved_to_host']} / {c['pages_loaded_from_host']}",
+                      soft_wrap=True)
     if rep.transfer is not None and rep.decode is not None:
         tr = rep.transfer
         console.print(f"transfer ({tr['plugin']}): bytes per prefill rank "

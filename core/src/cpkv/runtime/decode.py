@@ -59,14 +59,20 @@ class DecodeWorker:
 
     Args:
         model: the loaded model (the prefill ranks' checkpoint).
-        settings: run settings (``cp.size`` is ignored: the decode pool has one rank).
+        settings: run settings of the prefill group. The decode pool has one rank that holds
+            whole requests, so its capacity is ``cp.size x kv.pages_per_rank`` pages (what the
+            prefill ranks hold together), and it keeps no prefix cache.
         device: where the decode pool and compute live.
     """
 
     def __init__(self, model: DeepseekV32, settings: Settings, device: torch.device | str = "cpu",
                  host: PluginHost | None = None) -> None:
-        self.session = PrefillSession(model, settings.with_cp_size(1),
-                                      CPGroup.single(device, settings.runtime.timeout_s), host)
+        one = settings.with_cp_size(1).model_copy(update={
+            "kv": settings.kv.model_copy(
+                update={"pages_per_rank": settings.kv.pages_per_rank * settings.cp.size}),
+            "cache": settings.cache.model_copy(update={"enabled": False})})
+        self.session = PrefillSession(model, one, CPGroup.single(device, settings.runtime.timeout_s),
+                                      host)
         self.pool = self.session.pool
         self.receiver = DecodeReceiver(self.pool, debug=settings.debug)
 

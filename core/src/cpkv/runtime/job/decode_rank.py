@@ -23,6 +23,7 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     from cpkv.models import load_model
 
     s, c = spec.settings, spec.settings.cp.size
+    s = spec.holding_all(s, c)  # it keeps every prompt until it generates
     t0 = time.perf_counter()
     decode = DecodeSession(load_model(spec.model_dir), s, world.device)
     load_s = time.perf_counter() - t0

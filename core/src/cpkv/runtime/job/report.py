@@ -141,8 +141,8 @@ class JobReport:
     transfer: dict[str, Any] | None = None
     #: {tokens, reference_tokens, tokens_match_reference}; None without the decode phase
     decode: dict[str, Any] | None = None
-    #: {enabled, hit_tokens (per prompt), hit_fraction, pages_evicted, pages_loaded_from_host,
-    #: recomputed_tokens}; None without a cache
+    #: {enabled, hit_tokens (per prompt), hit_fraction, pages_evicted, host_pages,
+    #: pages_saved_to_host, pages_loaded_from_host, recomputed_tokens}; None without a cache
     cache: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:

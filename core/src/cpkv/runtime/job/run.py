@@ -83,8 +83,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         pre = [(r.rank, r.value, r.fallbacks) for r in results]
     cp_wall = time.perf_counter() - t
     progress("single-rank reference")
-    no_cache = settings.with_cp_size(1).model_copy(
-        update={"cache": settings.cache.model_copy(update={"enabled": False})})
+    no_cache = spec.holding_all(settings.with_cp_size(1).model_copy(
+        update={"cache": settings.cache.model_copy(update={"enabled": False})}), 1)
     ref_spec = JobSpec(model_dir, spec.prompts, no_cache, capture_topk, spec.prefix_lens,
                        decode_tokens, batch_size)
     t = time.perf_counter()
@@ -126,8 +126,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         cache = {"enabled": True, "hit_tokens": r0.hits,
                  "hit_fraction": sum(r0.hits) / max(1, total),
                  "pages_evicted": st.get("pages_evicted", 0),
-                 # no host tier yet: nothing is loaded back from host memory
-                 "pages_loaded_from_host": 0,
+                 "host_pages": settings.cache.host_pages,
+                 "pages_saved_to_host": st.get("pages_saved_to_host", 0),
+                 "pages_loaded_from_host": st.get("pages_loaded_from_host", 0),
                  "recomputed_tokens": st.get("recomputed_tokens", 0)}
     return JobReport(
         cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,

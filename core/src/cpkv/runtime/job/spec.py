@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from cpkv.comm import CPGroup
+from cpkv.contracts import cdiv
 from cpkv.settings import Settings
 
 from ..prefill import PrefillResult
@@ -36,6 +37,15 @@ class JobSpec:
     #: prompts per prefill batch, served in order (0: all in one batch); ignored with
     #: ``prefix_lens``. With a cache, each prompt can hit what earlier batches left
     batch_size: int = 0
+
+    def holding_all(self, settings: Settings, ranks: int) -> Settings:
+        """``settings`` with a pool of ``ranks`` ranks big enough to keep every prompt and its
+        decoded tokens at once (the reference and the decode rank keep them all)."""
+        need = sum(cdiv(len(p) + self.decode_tokens, settings.kv.page_size) for p in self.prompts)
+        if settings.kv.pages_per_rank * ranks >= need:
+            return settings
+        return settings.model_copy(update={"kv": settings.kv.model_copy(
+            update={"pages_per_rank": cdiv(need, ranks)})})
 
     @property
     def rids(self) -> list[str]:
