@@ -27,7 +27,6 @@ def test_host_bench_rows_and_bit_exactness() -> None:
     assert detail["bit_exact"] is True
     assert detail["bytes_per_token"] == 788  # 512 fp8 + 4 fp32 scales + 64 bf16 rope + 128 + 4
     assert detail["bytes"] == 16 * 788 * 64 * 2
-    assert 1 < detail["host_runs"] <= 16  # scattered: shuffled runs of consecutive slots
 
 
 def test_a_broken_reload_is_not_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:

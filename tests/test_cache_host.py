@@ -15,7 +15,7 @@ from cpkv.cache import PrefixCache
 from cpkv.comm import CPGroup
 from cpkv.contracts import KVDtype, KVFormat
 from cpkv.kv import PoolExhausted, ShardedKVPool
-from cpkv.kv.host import HostPages, slot_runs
+from cpkv.kv.host import HostPages
 from cpkv.planning import plan_batch
 from cpkv.runtime import run_ranks
 from cpkv.testing.cache_check import all_free, reference_problems
@@ -71,11 +71,6 @@ def _serve(pool: ShardedKVPool, cache: PrefixCache, rid: str, toks: list[int]) -
     return hit
 
 
-def test_slot_runs() -> None:
-    assert slot_runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
-    assert slot_runs([]) == []
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_round_trip_is_bit_exact(device: str) -> None:
     """Pages saved to scattered host slots and loaded into other device slots come back byte
@@ -87,10 +82,10 @@ def test_host_round_trip_is_bit_exact(device: str) -> None:
     for buf in pool.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
     before = [buf.clone() for buf in pool.kv]
-    host.save(pool.kv, [1, 2, 6], [5, 0, 1], pool.ops)
+    host.save(pool.kv, host.index([1, 2, 6]), host.index([5, 0, 1]), pool.ops)
     dst = torch.tensor([7, 3, 0], device=device)
     for layer in range(3):
-        host.load(layer, pool.kv[layer], [5, 0, 1], dst, pool.ops)
+        host.load(layer, pool.kv[layer], host.index([5, 0, 1]), dst, pool.ops)
         for d, s in zip([7, 3, 0], [1, 2, 6], strict=True):
             assert torch.equal(pool.kv[layer][d], before[layer][s])
         assert torch.equal(pool.kv[layer][4], before[layer][4])  # nothing else moved

@@ -29,8 +29,8 @@ else:
 __all__ = ["KV_OPS", "KVOps", "KVPart", "OpTable"]
 
 #: the ops the sharded pool and the CP runtime need (issue #3)
-KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.RERANGE, Op.FP8_PACK, Op.FP8_UNPACK,
-                          Op.PEER_GATHER)
+KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.FP8_PACK,
+                          Op.FP8_UNPACK, Op.PEER_GATHER)
 #: the sparse-attention ops of one layer (issue #4)
 ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
@@ -118,6 +118,39 @@ def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,
     if k < 0:
         raise ValueError(f"topk: k must be >= 0, got {k}")
     _check_ranges("topk", logits.shape[0], key_start, key_end)
+
+
+def check_page_copy_args(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
+                         src_index: torch.Tensor) -> torch.device:
+    """Validate ``page_copy`` arguments (metadata only); returns the device that runs the copy
+    (where both indices live: the GPU when one side is host memory).
+
+    Raises:
+        ValueError: ``dst`` / ``src`` differ in dtype or trailing shape, the indices are not
+            1-D integer tensors of one length on one device, or the devices do not fit.
+    """
+    import torch
+
+    for name, t in (("dst", dst), ("src", src)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            raise ValueError(f"page_copy: {name} must be a tensor with a row dim 0")
+    if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+        raise ValueError(f"page_copy: dst {tuple(dst.shape)} {dst.dtype} and src "
+                         f"{tuple(src.shape)} {src.dtype} differ in dtype or row shape")
+    for name, t in (("dst_index", dst_index), ("src_index", src_index)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 1
+                or t.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"page_copy: {name} must be a 1-D int64 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if dst_index.shape != src_index.shape or dst_index.device != src_index.device:
+        raise ValueError(f"page_copy: dst_index {tuple(dst_index.shape)} on {dst_index.device} "
+                         f"and src_index {tuple(src_index.shape)} on {src_index.device} differ")
+    runs = dst_index.device
+    for name, t in (("dst", dst), ("src", src)):
+        if t.device != runs and not (t.device.type == "cpu" and runs.type == "cuda"):
+            raise ValueError(f"page_copy: {name} on {t.device}, indices on {runs}")
+    return runs
 
 
 def check_peer_gather_args(srcs: Sequence[torch.Tensor], owner: torch.Tensor,

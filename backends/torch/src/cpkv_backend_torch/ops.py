@@ -47,6 +47,7 @@ import torch
 from cpkv.contracts import KVFormat
 from cpkv.ops import (
     check_indexer_args,
+    check_page_copy_args,
     check_peer_gather_args,
     check_sparse_mla_args,
     check_topk_args,
@@ -109,6 +110,20 @@ class TorchOps:
             raise ValueError(f"page_scatter: src {tuple(src.shape)} {src.dtype} does not fit "
                              f"index {tuple(index.shape)} into dst {tuple(dst.shape)} {dst.dtype}")
         dst.index_copy_(0, index, src)
+
+    def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
+                  src_index: torch.Tensor) -> None:
+        """``dst[dst_index[i]] = src[src_index[i]]`` in place along dim 0 (``index_select`` then
+        ``index_copy_``). ``dst`` or ``src`` may be host memory while the other is on a GPU (the
+        rows then cross once, and an index on the other device is moved: a host sync).
+
+        Raises:
+            ValueError: the indices differ in length, or ``dst`` and ``src`` differ in dtype or
+                trailing shape.
+        """
+        check_page_copy_args(dst, dst_index, src, src_index)
+        rows = src.index_select(0, src_index.to(src.device))
+        dst.index_copy_(0, dst_index.to(dst.device), rows.to(dst.device))
 
     def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         """Rank-major padded rows back to natural order: ``natural[n] = gathered[perm[n]]``.

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from cpkv.contracts import FallbackReason
 from cpkv.fallback import report_fallback
-from cpkv.ops import check_peer_gather_args, fp8_layout
+from cpkv.ops import check_page_copy_args, check_peer_gather_args, fp8_layout
 
 if TYPE_CHECKING:
     from cpkv.contracts import KVFormat
@@ -42,10 +42,11 @@ AMAX_FLOOR_F32 = float(torch.tensor(1e-12, dtype=torch.float32).item())
 
 # ---- row movement ----------------------------------------------------------------------------
 @triton.jit
-def _copy_rows(src_ptr, dst_ptr, idx_ptr, n_rows, row_v, src_stride_v, dst_stride_v,
-               GATHER: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr):
-    """``dst[i] = src[idx[i]]`` (GATHER) or ``dst[idx[i]] = src[i]`` for i < n_rows.
+def _copy_rows(src_ptr, dst_ptr, sidx_ptr, didx_ptr, n_rows, row_v, src_stride_v, dst_stride_v,
+               SRC_IDX: tl.constexpr, DST_IDX: tl.constexpr, VEC: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dst[d(i)] = src[s(i)]`` for i < n_rows, where ``s(i)`` is ``sidx[i]`` (SRC_IDX) or i
+    and ``d(i)`` is ``didx[i]`` (DST_IDX) or i: a gather, a scatter, or both in one pass.
 
     A row is ``row_v * VEC`` units; strides are in VEC-unit groups, so every row start is a
     multiple of VEC units (the alignment the wrapper checked), which lets the compiler vectorise.
@@ -54,13 +55,14 @@ def _copy_rows(src_ptr, dst_ptr, idx_ptr, n_rows, row_v, src_stride_v, dst_strid
     pid_c = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
-    idx = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    if GATHER:
-        s_row = idx
-        d_row = rows
+    if SRC_IDX:  # noqa: SIM108 (a constexpr branch: compiled away)
+        s_row = tl.load(sidx_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         s_row = rows
-        d_row = idx
+    if DST_IDX:  # noqa: SIM108
+        d_row = tl.load(didx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        d_row = rows
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < row_v * VEC
     s_off = (s_row * src_stride_v) * VEC
@@ -175,15 +177,21 @@ class _CopyShape:
         return t.stride(0) // self.vec
 
 
-def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, index: torch.Tensor, n: int,
-                 gather: bool) -> None:
-    """Launch ``_copy_rows`` on [*, R] views of one dtype (rows dense, any row stride)."""
+def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, src_index: torch.Tensor | None,
+                 dst_index: torch.Tensor | None, n: int) -> None:
+    """Launch ``_copy_rows`` on [*, R] views of one dtype (rows dense, any row stride): rows
+    ``src_index`` (or 0..n-1) of ``src2`` into rows ``dst_index`` (or 0..n-1) of ``dst2``."""
     if n == 0 or src2.shape[1] == 0:
         return
     sh = _CopyShape([src2, dst2], n)
     s, d = sh.units(src2), sh.units(dst2)
-    _copy_rows[sh.grid](s, d, index, n, sh.row_units // sh.vec, sh.stride(s), sh.stride(d),
-                        GATHER=gather, VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
+    some = src_index if src_index is not None else dst_index
+    assert some is not None
+    _copy_rows[sh.grid](s, d, src_index if src_index is not None else some,
+                        dst_index if dst_index is not None else some, n,
+                        sh.row_units // sh.vec, sh.stride(s), sh.stride(d),
+                        SRC_IDX=src_index is not None, DST_IDX=dst_index is not None,
+                        VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
                         num_warps=sh.num_warps)
 
 
@@ -226,7 +234,7 @@ def _gather(op: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if s2 is None:
         s2 = _dense_rows(src.contiguous())
     assert s2 is not None
-    _launch_copy(s2, out.view(n, -1), index, n, gather=True)
+    _launch_copy(s2, out.view(n, -1), index, None, n)
     return out
 
 
@@ -392,7 +400,7 @@ class KVKernels:
             s2 = _dense_rows(src.contiguous())
         assert s2 is not None
         if d2 is not None:
-            _launch_copy(s2, d2, index, n, gather=False)
+            _launch_copy(s2, d2, None, index, n)
             return
         # rows of dst not dense in memory (rare; the pool's buffers never are): scatter into a
         # dense copy, write it back
@@ -404,8 +412,26 @@ class KVKernels:
         tmp = dst.contiguous()
         t2 = _dense_rows(tmp)
         assert t2 is not None
-        _launch_copy(s2, t2, index, n, gather=False)
+        _launch_copy(s2, t2, None, index, n)
         dst.copy_(tmp)
+
+    def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
+                  src_index: torch.Tensor) -> None:
+        """``dst[dst_index[i]] = src[src_index[i]]`` in one kernel; ``dst`` or ``src`` may be
+        pinned host memory (the GPU reads or writes it directly over the bus)."""
+        runs = check_page_copy_args(dst, dst_index, src, src_index)
+        for name, t in (("dst", dst), ("src", src)):
+            if t.device != runs and not t.is_pinned():
+                raise ValueError(f"page_copy: {name} is host memory that is not pinned: a GPU "
+                                 f"kernel cannot read it")
+        n = dst_index.shape[0]
+        if n == 0 or dst.numel() == 0:
+            return
+        d2, s2 = _dense_rows(dst), _dense_rows(src)
+        if d2 is None or s2 is None:
+            raise ValueError(f"page_copy: rows must be dense in memory, got strides "
+                             f"{dst.stride()} and {src.stride()}")
+        _launch_copy(s2, d2, src_index.contiguous(), dst_index.contiguous(), n)
 
     def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         """Rank-major padded rows back to natural order: ``natural[n] = gathered[perm[n]]``."""

@@ -1,8 +1,8 @@
 """Host tier benchmark: :class:`~cpkv.kv.host.HostPages` reload and save bandwidth.
 
 Stored format: DeepSeek-V3.2 fp8 (64-token pages, latent + index-K, 788 B per token per layer).
-``pages`` pages of every layer move between scattered host slots (shuffled runs of
-:data:`RUN` consecutive slots) and random distinct device slots of a pool twice that size:
+``pages`` pages of every layer move between host slots in random order and random distinct
+device slots of a pool twice that size (scattered on both sides, as after many evictions):
 
 * ``host_reload``: :meth:`HostPages.load` of every layer (host -> device), GB/s; ceiling: one
   contiguous pinned host -> device ``copy_(non_blocking=True)`` of the same bytes.
@@ -23,20 +23,18 @@ from typing import Any
 import torch
 
 from cpkv.contracts import KVDtype, KVFormat, Op
-from cpkv.kv.host import HostPages, slot_runs
+from cpkv.kv.host import HostPages
 from cpkv.ops import OpTable
 from cpkv.plugin import PluginHost
 
 from .report import BenchRow
 from .timing import median_ms
 
-__all__ = ["FMT", "RUN", "RoundTripError", "run"]
+__all__ = ["FMT", "RoundTripError", "run"]
 
 #: DeepSeek-V3.2's fp8 stored format
 FMT = KVFormat(dtype=KVDtype.FP8, page_size=64, kv_lora_rank=512, rope_dim=64, index_head_dim=128,
                quant_block=128)
-#: consecutive host slots per run of the scattered slot order
-RUN = 8
 
 
 class RoundTripError(RuntimeError):
@@ -52,19 +50,9 @@ def _ops(device: torch.device) -> OpTable:
     host = PluginHost()
     try:
         pref = ["triton", "torch"] if device.type == "cuda" else ["torch"]
-        return OpTable.resolve(host.backends(), pref, (Op.PAGE_GATHER, Op.PAGE_SCATTER))
+        return OpTable.resolve(host.backends(), pref, (Op.PAGE_COPY,))
     finally:
         host.close()
-
-
-def _host_slots(pages: int, rng: random.Random) -> list[int]:
-    """Slots ``0..pages-1`` as shuffled blocks of :data:`RUN` consecutive slots (never in
-    order, so two blocks or more are two runs or more)."""
-    blocks = list(range(-(-pages // RUN)))
-    rng.shuffle(blocks)
-    if blocks == sorted(blocks):
-        blocks.reverse()
-    return [s for b in blocks for s in range(b * RUN, min((b + 1) * RUN, pages))]
 
 
 def run(device: torch.device, pages: int, layers: int,
@@ -89,18 +77,19 @@ def run(device: torch.device, pages: int, layers: int,
 
     rng = random.Random(seed)
     dev_capacity = 2 * pages
-    host_slots = _host_slots(pages, rng)
+    host_slots = rng.sample(range(pages), pages)
     dev_slots = rng.sample(range(dev_capacity), pages)
     dev_idx = torch.tensor(dev_slots, dtype=torch.int64, device=device)
     gen = torch.Generator(device).manual_seed(seed)
     dev_kv = [torch.empty(dev_capacity, ps, width, dtype=torch.uint8, device=device)
               .random_(0, 256, generator=gen) for _ in range(layers)]
     host = HostPages(fmt, layers, pages, 1, device)
+    hs_dev = host.index(host_slots)
 
     # round trip: save, zero the device slots, load back; every byte must come back
     progress("round trip (bit exactness)")
     before = [b.clone() for b in dev_kv]
-    host.save(dev_kv, dev_slots, host_slots, ops)
+    host.save(dev_kv, dev_idx, hs_dev, ops)
     _sync(device)
     hs_idx = torch.tensor(host_slots, dtype=torch.int64)
     bit_exact = all(torch.equal(host.kv[layer].index_select(0, hs_idx),
@@ -109,7 +98,7 @@ def run(device: torch.device, pages: int, layers: int,
     for b in dev_kv:
         b.index_fill_(0, dev_idx, 0)
     for layer in range(layers):
-        host.load(layer, dev_kv[layer], host_slots, dev_idx, ops)
+        host.load(layer, dev_kv[layer], hs_dev, dev_idx, ops)
     _sync(device)
     bit_exact = bit_exact and all(torch.equal(a, b) for a, b in zip(dev_kv, before, strict=True))
     del before
@@ -119,10 +108,10 @@ def run(device: torch.device, pages: int, layers: int,
 
     def reload() -> None:
         for layer in range(layers):
-            host.load(layer, dev_kv[layer], host_slots, dev_idx, ops)
+            host.load(layer, dev_kv[layer], hs_dev, dev_idx, ops)
 
     def save() -> None:
-        host.save(dev_kv, dev_slots, host_slots, ops)
+        host.save(dev_kv, dev_idx, hs_dev, ops)
 
     flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -158,8 +147,6 @@ def run(device: torch.device, pages: int, layers: int,
         "pages": pages,
         "layers": layers,
         "bytes": nbytes,
-        "run_length": RUN,
-        "host_runs": len(slot_runs(host_slots)),
         "device_pool_pages": dev_capacity,
         "ms": ms,
         "ops": dict(ops.chosen),

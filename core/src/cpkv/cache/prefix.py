@@ -303,7 +303,8 @@ class PrefixCache:
             if a == me:
                 dev_mine.append(dslot)
                 host_mine.append(saved[k][1])
-        host.save(self.pool.kv, dev_mine, host_mine, self.pool.ops)
+        if dev_mine:
+            host.save(self.pool.kv, host.index(dev_mine), host.index(host_mine), self.pool.ops)
         node.pages, node.on_host = saved, True
         self.stats.pages_saved_to_host += len(saved)
         return True

@@ -87,6 +87,8 @@ class CPGroup:
         self.size = size
         self.backend: Backend = backend
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = float(timeout_s)
         self._pg = process_group  # None: the default group (or no group at all when local)
 

@@ -29,6 +29,13 @@ class KVOps(Protocol):
         int64 [n] on ``src.device``; returns a new contiguous [n, ...] tensor.
     page_scatter(dst, index, src) -> None
         ``dst[index[i]] = src[i]`` in place along dim 0; ``index`` entries are unique.
+    page_copy(dst, dst_index, src, src_index) -> None
+        ``dst[dst_index[i]] = src[src_index[i]]`` in place along dim 0, in one pass (no
+        intermediate); ``dst_index`` entries are unique; ``dst`` and ``src`` have one dtype and
+        trailing shape and may be the same tensor (rows not overlapping). One of them may be
+        pinned host memory while the other is on a GPU (the prefix cache's host tier): both
+        indices then live on the GPU, which runs the copy and reads or writes host memory
+        directly. Otherwise everything is on one device.
     rerange(gathered, perm) -> natural
         rank-major padded rows back to natural order in one pass: ``natural[n] = gathered[perm[n]]``.
     fp8_pack(x, fmt, part) -> uint8 [N, B]

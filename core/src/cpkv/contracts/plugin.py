@@ -22,6 +22,7 @@ class Op(StrEnum):
 
     PAGE_GATHER = "page_gather"
     PAGE_SCATTER = "page_scatter"
+    PAGE_COPY = "page_copy"
     RERANGE = "rerange"
     FP8_PACK = "fp8_pack"
     FP8_UNPACK = "fp8_unpack"

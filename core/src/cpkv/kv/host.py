@@ -10,8 +10,11 @@ a replica pool).
 * :meth:`save` copies device pages into host slots (the owner's eviction backup; stream ordered
   on the device's current stream, so the slots can be reused by the next writes at once).
 * :meth:`load` copies host slots of one layer into device slots (the pool calls it per layer, one
-  layer ahead on a side stream: :class:`~cpkv.kv.stage.PageStage`). Runs of consecutive host
-  slots move in one copy each into a staging buffer, then one page scatter lays them out.
+  layer ahead on a side stream: :class:`~cpkv.kv.stage.PageStage`).
+
+Both are one ``page_copy`` per layer: on a GPU the kernel reads (or writes) the pinned host pages
+directly over the bus, so scattered slots cost no more than one contiguous copy (measured in
+``cpkv bench host``).
 """
 
 from __future__ import annotations
@@ -28,19 +31,7 @@ from .allocator import PageAllocator
 if TYPE_CHECKING:
     from cpkv.ops import OpTable
 
-__all__ = ["HostPages", "slot_runs"]
-
-
-def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(position in slots, first slot, length)`` of each run of consecutive slots, in order."""
-    runs: list[tuple[int, int, int]] = []
-    for i, s in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == s:
-            j, first, n = runs[-1]
-            runs[-1] = (j, first, n + 1)
-        else:
-            runs.append((i, s, 1))
-    return runs
+__all__ = ["HostPages"]
 
 
 class HostPages:
@@ -117,33 +108,21 @@ class HostPages:
         return self._refs.get(key, 0)
 
     # ---- bytes (this rank's pages only) --------------------------------------------------------
-    def save(self, dev_kv: Sequence[torch.Tensor], dev_slots: Sequence[int],
-             host_slots: Sequence[int], ops: OpTable) -> None:
-        """Copy device pages ``dev_slots`` (every layer) into ``host_slots``. On a GPU the copy
-        is queued on the current stream (asynchronous into pinned memory): work queued after it
-        may overwrite the device slots."""
-        if not dev_slots:
-            return
-        src = torch.tensor(list(dev_slots), dtype=torch.int64).to(self.device)
-        runs = slot_runs(host_slots)
-        for layer, buf in enumerate(dev_kv):
-            pages = ops.page_gather(buf, src)
-            host = self.kv[layer]
-            for j, first, n in runs:
-                host[first:first + n].copy_(pages[j:j + n], non_blocking=True)
+    def index(self, slots: Sequence[int]) -> torch.Tensor:
+        """Slots as the int64 index tensor the copies take (on the device that runs them)."""
+        return torch.tensor(list(slots), dtype=torch.int64).to(self.device)
 
-    def load(self, layer: int, dev_buf: torch.Tensor, host_slots: Sequence[int],
+    def save(self, dev_kv: Sequence[torch.Tensor], dev_slots: torch.Tensor,
+             host_slots: torch.Tensor, ops: OpTable) -> None:
+        """Copy device pages ``dev_slots`` (every layer) into host pages ``host_slots`` (index
+        tensors from :meth:`index`, same order), queued on the current stream: work queued after
+        it may overwrite the device slots."""
+        for layer, buf in enumerate(dev_kv):
+            ops.page_copy(self.kv[layer], host_slots, buf, dev_slots)
+
+    def load(self, layer: int, dev_buf: torch.Tensor, host_slots: torch.Tensor,
              dev_slots: torch.Tensor, ops: OpTable) -> None:
         """Copy host pages ``host_slots`` of ``layer`` into ``dev_buf``'s pages ``dev_slots``
-        (int64 on the device, same order), on the current stream."""
-        host = self.kv[layer]
-        if self.device.type != "cuda":
-            src = torch.tensor(list(host_slots), dtype=torch.int64)
-            ops.page_scatter(dev_buf, dev_slots, host.index_select(0, src))
-            return
-        staging = torch.empty((len(host_slots), *host.shape[1:]), dtype=torch.uint8,
-                              device=self.device)
-        for j, first, n in slot_runs(host_slots):
-            staging[j:j + n].copy_(host[first:first + n], non_blocking=True)
-        ops.page_scatter(dev_buf, dev_slots, staging)
+        (index tensors from :meth:`index`, same order), on the current stream."""
+        ops.page_copy(dev_buf, dev_slots, self.kv[layer], host_slots)
 

@@ -58,13 +58,13 @@ class PageStage:
         self.kv, self.ops, self.device, self.side = kv, ops, device, side
         self.loads = list(loads)
         self._alloc_rank = alloc_rank
-        #: per load: this rank's host slots and their device slots (on the device, once)
-        self._mine: list[tuple[HostPages, list[int], torch.Tensor]] = []
+        #: per load: this rank's host slots and their device slots (index tensors, once)
+        self._mine: list[tuple[HostPages, torch.Tensor, torch.Tensor]] = []
         for load in self.loads:
             own = [(h, d) for o, h, d in load.pages if alloc_rank(o) == me]
             if own:
-                dst = torch.tensor([d for _, d in own], dtype=torch.int64).to(device)
-                self._mine.append((load.host, [h for h, _ in own], dst))
+                self._mine.append((load.host, load.host.index([h for h, _ in own]),
+                                   load.host.index([d for _, d in own])))
         self._copy: tuple[torch.Tensor, torch.Tensor] | None = None
         if copies:
             src = torch.tensor([s for s, _ in copies], dtype=torch.int64).to(device)
@@ -86,11 +86,11 @@ class PageStage:
 
     def _run(self, layer: int) -> None:
         buf = self.kv[layer]
-        for host, slots, dst in self._mine:
-            host.load(layer, buf, slots, dst, self.ops)
+        for host, src, dst in self._mine:
+            host.load(layer, buf, src, dst, self.ops)
         if self._copy is not None:
             src, dst = self._copy
-            self.ops.page_scatter(buf, dst, self.ops.page_gather(buf, src))
+            self.ops.page_copy(buf, dst, buf, src)
 
     def issue(self, layer: int) -> None:
         """Start ``layer``'s work on the side stream (inline on CPU), once."""
@@ -103,7 +103,8 @@ class PageStage:
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.side):
             self.side.wait_stream(main)  # earlier users of the slots are done with them
-            for _, _, dst in self._mine:
+            for _, src, dst in self._mine:
+                src.record_stream(self.side)
                 dst.record_stream(self.side)
             if self._copy is not None:
                 for t in self._copy:

@@ -267,6 +267,57 @@ def _check_page_scatter(impl: Any, ref: Any, device: str, seed: int) -> None:
                          against="dst[index] = src with every other row untouched")
 
 
+def _check_page_copy(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """Device to device (also within one buffer), and on a GPU pinned host memory to the
+    device and back (the host tier's load and save)."""
+    op = "page_copy"
+    cuda = torch.device(device).type == "cuda"
+    homes = [("device", "device"), ("same buffer", "same")]
+    if cuda:
+        homes += [("host to device", "from_host"), ("device to host", "to_host")]
+    for k, (label, row, dtype, counts) in enumerate(_row_shapes()):
+        for j, n in enumerate(counts):
+            for h, (where, kind) in enumerate(homes):
+                g = _gen(seed * 1000 + 700 + k * 40 + j * 4 + h)
+                pages = 2 * n + 1  # always some untouched rows
+                case = f"{label}, {n} rows, {where}"
+                perm = torch.randperm(pages, generator=g)
+                dst_index, src_index = perm[:n], torch.randperm(pages, generator=g)[:n]
+                if kind == "same":  # disjoint rows of one buffer
+                    dst_index, src_index = perm[:n], perm[n:2 * n]
+                src = _nonzero((pages, *row), dtype, g)
+                dst = _nonzero((pages, *row), dtype, g)
+                expect = dst.clone()
+                if kind == "same":
+                    expect[dst_index] = dst[src_index]
+                else:
+                    expect[dst_index] = src[src_index]
+                dst_index, src_index = _to(device, dst_index, src_index)
+                src = src.pin_memory() if kind == "from_host" else _to(device, src)[0]
+                dst = dst.pin_memory() if kind == "to_host" else _to(device, dst)[0]
+                if kind == "same":
+                    src = dst
+                keep = [dst_index.clone(), src_index.clone(), src.clone()]
+                got = dst.clone() if kind != "to_host" else dst.clone().pin_memory()
+                want = got.clone()
+                if kind == "same":
+                    ref.page_copy(want, dst_index, want, src_index)
+                    ret = _call(op, case, impl.page_copy, got, dst_index, got, src_index)
+                else:
+                    ref.page_copy(want, dst_index, src, src_index)
+                    ret = _call(op, case, impl.page_copy, got, dst_index, src, src_index)
+                if ret is not None:
+                    raise AssertionError(f"{op} [{case}]: must return None (in place), got "
+                                         f"{type(ret).__name__}")
+                if cuda:
+                    torch.cuda.synchronize()
+                _assert_same(op, case, "destination", got.to(device), want.to(device))
+                _assert_same(op, case, "destination", got.cpu(), expect.cpu(),
+                             against="dst[dst_index] = src[src_index], every other row untouched")
+                if kind != "same":
+                    _unchanged(op, case, keep, [dst_index, src_index, src])
+
+
 def _check_rerange(impl: Any, ref: Any, device: str, seed: int) -> None:
     op = "rerange"
     for k, (label, row, dtype, counts) in enumerate(_row_shapes()):
@@ -609,6 +660,7 @@ def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
 CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.PAGE_GATHER.value: _check_page_gather,
     Op.PAGE_SCATTER.value: _check_page_scatter,
+    Op.PAGE_COPY.value: _check_page_copy,
     Op.RERANGE.value: _check_rerange,
     Op.FP8_PACK.value: _check_fp8_pack,
     Op.FP8_UNPACK.value: _check_fp8_unpack,
