@@ -284,6 +284,13 @@ class _OnDevice:
         self.impl.page_scatter(on, index.to(self.device), src.to(self.device))
         dst.copy_(on.cpu())
 
+    def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
+                  src_index: torch.Tensor) -> None:
+        on = dst.to(self.device)
+        self.impl.page_copy(on, dst_index.to(self.device),
+                            on if src is dst else src.to(self.device), src_index.to(self.device))
+        dst.copy_(on.cpu())
+
     def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         return self._run("rerange", gathered, perm)
 
