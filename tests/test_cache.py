@@ -466,3 +466,49 @@ def test_every_rank_uses_the_shortest_hit_and_says_so(tiny: Path) -> None:
         assert shortened and all(e.op == "prefix_cache" for e in shortened)
         assert r.value["stats"]["recomputed_tokens"] == (77 - 40 + 66 - 40 + 76 - 40
                                                          if r.rank == 0 else 0)
+
+
+# ---- poisoned rows and the transfer to a decode rank -------------------------------------------
+def _poisoning_disagg(world: Any, spec: Any, poison: bool) -> Any:
+    """The disaggregated job (C prefill ranks + a decode rank); with ``poison``, every prefill
+    rank poisons the rows no one holds as valid before each batch."""
+    from cpkv.runtime.job import disagg_rank
+    from cpkv.runtime.session import PrefillSession
+
+    if poison and world.rank < spec.settings.cp.size:
+        plain = PrefillSession.prefill
+
+        def poisoned(self: Any, batch: Any, **kw: Any) -> Any:
+            assert _poison_unheld(self) > 0
+            return plain(self, batch, **kw)
+
+        PrefillSession.prefill = poisoned  # type: ignore[method-assign]
+    return disagg_rank(world, spec)
+
+
+@pytest.mark.multiprocess
+def test_poisoned_rows_change_no_valid_transferred_byte(tiny: Path) -> None:
+    """Prompts served through the cache (hits ending mid-page, copies on write) and sent to a
+    decode rank, once with every unheld row poisoned on the prefill ranks: the decode rank
+    receives the same valid bytes (per-page CRC of the valid rows), and decodes the same tokens
+    as a single rank without a cache."""
+    from dataclasses import replace
+
+    from cpkv.runtime.job import JobSpec, reference_rank
+
+    reqs = _scenario(2)
+    prompts = tuple(tuple(t) for _, t in reqs[:4])
+    s = load_settings(cp={"size": 2, "mode": "zigzag"},
+                      kv={"page_size": PAGE, "dtype": "bf16", "pages_per_rank": 64},
+                      backend={"preference": ["torch"]}, debug=True,
+                      transfer={"name": "nccl", "timeout_s": 60}, run={"batch_size": 1})
+    spec = JobSpec(str(tiny), prompts, s, False, (), 4, batch_size=1)
+    runs = {p: run_ranks(_poisoning_disagg, 3, args=(spec, p), timeout_s=300) for p in (False, True)}
+    clean, dirty = runs[False][2].value, runs[True][2].value
+    assert dirty.valid_crcs == clean.valid_crcs and len(clean.valid_crcs) == len(prompts)
+    assert dirty.page_crcs != clean.page_crcs  # the tails did carry poison: it was never read
+    with recording():
+        _, ref_tokens = reference_rank(replace(spec, settings=s.with_cp_size(1)))
+    assert dirty.tokens == clean.tokens == ref_tokens
+    hits = runs[True][0].value.prefill.hits
+    assert hits[1] == 37 and hits[2] == 37 and hits[3] == len(prompts[0])

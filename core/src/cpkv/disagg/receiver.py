@@ -53,15 +53,23 @@ def pack_part(pool: ShardedKVPool, part: RankTransfer) -> torch.Tensor:
     return torch.cat(chunks)
 
 
-def page_checksums(pool: ShardedKVPool, slots: Sequence[int]) -> list[int]:
+def page_checksums(pool: ShardedKVPool, slots: Sequence[int],
+                   valid_rows: Sequence[int] | None = None) -> list[int]:
     """CRC32 of each page's bytes (latent of every layer, then index-K of every layer), for the
-    pages at physical ``slots`` of ``pool``, in that order. Syncs the device: debug only."""
+    pages at physical ``slots`` of ``pool``, in that order; with ``valid_rows``, only the first
+    ``valid_rows[i]`` token rows of page i (the valid part of a request's tail page). Syncs the
+    device: debug only."""
     if not slots:
         return []
     idx = _slots_tensor(slots, pool.group.device)
     n = len(slots)
-    lat = torch.stack([pool.latent[k].index_select(0, idx) for k in range(pool.num_layers)], 1)
-    ixk = torch.stack([pool.index_k[k].index_select(0, idx) for k in range(pool.num_layers)], 1)
+    lat = torch.stack([pool.latent[k].index_select(0, idx) for k in range(pool.num_layers)], 2)
+    ixk = torch.stack([pool.index_k[k].index_select(0, idx) for k in range(pool.num_layers)], 2)
+    if valid_rows is not None:  # [n, ps, layers, bytes]: zero the rows past each page's valid part
+        keep = torch.arange(lat.shape[1], device=lat.device)[None, :] < torch.tensor(
+            list(valid_rows), device=lat.device)[:, None]
+        lat, ixk = lat * keep[:, :, None, None], ixk * keep[:, :, None, None]
+    lat, ixk = lat.transpose(1, 2), ixk.transpose(1, 2)  # layer-major, as before
     rows = torch.cat([lat.reshape(n, -1), ixk.reshape(n, -1)], 1).cpu().numpy()
     return [zlib.crc32(rows[i].tobytes()) for i in range(n)]
 

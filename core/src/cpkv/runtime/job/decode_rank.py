@@ -31,13 +31,18 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     got, entries = [0] * c, 0
     first: dict[str, int] = {}
     crcs: dict[str, list[int]] = {}
+    valid: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for counts in spec.batches():
         for _ in (n for n in counts if n > 0):
             r = decode.receive()
             rid = r.manifest.request
             if s.debug:
-                crcs[rid] = page_checksums(decode.pool, decode.pool.table[rid].slots)
+                rp = decode.pool.table[rid]
+                crcs[rid] = page_checksums(decode.pool, rp.slots)
+                ps = decode.pool.fmt.page_size
+                valid[rid] = page_checksums(decode.pool, rp.slots, [
+                    min(ps, rp.valid_len - k * ps) for k in range(len(rp.slots))])
             got = [a + b for a, b in zip(got, r.bytes_per_rank, strict=True)]
             entries += r.entries
             if "first_token" in r.meta:
@@ -47,4 +52,5 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     tokens = decode.generate([(rid, first[rid]) for rid in spec.rids], spec.decode_tokens)
     return DecodeReport(tokens=tokens, bytes_per_rank=got, entries=entries,
                         seconds={"load": load_s, "receive": receive_s,
-                                 "decode": time.perf_counter() - t0}, page_crcs=crcs)
+                                 "decode": time.perf_counter() - t0}, page_crcs=crcs,
+                        valid_crcs=valid)

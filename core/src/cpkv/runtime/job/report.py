@@ -68,6 +68,8 @@ class DecodeReport:
     seconds: dict[str, float]
     #: debug only: request -> CRC32 of each logical page as published (before decoding)
     page_crcs: dict[str, list[int]] = field(default_factory=dict)
+    #: debug only: the same over each page's valid rows only (what decoding may read)
+    valid_crcs: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
