@@ -3,8 +3,10 @@
 Backends implement any subset of :class:`~cpkv.contracts.KVOps` (defined with the contracts,
 re-exported here; one attribute per :class:`~cpkv.contracts.Op`);
 the registry picks, per op, the first backend in the preference order that provides it and is
-available on every rank. The core calls ops only through an :class:`OpTable`, never by importing a
-backend. Ops never sync the host and never allocate per-call host tensors.
+available on every rank; a call that backend declines (:class:`~cpkv.contracts.OpDeclined`: a
+shape its kernel does not take) runs on the next one. The core calls ops only through an
+:class:`OpTable`, never by importing a backend. Ops never sync the host and never allocate
+per-call host tensors.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cpkv.contracts import KVOps, KVPart, Op
+from cpkv.contracts import FallbackReason, KVOps, KVPart, Op, OpDeclined
+from cpkv.fallback import report_fallback
 from cpkv.plugin import AgreeFn, BackendRegistry
 
 if TYPE_CHECKING:
@@ -209,6 +212,31 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
         raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
 
 
+class _Declinable:
+    """One op's backends in preference order: the first that does not raise
+    :class:`~cpkv.contracts.OpDeclined` runs the call. Each (backend, reason) is reported once,
+    as fallback ``op_declined``."""
+
+    def __init__(self, op: str, impls: list[tuple[str, Callable[..., Any]]]) -> None:
+        self.op, self.impls = op, impls
+        self._seen: set[tuple[str, str]] = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        last = len(self.impls) - 1
+        for i, (name, fn) in enumerate(self.impls):
+            try:
+                return fn(*args, **kwargs)
+            except OpDeclined as exc:
+                if i == last:
+                    raise RuntimeError(f"{self.op}: every backend declined the call; {name}: "
+                                       f"{exc}") from exc
+                if (name, str(exc)) not in self._seen:
+                    self._seen.add((name, str(exc)))
+                    report_fallback(op=self.op, requested=name, selected=self.impls[i + 1][0],
+                                    reason=FallbackReason.OP_DECLINED, detail=f"{name}: {exc}")
+        raise AssertionError("unreachable")
+
+
 class OpTable(_OpsBase):
     """Op -> bound callable of the backend chosen for it. Resolved once per run (at plan time).
 
@@ -230,8 +258,12 @@ class OpTable(_OpsBase):
             LookupError: no backend in ``preference`` provides an op.
         """
         sel = registry.select(preference, [o.value for o in ops], agree=agree)
-        return cls({k: getattr(s.impl, k) for k, s in sel.items()},
-                   {k: s.name for k, s in sel.items()})
+        # a call the chosen backend declines goes down the preference
+        impls: dict[str, Callable[..., Any]] = {
+            k: _Declinable(k, [(s.name, getattr(s.impl, k)),
+                               *((n, getattr(i, k)) for n, i in s.then)])
+            for k, s in sel.items()}
+        return cls(impls, {k: s.name for k, s in sel.items()})
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         impls: dict[str, Callable[..., Any]] = self.__dict__.get("_impls", {})

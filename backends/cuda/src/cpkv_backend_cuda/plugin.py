@@ -1,35 +1,30 @@
-"""Declares the ``cuda`` backend (entry point ``cpkv.backends: cuda``).
+"""Declares the ``cuda`` backend (entry point ``cpkv.backends: cuda``): the field's CUDA kernels.
 
-Importing this module imports no torch and builds nothing; kernels will be compiled lazily with
-nvcc on first load, so the probe checks for a compiler and a device.
+Today that is FlashMLA's sparse MLA prefill (``sgl-flash-mla``, the ``cpkv[cuda]`` extra;
+:mod:`cpkv_backend_cuda.flashmla`). Importing this module imports no torch and no kernel
+library; the probe imports them (lazily, once) and says exactly why the backend cannot run: no
+CUDA device, a compute capability other than SM90 (the legacy sparse kernels are Hopper's), or
+the import error of ``flash_mla``. A call its kernel cannot take (heads, head dims, dtype, top-k)
+is declined and runs on the next backend of the preference.
 
-There are no kernels yet (the first planned: FlashMLA's sparse MLA, docs/perf.md), so the probe
-always says no and the backend is not in the default preference (``["triton", "torch"]``); it
-joins it, first, once it has kernels. Until then it is tried only when a settings file names it.
+On a machine whose torch is older than the wheel's metadata asks (the GPU machine: torch 2.11,
+the wheel says >= 2.14.1) install it with ``pip install --no-deps sgl-flash-mla``: it loads
+through torch's stable ABI.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
+import functools
+import importlib
+from types import ModuleType
 
-from cpkv.contracts import Availability
+from cpkv.contracts import Availability, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "cuda"
-NOT_IMPLEMENTED = "no kernels yet (the first planned: a TMA sparse-MLA kernel, docs/perf.md)"
-
-
-def _nvcc_missing() -> str | None:
-    if shutil.which("nvcc"):
-        return None
-    home = os.environ.get("CUDA_HOME")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return None
-    if home:
-        return f"nvcc not found on PATH nor in CUDA_HOME={home!r}/bin"
-    return "nvcc not found on PATH and CUDA_HOME is not set (the CUDA toolkit is needed to build)"
+OPS: frozenset[Op] = frozenset({Op.SPARSE_MLA})
+#: compute capabilities whose FlashMLA sparse prefill kernels the wheel ships (legacy SM90 path)
+CAPABILITIES = ((9, 0),)
 
 
 def _cuda_device_missing() -> str | None:
@@ -39,29 +34,56 @@ def _cuda_device_missing() -> str | None:
         return f"torch cannot be imported ({exc!r}), so no CUDA device can be used"
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"
+    cap = torch.cuda.get_device_capability()
+    if cap not in CAPABILITIES:
+        return (f"compute capability {cap[0]}.{cap[1]}: FlashMLA's sparse prefill kernels here "
+                f"are for {', '.join(f'{a}.{b}' for a, b in CAPABILITIES)} (Hopper)")
     return None
 
 
+@functools.cache
+def _flash_mla() -> ModuleType | str:
+    """The imported ``flash_mla`` module, or why it cannot be used."""
+    try:
+        mod = importlib.import_module("flash_mla")
+    except Exception as exc:
+        return (f"flash_mla cannot be imported ({type(exc).__name__}: {exc}); install "
+                "sgl-flash-mla (pip install 'cpkv[cuda]', or --no-deps for an older torch)")
+    if not hasattr(mod, "flash_mla_sparse_fwd"):
+        return "flash_mla has no flash_mla_sparse_fwd (a FlashMLA without the sparse kernels)"
+    return mod
+
+
 def _reasons() -> list[str]:
-    reasons = [r for r in (_nvcc_missing(), _cuda_device_missing()) if r is not None]
-    reasons.append(NOT_IMPLEMENTED)
-    return reasons
+    why = _cuda_device_missing()
+    if why is not None:
+        return [why]
+    mod = _flash_mla()
+    return [mod] if isinstance(mod, str) else []
 
 
 def probe() -> Availability:
-    """Every check runs; an unavailable result names all the failing ones, joined by "; "."""
+    """Available on a Hopper GPU where ``flash_mla`` imports; otherwise the reason."""
     reasons = _reasons()
     return Availability.no("; ".join(reasons)) if reasons else Availability.yes()
 
 
 def load() -> object:
     """Raises:
-        RuntimeError: always for now, with the probe's reason (no kernels yet).
+        RuntimeError: the backend cannot run here (the probe's reason).
     """
-    raise RuntimeError(f"the cuda backend cannot be loaded: {'; '.join(_reasons())}")
+    reasons = _reasons()
+    if reasons:
+        raise RuntimeError(f"the cuda backend cannot be loaded: {'; '.join(reasons)}")
+    from .flashmla import FlashMLAOps
+
+    mod = _flash_mla()
+    assert isinstance(mod, ModuleType)
+    return FlashMLAOps(mod)
 
 
 @hookimpl
 def cpkv_register_backends(registrar: BackendRegistrar) -> None:
-    registrar.add(BackendSpec(name=NAME, ops=frozenset(), probe=probe, load=load,
-                              description="custom CUDA kernels, built lazily on first use"))
+    registrar.add(BackendSpec(name=NAME, ops=OPS, probe=probe, load=load,
+                              description="the field's CUDA kernels (FlashMLA sparse prefill), "
+                                          "imported lazily"))

@@ -132,10 +132,36 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     scale = dk ** -0.5
     t_fast = device_ms(lambda: impl.sparse_mla(q, kv, ind, scale, dv), iters=10)
     t_ref = device_ms(lambda: _chunked_ref_mla(ref, q, kv, ind, scale, dv), iters=3, lead_ms=50)
-    rows.append(BenchRow.of("sparse_mla_prefill_64k_tflops", flops / t_fast / 1e9, "TFLOP/s",
-                            "torch backend (TFLOP/s)", flops / t_ref / 1e9))
-    detail["sparse_mla_64k"] = {"ms": t_fast, "torch_ms": t_ref, "flops": flops}
+    mla: dict[str, Any] = {"triton_ms": t_fast, "torch_ms": t_ref, "flops": flops,
+                           "triton_tflops": flops / t_fast / 1e9}
+    cuda, why = _cuda_backend()
+    if cuda is None:  # FlashMLA not here: Triton against the torch reference
+        mla["cuda"] = f"unavailable: {why}"
+        rows.append(BenchRow.of("sparse_mla_prefill_64k_tflops", flops / t_fast / 1e9, "TFLOP/s",
+                                "torch backend (TFLOP/s)", flops / t_ref / 1e9))
+    else:  # the cuda backend (FlashMLA through cpkv's op) against FlashMLA called directly
+        import flash_mla  # type: ignore[import-not-found]  # there when the backend is
+
+        t_cuda = device_ms(lambda: cuda.sparse_mla(q, kv, ind, scale, dv), iters=10)
+        q3, kv3, ind3 = q.contiguous(), kv.unsqueeze(1), ind.unsqueeze(1)
+        t_direct = device_ms(lambda: flash_mla.flash_mla_sparse_fwd(q3, kv3, ind3, scale, dv,
+                                                                    use_legacy=True), iters=10)
+        mla.update(cuda_ms=t_cuda, flash_mla_direct_ms=t_direct)
+        rows.append(BenchRow.of("sparse_mla_prefill_64k_tflops", flops / t_cuda / 1e9, "TFLOP/s",
+                                "FlashMLA called directly, same inputs (TFLOP/s)",
+                                flops / t_direct / 1e9))
+    detail["sparse_mla_64k"] = mla
     return rows
+
+
+def _cuda_backend() -> tuple[KVOps | None, str]:
+    host = PluginHost()
+    try:
+        reg = host.backends()
+        av = reg.availability("cuda")
+        return (reg.load("cuda"), "") if av.available else (None, av.reason)
+    finally:
+        host.close()
 
 
 def _chunked_ref_mla(ref: KVOps, q: torch.Tensor, kv: torch.Tensor, ind: torch.Tensor, scale: float,

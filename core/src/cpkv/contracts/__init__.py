@@ -19,7 +19,7 @@ from .plan import (
     SplitMode,
     cdiv,
 )
-from .plugin import Availability, Op, PluginInfo, PluginKind
+from .plugin import Availability, Op, OpDeclined, PluginInfo, PluginKind
 
 __all__ = [
     "Availability",
@@ -36,6 +36,7 @@ __all__ = [
     "KVPart",
     "MaterializeMode",
     "Op",
+    "OpDeclined",
     "OwnerMap",
     "PageExtent",
     "PageIndex",

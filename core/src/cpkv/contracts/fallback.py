@@ -43,6 +43,9 @@ class FallbackReason(StrEnum):
     #: a host tier page this rank owns is gone (a failed lower-tier read, a fault): its hit stops
     #: before it, and the ranks then agree on the shorter hit (``cache_hit_shortened``)
     HOST_PAGE_MISSING = "host_page_missing"
+    #: the selected backend cannot take a call (shape, dtype, device: ``OpDeclined``); the next
+    #: backend of the preference that provides the op runs it
+    OP_DECLINED = "op_declined"
 
 
 class FallbackPolicy(StrEnum):

@@ -9,7 +9,15 @@ from pydantic import model_validator
 
 from ._base import Contract
 
-__all__ = ["Availability", "Op", "PluginInfo", "PluginKind"]
+__all__ = ["Availability", "Op", "OpDeclined", "PluginInfo", "PluginKind"]
+
+
+class OpDeclined(Exception):
+    """Raised by a backend's op, before it touches anything, when it cannot take this call
+    (a shape, dtype or device its kernel does not support): the next backend of the preference
+    that provides the op runs it instead, reported once per reason as fallback ``op_declined``.
+    The message says why (it is the event's detail). The decision must depend only on what is
+    the same on every rank (shapes, dtypes, settings)."""
 
 
 class PluginKind(StrEnum):

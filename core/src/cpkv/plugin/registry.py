@@ -100,6 +100,9 @@ class Selection(Generic[ImplT]):
     op: str
     name: str
     impl: ImplT
+    #: the usable plugins after it in the preference that provide the op too, in order: where
+    #: a call goes when ``impl`` declines it (:class:`~cpkv.contracts.OpDeclined`)
+    then: tuple[tuple[str, ImplT], ...] = ()
 
 
 class Registry(Generic[SpecT, ImplT]):
@@ -201,7 +204,10 @@ class Registry(Generic[SpecT, ImplT]):
                     why = (FallbackReason.PLUGIN_UNAVAILABLE, f"{name}: unavailable on another rank")
                 if why is None:
                     key = op or self.kind.value
-                    chosen[key] = Selection(op=key, name=name, impl=self.load(name))
+                    rest = preference[preference.index(name) + 1:]
+                    then = tuple((n, self.load(n)) for n in rest if op is not None
+                                 and self._why_not(n, op) is None and usable.get(n, False))
+                    chosen[key] = Selection(op=key, name=name, impl=self.load(name), then=then)
                     if skipped:
                         k = (name, skipped[0][0])
                         steps.setdefault(k, []).append(key)

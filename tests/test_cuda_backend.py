@@ -1,0 +1,105 @@
+"""The ``cuda`` backend: FlashMLA's sparse MLA prefill, its probe's reasons, and calls it
+declines going to the next backend of the preference."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from cpkv.contracts import FallbackReason, Op, OpDeclined
+from cpkv.fallback import recording
+from cpkv.plugin import PluginHost
+
+cuda_backend = pytest.importorskip("cpkv_backend_cuda.plugin")
+
+
+def _available() -> tuple[bool, str]:
+    av = cuda_backend.probe()
+    return av.available, av.reason
+
+
+def test_probe_names_the_reason_and_load_refuses_without_it() -> None:
+    ok, why = _available()
+    if ok:
+        pytest.skip("the cuda backend can run here")
+    assert why and ("CUDA" in why or "compute capability" in why or "flash_mla" in why)
+    with pytest.raises(RuntimeError, match="cannot be loaded"):
+        cuda_backend.load()
+
+
+def test_calls_the_kernel_cannot_take_are_declined_before_any_work() -> None:
+    from cpkv_backend_cuda.flashmla import FlashMLAOps, decline_reason
+
+    called: list[Any] = []
+    ops = FlashMLAOps(types.SimpleNamespace(flash_mla_sparse_fwd=lambda *a, **k: called.append(a)))
+    q = torch.zeros(4, 128, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    ind = torch.zeros(4, 64, dtype=torch.int32)
+    with pytest.raises(OpDeclined, match="needs CUDA tensors"):
+        ops.sparse_mla(q, kv, ind, 0.1, 512)
+    assert called == []
+    assert decline_reason(q[:, :16], kv, ind, 512) == "16 heads (FlashMLA's sparse prefill takes 64 or 128)"
+    assert decline_reason(q, kv, ind, 256) == "head dims 576/256 (FlashMLA takes 576/512)"
+    assert "q torch.float32" in (decline_reason(q.float(), kv, ind, 512) or "")
+    assert decline_reason(q, kv, ind[:, :16], 512) == "top-k 16 (FlashMLA takes a multiple of 64)"
+    assert "needs CUDA tensors" in (decline_reason(q[:, :64], kv, ind, 512) or "")
+
+
+needs_flashmla = pytest.mark.skipif(not _available()[0], reason=_available()[1] or "available")
+
+
+def _ref() -> Any:
+    from cpkv_backend_torch.ops import TorchOps
+
+    return TorchOps()
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize("heads", [64, 128])
+def test_flashmla_sparse_mla_equals_the_torch_reference(heads: int) -> None:
+    """DeepSeek-V3.2 shapes, random keys and indices with -1 slots and one row with none: the
+    FlashMLA result (bf16 precision, widened) equals the fp32 reference within bf16 rounding,
+    and the empty row is zeros."""
+    ops = cuda_backend.load()
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    n, t, k = 192, 8192, 2048
+    q = torch.randn(n, heads, 576, dtype=torch.bfloat16, device="cuda", generator=g)
+    kv = torch.randn(t, 576, dtype=torch.bfloat16, device="cuda", generator=g)
+    ind = torch.randint(0, t, (n, k), dtype=torch.int32, device="cuda", generator=g)
+    ind[::3, k // 2:] = -1
+    ind[5] = -1
+    got = ops.sparse_mla(q, kv, ind, 576 ** -0.5, 512)
+    want = torch.cat([_ref().sparse_mla(q[s:s + 32], kv, ind[s:s + 32], 576 ** -0.5, 512)
+                      for s in range(0, n, 32)])
+    assert got.dtype == torch.float32 and got.shape == (n, heads, 512)
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+    err = ((got - want).abs().amax() / want.abs().amax()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@needs_flashmla
+def test_a_declined_call_runs_on_the_next_backend() -> None:
+    from cpkv.ops import OpTable
+
+    host = PluginHost()
+    try:
+        table = OpTable.resolve(host.backends(), ["cuda", "triton", "torch"], [Op.SPARSE_MLA])
+    finally:
+        host.close()
+    assert table.chosen["sparse_mla"] == "cuda"
+    q = torch.randn(8, 16, 576, dtype=torch.bfloat16, device="cuda")  # 16 heads: declined
+    kv = torch.randn(300, 576, dtype=torch.bfloat16, device="cuda")
+    ind = torch.randint(0, 300, (8, 64), dtype=torch.int32, device="cuda")
+    with recording() as rec:
+        for _ in range(2):
+            got = table.sparse_mla(q, kv, ind, 0.05, 512)
+    want = _ref().sparse_mla(q, kv, ind, 0.05, 512)
+    assert ((got - want).abs().amax() / want.abs().amax()).item() < 1e-2
+    assert [(e.requested, e.selected, e.reason) for e in rec.events] == [
+        ("cuda", "triton", FallbackReason.OP_DECLINED)]
+    assert "16 heads" in rec.events[0].detail
