@@ -444,6 +444,8 @@ def test_agree_marks_a_backend_unavailable_on_another_rank() -> None:
 
 
 def test_fallback_policy_error_refuses_the_step(host: PluginHost) -> None:
+    if host.backends().availability("triton").available:
+        pytest.skip("triton is available here: selecting it is no fallback step")
     with fallback.recording("error"), pytest.raises(fallback.FallbackError, match="triton"):
         host.backends().select(["triton", "torch"])
 

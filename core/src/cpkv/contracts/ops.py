@@ -71,11 +71,14 @@ class KVOps(Protocol):
         more than k keys list their choice in descending logit order. The reference breaks ties
         by the lower column so that the choice never depends on the batch's shape; conformance
         accepts any tie order. Logits inside a range are finite; values outside it are ignored.
-    sparse_mla(q, kv, indices, scale, dv) -> float32 [N, H, dv]
+    sparse_mla(q, kv, indices, scale, dv) -> float32 (or q's dtype) [N, H, dv]
         Sparse MLA over the selected keys (absorbed form, FlashMLA's sparse prefill interface):
         q [N, H, Dk], kv [T, Dk] (the latent full view, nope + rope), indices int32 [N, k] with
         -1 masked. ``s_j = scale * q[i, h] . kv[j]``, ``p = softmax_j(s)`` over valid j,
-        ``out[i, h] = sum_j p_j * kv[j, :dv]``; float32. A row with no valid index gives zeros.
+        ``out[i, h] = sum_j p_j * kv[j, :dv]``, accumulated in float32 and returned as float32,
+        or in q's dtype when q is lower precision and the kernel writes its output in it
+        (FlashMLA: bf16; widening would cost a pass over the output, and the caller casts to
+        the model dtype anyway). A row with no valid index gives zeros.
 
     Wrong shapes or dtypes raise ValueError naming them.
     """
