@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
@@ -173,7 +174,7 @@ def _poison_unheld(session: Any) -> int:
 
 
 def _serve(group: Any, model_dir: str, settings: Any, reqs: list[tuple[str, list[int]]],
-           poison: bool) -> dict[str, Any]:
+           poison: bool, capture: bool = False) -> dict[str, Any]:
     from cpkv.models import load_model
     from cpkv.runtime.session import PrefillSession
 
@@ -183,9 +184,11 @@ def _serve(group: Any, model_dir: str, settings: Any, reqs: list[tuple[str, list
         hit = session.admit(rid, toks)
         if poison:
             out["poisoned"] += _poison_unheld(session)
-        res = session.prefill([(rid, toks[hit:])])
+        res = session.prefill([(rid, toks[hit:])], capture_topk=capture)
         out["logits"][rid] = res.last_logits[0].float().cpu()
         out["hits"][rid] = hit
+        if res.topk is not None:
+            out.setdefault("topk", {})[rid] = [t.cpu() for t in res.topk.indices]
         session.finish(rid, toks)
     assert session.cache is not None
     out["stats"] = dict(session.cache.stats.__dict__)
@@ -261,6 +264,27 @@ def test_cache_hits_equal_a_no_cache_single_rank_run(tiny: Path, cp: int, mode: 
     assert len({r.value["signature"] for r in results}) == 1
     assert all(r.value["all_free"] and r.value["refs_left"] == 0 for r in results)
     assert all(r.value["problems"] == [] for r in results)
+
+
+@pytest.mark.multiprocess
+def test_poisoned_rows_change_no_logit_and_no_topk_choice(tiny: Path) -> None:
+    """The same requests through the cache (evicting, hits mid-page) twice on the same ranks,
+    once with every unheld row poisoned before each batch: every logit and every layer's top-k
+    choice of every computed token is bit for bit the same."""
+    reqs = _scenario(2)
+    s = load_settings(cp={"size": 2, "mode": "zigzag"},
+                      kv={"page_size": PAGE, "dtype": "bf16", "pages_per_rank": 14},
+                      cache={"host_pages": 16}, backend={"preference": ["torch"]})
+    runs = [run_ranks(_serve, 2, args=(str(tiny), s, reqs, p, True), timeout_s=300)[0].value
+            for p in (False, True)]
+    clean, dirty = runs
+    assert dirty["poisoned"] > 0 and clean["poisoned"] == 0
+    assert clean["hits"] == dirty["hits"] and clean["hits"]["b"] == 37
+    for rid, _ in reqs:
+        assert torch.equal(clean["logits"][rid], dirty["logits"][rid]), rid
+        assert len(clean["topk"][rid]) > 0
+        for a, b in zip(clean["topk"][rid], dirty["topk"][rid], strict=True):
+            assert torch.equal(a, b), rid
 
 
 # ---- random programs of serve / keep / release / evict across ranks ---------------------------
