@@ -405,6 +405,27 @@ def test_a_declined_call_runs_on_the_next_backend_once_reported_per_reason() -> 
         h.close()
 
 
+def test_a_backend_for_other_devices_is_skipped_for_this_run() -> None:
+    """A GPU-only backend on a machine with a GPU, for a run whose tensors are on the CPU (Gloo
+    ranks): not selected, with the reason; for a CUDA run it is."""
+    gpu = BackendSpec(name="gpu", ops=frozenset({Op.TOPK}), probe=Availability.yes,
+                      load=lambda: "gpu-impl", device_types=lambda: frozenset({"cuda"}))
+    h = _hand_host(("p", _plugin("p", gpu, _backend("ref", {Op.TOPK}))))
+    try:
+        with fallback.recording() as rec:
+            cpu = h.backends().select(["gpu", "ref"], ops=[Op.TOPK], device_type="cpu")
+        assert cpu["topk"].name == "ref"
+        assert [(e.requested, e.selected, e.reason) for e in rec.events] == [
+            ("gpu", "ref", FallbackReason.PLUGIN_UNAVAILABLE)]
+        assert "gpu: runs on cuda, this run's tensors are on cpu" in rec.events[0].detail
+        with fallback.recording() as rec:
+            cuda = h.backends().select(["gpu", "ref"], ops=[Op.TOPK], device_type="cuda")
+        assert cuda["topk"].name == "gpu" and rec.events == []
+        assert [n for n, _ in cuda["topk"].then] == ["ref"]
+    finally:
+        h.close()
+
+
 def test_select_raises_when_nothing_can_serve() -> None:
     h = _hand_host(("p", _plugin("p", _backend("fast", {Op.TOPK}),
                                   _backend("off", {Op.RERANGE}, available=False))))

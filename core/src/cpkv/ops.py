@@ -251,13 +251,15 @@ class OpTable(_OpsBase):
 
     @classmethod
     def resolve(cls, registry: BackendRegistry, preference: Sequence[str],
-                ops: Sequence[Op] = KV_OPS, agree: AgreeFn | None = None) -> OpTable:
+                ops: Sequence[Op] = KV_OPS, agree: AgreeFn | None = None,
+                device_type: str | None = None) -> OpTable:
         """Pick a backend per op (fallbacks reported by the registry), bind the callables.
 
         Raises:
             LookupError: no backend in ``preference`` provides an op.
         """
-        sel = registry.select(preference, [o.value for o in ops], agree=agree)
+        sel = registry.select(preference, [o.value for o in ops], agree=agree,
+                              device_type=device_type)
         # a call the chosen backend declines goes down the preference
         impls: dict[str, Callable[..., Any]] = {
             k: _Declinable(k, [(s.name, getattr(s.impl, k)),

@@ -85,5 +85,6 @@ def load() -> object:
 @hookimpl
 def cpkv_register_backends(registrar: BackendRegistrar) -> None:
     registrar.add(BackendSpec(name=NAME, ops=OPS, probe=probe, load=load,
+                              device_types=lambda: frozenset({"cuda"}),
                               description="the field's CUDA kernels (FlashMLA sparse prefill), "
                                           "imported lazily"))

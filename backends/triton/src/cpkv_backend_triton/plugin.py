@@ -46,6 +46,11 @@ def _reasons() -> list[str]:
     return reasons
 
 
+def device_types() -> frozenset[str]:
+    """CUDA tensors; CPU tensors too under the interpreter (``TRITON_INTERPRET=1``)."""
+    return frozenset({"cpu", "cuda"}) if _interpret() else frozenset({"cuda"})
+
+
 def probe() -> Availability:
     """Available when triton is installed and a CUDA device is present or ``TRITON_INTERPRET=1``
     is set. Every check runs; an unavailable result names all the failing ones, joined by "; "."""
@@ -76,4 +81,5 @@ def load() -> object:
 @hookimpl
 def cpkv_register_backends(registrar: BackendRegistrar) -> None:
     registrar.add(BackendSpec(name=NAME, ops=OPS, probe=probe, load=load,
-                              description="Triton GPU kernels", page_sizes=None))
+                              description="Triton GPU kernels", page_sizes=None,
+                              device_types=device_types))

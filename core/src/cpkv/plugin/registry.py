@@ -44,6 +44,9 @@ class BackendSpec:
     description: str = ""
     #: page sizes its kernels support; None = any
     page_sizes: frozenset[int] | None = None
+    #: the device types (``torch.device.type``) its kernels run on, asked at selection time;
+    #: None = any. A run whose tensors live elsewhere does not select it
+    device_types: Callable[[], frozenset[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,8 @@ class Registry(Generic[SpecT, ImplT]):
                 self._loaded[name] = cast(ImplT, self.specs[name].load())
             return self._loaded[name]
 
-    def _why_not(self, name: str, op: str | None) -> tuple[FallbackReason, str] | None:
+    def _why_not(self, name: str, op: str | None,
+                 device_type: str | None = None) -> tuple[FallbackReason, str] | None:
         if name in self.unusable:
             reason, detail = self.unusable[name]
             return reason, f"{name}: {detail}"  # name it, like the other reasons
@@ -171,6 +175,13 @@ class Registry(Generic[SpecT, ImplT]):
             return FallbackReason.PLUGIN_UNAVAILABLE, f"{name}: {av.reason}"
         if op is not None and op not in _ops_of(self.specs[name]):
             return FallbackReason.OP_NOT_PROVIDED, f"{name}: does not provide {op}"
+        spec = self.specs[name]
+        if device_type is not None and isinstance(spec, BackendSpec) and spec.device_types:
+            types = spec.device_types()
+            if device_type not in types:
+                return FallbackReason.PLUGIN_UNAVAILABLE, (
+                    f"{name}: runs on {', '.join(sorted(types))}, this run's tensors are on "
+                    f"{device_type}")
         return None
 
     def select(
@@ -178,19 +189,22 @@ class Registry(Generic[SpecT, ImplT]):
         preference: Sequence[str],
         ops: Sequence[str] | None = None,
         agree: AgreeFn | None = None,
+        device_type: str | None = None,
     ) -> dict[str, Selection[ImplT]]:
         """Choose one plugin per op (or one plugin overall when ``ops`` is None).
 
         Walks ``preference`` in order; every step away from its first entry is reported through
         the fallback choke point, one event per (selected plugin, reason) with the ops listed.
         ``agree`` combines availability across ranks so that all ranks choose alike.
+        ``device_type`` (the run's tensors' ``torch.device.type``) skips backends whose kernels
+        run elsewhere (a GPU backend for a CPU run on a GPU machine).
 
         Raises:
             LookupError: no plugin in ``preference`` can serve an op.
         """
         if not preference:
             raise ValueError(f"empty {self.kind.value} preference list")
-        local = {n: self._why_not(n, None) is None for n in preference}
+        local = {n: self._why_not(n, None, device_type) is None for n in preference}
         usable = agree(dict(local)) if agree else local
         wanted: list[str | None] = list(ops) if ops is not None else [None]
         chosen: dict[str, Selection[ImplT]] = {}
@@ -199,14 +213,15 @@ class Registry(Generic[SpecT, ImplT]):
         for op in wanted:
             skipped: list[tuple[FallbackReason, str]] = []
             for name in preference:
-                why = self._why_not(name, op)
+                why = self._why_not(name, op, device_type)
                 if why is None and not usable.get(name, False):
                     why = (FallbackReason.PLUGIN_UNAVAILABLE, f"{name}: unavailable on another rank")
                 if why is None:
                     key = op or self.kind.value
                     rest = preference[preference.index(name) + 1:]
                     then = tuple((n, self.load(n)) for n in rest if op is not None
-                                 and self._why_not(n, op) is None and usable.get(n, False))
+                                 and self._why_not(n, op, device_type) is None
+                                 and usable.get(n, False))
                     chosen[key] = Selection(op=key, name=name, impl=self.load(name), then=then)
                     if skipped:
                         k = (name, skipped[0][0])

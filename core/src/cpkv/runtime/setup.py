@@ -38,7 +38,7 @@ def resolve_ops(settings: Settings, group: CPGroup, host: PluginHost | None = No
     try:
         registry = host.backends()
         return OpTable.resolve(registry, settings.backend.effective_preference(), ops,
-                               agree=group.agree_all), registry
+                               agree=group.agree_all, device_type=group.device.type), registry
     finally:
         if own:
             host.close()
