@@ -77,6 +77,8 @@ def test_run_default_shards_kv_and_reports(tmp_path) -> None:  # type: ignore[no
     assert all(0.35 < b / replicated < 0.65 for b in per_rank)  # about 1/C each
     reasons = {e["reason"] for e in data["fallbacks"]}
     assert {"short_extend", "owner_write"} <= reasons  # the 40-token prompt
+    assert "plugin_unavailable" not in reasons  # the default order passes over quietly
+    assert set(data["backends"]["chosen"]) >= {"rerange", "sparse_mla", "page_copy"}
     # served one by one: the second prompt hits the first's 100 shared tokens (mid-page), the
     # follow-up all 600 of the first; the reference ran without a cache and still matches
     assert data["cache"]["hit_tokens"] == [0, 100, 0, 600]

@@ -138,7 +138,7 @@ def _env() -> dict[str, str]:
 # ---- selection from the settings file ---------------------------------------------------------
 def test_settings_select_example_for_rerange_and_torch_for_the_rest(tmp_path: Path) -> None:
     settings = load_settings(_settings_file(tmp_path))
-    assert settings.backend.effective_preference() == ["example", "triton", "torch"]
+    assert settings.backend.effective_preference() == ["example", "cuda", "triton", "torch"]
     table, events, logs = _resolve(tmp_path)
     assert table.chosen == {"rerange": "example", **dict.fromkeys(OTHER_OPS, "torch")}
     assert type(table.rerange.__self__).__name__ == "ExampleOps"

@@ -59,7 +59,7 @@ def test_defaults_without_a_file() -> None:
         4096,
     )
     assert s.backend.name == "auto"
-    assert s.backend.preference == ["triton", "torch"]
+    assert s.backend.preference == ["cuda", "triton", "torch"]
     assert (s.transfer.name, s.transfer.timeout_s) == ("nccl", 30.0)
     assert (s.plugins.disable, s.plugins.allow) == ([], None)
     assert s.fallback.policy is FallbackPolicy.WARN
@@ -308,13 +308,13 @@ def test_settings_error_is_a_value_error() -> None:
 
 
 def test_effective_preference_auto_keeps_order() -> None:
-    assert BackendSettings().effective_preference() == ["triton", "torch"]
+    assert BackendSettings().effective_preference() == ["cuda", "triton", "torch"]
 
 
 def test_effective_preference_named_backend_goes_first_once() -> None:
     b = BackendSettings(name="torch")
-    assert b.effective_preference() == ["torch", "triton"]
-    assert b.preference == ["triton", "torch"]  # not mutated
+    assert b.effective_preference() == ["torch", "cuda", "triton"]
+    assert b.preference == ["cuda", "triton", "torch"]  # not mutated
 
 
 def test_effective_preference_unlisted_backend_is_prepended() -> None:

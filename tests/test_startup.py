@@ -15,8 +15,22 @@ from cpkv.settings import load_settings
 SMALL = {"kv_lora_rank": 64, "rope_dim": 16, "index_head_dim": 32, "quant_block": 32}
 
 
-def test_no_kernel_backend_falls_back_to_torch_rerange_once() -> None:
-    settings = load_settings()  # preference triton, torch
+def test_defaults_pass_over_backends_that_cannot_run_here_quietly() -> None:
+    """``backend.name = "auto"`` with the default preference (cuda, triton, torch) on a CPU run:
+    cuda and triton cannot run here, which is information (an info log, ``OpTable.skipped``),
+    not a fallback; so the defaults run under ``fallback.policy = "error"``."""
+    settings = load_settings()
+    with recording("error") as rec, structlog.testing.capture_logs() as logs:
+        ops, _ = resolve_ops(settings, CPGroup.single())
+    assert set(ops.chosen.values()) == {"torch"} and rec.events == []
+    assert any(s.startswith("cuda: ") for s in ops.skipped)
+    assert any(s.startswith("triton: ") for s in ops.skipped)
+    info = [e for e in logs if e["event"] == "cpkv.backend.skipped"]
+    assert len(info) == 1 and info[0]["log_level"] == "info"
+
+
+def test_a_named_backend_that_cannot_run_is_a_fallback_once() -> None:
+    settings = load_settings(backend={"name": "triton"})
     with recording() as rec, structlog.testing.capture_logs() as logs:
         ops, _ = resolve_ops(settings, CPGroup.single())
     assert ops.chosen["rerange"] == "torch"
@@ -25,8 +39,10 @@ def test_no_kernel_backend_falls_back_to_torch_rerange_once() -> None:
     ev = events[0]
     assert ev.reason is FallbackReason.PLUGIN_UNAVAILABLE
     assert (ev.requested, ev.selected) == ("triton", "torch")
-    assert "triton:" in ev.detail and "cuda:" not in ev.detail  # cuda is not tried by default
+    assert "triton:" in ev.detail
     assert sum(1 for e in logs if e["event"] == "cpkv.fallback") == len(rec.events)
+    with recording("error"), pytest.raises(Exception, match="triton"):
+        resolve_ops(settings, CPGroup.single())
 
 
 def test_default_settings_create_a_sharded_pool() -> None:

@@ -253,24 +253,28 @@ class OpTable(_OpsBase):
     def __init__(self, impls: dict[str, Callable[..., Any]], chosen: dict[str, str]) -> None:
         self._impls = impls
         self.chosen = dict(chosen)
+        #: why backends of the preference were passed over (for reports)
+        self.skipped: list[str] = []
 
     @classmethod
     def resolve(cls, registry: BackendRegistry, preference: Sequence[str],
                 ops: Sequence[Op] = KV_OPS, agree: AgreeFn | None = None,
-                device_type: str | None = None) -> OpTable:
+                device_type: str | None = None, quiet: bool = False) -> OpTable:
         """Pick a backend per op (fallbacks reported by the registry), bind the callables.
 
         Raises:
             LookupError: no backend in ``preference`` provides an op.
         """
         sel = registry.select(preference, [o.value for o in ops], agree=agree,
-                              device_type=device_type)
+                              device_type=device_type, quiet=quiet)
         # a call the chosen backend declines goes down the preference
         impls: dict[str, Callable[..., Any]] = {
             k: _Declinable(k, [(s.name, getattr(s.impl, k)),
                                *((n, getattr(i, k)) for n, i in s.then)])
             for k, s in sel.items()}
-        return cls(impls, {k: s.name for k, s in sel.items()})
+        table = cls(impls, {k: s.name for k, s in sel.items()})
+        table.skipped = sorted({d for s in sel.values() for d in s.skipped})
+        return table
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         impls: dict[str, Callable[..., Any]] = self.__dict__.get("_impls", {})

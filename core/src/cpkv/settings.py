@@ -97,9 +97,10 @@ class BackendSettings(_Section):
 
     name: str = Field("auto", min_length=1, description="a backend entry-point name, or 'auto'")
     preference: list[str] = Field(
-        default_factory=lambda: ["triton", "torch"],
+        default_factory=lambda: ["cuda", "triton", "torch"],
         min_length=1,
-        description="backends tried in this order, per op",
+        description="backends tried in this order, per op; with name 'auto' one that cannot run "
+                    "here or lacks an op is passed over quietly (info log, the run's report)",
     )
 
     def effective_preference(self) -> list[str]:

@@ -94,6 +94,12 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
     console.print(f"{verdict}: CP logits vs one rank: max relative error "
                   f"{rep.max_rel_err_vs_reference:.2e} (tolerance {tol:.0e}); rows with different "
                   f"top-k sets: {rep.topk_rows_differing}")
+    by: dict[str, list[str]] = {}
+    for op, name in rep.backends.get("chosen", {}).items():
+        by.setdefault(name, []).append(op)
+    console.print("backends: " + "; ".join(f"{n} ({', '.join(ops)})" for n, ops in by.items())
+                  + "".join(f"\n  passed over: {why}" for why in rep.backends.get("skipped", [])),
+                  soft_wrap=True)
     if rep.cache is not None:
         c = rep.cache
         console.print(f"prefix cache: hit tokens per prompt {c['hit_tokens']} "

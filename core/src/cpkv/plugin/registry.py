@@ -106,6 +106,8 @@ class Selection(Generic[ImplT]):
     #: the usable plugins after it in the preference that provide the op too, in order: where
     #: a call goes when ``impl`` declines it (:class:`~cpkv.contracts.OpDeclined`)
     then: tuple[tuple[str, ImplT], ...] = ()
+    #: why each plugin before it in the preference was passed over (its reason text)
+    skipped: tuple[str, ...] = ()
 
 
 class Registry(Generic[SpecT, ImplT]):
@@ -190,6 +192,7 @@ class Registry(Generic[SpecT, ImplT]):
         ops: Sequence[str] | None = None,
         agree: AgreeFn | None = None,
         device_type: str | None = None,
+        quiet: bool = False,
     ) -> dict[str, Selection[ImplT]]:
         """Choose one plugin per op (or one plugin overall when ``ops`` is None).
 
@@ -197,7 +200,10 @@ class Registry(Generic[SpecT, ImplT]):
         the fallback choke point, one event per (selected plugin, reason) with the ops listed.
         ``agree`` combines availability across ranks so that all ranks choose alike.
         ``device_type`` (the run's tensors' ``torch.device.type``) skips backends whose kernels
-        run elsewhere (a GPU backend for a CPU run on a GPU machine).
+        run elsewhere (a GPU backend for a CPU run on a GPU machine). ``quiet`` (the preference
+        is the default order, ``backend.name = "auto"``): a plugin that cannot run on this machine
+        or does not provide an op is passed over at info level (``cpkv.backend.skipped``, and in
+        ``Selection.skipped``), not as a fallback; one unavailable on another rank still is.
 
         Raises:
             LookupError: no plugin in ``preference`` can serve an op.
@@ -222,7 +228,10 @@ class Registry(Generic[SpecT, ImplT]):
                     then = tuple((n, self.load(n)) for n in rest if op is not None
                                  and self._why_not(n, op, device_type) is None
                                  and usable.get(n, False))
-                    chosen[key] = Selection(op=key, name=name, impl=self.load(name), then=then)
+                    chosen[key] = Selection(op=key, name=name, impl=self.load(name), then=then,
+                                            skipped=tuple(d for _, d in skipped))
+                    if quiet:
+                        skipped = [w for w in skipped if w[1].endswith("unavailable on another rank")]
                     if skipped:
                         k = (name, skipped[0][0])
                         steps.setdefault(k, []).append(key)
@@ -246,6 +255,10 @@ class Registry(Generic[SpecT, ImplT]):
             )
         for sel in chosen.values():
             log.debug("cpkv.backend.selected", kind=self.kind.value, op=sel.op, name=sel.name)
+        if quiet:
+            passed = sorted({d for sel in chosen.values() for d in sel.skipped})
+            if passed:
+                log.info("cpkv.backend.skipped", kind=self.kind.value, reasons=passed)
         return chosen
 
 

@@ -38,7 +38,8 @@ def resolve_ops(settings: Settings, group: CPGroup, host: PluginHost | None = No
     try:
         registry = host.backends()
         return OpTable.resolve(registry, settings.backend.effective_preference(), ops,
-                               agree=group.agree_all, device_type=group.device.type), registry
+                               agree=group.agree_all, device_type=group.device.type,
+                               quiet=settings.backend.name == "auto"), registry
     finally:
         if own:
             host.close()

@@ -36,6 +36,8 @@ class RankReport:
     hits: list[int] = field(default_factory=list)
     #: cache counters (PrefixCache.stats) after the run; empty without a cache
     cache: dict[str, int] = field(default_factory=dict)
+    #: {"chosen": op -> backend, "skipped": why backends of the preference were passed over}
+    backends: dict[str, Any] = field(default_factory=dict)
 
 
 def rank_report(group: CPGroup, session: PrefillSession, served: Served,
@@ -55,6 +57,7 @@ def rank_report(group: CPGroup, session: PrefillSession, served: Served,
         topk_extends=served.last_extends,
         hits=served.hits,
         cache=dict(vars(session.cache.stats)) if session.cache is not None else {},
+        backends={"chosen": dict(session.ops.chosen), "skipped": list(session.ops.skipped)},
     )
 
 
@@ -131,6 +134,8 @@ class JobReport:
     #: how the sharded pool built its full views ("all_gather" or "p2p", after any fallback)
     materialize: str
     prompt_lens: list[int]
+    #: rank 0's {"chosen": op -> backend, "skipped": [why a backend was passed over]}
+    backends: dict[str, Any]
     kv_bytes_per_rank: list[int]
     kv_bytes_replicated: int
     max_rel_err_vs_reference: float

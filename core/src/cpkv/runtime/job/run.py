@@ -132,7 +132,7 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
                  "recomputed_tokens": st.get("recomputed_tokens", 0)}
     return JobReport(
         cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,
-        materialize=r0.materialize,
+        materialize=r0.materialize, backends=r0.backends,
         prompt_lens=[len(p) for p in prompts],
         kv_bytes_per_rank=[v.kv_bytes for _, v, _ in pre],
         kv_bytes_replicated=r0.kv_bytes_replicated,
