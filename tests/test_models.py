@@ -341,3 +341,26 @@ def test_init_model_cli(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert DeepseekV32.load(out).num_layers == 4
     assert math.isfinite(float(DeepseekV32.load(out).final_logits(torch.zeros(1, 64)).sum()))
+
+
+def test_the_v32_attention_preset_has_deepseek_v32_attention_shapes(tmp_path: Path) -> None:
+    """The preset's config is DeepSeek-V3.2's attention (the fp8 page format is the real 656 +
+    132 B per token); the CLI writes it, and size options override it (small here: the full
+    preset is ~1 GB of weights)."""
+    from cpkv.cli.init_model import command
+    from cpkv.models.tiny import PRESETS, tiny_config
+
+    cfg = tiny_config(**PRESETS["v32-attention"])
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+            cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (7168, 128, 512, 64, 64, 128,
+                                                                       2048)
+    assert cfg.num_hidden_layers == cfg.first_k_dense_replace == 2  # dense: no MoE reference
+    out = tmp_path / "v32"
+    r = CliRunner().invoke(command, [str(out), "--preset", "v32-attention", "--hidden", "256",
+                                     "--heads", "64", "--layers", "1", "--vocab", "64"])
+    assert r.exit_code == 0, r.output
+    assert "v32-attention" in r.output
+    m = DeepseekV32.load(out)
+    assert (m.num_layers, m.config.hidden_size, m.config.num_attention_heads) == (1, 256, 64)
+    assert (m.config.kv_lora_rank, m.config.index_topk, m.config.index_head_dim) == (512, 2048, 128)
+    assert m.kv_format("fp8", 64).bytes_per_token == 656 + 132

@@ -125,14 +125,6 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
         raise click.ClickException("the host tier round trip is not bit exact")
 
 
-#: DeepSeek-V3.2 attention at full size; a small dense MLP and vocabulary keep the stack about the
-#: attention path (the MoE reference computes every expert; engines bring their fused MoE)
-DEEPSEEK_STACK: dict[str, Any] = dict(
-    hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
-    index_head_dim=128, index_topk=2048, intermediate_size=2048, vocab_size=1024,
-    max_position_embeddings=163840,
-)
 
 
 @command.command("gpu")
@@ -188,12 +180,14 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                                             r0["gathered_bytes"] / raw / 1e6))
     if ngpu >= 2 and not skip_prefill:
         from cpkv.models import write_tiny_checkpoint
+        from cpkv.models.tiny import PRESETS
 
         lens = tuple(int(x) for x in sizes.split(","))
         ckpt = Path(tempfile.mkdtemp()) / "deepseek-stack"
         err.print(f"[dim]writing a {layers}-layer DeepSeek-V3.2-sized stack[/]")
-        write_tiny_checkpoint(ckpt, seed=0, num_hidden_layers=layers, first_k_dense_replace=layers,
-                              **DEEPSEEK_STACK)
+        stack = {**PRESETS["v32-attention"], "num_hidden_layers": layers,
+                 "first_k_dense_replace": layers}
+        write_tiny_checkpoint(ckpt, seed=0, **stack)
         spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize)
         per: dict[int, list[dict[str, Any]]] = {}
         for c in (1, 2):

@@ -10,6 +10,12 @@ import click
 @click.command("init-model")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--preset", type=click.Choice(["tiny", "v32-attention"]), default="tiny",
+              show_default=True,
+              help="tiny: a small model for tests and CPUs; v32-attention: DeepSeek-V3.2's "
+                   "attention dimensions (hidden 7168, 128 heads, latent 512 + 64, indexer "
+                   "64 x 128, top-2048) in 2 dense layers with a small MLP and vocabulary "
+                   "(about 0.5 GB of bf16 per layer), for GPU runs. The size options override it.")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="num_hidden_layers [3].")
 @click.option("--dense-layers", type=click.IntRange(min=0), default=None,
               help="first_k_dense_replace: leading dense-MLP layers [1].")
@@ -20,20 +26,20 @@ import click
 @click.option("--index-topk", type=click.IntRange(min=1), default=None, help="index_topk [16].")
 @click.option("--force", is_flag=True,
               help="Write into a non-empty DIRECTORY (replaces the checkpoint files).")
-def command(directory: Path, seed: int, layers: int | None, dense_layers: int | None, hidden: int | None,
-            vocab: int | None, heads: int | None, experts: int | None, index_topk: int | None,
-            force: bool) -> None:
-    """Write a tiny DeepSeek-V3.2 checkpoint (config.json + model.safetensors) to DIRECTORY.
+def command(directory: Path, seed: int, preset: str, layers: int | None,
+            dense_layers: int | None, hidden: int | None, vocab: int | None, heads: int | None,
+            experts: int | None, index_topk: int | None, force: bool) -> None:
+    """Write a random DeepSeek-V3.2 checkpoint (config.json + model.safetensors) to DIRECTORY.
 
     Loadable by cpkv and by transformers' DeepseekV32ForCausalLM.from_pretrained.
     """
     from cpkv.models import write_tiny_checkpoint
-    from cpkv.models.tiny import checkpoint_num_parameters
+    from cpkv.models.tiny import PRESETS, checkpoint_num_parameters
 
-    overrides = {k: v for k, v in {
+    overrides = {**PRESETS[preset], **{k: v for k, v in {
         "num_hidden_layers": layers, "first_k_dense_replace": dense_layers, "hidden_size": hidden,
         "vocab_size": vocab, "num_attention_heads": heads, "n_routed_experts": experts,
-        "index_topk": index_topk}.items() if v is not None}
+        "index_topk": index_topk}.items() if v is not None}}
     if directory.exists() and any(directory.iterdir()) and not force:
         raise click.ClickException(
             f"{directory} is not empty (use --force to overwrite the checkpoint in it)")
@@ -42,4 +48,4 @@ def command(directory: Path, seed: int, layers: int | None, dense_layers: int | 
     except ValueError as exc:  # an invalid combination of sizes
         raise click.ClickException(str(exc)) from exc
     n = checkpoint_num_parameters(path)
-    click.echo(f"wrote a tiny DeepSeek-V3.2 checkpoint: {n:,} parameters in {path}")
+    click.echo(f"wrote a {preset} DeepSeek-V3.2 checkpoint: {n:,} parameters in {path}")

@@ -25,8 +25,8 @@ from .deepseek_v32 import DeepseekV32
 from .errors import ModelLoadError
 from .loader import expected_shapes
 
-__all__ = ["TINY_DEFAULTS", "checkpoint_num_parameters", "default_cache_dir", "load_model",
-           "tiny_config", "write_tiny_checkpoint"]
+__all__ = ["PRESETS", "TINY_DEFAULTS", "checkpoint_num_parameters", "default_cache_dir",
+           "load_model", "tiny_config", "write_tiny_checkpoint"]
 
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
@@ -55,6 +55,20 @@ TINY_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+#: named overrides of :data:`TINY_DEFAULTS` (``cpkv init-model --preset``)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    # DeepSeek-V3.2's attention at full size (hidden 7168, 128 heads, latent 512 + rope 64,
+    # indexer 64 x 128, top-2048) in 2 dense layers with a small MLP and vocabulary: the GPU job
+    # runs the real kernel shapes (the MoE reference computes every expert; engines bring theirs)
+    "v32-attention": dict(
+        hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
+        index_head_dim=128, index_topk=2048, intermediate_size=2048, vocab_size=1024,
+        num_hidden_layers=2, first_k_dense_replace=2, max_position_embeddings=163840,
+    ),
 }
 
 _FORMAT_VERSION = 2  # bump when the generated weights change for the same parameters
