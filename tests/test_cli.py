@@ -112,3 +112,32 @@ def test_run_with_error_policy_fails_with_the_reason() -> None:
 def test_run_reports_settings_errors() -> None:
     out = cpkv("run", env={"CPKV_KV__SHARD": "1"})
     assert out.returncode == 1 and "CPKV_KV__SHARD" in out.stderr
+
+
+@pytest.mark.slow
+def test_run_under_torchrun_one_process_per_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``torchrun --nproc-per-node 3 -m cpkv run``: each process is one rank of one Gloo world
+    (CP2 prefill ranks, then the decode rank), the CP size comes from the world size, and rank 0
+    reports the same checks as cpkv's own spawner."""
+    report = tmp_path / "report.json"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "3", "-m", "cpkv", "run", "--report", str(report)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "CPKV_FALLBACK__POLICY": "warn"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("correct: CP logits") == 1  # only rank 0 reports
+    data = json.loads(report.read_text())
+    assert data["cp"] == 2 and data["correct"] is True
+    assert data["cache"]["hit_tokens"] == [0, 100, 0, 600]
+    assert data["decode"]["tokens_match_reference"] is True
+
+
+@pytest.mark.parametrize(("env", "args", "message"), [
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+     ["--cp", "2"], "torchrun started 2 processes; this job needs 3 (cp.size = 2 + the decode"),
+    ({"RANK": "0", "WORLD_SIZE": "3"}, [], "MASTER_ADDR, MASTER_PORT not (torchrun sets all"),
+])
+def test_run_under_a_launcher_checks_the_world_first(env: dict[str, str], args: list[str],
+                                                     message: str) -> None:
+    out = cpkv("run", *args, env=env)
+    assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr

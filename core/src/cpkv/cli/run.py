@@ -140,7 +140,21 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
             prompts: str | None, decode_tokens: int, report: Path | None,
             save_logits: Path | None) -> None:
     """CP prefill of prompts on a CP group, transfer of the pages to a decode rank and greedy
-    decoding there, checked against one rank; prints a report."""
+    decoding there, checked against one rank; prints a report.
+
+    Under torchrun each process is one rank (prefill ranks, then the decode rank): without
+    --cp the CP size is the world size less the decode rank; rank 0 prints the report."""
+    from cpkv.runtime.world import launched_world
+
+    try:
+        launched = launched_world()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if launched is not None and cp is None:
+        cp = launched[1] - (1 if decode_tokens > 0 else 0)
+        if cp < 1:
+            raise click.ClickException(f"torchrun started {launched[1]} process(es): the job needs "
+                                       f"at least {2 if decode_tokens > 0 else 1}")
     over: dict[str, Any] = {}
     if cp is not None or mode is not None:
         over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
@@ -154,7 +168,12 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
     except (SettingsError, ModelLoadError) as exc:
         raise click.ClickException(str(exc)) from exc
     token_lists = _prompts(settings.run.prompts, vocab)
-    console = Console()
+    need = settings.cp.size + (1 if decode_tokens > 0 else 0)
+    if launched is not None and launched[1] != need:
+        raise click.ClickException(f"torchrun started {launched[1]} processes; this job needs "
+                                   f"{need} (cp.size = {settings.cp.size}"
+                                   f"{' + the decode rank' if decode_tokens > 0 else ''})")
+    console = Console(quiet=launched is not None and launched[0] != 0)
     console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
                   f"{settings.kv.dtype.value} pool, {len(token_lists)} prompts")
     with console.status("starting") as status:
@@ -168,6 +187,8 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
             raise click.ClickException(str(exc)) from exc
         except RankTimeout as exc:
             raise click.ClickException(str(exc)) from exc
+    if rep is None:  # a rank of a torchrun world other than 0: rank 0 reports
+        return
     tol = TOLERANCE[settings.kv.dtype]
     ok = _render(rep, tol, console)
     if report:

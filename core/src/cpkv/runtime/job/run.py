@@ -13,7 +13,8 @@ from cpkv.comm import CPGroup
 from cpkv.fallback import recording
 from cpkv.settings import Settings
 
-from ..launch import run_ranks
+from ..launch import RankResult, run_ranks
+from ..world import launched_world, run_in_world
 from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
 from .reference import reference_rank
@@ -46,7 +47,7 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
 def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,
             prefix_lens: Sequence[int] = (), capture_topk: bool = True, decode_tokens: int = 0,
             batch_size: int = 0,
-            progress: Callable[[str], None] = lambda s: None) -> JobReport:
+            progress: Callable[[str], None] = lambda s: None) -> JobReport | None:
     """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
 
     The prompts are served in order, ``batch_size`` per prefill batch (0: all in one); with the
@@ -57,9 +58,14 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     C + 1 processes: the pages move with the transfer plugin ``settings.transfer.name`` and the
     decode rank generates ``decode_tokens`` greedy tokens per prompt, compared with the reference's.
 
+    Started by ``torchrun`` (:func:`~cpkv.runtime.world.launched_world`), this process is one
+    rank of that world instead of spawning them: the world must have C (+ 1 with decode)
+    processes; rank 0 then runs the reference and returns the report, the others return None.
+
     Raises:
         RankFailed / RankTimeout: a rank failed (its own error) or hung.
         RuntimeError: the bytes the prefill ranks sent and the decode rank received differ.
+        ValueError: under torchrun, a world of the wrong size.
     """
     spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
                    settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
@@ -69,19 +75,32 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     decode: DecodeReport | None = None
     senders: list[SenderReport] = []
     policy = settings.fallback.policy.value
+    launched = launched_world()
+    need = c + 1 if decode_tokens > 0 else c
+    if launched is not None and launched[1] != need:
+        raise ValueError(f"torchrun started {launched[1]} processes; this job needs {need} "
+                         f"(cp.size = {c}{' + the decode rank' if decode_tokens > 0 else ''})")
+
+    def ranks(fn: Callable[..., Any], n: int) -> list[RankResult]:
+        if launched is not None:  # this process is one rank of the launcher's world
+            return run_in_world(fn, args=(spec,), timeout_s=settings.runtime.timeout_s,
+                                fallback_policy=policy)
+        return run_ranks(fn, n, args=(spec,), timeout_s=settings.runtime.timeout_s,
+                         fallback_policy=policy)
+
     if decode_tokens > 0:
         progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes")
-        results = run_ranks(disagg_rank, c + 1, args=(spec,), timeout_s=settings.runtime.timeout_s,
-                            fallback_policy=policy)
+        results = ranks(disagg_rank, c + 1)
         decode = results[c].value
         senders = [r.value for r in results[:c]]
         pre = [(r.rank, r.value.prefill, r.fallbacks) for r in results[:c]]
     else:
         progress(f"CP{c} prefill on {c} rank processes")
-        results = run_ranks(prefill_rank, c, args=(spec,), timeout_s=settings.runtime.timeout_s,
-                            fallback_policy=policy)
+        results = ranks(prefill_rank, c)
         pre = [(r.rank, r.value, r.fallbacks) for r in results]
     cp_wall = time.perf_counter() - t
+    if launched is not None and launched[0] != 0:
+        return None  # rank 0 checks against the reference and reports
     progress("single-rank reference")
     no_cache = spec.holding_all(settings.with_cp_size(1).model_copy(
         update={"cache": settings.cache.model_copy(update={"enabled": False})}), 1)

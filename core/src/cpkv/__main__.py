@@ -1,0 +1,5 @@
+"""``python -m cpkv`` (and ``torchrun ... -m cpkv run``) is the ``cpkv`` command."""
+
+from cpkv.cli import main
+
+main()
