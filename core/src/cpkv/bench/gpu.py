@@ -262,6 +262,8 @@ class PrefillSpec:
     kv_dtype: str = "fp8"
     repeats: int = 4
     materialize: str = "all_gather"
+    #: backend.preference of the runs (the settings' default: cuda, triton, torch)
+    backends: tuple[str, ...] = ("cuda", "triton", "torch")
 
 
 def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
@@ -278,7 +280,7 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
     settings = load_settings(cp={"size": group.size},
                              kv={"dtype": spec.kv_dtype, "page_size": PAGE, "pages_per_rank": 8192,
                                  "materialize": spec.materialize},
-                             backend={"preference": ["triton", "torch"]})
+                             backend={"preference": list(spec.backends)})
     session = PrefillSession(model, settings, group)
     out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {},
                            "materialize": session.pool.materialize_mode}

@@ -138,8 +138,10 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
               help="Cached prefix of the prefetch measurement (0 skips it).")
 @click.option("--materialize", type=click.Choice(["all_gather", "p2p"]), default="p2p",
               show_default=True, help="kv.materialize of the CP2 vs CP1 prefill runs.")
+@click.option("--backends", default="cuda,triton,torch", show_default=True,
+              help="backend.preference of the CP2 vs CP1 prefill runs (comma-separated).")
 def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_prefix: int,
-            materialize: str) -> None:
+            materialize: str, backends: str) -> None:
     """Kernels vs ceilings, materialization vs raw all-gather, CP2 vs CP1 prefill (needs GPUs)."""
     import tempfile
 
@@ -188,7 +190,8 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
         stack = {**PRESETS["v32-attention"], "num_hidden_layers": layers,
                  "first_k_dense_replace": layers}
         write_tiny_checkpoint(ckpt, seed=0, **stack)
-        spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize)
+        spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize,
+                               backends=tuple(b for b in backends.split(",") if b))
         per: dict[int, list[dict[str, Any]]] = {}
         for c in (1, 2):
             err.print(f"[dim]CP{c} prefill at {lens}[/]")
