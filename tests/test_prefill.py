@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,54 @@ def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:
     assert torch.allclose(out[0].last_logits, out[1].last_logits, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(out[0].topk.indices, out[1].topk.indices,
                                                  strict=True))
+
+
+def test_fp8_indexer_queries_on_an_fp8_pool(tiny: Path) -> None:
+    """``runtime.indexer_dtype = "fp8"`` on an fp8 pool: the indexer gets fp8 queries with their
+    scales folded into the head weights, and the prefill equals one whose indexer gets the same
+    quantized queries dequantized to fp32 with the original weights (relu(s x) = s relu(x));
+    on a bf16 pool the setting changes nothing (the keys are not fp8)."""
+    from cpkv.models import load_model
+    from cpkv.ops import quantize_index_q
+    from cpkv.runtime.session import PrefillSession
+
+    model = load_model(str(tiny))
+    prompt = _prompts(7, [70])[0]
+    seen: list[torch.dtype] = []
+
+    def dequantized(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q8, _ = quantize_index_q(q, w)
+        s = q.float().abs().amax(dim=-1).clamp_min(1e-12) / 448.0
+        return q8.float() * s[..., None], w
+
+    def run(pool: str, q_dtype: str, swap: bool = False) -> torch.Tensor:
+        s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": pool},
+                          backend={"preference": ["torch"]}, runtime={"indexer_dtype": q_dtype})
+        with recording():
+            session = PrefillSession(model, s, CPGroup.single())
+        plain = session.ops.indexer_logits
+
+        def spy(q: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
+            seen.append(q.dtype)
+            if swap:
+                q, w = dequantized(q, w)
+            return plain(q, w, *rest)
+
+        session.driver.ops = types.SimpleNamespace(**{
+            **{k: getattr(session.ops, k) for k in session.ops.chosen}, "indexer_logits": spy})
+        return session.prefill([("a", prompt)], capture_topk=True)
+
+    fp8_q = run("fp8", "fp8")
+    assert set(seen) == {torch.float8_e4m3fn}
+    seen.clear()
+    same = run("fp8", "bf16", swap=True)
+    assert torch.float8_e4m3fn not in seen
+    rel = ((fp8_q.last_logits - same.last_logits).abs().amax()
+           / same.last_logits.abs().amax()).item()
+    assert rel < 1e-4, rel
+    seen.clear()
+    assert torch.equal(run("bf16", "fp8").last_logits, run("bf16", "bf16").last_logits)
+    assert torch.float8_e4m3fn not in seen
 
 
 def test_row_chunks_respect_the_budget() -> None:

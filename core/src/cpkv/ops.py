@@ -85,8 +85,10 @@ def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                          f"{tuple(q.shape)} and k {tuple(k.shape)}")
     n, heads, _ = q.shape
     t = k.shape[0]
-    if not q.dtype.is_floating_point or q.dtype == torch.float8_e4m3fn:
-        raise ValueError(f"indexer_logits: q must be a float tensor, got {q.dtype}")
+    fp8 = torch.float8_e4m3fn
+    if not q.dtype.is_floating_point or (q.dtype == fp8 and k.dtype != fp8):
+        raise ValueError(f"indexer_logits: q must be a float tensor (float8_e4m3fn only with "
+                         f"float8_e4m3fn keys), got q {q.dtype} with k {k.dtype}")
     if w.shape != (n, heads) or w.dtype != torch.float32:
         raise ValueError(f"indexer_logits: expected w float32 [{n}, {heads}], got {w.dtype} "
                          f"{tuple(w.shape)}")
@@ -121,6 +123,20 @@ def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,
     if k < 0:
         raise ValueError(f"topk: k must be >= 0, got {k}")
     _check_ranges("topk", logits.shape[0], key_start, key_end)
+
+
+def quantize_index_q(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's queries in fp8 with their scales folded into the head weights:
+    ``(q8, w')`` where ``q8 = e4m3(q / s)`` per (row, head) with ``s = max(amax, 1e-12) / 448``
+    and ``w' = w * s``. Since ``relu(s * x) = s * relu(x)`` for ``s > 0``,
+    ``indexer_logits(q8, w', k8, k_scale, ...)`` is the indexer on the quantized q (DeepSeek's
+    own inference quantizes the indexer's q and k alike). Plain torch, no host sync."""
+    import torch
+
+    amax = q.float().abs().amax(dim=-1).clamp_min(1e-12)  # [N, H]
+    s = amax / 448.0
+    q8 = (q.float() / s[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q8, w * s
 
 
 def check_page_copy_args(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,

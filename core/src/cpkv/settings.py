@@ -149,6 +149,11 @@ class RuntimeSettings(_Section):
     prefetch: bool = Field(
         True, description="gather the next layer's cached prefix pages while this layer computes"
     )
+    indexer_dtype: Literal["bf16", "fp8"] = Field(
+        "bf16", description="the indexer's queries: 'fp8' quantizes them per row and head (the "
+                            "scale folded into the head weights) when the pool's index keys are "
+                            "fp8, for fp8 x fp8 tensor cores; 'bf16' keeps the model dtype",
+    )
 
 
 class CacheSettings(_Section):

@@ -339,7 +339,9 @@ class AttentionKernels:
         bn = min(cfg["BLOCK_N"], _pow2(t))
         interp = _interpreted(_indexer_kernel)
         # 16-bit tensor-core dot when q and (converted) k share a 16-bit type; fp32 otherwise
-        upcast = interp or q.dtype not in _LOWP or not (fp8 or k.dtype == q.dtype)
+        # (fp8 q and keys: an fp8 x fp8 dot with fp32 accumulation)
+        both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
+        upcast = interp or not (both_fp8 or (q.dtype in _LOWP and (fp8 or k.dtype == q.dtype)))
         ks, ke = key_start.contiguous(), key_end.contiguous()
         scale = k_scale.contiguous() if fp8 else out  # unused pointer for float keys
         grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))

@@ -122,6 +122,24 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     t_topk = device_ms(lambda: impl.topk(logits, 2048, ks, ke), iters=10)
     detail["indexer_logits_32k"] = {"ms": t_fast, "torch_ms": t_ref, "causal_flops": flops,
                                     "topk_ms": t_topk}
+    # the same with fp8 keys (an fp8 pool's) and fp8 queries (runtime.indexer_dtype = "fp8")
+    # against bf16 queries on the same fp8 keys
+    from cpkv.ops import quantize_index_q
+
+    k_amax = k.float().abs().amax(dim=1).clamp_min(1e-12)
+    k_scale = (k_amax / 448.0).float()
+    k8 = (k.float() / k_scale[:, None]).to(torch.float8_e4m3fn)
+    q8, w8 = quantize_index_q(q, w)
+    t_bf16 = device_ms(lambda: impl.indexer_logits(q, w, k8, k_scale, ks, ke), iters=10)
+    t_fp8 = device_ms(lambda: impl.indexer_logits(q8, w8, k8, k_scale, ks, ke), iters=10)
+    a = impl.indexer_logits(q8, w8, k8, k_scale, ks, ke)
+    b = ref.indexer_logits(q8[:64], w8[:64], k8, k_scale, ks[:64], ke[:64])
+    fin = b.isfinite()
+    rows.append(BenchRow.of("indexer_logits_32k_fp8_speedup", flops / t_fp8 / 1e9, "TFLOP/s",
+                            "bf16 queries on the same fp8 keys (TFLOP/s)", flops / t_bf16 / 1e9))
+    detail["indexer_logits_32k_fp8"] = {
+        "ms": t_fp8, "bf16_q_ms": t_bf16,
+        "max_rel_err_vs_torch": float((a[:64][fin] - b[fin]).abs().max() / b[fin].abs().max())}
 
     # sparse MLA prefill: 1024 queries x 128 heads, 576/512, top-2048 over a 64K-key view
     n, h, dk, dv, kk = 1024, 128, 576, 512, 2048

@@ -62,7 +62,9 @@ class KVOps(Protocol):
         key_end[i]``, ``-inf`` elsewhere; computed in float32. q [N, Hi, D] (any float dtype),
         w [N, Hi] float32 (every scale already folded in), k [T, D] float/bf16, or
         ``float8_e4m3fn`` with ``k_scale`` [T] float32 (k dequantised as ``k.float() *
-        k_scale[:, None]``; ``k_scale`` is None for float keys). key_start/key_end int64 [N].
+        k_scale[:, None]``; ``k_scale`` is None for float keys). With fp8 keys q may be
+        ``float8_e4m3fn`` too (its per-(row, head) scale folded into w:
+        :func:`cpkv.ops.quantize_index_q`), for fp8 x fp8 tensor cores. key_start/key_end int64 [N].
         The caller chunks rows so that N x T x 4 B stays under the logits budget (rule 21).
     topk(logits, k, key_start, key_end) -> int32 [N, k]
         Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside

@@ -19,6 +19,7 @@ import torch
 
 from cpkv.contracts import CPPlan, KVDtype, KVFormat, SplitMode
 from cpkv.kv import BatchKV, FullView, ShardedKVPool, unpack_rows
+from cpkv.ops import quantize_index_q
 from cpkv.planning import plan_batch
 
 if TYPE_CHECKING:
@@ -73,8 +74,11 @@ class CPPrefill:
 
     def __init__(self, model: DeepseekV32, pool: ShardedKVPool, ops: OpTable, *,
                  mode: SplitMode | str = SplitMode.ZIGZAG,
-                 logits_budget_bytes: int = 256 << 20, prefetch: bool = True) -> None:
+                 logits_budget_bytes: int = 256 << 20, prefetch: bool = True,
+                 indexer_fp8: bool = False) -> None:
         self.model, self.pool, self.ops = model, pool, ops
+        #: quantize the indexer's q to fp8 when its keys are fp8 (fp8 x fp8 tensor cores)
+        self.indexer_fp8 = indexer_fp8
         self.group: CPGroup = pool.group
         self.mode = SplitMode(mode)
         self.budget = logits_budget_bytes
@@ -184,9 +188,11 @@ class CPPrefill:
             lat, idx_k, idx_scale = _view_tensors(view, fmt, ops, a.q.dtype)
             t3 = time.perf_counter()
             picks, scores = [], []
+            iq, iw = a.index_q, a.index_w
+            if self.indexer_fp8 and idx_scale is not None:  # fp8 keys: fp8 queries too
+                iq, iw = quantize_index_q(iq, iw)
             for s, e in chunks:
-                logits = ops.indexer_logits(a.index_q[s:e], a.index_w[s:e], idx_k, idx_scale,
-                                            ks[s:e], ke[s:e])
+                logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
                 top = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
                 picks.append(top)
                 if cap is not None:

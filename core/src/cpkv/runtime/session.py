@@ -49,7 +49,8 @@ class PrefillSession:
         self.ops = self.pool.ops
         self.driver = CPPrefill(model, self.pool, self.ops, mode=settings.cp.mode,
                                 logits_budget_bytes=settings.runtime.logits_budget_mb << 20,
-                                prefetch=settings.runtime.prefetch)
+                                prefetch=settings.runtime.prefetch,
+                                indexer_fp8=settings.runtime.indexer_dtype == "fp8")
         self._sender: PrefillTransfer | None = None
         #: the prefix cache (``cache.enabled``): same tree on every rank, fed by these calls
         self.cache: PrefixCache | None = None

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from cpkv.contracts import KVDtype, KVFormat, Op
+from cpkv.ops import quantize_index_q
 from cpkv.plugin import PluginHost
 
 __all__ = [
@@ -493,8 +494,8 @@ def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
     j = 0
     for fmt_name in FORMATS:
         fmt = FORMATS[fmt_name]
-        kinds = ("bf16", "fp32", "fp8", "fp8 pool") if fmt_name == "deepseek_v32" else (
-            "bf16", "fp8")
+        kinds = ("bf16", "fp32", "fp8", "fp8 pool", "fp8 q") if fmt_name == "deepseek_v32" else (
+            "bf16", "fp8", "fp8 q")
         for n, t, topk in ATTN_SIZES:
             for kind in kinds:
                 j += 1
@@ -502,7 +503,9 @@ def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
                 case = f"{fmt_name}, {kind} keys, {n} rows x {t} keys"
                 q, w, k = _indexer_inputs(fmt_name, n, t, g)
                 ks, ke = _key_ranges(n, t, topk, g)
-                keys, scale = _indexer_keys(k, kind, fmt, ref)
+                keys, scale = _indexer_keys(k, "fp8" if kind == "fp8 q" else kind, fmt, ref)
+                if kind == "fp8 q":  # fp8 x fp8: q quantized, its scales folded into w
+                    q, w = quantize_index_q(q, w)
                 q, w, keys, ks, ke = _to(device, q, w, keys, ks, ke)
                 if scale is not None:
                     (scale,) = _to(device, scale)
