@@ -91,6 +91,10 @@ FP8_ROUND_TRIP_ABS = 2.0**-10 + 2.0**-20
 #: tolerances of ``indexer_logits`` and ``sparse_mla`` against the reference (fp32 results)
 ATTN_RTOL = 1e-5
 ATTN_ATOL = 1e-5
+#: fp8 x fp8 indexer dots: Hopper's fp8 tensor cores accumulate with fewer mantissa bits than
+#: fp32 (the H200 gave 6.3e-4 absolute on logits of a few units; 1.7e-4 of the row maximum at
+#: 1024 x 32K), so the fp8-query case is compared relative to the largest logit
+FP8_DOT_REL = 2e-3
 #: sparse_mla with 16-bit q/kv: "within dtype tolerance" of the fp32 reference. A kernel that feeds
 #: bf16 probabilities to the value matmul (FlashMLA does) is ~4e-3 off; masking or indexing bugs are
 #: O(1) off, so this still catches them
@@ -512,7 +516,13 @@ def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
                 keep = [x.clone() for x in (q, w, keys, ks, ke)]
                 want = ref.indexer_logits(q, w, keys, scale, ks, ke)
                 got = _call(op, case, impl.indexer_logits, q, w, keys, scale, ks, ke)
-                _assert_close(op, case, "logits", got, want)
+                if kind == "fp8 q":
+                    fin = want[want.isfinite()]
+                    big = float(fin.abs().max()) if fin.numel() else 0.0
+                    _assert_close(op, case, "logits", got, want, FP8_DOT_REL,
+                                  FP8_DOT_REL * big + ATTN_ATOL)
+                else:
+                    _assert_close(op, case, "logits", got, want)
                 _unchanged(op, case, keep, [q, w, keys, ks, ke])
                 # independent of the reference: -inf exactly outside each row's range
                 col = torch.arange(t)
