@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cpkv.cache", "cpkv.disagg"),
     ("cpkv.runtime",),
     ("cpkv.testing", "cpkv.bench"),
-    ("cpkv.cli",),
+    ("cpkv.cli", "cpkv.__main__"),  # the command and `python -m cpkv`
 )
 #: the packages whose own modules must form no import cycle
 DISTRIBUTIONS = [CORE, *sorted((ROOT / "backends").glob("*/src")),
