@@ -20,19 +20,15 @@ from cpkv.fallback import recording
 from cpkv.models import write_tiny_checkpoint
 from cpkv.runtime import run_ranks
 from cpkv.settings import load_settings
-from cpkv.testing.cache_check import all_free, reference_problems
+from cpkv.testing.cache_check import (
+    all_free,
+    common_prefix_len,
+    no_cache_logits,
+    reference_problems,
+)
 
 # few distinct tokens: shared prefixes and divergence inside pages are common
 _seqs = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=40), min_size=1, max_size=8)
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @settings(max_examples=300, deadline=None)
@@ -50,7 +46,7 @@ def test_hits_are_token_valid_and_pages_hold_the_hit(seqs: list[list[int]], ps: 
         tree.insert(s, pages)
     for q in [query, *seqs]:
         m = tree.match(q)
-        want = max(_lcp(q, s) for s in seqs)
+        want = max(common_prefix_len(q, s) for s in seqs)
         assert m.hit_tokens == want
         assert len(m.pages) == -(-want // ps)
         for k, page in enumerate(m.pages):
@@ -201,21 +197,6 @@ def _serve(group: Any, model_dir: str, settings: Any, reqs: list[tuple[str, list
     return out
 
 
-def _reference_logits(model_dir: str, settings: Any, reqs: list[tuple[str, list[int]]]) -> dict:  # type: ignore[type-arg]
-    from cpkv.models import load_model
-    from cpkv.runtime.session import PrefillSession
-
-    one = settings.with_cp_size(1).model_copy(
-        update={"cache": settings.cache.model_copy(update={"enabled": False}),
-                "kv": settings.kv.model_copy(update={"pages_per_rank": 256})})
-    session = PrefillSession(load_model(model_dir), one, CPGroup.single())
-    out = {}
-    for rid, toks in reqs:
-        out[rid] = session.prefill([(rid, toks)]).last_logits[0].float().cpu()
-        session.finish(rid)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=5)
@@ -243,7 +224,7 @@ def test_cache_hits_equal_a_no_cache_single_rank_run(tiny: Path, cp: int, mode: 
                       cache={"host_pages": host}, backend={"preference": ["torch"]}, debug=True)
     with recording():
         results = run_ranks(_serve, cp, args=(str(tiny), s, reqs, True), timeout_s=300)
-    ref = _reference_logits(str(tiny), s, reqs)
+    ref = no_cache_logits(str(tiny), s, reqs)
     r0 = results[0].value
     tol = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 2e-2}[dtype]
     for rid, _ in reqs:
@@ -374,7 +355,7 @@ def test_random_programs_match_a_no_cache_run_and_give_every_page_back(
         results = run_ranks(_run_program, cp, args=(str(tiny), s, ops), timeout_s=300)
     r0 = results[0].value
     reqs = [(rid, toks) for kind, rs in ops if kind in ("serve", "pair", "keep") for rid, toks in rs]
-    ref = _reference_logits(str(tiny), s, reqs)
+    ref = no_cache_logits(str(tiny), s, reqs)
     tol = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 2e-2}[dtype]
     for rid, toks in reqs:
         a, b = r0["logits"][rid], ref[rid]
@@ -479,7 +460,7 @@ def test_every_rank_uses_the_shortest_hit_and_says_so(tiny: Path) -> None:
                       backend={"preference": ["torch"]})
     with recording():
         results = run_ranks(_serve_with_short_rank, 2, args=(str(tiny), s, reqs), timeout_s=300)
-    ref = _reference_logits(str(tiny), s, reqs)
+    ref = no_cache_logits(str(tiny), s, reqs)
     for r in results:
         hits = r.value["hits"]
         assert hits["d"] == 40 and hits["b"] == 37  # min(77 on rank 0, 40 on rank 1); 37 < 40

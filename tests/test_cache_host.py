@@ -18,7 +18,7 @@ from cpkv.kv import PoolExhausted, ShardedKVPool
 from cpkv.kv.host import HostPages
 from cpkv.planning import plan_batch
 from cpkv.runtime import run_ranks
-from cpkv.testing.cache_check import all_free, reference_problems
+from cpkv.testing.cache_check import all_free, no_cache_logits, reference_problems
 from cpkv.testing.pool_check import kv_ops
 
 PS = 4
@@ -218,21 +218,6 @@ def _lose_and_serve(group: Any, model_dir: str, settings: Any,
     return out
 
 
-def _reference(model_dir: str, settings: Any, reqs: list[tuple[str, list[int]]]) -> dict[str, Any]:
-    from cpkv.models import load_model
-    from cpkv.runtime.session import PrefillSession
-
-    one = settings.with_cp_size(1).model_copy(
-        update={"cache": settings.cache.model_copy(update={"enabled": False}),
-                "kv": settings.kv.model_copy(update={"pages_per_rank": 256})})
-    session = PrefillSession(load_model(model_dir), one, CPGroup.single())
-    out = {}
-    for rid, toks in reqs:
-        out[rid] = session.prefill([(rid, toks)]).last_logits[0].float().cpu()
-        session.finish(rid)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from cpkv.models import write_tiny_checkpoint
@@ -253,7 +238,7 @@ def test_a_rank_that_lost_host_pages_makes_every_rank_use_the_shorter_hit(tiny: 
                       cache={"host_pages": 32}, backend={"preference": ["torch"]}, debug=True)
     with recording():
         results = run_ranks(_lose_and_serve, 2, args=(str(tiny), s, reqs), timeout_s=300)
-    ref = _reference(str(tiny), s, reqs)
+    ref = no_cache_logits(str(tiny), s, reqs)
     for r in results:
         v = r.value
         # interleave: rank 1 owns page 1 (tokens 8-15), so its hit stops at 8; rank 0 had 45

@@ -32,19 +32,15 @@ from cpkv.kv import PoolExhausted
 from cpkv.models import write_tiny_checkpoint
 from cpkv.runtime import run_ranks
 from cpkv.settings import load_settings
-from cpkv.testing.cache_check import all_free, reference_problems
+from cpkv.testing.cache_check import (
+    all_free,
+    common_prefix_len,
+    no_cache_settings,
+    reference_problems,
+)
 
 PAGE = 8
 TOL = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 2e-2}
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _machine(group: CPGroup, model_dir: str, cfg: Any, dtype: str, steps: int,
@@ -54,10 +50,7 @@ def _machine(group: CPGroup, model_dir: str, cfg: Any, dtype: str, steps: int,
 
     model = load_model(model_dir)
     session = PrefillSession(model, cfg, group)
-    one = cfg.with_cp_size(1).model_copy(
-        update={"cache": cfg.cache.model_copy(update={"enabled": False}),
-                "kv": cfg.kv.model_copy(update={"pages_per_rank": 512})})
-    reference = PrefillSession(model, one, CPGroup.single())
+    reference = PrefillSession(model, no_cache_settings(cfg, 512), CPGroup.single())
     cache = session.cache
     assert cache is not None and cache.host is not None
     counts = {"examples": 0, "steps": 0, "hits": 0, "loaded": 0, "lost": 0, "exhausted": 0}
@@ -94,7 +87,7 @@ def _machine(group: CPGroup, model_dir: str, cfg: Any, dtype: str, steps: int,
             self.n += 1
             with recording() as rec:
                 hit = session.admit(rid, toks)
-            best = min(max((_lcp(toks, c) for c in self.cached), default=0), len(toks) - 1)
+            best = min(max((common_prefix_len(toks, c) for c in self.cached), default=0), len(toks) - 1)
             assert 0 <= hit <= best
             if rec.events:
                 self.lost = True  # a shortened hit leaves shorter nodes behind; exactness is off

@@ -24,6 +24,19 @@ def _show(rows: list[BenchRow]) -> None:
     Console().print(t)
 
 
+def _report(name: str, rows: list[BenchRow], out: str, detail: dict[str, Any] | None = None,
+            summary: str = "") -> None:
+    """Show ``rows`` (and a summary line), write the JSON report of ``cpkv bench NAME`` to
+    ``out`` with the machine and the command line, and say where."""
+    report = BenchReport(machine=machine_description(),
+                         command=f"cpkv bench {name} " + shlex.join(sys.argv[3:]),
+                         results=tuple(rows), detail=detail or {})
+    _show(rows)
+    if summary:
+        click.echo(summary)
+    click.echo(f"wrote {report.write(out)}")
+
+
 @click.group("bench")
 def command() -> None:
     """Run benchmarks; each writes benchmarks/results/<name>.json."""
@@ -39,10 +52,7 @@ def plan_cmd(out: str, repeat: int) -> None:
 
     err = Console(stderr=True)
     rows = plan.run(repeat=repeat, progress=lambda s: err.print(f"[dim]{s}[/]"))
-    report = BenchReport(machine=machine_description(),
-                         command="cpkv bench plan " + shlex.join(sys.argv[3:]), results=tuple(rows))
-    _show(rows)
-    click.echo(f"wrote {report.write(out)}")
+    _report("plan", rows, out)
 
 
 @command.command("cache")
@@ -71,13 +81,9 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
         settings = cache.bench_settings(cp, requests, prefix, suffix, page_size)
         rows, detail = cache.run(ckpt, settings, requests=requests, prefix=prefix, suffix=suffix,
                                  progress=lambda s: err.print(f"[dim]{s}[/]"))
-    report = BenchReport(machine=machine_description(),
-                         command="cpkv bench cache " + shlex.join(sys.argv[3:]),
-                         results=tuple(rows), detail=detail)
-    _show(rows)
-    click.echo(f"max relative error of the cached run's last-token logits: "
-               f"{detail['max_rel_err']:.2e} (tolerance {detail['tolerance']:.0e})")
-    click.echo(f"wrote {report.write(out)}")
+    _report("cache", rows, out, detail,
+            f"max relative error of the cached run's last-token logits: "
+            f"{detail['max_rel_err']:.2e} (tolerance {detail['tolerance']:.0e})")
     if not detail["correct"] or not detail["hits_agree_across_ranks"]:
         raise click.ClickException(
             f"the cached run differs from the no-cache run: max relative logit error "
@@ -114,13 +120,9 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
         rows, detail = host.run(dev, pages, layers, progress=lambda s: err.print(f"[dim]{s}[/]"))
     except host.RoundTripError as e:
         raise click.ClickException(str(e)) from e
-    report = BenchReport(machine=machine_description(),
-                         command="cpkv bench host " + shlex.join(sys.argv[3:]),
-                         results=tuple(rows), detail=detail)
-    _show(rows)
-    click.echo(f"{detail['bytes_per_token']} B per token, {detail['page_bytes']} B per page, "
-               f"{pages} pages x {layers} layers; bit exact: {detail['bit_exact']}")
-    click.echo(f"wrote {report.write(out)}")
+    _report("host", rows, out, detail,
+            f"{detail['bytes_per_token']} B per token, {detail['page_bytes']} B per page, "
+            f"{pages} pages x {layers} layers; bit exact: {detail['bit_exact']}")
     if not detail["bit_exact"]:
         raise click.ClickException("the host tier round trip is not bit exact")
 
@@ -220,8 +222,4 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
         rows.append(BenchRow.of(f"prefetch_{prefetch_prefix // 1024}k_prefix_extend_speedup",
                                 1 / on, "batches/s", "the same extend without prefetch",
                                 1 / off))
-    report = BenchReport(machine=machine_description(),
-                         command="cpkv bench gpu " + shlex.join(sys.argv[3:]), results=tuple(rows),
-                         detail=detail)
-    _show(rows)
-    click.echo(f"wrote {report.write(out)}")
+    _report("gpu", rows, out, detail)

@@ -96,6 +96,8 @@ class PrefillTransfer:
             TransferError: the decode rank refused or did not publish the request.
         """
         t0 = time.perf_counter()
+        if self.pool.loads_pending:  # pages a cache hit brought back from the host, in place first
+            self.pool.flush_loads()
         part = _part_of(manifest, self.rank)
         src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
         sums = page_checksums(self.pool, src) if self.debug else None

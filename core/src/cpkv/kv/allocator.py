@@ -7,9 +7,9 @@ exhaustion decision at the same point: the error is raised alike everywhere, bef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["PageAllocator", "PoolExhausted"]
+__all__ = ["PageAllocator", "PoolExhausted", "drop_refs", "hold_new"]
 
 
 class PoolExhausted(RuntimeError):
@@ -64,3 +64,31 @@ class PageAllocator:
     def snapshot(self) -> tuple[tuple[int, ...], ...]:
         """The free lists, for tests that check a failed batch changed nothing."""
         return tuple(tuple(f) for f in self._free)
+
+
+#: (allocation rank, slot) -> references held to that page
+Refs = dict[tuple[int, int], int]
+
+
+def hold_new(refs: Refs, slots: Sequence[Sequence[int]]) -> None:
+    """One reference to each newly allocated slot (``slots[a]``: allocation rank a's)."""
+    for a, got in enumerate(slots):
+        for s in got:
+            refs[(a, s)] = 1
+
+
+def drop_refs(refs: Refs, keys: Iterable[tuple[int, int]], allocator: PageAllocator) -> int:
+    """One reference less to each (allocation rank, slot); slots at zero go back to
+    ``allocator``'s free lists. Returns how many did (the device pool and the host tier
+    count their pages alike)."""
+    freed: dict[int, list[int]] = {}
+    for key in keys:
+        n = refs[key] - 1
+        if n:
+            refs[key] = n
+        else:
+            del refs[key]
+            freed.setdefault(key[0], []).append(key[1])
+    for a, slots in freed.items():
+        allocator.release(a, slots)
+    return sum(len(v) for v in freed.values())

@@ -26,7 +26,7 @@ import torch
 
 from cpkv.contracts import KVFormat
 
-from .allocator import PageAllocator
+from .allocator import PageAllocator, drop_refs, hold_new
 
 if TYPE_CHECKING:
     from cpkv.ops import OpTable
@@ -80,10 +80,9 @@ class HostPages:
             PoolExhausted: not enough free host slots (nothing taken).
         """
         slots = self.allocator.allocate(needs, what="host pages")
-        for a, got in enumerate(slots):
-            for s in got:
-                self._refs[(a, s)] = 1
-                self.lost.discard(s)
+        hold_new(self._refs, slots)
+        for got in slots:  # a fresh save overwrites whatever was lost there
+            self.lost.difference_update(got)
         return slots
 
     def retain(self, keys: Iterable[tuple[int, int]]) -> None:
@@ -92,17 +91,7 @@ class HostPages:
 
     def release(self, keys: Iterable[tuple[int, int]]) -> int:
         """One reference less to each (allocation rank, slot); returns how many were freed."""
-        freed: dict[int, list[int]] = {}
-        for k in keys:
-            n = self._refs[k] - 1
-            if n:
-                self._refs[k] = n
-            else:
-                del self._refs[k]
-                freed.setdefault(k[0], []).append(k[1])
-        for a, slots in freed.items():
-            self.allocator.release(a, slots)
-        return sum(len(v) for v in freed.values())
+        return drop_refs(self._refs, keys, self.allocator)
 
     def refcount(self, key: tuple[int, int]) -> int:
         return self._refs.get(key, 0)

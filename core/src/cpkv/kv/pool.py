@@ -27,7 +27,7 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import CPPlan, FallbackReason, KVFormat, MaterializeMode, RequestSpec, cdiv
 from cpkv.fallback import report_fallback
 
-from .allocator import PageAllocator, PoolExhausted
+from .allocator import PageAllocator, PoolExhausted, drop_refs, hold_new
 from .batch import BatchKV, RequestPages, build_batch
 from .materialize import Materializer, Prefetch, open_materializer
 from .stage import PageLoad, PageStage
@@ -355,17 +355,7 @@ class ShardedKVPool:
     def _drop(self, keys: Iterable[tuple[int, int]]) -> int:
         """One reference less to each page; pages at zero go back to the free lists. Returns
         how many did."""
-        freed: dict[int, list[int]] = {}
-        for key in keys:
-            n = self._refs[key] - 1
-            if n:
-                self._refs[key] = n
-            else:
-                del self._refs[key]
-                freed.setdefault(key[0], []).append(key[1])
-        for a, slots in freed.items():
-            self.allocator.release(a, slots)
-        return sum(len(v) for v in freed.values())
+        return drop_refs(self._refs, keys, self.allocator)
 
     def refcount(self, owner: int, slot: int) -> int:
         """References to the page at ``slot`` on ``owner`` (0: free)."""
@@ -409,9 +399,7 @@ class ShardedKVPool:
             PoolExhausted: not enough free pages (nothing taken).
         """
         slots = self._allocate(list(needs), what)
-        for a, got in enumerate(slots):
-            for slot in got:
-                self._refs[(a, slot)] = 1
+        hold_new(self._refs, slots)
         return slots
 
     def adopt(self, rid: Hashable, pages: Sequence[tuple[int, int]], valid_len: int) -> None:

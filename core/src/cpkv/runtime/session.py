@@ -131,6 +131,4 @@ class PrefillSession:
         """
         if self._sender is None:
             raise RuntimeError("PrefillSession.send needs a transfer: call connect(transport) first")
-        if self.pool.loads_pending:
-            self.pool.flush_loads()  # host pages a hit brought back are in place before they move
         return self._sender.send_request(rid, self.pages(rid), final=final, meta=meta)

@@ -9,10 +9,52 @@ children are host nodes) and that every held slot is off the free lists.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cpkv.cache import PrefixCache
 
-__all__ = ["all_free", "reference_problems"]
+if TYPE_CHECKING:
+    import torch
+
+    from cpkv.settings import Settings
+
+__all__ = ["all_free", "common_prefix_len", "no_cache_logits", "no_cache_settings",
+           "reference_problems"]
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens ``a`` and ``b`` share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def no_cache_settings(settings: Settings, pages_per_rank: int = 256) -> Settings:
+    """``settings`` for the tests' reference: one rank, no prefix cache, a pool of
+    ``pages_per_rank`` pages."""
+    return settings.with_cp_size(1).model_copy(
+        update={"cache": settings.cache.model_copy(update={"enabled": False}),
+                "kv": settings.kv.model_copy(update={"pages_per_rank": pages_per_rank})})
+
+
+def no_cache_logits(model_dir: str, settings: Settings,
+                    reqs: Sequence[tuple[str, Sequence[int]]]) -> dict[str, torch.Tensor]:
+    """Each request's last-token logits (float32, CPU) computed whole on one rank without a
+    cache: what a cached CP run must equal."""
+    from cpkv.comm import CPGroup
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    session = PrefillSession(load_model(model_dir), no_cache_settings(settings), CPGroup.single())
+    out = {}
+    for rid, toks in reqs:
+        out[rid] = session.prefill([(rid, toks)]).last_logits[0].float().cpu()
+        session.finish(rid)
+    return out
 
 
 def reference_problems(cache: PrefixCache) -> list[str]:
