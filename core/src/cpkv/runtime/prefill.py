@@ -166,10 +166,11 @@ class CPPrefill:
         pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
         rope = m.rope_cos_sin(pos, m.dtype, inputs["max_position"])  # once per batch
         chunks = row_chunks(kv.rows.num_local, 4 * inputs["num_keys"], self.budget)
-        # sparse MLA temporaries per row (a reference backend gathers k latent rows and scores them)
-        dk = m.config.kv_lora_rank + m.config.qk_rope_head_dim
-        mla_chunks = row_chunks(kv.rows.num_local,
-                                4 * self.topk * (dk + 2 * m.config.num_attention_heads), self.budget)
+        # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
+        # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
+        # chunking by those made FlashMLA calls of 37 rows at DeepSeek sizes: half the GPU idle)
+        mla_chunks = row_chunks(kv.rows.num_local, 6 * m.config.num_attention_heads * self.dv,
+                                self.budget)
         cap = TopkCapture() if capture else None
         # the next layer's cached prefix pages move while this layer computes (rule 17: one more
         # layer's view in memory); the same decision on every rank (plan + settings only)
