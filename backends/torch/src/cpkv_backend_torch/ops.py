@@ -171,12 +171,13 @@ class TorchOps:
         return torch.cat(parts, dim=1)
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse of :meth:`fp8_pack`: dequantised values (e4m3 x block scale; rope as stored).
 
         Args:
             packed: uint8 [N, B] as produced by :meth:`fp8_pack`.
             dtype: dtype of the result.
+            index: optional int64 [n]: unpack rows ``packed[index]`` (here: gathered first).
 
         Returns:
             [N, kv_lora_rank + rope_dim] or [N, index_head_dim] of ``dtype``.
@@ -188,6 +189,8 @@ class TorchOps:
         if packed.dim() != 2 or packed.shape[1] != nbytes or packed.dtype != torch.uint8:
             raise ValueError(f"fp8_unpack({part}): expected uint8 [N, {nbytes}] for {fmt!r}, "
                              f"got {packed.dtype} {tuple(packed.shape)}")
+        if index is not None:
+            packed = packed.index_select(0, index)
         n, blocks = packed.shape[0], dims // block
         q = packed[:, :dims].view(_FP8).float().reshape(n, blocks, block)
         scale = _dense(packed[:, dims:dims + 4 * blocks]).view(torch.float32)

@@ -246,7 +246,7 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
                                                   align=align)
         out["eager"][mode] = cuda_ms(partial(pool.materialize, 0, kv), iters=20)
         v = pool.materialize(0, kv)
-        views[mode] = (v.latent.contiguous(), v.index_k.contiguous())
+        views[mode] = (v.latent(ops), v.index_k(ops))
         if mode == "all_gather":
             m = kv.materialize
             ag = _all_gather_views(pool)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from cpkv.contracts import CPPlan, KVDtype, KVFormat, SplitMode
-from cpkv.kv import BatchKV, FullView, ShardedKVPool, unpack_rows
+from cpkv.contracts import CPPlan, KVFormat, SplitMode
+from cpkv.kv import BatchKV, FullView, ShardedKVPool
 from cpkv.ops import quantize_index_q
 from cpkv.planning import plan_batch
 
@@ -227,12 +227,5 @@ class CPPrefill:
 def _view_tensors(view: FullView, fmt: KVFormat, ops: OpTable, dtype: torch.dtype,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Latent keys in compute dtype; index keys as the indexer takes them (fp8 + per-token scale
-    for an fp8 pool: never widened before the indexer)."""
-    if fmt.dtype is not KVDtype.FP8:
-        lat, idx = view.unpack(fmt, ops, dtype)
-        return lat, idx, None
-    d = fmt.index_head_dim
-    lat = unpack_rows(view.latent, fmt, "latent", ops, dtype)
-    k = view.index_k[:, :d].contiguous().view(torch.float8_e4m3fn)
-    scale = view.index_k[:, d:d + 4].contiguous().view(torch.float32).reshape(-1)
-    return lat, k, scale
+    for an fp8 pool: never widened before the indexer); read where the view left them."""
+    return view.keys(fmt, ops, dtype)
