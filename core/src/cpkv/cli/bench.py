@@ -138,7 +138,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
 @click.option("--skip-prefill", is_flag=True, help="Kernels and materialization only.")
 @click.option("--prefetch-prefix", type=click.IntRange(min=0), default=65536, show_default=True,
               help="Cached prefix of the prefetch measurement (0 skips it).")
-@click.option("--materialize", type=click.Choice(["all_gather", "p2p"]), default="p2p",
+@click.option("--materialize", type=click.Choice(["all_gather", "p2p", "auto"]), default="auto",
               show_default=True, help="kv.materialize of the CP2 vs CP1 prefill runs.")
 @click.option("--backends", default="cuda,triton,torch", show_default=True,
               help="backend.preference of the CP2 vs CP1 prefill runs (comma-separated).")
@@ -193,7 +193,8 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                  "first_k_dense_replace": layers}
         write_tiny_checkpoint(ckpt, seed=0, **stack)
         spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize,
-                               backends=tuple(b for b in backends.split(",") if b))
+                               backends=tuple(b for b in backends.split(",") if b),
+                               profile_tokens=65536 if 65536 in lens else 0)
         per: dict[int, list[dict[str, Any]]] = {}
         for c in (1, 2):
             err.print(f"[dim]CP{c} prefill at {lens}[/]")
@@ -210,6 +211,12 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
             b2 = max(r["sizes"][n]["kv_bytes"] for r in per[2])
             rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
                                     "CP1 (one rank holds every page)", b1))
+            if n == 65536:  # a whole prefill's layer FLOPs over its wall time: a lower bound of
+                # the layers' rate (embedding, planning and the last logits count as time)
+                one = per[1][0]
+                flops = one["layers"] * sum(one["layer_flops"][n].values())
+                rows.append(BenchRow.of("cp1_layer_64k_mfu", flops / t1 / 1e12, "TFLOP/s",
+                                        "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
     if ngpu >= 2 and not skip_prefill and prefetch_prefix:
         err.print(f"[dim]prefetch: {prefetch_prefix}-token cached prefix + 4096-token extend[/]")
         res = run_ranks(gpu.prefetch_rank, 2,
