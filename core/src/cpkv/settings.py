@@ -185,6 +185,10 @@ class RunSettings(_Section):
     prompts: str | None = Field(None, description="JSON file with a list of token-id lists")
     batch_size: int = Field(1, ge=1, description="prompts per prefill batch, served in order "
                                                  "(each can hit what earlier batches cached)")
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="where the job runs: 'cpu' (Gloo ranks, float32 model), 'cuda' (NCCL "
+                           "ranks, rank r on GPU r, bfloat16 model, the reference on GPU 0) or "
+                           "'auto' (cuda when there is a GPU per process, else cpu)")
 
 
 # The TOML file of the load in progress. A context variable, not a class attribute, so concurrent

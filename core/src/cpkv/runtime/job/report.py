@@ -151,6 +151,8 @@ class JobReport:
     #: {enabled, hit_tokens (per prompt), hit_fraction, pages_evicted, host_pages,
     #: pages_saved_to_host, pages_loaded_from_host, recomputed_tokens}; None without a cache
     cache: dict[str, Any] | None = None
+    #: where the job ran: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model)
+    device: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}

@@ -37,6 +37,13 @@ class JobSpec:
     #: prompts per prefill batch, served in order (0: all in one batch); ignored with
     #: ``prefix_lens``. With a cache, each prompt can hit what earlier batches left
     batch_size: int = 0
+    #: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model; rank r on GPU r)
+    device: str = "cpu"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype: bfloat16 on GPUs (the kernels' dtype), float32 on CPUs."""
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
 
     def holding_all(self, settings: Settings, ranks: int) -> Settings:
         """``settings`` with a pool of ``ranks`` ranks big enough to keep every prompt and its
@@ -71,7 +78,7 @@ def open_session(group: CPGroup, spec: JobSpec) -> tuple[PrefillSession, float]:
     from cpkv.models import load_model
 
     t0 = time.perf_counter()
-    model = load_model(spec.model_dir)
+    model = load_model(spec.model_dir, dtype=spec.dtype, device=group.device)
     return PrefillSession(model, spec.settings, group), time.perf_counter() - t0
 
 
