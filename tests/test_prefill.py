@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -127,7 +128,47 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
     with recording():
         res = session.prefill([("a", prompts[0]), ("b", prompts[1])])
         res2 = session.prefill([("a", prompts[1])])  # continues "a" from a mid-page prefix
+        res3 = session.prefill([("a", [7]), ("b", [9])])  # decode-like: selected latent rows
     assert torch.isfinite(res.last_logits).all() and torch.isfinite(res2.last_logits).all()
+    assert torch.isfinite(res3.last_logits).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_selected_latent_rows_equal_the_whole_view(tiny: Path, dtype: str) -> None:
+    """A batch that reads fewer latent rows than its view holds (decode steps) dequantizes only
+    the rows its top-k picks; logits and choices equal dequantizing the whole view."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": dtype},
+                      backend={"preference": ["torch"]})
+    model = load_model(str(tiny))
+    prompt = _prompts(8, [150])[0]
+    from cpkv.kv import FullView
+
+    real = FullView.selected_latent
+    out, picked, selected = [], [], []
+    for select in (None, False):
+        with recording():
+            session = PrefillSession(model, s, CPGroup.single())
+        session.driver.select_latent = select
+        session.prefill([("a", prompt[:140])])
+        rows: list[int] = []
+
+        def spy(self: FullView, top: torch.Tensor, *a: Any, _rows: list[int] = rows) -> Any:
+            _rows.append(top.numel())
+            return real(self, top, *a)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(FullView, "selected_latent", spy)
+            res = [session.prefill([("a", [tok])], capture_topk=True)  # one-token steps:
+                   for tok in prompt[140:]]  # 1 row x top-16 < the view's 141+ keys
+        out.append(torch.cat([r.last_logits for r in res]))
+        picked.append([t for r in res for t in r.topk.indices])
+        selected.append(rows)
+    assert selected[0] == [16] * 10 * model.num_layers and selected[1] == []  # auto picks rows
+    assert torch.equal(out[0], out[1])
+    assert all(torch.equal(a, b) for a, b in zip(*picked, strict=True))
 
 
 def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:

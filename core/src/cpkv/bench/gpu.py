@@ -335,6 +335,8 @@ class PrefillSpec:
     backends: tuple[str, ...] = ("cuda", "triton", "torch")
     #: one more prefill of this many tokens under torch.profiler (device time per kernel; 0: none)
     profile_tokens: int = 0
+    #: runtime.indexer_dtype of the runs
+    indexer_dtype: str = "bf16"
 
 
 def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
@@ -351,7 +353,8 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
     settings = load_settings(cp={"size": group.size},
                              kv={"dtype": spec.kv_dtype, "page_size": PAGE, "pages_per_rank": 8192,
                                  "materialize": spec.materialize},
-                             backend={"preference": list(spec.backends)})
+                             backend={"preference": list(spec.backends)},
+                             runtime={"indexer_dtype": spec.indexer_dtype})
     session = PrefillSession(model, settings, group)
     out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {},
                            "materialize": session.pool.materialize_mode}
@@ -379,6 +382,44 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
             session.release(f"p{n}-prof")
     out["layers"] = model.num_layers
     out["layer_flops"] = {n: layer_flops(model.config, n) for n in spec.tokens}
+    return out
+
+
+def decode_steps(dev: torch.device, model_dir: str, tokens: int, steps: int = 8,
+                 backends: tuple[str, ...] = ("cuda", "triton", "torch"),
+                 select_latent: bool | None = None) -> dict[str, Any]:
+    """Decode steps (one-token extends, as the decode rank runs them) after a ``tokens``-token
+    prefill on one GPU, fp8 pool: the median wall time of ``steps`` steps after the first (each
+    synchronized: a step's logits are read to pick the next token), the ops that ran, and a
+    kernel profile of one step."""
+    from cpkv.comm import CPGroup
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    model = load_model(model_dir, dtype=torch.bfloat16, device=dev)
+    settings = load_settings(cp={"size": 1},
+                             kv={"dtype": "fp8", "page_size": PAGE,
+                                 "pages_per_rank": tokens // PAGE + 64},
+                             backend={"preference": list(backends)})
+    session = PrefillSession(model, settings, CPGroup.single(dev))
+    session.driver.select_latent = select_latent
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (tokens + steps + 1,), generator=g).tolist()
+    session.prefill([("d", ids[:tokens])])
+    times = []
+    for i in range(steps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = session.prefill([("d", [ids[tokens + i]])])
+        res.last_logits.argmax().item()  # the next token is read back, as a decode loop does
+        times.append(time.perf_counter() - t)
+    kernels = _kernel_profile(partial(session.prefill, [("d", [ids[-1]])]))
+    out = {"seconds": statistics.median(times[1:]), "all": times, "ops": dict(session.ops.chosen),
+           "kernels": kernels}
+    session.release("d")
+    del session, model
+    torch.cuda.empty_cache()
     return out
 
 

@@ -91,6 +91,34 @@ class FullView:
         return (unpack_rows(self.latent(ops), fmt, "latent", ops, dtype),
                 unpack_rows(self.index_k(ops), fmt, "index_k", ops, dtype))
 
+    def index_keys(self, fmt: KVFormat, ops: OpTable, dtype: torch.dtype,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The indexer's keys alone (see :meth:`keys`): fp8 [T, D] with fp32 scales [T] for an
+        fp8 pool, else [T, D] in ``dtype`` with None."""
+        if fmt.dtype is not KVDtype.FP8:
+            return unpack_rows(self.index_k(ops), fmt, "index_k", ops, dtype), None
+        d = fmt.index_head_dim
+        ik = self.index_k(ops)  # [T, D + 4]: natural order, one gather of the index bytes
+        return (ik[:, :d].contiguous().view(torch.float8_e4m3fn),
+                ik[:, d:d + 4].contiguous().view(torch.float32).reshape(-1))
+
+    def selected_latent(self, top: torch.Tensor, fmt: KVFormat, ops: OpTable,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the latent rows a top-k choice reads, for batches that read fewer rows than the
+        view holds (decode steps, short extends after a long prefix): ``top`` int32 [N, k] (view
+        keys, -1 empty) -> (latent [N * k, Dk] in ``dtype``, indices int32 [N, k] into it, -1
+        kept), gathered and dequantized in one pass from where the view's rows are."""
+        n, k = top.shape
+        keys = top.clamp_min(0).reshape(-1).long()
+        rows = keys if self.index is None else self.index.index_select(0, keys)
+        nl = self.latent_bytes
+        if fmt.dtype is KVDtype.FP8:
+            lat = ops.fp8_unpack(self.rows[:, :nl], fmt, "latent", dtype, rows)
+        else:
+            lat = unpack_rows(ops.page_gather(self.rows[:, :nl], rows), fmt, "latent", ops, dtype)
+        slots = torch.arange(n * k, dtype=torch.int32, device=top.device).view(n, k)
+        return lat, torch.where(top >= 0, slots, torch.full_like(slots, -1))
+
     def keys(self, fmt: KVFormat, ops: OpTable, dtype: torch.dtype,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the attention kernels take, one pass over each part: latent keys [T, Dk] in
@@ -99,8 +127,5 @@ class FullView:
         if fmt.dtype is not KVDtype.FP8:
             lat, idx = self.unpack(fmt, ops, dtype)
             return lat, idx, None
-        d = fmt.index_head_dim
         lat = ops.fp8_unpack(self.rows[:, :self.latent_bytes], fmt, "latent", dtype, self.index)
-        ik = self.index_k(ops)  # [T, D + 4]: natural order, one gather of the index bytes
-        return (lat, ik[:, :d].contiguous().view(torch.float8_e4m3fn),
-                ik[:, d:d + 4].contiguous().view(torch.float32).reshape(-1))
+        return (lat, *self.index_keys(fmt, ops, dtype))
