@@ -87,3 +87,20 @@ def test_job_device_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         else:
             with pytest.raises(ValueError, match=f"3 processes .*{gpus} GPU"):
                 job_device("cuda", 3)
+
+
+def test_compare_topk_counts_only_real_differences() -> None:
+    """A swap at the k-th place within the tie tolerance of the row's score scale is not a
+    difference; a swap of a key scored well above the k-th is."""
+    import torch
+
+    from cpkv.runtime.job import compare_topk
+
+    ia = [torch.tensor([[0, 1, 2]], dtype=torch.int32)]
+    sa = [torch.tensor([[50.0, 20.0, 3.0]])]
+    near = [torch.tensor([[0, 1, 7]], dtype=torch.int32)], [torch.tensor([[50.0, 20.0, 3.3]])]
+    far = [torch.tensor([[0, 9, 2]], dtype=torch.int32)], [torch.tensor([[50.0, 21.0, 3.0]])]
+    assert compare_topk(ia, sa, ia, sa) == 0
+    assert compare_topk(ia, sa, *near, rel_tie=1e-2) == 0  # 0.3 apart, scale 50: 0.5 tolerance
+    assert compare_topk(ia, sa, *near, rel_tie=1e-6) == 1
+    assert compare_topk(ia, sa, *far, rel_tie=1e-2) == 1  # 20 and 21 are far above the floor
