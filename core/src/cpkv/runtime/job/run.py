@@ -26,7 +26,7 @@ __all__ = ["TIE_TOLERANCE", "disagg_rank", "job_device", "run_job"]
 #: top-k keys whose indexer score is this close (relative) to the k-th count as ties when CP and
 #: the reference are compared: float32 on CPUs; on GPUs the model computes in bfloat16, whose
 #: matmuls round differently for different row counts (a CP rank's rows vs all rows)
-TIE_TOLERANCE = {"cpu": 1e-6, "cuda": 1e-2}
+TIE_TOLERANCE = {"cpu": 1e-6, "cuda": 3e-2}
 
 
 def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
