@@ -345,3 +345,47 @@ def test_consecutive_owned_pages_are_sent_from_the_pool_without_a_gather() -> No
         # "a" freed: its slots 0-2 come back first and "c" takes one of them; "d" then gets
         # slots 1, 2 (freed) and 5.. (never used): not consecutive, so one page gather
         assert c[0] is not None and d == (None,)
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.FP8, KVDtype.BF16])
+def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> None:
+    """A part-major pool (the decode rank's) stores each page as its latent rows then its index-K
+    rows, still one block; its views, the compute keys and the selected latent rows equal a
+    token-major pool's for the same writes (requests ending mid-page, then continued)."""
+    from cpkv.contracts import PageLayout
+
+    group = CPGroup.single()
+    ops = kv_ops(group)
+    fmt = _fmt(dtype, 8)
+    ps, nl, ni = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
+    pools = {lay: ShardedKVPool(fmt, 2, group, ops, pages_per_rank=16, layout=lay)
+             for lay in PageLayout}
+    g = torch.Generator().manual_seed(4)
+    for batch in ([("a", 30), ("b", 13)], [("a", 5)]):
+        lat = {l: torch.randn(sum(n for _, n in batch), fmt.kv_lora_rank + fmt.rope_dim,
+                              generator=g) for l in range(2)}
+        idx = {l: torch.randn(sum(n for _, n in batch), fmt.index_head_dim, generator=g)
+               for l in range(2)}
+        got = {}
+        for lay, pool in pools.items():
+            plan = plan_batch([pool.request_spec(r, n) for r, n in batch], 1, ps)
+            kv = pool.prepare(plan, [r for r, _ in batch])
+            views = []
+            for layer in range(2):
+                pool.write(layer, kv, lat[layer], idx[layer])
+                views.append(pool.materialize(layer, kv))
+            top = torch.tensor([[0, 3, -1, 9], [12, 1, 2, -1]], dtype=torch.int32)
+            got[lay] = [(v.latent(), v.index_k(), *v.keys(fmt, ops, torch.float32),
+                         *v.selected_latent(top, fmt, ops, torch.float32)) for v in views]
+            pool.commit(kv)
+        for a, b in zip(got[PageLayout.TOKEN_MAJOR], got[PageLayout.PART_MAJOR], strict=True):
+            assert all(x is None and y is None or torch.equal(x, y)
+                       for x, y in zip(a, b, strict=True))
+    # the bytes of a part-major page: latent rows first, then index-K rows
+    tok, part = pools[PageLayout.TOKEN_MAJOR], pools[PageLayout.PART_MAJOR]
+    for layer in range(2):
+        for s_tok, s_part in zip(tok.table["a"].slots, part.table["a"].slots, strict=True):
+            rows = tok.kv[layer][s_tok]  # [ps, nl + ni]
+            block = part.kv[layer][s_part].reshape(-1)
+            assert torch.equal(block[:ps * nl].view(ps, nl), rows[:, :nl])
+            assert torch.equal(block[ps * nl:].view(ps, ni), rows[:, nl:])

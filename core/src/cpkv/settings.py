@@ -26,7 +26,7 @@ from pydantic_settings import (
 )
 from pydantic_settings import SettingsError as _SourceError
 
-from cpkv.contracts import FallbackPolicy, KVDtype, MaterializeMode, SplitMode
+from cpkv.contracts import FallbackPolicy, KVDtype, MaterializeMode, PageLayout, SplitMode
 
 __all__ = [
     "BackendSettings",
@@ -82,6 +82,14 @@ class KVSettings(_Section):
                     "'p2p' (pages kept in peer-mapped memory, read from their owners in one pass; "
                     "symmetric memory over NVLink on CUDA, shared memory on CPU) or 'auto' (p2p "
                     "on GPUs whose ranks map each other's memory, else all_gather)",
+    )
+
+    layout: PageLayout = Field(
+        PageLayout.TOKEN_MAJOR,
+        description="byte order inside a page: 'token_major' (each token's latent then index-K; "
+                    "every strategy reads it) or 'part_major' (a page's latent rows then its "
+                    "index-K rows: FlashMLA's fp8 decode reads it in place; replica and "
+                    "all_gather only). The decode rank's pool is part-major whatever this says",
     )
 
     @field_validator("materialize")

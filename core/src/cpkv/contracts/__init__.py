@@ -6,7 +6,7 @@ The backend op Protocol (:class:`KVOps`) lives here too, its tensor types for ty
 
 from ._base import Contract, Count, CPSize, PageIndex, PageSize, Position, Rank
 from .fallback import FallbackEvent, FallbackPolicy, FallbackReason
-from .formats import KVDtype, KVFormat, MaterializeMode
+from .formats import KVDtype, KVFormat, MaterializeMode, PageLayout
 from .ops import KVOps, KVPart
 from .plan import (
     CPPlan,
@@ -40,6 +40,7 @@ __all__ = [
     "OwnerMap",
     "PageExtent",
     "PageIndex",
+    "PageLayout",
     "PageSize",
     "PluginInfo",
     "PluginKind",

@@ -35,6 +35,20 @@ class MaterializeMode(StrEnum):
     AUTO = "auto"
 
 
+class PageLayout(StrEnum):
+    """How a page's bytes are ordered (a page is always one block of ``page_bytes``).
+
+    ``TOKEN_MAJOR``: each token's latent bytes then its index-K bytes (one row per token: token
+    rows are uniform, every token-row op addresses them directly). ``PART_MAJOR``: the page's
+    ``page_size`` latent rows, then its ``page_size`` index-K rows: the latent of a page is one
+    contiguous [page_size, latent bytes] block, the layout FlashMLA's fp8 sparse decode reads in
+    place (a 64-token fp8 page: 64 x 656 latent then 64 x 132 index-K, 50,432 B).
+    """
+
+    TOKEN_MAJOR = "token_major"
+    PART_MAJOR = "part_major"
+
+
 class KVFormat(Contract):
     """Byte layout of one token of one layer in the pool (the contract's formats table).
 

@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from cpkv.comm import CPGroup, PeerAccessUnavailable, PeerBuffers, open_peer_buffers
-from cpkv.contracts import FallbackReason, KVFormat, MaterializeMode
+from cpkv.contracts import FallbackReason, KVFormat, MaterializeMode, PageLayout
 from cpkv.fallback import report_fallback
 
 from .batch import BatchKV, MaterializePlan
@@ -80,10 +80,10 @@ class Materializer(Protocol):
         """The full view of ``layer`` for the batch (after every rank wrote that layer)."""
 
 
-def _view(rows: torch.Tensor, index: torch.Tensor | None, fmt: KVFormat,
-          m: MaterializePlan) -> FullView:
-    return FullView(rows=rows, index=index, latent_bytes=fmt.latent_bytes_per_token,
-                    cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
+def _view(pages: torch.Tensor, index: torch.Tensor | None, fmt: KVFormat, m: MaterializePlan,
+          layout: PageLayout = PageLayout.TOKEN_MAJOR) -> FullView:
+    return FullView(pages=pages, index=index, fmt=fmt, layout=layout, cu_seqlens=m.cu_seqlens,
+                    seq_lens=m.seq_lens)
 
 
 def _plain_storage(fmt: KVFormat, num_layers: int, capacity: int,
@@ -93,12 +93,13 @@ def _plain_storage(fmt: KVFormat, num_layers: int, capacity: int,
 
 
 class ReplicaViews:
-    """Every rank holds every page: the view is one local gather of the rank's own rows."""
+    """Every rank holds every page: the view reads the rank's own pool in place."""
 
     mode = MaterializeMode.REPLICA
 
-    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, ops: OpTable) -> None:
-        self.kv, self.fmt, self.ops = kv, fmt, ops
+    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, ops: OpTable,
+                 layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
+        self.kv, self.fmt, self.ops, self.layout = kv, fmt, ops, layout
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -108,7 +109,7 @@ class ReplicaViews:
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         m = batch.materialize
-        return _view(self.kv[layer].view(-1, self.fmt.bytes_per_token), m.view_index, self.fmt, m)
+        return _view(self.kv[layer], m.view_index, self.fmt, m, self.layout)
 
 
 class AllGatherViews:
@@ -118,8 +119,9 @@ class AllGatherViews:
     mode = MaterializeMode.ALL_GATHER
 
     def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, group: CPGroup, ops: OpTable,
-                 side: torch.cuda.Stream | None = None) -> None:
-        self.kv, self.fmt, self.group, self.ops = kv, fmt, group, ops
+                 side: torch.cuda.Stream | None = None,
+                 layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
+        self.kv, self.fmt, self.group, self.ops, self.layout = kv, fmt, group, ops, layout
         self._stream = side
 
     def begin_batch(self, batch: BatchKV) -> None:
@@ -164,8 +166,8 @@ class AllGatherViews:
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         """One collective of the owned pages (only the pages this batch wrote when
-        ``prefetched`` holds the rest), then one gather into natural order."""
-        c, b = self.group.size, self.fmt.bytes_per_token
+        ``prefetched`` holds the rest); the view reads the receive buffer in place."""
+        c = self.group.size
         if prefetched is None:
             m = batch.materialize
             buf = self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0])
@@ -180,7 +182,7 @@ class AllGatherViews:
                 buf.record_stream(cur)
             self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
-        return _view(buf.view(-1, b), m.view_index, self.fmt, m)
+        return _view(buf, m.view_index, self.fmt, m, self.layout)
 
 
 class PeerViews:
@@ -208,15 +210,18 @@ class PeerViews:
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         m = batch.materialize
         self.peers.barrier()  # every owner's writes of this layer are done and visible
-        return _view(self.ops.peer_gather(self.rows[layer], m.view_owner, m.view_physical),
-                     None, self.fmt, m)
+        rows = self.ops.peer_gather(self.rows[layer], m.view_owner, m.view_physical)
+        return _view(rows.unsqueeze(1), None, self.fmt, m)
 
 
 def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, capacity: int,
                       group: CPGroup, ops: OpTable,
-                      side: torch.cuda.Stream | None = None) -> Materializer:
+                      side: torch.cuda.Stream | None = None,
+                      layout: PageLayout = PageLayout.TOKEN_MAJOR) -> Materializer:
     """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer);
-    ``side`` is the pool's side stream (work a layer ahead: the prefetch runs on it).
+    ``side`` is the pool's side stream (work a layer ahead: the prefetch runs on it). A
+    part-major ``layout`` (the decode pool's) is read by the replica and all-gather strategies;
+    ``P2P`` (and ``AUTO``'s p2p) keep token-major pages.
 
     ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
     rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
@@ -225,8 +230,12 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
     stand in for peer memory in tests there; nothing says they beat a CPU all-gather).
     """
     if mode is MaterializeMode.REPLICA:
-        return ReplicaViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, ops)
-    auto = mode is MaterializeMode.AUTO
+        return ReplicaViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, ops,
+                            layout)
+    if layout is PageLayout.PART_MAJOR and mode is MaterializeMode.P2P:
+        raise ValueError("part-major pages are read by the replica and all_gather strategies; "
+                         "p2p reads token rows from its peers")
+    auto = mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
     if auto and (group.device.type != "cuda" or group.is_local):
         log.info("cpkv.kv.materialize_auto", selected="all_gather",
                  why="one rank" if group.is_local else f"{group.device.type} ranks")
@@ -245,4 +254,4 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
             log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=group.size)
             return PeerViews(peers, fmt, num_layers, capacity, ops)
     return AllGatherViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, group, ops,
-                          side)
+                          side, layout)

@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import CPPlan, FallbackReason, KVFormat, MaterializeMode, RequestSpec, cdiv
+from cpkv.contracts import (
+    CPPlan,
+    FallbackReason,
+    KVFormat,
+    MaterializeMode,
+    PageLayout,
+    RequestSpec,
+    cdiv,
+)
 from cpkv.fallback import report_fallback
 
 from .allocator import PageAllocator, PoolExhausted, drop_refs, hold_new
@@ -60,7 +68,8 @@ class ShardedKVPool:
 
     def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable, *,
                  shared: bool = True, pages_per_rank: int = 4096, debug: bool = False,
-                 materialize: MaterializeMode | str = MaterializeMode.ALL_GATHER) -> None:
+                 materialize: MaterializeMode | str = MaterializeMode.ALL_GATHER,
+                 layout: PageLayout | str = PageLayout.TOKEN_MAJOR) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         modes = (MaterializeMode.ALL_GATHER.value, MaterializeMode.P2P.value,
@@ -76,13 +85,21 @@ class ShardedKVPool:
         self.side: torch.cuda.Stream | None = None
         if group.device.type == "cuda":
             self.side = torch.cuda.Stream(device=group.device)  # type: ignore[no-untyped-call]
+        #: how a page's bytes are ordered (one block either way; PageLayout)
+        self.layout = PageLayout(layout)
         self.views: Materializer = open_materializer(mode, fmt, num_layers, pages_per_rank, group,
-                                                     ops, self.side)
+                                                     ops, self.side, self.layout)
         #: per layer: uint8 [pages, ps, latent + index bytes] (the strategy's storage)
         self.kv = self.views.kv
-        nl = fmt.latent_bytes_per_token
-        self.latent = [b[..., :nl] for b in self.kv]
-        self.index_k = [b[..., nl:] for b in self.kv]
+        nl, ps = fmt.latent_bytes_per_token, fmt.page_size
+        #: per layer, [pages, ps, latent bytes] and [pages, ps, index bytes] views of ``kv``
+        if self.layout is PageLayout.TOKEN_MAJOR:
+            self.latent = [b[..., :nl] for b in self.kv]
+            self.index_k = [b[..., nl:] for b in self.kv]
+        else:  # a page's latent rows, then its index-K rows
+            flat = [b.view(b.shape[0], -1) for b in self.kv]
+            self.latent = [f[:, :ps * nl].view(-1, ps, nl) for f in flat]
+            self.index_k = [f[:, ps * nl:].view(-1, ps, fmt.index_bytes_per_token) for f in flat]
         self.table: dict[Hashable, RequestPages] = {}
         #: references to each held page, by (allocation rank, slot): the requests whose page
         #: tables hold it plus the prefix cache's; a page returns to the free list at zero
@@ -245,23 +262,33 @@ class ShardedKVPool:
         batch.stage.ready(layer)
         lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
         idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
-        rows = self.kv[layer].view(-1, self.fmt.bytes_per_token)
         nl = lat_b.shape[1]
-        lat_rows, idx_rows = rows[:, :nl], rows[:, nl:]  # dense rows, row stride B
         if batch.direct_dst.numel():
             src_l, src_i = lat_b, idx_b
             if batch.direct_src is not None:
                 src_l = self.ops.page_gather(lat_b, batch.direct_src)
                 src_i = self.ops.page_gather(idx_b, batch.direct_src)
-            self.ops.page_scatter(lat_rows, batch.direct_dst, src_l)
-            self.ops.page_scatter(idx_rows, batch.direct_dst, src_i)
+            self._store(layer, batch.direct_dst, src_l, src_i)
         if batch.gather_writes:
             both = torch.cat([lat_b, idx_b], dim=1)
             gathered = self.group.all_gather_rows(both, batch.rows.max_rank_len)
             mine = self.ops.page_gather(gathered, batch.owner_src)
-            nl = lat_b.shape[1]
-            self.ops.page_scatter(lat_rows, batch.owner_dst, mine[:, :nl])
-            self.ops.page_scatter(idx_rows, batch.owner_dst, mine[:, nl:])
+            self._store(layer, batch.owner_dst, mine[:, :nl], mine[:, nl:])
+
+    def _store(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
+               index_k: torch.Tensor) -> None:
+        """Packed rows into token rows ``rows`` (page slot x ps + offset) of ``layer``."""
+        if self.layout is PageLayout.TOKEN_MAJOR:
+            tok = self.kv[layer].view(-1, self.fmt.bytes_per_token)
+            nl = latent.shape[1]
+            self.ops.page_scatter(tok[:, :nl], rows, latent)  # dense rows, row stride B
+            self.ops.page_scatter(tok[:, nl:], rows, index_k)
+            return
+        # part-major token rows are not evenly spaced: address them as (page, offset)
+        ps = self.fmt.page_size
+        page, off = rows // ps, rows % ps
+        self.latent[layer].index_put_((page, off), latent)
+        self.index_k[layer].index_put_((page, off), index_k)
 
     def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
         """Start moving ``layer``'s cached prefix pages into the full view ahead of time (on a side

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.contracts import KVDtype, KVFormat
+from cpkv.contracts import KVDtype, KVFormat, PageLayout
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart, OpTable
 
-__all__ = ["FullView", "pack_rows", "row_dims", "unpack_rows"]
+__all__ = ["FullView", "pack_rows", "part_rows", "row_dims", "unpack_rows"]
 
 _FLOAT = {KVDtype.BF16: torch.bfloat16, KVDtype.FP32: torch.float32}
 
@@ -42,52 +43,98 @@ def unpack_rows(b: torch.Tensor, fmt: KVFormat, part: KVPart, ops: OpTable,
     return b.contiguous().view(_FLOAT[fmt.dtype]).to(dtype)
 
 
+def part_rows(pages: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
+              tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One part's token rows of a page buffer, for reading: (rows [R, bytes of the part], the
+    row of each of ``tokens`` in it).
+
+    ``pages`` is a contiguous uint8 [P, S, latent + index bytes] buffer (a pool layer, an
+    all-gather's receive buffer) whose token t is slot t % S of page t // S; ``tokens`` int64 [n]
+    (None: every token in order, token-major only). Token-major: the column slice of the token
+    rows, ``tokens`` unchanged. Part-major: the part's rows are not evenly spaced, so ``rows`` is an
+    overlapping strided view whose row i starts i * U bytes in (U divides every row start) and
+    the tokens are translated to those rows: read it, never write through it.
+    """
+    nl = fmt.latent_bytes_per_token
+    b = fmt.bytes_per_token
+    lo, n = (0, nl) if part == "latent" else (nl, b - nl)
+    if layout is PageLayout.TOKEN_MAJOR:
+        return pages.reshape(-1, b)[:, lo:lo + n], tokens
+    if tokens is None:
+        raise ValueError("part-major rows are read through a token index")
+    s = pages.shape[1]
+    pb = s * b
+    first = lo * s  # the part's offset inside a page
+    unit = math.gcd(pb, first, n) if first else math.gcd(pb, n)
+    total = pages.numel()
+    rows = pages.as_strided(((total - n) // unit + 1, n), (unit, 1), pages.storage_offset())
+    idx = (tokens // s) * (pb // unit) + (first + (tokens % s) * n) // unit
+    return rows, idx
+
+
 @dataclass(frozen=True)
 class FullView:
     """Every key the batch's rows may read, requests concatenated in natural order: request i's
     keys [0, P_i + E_i) are keys ``cu_seqlens[i]:cu_seqlens[i+1]``; positions past a request's
     valid length never appear (tail pages are masked).
 
-    The keys stay where the materialization left them: ``rows`` (the pool's token rows, the
-    all-gather's receive buffer in rank-major page order, or a natural-order copy), with key j at
-    ``rows[index[j]]`` (``index`` None: ``rows`` is the view itself). Consumers read through the
-    index in the pass they make anyway (:meth:`keys`: the fp8 dequantization, the split of the
-    index-K bytes), so no natural-order copy of the whole view is made first.
+    The keys stay where the materialization left them: ``pages`` (the pool layer itself, the
+    all-gather's receive buffer in rank-major page order, or natural-order rows as [T, 1, B]),
+    with key j at token row ``index[j]`` of ``pages`` (``index`` None: row j). Consumers read
+    through the index in the pass they make anyway (:meth:`keys`: the fp8 dequantization, the
+    split of the index-K bytes), so no natural-order copy of the whole view is made first.
     """
 
-    rows: torch.Tensor  # uint8 [R, latent bytes + index bytes]
-    index: torch.Tensor | None  # int64 [T] into rows, or None (rows is [T, B] in natural order)
-    latent_bytes: int  # bytes of a row's latent part (the index-K bytes follow)
+    pages: torch.Tensor  # uint8 [P, S, latent bytes + index bytes], contiguous
+    index: torch.Tensor | None  # int64 [T] token rows of pages, or None (row j is key j)
+    fmt: KVFormat
+    layout: PageLayout
     cu_seqlens: torch.Tensor  # int64 [B + 1], on the view's device
     seq_lens: tuple[int, ...]  # host copy of the key counts (from the plan, no sync)
 
     @property
     def num_keys(self) -> int:
-        return self.rows.shape[0] if self.index is None else self.index.shape[0]
+        return self.pages.shape[0] * self.pages.shape[1] if self.index is None \
+            else self.index.shape[0]
 
-    def _part(self, lo: int, hi: int | None, ops: OpTable | None) -> torch.Tensor:
-        cols = self.rows[:, lo:hi]
-        if self.index is None:
-            return cols
-        if ops is None:
-            return cols.index_select(0, self.index)
-        return ops.page_gather(cols, self.index)
+    def _rows(self, part: KVPart, keys: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The part's rows and the row of each key (``keys``: view keys; None: all of them)."""
+        tokens = self.index if keys is None else (
+            keys if self.index is None else self.index.index_select(0, keys))
+        if tokens is None and self.layout is PageLayout.PART_MAJOR:
+            tokens = torch.arange(self.num_keys, device=self.pages.device)
+        return part_rows(self.pages, self.fmt, self.layout, part, tokens)
+
+    def _bytes(self, part: KVPart, ops: OpTable | None) -> torch.Tensor:
+        rows, idx = self._rows(part)
+        if idx is None:
+            return rows
+        return rows.index_select(0, idx) if ops is None else ops.page_gather(rows, idx)
 
     def latent(self, ops: OpTable | None = None) -> torch.Tensor:
         """uint8 [T, latent bytes] in natural order (a copy when the view has an index)."""
-        return self._part(0, self.latent_bytes, ops)
+        return self._bytes("latent", ops)
 
     def index_k(self, ops: OpTable | None = None) -> torch.Tensor:
         """uint8 [T, index bytes] in natural order (a copy when the view has an index)."""
-        return self._part(self.latent_bytes, None, ops)
+        return self._bytes("index_k", ops)
+
+    def token_rows(self, top: torch.Tensor) -> torch.Tensor:
+        """int32 [N, k]: the token row of ``pages`` (page x S + slot) each view key of ``top``
+        (int32 [N, k], -1 empty) is at, -1 kept: where a paged kernel reads it in place."""
+        if self.index is None:
+            return top
+        rows = self.index.index_select(0, top.clamp_min(0).reshape(-1).long()).view(top.shape)
+        return torch.where(top >= 0, rows.to(torch.int32), top)
 
     def unpack(self, fmt: KVFormat, ops: OpTable,
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent [T, kv_lora_rank + rope_dim], index_k [T, index_head_dim]) in ``dtype``."""
         if fmt.dtype is KVDtype.FP8:
-            nl = self.latent_bytes
-            return (ops.fp8_unpack(self.rows[:, :nl], fmt, "latent", dtype, self.index),
-                    ops.fp8_unpack(self.rows[:, nl:], fmt, "index_k", dtype, self.index))
+            (lr, li), (ir, ii) = self._rows("latent"), self._rows("index_k")
+            return (ops.fp8_unpack(lr, fmt, "latent", dtype, li),
+                    ops.fp8_unpack(ir, fmt, "index_k", dtype, ii))
         return (unpack_rows(self.latent(ops), fmt, "latent", ops, dtype),
                 unpack_rows(self.index_k(ops), fmt, "index_k", ops, dtype))
 
@@ -109,13 +156,12 @@ class FullView:
         keys, -1 empty) -> (latent [N * k, Dk] in ``dtype``, indices int32 [N, k] into it, -1
         kept), gathered and dequantized in one pass from where the view's rows are."""
         n, k = top.shape
-        keys = top.clamp_min(0).reshape(-1).long()
-        rows = keys if self.index is None else self.index.index_select(0, keys)
-        nl = self.latent_bytes
+        rows, idx = self._rows("latent", top.clamp_min(0).reshape(-1).long())
+        assert idx is not None
         if fmt.dtype is KVDtype.FP8:
-            lat = ops.fp8_unpack(self.rows[:, :nl], fmt, "latent", dtype, rows)
+            lat = ops.fp8_unpack(rows, fmt, "latent", dtype, idx)
         else:
-            lat = unpack_rows(ops.page_gather(self.rows[:, :nl], rows), fmt, "latent", ops, dtype)
+            lat = unpack_rows(ops.page_gather(rows, idx), fmt, "latent", ops, dtype)
         slots = torch.arange(n * k, dtype=torch.int32, device=top.device).view(n, k)
         return lat, torch.where(top >= 0, slots, torch.full_like(slots, -1))
 
@@ -127,5 +173,6 @@ class FullView:
         if fmt.dtype is not KVDtype.FP8:
             lat, idx = self.unpack(fmt, ops, dtype)
             return lat, idx, None
-        lat = ops.fp8_unpack(self.rows[:, :self.latent_bytes], fmt, "latent", dtype, self.index)
+        rows, where = self._rows("latent")
+        lat = ops.fp8_unpack(rows, fmt, "latent", dtype, where)
         return (lat, *self.index_keys(fmt, ops, dtype))

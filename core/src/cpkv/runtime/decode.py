@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.comm import CPGroup
+from cpkv.contracts import PageLayout
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
 from .session import PrefillSession
@@ -68,8 +69,10 @@ class DecodeWorker:
     def __init__(self, model: DeepseekV32, settings: Settings, device: torch.device | str = "cpu",
                  host: PluginHost | None = None) -> None:
         one = settings.with_cp_size(1).model_copy(update={
+            # part-major pages: FlashMLA's fp8 decode (the cuda backend) reads them in place
             "kv": settings.kv.model_copy(
-                update={"pages_per_rank": settings.kv.pages_per_rank * settings.cp.size}),
+                update={"pages_per_rank": settings.kv.pages_per_rank * settings.cp.size,
+                        "layout": PageLayout.PART_MAJOR}),
             "cache": settings.cache.model_copy(update={"enabled": False})})
         self.session = PrefillSession(model, one, CPGroup.single(device, settings.runtime.timeout_s),
                                       host)

@@ -88,4 +88,4 @@ def create_pool(settings: Settings, fmt: KVFormat, num_layers: int, group: CPGro
     # same memory per rank either way: a replica fits C times fewer tokens in it
     return ShardedKVPool(fmt, num_layers, group, table, shared=settings.kv.shared,
                          pages_per_rank=settings.kv.pages_per_rank, debug=settings.debug,
-                         materialize=settings.kv.materialize)
+                         materialize=settings.kv.materialize, layout=settings.kv.layout)
