@@ -379,7 +379,7 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
                          *v.selected_latent(top, fmt, ops, torch.float32)) for v in views]
             pool.commit(kv)
         for a, b in zip(got[PageLayout.TOKEN_MAJOR], got[PageLayout.PART_MAJOR], strict=True):
-            assert all(x is None and y is None or torch.equal(x, y)
+            assert all((x is None and y is None) or torch.equal(x, y)
                        for x, y in zip(a, b, strict=True))
     # the bytes of a part-major page: latent rows first, then index-K rows
     tok, part = pools[PageLayout.TOKEN_MAJOR], pools[PageLayout.PART_MAJOR]
