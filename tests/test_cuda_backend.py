@@ -103,3 +103,53 @@ def test_a_declined_call_runs_on_the_next_backend() -> None:
     assert [(e.requested, e.selected, e.reason) for e in rec.events] == [
         ("cuda", "triton", FallbackReason.OP_DECLINED)]
     assert "16 heads" in rec.events[0].detail
+
+
+def _paged_case(n: int, heads: int, pages: int, k: int, device: str,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """q, part-major fp8 pages (DeepSeek-V3.2 format) packed by the torch reference, and token
+    rows with -1 slots and one empty row."""
+    from cpkv.contracts import KVFormat
+
+    fmt = KVFormat.deepseek_v32("fp8")
+    ps, nl = fmt.page_size, fmt.latent_bytes_per_token
+    g = torch.Generator().manual_seed(seed)
+    lat = _ref().fp8_pack(torch.randn(pages * ps, 576, generator=g), fmt, "latent")
+    idx = _ref().fp8_pack(torch.randn(pages * ps, 128, generator=g), fmt, "index_k")
+    buf = torch.cat([lat.view(pages, ps * nl), idx.view(pages, -1)], 1).view(pages, ps, -1)
+    rows = torch.randint(0, pages * ps, (n, k), dtype=torch.int32, generator=g)
+    rows[::3, k // 2:] = -1
+    rows[min(1, n - 1)] = -1
+    q = torch.randn(n, heads, 576, generator=g).to(torch.bfloat16)
+    return q.to(device), buf.contiguous().to(device), rows.to(device), fmt
+
+
+def test_paged_calls_the_decode_kernel_cannot_take_are_declined() -> None:
+    from cpkv.contracts import KVFormat
+    from cpkv_backend_cuda.flashmla import FlashMLAOps, decode_decline_reason
+
+    ops = FlashMLAOps(types.SimpleNamespace())
+    q, pages, rows, fmt = _paged_case(3, 128, 4, 64, "cpu", 1)
+    with pytest.raises(OpDeclined, match="needs CUDA tensors"):
+        ops.sparse_mla_paged(q, pages, rows, fmt, 0.1, 512)
+    bf16 = KVFormat.deepseek_v32("bf16")
+    assert "bf16 pool" in (decode_decline_reason(q, pages, rows, bf16, 512) or "")
+    assert "16 heads" in (decode_decline_reason(q[:, :16], pages, rows, fmt, 512) or "")
+    assert "top-k 16" in (decode_decline_reason(q, pages, rows[:, :16], fmt, 512) or "")
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize("heads", [64, 128])
+def test_flashmla_decode_reads_part_major_pages_like_the_reference(heads: int) -> None:
+    """FlashMLA's fp8 sparse decode over part-major pages (read in place, block stride = a
+    page) equals the torch reference (the same rows dequantized, fp32 sparse MLA) within bf16
+    rounding; the empty row is zeros."""
+    ops = cuda_backend.load()
+    q, pages, rows, fmt = _paged_case(24, heads, 96, 2048, "cuda", heads)
+    got = ops.sparse_mla_paged(q, pages, rows, fmt, 576 ** -0.5, 512)
+    want = _ref().sparse_mla_paged(q, pages, rows, fmt, 576 ** -0.5, 512)
+    assert got.shape == (24, heads, 512)
+    assert torch.equal(got[1].float(), torch.zeros_like(got[1].float()))
+    err = ((got.float() - want).abs().amax() / want.abs().amax()).item()
+    assert err < 2e-2, err

@@ -362,10 +362,10 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
              for lay in PageLayout}
     g = torch.Generator().manual_seed(4)
     for batch in ([("a", 30), ("b", 13)], [("a", 5)]):
-        lat = {l: torch.randn(sum(n for _, n in batch), fmt.kv_lora_rank + fmt.rope_dim,
-                              generator=g) for l in range(2)}
-        idx = {l: torch.randn(sum(n for _, n in batch), fmt.index_head_dim, generator=g)
-               for l in range(2)}
+        lat = {ly: torch.randn(sum(n for _, n in batch), fmt.kv_lora_rank + fmt.rope_dim,
+                              generator=g) for ly in range(2)}
+        idx = {ly: torch.randn(sum(n for _, n in batch), fmt.index_head_dim, generator=g)
+               for ly in range(2)}
         got = {}
         for lay, pool in pools.items():
             plan = plan_batch([pool.request_spec(r, n) for r, n in batch], 1, ps)

@@ -136,7 +136,8 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_selected_latent_rows_equal_the_whole_view(tiny: Path, dtype: str) -> None:
     """A batch that reads fewer latent rows than its view holds (decode steps) dequantizes only
-    the rows its top-k picks; logits and choices equal dequantizing the whole view."""
+    the rows its top-k picks, or on part-major pages (the decode pool's) reads them in place
+    (``sparse_mla_paged``); logits and choices equal dequantizing the whole view."""
     from cpkv.models import load_model
     from cpkv.runtime.session import PrefillSession
 
@@ -148,9 +149,10 @@ def test_selected_latent_rows_equal_the_whole_view(tiny: Path, dtype: str) -> No
 
     real = FullView.selected_latent
     out, picked, selected = [], [], []
-    for select in (None, False):
+    for select, layout in ((None, "token_major"), (False, "token_major"), (None, "part_major")):
+        sl = s.model_copy(update={"kv": s.kv.model_copy(update={"layout": layout})})
         with recording():
-            session = PrefillSession(model, s, CPGroup.single())
+            session = PrefillSession(model, sl, CPGroup.single())
         session.driver.select_latent = select
         session.prefill([("a", prompt[:140])])
         rows: list[int] = []
@@ -167,8 +169,10 @@ def test_selected_latent_rows_equal_the_whole_view(tiny: Path, dtype: str) -> No
         picked.append([t for r in res for t in r.topk.indices])
         selected.append(rows)
     assert selected[0] == [16] * 10 * model.num_layers and selected[1] == []  # auto picks rows
-    assert torch.equal(out[0], out[1])
-    assert all(torch.equal(a, b) for a, b in zip(*picked, strict=True))
+    assert selected[2] == []  # part-major pages (the decode pool's): read in place, paged op
+    for other in (1, 2):
+        assert torch.equal(out[0], out[other])
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[other], strict=True))
 
 
 def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:

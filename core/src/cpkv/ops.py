@@ -21,7 +21,7 @@ from cpkv.plugin import AgreeFn, BackendRegistry
 if TYPE_CHECKING:
     import torch
 
-    from cpkv.contracts import KVFormat
+    from cpkv.contracts import KVFormat, PageLayout
 
     # for type checkers the table IS a KVOps (each op typed as the Protocol says); at runtime it
     # is a plain object whose __getattr__ hands out the bound callable chosen per op
@@ -35,7 +35,7 @@ __all__ = ["KV_OPS", "KVOps", "KVPart", "OpTable"]
 KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.FP8_PACK,
                           Op.FP8_UNPACK, Op.PEER_GATHER)
 #: the sparse-attention ops of one layer (issue #4)
-ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA)
+ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 
 
@@ -226,6 +226,89 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
                          f"{tuple(indices.shape)}")
     if not 0 < dv <= dk:
         raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
+
+
+def part_rows(pages: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
+              tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One part's token rows of a page buffer, for reading: (rows [R, bytes of the part], the
+    row of each of ``tokens`` in it).
+
+    ``pages`` is a contiguous uint8 [P, S, latent + index bytes] buffer (a pool layer, an
+    all-gather's receive buffer) whose token t is slot t % S of page t // S; ``tokens`` int64 [n]
+    (None: every token in order, token-major only). Token-major: the column slice of the token
+    rows, ``tokens`` unchanged. Part-major: the part's rows are not evenly spaced, so ``rows`` is an
+    overlapping strided view whose row i starts i * U bytes in (U divides every row start) and
+    the tokens are translated to those rows: read it, never write through it.
+    """
+    import math
+
+    from cpkv.contracts import PageLayout
+
+    nl = fmt.latent_bytes_per_token
+    b = fmt.bytes_per_token
+    lo, n = (0, nl) if part == "latent" else (nl, b - nl)
+    if layout is PageLayout.TOKEN_MAJOR:
+        return pages.reshape(-1, b)[:, lo:lo + n], tokens
+    if tokens is None:
+        raise ValueError("part-major rows are read through a token index")
+    s = pages.shape[1]
+    pb = s * b
+    first = lo * s  # the part's offset inside a page
+    unit = math.gcd(pb, first, n) if first else math.gcd(pb, n)
+    total = pages.numel()
+    rows = pages.as_strided(((total - n) // unit + 1, n), (unit, 1), pages.storage_offset())
+    idx = (tokens // s) * (pb // unit) + (first + (tokens % s) * n) // unit
+    return rows, idx
+
+
+def check_sparse_mla_paged_args(q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                                fmt: KVFormat, dv: int) -> None:
+    """Validate ``sparse_mla_paged`` arguments.
+
+    Raises:
+        ValueError: a shape or dtype does not match, or ``dv`` is out of range.
+    """
+    import torch
+
+    if q.dim() != 3 or q.shape[2] != fmt.kv_lora_rank + fmt.rope_dim:
+        raise ValueError(f"sparse_mla_paged: expected q [N, H, {fmt.kv_lora_rank + fmt.rope_dim}]"
+                         f", got {tuple(q.shape)}")
+    want = (fmt.page_size, fmt.bytes_per_token)
+    if pages.dim() != 3 or tuple(pages.shape[1:]) != want or pages.dtype != torch.uint8 \
+            or not pages.is_contiguous():
+        raise ValueError(f"sparse_mla_paged: expected contiguous uint8 pages [P, {want[0]}, "
+                         f"{want[1]}], got {pages.dtype} {tuple(pages.shape)}")
+    n = q.shape[0]
+    if rows.dim() != 2 or rows.shape[0] != n or rows.dtype != torch.int32:
+        raise ValueError(f"sparse_mla_paged: expected rows int32 [{n}, k], got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    if not 0 < dv <= q.shape[2]:
+        raise ValueError(f"sparse_mla_paged: dv must be in (0, {q.shape[2]}], got {dv}")
+
+
+def paged_latent(pages: torch.Tensor, rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
+                 unpack: Callable[..., torch.Tensor],
+                 gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent rows ``rows`` (int32 [N, k] token rows of part-major ``pages``, -1 empty)
+    dequantized into [N * k, Dk] of ``dtype``, and int32 [N, k] indices into them (-1 kept):
+    ``sparse_mla_paged`` composed from a backend's ``fp8_unpack`` (``unpack``) or ``page_gather``
+    (``gather``, float formats) and its ``sparse_mla``."""
+    import torch
+
+    from cpkv.contracts import KVDtype, PageLayout
+
+    n, k = rows.shape
+    src, idx = part_rows(pages, fmt, PageLayout.PART_MAJOR, "latent",
+                         rows.clamp_min(0).reshape(-1).long())
+    assert idx is not None
+    if fmt.dtype is KVDtype.FP8:
+        lat = unpack(src, fmt, "latent", dtype, idx)
+    else:
+        width = torch.float32 if fmt.dtype is KVDtype.FP32 else torch.bfloat16
+        lat = gather(src, idx).view(width).to(dtype)
+    slots = torch.arange(n * k, dtype=torch.int32, device=rows.device).view(n, k)
+    return lat, torch.where(rows >= 0, slots, torch.full_like(slots, -1))
 
 
 class _Declinable:

@@ -19,10 +19,10 @@ from types import ModuleType
 
 import torch
 
-from cpkv.contracts import OpDeclined
-from cpkv.ops import check_sparse_mla_args
+from cpkv.contracts import KVDtype, KVFormat, OpDeclined
+from cpkv.ops import check_sparse_mla_args, check_sparse_mla_paged_args
 
-__all__ = ["FlashMLAOps", "decline_reason"]
+__all__ = ["FlashMLAOps", "decline_reason", "decode_decline_reason"]
 
 HEADS = (64, 128)
 DK, DV = 576, 512
@@ -45,12 +45,42 @@ def decline_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dv:
     return None
 
 
+#: FlashMLA's fp8 token (DeepSeek-V3.2): 512 e4m3 + 4 fp32 scales + 64 bf16 rope bytes, the same
+#: bytes as cpkv's fp8 latent format with quant_block 128
+FP8_TOKEN_BYTES = 656
+#: the dtype FlashMLA's fp8 k_cache is passed in (the bytes viewed as e4m3)
+KCACHE_DTYPE = torch.float8_e4m3fn
+
+
+def decode_decline_reason(q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, fmt: KVFormat,
+                          dv: int) -> str | None:
+    """Why FlashMLA's fp8 sparse decode cannot take this call, or None (metadata only)."""
+    _, h, dk = q.shape
+    if fmt.dtype is not KVDtype.FP8 or fmt.latent_bytes_per_token != FP8_TOKEN_BYTES \
+            or fmt.quant_block != 128:
+        return (f"a {fmt.dtype.value} pool with {fmt.latent_bytes_per_token}-byte latent rows "
+                f"(FlashMLA's sparse decode reads DeepSeek-V3.2's fp8 rows of {FP8_TOKEN_BYTES})")
+    if h not in HEADS:
+        return f"{h} heads (FlashMLA's sparse decode takes {' or '.join(map(str, HEADS))})"
+    if dk != DK or dv != DV:
+        return f"head dims {dk}/{dv} (FlashMLA takes {DK}/{DV})"
+    if q.dtype != torch.bfloat16:
+        return f"q {q.dtype} (FlashMLA's decode takes bf16 queries)"
+    if rows.shape[1] % TOPK_MULTIPLE:
+        return f"top-k {rows.shape[1]} (FlashMLA takes a multiple of {TOPK_MULTIPLE})"
+    if q.device.type != "cuda" or pages.device != q.device or rows.device != q.device:
+        return f"needs CUDA tensors on one device, got q on {q.device}, pages on {pages.device}"
+    return None
+
+
 class FlashMLAOps:
     """The ops the cuda backend provides, on FlashMLA's kernels (imported by the backend's
     ``load``)."""
 
     def __init__(self, flash_mla: ModuleType) -> None:
         self._fm = flash_mla
+        #: the decode kernel's tile-scheduler metadata (get_mla_metadata(), made once)
+        self._meta: object | None = None
 
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                    dv: int) -> torch.Tensor:
@@ -71,3 +101,33 @@ class FlashMLAOps:
             q.contiguous(), kv.contiguous().unsqueeze(1), indices.contiguous().unsqueeze(1),
             scale, dv, use_legacy=True)
         return out
+
+    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
+        """Sparse MLA reading fp8 latent rows in place from part-major pages, on FlashMLA's fp8
+        sparse decode kernel (``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)``):
+        each page's latent block [page_size, 656] is a k_cache block (block stride = the page's
+        bytes), ``rows`` are its token indices (block x page_size + slot). One query token per
+        request (q [N, H, 576] -> [N, 1, H, 576]); bf16 [N, H, 512].
+
+        Raises:
+            ValueError: arguments that break the op's contract.
+            OpDeclined: a format, shape or dtype FlashMLA's decode does not take.
+        """
+        check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
+        why = decode_decline_reason(q, pages, rows, fmt, dv)
+        if why is not None:
+            raise OpDeclined(why)
+        n, h, _ = q.shape
+        if n == 0:
+            return torch.zeros(0, h, dv, dtype=q.dtype, device=q.device)
+        p, ps, b = pages.shape
+        # the latent block of every page, as FlashMLA's k_cache [blocks, block_size, 1, 656]
+        k_cache = pages.view(p, ps * b)[:, :ps * FP8_TOKEN_BYTES].view(p, ps, 1, FP8_TOKEN_BYTES)
+        if self._meta is None:
+            self._meta = self._fm.get_mla_metadata()[0]
+        out, _lse = self._fm.flash_mla_with_kvcache(
+            q.contiguous().view(n, 1, h, -1), k_cache.view(KCACHE_DTYPE), None, None, dv,
+            self._meta, None, scale, False, True, rows.contiguous().view(n, 1, -1),
+            use_legacy=True)
+        return out.view(n, h, dv)

@@ -1,7 +1,8 @@
 """Declares the ``cuda`` backend (entry point ``cpkv.backends: cuda``): the field's CUDA kernels.
 
-Today that is FlashMLA's sparse MLA prefill (``sgl-flash-mla``, the ``cpkv[cuda]`` extra;
-:mod:`cpkv_backend_cuda.flashmla`). Importing this module imports no torch and no kernel
+Today that is FlashMLA's sparse MLA prefill and its fp8 sparse decode over part-major pages
+(``sgl-flash-mla``, the ``cpkv[cuda]`` extra; :mod:`cpkv_backend_cuda.flashmla`). Importing
+this module imports no torch and no kernel
 library; the probe imports them (lazily, once) and says exactly why the backend cannot run: no
 CUDA device, a compute capability other than SM90 (the legacy sparse kernels are Hopper's), or
 the import error of ``flash_mla``. A call its kernel cannot take (heads, head dims, dtype, top-k)
@@ -22,7 +23,7 @@ from cpkv.contracts import Availability, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "cuda"
-OPS: frozenset[Op] = frozenset({Op.SPARSE_MLA})
+OPS: frozenset[Op] = frozenset({Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
 #: compute capabilities whose FlashMLA sparse prefill kernels the wheel ships (legacy SM90 path)
 CAPABILITIES = ((9, 0),)
 

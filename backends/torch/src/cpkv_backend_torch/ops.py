@@ -28,6 +28,8 @@ formulas here are the definition:
   instead (ascending), and every slot past the row's key count is -1. Selected by ``torch.where``,
   so no row count is ever read on the host. Logits inside a range are expected to be finite (a
   -inf logit inside a range of more than k keys could lose to a masked column).
+* ``sparse_mla_paged``: the selected latent rows read from the part-major pages through
+  :func:`cpkv.ops.part_rows`, dequantized to float32, then ``sparse_mla``.
 * ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
   -inf, a max-subtracted softmax over the valid slots, and ``p @ kv[:, :dv]``; a row without a
   valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Its temporaries are
@@ -50,8 +52,10 @@ from cpkv.ops import (
     check_page_copy_args,
     check_peer_gather_args,
     check_sparse_mla_args,
+    check_sparse_mla_paged_args,
     check_topk_args,
     fp8_layout,
+    paged_latent,
 )
 
 if TYPE_CHECKING:
@@ -341,6 +345,28 @@ class TorchOps:
         denom = p.sum(dim=-1, keepdim=True)
         out = torch.einsum("nhk,nkd->nhd", p, rows[..., :dv])
         return out / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
+        """Sparse MLA over latent rows read from part-major pages: the selected rows dequantized
+        (float32) then :meth:`sparse_mla`; float32 [N, H, dv].
+
+        Args:
+            q: [N, H, kv_lora_rank + rope_dim] any float dtype.
+            pages: uint8 [P, page_size, latent + index bytes], part-major, contiguous.
+            rows: int32 [N, k] token rows (page x page_size + slot) or -1.
+            fmt: the pages' format.
+
+        Raises:
+            ValueError: a shape or dtype does not match, or ``dv`` is out of range.
+        """
+        check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
+        lat, idx = paged_latent(pages, rows, fmt, torch.float32,
+                                lambda src, f, part, dt, i: TorchOps.fp8_unpack(self, src, f, part,
+                                                                                 dt, i),
+                                lambda src, i: src.index_select(0, i))
+        # the reference's own sparse MLA (a subclass that overrides it changes that op alone)
+        return TorchOps.sparse_mla(self, q, lat, idx, scale, dv)
 
 
 def _in_range(t: int, key_start: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:

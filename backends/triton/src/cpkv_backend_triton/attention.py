@@ -54,9 +54,15 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.contracts import FallbackReason
+from cpkv.contracts import FallbackReason, KVFormat
 from cpkv.fallback import report_fallback
-from cpkv.ops import check_indexer_args, check_sparse_mla_args, check_topk_args
+from cpkv.ops import (
+    check_indexer_args,
+    check_sparse_mla_args,
+    check_sparse_mla_paged_args,
+    check_topk_args,
+    paged_latent,
+)
 
 __all__ = ["AttentionKernels"]
 
@@ -427,3 +433,14 @@ class AttentionKernels:
                       "HEADS_FAST": heads_fast, "NHB": nhb},
                      cfg["num_warps"], cfg["num_stages"])
         return out
+
+    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
+        """Sparse MLA over latent rows read from part-major pages: the selected rows gathered
+        and dequantized in one pass (``fp8_unpack`` through an index) into q's dtype, then
+        :meth:`sparse_mla`. See :class:`cpkv.ops.KVOps`."""
+        check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
+        dtype = q.dtype if q.dtype in _LOWP else torch.float32
+        lat, idx = paged_latent(pages, rows, fmt, dtype, self.fp8_unpack,  # type: ignore[attr-defined]
+                                self.page_gather)  # type: ignore[attr-defined]
+        return self.sparse_mla(q, lat, idx, scale, dv)

@@ -86,6 +86,15 @@ class KVOps(Protocol):
         (FlashMLA: bf16; widening would cost a pass over the output, and the caller casts to
         the model dtype anyway). A row with no valid index gives zeros.
 
+    sparse_mla_paged(q, pages, rows, fmt, scale, dv) -> float32 (or q's dtype) [N, H, dv]
+        ``sparse_mla`` reading the selected latent rows where they are stored: ``pages`` is a
+        part-major page buffer (uint8 [P, S, latent + index bytes], :class:`PageLayout`
+        ``PART_MAJOR``: each page's S latent rows, then its S index-K rows), ``rows`` int32
+        [N, k] token rows of it (page x S + slot, -1 empty), ``fmt`` its format. Equal to
+        dequantizing those latent rows (``fp8_unpack`` / the float view) and calling
+        ``sparse_mla`` with them: a decode step reads its 2048 picks in place (FlashMLA's fp8
+        sparse decode on Hopper) instead of dequantizing a copy.
+
     Wrong shapes or dtypes raise ValueError naming them.
     """
 
@@ -112,3 +121,6 @@ class KVOps(Protocol):
 
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                    dv: int) -> torch.Tensor: ...
+
+    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor: ...

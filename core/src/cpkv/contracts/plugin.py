@@ -38,6 +38,7 @@ class Op(StrEnum):
     INDEXER_LOGITS = "indexer_logits"
     TOPK = "topk"
     SPARSE_MLA = "sparse_mla"
+    SPARSE_MLA_PAGED = "sparse_mla_paged"
 
 
 class Availability(Contract):

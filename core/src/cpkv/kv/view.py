@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from cpkv.contracts import KVDtype, KVFormat, PageLayout
+from cpkv.ops import part_rows
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart, OpTable
 
-__all__ = ["FullView", "pack_rows", "part_rows", "row_dims", "unpack_rows"]
+__all__ = ["FullView", "pack_rows", "row_dims", "unpack_rows"]
 
 _FLOAT = {KVDtype.BF16: torch.bfloat16, KVDtype.FP32: torch.float32}
 
@@ -41,35 +41,6 @@ def unpack_rows(b: torch.Tensor, fmt: KVFormat, part: KVPart, ops: OpTable,
     if fmt.dtype is KVDtype.FP8:
         return ops.fp8_unpack(b, fmt, part, dtype)
     return b.contiguous().view(_FLOAT[fmt.dtype]).to(dtype)
-
-
-def part_rows(pages: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
-              tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One part's token rows of a page buffer, for reading: (rows [R, bytes of the part], the
-    row of each of ``tokens`` in it).
-
-    ``pages`` is a contiguous uint8 [P, S, latent + index bytes] buffer (a pool layer, an
-    all-gather's receive buffer) whose token t is slot t % S of page t // S; ``tokens`` int64 [n]
-    (None: every token in order, token-major only). Token-major: the column slice of the token
-    rows, ``tokens`` unchanged. Part-major: the part's rows are not evenly spaced, so ``rows`` is an
-    overlapping strided view whose row i starts i * U bytes in (U divides every row start) and
-    the tokens are translated to those rows: read it, never write through it.
-    """
-    nl = fmt.latent_bytes_per_token
-    b = fmt.bytes_per_token
-    lo, n = (0, nl) if part == "latent" else (nl, b - nl)
-    if layout is PageLayout.TOKEN_MAJOR:
-        return pages.reshape(-1, b)[:, lo:lo + n], tokens
-    if tokens is None:
-        raise ValueError("part-major rows are read through a token index")
-    s = pages.shape[1]
-    pb = s * b
-    first = lo * s  # the part's offset inside a page
-    unit = math.gcd(pb, first, n) if first else math.gcd(pb, n)
-    total = pages.numel()
-    rows = pages.as_strided(((total - n) // unit + 1, n), (unit, 1), pages.storage_offset())
-    idx = (tokens // s) * (pb // unit) + (first + (tokens % s) * n) // unit
-    return rows, idx
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from cpkv.contracts import CPPlan, SplitMode
+from cpkv.contracts import CPPlan, PageLayout, SplitMode
 from cpkv.kv import BatchKV, ShardedKVPool
 from cpkv.ops import quantize_index_q
 from cpkv.planning import plan_batch
@@ -216,10 +216,15 @@ class CPPrefill:
             # per row: 34 GB for 128K rows at DeepSeek sizes if taken at once)
             attn = []
             for s, e in mla_chunks:
-                kv_rows, ind = (lat, top[s:e]) if lat is not None else \
-                    view.selected_latent(top[s:e], fmt, ops, a.q.dtype)
-                attn.append(m.attention_output(layer, ops.sparse_mla(
-                    a.q[s:e], kv_rows, ind, m.softmax_scale, self.dv).to(x.dtype)))
+                if lat is not None:
+                    o = ops.sparse_mla(a.q[s:e], lat, top[s:e], m.softmax_scale, self.dv)
+                elif view.layout is PageLayout.PART_MAJOR:  # the picks read where they are
+                    o = ops.sparse_mla_paged(a.q[s:e], view.pages, view.token_rows(top[s:e]),
+                                             fmt, m.softmax_scale, self.dv)
+                else:
+                    kv_rows, ind = view.selected_latent(top[s:e], fmt, ops, a.q.dtype)
+                    o = ops.sparse_mla(a.q[s:e], kv_rows, ind, m.softmax_scale, self.dv)
+                attn.append(m.attention_output(layer, o.to(x.dtype)))
             if attn:  # a rank may hold no rows of a tiny batch
                 x = x + (attn[0] if len(attn) == 1 else torch.cat(attn))
             t5 = time.perf_counter()

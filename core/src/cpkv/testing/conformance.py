@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from cpkv.contracts import KVDtype, KVFormat, Op
+from cpkv.kv import pack_rows
 from cpkv.ops import quantize_index_q
 from cpkv.plugin import PluginHost
 
@@ -670,6 +671,49 @@ def _check_sparse_mla(impl: Any, ref: Any, device: str, seed: int) -> None:
                     _unchanged(op, case, keep, [q, kv, idx])
 
 
+def _check_sparse_mla_paged(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """Part-major pages of fp8 (DeepSeek-V3.2 and small) and bf16 formats, packed by the
+    reference; token rows anywhere in them with repeats, -1 slots and an empty row; bf16 and
+    float32 queries; pages and rows unchanged."""
+    op = "sparse_mla_paged"
+    j = 0
+    bf16 = KVFormat(dtype=KVDtype.BF16, kv_lora_rank=64, rope_dim=16, index_head_dim=32,
+                    page_size=16)
+    cases = [("deepseek_v32 fp8", FORMATS["deepseek_v32"], 16, 512),
+             ("small fp8", FORMATS["small"], 4, 64), ("small bf16", bf16, 4, 48)]
+    for label, fmt, heads, dv in cases:
+        ps, nl = fmt.page_size, fmt.latent_bytes_per_token
+        dk = fmt.kv_lora_rank + fmt.rope_dim
+        for n, pages, k in ((0, 2, 64), (1, 1, 64), (9, 3, 64), (33, 5, 128)):
+            for dtype in (torch.bfloat16, torch.float32):
+                j += 1
+                g = _gen(seed * 1000 + 800 + j)
+                case = (f"{label}, {str(dtype).removeprefix('torch.')} q, {n} rows x k={k} over "
+                        f"{pages} pages")
+                lat = pack_rows(torch.randn(pages * ps, dk, generator=g), fmt, "latent", ref)
+                idx = pack_rows(torch.randn(pages * ps, fmt.index_head_dim, generator=g), fmt,
+                                "index_k", ref)
+                buf = torch.cat([lat.reshape(pages, ps * nl), idx.reshape(pages, -1)], 1)
+                buf = buf.reshape(pages, ps, -1).contiguous()
+                rows = torch.randint(0, pages * ps, (n, k), generator=g, dtype=torch.int32)
+                drop = torch.rand(n, k, generator=g) < 0.3
+                if n:
+                    drop[0] = True  # a row without any valid index
+                rows = torch.where(drop, -1, rows).to(torch.int32)
+                q = _nonzero((n, heads, dk), dtype, g)
+                q, buf, rows = _to(device, q, buf, rows)
+                keep = [q.clone(), buf.clone(), rows.clone()]
+                scale = dk ** -0.5
+                want = ref.sparse_mla_paged(q, buf, rows, fmt, scale, dv)
+                got = _call(op, case, impl.sparse_mla_paged, q, buf, rows, fmt, scale, dv)
+                if isinstance(got, torch.Tensor) and got.dtype != torch.float32:
+                    got = got.float()  # q's dtype: a kernel that writes its output in it
+                big = float(want.abs().max()) if want.numel() else 0.0
+                _assert_close(op, case, "output", got, want, LOWP_MLA_REL,
+                              LOWP_MLA_REL * big + ATTN_ATOL)
+                _unchanged(op, case, keep, [q, buf, rows])
+
+
 def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
     """Inputs of one layer's attention ops at a realistic shape, for the GPU tests that run the
     ops under ``torch.cuda.set_sync_debug_mode("error")``: 64 query rows x 64 indexer heads x 128
@@ -700,6 +744,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.INDEXER_LOGITS.value: _check_indexer_logits,
     Op.TOPK.value: _check_topk,
     Op.SPARSE_MLA.value: _check_sparse_mla,
+    Op.SPARSE_MLA_PAGED.value: _check_sparse_mla_paged,
 }
 
 
