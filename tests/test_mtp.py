@@ -100,3 +100,79 @@ def test_init_model_writes_an_mtp_layer(tmp_path: Path) -> None:
         DeepseekV32.load(tmp_path / "b", mtp=True)
     r = CliRunner().invoke(command, [str(tmp_path / "c"), "--draft", "agree", "--no-mtp"])
     assert r.exit_code != 0 and "needs an MTP layer" in r.output
+
+
+# ---------------------------------------------------------------------------- the MTP forward
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def mtp_reference(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
+    """Draft logits of every row, from the DeepSeek-V3 report's MTP definition, independent of
+    cpkv: the target is transformers' DeepSeek-V3.2 (``h_i``: its last hidden state, after the
+    final norm), ``h'_i = eh_proj(cat(enorm(embed(t_{i+1})), hnorm(h_i)))`` written out here, the
+    MTP decoder layer is transformers' decoder layer (a one-layer model fed ``inputs_embeds``),
+    and ``shared_head`` is its final norm and head. ``t_{i+1}`` of the last row is the target's
+    greedy token."""
+    transformers = pytest.importorskip("transformers")
+    state = safetensors_torch.load_file(ckpt / "model.safetensors")
+    target = transformers.DeepseekV32ForCausalLM.from_pretrained(
+        ckpt, attn_implementation="eager").eval()
+    cfg = target.config
+    n_layers, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
+    p = f"model.layers.{n_layers}"
+    with torch.no_grad():
+        h = target.model(input_ids=ids[None]).last_hidden_state[0]
+        nxt = torch.cat([ids[1:], target.lm_head(h[-1:]).argmax(-1)])
+        e = state[f"{p}.embed_tokens.weight"][nxt]
+        x = torch.cat([_rms(e, state[f"{p}.enorm.weight"], eps),
+                       _rms(h, state[f"{p}.hnorm.weight"], eps)], -1) @ state[f"{p}.eh_proj.weight"].T
+        kind = "dense" if n_layers < cfg.first_k_dense_replace else "sparse"
+        one_cfg = transformers.DeepseekV32Config(**{**cfg.to_dict(), "num_hidden_layers": 1,
+                                                    "first_k_dense_replace": int(kind == "dense"),
+                                                    "mlp_layer_types": [kind],
+                                                    "layer_types": ["indexed_attention"]})
+        one = transformers.DeepseekV32ForCausalLM(one_cfg).eval()
+        sd = {k.replace(f"{p}.", "model.layers.0."): v for k, v in state.items()
+              if k.startswith(p + ".")}
+        sd["model.norm.weight"] = state[f"{p}.shared_head.norm.weight"]
+        sd["lm_head.weight"] = state[f"{p}.shared_head.head.weight"]
+        sd["model.embed_tokens.weight"] = state["model.embed_tokens.weight"]
+        missing, unexpected = one.load_state_dict(
+            {k: v for k, v in sd.items() if not k.split(".")[-2] in ("enorm", "hnorm", "eh_proj")
+             and "shared_head" not in k and "layers.0.embed_tokens" not in k}, strict=False)
+        assert not [k for k in missing if "experts" not in k], missing
+        if any("experts" in k for k in missing):  # transformers keeps the experts packed
+            e_ = one_cfg.n_routed_experts
+            pre = "model.layers.0.mlp.experts"
+            one.model.layers[0].mlp.experts.gate_up_proj.copy_(torch.stack([
+                torch.cat([sd[f"{pre}.{j}.gate_proj.weight"], sd[f"{pre}.{j}.up_proj.weight"]])
+                for j in range(e_)]))
+            one.model.layers[0].mlp.experts.down_proj.copy_(torch.stack([
+                sd[f"{pre}.{j}.down_proj.weight"] for j in range(e_)]))
+        return one(inputs_embeds=x[None]).logits[0].float()
+
+
+def test_mtp_forward_equals_the_published_definition(tiny: Path) -> None:
+    """One rank: the draft logits of every row (the MTP layer as pool layer ``num_layers``, run
+    by the prefill driver) equal the independent reference within the CP tolerance."""
+    from cpkv.comm import CPGroup
+    from cpkv.fallback import recording
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(4))
+    s = load_settings(cp={"size": 1}, kv={"page_size": 8, "dtype": "fp32"},
+                      backend={"preference": ["torch"]})
+    with recording() as rec:
+        session = PrefillSession(DeepseekV32.load(tiny, mtp=True), s, CPGroup.single())
+        res = session.prefill([("a", ids.tolist())], all_logits=True)
+    assert not rec.events
+    assert session.pool.num_layers == 4 and res.draft_embedding == "local"
+    ref = mtp_reference(tiny, ids)
+    got = res.all_draft_logits
+    assert got is not None and got.shape == ref.shape == (40, 512)
+    rel = ((got - ref).abs().amax() / ref.abs().amax()).item()
+    assert rel < 1e-4, rel
+    assert res.draft_logits is not None and torch.equal(res.draft_logits[0], got[-1])
+    assert ref.std() > 0.1  # the draft is not degenerate
