@@ -138,8 +138,8 @@ def mtp_reference(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
         sd["model.norm.weight"] = state[f"{p}.shared_head.norm.weight"]
         sd["lm_head.weight"] = state[f"{p}.shared_head.head.weight"]
         sd["model.embed_tokens.weight"] = state["model.embed_tokens.weight"]
-        missing, unexpected = one.load_state_dict(
-            {k: v for k, v in sd.items() if not k.split(".")[-2] in ("enorm", "hnorm", "eh_proj")
+        missing, _ = one.load_state_dict(
+            {k: v for k, v in sd.items() if k.split(".")[-2] not in ("enorm", "hnorm", "eh_proj")
              and "shared_head" not in k and "layers.0.embed_tokens" not in k}, strict=False)
         assert not [k for k in missing if "experts" not in k], missing
         if any("experts" in k for k in missing):  # transformers keeps the experts packed
@@ -176,3 +176,148 @@ def test_mtp_forward_equals_the_published_definition(tiny: Path) -> None:
     assert rel < 1e-4, rel
     assert res.draft_logits is not None and torch.equal(res.draft_logits[0], got[-1])
     assert ref.std() > 0.1  # the draft is not degenerate
+
+
+# ---------------------------------------------------------------------------- CP draft prefill
+PAGE = 8
+
+
+def _draft_cases(cp: int) -> list[tuple[str, object, tuple[tuple[int, ...], ...], tuple[int, ...]]]:
+    """Both modes, fp32 pools; batches without and with cached prefixes (20 and 3 end mid-page)."""
+    import random
+
+    from cpkv.settings import load_settings
+
+    rng = random.Random(cp)
+    prompts = tuple(tuple(rng.randrange(512) for _ in range(n)) for n in (90, 45, 7, 130))
+    out = []
+    for mode in ("zigzag", "interleave"):
+        s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp32"},
+                          backend={"preference": ["torch"]}, runtime={"logits_budget_mb": 1})
+        for prefix in [(), (20, 0, 3, 64)]:
+            out.append((f"{mode} prefix={prefix}", s, prompts, prefix))
+    return out
+
+
+def _draft_prefill(group, model_dir: str, cases) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Every case on this rank: the prefixes first (a non-final chunk: its next token is known),
+    then the rest; the second batch's draft and target logits of every row."""
+    from cpkv.runtime.session import PrefillSession
+
+    model = DeepseekV32.load(model_dir, mtp=True)
+    out = []
+    for _, s, prompts, prefix in cases:
+        session = PrefillSession(model, s.with_cp_size(group.size), group)
+        rids = [f"p{i}" for i in range(len(prompts))]
+        if any(prefix):
+            first = [(rid, p[:n]) for rid, p, n in zip(rids, prompts, prefix, strict=True) if n]
+            nxt = [p[n] for p, n in zip(prompts, prefix, strict=True) if n]
+            session.prefill(first, next_ids=nxt)
+        done = dict(zip(rids, prefix or (0,) * len(rids), strict=True))
+        res = session.prefill([(rid, p[done[rid]:]) for rid, p in zip(rids, prompts, strict=True)],
+                              all_logits=True)
+        out.append({"draft": res.all_draft_logits, "logits": res.all_logits,
+                    "how": res.draft_embedding, "pages": session.pool.pages_held()})
+    return out
+
+
+def _check_draft(cp_out: dict, ref: dict, name: str) -> None:  # type: ignore[type-arg]
+    for key in ("logits", "draft"):
+        a, b = cp_out[key], ref[key]
+        rel = ((a - b).abs().amax(-1) / b.abs().amax(-1)).max().item()
+        assert rel <= 1e-4, f"{name}: {key} logits differ by {rel:.2e} relative"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow),
+                                pytest.param(8, marks=pytest.mark.slow)])
+def test_cp_draft_logits_equal_single_rank(cp: int, tiny: Path) -> None:
+    """Rule 23 for the draft layer: every row's draft logits under CP (both modes, prefixes
+    ending mid-page, a short extend taking the token-balanced split) equal one rank's; each rank
+    embeds its local rows (no fallback)."""
+    from cpkv.comm import CPGroup
+    from cpkv.fallback import recording
+    from cpkv.runtime import run_ranks
+
+    cases = _draft_cases(cp)
+    results = run_ranks(_draft_prefill, cp, args=(str(tiny), cases), timeout_s=400)
+    with recording():
+        ref = _draft_prefill(CPGroup.single(), str(tiny), cases)
+    for i, (name, *_rest) in enumerate(cases):
+        _check_draft(results[0].value[i], ref[i], f"CP{cp} {name}")
+        assert [r.value[i]["how"] for r in results] == ["local"] * cp
+        assert sum(r.value[i]["pages"] for r in results) == ref[i]["pages"]
+    for r in results:  # no draft fallback (the short extend's split fallback is the target's)
+        assert not [e for e in r.fallbacks if e.reason == "draft_plan_missing"]
+
+
+def _embedding_shapes(group, model_dir: str, prompts) -> dict:  # type: ignore[no-untyped-def]
+    """The same batch three times on fresh requests: with the plan (local embedding), with the
+    plan withheld, with a stale plan (another batch's); then withheld under policy "error"."""
+    from cpkv.fallback import FallbackError, recording
+    from cpkv.planning import plan_batch
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    s = load_settings(cp={"size": group.size}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]})
+    model = DeepseekV32.load(model_dir, mtp=True)
+    seen: list[tuple[int, ...]] = []
+    real = model.draft_embed
+
+    def spy(ids: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(ids.shape))
+        return real(ids)
+
+    model.draft_embed = spy  # type: ignore[method-assign]
+    session = PrefillSession(model, s, group)
+    stale = plan_batch([session.pool.request_spec("x", 50)], group.size, PAGE, s.cp.mode)
+    out: dict = {"shapes": {}, "draft": {}, "events": {}}
+    for how, plan in (("local", "batch"), ("withheld", None), ("stale", stale)):
+        kw = {} if plan == "batch" else {"draft_plan": plan}
+        seen.clear()
+        with recording() as rec:
+            res = session.prefill([(f"{how}{i}", p) for i, p in enumerate(prompts)],
+                                  all_logits=True, **kw)
+        out["shapes"][how] = list(seen)
+        out["draft"][how] = res.all_draft_logits
+        out["events"][how] = [(e.op, e.reason.value, e.detail) for e in rec.events
+                              if e.op == "draft_embedding"]
+        out["max_rank_len"], out["tokens"] = res.plan.max_rank_len, res.plan.num_tokens
+        out["how_" + how] = res.draft_embedding
+    with recording("error"):
+        try:
+            session.prefill([("err", prompts[0])], draft_plan=None)
+            out["refused"] = False
+        except FallbackError as exc:
+            out["refused"] = exc.event.reason.value == "draft_plan_missing"
+    out["err_left"] = "err" in session.pool.table
+    return out
+
+
+@pytest.mark.multiprocess
+def test_each_rank_embeds_max_rank_len_rows_and_the_fallback_is_visible(tiny: Path) -> None:
+    """Rule 32: with the plan each rank's draft embedding input is ``[max_rank_len]`` ids (not
+    the batch's tokens); withheld or stale plan metadata embeds the whole batch, reported as
+    ``draft_plan_missing`` on every rank (same draft logits); policy "error" refuses it."""
+    import random
+
+    from cpkv.runtime import run_ranks
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (70, 33)]
+    out = [r.value for r in run_ranks(_embedding_shapes, 2, args=(str(tiny), prompts),
+                                      timeout_s=300)]
+    for r in out:
+        n, width = r["tokens"], r["max_rank_len"]
+        assert n == 103 and width < n
+        assert r["shapes"]["local"] == [(width,)] and r["how_local"] == "local"
+        assert not r["events"]["local"]
+        for how in ("withheld", "stale"):
+            assert r["shapes"][how] == [(n,)] and r["how_" + how] == "full"
+            [(_, reason, detail)] = r["events"][how]
+            assert reason == "draft_plan_missing"
+            assert ("no plan" in detail) if how == "withheld" else ("(prefix, extend)" in detail)
+            a, b = r["draft"][how], r["draft"]["local"]
+            assert ((a - b).abs().amax() / b.abs().amax()).item() < 1e-5
+        assert r["refused"] and not r["err_left"]
