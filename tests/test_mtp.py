@@ -321,3 +321,93 @@ def test_each_rank_embeds_max_rank_len_rows_and_the_fallback_is_visible(tiny: Pa
             a, b = r["draft"][how], r["draft"]["local"]
             assert ((a - b).abs().amax() / b.abs().amax()).item() < 1e-5
         assert r["refused"] and not r["err_left"]
+
+
+# ---------------------------------------------------------------------------- speculative decoding
+@pytest.fixture(scope="module")
+def agree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("agree") / "ckpt", seed=3, draft="agree")
+
+
+def _decode_session(model: DeepseekV32):  # type: ignore[no-untyped-def]
+    from cpkv.comm import CPGroup
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]}, cache={"enabled": False})
+    return PrefillSession(model, s, CPGroup.single())
+
+
+def _valid_rows(session, rid: str) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Every pool layer's stored bytes of the request's valid rows, as float32."""
+    pool = session.pool
+    rp = pool.table[rid]
+    out = []
+    for layer in range(pool.num_layers):
+        rows = torch.cat([pool.kv[layer][s] for s in rp.slots])[: rp.valid_len]
+        out.append(rows.contiguous().view(torch.float32))
+    return out
+
+
+def _spec_vs_plain(ckpt: Path, prompts: list[list[int]], n: int, k: int):  # type: ignore[no-untyped-def]
+    from cpkv.fallback import recording
+    from cpkv.runtime.decode import generate, greedy
+    from cpkv.runtime.speculative import speculative_generate
+
+    model = DeepseekV32.load(ckpt, mtp=True)
+    rids = [f"r{i}" for i in range(len(prompts))]
+    with recording():
+        plain, spec = _decode_session(model), _decode_session(model)
+        res = plain.prefill(list(zip(rids, prompts, strict=True)))
+        first = greedy(res.last_logits)
+        want = generate(plain, list(zip(rids, first, strict=True)), n)
+        res = spec.prefill(list(zip(rids, prompts, strict=True)))
+        assert greedy(res.last_logits) == first and res.draft_logits is not None
+        drafts = greedy(res.draft_logits)
+        got, stats = speculative_generate(spec, list(zip(rids, first, drafts, strict=True)), n, k)
+    return plain, spec, rids, want, got, stats
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
+    """A random draft (mostly rejected): the output is plain greedy's token for token; the pool
+    keeps every accepted row (equal to plain decoding's KV in every layer, the MTP layer's too)
+    and no rejected one (valid length and pages)."""
+    import random
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (21, 8, 37)]  # end mid-page
+    plain, spec, rids, want, got, stats = _spec_vs_plain(tiny, prompts, 12, k)
+    assert got == want
+    assert stats.proposed > 0 and stats.steps <= stats.plain_steps == 11
+    for rid, p in zip(rids, prompts, strict=True):
+        n_emitted = len(p) + sum(1 + a for a in stats.accepted_per_request[rid])
+        rp = spec.pool.table[rid]
+        assert rp.valid_len == n_emitted  # the last emitted token is not in the KV yet
+        assert len(rp.slots) == -(-rp.valid_len // PAGE)  # rejected rows' pages went back
+        mine, ref = _valid_rows(spec, rid), _valid_rows(plain, rid)
+        for layer, (a, b) in enumerate(zip(mine, ref, strict=False)):  # plain holds fewer rows
+            rows = min(a.shape[0], b.shape[0])
+            torch.testing.assert_close(a[:rows], b[:rows], rtol=1e-4, atol=1e-4,
+                                       msg=f"{rid} layer {layer}")
+    assert spec.pool.pages_held() == sum(len(spec.pool.table[r].slots) for r in rids)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_agreeing_draft_is_accepted_and_saves_steps(agree: Path, k: int) -> None:
+    """A checkpoint whose MTP layer is built to guess the target's next token: accept rate above
+    0.8, and the decode steps fall accordingly; the output is still plain greedy's."""
+    import random
+
+    rng = random.Random(12)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (30, 17)]
+    n = 25
+    _, _, _, want, got, stats = _spec_vs_plain(agree, prompts, n, k)
+    assert got == want
+    print(stats.as_dict())
+    assert stats.accept_rate > 0.8, stats.as_dict()
+    assert stats.accepted < stats.proposed  # some drafts are rejected: both paths run
+    # each step emits 1 + accepted drafts: the steps are what that predicts
+    assert stats.steps <= -(-(n - 1) // (1 + 0.8 * k)) + 1
+    assert stats.mean_accepted_length > 1 + 0.8 * k - 0.01

@@ -211,6 +211,41 @@ class CPPrefill:
         return res
 
     # ---- the draft (MTP) layer ----------------------------------------------------------------
+    def run_draft(self, batch: Sequence[tuple[Hashable, int]], h: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft step on one rank: for each ``(request id, draft token)`` the MTP
+        layer alone at the request's next position, fed the draft token and ``h`` (``[requests,
+        hidden]``: the previous draft step's ``h'``). Its KV row is written like any other
+        (one more token of the request: call :meth:`ShardedKVPool.truncate` once the chain is
+        done). Returns ``(draft logits [requests, vocab] float32, h' [requests, hidden])``.
+
+        Raises:
+            ValueError: no MTP layer, a CP group, or ``h`` of the wrong shape.
+        """
+        m = self.model
+        layer = m.mtp_layer
+        if layer is None:
+            raise ValueError("run_draft needs the model's MTP layer")
+        if self.group.size != 1:
+            raise ValueError("chained draft steps run on the (non-CP) decode rank")
+        if h.shape != (len(batch), m.config.hidden_size):
+            raise ValueError(f"h must be [{len(batch)}, {m.config.hidden_size}], got {list(h.shape)}")
+        one = [(rid, [0]) for rid, _ in batch]  # the target's token there is not used
+        plan = self.plan(one)
+        kv = self.pool.prepare(plan, [rid for rid, _ in batch])
+        try:
+            inputs = self._rank_inputs(plan, kv, one)
+            ids = torch.tensor([t for _, t in batch], dtype=torch.int64, device=self.device)
+            x = m.draft_input(m.draft_embed(ids), h)
+            x = self._layers(kv, inputs, {}, False, x, range(layer, layer + 1))["x"]
+            hd = m.draft_hidden(x)
+            logits = m.draft_logits(hd)
+        except BaseException:
+            self.pool.abort(kv)
+            raise
+        self.pool.commit(kv)
+        return logits, hd
+
     def _draft_ids(self, plan: CPPlan, dplan: CPPlan | None,
                    batch: Sequence[tuple[Hashable, Sequence[int]]],
                    next_ids: Sequence[int | None] | None, draft_next: DraftNext) -> dict[str, Any]:
