@@ -411,3 +411,84 @@ def test_an_agreeing_draft_is_accepted_and_saves_steps(agree: Path, k: int) -> N
     # each step emits 1 + accepted drafts: the steps are what that predicts
     assert stats.steps <= -(-(n - 1) // (1 + 0.8 * k)) + 1
     assert stats.mean_accepted_length > 1 + 0.8 * k - 0.01
+
+
+# ---------------------------------------------------------------------------- the job
+@pytest.mark.multiprocess
+def test_mtp_pages_move_with_the_rest_and_decode_speculates(agree: Path) -> None:
+    """CP2 prefill with the draft layer, the nccl transfer (Gloo) and speculative decoding:
+    every owner sends its own pages of every layer, the MTP layer's included (bytes and
+    per-page CRCs over all layers); the decode pool has the MTP layer; chunked prefixes take
+    the prompt's next token; the tokens are plain greedy's, most drafts accepted."""
+    import random
+    from dataclasses import replace
+
+    from cpkv.fallback import recording
+    from cpkv.runtime import run_ranks
+    from cpkv.runtime.job import JobSpec, disagg_rank, reference_rank
+    from cpkv.settings import load_settings
+
+    rng = random.Random(2)
+    prompts = tuple(tuple(rng.randrange(512) for _ in range(k)) for k in (90, 45, 7, 130))
+    s = load_settings(cp={"size": 2, "mode": "zigzag"}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]}, debug=True,
+                      transfer={"name": "nccl", "timeout_s": 60})
+    spec = JobSpec(str(agree), prompts, s, False, (20, 0, 3, 64), 10, mtp=True, draft_tokens=2)
+    out = run_ranks(disagg_rank, 3, args=(spec,), timeout_s=300)
+    senders, dec = [r.value for r in out[:2]], out[2].value
+    model = DeepseekV32.load(agree, mtp=True)
+    assert dec.kv_layers == model.kv_layers == 4
+    page_bytes = model.kv_format("fp32", PAGE).page_bytes * model.kv_layers
+    for r, snd in enumerate(senders):
+        owned = sum(len(v) for v in snd.page_crcs.values())
+        assert snd.bytes_sent == owned * page_bytes == dec.bytes_per_rank[r]
+        assert snd.prefill.draft_logits is not None
+    for rid, crcs in dec.page_crcs.items():
+        owner_crc: dict[int, int] = {}
+        for snd in senders:
+            owner_crc.update(snd.page_crcs[rid])
+        assert crcs == [owner_crc[k] for k in range(len(crcs))], rid
+    with recording():
+        ref, ref_tokens = reference_rank(replace(spec, settings=s.with_cp_size(1)))
+    assert dec.tokens == ref_tokens
+    a, b = senders[0].prefill.draft_logits, ref.draft_logits
+    assert ((a - b).abs().amax() / b.abs().amax()).item() < 1e-4
+    sp = dec.speculation
+    # (test_an_agreeing_draft_is_accepted_and_saves_steps holds the 0.8 bar on longer outputs)
+    assert sp["accept_rate"] > 0.6 and sp["steps_saved"] > 0 and sp["draft_tokens"] == 2, sp
+
+
+def test_run_mtp_needs_a_checkpoint_with_an_mtp_layer(tmp_path: Path) -> None:
+    from cpkv.cli.run import command
+
+    none = write_tiny_checkpoint(tmp_path / "none", num_nextn_predict_layers=0)
+    r = CliRunner().invoke(command, ["--model", str(none), "--mtp"])
+    assert r.exit_code == 1 and "has none (config.json: num_nextn_predict_layers = 0)" in r.output
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_cpkv_run_mtp_reports_the_draft(agree: Path, tmp_path: Path) -> None:
+    """``cpkv run --mtp`` (the default prompts: cache hits ending mid-page, a short extend):
+    the report's ``draft`` has the accept rate, mean accepted length, steps saved and the
+    tokens checked against plain greedy decoding on one rank."""
+    import os
+    import subprocess
+    import sys
+
+    report = tmp_path / "r.json"
+    out = subprocess.run([sys.executable, "-m", "cpkv", "run", "--model", str(agree), "--mtp",
+                          "--draft-tokens", "2", "--decode-tokens", "16", "--report", str(report)],
+                         capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "CPKV_KV__DTYPE": "fp32"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    rep = json.loads(report.read_text())
+    d = rep["draft"]
+    assert rep["correct"] is True and d["tokens_match_reference"] is True
+    assert d["draft_tokens"] == 2 and d["decode_kv_layers"] == 4
+    assert d["accept_rate"] > 0.6 and d["steps_saved"] > 0 and d["mean_accepted_length"] > 1.5
+    assert d["plain_steps"] == 15 and d["steps"] == d["plain_steps"] - d["steps_saved"]
+    assert d["prefill_max_rel_err_vs_reference"] <= 1e-4
+    assert rep["cache"]["hit_tokens"] == [0, 99, 0, 599]  # hits stop one token short
+    assert not [f for f in rep["fallbacks"] if f["reason"] == "draft_plan_missing"]
+    assert "speculative decoding (k = 2)" in out.stdout

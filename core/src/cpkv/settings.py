@@ -184,6 +184,10 @@ class RunSettings(_Section):
     prompts: str | None = Field(None, description="JSON file with a list of token-id lists")
     batch_size: int = Field(1, ge=1, description="prompts per prefill batch, served in order "
                                                  "(each can hit what earlier batches cached)")
+    mtp: bool = Field(False, description="run the checkpoint's MTP draft layer under CP prefill "
+                                         "and decode speculatively on the decode rank")
+    draft_tokens: int = Field(1, ge=1, le=8, description="with mtp: draft tokens verified per "
+                                                         "decode step (k > 1 chains the MTP layer)")
 
 
 # The TOML file of the load in progress. A context variable, not a class attribute, so concurrent
