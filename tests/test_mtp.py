@@ -492,3 +492,22 @@ def test_cpkv_run_mtp_reports_the_draft(agree: Path, tmp_path: Path) -> None:
     assert rep["cache"]["hit_tokens"] == [0, 99, 0, 599]  # hits stop one token short
     assert not [f for f in rep["fallbacks"] if f["reason"] == "draft_plan_missing"]
     assert "speculative decoding (k = 2)" in out.stdout
+
+
+@pytest.mark.multiprocess
+def test_bench_mtp_runs_small_on_cpus(tmp_path: Path) -> None:
+    """``cpkv bench mtp`` at small sizes on CPUs: the local embedding is half the full one on
+    CP2, and speculative decoding's tokens are plain greedy's (the command fails otherwise)."""
+    from cpkv.cli.bench import command
+
+    out = tmp_path / "mtp.json"
+    r = CliRunner().invoke(command, ["mtp", "--out", str(out), "--tokens", "256", "--prompts",
+                                     "40", "--decode-tokens", "6", "--backends", "torch"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    rows = {row["name"]: row for row in rep["results"]}
+    assert rows["draft_embedding_256_cp2_local_mb"]["ratio"] == pytest.approx(0.5, abs=0.05)
+    assert "decode_tok_s_speculative_k1" in rows
+    assert rep["detail"]["decode"]["tokens_match"] is True
+    assert all(m["full"]["fallbacks"] == ["draft_plan_missing"] and not m["local"]["fallbacks"]
+               for m in rep["detail"]["memory"])
