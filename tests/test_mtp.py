@@ -511,3 +511,50 @@ def test_bench_mtp_runs_small_on_cpus(tmp_path: Path) -> None:
     assert rep["detail"]["decode"]["tokens_match"] is True
     assert all(m["full"]["fallbacks"] == ["draft_plan_missing"] and not m["local"]["fallbacks"]
                for m in rep["detail"]["memory"])
+
+
+def test_a_cache_hit_recomputes_the_draft_row_of_its_last_token(tiny: Path) -> None:
+    """The draft row at a hit's last position was computed with the cached request's next
+    token: with the draft layer the hit stops one token short and that row is recomputed, so a
+    request that diverges right after a cached prefix gets the no-cache draft logits. Taking
+    the whole hit instead (the row stale) gives different ones: the shortening is needed."""
+    import random
+
+    from cpkv.comm import CPGroup
+    from cpkv.fallback import recording
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    rng = random.Random(5)
+    shared = [rng.randrange(512) for _ in range(29)]  # ends inside an 8-token page
+    a = [*shared, *[rng.randrange(512) for _ in range(10)]]
+    b = [*shared, (a[29] + 1) % 512, *[rng.randrange(512) for _ in range(9)]]
+    model = DeepseekV32.load(tiny, mtp=True)
+
+    def session(cache: bool) -> PrefillSession:
+        s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp32"},
+                          backend={"preference": ["torch"]}, cache={"enabled": cache})
+        return PrefillSession(model, s, CPGroup.single())
+
+    with recording():
+        ref = session(False).prefill([("b", b)], all_logits=True).all_draft_logits
+        cached = session(True)
+        cached.prefill([("a", a)])
+        cached.finish("a", a)
+        hit = cached.admit("b", b)
+        got = cached.prefill([("b", b[hit:])], all_logits=True).all_draft_logits
+        # the same, taking the whole hit (what the cache holds) without the shortening
+        stale = session(True)
+        stale.prefill([("a", a)])
+        stale.finish("a", a)
+        assert stale.cache is not None
+        whole = stale.cache.attach("b", stale.cache.match(b))
+        bad = stale.prefill([("b", b[whole:])], all_logits=True).all_draft_logits
+    assert (hit, whole) == (28, 29)
+    assert ref is not None and got is not None and bad is not None
+
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+        return ((x - y).abs().amax() / y.abs().amax()).item()
+
+    assert rel(got, ref[hit:]) < 1e-4
+    assert rel(bad, ref[whole:]) > 1e-3
