@@ -45,7 +45,9 @@ class JobSpec:
     def holding_all(self, settings: Settings, ranks: int) -> Settings:
         """``settings`` with a pool of ``ranks`` ranks big enough to keep every prompt and its
         decoded tokens at once (the reference and the decode rank keep them all)."""
-        need = sum(cdiv(len(p) + self.decode_tokens, settings.kv.page_size) for p in self.prompts)
+        # speculation holds up to 2k more rows a request (drafts in flight, output past the end)
+        extra = self.decode_tokens + (2 * self.draft_tokens if self.mtp else 0)
+        need = sum(cdiv(len(p) + extra, settings.kv.page_size) for p in self.prompts)
         if settings.kv.pages_per_rank * ranks >= need:
             return settings
         return settings.model_copy(update={"kv": settings.kv.model_copy(
