@@ -558,3 +558,47 @@ def test_a_cache_hit_recomputes_the_draft_row_of_its_last_token(tiny: Path) -> N
 
     assert rel(got, ref[hit:]) < 1e-4
     assert rel(bad, ref[whole:]) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def models(tiny: Path, agree: Path) -> dict[str, DeepseekV32]:
+    return {"random": DeepseekV32.load(tiny, mtp=True), "agree": DeepseekV32.load(agree, mtp=True)}
+
+
+@pytest.mark.slow
+def test_speculative_equals_plain_greedy_property(models: dict[str, DeepseekV32]) -> None:
+    """Property: for any batch of prompts (lengths 1..40, ending anywhere in a page), any k and
+    any number of tokens, with a draft that is mostly wrong or mostly right, speculative greedy
+    tokens are plain greedy's."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from cpkv.fallback import recording
+    from cpkv.runtime.decode import generate, greedy
+    from cpkv.runtime.speculative import speculative_generate
+
+    @settings(max_examples=8, deadline=None, derandomize=True)
+    @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=3), k=st.integers(1, 4),
+           n=st.integers(2, 12), which=st.sampled_from(["random", "agree"]),
+           seed=st.integers(0, 2**16))
+    def check(lens: list[int], k: int, n: int, which: str, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 512, (m,), generator=gen).tolist() for m in lens]
+        rids = [f"r{i}" for i in range(len(lens))]
+        model = models[which]
+        with recording():
+            plain, spec = _decode_session(model), _decode_session(model)
+            first = greedy(plain.prefill(list(zip(rids, prompts, strict=True))).last_logits)
+            want = generate(plain, list(zip(rids, first, strict=True)), n)
+            res = spec.prefill(list(zip(rids, prompts, strict=True)))
+            assert res.draft_logits is not None
+            got, stats = speculative_generate(
+                spec, list(zip(rids, first, greedy(res.draft_logits), strict=True)), n, k)
+        assert got == want
+        assert stats.steps <= stats.plain_steps == n - 1
+        for rid, p in zip(rids, prompts, strict=True):
+            rp = spec.pool.table[rid]
+            assert rp.valid_len == len(p) + sum(1 + a for a in stats.accepted_per_request[rid])
+            assert len(rp.slots) == -(-rp.valid_len // PAGE)
+
+    check()
