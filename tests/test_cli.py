@@ -109,6 +109,13 @@ def test_run_with_error_policy_fails_with_the_reason() -> None:
     assert "fallback refused by policy 'error'" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.device_count() >= 3, reason="enough GPUs to run")
+def test_run_on_cuda_without_a_gpu_per_process_says_so() -> None:
+    out = cpkv("run", "--device", "cuda")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "needs a GPU per process: 3 processes" in out.stderr
+
+
 def test_run_reports_settings_errors() -> None:
     out = cpkv("run", env={"CPKV_KV__SHARD": "1"})
     assert out.returncode == 1 and "CPKV_KV__SHARD" in out.stderr

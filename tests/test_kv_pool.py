@@ -187,14 +187,14 @@ def test_paged_translation_points_at_the_rows_the_view_holds() -> None:  # rule 
             n = batch.rows.num_local
             pool.write(0, batch, torch.randn(n, 80), torch.randn(n, 32))
             view = pool.materialize(0, batch)
-            t = view.latent.shape[0]
+            t = view.latent().shape[0]
             ragged = torch.tensor([[0, t - 1, -1], [t // 2, -1, -1]], dtype=torch.int32)
             owner, phys = ragged_to_paged(ragged, batch)
             assert torch.equal(owner < 0, ragged < 0) and torch.equal(phys < 0, ragged < 0)
-            rows = pool.latent[0].view(-1, view.latent.shape[1])
+            rows = pool.latent[0].view(-1, view.latent().shape[1])
             for r, p in zip(ragged.flatten().tolist(), phys.flatten().tolist(), strict=True):
                 if r >= 0:
-                    assert torch.equal(rows[p], view.latent[r])
+                    assert torch.equal(rows[p], view.latent()[r])
             pool.commit(batch)
 
 
@@ -236,8 +236,8 @@ def _p2p_reuse(group: CPGroup) -> list[str]:
             idx = torch.randn(n, fmt.index_head_dim, generator=g)
             pool.write(layer, kv, kv.rows.split(lat, ops), kv.rows.split(idx, ops))
             view = pool.materialize(layer, kv)
-            if not (torch.equal(view.latent, pack_rows(lat, fmt, "latent", ops))
-                    and torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", ops))):
+            if not (torch.equal(view.latent(), pack_rows(lat, fmt, "latent", ops))
+                    and torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", ops))):
                 bad.append(f"step {step} layer {layer}")
         pool.commit(kv)
         pool.free(rid)  # the next request reuses these pages
@@ -263,7 +263,7 @@ def _p2p_unavailable_on_rank_1(group: CPGroup) -> tuple[str, bool]:
     idx = torch.randn(20, fmt.index_head_dim)
     pool.write(0, kv, kv.rows.split(lat, pool.ops), kv.rows.split(idx, pool.ops))
     view = pool.materialize(0, kv)
-    return pool.materialize_mode, view.latent.shape == (20, fmt.latent_bytes_per_token)
+    return pool.materialize_mode, view.latent().shape == (20, fmt.latent_bytes_per_token)
 
 
 @pytest.mark.multiprocess
@@ -277,6 +277,25 @@ def test_p2p_unavailable_on_one_rank_falls_back_on_every_rank() -> None:
         assert "rank 1: no shared-memory directory" in events[0].detail
 
 
+def _auto_mode(group: CPGroup) -> tuple[str, list[str]]:
+    from structlog.testing import capture_logs
+
+    fmt = _fmt(KVDtype.FP8, 4)
+    with capture_logs() as logs:
+        pool = ShardedKVPool(fmt, 1, group, kv_ops(group), pages_per_rank=8, materialize="auto")
+    return pool.materialize_mode.value, [e["event"] for e in logs]
+
+
+@pytest.mark.multiprocess
+def test_auto_materialization_is_all_gather_on_cpu_ranks_without_a_fallback() -> None:
+    """'auto' asks for p2p only where peers map GPU memory: CPU ranks take all_gather quietly
+    (an info line, no fallback event), alike on every rank."""
+    for r in run_ranks(_auto_mode, 2, timeout_s=120):
+        mode, events = r.value
+        assert mode == "all_gather" and "cpkv.kv.materialize_auto" in events
+        assert r.fallbacks == []
+
+
 def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
     group = CPGroup.single()
     fmt = _fmt(KVDtype.FP8, 4)
@@ -288,8 +307,8 @@ def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
     idx = torch.randn(13, fmt.index_head_dim)
     pool.write(0, kv, lat, idx)
     view = pool.materialize(0, kv)
-    assert torch.equal(view.latent, pack_rows(lat, fmt, "latent", pool.ops))
-    assert torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", pool.ops))
+    assert torch.equal(view.latent(), pack_rows(lat, fmt, "latent", pool.ops))
+    assert torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", pool.ops))
     with pytest.raises(ValueError, match="materialize must be"):
         ShardedKVPool(fmt, 1, group, pool.ops, materialize="nvlink")
 
@@ -307,8 +326,8 @@ def _send_starts(group: CPGroup) -> list[tuple[int | None, ...]]:
         idx = torch.randn(n, fmt.index_head_dim, generator=g)
         pool.write(0, kv, kv.rows.split(lat, pool.ops), kv.rows.split(idx, pool.ops))
         view = pool.materialize(0, kv)
-        assert torch.equal(view.latent, pack_rows(lat, fmt, "latent", pool.ops))
-        assert torch.equal(view.index_k, pack_rows(idx, fmt, "index_k", pool.ops))
+        assert torch.equal(view.latent(), pack_rows(lat, fmt, "latent", pool.ops))
+        assert torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", pool.ops))
         out.append(kv.materialize.send_start)
         pool.commit(kv)
         if free:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +89,8 @@ def test_cp_prefill_equals_single_rank(cp: int, tiny: Path) -> None:
         ref = _reference(str(tiny), spec)
         _check(results[0].value[i], ref, f"CP{cp} {name}")
         want = spec.settings.kv.materialize
+        if want == "auto":  # CPU ranks: auto is all_gather (docs/kv-pool.md)
+            want = "all_gather"
         assert [r.value[i].materialize for r in results] == [want] * cp
         # every rank holds about 1/C of the KV and together exactly the logical footprint
         held = [r.value[i].kv_bytes for r in results]
@@ -134,10 +137,50 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
     with recording():
         res = session.prefill([("a", prompts[0]), ("b", prompts[1])])
         res2 = session.prefill([("a", prompts[1])])  # continues "a" from a mid-page prefix
+        res3 = session.prefill([("a", [7]), ("b", [9])])  # decode-like: selected latent rows
     assert torch.isfinite(res.last_logits).all() and torch.isfinite(res2.last_logits).all()
+    assert torch.isfinite(res3.last_logits).all()
     assert ("_draft" in guarded_calls) == mtp
     if mtp:
         assert res.draft_logits is not None and torch.isfinite(res.draft_logits).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_selected_latent_rows_equal_the_whole_view(tiny: Path, dtype: str) -> None:
+    """A batch that reads fewer latent rows than its view holds (decode steps) dequantizes only
+    the rows its top-k picks; logits and choices equal dequantizing the whole view."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": dtype},
+                      backend={"preference": ["torch"]})
+    model = load_model(str(tiny))
+    prompt = _prompts(8, [150])[0]
+    from cpkv.kv import FullView
+
+    real = FullView.selected_latent
+    out, picked, selected = [], [], []
+    for select in (None, False):
+        with recording():
+            session = PrefillSession(model, s, CPGroup.single())
+        session.driver.select_latent = select
+        session.prefill([("a", prompt[:140])])
+        rows: list[int] = []
+
+        def spy(self: FullView, top: torch.Tensor, *a: Any, _rows: list[int] = rows) -> Any:
+            _rows.append(top.numel())
+            return real(self, top, *a)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(FullView, "selected_latent", spy)
+            res = [session.prefill([("a", [tok])], capture_topk=True)  # one-token steps:
+                   for tok in prompt[140:]]  # 1 row x top-16 < the view's 141+ keys
+        out.append(torch.cat([r.last_logits for r in res]))
+        picked.append([t for r in res for t in r.topk.indices])
+        selected.append(rows)
+    assert selected[0] == [16] * 10 * model.num_layers and selected[1] == []  # auto picks rows
+    assert torch.equal(out[0], out[1])
+    assert all(torch.equal(a, b) for a, b in zip(*picked, strict=True))
 
 
 def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:

@@ -68,3 +68,39 @@ def test_run_rejects_bad_prompts(tmp_path: Path) -> None:
     assert out.returncode == 2 and "outside the vocabulary" in out.stderr
     out = _cpkv("run", "--model", str(tmp_path / "nope"), env={})
     assert out.returncode == 1 and "neither 'tiny' nor an existing checkpoint" in out.stderr
+
+
+def test_job_device_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' takes GPUs only when there is one per process; 'cuda' without them is an error
+    that says how many were needed and found."""
+    import torch
+
+    from cpkv.runtime.job import job_device
+
+    for gpus, auto in ((0, "cpu"), (2, "cpu"), (3, "cuda"), (8, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda g=gpus: g > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda g=gpus: g)
+        assert job_device("auto", 3) == auto
+        assert job_device("cpu", 3) == "cpu"
+        if gpus >= 3:
+            assert job_device("cuda", 3) == "cuda"
+        else:
+            with pytest.raises(ValueError, match=f"3 processes .*{gpus} GPU"):
+                job_device("cuda", 3)
+
+
+def test_compare_topk_counts_only_real_differences() -> None:
+    """A swap at the k-th place within the tie tolerance of the row's score scale is not a
+    difference; a swap of a key scored well above the k-th is."""
+    import torch
+
+    from cpkv.runtime.job import compare_topk
+
+    ia = [torch.tensor([[0, 1, 2]], dtype=torch.int32)]
+    sa = [torch.tensor([[50.0, 20.0, 3.0]])]
+    near = [torch.tensor([[0, 1, 7]], dtype=torch.int32)], [torch.tensor([[50.0, 20.0, 3.3]])]
+    far = [torch.tensor([[0, 9, 2]], dtype=torch.int32)], [torch.tensor([[50.0, 21.0, 3.0]])]
+    assert compare_topk(ia, sa, ia, sa) == 0
+    assert compare_topk(ia, sa, *near, rel_tie=1e-2) == 0  # 0.3 apart, scale 50: 0.5 tolerance
+    assert compare_topk(ia, sa, *near, rel_tie=1e-6) == 1
+    assert compare_topk(ia, sa, *far, rel_tie=1e-2) == 1  # 20 and 21 are far above the floor

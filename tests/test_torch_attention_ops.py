@@ -257,6 +257,27 @@ def test_sparse_mla_matches_the_naive_loop(dtype: torch.dtype) -> None:
     assert torch.equal(got[1], torch.zeros(2, 4))  # no valid index: zeros, not NaN
 
 
+def test_sparse_mla_bounds_its_own_temporaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference takes rows in chunks under its temporaries bound (callers chunk by the
+    output only): chunked and whole results are the same rows."""
+    import cpkv_backend_torch.ops as mod
+
+    q, kv = _mla_case(9, 2, 6, 11, 0, torch.float32)
+    idx = torch.randint(-1, 11, (9, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    whole = OPS.sparse_mla(q, kv, idx, 0.3, 4)
+    calls: list[int] = []
+    real = mod.TorchOps.sparse_mla
+
+    def spy(self: Any, q: torch.Tensor, *a: Any) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return real(self, q, *a)
+
+    monkeypatch.setattr(mod.TorchOps, "sparse_mla", spy)
+    monkeypatch.setattr(mod, "_MLA_TEMP_BYTES", 4 * 5 * (6 + 2 * 2) * 4)  # 4 rows per chunk
+    assert torch.equal(OPS.sparse_mla(q, kv, idx, 0.3, 4), whole)
+    assert calls == [9, 4, 4, 1]
+
+
 def test_sparse_mla_is_dense_attention_restricted_to_the_selection() -> None:
     """Indices from the indexer + top-k: a dense softmax over all T keys with the unselected ones
     masked gives the same output."""

@@ -298,8 +298,8 @@ class _OnDevice:
         return self._run("fp8_pack", x, fmt, part)
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: Any,
-                   dtype: torch.dtype) -> torch.Tensor:
-        return self._run("fp8_unpack", packed, fmt, part, dtype)
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run("fp8_unpack", packed, fmt, part, dtype, index)
 
     def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                        k_scale: torch.Tensor | None, key_start: torch.Tensor,
@@ -429,16 +429,16 @@ class GatherMutatesSource(TorchOps):
 
 class UnpackIgnoresDtype(TorchOps):
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: Any,
-                   dtype: torch.dtype) -> torch.Tensor:
-        return super().fp8_unpack(packed, fmt, part, torch.float32)
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+        return super().fp8_unpack(packed, fmt, part, torch.float32, index)
 
 
 class UnpackInBf16(TorchOps):
     """Multiplies in the target dtype: close, but not the reference's values."""
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: Any,
-                   dtype: torch.dtype) -> torch.Tensor:
-        out = super().fp8_unpack(packed, fmt, part, torch.float32)
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().fp8_unpack(packed, fmt, part, torch.float32, index)
         return (out.to(torch.bfloat16) * 1.0078125).to(dtype)  # 1 + 2^-7: off by a bf16 ulp
 
 
@@ -462,8 +462,8 @@ def test_a_broken_backend_fails_the_suite(ref: Any, broken: type, op: str, match
 def test_round_trip_check_fails_on_a_coarse_quantiser() -> None:
     class Coarse(TorchOps):  # 2 mantissa bits (e5m2): twice the rounding error
         def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: Any,
-                       dtype: torch.dtype) -> torch.Tensor:
-            out = super().fp8_unpack(packed, fmt, part, torch.float32)
+                       dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+            out = super().fp8_unpack(packed, fmt, part, torch.float32, index)
             return out.to(torch.float8_e5m2).float().to(dtype)
 
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))

@@ -76,11 +76,12 @@ class KVSettings(_Section):
     page_size: int = Field(64, ge=1, description="tokens per KV page")
     pages_per_rank: int = Field(4096, ge=1, description="pool capacity per rank, in pages")
     materialize: MaterializeMode = Field(
-        MaterializeMode.ALL_GATHER,
+        MaterializeMode.AUTO,
         description="how a sharded pool builds the full view: 'all_gather' (owned pages into a "
-                    "send buffer, one all-gather, one gather into natural order) or 'p2p' (pages "
-                    "kept in peer-mapped memory, read from their owners in one pass; symmetric "
-                    "memory over NVLink on CUDA, shared memory on CPU)",
+                    "send buffer, one all-gather; kernels read the receive buffer in place), "
+                    "'p2p' (pages kept in peer-mapped memory, read from their owners in one pass; "
+                    "symmetric memory over NVLink on CUDA, shared memory on CPU) or 'auto' (p2p "
+                    "on GPUs whose ranks map each other's memory, else all_gather)",
     )
 
     @field_validator("materialize")
@@ -88,7 +89,7 @@ class KVSettings(_Section):
     def _sharded_mode(cls, v: MaterializeMode) -> MaterializeMode:
         if v is MaterializeMode.REPLICA:
             raise ValueError("'replica' is what kv.shared = false selects; a sharded pool builds "
-                             "its views with 'all_gather' or 'p2p'")
+                             "its views with 'all_gather', 'p2p' or 'auto'")
         return v
 
 
@@ -188,6 +189,10 @@ class RunSettings(_Section):
                                          "and decode speculatively on the decode rank")
     draft_tokens: int = Field(1, ge=1, le=8, description="with mtp: draft tokens verified per "
                                                          "decode step (k > 1 chains the MTP layer)")
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="where the job runs: 'cpu' (Gloo ranks, float32 model), 'cuda' (NCCL "
+                           "ranks, rank r on GPU r, bfloat16 model, the reference on GPU 0) or "
+                           "'auto' (cuda when there is a GPU per process, else cpu)")
 
 
 # The TOML file of the load in progress. A context variable, not a class attribute, so concurrent

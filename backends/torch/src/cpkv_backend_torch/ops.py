@@ -30,8 +30,8 @@ formulas here are the definition:
   -inf logit inside a range of more than k keys could lose to a masked column).
 * ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
   -inf, a max-subtracted softmax over the valid slots, and ``p @ kv[:, :dv]``; a row without a
-  valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Memory O(N * k * Dk): the
-  caller chunks rows.
+  valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Its temporaries are
+  O(N * k * Dk): it takes rows in chunks that keep them under 256 MB itself.
 
 No op syncs the host (no ``.item()``, no data-dependent shapes) and none builds host tensors, so
 they run unchanged on CPU and CUDA tensors, for any number of rows including 0.
@@ -65,6 +65,8 @@ FP8_E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-12
 
 _FP8 = torch.float8_e4m3fn
+#: sparse_mla takes rows in chunks whose gathered rows and scores stay under this many bytes
+_MLA_TEMP_BYTES = 256 << 20
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -169,12 +171,13 @@ class TorchOps:
         return torch.cat(parts, dim=1)
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse of :meth:`fp8_pack`: dequantised values (e4m3 x block scale; rope as stored).
 
         Args:
             packed: uint8 [N, B] as produced by :meth:`fp8_pack`.
             dtype: dtype of the result.
+            index: optional int64 [n]: unpack rows ``packed[index]`` (here: gathered first).
 
         Returns:
             [N, kv_lora_rank + rope_dim] or [N, index_head_dim] of ``dtype``.
@@ -186,6 +189,8 @@ class TorchOps:
         if packed.dim() != 2 or packed.shape[1] != nbytes or packed.dtype != torch.uint8:
             raise ValueError(f"fp8_unpack({part}): expected uint8 [N, {nbytes}] for {fmt!r}, "
                              f"got {packed.dtype} {tuple(packed.shape)}")
+        if index is not None:
+            packed = packed.index_select(0, index)
         n, blocks = packed.shape[0], dims // block
         q = packed[:, :dims].view(_FP8).float().reshape(n, blocks, block)
         scale = _dense(packed[:, dims:dims + 4 * blocks]).view(torch.float32)
@@ -319,6 +324,12 @@ class TorchOps:
         n, heads, dk = q.shape
         if kv.shape[0] == 0 or indices.shape[1] == 0:  # nothing to attend to: every row is zeros
             return torch.zeros(n, heads, dv, dtype=torch.float32, device=q.device)
+        # the gathered rows and scores are O(rows x k x (Dk + H)) fp32: bound them here, so that
+        # callers chunk rows by the output's size only (a fused kernel has no such temporaries)
+        per = max(1, _MLA_TEMP_BYTES // (4 * indices.shape[1] * (dk + 2 * heads)))
+        if n > per:
+            return torch.cat([self.sparse_mla(q[s:s + per], kv, indices[s:s + per], scale, dv)
+                              for s in range(0, n, per)])
         valid = indices >= 0  # [N, k]
         rows = kv.float().index_select(0, indices.clamp_min(0).reshape(-1).long())
         rows = rows.reshape(n, indices.shape[1], dk)  # [N, k, Dk]

@@ -321,23 +321,28 @@ def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
 
 
 @triton.jit
-def _fp8_unpack_kernel(p_ptr, out_ptr, n_rows, sp_n, sp_b, so_n,
+def _fp8_unpack_kernel(p_ptr, out_ptr, idx_ptr, n_rows, sp_n, sp_b, so_n,
                        DIMS: tl.constexpr, QB: tl.constexpr, NBLK: tl.constexpr,
                        ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                       BLOCK_R: tl.constexpr, OUT: tl.constexpr):
-    """OUT: 0 float32, 1 bfloat16 (bits, written through an int16 view), 2 float16."""
+                       BLOCK_R: tl.constexpr, OUT: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """OUT: 0 float32, 1 bfloat16 (bits, written through an int16 view), 2 float16.
+    HAS_INDEX: output row i reads packed row ``idx[i]`` (the gather fused into the pass)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
-    p_row = p_ptr + rows[:, None] * sp_n
+    if HAS_INDEX:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
+        src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        src = rows
+    p_row = p_ptr + src[:, None] * sp_n
     o_row = out_ptr + rows[:, None] * so_n
     if b < NBLK:
         cols = tl.arange(0, BLOCK_Q)
         mask = rmask[:, None] & (cols < QB)[None, :]
         d = b * QB + cols
         code = tl.load(p_row + d[None, :] * sp_b, mask=mask, other=0).to(tl.int32)
-        s_ptr = p_ptr + rows * sp_n + (DIMS + b * 4) * sp_b
+        s_ptr = p_ptr + src * sp_n + (DIMS + b * 4) * sp_b
         sbits = tl.load(s_ptr, mask=rmask, other=0).to(tl.int32)
         for k in tl.static_range(1, 4):  # little-endian fp32 scale, at any byte alignment
             sbits |= tl.load(s_ptr + k * sp_b, mask=rmask, other=0).to(tl.int32) << (8 * k)
@@ -491,15 +496,18 @@ class KVKernels:
         return out
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse of :meth:`fp8_pack`: ``float32(q) * scale`` cast once to ``dtype``, rope
         as stored. float32 / bfloat16 / float16 are written by the kernel; any other dtype is
-        the kernel's float32 result cast by torch (the same single cast the reference does)."""
+        the kernel's float32 result cast by torch (the same single cast the reference does).
+        With ``index`` the kernel reads row ``index[i]`` for output row i (one pass)."""
         dims, block, rope, nbytes = fp8_layout(fmt, part)
         if packed.dim() != 2 or packed.shape[1] != nbytes or packed.dtype != torch.uint8:
             raise ValueError(f"fp8_unpack({part}): expected uint8 [N, {nbytes}] for {fmt!r}, "
                              f"got {packed.dtype} {tuple(packed.shape)}")
-        n = packed.shape[0]
+        if index is not None:
+            index = _check_index("fp8_unpack", index, packed, "packed")
+        n = packed.shape[0] if index is None else index.shape[0]
         kind = _OUT_KIND.get(dtype)
         out = torch.empty((n, dims + rope), dtype=dtype if kind is not None else torch.float32,
                           device=packed.device)
@@ -509,10 +517,12 @@ class KVKernels:
             block_n = max(1, min(32, 4096 // block_q, triton.next_power_of_2(n)))
             grid = (triton.cdiv(n, block_n), nblk + (1 if rope else 0))
             o = out.view(torch.int16) if kind == 1 else out
-            _fp8_unpack_kernel[grid](packed, o, n, packed.stride(0), packed.stride(1),
+            _fp8_unpack_kernel[grid](packed, o, index if index is not None else o, n,
+                                     packed.stride(0), packed.stride(1),
                                      o.stride(0), DIMS=dims, QB=block, NBLK=nblk, ROPE=rope,
                                      BLOCK_N=block_n, BLOCK_Q=block_q,
                                      BLOCK_R=triton.next_power_of_2(max(rope, 1)),
-                                     OUT=0 if kind is None else kind, num_warps=4)
+                                     OUT=0 if kind is None else kind,
+                                     HAS_INDEX=index is not None, num_warps=4)
         # fp32 -> dtype once, as the reference (the rope's bf16 -> fp32 step is exact)
         return out if kind is not None else out.to(dtype)

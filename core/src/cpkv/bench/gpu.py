@@ -26,9 +26,10 @@ from .report import BenchRow
 from .timing import device_ms, median_ms
 
 if TYPE_CHECKING:
-    from cpkv.kv import AllGatherViews, MaterializePlan, ShardedKVPool
+    from cpkv.kv import AllGatherViews, BatchKV, MaterializePlan, ShardedKVPool
 
-__all__ = ["ceilings", "cuda_ms", "kernel_rows", "materialize_rank", "prefill_rank"]
+__all__ = ["ceilings", "cuda_ms", "kernel_rows", "layer_flops", "materialize_rank",
+           "prefill_rank"]
 
 PAGE = 64
 TOKENS_64K = 64 * 1024
@@ -203,6 +204,12 @@ def _all_gather_part(views: AllGatherViews, m: MaterializePlan, part: int) -> to
     return views.group.all_gather_rows(views._send(0, m, part), m.max_send[part])
 
 
+def _view_keys(pool: ShardedKVPool, kv: BatchKV) -> tuple[torch.Tensor, ...]:
+    """Layer 0's view as the attention kernels take it (see :meth:`FullView.keys`)."""
+    lat, k, scale = pool.materialize(0, kv).keys(pool.fmt, pool.ops, torch.bfloat16)
+    return (lat, k) if scale is None else (lat, k, scale)
+
+
 @dataclass(frozen=True)
 class MaterializeSpec:
     tokens: int
@@ -245,8 +252,12 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
         out[f"materialize_{mode}_ms"] = device_ms(partial(pool.materialize, 0, kv), iters=20,
                                                   align=align)
         out["eager"][mode] = cuda_ms(partial(pool.materialize, 0, kv), iters=20)
+        # the view as the kernels take it (latent dequantized, index keys split): materialization
+        # plus the consumers' pass, which reads the all-gather's buffer in place
+        out[f"view_keys_{mode}_ms"] = device_ms(partial(_view_keys, pool, kv), iters=20,
+                                                align=align)
         v = pool.materialize(0, kv)
-        views[mode] = (v.latent.contiguous(), v.index_k.contiguous())
+        views[mode] = (v.latent(ops), v.index_k(ops))
         if mode == "all_gather":
             m = kv.materialize
             ag = _all_gather_views(pool)
@@ -256,6 +267,7 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
             del ag  # holds the pool's buffers
             gathered = torch.empty(group.size * m.max_send[0] * PAGE, fmt.bytes_per_token,
                                    dtype=torch.uint8, device=group.device)
+            # what the natural-order copy cost before views were read in place
             out["view_gather_ms"] = device_ms(partial(ops.page_gather, gathered, m.view_index),
                                               iters=20)
         del pool
@@ -273,15 +285,58 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
     return out
 
 
+def layer_flops(cfg: Any, n: int) -> dict[str, float]:
+    """FLOPs (2 per multiply-add) of one dense layer over an ``n``-token prompt (causal, one
+    request), by part: projections (q_a, q_b, the absorbed W_UK and W_UV, kv_a, the indexer's
+    q/k/weights, o_proj), the indexer's logits over each token's causal keys, sparse MLA over
+    min(position + 1, top-k) keys, and the dense MLP (gate, up, down)."""
+    h, heads, ql = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank
+    lat, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    ih, idim, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    qk = cfg.qk_nope_head_dim + rope
+    proj = (h * ql + ql * heads * qk + heads * cfg.qk_nope_head_dim * lat + h * (lat + rope)
+            + ql * ih * idim + h * idim + h * ih + heads * lat * cfg.v_head_dim
+            + heads * cfg.v_head_dim * h)
+    keys = n * (n + 1) / 2  # sum over tokens of their causal key counts
+    selected = sum(min(i + 1, k) for i in range(min(n, k))) + max(0, n - k) * k
+    return {"projections": 2.0 * n * proj,
+            "indexer": 2.0 * keys * ih * idim,
+            "sparse_mla": 2.0 * selected * heads * (lat + rope + lat),
+            "mlp": 2.0 * n * 3 * h * cfg.intermediate_size}
+
+
+def _kernel_profile(run: Callable[[], Any], top: int = 14) -> list[dict[str, Any]]:
+    """Device time per kernel name over one call of ``run`` (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us:
+            rows.append({"kernel": e.key[:90], "ms": us / 1e3, "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return [{"total_ms": total}, *rows[:top]]
+
+
 @dataclass(frozen=True)
 class PrefillSpec:
     model_dir: str
     tokens: tuple[int, ...]
     kv_dtype: str = "fp8"
-    repeats: int = 4
-    materialize: str = "all_gather"
+    repeats: int = 6
+    materialize: str = "auto"
     #: backend.preference of the runs (the settings' default: cuda, triton, torch)
     backends: tuple[str, ...] = ("cuda", "triton", "torch")
+    #: one more prefill of this many tokens under torch.profiler (device time per kernel; 0: none)
+    profile_tokens: int = 0
+    #: runtime.indexer_dtype of the runs
+    indexer_dtype: str = "bf16"
 
 
 def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
@@ -298,7 +353,8 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
     settings = load_settings(cp={"size": group.size},
                              kv={"dtype": spec.kv_dtype, "page_size": PAGE, "pages_per_rank": 8192,
                                  "materialize": spec.materialize},
-                             backend={"preference": list(spec.backends)})
+                             backend={"preference": list(spec.backends)},
+                             runtime={"indexer_dtype": spec.indexer_dtype})
     session = PrefillSession(model, settings, group)
     out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {},
                            "materialize": session.pool.materialize_mode}
@@ -320,6 +376,50 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
                            "replicated_bytes": held if group.size == 1 else None,
                            "phases": res.seconds,
                            "peak_gb": torch.cuda.max_memory_allocated(group.device) / 1e9}
+        if n == spec.profile_tokens:
+            out["sizes"][n]["kernels"] = _kernel_profile(
+                partial(session.prefill, [(f"p{n}-prof", ids)]))
+            session.release(f"p{n}-prof")
+    out["layers"] = model.num_layers
+    out["layer_flops"] = {n: layer_flops(model.config, n) for n in spec.tokens}
+    return out
+
+
+def decode_steps(dev: torch.device, model_dir: str, tokens: int, steps: int = 8,
+                 backends: tuple[str, ...] = ("cuda", "triton", "torch"),
+                 select_latent: bool | None = None) -> dict[str, Any]:
+    """Decode steps (one-token extends, as the decode rank runs them) after a ``tokens``-token
+    prefill on one GPU, fp8 pool: the median wall time of ``steps`` steps after the first (each
+    synchronized: a step's logits are read to pick the next token), the ops that ran, and a
+    kernel profile of one step."""
+    from cpkv.comm import CPGroup
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+    from cpkv.settings import load_settings
+
+    model = load_model(model_dir, dtype=torch.bfloat16, device=dev)
+    settings = load_settings(cp={"size": 1},
+                             kv={"dtype": "fp8", "page_size": PAGE,
+                                 "pages_per_rank": tokens // PAGE + 64},
+                             backend={"preference": list(backends)})
+    session = PrefillSession(model, settings, CPGroup.single(dev))
+    session.driver.select_latent = select_latent
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (tokens + steps + 1,), generator=g).tolist()
+    session.prefill([("d", ids[:tokens])])
+    times = []
+    for i in range(steps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = session.prefill([("d", [ids[tokens + i]])])
+        res.last_logits.argmax().item()  # the next token is read back, as a decode loop does
+        times.append(time.perf_counter() - t)
+    kernels = _kernel_profile(partial(session.prefill, [("d", [ids[-1]])]))
+    out = {"seconds": statistics.median(times[1:]), "all": times, "ops": dict(session.ops.chosen),
+           "kernels": kernels}
+    session.release("d")
+    del session, model
+    torch.cuda.empty_cache()
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -202,7 +203,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
 @click.option("--skip-prefill", is_flag=True, help="Kernels and materialization only.")
 @click.option("--prefetch-prefix", type=click.IntRange(min=0), default=65536, show_default=True,
               help="Cached prefix of the prefetch measurement (0 skips it).")
-@click.option("--materialize", type=click.Choice(["all_gather", "p2p"]), default="p2p",
+@click.option("--materialize", type=click.Choice(["all_gather", "p2p", "auto"]), default="auto",
               show_default=True, help="kv.materialize of the CP2 vs CP1 prefill runs.")
 @click.option("--backends", default="cuda,triton,torch", show_default=True,
               help="backend.preference of the CP2 vs CP1 prefill runs (comma-separated).")
@@ -257,7 +258,8 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                  "first_k_dense_replace": layers}
         write_tiny_checkpoint(ckpt, seed=0, **stack)
         spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize,
-                               backends=tuple(b for b in backends.split(",") if b))
+                               backends=tuple(b for b in backends.split(",") if b),
+                               profile_tokens=65536 if 65536 in lens else 0)
         per: dict[int, list[dict[str, Any]]] = {}
         for c in (1, 2):
             err.print(f"[dim]CP{c} prefill at {lens}[/]")
@@ -274,6 +276,31 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
             b2 = max(r["sizes"][n]["kv_bytes"] for r in per[2])
             rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
                                     "CP1 (one rank holds every page)", b1))
+            if n == 65536:  # a whole prefill's layer FLOPs over its wall time: a lower bound of
+                # the layers' rate (embedding, planning and the last logits count as time)
+                one = per[1][0]
+                flops = one["layers"] * sum(one["layer_flops"][n].values())
+                rows.append(BenchRow.of("cp1_layer_64k_mfu", flops / t1 / 1e12, "TFLOP/s",
+                                        "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
+    if ngpu >= 2 and not skip_prefill and 65536 in lens:
+        err.print("[dim]CP1 64K prefill with fp8 indexer queries (runtime.indexer_dtype)[/]")
+        fp8 = dataclasses.replace(spec, tokens=(65536,), indexer_dtype="fp8",
+                                  profile_tokens=65536)
+        one = run_ranks(gpu.prefill_rank, 1, args=(fp8,), backend="nccl", timeout_s=580)[0].value
+        detail["prefill_cp1_64k_fp8_indexer"] = one
+        flops = one["layers"] * sum(one["layer_flops"][65536].values())
+        detail["cp1_layer_64k_mfu_fp8_indexer"] = (flops / one["sizes"][65536]["seconds"] / 1e12
+                                                   / ceil["matmul_tflops"])
+        err.print("[dim]decode steps over a 64K-token request: cuda vs triton[/]")
+        dec = {name: gpu.decode_steps(dev, str(ckpt), 65536, backends=pref)
+               for name, pref in (("cuda", ("cuda", "triton", "torch")),
+                                  ("triton", ("triton", "torch")))}
+        # what a step cost when it dequantized the whole view (before selected latent rows)
+        dec["cuda_whole_view"] = gpu.decode_steps(dev, str(ckpt), 65536, select_latent=False)
+        detail["decode_64k"] = dec
+        rows.append(BenchRow.of("decode_step_64k_speedup", 1 / dec["cuda"]["seconds"], "steps/s",
+                                "the Triton backend, same steps (steps/s)",
+                                1 / dec["triton"]["seconds"]))
     if ngpu >= 2 and not skip_prefill and prefetch_prefix:
         err.print(f"[dim]prefetch: {prefetch_prefix}-token cached prefix + 4096-token extend[/]")
         res = run_ranks(gpu.prefetch_rank, 2,

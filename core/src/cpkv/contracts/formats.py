@@ -22,15 +22,17 @@ class KVDtype(StrEnum):
 class MaterializeMode(StrEnum):
     """How a pool builds a layer's full view (chosen once, at pool construction).
 
-    ``REPLICA``: every rank holds every page (``kv.shared = false``, the baseline); the view is a
-    local gather. ``ALL_GATHER``: owners' pages move by one all-gather, then one local gather
-    lays them out in natural order. ``P2P``: pages live in peer-mapped memory and each view row
-    is read from its owner in one pass.
+    ``REPLICA``: every rank holds every page (``kv.shared = false``, the baseline); the view
+    reads the pool in place. ``ALL_GATHER``: owners' pages move by one all-gather; the view reads
+    the receive buffer in place. ``P2P``: pages live in peer-mapped memory and each view row is
+    read from its owner in one pass. ``AUTO`` (a request, never a pool's mode): ``P2P`` on GPUs
+    whose ranks map each other's memory, else ``ALL_GATHER`` (decided alike on every rank).
     """
 
     REPLICA = "replica"
     ALL_GATHER = "all_gather"
     P2P = "p2p"
+    AUTO = "auto"
 
 
 class KVFormat(Contract):

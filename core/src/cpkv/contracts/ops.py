@@ -46,8 +46,12 @@ class KVOps(Protocol):
         (little-endian) byte order, in that order. Bit-exact across backends: in fp32,
         ``scale = max(amax, 1e-12) / 448`` as a true division (not a multiply by 1/448, which
         rounds differently), ``q = e4m3(clamp(x / scale, -448, 448))`` rounded to nearest even.
-    fp8_unpack(packed, fmt, part, dtype) -> [N, D] ``dtype``
-        the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored.
+    fp8_unpack(packed, fmt, part, dtype, index=None) -> [N, D] ``dtype``
+        the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored. With
+        ``index`` (int64 [n] on ``packed``'s device) row i of the result is the unpacking of
+        ``packed[index[i]]``: the gather fused into the same pass (a full view read where the
+        materialization left its rows, no natural-order copy first). ``packed`` may have any row
+        stride (a column slice of the pool's token rows).
 
     peer_gather(srcs, owner, rows) -> [n, ...]
         ``out[i] = srcs[owner[i]][rows[i]]``: one pass that reads each row from the buffer of the
@@ -94,7 +98,7 @@ class KVOps(Protocol):
     def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor: ...
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype) -> torch.Tensor: ...
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
                     rows: torch.Tensor) -> torch.Tensor: ...

@@ -8,20 +8,20 @@ and writes; per batch it calls :meth:`Materializer.begin_batch` once (after the 
 reserved, before the first write), then per layer :meth:`~Materializer.prefetch` (optional) and
 :meth:`~Materializer.full_view`.
 
-* :class:`ReplicaViews` (``replica``, ``kv.shared = false``): every page is local; one gather.
+* :class:`ReplicaViews` (``replica``, ``kv.shared = false``): every page is local; the view
+  reads the pool's rows in place (through the view index).
 * :class:`AllGatherViews` (``all_gather``): each rank's owned pages of the batch go into one
-  send buffer (a slice of the pool when they are consecutive slots), one all-gather moves them,
-  one gather lays the view out in natural order (rule 15). Cached prefix pages can move a layer
-  ahead on a side stream (:meth:`AllGatherViews.prefetch`).
+  send buffer (a slice of the pool when they are consecutive slots) and one all-gather moves
+  them; the view reads the receive buffer in place, rank-major, through the view index (rule 15's
+  natural order is the index's: the consumers' own passes read through it). Cached prefix
+  pages can move a layer ahead on a side stream (:meth:`AllGatherViews.prefetch`).
 * :class:`PeerViews` (``p2p``): after a barrier each rank reads every view row from its owner's
   peer-mapped buffer in one pass (``peer_gather``): no send buffer, no collective, no staging.
 
-Seams for what comes next: a cache tier (host pages loaded back into an owner's slots) queues its
-loads in :meth:`~Materializer.begin_batch`, where every strategy already orders the batch's
-writes; an in-place (PAGED) read path is one more strategy whose :meth:`~Materializer.full_view`
-returns the buffer the movement filled (rank-major pages, or the peer-mapped pool) with the
-``view_owner`` / ``view_physical`` translation of :class:`~cpkv.kv.batch.MaterializePlan`
-instead of a natural-order copy.
+A :class:`~cpkv.kv.view.FullView` is rows plus an index: the replica and all-gather strategies
+hand out the buffer their movement filled (the pool, the receive buffer) with
+``MaterializePlan.view_index``; the fp8 dequantization and the index-K split read through it in
+their one pass (docs/kv-pool.md, "Reading the view in place").
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ class Materializer(Protocol):
         """The full view of ``layer`` for the batch (after every rank wrote that layer)."""
 
 
-def _view(full: torch.Tensor, fmt: KVFormat, m: MaterializePlan) -> FullView:
-    nl = fmt.latent_bytes_per_token
-    return FullView(latent=full[:, :nl], index_k=full[:, nl:], cu_seqlens=m.cu_seqlens,
-                    seq_lens=m.seq_lens)
+def _view(rows: torch.Tensor, index: torch.Tensor | None, fmt: KVFormat,
+          m: MaterializePlan) -> FullView:
+    return FullView(rows=rows, index=index, latent_bytes=fmt.latent_bytes_per_token,
+                    cu_seqlens=m.cu_seqlens, seq_lens=m.seq_lens)
 
 
 def _plain_storage(fmt: KVFormat, num_layers: int, capacity: int,
@@ -108,8 +108,7 @@ class ReplicaViews:
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         m = batch.materialize
-        rows = self.kv[layer].view(-1, self.fmt.bytes_per_token)
-        return _view(self.ops.page_gather(rows, m.view_index), self.fmt, m)
+        return _view(self.kv[layer].view(-1, self.fmt.bytes_per_token), m.view_index, self.fmt, m)
 
 
 class AllGatherViews:
@@ -181,7 +180,7 @@ class AllGatherViews:
                 buf.record_stream(cur)
             self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
-        return _view(self.ops.page_gather(buf.view(-1, b), m.view_index), self.fmt, m)
+        return _view(buf.view(-1, b), m.view_index, self.fmt, m)
 
 
 class PeerViews:
@@ -210,7 +209,7 @@ class PeerViews:
         m = batch.materialize
         self.peers.barrier()  # every owner's writes of this layer are done and visible
         return _view(self.ops.peer_gather(self.rows[layer], m.view_owner, m.view_physical),
-                     self.fmt, m)
+                     None, self.fmt, m)
 
 
 def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, capacity: int,
@@ -221,17 +220,27 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
 
     ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
     rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
+    ``AUTO`` tries ``P2P`` on a multi-rank CUDA group and takes ``ALL_GATHER`` quietly (info log
+    ``cpkv.kv.materialize_auto``) when it cannot map; on CPU it is ``ALL_GATHER`` (shared files
+    stand in for peer memory in tests there; nothing says they beat a CPU all-gather).
     """
     if mode is MaterializeMode.REPLICA:
         return ReplicaViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, ops)
-    if mode is MaterializeMode.P2P:
+    auto = mode is MaterializeMode.AUTO
+    if auto and (group.device.type != "cuda" or group.is_local):
+        log.info("cpkv.kv.materialize_auto", selected="all_gather",
+                 why="one rank" if group.is_local else f"{group.device.type} ranks")
+    elif mode is MaterializeMode.P2P or auto:
         total = num_layers * capacity * fmt.page_bytes
         try:
             peers = open_peer_buffers(group, total)
         except PeerAccessUnavailable as exc:  # raised on every rank alike
-            report_fallback(op="kv_materialize", requested="p2p (peer-mapped pool buffers)",
-                            selected="all_gather", reason=FallbackReason.PEER_MEMORY_UNAVAILABLE,
-                            detail=str(exc))
+            if auto:
+                log.info("cpkv.kv.materialize_auto", selected="all_gather", why=str(exc))
+            else:
+                report_fallback(op="kv_materialize", requested="p2p (peer-mapped pool buffers)",
+                                selected="all_gather",
+                                reason=FallbackReason.PEER_MEMORY_UNAVAILABLE, detail=str(exc))
         else:
             log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=group.size)
             return PeerViews(peers, fmt, num_layers, capacity, ops)

@@ -50,8 +50,9 @@ class ShardedKVPool:
         shared: one owner per page (True) or a full replica on every rank (False).
         pages_per_rank: capacity of this rank's buffers, in pages.
         debug: cross-rank checks that sync (plan hash, allocator state, out-cache ownership).
-        materialize: how a sharded pool builds full views (``"all_gather"`` or ``"p2p"``, see
-            :mod:`cpkv.kv.materialize`); a replica (``shared=False``) always reads its own pages.
+        materialize: how a sharded pool builds full views (``"all_gather"``, ``"p2p"`` or
+            ``"auto"``, see :mod:`cpkv.kv.materialize`); a replica (``shared=False``) always
+            reads its own pages.
 
     Raises:
         ValueError: ``num_layers < 1``, or an unknown ``materialize`` mode.
@@ -62,7 +63,8 @@ class ShardedKVPool:
                  materialize: MaterializeMode | str = MaterializeMode.ALL_GATHER) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        modes = (MaterializeMode.ALL_GATHER.value, MaterializeMode.P2P.value)
+        modes = (MaterializeMode.ALL_GATHER.value, MaterializeMode.P2P.value,
+                 MaterializeMode.AUTO.value)
         if materialize not in modes:
             raise ValueError(f"materialize must be one of {modes}, got {materialize!r}")
         self.fmt, self.num_layers, self.group, self.ops = fmt, num_layers, group, ops

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 import torch
 
-from cpkv.contracts import CPPlan, FallbackReason, KVDtype, KVFormat, SplitMode
+from cpkv.contracts import CPPlan, FallbackReason, SplitMode
 from cpkv.fallback import report_fallback
-from cpkv.kv import BatchKV, FullView, ShardedKVPool, unpack_rows
+from cpkv.kv import BatchKV, ShardedKVPool
 from cpkv.ops import quantize_index_q
 from cpkv.planning import plan_batch
 
@@ -102,8 +102,11 @@ class CPPrefill:
     def __init__(self, model: DeepseekV32, pool: ShardedKVPool, ops: OpTable, *,
                  mode: SplitMode | str = SplitMode.ZIGZAG,
                  logits_budget_bytes: int = 256 << 20, prefetch: bool = True,
-                 indexer_fp8: bool = False) -> None:
+                 indexer_fp8: bool = False, select_latent: bool | None = None) -> None:
         self.model, self.pool, self.ops = model, pool, ops
+        #: dequantize only the latent rows the top-k reads (None: when a batch's rows read fewer
+        #: rows than its view holds, decided per batch from the plan: decode steps)
+        self.select_latent = select_latent
         #: quantize the indexer's q to fp8 when its keys are fp8 (fp8 x fp8 tensor cores)
         self.indexer_fp8 = indexer_fp8
         self.group: CPGroup = pool.group
@@ -365,11 +368,15 @@ class CPPrefill:
         pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
         rope = m.rope_cos_sin(pos, m.dtype, inputs["max_position"])  # once per batch
         chunks = row_chunks(kv.rows.num_local, 4 * inputs["num_keys"], self.budget)
-        # sparse MLA temporaries per row (a reference backend gathers k latent rows and scores them)
-        dk = m.config.kv_lora_rank + m.config.qk_rope_head_dim
-        mla_chunks = row_chunks(kv.rows.num_local,
-                                4 * self.topk * (dk + 2 * m.config.num_attention_heads), self.budget)
+        # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
+        # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
+        # chunking by those made FlashMLA calls of 37 rows at DeepSeek sizes: half the GPU idle)
+        mla_chunks = row_chunks(kv.rows.num_local, 6 * m.config.num_attention_heads * self.dv,
+                                self.budget)
         cap = TopkCapture() if capture else None
+        select = self.select_latent
+        if select is None:  # host ints of the plan: the same on every rank, no sync
+            select = kv.rows.num_local * self.topk < inputs["num_keys"]
         # the next layer's cached prefix pages move while this layer computes (rule 17: one more
         # layer's view in memory); the same decision on every rank (plan + settings only)
         nxt = pool.prefetch(layers.start, kv) if self.prefetch else None
@@ -384,7 +391,11 @@ class CPPrefill:
             view = pool.materialize(layer, kv, nxt)
             nxt = pool.prefetch(layer + 1, kv) if self.prefetch and layer + 1 < layers.stop \
                 else None
-            lat, idx_k, idx_scale = _view_tensors(view, fmt, ops, a.q.dtype)
+            if select:  # latent rows later, only those the top-k picks
+                lat = None
+                idx_k, idx_scale = view.index_keys(fmt, ops, a.q.dtype)
+            else:
+                lat, idx_k, idx_scale = view.keys(fmt, ops, a.q.dtype)
             t3 = time.perf_counter()
             picks, scores = [], []
             iq, iw = a.index_q, a.index_w
@@ -402,9 +413,12 @@ class CPPrefill:
             t4 = time.perf_counter()
             # row chunks bound the sparse-attention temporaries (latent outputs are fp32 [H, 512]
             # per row: 34 GB for 128K rows at DeepSeek sizes if taken at once)
-            attn = [m.attention_output(layer, ops.sparse_mla(a.q[s:e], lat, top[s:e],
-                                                               m.softmax_scale, self.dv).to(x.dtype))
-                    for s, e in mla_chunks]
+            attn = []
+            for s, e in mla_chunks:
+                kv_rows, ind = (lat, top[s:e]) if lat is not None else \
+                    view.selected_latent(top[s:e], fmt, ops, a.q.dtype)
+                attn.append(m.attention_output(layer, ops.sparse_mla(
+                    a.q[s:e], kv_rows, ind, m.softmax_scale, self.dv).to(x.dtype)))
             if attn:  # a rank may hold no rows of a tiny batch
                 x = x + (attn[0] if len(attn) == 1 else torch.cat(attn))
             t5 = time.perf_counter()
@@ -420,17 +434,3 @@ class CPPrefill:
                                                  self.group, ops))
         seconds.update(phase)
         return {"x": x, "topk": cap}
-
-
-def _view_tensors(view: FullView, fmt: KVFormat, ops: OpTable, dtype: torch.dtype,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Latent keys in compute dtype; index keys as the indexer takes them (fp8 + per-token scale
-    for an fp8 pool: never widened before the indexer)."""
-    if fmt.dtype is not KVDtype.FP8:
-        lat, idx = view.unpack(fmt, ops, dtype)
-        return lat, idx, None
-    d = fmt.index_head_dim
-    lat = unpack_rows(view.latent, fmt, "latent", ops, dtype)
-    k = view.index_k[:, :d].contiguous().view(torch.float8_e4m3fn)
-    scale = view.index_k[:, d:d + 4].contiguous().view(torch.float32).reshape(-1)
-    return lat, k, scale

@@ -378,6 +378,23 @@ def _check_fp8_unpack(impl: Any, ref: Any, device: str, seed: int) -> None:
             got = _call(op, case, impl.fp8_unpack, packed, fmt, part, dtype)
             _assert_same(op, case, "values", got, want)
             _unchanged(op, case, keep, [packed])
+        # with an index (repeats, any order) over column slices of wider token rows: the gather
+        # fused into the pass, as a full view is read where the materialization left it
+        g = _gen(seed * 1000 + 400 + k)
+        n_rows = packed.shape[0]
+        wide = torch.randint(0, 256, (n_rows, packed.shape[1] + 12), dtype=torch.uint8,
+                             generator=g).to(packed.device)
+        wide[:, 5:5 + packed.shape[1]] = packed
+        rows = wide[:, 5:5 + packed.shape[1]]
+        idx = torch.randint(0, max(n_rows, 1), (n_rows + 3,), generator=g).to(packed.device) \
+            if n_rows else torch.zeros(0, dtype=torch.int64, device=packed.device)
+        keep = [wide.clone()]
+        for dtype in (torch.bfloat16, torch.float32):
+            case = f"{label}, to {str(dtype).removeprefix('torch.')}, through an index"
+            want = ref.fp8_unpack(packed.index_select(0, idx), fmt, part, dtype)
+            got = _call(op, case, impl.fp8_unpack, rows, fmt, part, dtype, idx)
+            _assert_same(op, case, "values", got, want)
+            _unchanged(op, case, keep, [wide])
 
 
 # ---- sparse attention (rule 19) ------------------------------------------------------------

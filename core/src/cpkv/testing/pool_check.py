@@ -131,8 +131,8 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
             if split is not None:  # the prefetched path must give the same view
                 pf = pools[True].prefetch(layer, batches[True])
                 v2 = pools[True].materialize(layer, batches[True], pf)
-                if not (torch.equal(v2.latent, views[True].latent)
-                        and torch.equal(v2.index_k, views[True].index_k)):
+                if not (torch.equal(v2.latent(), views[True].latent())
+                        and torch.equal(v2.index_k(), views[True].index_k())):
                     out.mismatches.append(f"batch {bi} layer {layer}: prefetched view differs")
                 out.prefetched_views += pf is not None
             want_l = pack_rows(torch.cat([truth[r][0][layer, : q.end] for r, q in
@@ -141,10 +141,10 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                                           zip(rids, plan.requests, strict=True)]), fmt, "index_k",
                                ops)
             for name, (got, ref) in {
-                "sharded latent vs replicated": (views[True].latent, views[False].latent),
-                "sharded index_k vs replicated": (views[True].index_k, views[False].index_k),
-                "sharded latent vs truth": (views[True].latent, want_l),
-                "sharded index_k vs truth": (views[True].index_k, want_i),
+                "sharded latent vs replicated": (views[True].latent(), views[False].latent()),
+                "sharded index_k vs replicated": (views[True].index_k(), views[False].index_k()),
+                "sharded latent vs truth": (views[True].latent(), want_l),
+                "sharded index_k vs truth": (views[True].index_k(), want_i),
             }.items():
                 if got.shape != ref.shape or not torch.equal(got, ref):
                     out.mismatches.append(f"batch {bi} layer {layer}: {name}")

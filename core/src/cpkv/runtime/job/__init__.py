@@ -13,9 +13,21 @@ from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
 from .reference import reference_rank
 from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk
-from .run import disagg_rank, run_job
+from .run import disagg_rank, job_device, run_job
 from .spec import JobSpec
 
-__all__ = ["DecodeReport", "JobReport", "JobSpec", "RankReport", "SenderReport", "compare_topk",
-           "decode_rank", "disagg_rank", "prefill_rank", "prefill_sender_rank", "reference_rank",
-           "run_job"]
+__all__ = [
+           "DecodeReport",
+           "JobReport",
+           "JobSpec",
+           "RankReport",
+           "SenderReport",
+           "compare_topk",
+           "decode_rank",
+           "disagg_rank",
+           "job_device",
+           "prefill_rank",
+           "prefill_sender_rank",
+           "reference_rank",
+           "run_job",
+]

@@ -25,7 +25,8 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     s, c = spec.settings, spec.settings.cp.size
     s = spec.holding_all(s, c)  # it keeps every prompt until it generates
     t0 = time.perf_counter()
-    decode = DecodeSession(load_model(spec.model_dir, mtp=spec.mtp), s, world.device)
+    decode = DecodeSession(load_model(spec.model_dir, dtype=spec.dtype, device=world.device,
+                                      mtp=spec.mtp), s, world.device)
     load_s = time.perf_counter() - t0
     decode.connect(select_transport(s, world.agree_all), cp_size=c)
     got, entries = [0] * c, 0

@@ -16,7 +16,7 @@ def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
     """Prefill on one rank in the job's batches **without** a prefix cache (every prompt
     computed whole), then ``spec.decode_tokens`` greedy tokens per prompt with the same batched
     steps as the decode rank. ``spec.settings.cp.size`` must be 1."""
-    group = CPGroup.single()
+    group = CPGroup.single("cuda:0" if spec.device == "cuda" else "cpu")
     session, load_s = open_session(group, spec)
     first: dict[int, int] = {}
 

@@ -111,7 +111,8 @@ def tail_rows(have: list[int], want: list[int]) -> torch.Tensor:
 
 def compare_topk(a: list[torch.Tensor], sa: list[torch.Tensor], b: list[torch.Tensor],
                  sb: list[torch.Tensor], rel_tie: float = 1e-6) -> int:
-    """Rows whose top-k sets differ, ignoring keys whose score ties the k-th within ``rel_tie``.
+    """Rows whose top-k sets differ, ignoring keys whose score ties the k-th within ``rel_tie``
+    of the row's score scale (its largest selected |score|, at least 1).
 
     a/b: per layer int32 [rows, k] indices; sa/sb: their scores. Returns the count of rows with a
     real difference (0 means the sets are identical up to ties).
@@ -123,8 +124,9 @@ def compare_topk(a: list[torch.Tensor], sa: list[torch.Tensor], b: list[torch.Te
             pb = {int(i): float(s) for i, s in zip(ib[r], xb[r], strict=True) if i >= 0}
             if pa.keys() == pb.keys():
                 continue
-            floor = min([*pa.values(), *pb.values()])
-            tol = rel_tie * max(1.0, abs(floor))
+            both = [*pa.values(), *pb.values()]
+            floor = min(both)
+            tol = rel_tie * max(1.0, max(abs(v) for v in both))
             diff = [pa.get(i, pb.get(i)) for i in pa.keys() ^ pb.keys()]
             if any(abs(s - floor) > tol for s in diff if s is not None):
                 bad += 1
@@ -161,6 +163,8 @@ class JobReport:
     #: with ``run.mtp``: {draft_tokens, accept_rate, mean_accepted_length, steps, plain_steps,
     #: steps_saved, proposed, accepted, tokens_match_reference, prefill_max_rel_err_vs_reference}
     draft: dict[str, Any] | None = None
+    #: where the job ran: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model)
+    device: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}

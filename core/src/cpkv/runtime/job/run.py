@@ -21,7 +21,12 @@ from .reference import reference_rank
 from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk, tail_rows
 from .spec import JobSpec
 
-__all__ = ["disagg_rank", "run_job"]
+__all__ = ["TIE_TOLERANCE", "disagg_rank", "job_device", "run_job"]
+
+#: top-k keys whose indexer score is this close (relative) to the k-th count as ties when CP and
+#: the reference are compared: float32 on CPUs; on GPUs the model computes in bfloat16, whose
+#: matmuls round differently for different row counts (a CP rank's rows vs all rows)
+TIE_TOLERANCE = {"cpu": 1e-6, "cuda": 1e-2}
 
 
 def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
@@ -42,6 +47,24 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
         group = CPGroup.from_process_group(cp_pg, timeout_s=s.runtime.timeout_s, device=world.device)
         return prefill_sender_rank(world, group, spec)
     return decode_rank(world, spec)
+
+
+def job_device(device: str, processes: int) -> str:
+    """``settings.run.device`` resolved: "auto" is "cuda" when there is a GPU per process.
+
+    Raises:
+        ValueError: "cuda" without a GPU per process (NCCL needs one per rank).
+    """
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return "cuda" if n >= processes else "cpu"
+    if device == "cuda" and n < processes:
+        raise ValueError(f"run.device = 'cuda' needs a GPU per process: {processes} processes "
+                         f"(the CP ranks and the decode rank), {n} GPU(s) here; fewer CP ranks, "
+                         f"--decode-tokens 0, or device 'cpu'")
+    return device
 
 
 def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,
@@ -70,13 +93,15 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     Raises:
         RankFailed / RankTimeout: a rank failed (its own error) or hung.
         RuntimeError: the bytes the prefill ranks sent and the decode rank received differ.
-        ValueError: under torchrun, a world of the wrong size.
+        ValueError: under torchrun, a world of the wrong size; ``run.device = "cuda"`` without a
+            GPU per process.
     """
+    c = settings.cp.size
+    device = job_device(settings.run.device, c + 1 if decode_tokens > 0 else c)
     spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
                    settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
-                   decode_tokens=decode_tokens, batch_size=batch_size, mtp=mtp,
+                   decode_tokens=decode_tokens, batch_size=batch_size, device=device, mtp=mtp,
                    draft_tokens=draft_tokens)
-    c = settings.cp.size
     t = time.perf_counter()
     decode: DecodeReport | None = None
     senders: list[SenderReport] = []
@@ -90,9 +115,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     def ranks(fn: Callable[..., Any], n: int) -> list[RankResult]:
         if launched is not None:  # this process is one rank of the launcher's world
             return run_in_world(fn, args=(spec,), timeout_s=settings.runtime.timeout_s,
-                                fallback_policy=policy)
+                                fallback_policy=policy, device=device)
         return run_ranks(fn, n, args=(spec,), timeout_s=settings.runtime.timeout_s,
-                         fallback_policy=policy)
+                         fallback_policy=policy, backend="nccl" if device == "cuda" else "gloo")
 
     if decode_tokens > 0:
         progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes")
@@ -112,7 +137,7 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         update={"cache": settings.cache.model_copy(update={"enabled": False})}), 1)
     # the reference decodes plain greedy (its draft layer only gives the prefill's draft logits)
     ref_spec = JobSpec(model_dir, spec.prompts, no_cache, capture_topk, spec.prefix_lens,
-                       decode_tokens, batch_size, mtp=mtp)
+                       decode_tokens, batch_size, mtp=mtp, device=device)
     t = time.perf_counter()
     with recording(settings.fallback.policy) as ref_rec:
         ref, ref_tokens = reference_rank(ref_spec)
@@ -125,7 +150,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         rows = tail_rows(ref.topk_extends, r0.topk_extends)
         topk_bad = compare_topk(r0.topk_indices, r0.topk_scores,
                                 [t[rows] for t in ref.topk_indices],
-                                [t[rows] for t in ref.topk_scores])
+                                [t[rows] for t in ref.topk_scores],
+                                rel_tie=TIE_TOLERANCE[device])
     fallbacks: list[dict[str, Any]] = [{"rank": r, **e.model_dump(mode="json")}
                                        for r, _, evs in pre for e in evs]
     if decode is not None:
@@ -174,4 +200,4 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         kv_bytes_replicated=r0.kv_bytes_replicated,
         max_rel_err_vs_reference=err, topk_rows_differing=topk_bad, fallbacks=fallbacks,
         seconds=seconds, logits=r0.last_logits, reference_logits=ref.last_logits,
-        transfer=transfer, decode=dec, cache=cache, draft=draft)
+        transfer=transfer, decode=dec, cache=cache, draft=draft, device=device)

@@ -41,6 +41,13 @@ class JobSpec:
     mtp: bool = False
     #: draft tokens per speculative decode step (k)
     draft_tokens: int = 1
+    #: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model; rank r on GPU r)
+    device: str = "cpu"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype: bfloat16 on GPUs (the kernels' dtype), float32 on CPUs."""
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
 
     def holding_all(self, settings: Settings, ranks: int) -> Settings:
         """``settings`` with a pool of ``ranks`` ranks big enough to keep every prompt and its
@@ -77,7 +84,7 @@ def open_session(group: CPGroup, spec: JobSpec) -> tuple[PrefillSession, float]:
     from cpkv.models import load_model
 
     t0 = time.perf_counter()
-    model = load_model(spec.model_dir, mtp=spec.mtp)
+    model = load_model(spec.model_dir, dtype=spec.dtype, device=group.device, mtp=spec.mtp)
     return PrefillSession(model, spec.settings, group), time.perf_counter() - t0
 
 
