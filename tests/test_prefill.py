@@ -101,8 +101,10 @@ class _HostSync(AssertionError):
     pass
 
 
-def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rule 22: nothing in the per-layer path reads a device value back to the host."""
+@pytest.mark.parametrize("mtp", [False, True])
+def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch, mtp: bool) -> None:
+    """Rule 22: nothing in the per-layer path reads a device value back to the host; with the
+    MTP layer loaded, nor does the draft layer (its embedding, the layer, shared_head)."""
     from cpkv.models import load_model
     from cpkv.runtime.prefill import CPPrefill
     from cpkv.runtime.session import PrefillSession
@@ -110,20 +112,27 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
     s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp8"},
                       backend={"preference": ["torch"]})
     with recording():
-        session = PrefillSession(load_model(str(tiny)), s, CPGroup.single())
-    real_layers = CPPrefill._layers
+        session = PrefillSession(load_model(str(tiny), mtp=mtp), s, CPGroup.single())
+    guarded_calls: list[str] = []
 
-    def guarded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        def sync(*_a, **_k):  # type: ignore[no-untyped-def]
-            raise _HostSync("host sync inside the CP layer loop")
+    def guard(name: str) -> None:
+        real = getattr(CPPrefill, name)
 
-        with monkeypatch.context() as mp:
-            for name in ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero", "cpu",
-                         "numpy"):
-                mp.setattr(torch.Tensor, name, sync)
-            return real_layers(self, *args, **kwargs)
+        def guarded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            def sync(*_a, **_k):  # type: ignore[no-untyped-def]
+                raise _HostSync(f"host sync inside CPPrefill.{name}")
 
-    monkeypatch.setattr(CPPrefill, "_layers", guarded)
+            guarded_calls.append(name)
+            with monkeypatch.context() as mp:
+                for attr in ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero", "cpu",
+                             "numpy"):
+                    mp.setattr(torch.Tensor, attr, sync)
+                return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(CPPrefill, name, guarded)
+
+    guard("_layers")
+    guard("_draft")
     prompts = _prompts(5, [90, 33])
     with recording():
         res = session.prefill([("a", prompts[0]), ("b", prompts[1])])
@@ -131,6 +140,9 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
         res3 = session.prefill([("a", [7]), ("b", [9])])  # decode-like: selected latent rows
     assert torch.isfinite(res.last_logits).all() and torch.isfinite(res2.last_logits).all()
     assert torch.isfinite(res3.last_logits).all()
+    assert ("_draft" in guarded_calls) == mtp
+    if mtp:
+        assert res.draft_logits is not None and torch.isfinite(res.draft_logits).all()
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])

@@ -193,6 +193,10 @@ class RunSettings(_Section):
     prompts: str | None = Field(None, description="JSON file with a list of token-id lists")
     batch_size: int = Field(1, ge=1, description="prompts per prefill batch, served in order "
                                                  "(each can hit what earlier batches cached)")
+    mtp: bool = Field(False, description="run the checkpoint's MTP draft layer under CP prefill "
+                                         "and decode speculatively on the decode rank")
+    draft_tokens: int = Field(1, ge=1, le=8, description="with mtp: draft tokens verified per "
+                                                         "decode step (k > 1 chains the MTP layer)")
     device: Literal["cpu", "cuda", "auto"] = Field(
         "cpu", description="where the job runs: 'cpu' (Gloo ranks, float32 model), 'cuda' (NCCL "
                            "ranks, rank r on GPU r, bfloat16 model, the reference on GPU 0) or "

@@ -130,6 +130,70 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
 
 
 
+@command.command("mtp")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Default: benchmarks/results/mtp_h200.json on GPUs, else mtp_cpu.json.")
+@click.option("--tokens", type=click.IntRange(min=8), default=None,
+              help="Prompt of the CP2 draft prefill memory run (default: 65536 on GPUs, 2048 on "
+                   "CPUs).")
+@click.option("--prompts", default=None,
+              help="Prompt lengths of the decode run, comma-separated (default: 4 x 1024 on GPUs, "
+                   "2 x 96 on CPUs).")
+@click.option("--decode-tokens", type=click.IntRange(min=2), default=None,
+              help="Greedy tokens per prompt (default: 64 on GPUs, 16 on CPUs).")
+@click.option("--draft-tokens", type=click.IntRange(min=1, max=8), default=1, show_default=True,
+              help="Drafts verified per speculative step (k).")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Target layers (default: 2 at DeepSeek-V3.2's attention sizes on GPUs; the "
+                   "tiny model's 3 on CPUs).")
+@click.option("--backends", default="cuda,triton,torch", show_default=True,
+              help="backend.preference (comma-separated).")
+def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tokens: int | None,
+            draft_tokens: int, layers: int | None, backends: str) -> None:
+    """The MTP draft layer: peak memory of CP2 draft prefill with local vs full-prompt
+    embedding (rule 32), and decode tokens/s with vs without speculative decoding (one
+    checkpoint whose draft agrees with the target); fails if the tokens differ."""
+    import tempfile
+
+    import torch
+
+    from cpkv.bench import mtp
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.models.tiny import PRESETS
+
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    tokens = tokens or (65536 if gpu else 2048)
+    lens = tuple(int(x) for x in prompts.split(",")) if prompts else (
+        (1024,) * 4 if gpu else (96, 96))
+    decode_tokens = decode_tokens or (64 if gpu else 16)
+    out = out or f"benchmarks/results/mtp_{'h200' if gpu else 'cpu'}.json"
+    over: dict[str, Any] = {"num_nextn_predict_layers": 1,
+                            "max_position_embeddings": max(4096, 2 * tokens)}
+    if gpu:
+        n = layers or 2
+        over |= {**PRESETS["v32-attention"], "num_hidden_layers": n,
+                 "first_k_dense_replace": n + 1,  # the MTP layer dense too
+                 "num_nextn_predict_layers": 1, "max_position_embeddings": 163840}
+    elif layers:
+        over |= {"num_hidden_layers": layers}
+    err = Console(stderr=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        err.print("[dim]writing a checkpoint whose MTP layer agrees with its target[/]")
+        ckpt = str(write_tiny_checkpoint(Path(tmp) / "agree", seed=0, draft="agree", **over))
+        rows, detail = mtp.run(ckpt, ckpt, tokens=tokens, prompt_lens=lens,
+                               decode_tokens=decode_tokens, draft_tokens=draft_tokens,
+                               kv_dtype="fp8" if gpu else "bf16",
+                               backends=tuple(b for b in backends.split(",") if b), gpu=gpu,
+                               progress=lambda s: err.print(f"[dim]{s}[/]"))
+    st = detail["decode"]["speculative"]["stats"]
+    _report("mtp", rows, out, detail,
+            f"speculative decoding: accept rate {st['accept_rate']:.1%}, mean accepted length "
+            f"{st['mean_accepted_length']:.2f}, {st['steps']} steps instead of {st['plain_steps']}"
+            f"; tokens equal plain greedy: {detail['decode']['tokens_match']}")
+    if not detail["decode"]["tokens_match"]:
+        raise click.ClickException("speculative decoding's tokens differ from plain greedy's")
+
+
 @command.command("gpu")
 @click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/gpu_h200.json",
               show_default=True)

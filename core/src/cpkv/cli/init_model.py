@@ -24,11 +24,18 @@ import click
 @click.option("--heads", type=click.IntRange(min=1), default=None, help="num_attention_heads [4].")
 @click.option("--experts", type=click.IntRange(min=2), default=None, help="n_routed_experts [8].")
 @click.option("--index-topk", type=click.IntRange(min=1), default=None, help="index_topk [16].")
+@click.option("--mtp/--no-mtp", default=None,
+              help="Write an MTP draft layer (model.layers.{layers}.*, num_nextn_predict_layers = 1) "
+                   "[tiny: yes; v32-attention: no].")
+@click.option("--draft", type=click.Choice(["random", "agree"]), default="random", show_default=True,
+              help="agree: scale every layer's residual branches down and build the MTP layer to "
+                   "guess the target's next token (speculative decoding accepts most drafts).")
 @click.option("--force", is_flag=True,
               help="Write into a non-empty DIRECTORY (replaces the checkpoint files).")
 def command(directory: Path, seed: int, preset: str, layers: int | None,
             dense_layers: int | None, hidden: int | None, vocab: int | None, heads: int | None,
-            experts: int | None, index_topk: int | None, force: bool) -> None:
+            experts: int | None, index_topk: int | None, mtp: bool | None, draft: str,
+            force: bool) -> None:
     """Write a random DeepSeek-V3.2 checkpoint (config.json + model.safetensors) to DIRECTORY.
 
     Loadable by cpkv and by transformers' DeepseekV32ForCausalLM.from_pretrained.
@@ -39,12 +46,13 @@ def command(directory: Path, seed: int, preset: str, layers: int | None,
     overrides = {**PRESETS[preset], **{k: v for k, v in {
         "num_hidden_layers": layers, "first_k_dense_replace": dense_layers, "hidden_size": hidden,
         "vocab_size": vocab, "num_attention_heads": heads, "n_routed_experts": experts,
-        "index_topk": index_topk}.items() if v is not None}}
+        "index_topk": index_topk,
+        "num_nextn_predict_layers": None if mtp is None else int(mtp)}.items() if v is not None}}
     if directory.exists() and any(directory.iterdir()) and not force:
         raise click.ClickException(
             f"{directory} is not empty (use --force to overwrite the checkpoint in it)")
     try:
-        path = write_tiny_checkpoint(directory, seed=seed, overwrite=force, **overrides)
+        path = write_tiny_checkpoint(directory, seed=seed, overwrite=force, draft=draft, **overrides)
     except ValueError as exc:  # an invalid combination of sizes
         raise click.ClickException(str(exc)) from exc
     n = checkpoint_num_parameters(path)

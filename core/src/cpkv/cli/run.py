@@ -126,6 +126,22 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
         console.print(f"{verdict}: decode greedy tokens vs one-process generation: "
                       f"{rep.decode['tokens']}", soft_wrap=True)
         ok = ok and match
+    if rep.draft is not None:
+        d = rep.draft
+        good = d["prefill_max_rel_err_vs_reference"] <= tol
+        verdict = "[green]correct[/]" if good else "[red]MISMATCH[/]"
+        console.print(f"{verdict}: MTP draft logits (CP prefill) vs one rank: max relative error "
+                      f"{d['prefill_max_rel_err_vs_reference']:.2e}")
+        ok = ok and good
+        if "accept_rate" in d:
+            match = d["tokens_match_reference"]
+            verdict = "[green]correct[/]" if match else "[red]MISMATCH[/]"
+            console.print(f"{verdict}: speculative decoding (k = {d['draft_tokens']}): accept rate "
+                          f"{d['accept_rate']:.1%}, mean accepted length "
+                          f"{d['mean_accepted_length']:.2f}, {d['steps']} decode steps instead of "
+                          f"{d['plain_steps']} ({d['steps_saved']} saved); tokens equal plain "
+                          f"greedy on one rank: {match}", soft_wrap=True)
+            ok = ok and match
     return ok
 
 
@@ -145,13 +161,18 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
               help="cpu: Gloo ranks, float32 model; cuda: NCCL ranks (rank r on GPU r), bfloat16 "
                    "model, the reference on GPU 0; auto: cuda when there is a GPU per process "
                    "(run.device, default cpu).")
+@click.option("--mtp/--no-mtp", default=None,
+              help="Run the checkpoint's MTP draft layer under CP prefill and decode "
+                   "speculatively (run.mtp).")
+@click.option("--draft-tokens", type=click.IntRange(min=1, max=8), default=None,
+              help="With --mtp: draft tokens verified per decode step (run.draft_tokens) [1].")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the report as JSON here.")
 @click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="torch.save the last-position logits, float32 [prompts, vocab], input order.")
 def command(config: Path | None, model: str | None, cp: int | None, mode: str | None,
-            prompts: str | None, decode_tokens: int, device: str | None, report: Path | None,
-            save_logits: Path | None) -> None:
+            prompts: str | None, decode_tokens: int, device: str | None, mtp: bool | None,
+            draft_tokens: int | None, report: Path | None, save_logits: Path | None) -> None:
     """CP prefill of prompts on a CP group, transfer of the pages to a decode rank and greedy
     decoding there, checked against one rank; prints a report.
 
@@ -171,13 +192,19 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
     over: dict[str, Any] = {}
     if cp is not None or mode is not None:
         over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
-    if model is not None or prompts is not None or device is not None:
-        over["run"] = {k: v for k, v in {"model": model, "prompts": prompts,
-                                         "device": device}.items() if v is not None}
+    run_over = {k: v for k, v in {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
+                                  "draft_tokens": draft_tokens}.items() if v is not None}
+    if run_over:
+        over["run"] = run_over
     try:
         settings = load_settings(config, **over)
         ckpt = resolve_checkpoint(settings.run.model)
-        vocab = read_config(ckpt).vocab_size
+        cfg = read_config(ckpt)
+        vocab = cfg.vocab_size
+        if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
+            raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
+                                 f"has none (config.json: num_nextn_predict_layers = "
+                                 f"{cfg.num_nextn_predict_layers})")
     except (SettingsError, ModelLoadError) as exc:
         raise click.ClickException(str(exc)) from exc
     token_lists = _prompts(settings.run.prompts, vocab)
@@ -192,7 +219,8 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
     with console.status("starting") as status:
         try:
             rep = run_job(settings, str(ckpt), token_lists, decode_tokens=decode_tokens,
-                          batch_size=settings.run.batch_size,
+                          batch_size=settings.run.batch_size, mtp=settings.run.mtp,
+                          draft_tokens=settings.run.draft_tokens,
                           progress=lambda s: status.update(s))
         except RankFailed as exc:
             if (exc.error_type or "").endswith("FallbackError"):  # policy "error": the reason is enough

@@ -338,6 +338,28 @@ class ShardedKVPool:
         rp = self.table.pop(rid)
         self._drop(self._key(o, s) for o, s in zip(rp.owners, rp.slots, strict=True))
 
+    def truncate(self, rid: Hashable, valid_len: int) -> int:
+        """Drop request ``rid``'s tokens from ``valid_len`` on (speculative decoding: the rows of
+        rejected draft tokens). Its pages past ``ceil(valid_len / ps)`` lose this request's
+        reference; the rows past ``valid_len`` in the tail page are masked until written again
+        (rule 28). Returns how many pages went back to the free lists.
+
+        Raises:
+            ValueError: ``rid`` is in an uncommitted batch, or ``valid_len`` is not in
+                ``[1, valid length]``.
+        """
+        rp = self.table[rid]
+        if rp.pending:
+            raise ValueError(f"request {rid!r} is in an uncommitted batch")
+        if not 1 <= valid_len <= rp.valid_len:
+            raise ValueError(f"request {rid!r} holds {rp.valid_len} tokens, cannot keep {valid_len}")
+        keep = cdiv(valid_len, self.fmt.page_size)
+        freed = self._drop(self._key(o, s) for o, s in zip(rp.owners[keep:], rp.slots[keep:],
+                                                          strict=True))
+        del rp.owners[keep:], rp.slots[keep:]
+        rp.valid_len = valid_len
+        return freed
+
     def _end_stage(self, batch: BatchKV) -> None:
         batch.stage.finish()
         if batch.stage in self._staging:

@@ -101,6 +101,9 @@ class DeepseekV32Config(BaseModel):
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = Field(163840, ge=1)
     tie_word_embeddings: bool = False
+    #: multi-token-prediction layers stored after the last decoder layer
+    #: (``model.layers.{num_hidden_layers}.*``; DeepSeek-V3.2 ships 1). cpkv uses the first.
+    num_nextn_predict_layers: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -142,6 +145,12 @@ class DeepseekV32Config(BaseModel):
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= "
                              f"index_head_dim={self.index_head_dim}")
         return self
+
+    @property
+    def mtp_mlp_type(self) -> Literal["dense", "sparse"]:
+        """The MTP layer's MLP: as a decoder layer at index ``num_hidden_layers`` (MoE after the
+        first ``first_k_dense_replace`` layers, as in DeepSeek-V3's release)."""
+        return "dense" if self.num_hidden_layers < self.first_k_dense_replace else "sparse"
 
     @property
     def qk_head_dim(self) -> int:

@@ -14,6 +14,15 @@ absorbed query against the latent keys with :attr:`DeepseekV32.softmax_scale`, t
 
 Every method is per row: rows may come from several requests in any order; ``positions`` carries each
 row's absolute position.
+
+The multi-token-prediction (MTP) draft layer, loaded with ``mtp=True``, is decoder layer
+:attr:`DeepseekV32.mtp_layer` (``= num_layers``) of the same per-layer API, wrapped as in the
+DeepSeek-V3 report (MTP section): for row i, ``x = eh_proj(cat(enorm(embed(t_{i+1})), hnorm(h_i)))``
+(:meth:`~DeepseekV32.draft_embed`, :meth:`~DeepseekV32.draft_input`), the decoder layer, then
+``shared_head``: ``h'_i = shared_head.norm(x)`` (:meth:`~DeepseekV32.draft_hidden`) and
+``logits = shared_head.head(h'_i)`` (:meth:`~DeepseekV32.draft_logits`), a guess of token i+2.
+``h_i`` is the target's last hidden state after the final norm (:meth:`~DeepseekV32.final_hidden`,
+what SGLang and vLLM feed their MTP layers); chaining feeds ``h'_i`` back.
 """
 
 from __future__ import annotations
@@ -82,6 +91,18 @@ class _Layer:
     shared_down: torch.Tensor | None = None
 
 
+@dataclass
+class _MTP:
+    """The MTP layer's own weights (its decoder layer is ``_layers[num_layers]``)."""
+
+    embed: torch.Tensor
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor  # [H, 2H]: columns [:H] take the embedding, [H:] the hidden state
+    head_norm: torch.Tensor
+    head: torch.Tensor
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
     h = x.to(torch.float32)
@@ -97,15 +118,24 @@ class DeepseekV32:
     """A loaded DeepSeek-V3.2 with the per-layer API the CP prefill driver calls. Inference only."""
 
     def __init__(self, config: DeepseekV32Config, layers: list[_Layer], embed: torch.Tensor,
-                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+                 norm: torch.Tensor, lm_head: torch.Tensor, mtp: _MTP | None = None) -> None:
+        if len(layers) != config.num_hidden_layers + (mtp is not None):
+            raise ValueError(f"{len(layers)} decoder layers for num_hidden_layers="
+                             f"{config.num_hidden_layers}{' + the MTP layer' if mtp else ''}")
         self.config = config
         self._layers = layers
+        self._mtp = mtp
         self._embed = embed
         self._norm = norm
         self._lm_head = lm_head
         self.dtype = embed.dtype
         self.device = embed.device
+        #: the target's decoder layers (the MTP layer is not one of them)
         self.num_layers = config.num_hidden_layers
+        #: index of the MTP layer in the per-layer API and in the KV pool; None when not loaded
+        self.mtp_layer: int | None = self.num_layers if mtp is not None else None
+        #: KV layers of the pool: the target's, plus the MTP layer's when loaded
+        self.kv_layers = self.num_layers + (1 if mtp is not None else 0)
         self.softmax_scale = mla_softmax_scale(config.rope, config.qk_head_dim)
         self._inv_freq, self._rope_scaling = rope_inv_freq(config.rope, config.qk_rope_head_dim)
         self._inv_freq = self._inv_freq.to(self.device)
@@ -116,22 +146,25 @@ class DeepseekV32:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> DeepseekV32:
+             device: torch.device | str = "cpu", *, mtp: bool = False) -> DeepseekV32:
         """Load ``path/config.json`` and all safetensors shards; :class:`ModelLoadError` if they don't fit.
 
         Weights are cast to ``dtype`` except the MoE router (weight and correction bias) and the indexer's
-        ``weights_proj``, kept in float32 as transformers keeps them.
+        ``weights_proj``, kept in float32 as transformers keeps them. ``mtp``: also load the MTP draft
+        layer (:class:`ModelLoadError` when the checkpoint has none); without it the MTP weights are
+        not read.
         """
         cfg = read_config(path)
         f32 = torch.float32
-        with CheckpointReader(path, cfg) as r:
+        with CheckpointReader(path, cfg, mtp=mtp) as r:
             def g(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
                 return r.get(name, dt, device)
 
             layers = []
             h, nope, v, lora = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                                 cfg.kv_lora_rank)
-            for i in range(cfg.num_hidden_layers):
+            kinds = list(cfg.mlp_layer_types) + ([cfg.mtp_mlp_type] if mtp else [])
+            for i, kind in enumerate(kinds):
                 p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
                 kv_b = g(f"{a}.kv_b_proj.weight").view(h, nope + v, lora)
                 layer = _Layer(
@@ -147,7 +180,7 @@ class DeepseekV32:
                     idx_w=g(f"{a}.indexer.weights_proj.weight", f32),
                 )
                 m = f"{p}.mlp"
-                if cfg.mlp_layer_types[i] == "dense":
+                if kind == "dense":
                     layer.gate, layer.up, layer.down = (
                         g(f"{m}.{n}_proj.weight") for n in ("gate", "up", "down"))
                 else:
@@ -161,7 +194,17 @@ class DeepseekV32:
             embed = g("model.embed_tokens.weight")
             lm_head = embed if r.tied_lm_head else g("lm_head.weight")
             norm = g("model.norm.weight")
-        return cls(cfg, layers, embed, norm, lm_head)
+            draft = None
+            if mtp:
+                p = f"model.layers.{cfg.num_hidden_layers}"
+                draft = _MTP(
+                    embed=embed if f"{p}.embed_tokens.weight" in r.mtp_shared
+                    else g(f"{p}.embed_tokens.weight"),
+                    enorm=g(f"{p}.enorm.weight"), hnorm=g(f"{p}.hnorm.weight"),
+                    eh_proj=g(f"{p}.eh_proj.weight"), head_norm=g(f"{p}.shared_head.norm.weight"),
+                    head=lm_head if f"{p}.shared_head.head.weight" in r.mtp_shared
+                    else g(f"{p}.shared_head.head.weight"))
+        return cls(cfg, layers, embed, norm, lm_head, draft)
 
     # ------------------------------------------------------------------ formats
     def kv_format(self, dtype: KVDtype | str, page_size: int) -> KVFormat:
@@ -173,9 +216,14 @@ class DeepseekV32:
 
     # ------------------------------------------------------------------ helpers
     def _layer(self, layer: int) -> _Layer:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        if not 0 <= layer < len(self._layers):
+            raise IndexError(f"layer {layer} out of range [0, {len(self._layers)})")
         return self._layers[layer]
+
+    def _draft(self) -> _MTP:
+        if self._mtp is None:
+            raise ValueError("this model was loaded without its MTP draft layer (load it with mtp=True)")
+        return self._mtp
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                      max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,14 +343,46 @@ class DeepseekV32:
 
     def final_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and ``lm_head``: ``[N, hidden]`` -> ``[N, vocab]`` float32."""
-        h = _rms_norm(x.to(self.dtype), self._norm, self.config.rms_norm_eps)
+        return self.logits(self.final_hidden(x))
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of the residual stream: the target's ``h`` the MTP layer takes."""
+        return _rms_norm(x.to(self.dtype), self._norm, self.config.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` of normed rows: ``[N, hidden]`` -> ``[N, vocab]`` float32."""
         return F.linear(h, self._lm_head).float()
+
+    # ------------------------------------------------------------------ the MTP draft layer
+    def draft_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's token embedding: ``[N]`` ids -> ``[N, hidden]``."""
+        return F.embedding(ids.to(self.device), self._draft().embed)
+
+    def draft_input(self, embedded: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``eh_proj(cat(enorm(embedded), hnorm(h)))``: the residual stream entering the MTP
+        decoder layer. ``embedded`` ``[N, hidden]`` (:meth:`draft_embed` of each row's next
+        token), ``h`` ``[N, hidden]`` (:meth:`final_hidden` of the target, or :meth:`draft_hidden`
+        when chaining)."""
+        d, eps = self._draft(), self.config.rms_norm_eps
+        both = torch.cat([_rms_norm(embedded.to(self.dtype), d.enorm, eps),
+                          _rms_norm(h.to(self.dtype), d.hnorm, eps)], dim=-1)
+        return F.linear(both, d.eh_proj)
+
+    def draft_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """``shared_head.norm`` of the MTP decoder layer's output: ``h'`` (fed back when chaining)."""
+        return _rms_norm(x.to(self.dtype), self._draft().head_norm, self.config.rms_norm_eps)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``shared_head.head`` of :meth:`draft_hidden` rows: ``[N, vocab]`` float32."""
+        return F.linear(h, self._draft().head).float()
 
     def num_parameters(self) -> int:
         """Parameters held (a tied lm_head counted once)."""
         seen: set[int] = set()
         total = 0
         tensors = [self._embed, self._norm, self._lm_head]
+        if self._mtp is not None:
+            tensors += list(vars(self._mtp).values())
         for layer in self._layers:
             tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
         for t in tensors:
@@ -315,4 +395,5 @@ class DeepseekV32:
         c = self.config
         return (f"DeepseekV32(layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
                 f"heads={c.num_attention_heads}, "
-                f"experts={c.n_routed_experts}, dtype={self.dtype}, device={self.device})")
+                f"experts={c.n_routed_experts}, mtp={self._mtp is not None}, dtype={self.dtype}, "
+                f"device={self.device})")

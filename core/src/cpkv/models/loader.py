@@ -5,7 +5,9 @@ either layout: per expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (DeepSe
 transformers 5 ``save_pretrained`` writes) or packed ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` /
 ``mlp.experts.down_proj`` ``[E, H, I]`` (transformers' in-memory layout). FP8 block-quantised weights
 (``*.weight`` in float8_e4m3fn with ``*.weight_scale_inv``, DeepSeek's release) are dequantised on load.
-The multi-token-prediction layer ``model.layers.{num_hidden_layers}.*`` is not used and ignored.
+The multi-token-prediction (MTP) layer ``model.layers.{num_hidden_layers}.*`` (DeepSeek's release
+naming, see :func:`mtp_shapes`) is read only when asked for (``mtp=True``); otherwise it is ignored.
+Its ``embed_tokens`` and ``shared_head.head`` may be absent: the main model's are shared then.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pydantic import ValidationError
 from .config import MODEL_TYPE, DeepseekV32Config
 from .errors import ModelLoadError
 
-__all__ = ["CheckpointReader", "expected_shapes", "read_config"]
+__all__ = ["CheckpointReader", "expected_shapes", "mtp_shapes", "read_config"]
 
 log = structlog.get_logger(__name__)
 
@@ -64,55 +66,78 @@ def _few(names: Iterable[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
-def expected_shapes(cfg: DeepseekV32Config, packed_layers: Iterable[int] = ()) -> dict[str, tuple[int, ...]]:
-    """Every weight name the model needs and its shape, in a fixed order.
+def _layer_shapes(cfg: DeepseekV32Config, i: int, mlp_type: str, packed: bool
+                  ) -> dict[str, tuple[int, ...]]:
+    """The weights of decoder layer ``i`` (``model.layers.{i}.*``) and their shapes."""
+    hs, nh = cfg.hidden_size, cfg.num_attention_heads
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+    out: dict[str, tuple[int, ...]] = {
+        f"{p}.input_layernorm.weight": (hs,),
+        f"{p}.post_attention_layernorm.weight": (hs,),
+        f"{a}.q_a_proj.weight": (cfg.q_lora_rank, hs),
+        f"{a}.q_a_layernorm.weight": (cfg.q_lora_rank,),
+        f"{a}.q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
+        f"{a}.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, hs),
+        f"{a}.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+        f"{a}.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        f"{a}.o_proj.weight": (hs, nh * cfg.v_head_dim),
+        f"{a}.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+        f"{a}.indexer.wk.weight": (cfg.index_head_dim, hs),
+        f"{a}.indexer.k_norm.weight": (cfg.index_head_dim,),
+        f"{a}.indexer.k_norm.bias": (cfg.index_head_dim,),
+        f"{a}.indexer.weights_proj.weight": (cfg.index_n_heads, hs),
+    }
+    m = f"{p}.mlp"
+    if mlp_type == "dense":
+        inter = cfg.intermediate_size
+        return out | {f"{m}.gate_proj.weight": (inter, hs), f"{m}.up_proj.weight": (inter, hs),
+                      f"{m}.down_proj.weight": (hs, inter)}
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    out |= {f"{m}.gate.weight": (e, hs), f"{m}.gate.e_score_correction_bias": (e,)}
+    if packed:
+        out |= {f"{m}.experts.gate_up_proj": (e, 2 * inter, hs), f"{m}.experts.down_proj": (e, hs, inter)}
+    else:
+        for j in range(e):
+            out |= {f"{m}.experts.{j}.gate_proj.weight": (inter, hs),
+                    f"{m}.experts.{j}.up_proj.weight": (inter, hs),
+                    f"{m}.experts.{j}.down_proj.weight": (hs, inter)}
+    if cfg.n_shared_experts:
+        si = inter * cfg.n_shared_experts
+        out |= {f"{m}.shared_experts.gate_proj.weight": (si, hs),
+                f"{m}.shared_experts.up_proj.weight": (si, hs),
+                f"{m}.shared_experts.down_proj.weight": (hs, si)}
+    return out
+
+
+def mtp_shapes(cfg: DeepseekV32Config, packed: bool = False) -> dict[str, tuple[int, ...]]:
+    """The first MTP layer's weights in DeepSeek's release naming (``model.layers.{L}.*`` with
+    ``L = num_hidden_layers``): ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj`` ``[H, 2H]``,
+    the decoder layer (DSA attention with its indexer, MLP or MoE), ``shared_head.norm``,
+    ``shared_head.head``."""
+    hs, L = cfg.hidden_size, cfg.num_hidden_layers
+    p = f"model.layers.{L}"
+    return {f"{p}.embed_tokens.weight": (cfg.vocab_size, hs), f"{p}.enorm.weight": (hs,),
+            f"{p}.hnorm.weight": (hs,), f"{p}.eh_proj.weight": (hs, 2 * hs),
+            **_layer_shapes(cfg, L, cfg.mtp_mlp_type, packed),
+            f"{p}.shared_head.norm.weight": (hs,), f"{p}.shared_head.head.weight": (cfg.vocab_size, hs)}
+
+
+def expected_shapes(cfg: DeepseekV32Config, packed_layers: Iterable[int] = (), *,
+                    mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every weight name the model needs and its shape, in a fixed order (the MTP layer's last,
+    with ``mtp``).
 
     Layers in ``packed_layers`` expect the packed expert layout, the others the per-expert one.
     """
     packed = set(packed_layers)
-    hs, nh = cfg.hidden_size, cfg.num_attention_heads
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hs)}
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        a = f"{p}.self_attn"
-        out |= {
-            f"{p}.input_layernorm.weight": (hs,),
-            f"{p}.post_attention_layernorm.weight": (hs,),
-            f"{a}.q_a_proj.weight": (cfg.q_lora_rank, hs),
-            f"{a}.q_a_layernorm.weight": (cfg.q_lora_rank,),
-            f"{a}.q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
-            f"{a}.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, hs),
-            f"{a}.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-            f"{a}.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-            f"{a}.o_proj.weight": (hs, nh * cfg.v_head_dim),
-            f"{a}.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-            f"{a}.indexer.wk.weight": (cfg.index_head_dim, hs),
-            f"{a}.indexer.k_norm.weight": (cfg.index_head_dim,),
-            f"{a}.indexer.k_norm.bias": (cfg.index_head_dim,),
-            f"{a}.indexer.weights_proj.weight": (cfg.index_n_heads, hs),
-        }
-        m = f"{p}.mlp"
-        if cfg.mlp_layer_types[i] == "dense":
-            inter = cfg.intermediate_size
-            out |= {f"{m}.gate_proj.weight": (inter, hs), f"{m}.up_proj.weight": (inter, hs),
-                    f"{m}.down_proj.weight": (hs, inter)}
-            continue
-        e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-        out |= {f"{m}.gate.weight": (e, hs), f"{m}.gate.e_score_correction_bias": (e,)}
-        if i in packed:
-            out |= {f"{m}.experts.gate_up_proj": (e, 2 * inter, hs), f"{m}.experts.down_proj": (e, hs, inter)}
-        else:
-            for j in range(e):
-                out |= {f"{m}.experts.{j}.gate_proj.weight": (inter, hs),
-                        f"{m}.experts.{j}.up_proj.weight": (inter, hs),
-                        f"{m}.experts.{j}.down_proj.weight": (hs, inter)}
-        if cfg.n_shared_experts:
-            si = inter * cfg.n_shared_experts
-            out |= {f"{m}.shared_experts.gate_proj.weight": (si, hs),
-                    f"{m}.shared_experts.up_proj.weight": (si, hs),
-                    f"{m}.shared_experts.down_proj.weight": (hs, si)}
-    out["model.norm.weight"] = (hs,)
-    out["lm_head.weight"] = (cfg.vocab_size, hs)
+        out |= _layer_shapes(cfg, i, cfg.mlp_layer_types[i], i in packed)
+    out["model.norm.weight"] = (cfg.hidden_size,)
+    out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    if mtp:
+        out |= mtp_shapes(cfg, cfg.num_hidden_layers in packed)
     return out
 
 
@@ -137,11 +162,26 @@ def _shard_files(path: Path) -> list[Path]:
 class CheckpointReader:
     """Validated, lazily read weights of one checkpoint directory (use as a context manager)."""
 
-    def __init__(self, path: str | Path, cfg: DeepseekV32Config | None = None) -> None:
+    def __init__(self, path: str | Path, cfg: DeepseekV32Config | None = None, *,
+                 mtp: bool = False) -> None:
+        """Open every shard and check names and shapes against the config.
+
+        Args:
+            mtp: also read (and require) the first MTP layer.
+
+        Raises:
+            ModelLoadError: unreadable files, missing/unexpected/mis-shaped weights, or ``mtp``
+                asked of a checkpoint without an MTP layer.
+        """
         from safetensors import SafetensorError, safe_open
 
         self.path = Path(path)
         self.config = cfg if cfg is not None else read_config(self.path)
+        self.mtp = mtp
+        if mtp and self.config.num_nextn_predict_layers < 1:
+            raise ModelLoadError(f"{self.path}: the MTP draft layer was asked for, but this checkpoint "
+                                 f"has none (config.json: num_nextn_predict_layers = "
+                                 f"{self.config.num_nextn_predict_layers}); load it without MTP")
         self._stack = ExitStack()
         self._where: dict[str, Any] = {}
         try:
@@ -173,20 +213,33 @@ class CheckpointReader:
         cfg = self.config
         keys = set(self._where)
         ignored = set()
+        last = cfg.num_hidden_layers + (1 if self.mtp else 0)  # layers read: [0, last)
         for k in keys:
             m = _LAYER_RE.match(k)
-            if (m and int(m.group(1)) >= cfg.num_hidden_layers) or k.endswith("rotary_emb.inv_freq"):
+            if (m and int(m.group(1)) >= last) or k.endswith("rotary_emb.inv_freq"):
                 ignored.add(k)
         if ignored:
             log.info("ignoring weights the model does not use (MTP layer / rope buffers)",
                      count=len(ignored), example=min(ignored), path=str(self.path))
         keys -= ignored
-        self.packed_layers = {i for i in range(cfg.num_hidden_layers)
+        self.packed_layers = {i for i in range(last)
                               if f"model.layers.{i}.mlp.experts.gate_up_proj" in keys}
-        expected = expected_shapes(cfg, self.packed_layers)
+        expected = expected_shapes(cfg, self.packed_layers, mtp=self.mtp)
         if cfg.tie_word_embeddings and "lm_head.weight" not in keys:
             del expected["lm_head.weight"]
         self.tied_lm_head = "lm_head.weight" not in expected
+        #: MTP ``embed_tokens`` / ``shared_head.head`` absent: the main model's are shared
+        self.mtp_shared: set[str] = set()
+        if self.mtp:
+            p = f"model.layers.{cfg.num_hidden_layers}"
+            for name in (f"{p}.embed_tokens.weight", f"{p}.shared_head.head.weight"):
+                if name not in keys:
+                    del expected[name]
+                    self.mtp_shared.add(name)
+            if len(keys & {k for k in expected if k.startswith(p + ".")}) == 0:
+                raise ModelLoadError(f"{self.path}: the MTP draft layer was asked for, but no "
+                                     f"{p}.* weight is stored (config.json says "
+                                     f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers})")
         scales = {k for k in keys if k.endswith(_SCALE_SUFFIX) and k[: -len(_SCALE_SUFFIX)] in expected}
         missing = expected.keys() - keys
         unexpected = keys - expected.keys() - scales

@@ -54,6 +54,7 @@ TINY_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,  # an MTP draft layer, as DeepSeek-V3.2 ships
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
@@ -68,8 +69,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
         index_head_dim=128, index_topk=2048, intermediate_size=2048, vocab_size=1024,
         num_hidden_layers=2, first_k_dense_replace=2, max_position_embeddings=163840,
+        num_nextn_predict_layers=0,  # ~0.4 G parameters more; init-model --mtp adds it
     ),
 }
+
+#: ``draft="agree"``: the residual branches (o_proj, down projections) of every layer are scaled
+#: by this, so the target's next token is mostly a function of the current one, and the MTP layer
+#: is built to compute that function (see :func:`_agreeing_draft`)
+AGREE_BRANCH_SCALE = 0.05
+DRAFTS = ("random", "agree")
 
 _FORMAT_VERSION = 2  # bump when the generated weights change for the same parameters
 _ALLOWED = set(DeepseekV32Config.model_fields) | {"rope_parameters", "rope_theta", "rope_scaling"}
@@ -103,32 +111,69 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
     return std * torch.randn(shape, generator=gen)
 
 
-def _tiny_state(cfg: DeepseekV32Config, seed: int) -> dict[str, torch.Tensor]:
+def _tiny_state(cfg: DeepseekV32Config, seed: int, draft: str = "random") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = expected_shapes(cfg)
+    # the MTP layer's weights come last: the target's are the same with or without it
+    shapes = expected_shapes(cfg, mtp=cfg.num_nextn_predict_layers > 0)
     if cfg.tie_word_embeddings:
         del shapes["lm_head.weight"]
-    return {name: _init(name, shape, gen).contiguous() for name, shape in shapes.items()}
+    state = {name: _init(name, shape, gen).contiguous() for name, shape in shapes.items()}
+    if draft == "agree":
+        _agreeing_draft(state, cfg)
+    return state
 
 
-def _write_files(dst: Path, cfg: DeepseekV32Config, seed: int) -> None:
+def _agreeing_draft(state: dict[str, torch.Tensor], cfg: DeepseekV32Config) -> None:
+    """Make the MTP layer agree with the target, in place.
+
+    Every layer's residual branches (``o_proj``, MLP/expert ``down_proj``) are scaled by
+    :data:`AGREE_BRANCH_SCALE`: the target's last hidden state is then mostly the embedding of
+    the current token, so its greedy next token is (mostly) ``g(t) = argmax lm_head(norm(
+    embed(t)))``. The MTP layer at row i sees ``t_{i+1}`` and must guess the target's choice
+    after it, ``g(t_{i+1})``: its ``eh_proj`` passes the (normed) embedding through and drops
+    ``h``, its own branches are scaled alike, and ``shared_head`` is the target's final norm and
+    ``lm_head``. Attention still contributes a little everywhere, so the two disagree now and
+    then (both paths of speculative acceptance run)."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("draft='agree' needs an MTP layer (num_nextn_predict_layers >= 1)")
+    for name, t in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")) or name.endswith(".experts.down_proj"):
+            t.mul_(AGREE_BRANCH_SCALE)
+    hs, p = cfg.hidden_size, f"model.layers.{cfg.num_hidden_layers}"
+    state[f"{p}.enorm.weight"] = torch.ones(hs)
+    state[f"{p}.eh_proj.weight"] = torch.cat([torch.eye(hs), torch.zeros(hs, hs)], dim=1)
+    state[f"{p}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state[f"{p}.shared_head.norm.weight"] = state["model.norm.weight"].clone()
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    state[f"{p}.shared_head.head.weight"] = head.clone()
+
+
+def _write_files(dst: Path, cfg: DeepseekV32Config, seed: int, draft: str = "random") -> None:
     from safetensors.torch import save_file
 
-    save_file(_tiny_state(cfg, seed), str(dst / "model.safetensors"), metadata={"format": "pt"})
-    body = cfg.hf_dict() | {"cpkv_tiny_seed": seed}
+    save_file(_tiny_state(cfg, seed, draft), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    body = cfg.hf_dict() | {"cpkv_tiny_seed": seed} | ({"cpkv_tiny_draft": draft} if draft != "random"
+                                                        else {})
     (dst / "config.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
 
 
 def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, overwrite: bool = False,
-                          **overrides: Any) -> Path:
+                          draft: str = "random", **overrides: Any) -> Path:
     """Write a tiny random DeepSeek-V3.2 checkpoint to ``path`` and return it.
 
-    ``overrides`` are config.json keys over :data:`TINY_DEFAULTS`. The write is atomic: files go to a
-    temporary directory next to ``path`` that is renamed into place, so an interrupted write leaves no
-    half checkpoint. An existing non-empty ``path`` raises :class:`FileExistsError` unless ``overwrite``
-    (then ``model.safetensors`` and ``config.json`` are replaced, each atomically, config last).
+    ``overrides`` are config.json keys over :data:`TINY_DEFAULTS` (which include one MTP layer:
+    ``num_nextn_predict_layers=0`` writes none). ``draft="agree"`` builds the target and its MTP
+    layer so that the draft mostly guesses the target's next token (:func:`_agreeing_draft`).
+    The write is atomic: files go to a temporary directory next to ``path`` that is renamed into
+    place, so an interrupted write leaves no half checkpoint. An existing non-empty ``path``
+    raises :class:`FileExistsError` unless ``overwrite`` (then ``model.safetensors`` and
+    ``config.json`` are replaced, each atomically, config last).
     """
     cfg = tiny_config(**overrides)
+    if draft not in DRAFTS:
+        raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
+    if draft == "agree" and cfg.num_nextn_predict_layers < 1:
+        raise ValueError("draft='agree' needs an MTP layer (num_nextn_predict_layers >= 1)")
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     non_empty = path.exists() and (not path.is_dir() or any(path.iterdir()))
@@ -138,7 +183,7 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, overwrite: bool = 
         raise FileExistsError(f"{path} exists and is not a directory")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        _write_files(tmp, cfg, seed)
+        _write_files(tmp, cfg, seed, draft)
         if non_empty:
             os.replace(tmp / "model.safetensors", path / "model.safetensors")
             os.replace(tmp / "config.json", path / "config.json")
@@ -172,16 +217,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "cpkv" / "models"
 
 
-def _tiny_key(seed: int, overrides: dict[str, Any]) -> str:
+def _tiny_key(seed: int, overrides: dict[str, Any], draft: str = "random") -> str:
     cfg = tiny_config(**overrides)
-    blob = json.dumps({"v": _FORMAT_VERSION, "seed": seed, "config": cfg.hf_dict()}, sort_keys=True)
+    body: dict[str, Any] = {"v": _FORMAT_VERSION, "seed": seed, "config": cfg.hf_dict()}
+    if draft != "random":
+        body["draft"] = draft
+    blob = json.dumps(body, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def resolve_checkpoint(path_or_tiny: str | Path, cache_dir: str | Path | None = None, *,
-                       seed: int = 0, **tiny_overrides: Any) -> Path:
+                       seed: int = 0, draft: str = "random", **tiny_overrides: Any) -> Path:
     """The checkpoint directory for ``path_or_tiny``; ``"tiny"`` is written once into the cache
-    (``<cache_dir>/tiny-<hash of seed and config>``, ``cache_dir`` defaulting to
+    (``<cache_dir>/tiny-<hash of seed, config and draft>``, ``cache_dir`` defaulting to
     :func:`default_cache_dir`). Safe when several ranks call it at once.
 
     Raises:
@@ -189,12 +237,12 @@ def resolve_checkpoint(path_or_tiny: str | Path, cache_dir: str | Path | None = 
     """
     if str(path_or_tiny) == "tiny":
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        ckpt = root / f"tiny-{_tiny_key(seed, tiny_overrides)}"
+        ckpt = root / f"tiny-{_tiny_key(seed, tiny_overrides, draft)}"
         if not (ckpt / "config.json").is_file():
             with contextlib.suppress(FileExistsError):
-                write_tiny_checkpoint(ckpt, seed=seed, **tiny_overrides)
+                write_tiny_checkpoint(ckpt, seed=seed, draft=draft, **tiny_overrides)
         return ckpt
-    if tiny_overrides:
+    if tiny_overrides or draft != "random":
         raise TypeError(f"tiny-model parameters given for a checkpoint path: {sorted(tiny_overrides)}")
     path = Path(path_or_tiny).expanduser()
     if not path.is_dir():
@@ -204,8 +252,10 @@ def resolve_checkpoint(path_or_tiny: str | Path, cache_dir: str | Path | None = 
 
 def load_model(path_or_tiny: str | Path, cache_dir: str | Path | None = None,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               *, seed: int = 0, **tiny_overrides: Any) -> DeepseekV32:
+               *, seed: int = 0, mtp: bool = False, draft: str = "random",
+               **tiny_overrides: Any) -> DeepseekV32:
     """Load a checkpoint directory, or ``"tiny"``: the tiny model, written once into the cache and
-    loaded through the same loader as any other (see :func:`resolve_checkpoint`)."""
-    ckpt = resolve_checkpoint(path_or_tiny, cache_dir, seed=seed, **tiny_overrides)
-    return DeepseekV32.load(ckpt, dtype=dtype, device=device)
+    loaded through the same loader as any other (see :func:`resolve_checkpoint`). ``mtp``: with
+    the MTP draft layer (:class:`ModelLoadError` when the checkpoint has none)."""
+    ckpt = resolve_checkpoint(path_or_tiny, cache_dir, seed=seed, draft=draft, **tiny_overrides)
+    return DeepseekV32.load(ckpt, dtype=dtype, device=device, mtp=mtp)

@@ -23,6 +23,7 @@ from cpkv.contracts import PageLayout
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
 from .session import PrefillSession
+from .speculative import SpeculationStats, speculative_generate
 
 if TYPE_CHECKING:
     from cpkv.models import DeepseekV32
@@ -88,6 +89,13 @@ class DecodeWorker:
         then ``num_tokens - 1`` decode steps, all requests batched together."""
         return generate(self.session, first, num_tokens)
 
+    def speculate(self, first: Sequence[tuple[Hashable, int, int]], num_tokens: int,
+                  draft_tokens: int = 1) -> tuple[list[list[int]], SpeculationStats]:
+        """``num_tokens`` greedy tokens per request by speculative decoding with the MTP layer
+        (``first``: request id, first token, the prefill's first draft); see
+        :func:`~cpkv.runtime.speculative.speculative_generate`."""
+        return speculative_generate(self.session, first, num_tokens, draft_tokens)
+
     def release(self, rid: Hashable) -> None:
         self.pool.free(rid)
 
@@ -134,6 +142,11 @@ class DecodeSession:
     def generate(self, first: Sequence[tuple[Hashable, int]], num_tokens: int) -> list[list[int]]:
         """Greedy tokens per request (see :meth:`DecodeWorker.generate`)."""
         return self.worker.generate(first, num_tokens)
+
+    def speculate(self, first: Sequence[tuple[Hashable, int, int]], num_tokens: int,
+                  draft_tokens: int = 1) -> tuple[list[list[int]], SpeculationStats]:
+        """Speculative greedy tokens per request (see :meth:`DecodeWorker.speculate`)."""
+        return self.worker.speculate(first, num_tokens, draft_tokens)
 
     def release(self, rid: Hashable) -> None:
         """Free a finished request's pages."""

@@ -5,6 +5,13 @@ positions and key ranges as device tensors. Per layer (no host sync, no host-bui
 attention inputs of the local rows -> write KV to own pages -> materialize the full view ->
 indexer logits in row chunks under the memory budget -> top-k -> sparse MLA -> o_proj, MLP/MoE.
 After the last layer: all-gather the hidden states, rerange to natural order, final logits.
+
+A model loaded with its MTP layer (``model.mtp_layer``) then runs the draft layer on the same
+rows (contract rule 32, :meth:`CPPrefill._draft`): it is one more layer of the pool (same pages,
+same owners, same plan, written directly by the compute owner). Each rank embeds only its local
+draft ids (each row's next token; the sampled first token for a request's last row) padded to the
+plan's ``max_rank_len`` and trimmed back; without usable plan metadata it embeds the whole batch
+and takes its rows (fallback ``draft_plan_missing``).
 """
 
 from __future__ import annotations
@@ -12,12 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 import torch
 
-from cpkv.contracts import CPPlan, PageLayout, SplitMode
+from cpkv.contracts import CPPlan, FallbackReason, PageLayout, SplitMode
+from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool
 from cpkv.ops import quantize_index_q
 from cpkv.planning import plan_batch
@@ -27,7 +35,15 @@ if TYPE_CHECKING:
     from cpkv.models import DeepseekV32
     from cpkv.ops import OpTable
 
-__all__ = ["CPPrefill", "PrefillResult", "TopkCapture", "row_chunks"]
+__all__ = ["BATCH_PLAN", "CPPrefill", "DraftNext", "PrefillResult", "TopkCapture", "row_chunks"]
+
+#: ``draft_plan`` default: the draft layer uses the batch's own plan
+BATCH_PLAN: Any = object()
+
+#: the draft layer's next token per row: ``"prompt"``: the batch's next token (each request's
+#: last row: its ``next_ids`` entry, or the sampled first token); ``"greedy"``: the target's
+#: greedy choice at every row (a decode step verifying drafts)
+DraftNext = Literal["prompt", "greedy"]
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +68,17 @@ class PrefillResult:
     #: seconds per phase on this rank
     seconds: dict[str, float]
     topk: TopkCapture | None = None
+    #: with the draft layer: float32 [requests, vocab] draft logits of each request's last row
+    #: (its guess of the token after the sampled first token), batch order
+    draft_logits: torch.Tensor | None = None
+    #: with the draft layer: [requests, hidden] ``h'`` of each request's last row (chaining)
+    draft_hidden: torch.Tensor | None = None
+    #: with the draft layer and ``all_logits``: float32 [extend tokens, vocab], natural order
+    all_draft_logits: torch.Tensor | None = None
+    #: with the draft layer and ``all_logits``: [extend tokens, hidden], natural order
+    all_draft_hidden: torch.Tensor | None = None
+    #: with the draft layer: how its input was embedded, "local" (rule 32) or "full" (fallback)
+    draft_embedding: str | None = None
 
 
 def row_chunks(num_rows: int, bytes_per_row: int, budget_bytes: int) -> list[tuple[int, int]]:
@@ -126,46 +153,218 @@ class CPPrefill:
 
     # ---- the batch ----------------------------------------------------------------------------
     def run(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
-            capture_topk: bool = False) -> PrefillResult:
+            capture_topk: bool = False, next_ids: Sequence[int | None] | None = None,
+            draft_next: DraftNext = "prompt", draft_plan: CPPlan | None = BATCH_PLAN,
+            ) -> PrefillResult:
         """Prefill ``batch``: [(request id, token ids of the extend)], continuing any request the
         pool already holds (its cached tokens are the prefix). Commits the KV on success and
         gives the batch's pages back on failure.
 
+        With the model's MTP layer loaded the draft layer runs too (see :meth:`_draft`):
+        ``next_ids`` gives, per request, the token after its extend when it is known (a non-final
+        chunk); None (or no list) means the request's sampled first token. ``draft_next``: see
+        :data:`DraftNext`. ``draft_plan`` is the plan metadata the draft layer embeds by (the
+        batch's own by default; None or a plan of another batch takes the visible fallback).
+
         Raises:
             PoolExhausted: not enough pages (nothing changed on any rank).
             ValueError: empty batch or empty extend.
+            FallbackError: the draft fallback under policy ``error``.
         """
         if not batch or any(len(ids) == 0 for _, ids in batch):
             raise ValueError("every request in a batch needs at least one new token")
+        if next_ids is not None and len(next_ids) != len(batch):
+            raise ValueError(f"next_ids has {len(next_ids)} entries for {len(batch)} requests")
         t = time.perf_counter()
         seconds: dict[str, float] = {}
         plan = self.plan(batch)
         kv = self.pool.prepare(plan, [rid for rid, _ in batch])
         try:
             inputs = self._rank_inputs(plan, kv, batch)
+            draft = self.model.mtp_layer is not None
+            if draft:
+                dplan = plan if draft_plan is BATCH_PLAN else draft_plan
+                inputs |= self._draft_ids(plan, dplan, batch, next_ids, draft_next)
             seconds["plan"] = time.perf_counter() - t
-            out = self._layers(kv, inputs, seconds, capture_topk)
+            m = self.model
+            out = self._layers(kv, inputs, seconds, capture_topk, m.embed(inputs["ids"]),
+                               range(m.num_layers))
             t = time.perf_counter()
             hidden = kv.rows.gather(out["x"], self.group, self.ops)
             last = torch.tensor([o + r.extend_len - 1 for o, r in
                                  zip(plan.natural_offsets(), plan.requests, strict=True)],
                                 device=hidden.device)
-            logits = self.model.final_logits(hidden if all_logits else hidden[last])
+            whole = all_logits or (draft and draft_next == "greedy")
+            logits = m.final_logits(hidden if whole else hidden[last])
             seconds["gather_logits"] = time.perf_counter() - t
+            res = PrefillResult(plan=plan, last_logits=logits[last] if whole else logits,
+                                all_logits=logits if all_logits else None, seconds=seconds,
+                                topk=out["topk"])
+            if draft:
+                t = time.perf_counter()
+                # the target's greedy choice: of the last rows (a prompt's sampled first token),
+                # or of every row (verifying drafts); stays on the device
+                choice = (logits if draft_next == "greedy" else res.last_logits).argmax(dim=-1)
+                self._draft(kv, inputs, out["x"], choice, res, all_logits)
+                seconds["draft"] = time.perf_counter() - t
         except BaseException:
             self.pool.abort(kv)
             raise
         self.pool.commit(kv)
-        return PrefillResult(plan=plan,
-                             last_logits=logits[last] if all_logits else logits,
-                             all_logits=logits if all_logits else None, seconds=seconds,
-                             topk=out["topk"])
+        return res
+
+    # ---- the draft (MTP) layer ----------------------------------------------------------------
+    def run_draft(self, batch: Sequence[tuple[Hashable, int]], h: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft step on one rank: for each ``(request id, draft token)`` the MTP
+        layer alone at the request's next position, fed the draft token and ``h`` (``[requests,
+        hidden]``: the previous draft step's ``h'``). Its KV row is written like any other
+        (one more token of the request: call :meth:`ShardedKVPool.truncate` once the chain is
+        done). Returns ``(draft logits [requests, vocab] float32, h' [requests, hidden])``.
+
+        Raises:
+            ValueError: no MTP layer, a CP group, or ``h`` of the wrong shape.
+        """
+        m = self.model
+        layer = m.mtp_layer
+        if layer is None:
+            raise ValueError("run_draft needs the model's MTP layer")
+        if self.group.size != 1:
+            raise ValueError("chained draft steps run on the (non-CP) decode rank")
+        if h.shape != (len(batch), m.config.hidden_size):
+            raise ValueError(f"h must be [{len(batch)}, {m.config.hidden_size}], got {list(h.shape)}")
+        one = [(rid, [0]) for rid, _ in batch]  # the target's token there is not used
+        plan = self.plan(one)
+        kv = self.pool.prepare(plan, [rid for rid, _ in batch])
+        try:
+            inputs = self._rank_inputs(plan, kv, one)
+            ids = torch.tensor([t for _, t in batch], dtype=torch.int64, device=self.device)
+            x = m.draft_input(m.draft_embed(ids), h)
+            x = self._layers(kv, inputs, {}, False, x, range(layer, layer + 1))["x"]
+            hd = m.draft_hidden(x)
+            logits = m.draft_logits(hd)
+        except BaseException:
+            self.pool.abort(kv)
+            raise
+        self.pool.commit(kv)
+        return logits, hd
+
+    def _draft_ids(self, plan: CPPlan, dplan: CPPlan | None,
+                   batch: Sequence[tuple[Hashable, Sequence[int]]],
+                   next_ids: Sequence[int | None] | None, draft_next: DraftNext) -> dict[str, Any]:
+        """The draft layer's input ids, host work once per batch (``plan`` is the batch's,
+        ``dplan`` the metadata the draft layer was given). With usable metadata (rule 32): this
+        rank's local rows by ``dplan``, padded to its ``max_rank_len``; otherwise (a
+        ``draft_plan_missing`` fallback, decided here alike on every rank) the whole batch in
+        natural order. Rows whose next token is the target's choice get a placeholder that the
+        device fills: rows ``draft_fill`` take ``choice[draft_src]``."""
+        nat: list[torch.Tensor] = []
+        fill: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        offs = plan.natural_offsets()
+        for i, ((_, ids), req) in enumerate(zip(batch, plan.requests, strict=True)):
+            e = req.extend_len
+            if draft_next == "greedy":  # every row: the target's choice at that row
+                nat.append(torch.zeros(e, dtype=torch.int64))
+                fill.append(torch.arange(offs[i], offs[i] + e, dtype=torch.int64))
+                src.append(torch.arange(offs[i], offs[i] + e, dtype=torch.int64))
+                continue
+            nxt = None if next_ids is None else next_ids[i]
+            tail = [0 if nxt is None else int(nxt)]
+            nat.append(torch.as_tensor([*list(ids)[1:], *tail], dtype=torch.int64))
+            if nxt is None:  # the sampled first token: the choice of the request's last row
+                fill.append(torch.tensor([offs[i] + e - 1], dtype=torch.int64))
+                src.append(torch.tensor([i], dtype=torch.int64))
+        natural = torch.cat(nat)
+        fill_rows = torch.cat(fill) if fill else torch.zeros(0, dtype=torch.int64)
+        fill_src = torch.cat(src) if src else torch.zeros(0, dtype=torch.int64)
+        dev = self.device
+        problem = self._draft_plan_problem(dplan, plan)
+        if problem is not None:
+            report_fallback(op="draft_embedding",
+                            requested="embed the local draft tokens padded to max_rank_len",
+                            selected="embed every draft token of the batch, keep the local rows",
+                            reason=FallbackReason.DRAFT_PLAN_MISSING, detail=problem)
+            return {"draft_local": False, "draft_ids": natural.to(dev),
+                    "draft_fill": fill_rows.to(dev), "draft_src": fill_src.to(dev)}
+        assert dplan is not None
+        # this rank's rows by the plan metadata (natural-order row of each local row), padded
+        # to the plan's uniform shape
+        offs = dplan.natural_offsets()
+        parts = [torch.arange(b.start, b.end, dtype=torch.int64)
+                 + (offs[b.request] - dplan.requests[b.request].prefix_len)
+                 for b in dplan.rank_blocks(self.group.rank)]
+        local = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        pos_of = torch.full((dplan.num_tokens,), -1, dtype=torch.int64)
+        pos_of[local] = torch.arange(local.numel())
+        mine = pos_of[fill_rows]
+        keep = mine >= 0
+        padded = torch.zeros(dplan.max_rank_len, dtype=torch.int64)
+        padded[: local.numel()] = natural[local]
+        return {"draft_local": True, "draft_ids": padded.to(dev), "draft_fill": mine[keep].to(dev),
+                "draft_src": fill_src[keep].to(dev)}
+
+    @staticmethod
+    def _draft_plan_problem(plan: CPPlan | None, want: CPPlan) -> str | None:
+        """Why ``plan`` cannot drive the local draft embedding of the batch planned ``want``
+        (None: it can). Host integers only, the same on every rank."""
+        if plan is None:
+            return "no plan metadata was given to the draft layer"
+        if (plan.cp_size, plan.page_size) != (want.cp_size, want.page_size):
+            return (f"the plan is for CP{plan.cp_size} with {plan.page_size}-token pages, the batch "
+                    f"runs on CP{want.cp_size} with {want.page_size}")
+        have = [(r.prefix_len, r.extend_len) for r in plan.requests]
+        need = [(r.prefix_len, r.extend_len) for r in want.requests]
+        if have != need:
+            return f"the plan's (prefix, extend) per request {have[:4]} != the batch's {need[:4]}"
+        if plan.rank_counts != want.rank_counts:
+            return f"the plan's rows per rank {plan.rank_counts} != the batch's {want.rank_counts}"
+        if plan != want:
+            return f"the plan's segments differ from the batch's ({plan.mode.value} vs {want.mode.value})"
+        return None
+
+    def _draft_input_embedding(self, kv: BatchKV, inputs: dict[str, Any], choice: torch.Tensor
+                               ) -> torch.Tensor:
+        """Rule 32: ``[local rows, hidden]`` embeddings of this rank's draft ids: the local ids
+        padded to ``max_rank_len`` (the same shape on every rank), embedded and trimmed; on the
+        fallback the whole batch is embedded and this rank's rows taken."""
+        m = self.model
+        ids = inputs["draft_ids"].index_copy(0, inputs["draft_fill"], choice[inputs["draft_src"]])
+        if inputs["draft_local"]:
+            return m.draft_embed(ids)[: kv.rows.num_local]
+        return kv.rows.split(m.draft_embed(ids), self.ops)
+
+    def _draft(self, kv: BatchKV, inputs: dict[str, Any], x: torch.Tensor, choice: torch.Tensor,
+               res: PrefillResult, all_logits: bool) -> None:
+        """The MTP layer on this rank's rows: ``eh_proj(cat(enorm(embed(next)), hnorm(h)))``
+        with ``h`` the target's final-normed hidden state of each local row, the decoder layer
+        as pool layer ``mtp_layer`` (direct writes to own pages, the same full-view machinery),
+        ``shared_head``; then the rows are gathered like the target's. No host sync."""
+        m = self.model
+        layer = m.mtp_layer
+        assert layer is not None
+        emb = self._draft_input_embedding(kv, inputs, choice)
+        xd = m.draft_input(emb, m.final_hidden(x))
+        phase: dict[str, float] = {}
+        xd = self._layers(kv, inputs, phase, False, xd, range(layer, layer + 1))["x"]
+        hidden = kv.rows.gather(m.draft_hidden(xd), self.group, self.ops)
+        last = torch.tensor([o + r.extend_len - 1 for o, r in
+                             zip(kv.plan.natural_offsets(), kv.plan.requests, strict=True)],
+                            device=hidden.device)
+        res.draft_embedding = "local" if inputs["draft_local"] else "full"
+        res.draft_hidden = hidden[last]
+        if all_logits:
+            res.all_draft_hidden = hidden
+            res.all_draft_logits = m.draft_logits(hidden)
+            res.draft_logits = res.all_draft_logits[last]
+        else:
+            res.draft_logits = m.draft_logits(hidden[last])
 
     def _layers(self, kv: BatchKV, inputs: dict[str, Any], seconds: dict[str, float],
-                capture: bool) -> dict[str, Any]:
+                capture: bool, x: torch.Tensor, layers: range) -> dict[str, Any]:
+        """``layers`` (consecutive pool layers) on this rank's rows, residual stream ``x``."""
         m, ops, pool = self.model, self.ops, self.pool
         fmt = pool.fmt
-        x = m.embed(inputs["ids"])
         pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
         rope = m.rope_cos_sin(pos, m.dtype, inputs["max_position"])  # once per batch
         chunks = row_chunks(kv.rows.num_local, 4 * inputs["num_keys"], self.budget)
@@ -180,17 +379,17 @@ class CPPrefill:
             select = kv.rows.num_local * self.topk < inputs["num_keys"]
         # the next layer's cached prefix pages move while this layer computes (rule 17: one more
         # layer's view in memory); the same decision on every rank (plan + settings only)
-        nxt = pool.prefetch(0, kv) if self.prefetch else None
+        nxt = pool.prefetch(layers.start, kv) if self.prefetch else None
         phase = dict.fromkeys(("attn_inputs", "write", "materialize", "indexer", "sparse_mla",
                                "mlp"), 0.0)
-        for layer in range(m.num_layers):
+        for layer in layers:
             t0 = time.perf_counter()
             a = m.attention_inputs(layer, x, pos, rope)
             t1 = time.perf_counter()
             pool.write(layer, kv, a.latent, a.index_k)
             t2 = time.perf_counter()
             view = pool.materialize(layer, kv, nxt)
-            nxt = pool.prefetch(layer + 1, kv) if self.prefetch and layer + 1 < m.num_layers \
+            nxt = pool.prefetch(layer + 1, kv) if self.prefetch and layer + 1 < layers.stop \
                 else None
             if select:  # latent rows later, only those the top-k picks
                 lat = None

@@ -13,11 +13,12 @@ from cpkv.kv.host import HostPages
 from cpkv.ops import ALL_OPS
 from cpkv.plugin import PluginHost
 
-from .prefill import CPPrefill, PrefillResult
+from .prefill import BATCH_PLAN, CPPrefill, DraftNext, PrefillResult
 from .setup import create_pool
 
 if TYPE_CHECKING:
     from cpkv.comm import CPGroup
+    from cpkv.contracts import CPPlan
     from cpkv.models import DeepseekV32
     from cpkv.settings import Settings
 
@@ -45,7 +46,8 @@ class PrefillSession:
                  host: PluginHost | None = None) -> None:
         self.model, self.settings, self.group = model, settings, group
         fmt = model.kv_format(settings.kv.dtype, settings.kv.page_size)
-        self.pool = create_pool(settings, fmt, model.num_layers, group, host, ops=ALL_OPS)
+        # a model loaded with its MTP layer: the draft layer's KV is one more layer of the pool
+        self.pool = create_pool(settings, fmt, model.kv_layers, group, host, ops=ALL_OPS)
         self.ops = self.pool.ops
         self.driver = CPPrefill(model, self.pool, self.ops, mode=settings.cp.mode,
                                 logits_budget_bytes=settings.runtime.logits_budget_mb << 20,
@@ -57,15 +59,25 @@ class PrefillSession:
         if settings.cache.enabled:
             c, tier = settings.cache, None
             if c.host_pages:
-                tier = HostPages(fmt, model.num_layers, c.host_pages,
+                tier = HostPages(fmt, model.kv_layers, c.host_pages,
                                  self.pool.allocator.num_ranks, group.device)
             self.cache = PrefixCache(self.pool, tier, evict=c.eviction == "lru")
 
+    @property
+    def draft(self) -> bool:
+        """Whether the draft (MTP) layer runs: the model was loaded with it."""
+        return self.model.mtp_layer is not None
+
     def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
-                capture_topk: bool = False) -> PrefillResult:
+                capture_topk: bool = False, next_ids: Sequence[int | None] | None = None,
+                draft_next: DraftNext = "prompt", draft_plan: CPPlan | None = BATCH_PLAN,
+                ) -> PrefillResult:
         """Prefill ``[(request id, new token ids), ...]``; a request the session already holds
-        continues from its cached tokens (the prefix may end inside a page)."""
-        return self.driver.run(batch, all_logits=all_logits, capture_topk=capture_topk)
+        continues from its cached tokens (the prefix may end inside a page). With the draft
+        layer, ``next_ids`` (the token after each extend, when known: a non-final chunk),
+        ``draft_next`` and ``draft_plan`` are as for :meth:`CPPrefill.run`."""
+        return self.driver.run(batch, all_logits=all_logits, capture_topk=capture_topk,
+                               next_ids=next_ids, draft_next=draft_next, draft_plan=draft_plan)
 
     def admit(self, rid: Hashable, tokens: Sequence[int]) -> int:
         """Start new request ``rid`` (``tokens``: all its token ids) from the longest prefix the
@@ -81,7 +93,14 @@ class PrefillSession:
             raise ValueError(f"request {rid!r} is already in the pool")
         if self.cache is None or len(tokens) < 2:
             return 0
-        hit = self.cache.attach(rid, self.cache.agree(self.cache.match(tokens)))
+        match = self.cache.agree(self.cache.match(tokens))
+        if self.draft and match.hit_tokens:
+            # the draft layer's row at the hit's last position was computed with the cached
+            # request's next token, not necessarily this one's: recompute that row
+            self.cache.stats.hit_tokens -= 1
+            self.cache.stats.recomputed_tokens += 1
+            match = self.cache.tree.prefix(match.path, match.hit_tokens - 1)
+        hit = self.cache.attach(rid, match)
         if self.settings.debug:
             self.cache.check_agreement()
         return hit

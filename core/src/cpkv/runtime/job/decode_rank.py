@@ -25,12 +25,13 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     s, c = spec.settings, spec.settings.cp.size
     s = spec.holding_all(s, c)  # it keeps every prompt until it generates
     t0 = time.perf_counter()
-    decode = DecodeSession(load_model(spec.model_dir, dtype=spec.dtype, device=world.device), s,
-                           world.device)
+    decode = DecodeSession(load_model(spec.model_dir, dtype=spec.dtype, device=world.device,
+                                      mtp=spec.mtp), s, world.device)
     load_s = time.perf_counter() - t0
     decode.connect(select_transport(s, world.agree_all), cp_size=c)
     got, entries = [0] * c, 0
     first: dict[str, int] = {}
+    drafts: dict[str, int] = {}
     crcs: dict[str, list[int]] = {}
     valid: dict[str, list[int]] = {}
     t0 = time.perf_counter()
@@ -48,10 +49,19 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
             entries += r.entries
             if "first_token" in r.meta:
                 first[rid] = int(r.meta["first_token"])
+            if "draft_token" in r.meta:
+                drafts[rid] = int(r.meta["draft_token"])
     receive_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tokens = decode.generate([(rid, first[rid]) for rid in spec.rids], spec.decode_tokens)
+    speculation = None
+    if spec.mtp:
+        tokens, stats = decode.speculate([(rid, first[rid], drafts[rid]) for rid in spec.rids],
+                                         spec.decode_tokens, spec.draft_tokens)
+        speculation = stats.as_dict()
+    else:
+        tokens = decode.generate([(rid, first[rid]) for rid in spec.rids], spec.decode_tokens)
     return DecodeReport(tokens=tokens, bytes_per_rank=got, entries=entries,
                         seconds={"load": load_s, "receive": receive_s,
                                  "decode": time.perf_counter() - t0}, page_crcs=crcs,
-                        valid_crcs=valid)
+                        valid_crcs=valid, speculation=speculation,
+                        kv_layers=decode.pool.num_layers)

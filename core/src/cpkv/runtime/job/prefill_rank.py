@@ -34,9 +34,12 @@ def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> Sender
 
     def send(batch: list[tuple[int, bool]], res: PrefillResult) -> None:
         # every page of the request moves, cached prefix pages too (each from its owner)
-        for (i, final), tok in zip(batch, greedy(res.last_logits), strict=True):
-            sent.append(session.send(rids[i], final=final,
-                                     meta={"first_token": tok} if final else {}))
+        drafts = greedy(res.draft_logits) if res.draft_logits is not None else None
+        for j, ((i, final), tok) in enumerate(zip(batch, greedy(res.last_logits), strict=True)):
+            meta: dict[str, int] = {}
+            if final:  # the first token, and with the draft layer its guess of the next one
+                meta = {"first_token": tok} | ({"draft_token": drafts[j]} if drafts else {})
+            sent.append(session.send(rids[i], final=final, meta=meta))
             if s.debug and final:  # before the request is finished into the cache
                 rp = session.pages(rids[i])
                 mine = [k for k, o in enumerate(rp.owners) if o == group.rank]

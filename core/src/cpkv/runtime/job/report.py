@@ -38,6 +38,8 @@ class RankReport:
     cache: dict[str, int] = field(default_factory=dict)
     #: {"chosen": op -> backend, "skipped": why backends of the preference were passed over}
     backends: dict[str, Any] = field(default_factory=dict)
+    #: with the draft layer: float32 [prompts, vocab] draft logits of each prompt's last row
+    draft_logits: torch.Tensor | None = None
 
 
 def rank_report(group: CPGroup, session: PrefillSession, served: Served,
@@ -58,6 +60,7 @@ def rank_report(group: CPGroup, session: PrefillSession, served: Served,
         hits=served.hits,
         cache=dict(vars(session.cache.stats)) if session.cache is not None else {},
         backends={"chosen": dict(session.ops.chosen), "skipped": list(session.ops.skipped)},
+        draft_logits=served.draft_logits.cpu() if served.draft_logits is not None else None,
     )
 
 
@@ -73,6 +76,10 @@ class DecodeReport:
     page_crcs: dict[str, list[int]] = field(default_factory=dict)
     #: debug only: the same over each page's valid rows only (what decoding may read)
     valid_crcs: dict[str, list[int]] = field(default_factory=dict)
+    #: speculative decoding's statistics (SpeculationStats.as_dict); None without it
+    speculation: dict[str, Any] | None = None
+    #: layers of the decode pool (the MTP layer's included)
+    kv_layers: int = 0
 
 
 @dataclass
@@ -153,6 +160,9 @@ class JobReport:
     #: {enabled, hit_tokens (per prompt), hit_fraction, pages_evicted, host_pages,
     #: pages_saved_to_host, pages_loaded_from_host, recomputed_tokens}; None without a cache
     cache: dict[str, Any] | None = None
+    #: with ``run.mtp``: {draft_tokens, accept_rate, mean_accepted_length, steps, plain_steps,
+    #: steps_saved, proposed, accepted, tokens_match_reference, prefill_max_rel_err_vs_reference}
+    draft: dict[str, Any] | None = None
     #: where the job ran: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model)
     device: str = "cpu"
 

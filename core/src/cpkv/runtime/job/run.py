@@ -69,7 +69,7 @@ def job_device(device: str, processes: int) -> str:
 
 def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,
             prefix_lens: Sequence[int] = (), capture_topk: bool = True, decode_tokens: int = 0,
-            batch_size: int = 0,
+            batch_size: int = 0, mtp: bool = False, draft_tokens: int = 1,
             progress: Callable[[str], None] = lambda s: None) -> JobReport | None:
     """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
 
@@ -85,6 +85,11 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     rank of that world instead of spawning them: the world must have C (+ 1 with decode)
     processes; rank 0 then runs the reference and returns the report, the others return None.
 
+    With ``mtp`` the checkpoint's MTP draft layer runs under CP prefill (the report's ``draft``:
+    its last-row logits against the reference's) and the decode rank decodes speculatively with
+    ``draft_tokens`` drafts per step (``draft``: accept rate, mean accepted length, steps saved,
+    and whether the tokens equal the reference's plain greedy ones).
+
     Raises:
         RankFailed / RankTimeout: a rank failed (its own error) or hung.
         RuntimeError: the bytes the prefill ranks sent and the decode rank received differ.
@@ -95,7 +100,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     device = job_device(settings.run.device, c + 1 if decode_tokens > 0 else c)
     spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
                    settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
-                   decode_tokens=decode_tokens, batch_size=batch_size, device=device)
+                   decode_tokens=decode_tokens, batch_size=batch_size, device=device, mtp=mtp,
+                   draft_tokens=draft_tokens)
     t = time.perf_counter()
     decode: DecodeReport | None = None
     senders: list[SenderReport] = []
@@ -129,8 +135,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     progress("single-rank reference")
     no_cache = spec.holding_all(settings.with_cp_size(1).model_copy(
         update={"cache": settings.cache.model_copy(update={"enabled": False})}), 1)
+    # the reference decodes plain greedy (its draft layer only gives the prefill's draft logits)
     ref_spec = JobSpec(model_dir, spec.prompts, no_cache, capture_topk, spec.prefix_lens,
-                       decode_tokens, batch_size, device)
+                       decode_tokens, batch_size, mtp=mtp, device=device)
     t = time.perf_counter()
     with recording(settings.fallback.policy) as ref_rec:
         ref, ref_tokens = reference_rank(ref_spec)
@@ -164,6 +171,16 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         dec = {"tokens": decode.tokens, "reference_tokens": ref_tokens,
                "tokens_match_reference": decode.tokens == ref_tokens}
         seconds.update({f"decode_{k}": v for k, v in decode.seconds.items()})
+    draft = None
+    if mtp:
+        a, b = r0.draft_logits, ref.draft_logits
+        assert a is not None and b is not None
+        draft = {"draft_tokens": draft_tokens,
+                 "prefill_max_rel_err_vs_reference": ((a - b).abs().amax(dim=-1) / b.abs().amax(
+                     dim=-1).clamp_min(1e-30)).max().item()}
+        if decode is not None and decode.speculation is not None:
+            draft |= decode.speculation | {"tokens_match_reference": decode.tokens == ref_tokens,
+                                           "decode_kv_layers": decode.kv_layers}
     cache = None
     if settings.cache.enabled:
         st = r0.cache
@@ -183,4 +200,4 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         kv_bytes_replicated=r0.kv_bytes_replicated,
         max_rel_err_vs_reference=err, topk_rows_differing=topk_bad, fallbacks=fallbacks,
         seconds=seconds, logits=r0.last_logits, reference_logits=ref.last_logits,
-        transfer=transfer, decode=dec, cache=cache, device=device)
+        transfer=transfer, decode=dec, cache=cache, draft=draft, device=device)

@@ -37,6 +37,10 @@ class JobSpec:
     #: prompts per prefill batch, served in order (0: all in one batch); ignored with
     #: ``prefix_lens``. With a cache, each prompt can hit what earlier batches left
     batch_size: int = 0
+    #: load the MTP draft layer: CP draft prefill, speculative decoding on the decode rank
+    mtp: bool = False
+    #: draft tokens per speculative decode step (k)
+    draft_tokens: int = 1
     #: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model; rank r on GPU r)
     device: str = "cpu"
 
@@ -48,7 +52,9 @@ class JobSpec:
     def holding_all(self, settings: Settings, ranks: int) -> Settings:
         """``settings`` with a pool of ``ranks`` ranks big enough to keep every prompt and its
         decoded tokens at once (the reference and the decode rank keep them all)."""
-        need = sum(cdiv(len(p) + self.decode_tokens, settings.kv.page_size) for p in self.prompts)
+        # speculation holds up to 2k more rows a request (drafts in flight, output past the end)
+        extra = self.decode_tokens + (2 * self.draft_tokens if self.mtp else 0)
+        need = sum(cdiv(len(p) + extra, settings.kv.page_size) for p in self.prompts)
         if settings.kv.pages_per_rank * ranks >= need:
             return settings
         return settings.model_copy(update={"kv": settings.kv.model_copy(
@@ -78,7 +84,7 @@ def open_session(group: CPGroup, spec: JobSpec) -> tuple[PrefillSession, float]:
     from cpkv.models import load_model
 
     t0 = time.perf_counter()
-    model = load_model(spec.model_dir, dtype=spec.dtype, device=group.device)
+    model = load_model(spec.model_dir, dtype=spec.dtype, device=group.device, mtp=spec.mtp)
     return PrefillSession(model, spec.settings, group), time.perf_counter() - t0
 
 
@@ -95,6 +101,8 @@ class Served:
     hits: list[int]
     last: PrefillResult
     last_extends: list[int]
+    #: with the draft layer: float32 [prompts, vocab] draft logits of each prompt's last row
+    draft_logits: torch.Tensor | None = None
 
 
 def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _nothing, *,
@@ -114,6 +122,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
         raise ValueError("the job has no prompts")
     hits = [0] * len(spec.prompts)
     last_logits: list[torch.Tensor | None] = [None] * len(spec.prompts)
+    draft_logits: list[torch.Tensor | None] = [None] * len(spec.prompts)
     res: PrefillResult | None = None
     extends: list[int] = []
     cache = use_cache and session.cache is not None
@@ -126,12 +135,17 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
                     hits[i] = done[i] = session.admit(rids[i], spec.prompts[i])
         extends = [e - done[i] for i, e in zip(idx, ends, strict=True)]
         last = b == len(batches) - 1
+        # the draft layer's last row of a non-final chunk takes the prompt's next token
+        nxt = [spec.prompts[i][e] if e < len(spec.prompts[i]) else None
+               for i, e in zip(idx, ends, strict=True)]
         res = session.prefill([(rids[i], spec.prompts[i][done[i]:e])
                                for i, e in zip(idx, ends, strict=True)],
-                              capture_topk=spec.capture_topk and last)
+                              capture_topk=spec.capture_topk and last, next_ids=nxt)
         for j, (i, e) in enumerate(zip(idx, ends, strict=True)):
             done[i] = e
             last_logits[i] = res.last_logits[j].float()
+            if res.draft_logits is not None:
+                draft_logits[i] = res.draft_logits[j].float()
         finished = [(i, done[i] == len(spec.prompts[i])) for i in idx]
         after(finished, res)
         if cache:
@@ -140,4 +154,6 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
                     session.finish(rids[i], spec.prompts[i])
     assert res is not None
     logits = torch.stack([t for t in last_logits if t is not None])
-    return Served(last_logits=logits, hits=hits, last=res, last_extends=extends)
+    drafts = [t for t in draft_logits if t is not None]
+    return Served(last_logits=logits, hits=hits, last=res, last_extends=extends,
+                  draft_logits=torch.stack(drafts) if drafts else None)
