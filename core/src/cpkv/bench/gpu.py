@@ -387,11 +387,12 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
 
 def decode_steps(dev: torch.device, model_dir: str, tokens: int, steps: int = 8,
                  backends: tuple[str, ...] = ("cuda", "triton", "torch"),
-                 select_latent: bool | None = None) -> dict[str, Any]:
+                 select_latent: bool | None = None,
+                 layout: str = "part_major") -> dict[str, Any]:
     """Decode steps (one-token extends, as the decode rank runs them) after a ``tokens``-token
-    prefill on one GPU, fp8 pool: the median wall time of ``steps`` steps after the first (each
-    synchronized: a step's logits are read to pick the next token), the ops that ran, and a
-    kernel profile of one step."""
+    prefill on one GPU, fp8 pool with ``layout`` pages (the decode rank's: part-major): the
+    median wall time of ``steps`` steps after the first (each synchronized: a step's logits are
+    read to pick the next token), the ops that ran, and a kernel profile of one step."""
     from cpkv.comm import CPGroup
     from cpkv.models import load_model
     from cpkv.runtime.session import PrefillSession
@@ -399,7 +400,7 @@ def decode_steps(dev: torch.device, model_dir: str, tokens: int, steps: int = 8,
 
     model = load_model(model_dir, dtype=torch.bfloat16, device=dev)
     settings = load_settings(cp={"size": 1},
-                             kv={"dtype": "fp8", "page_size": PAGE,
+                             kv={"dtype": "fp8", "page_size": PAGE, "layout": layout,
                                  "pages_per_rank": tokens // PAGE + 64},
                              backend={"preference": list(backends)})
     session = PrefillSession(model, settings, CPGroup.single(dev))

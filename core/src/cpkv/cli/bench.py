@@ -295,8 +295,11 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
         dec = {name: gpu.decode_steps(dev, str(ckpt), 65536, backends=pref)
                for name, pref in (("cuda", ("cuda", "triton", "torch")),
                                   ("triton", ("triton", "torch")))}
-        # what a step cost when it dequantized the whole view (before selected latent rows)
-        dec["cuda_whole_view"] = gpu.decode_steps(dev, str(ckpt), 65536, select_latent=False)
+        # token-major pages: the picked rows dequantized into a copy, then FlashMLA's prefill
+        # kernel; and the whole view dequantized (what a step did before either)
+        dec["cuda_selected_rows"] = gpu.decode_steps(dev, str(ckpt), 65536, layout="token_major")
+        dec["cuda_whole_view"] = gpu.decode_steps(dev, str(ckpt), 65536, select_latent=False,
+                                                  layout="token_major")
         detail["decode_64k"] = dec
         # GPU time (the profiled step's kernels): a step's wall time is ~10 ms of host work
         # in the driver either way, and its jitter drowns the kernels' difference
