@@ -296,19 +296,22 @@ class _Box:
 
 
 class _FailingLink:
-    """Decode side of a link whose data plane dies after ``ok_parts`` parts."""
+    """Decode side of a two-sided link whose data plane dies after ``ok_parts`` parts."""
+
+    one_sided = False
 
     def __init__(self, channel: StoreSideChannel, ranks: list[_FakeRank], ok_parts: int) -> None:
         self.channel, self.ranks, self.left = channel, ranks, ok_parts
 
-    def send_part(self, part: RankTransfer, dst: Any) -> int:
+    def send_part(self, part: RankTransfer, dst: Any, **kw: Any) -> int:
         raise NotImplementedError
 
-    def recv_part(self, part: RankTransfer, rx: DecodeReceiver) -> int:
+    def recv_part(self, part: RankTransfer, rx: DecodeReceiver, *, layers: Any = None,
+                  epoch: int = 0) -> int:
         if self.left == 0:
             raise ConnectionError("peer went away")
         self.left -= 1
-        rx.place_packed(part, pack_part(self.ranks[part.rank].pool, part))
+        rx.place_packed(part, pack_part(self.ranks[part.rank].pool, part, layers), layers=layers)
         return part_nbytes(rx.pool, part.num_pages)
 
     def close(self) -> None:
@@ -440,7 +443,7 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
     if world.rank == 1:
         from cpkv_transfer_nccl.transport import NcclLink
 
-        def die(self: Any, part: Any, dst: Any) -> int:
+        def die(self: Any, part: Any, dst: Any, **kw: Any) -> int:
             os._exit(3)
 
         NcclLink.send_part = die  # type: ignore[method-assign]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 import torch
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from cpkv.models import DeepseekV32
     from cpkv.ops import OpTable
 
-__all__ = ["CPPrefill", "PrefillResult", "TopkCapture", "row_chunks"]
+__all__ = ["CPPrefill", "LayerHook", "PrefillResult", "TopkCapture", "row_chunks"]
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +52,18 @@ class PrefillResult:
     #: seconds per phase on this rank
     seconds: dict[str, float]
     topk: TopkCapture | None = None
+
+
+class LayerHook(Protocol):
+    """Called by :meth:`CPPrefill.run` around the layer loop (the layer-pipelined transfer).
+
+    ``batch_ready`` runs once after the batch's pages are reserved (the pool's page table holds
+    them), before any layer; ``layer_written(layer)`` right after ``layer``'s KV is in the pool
+    (it must not sync the host with the device: rule 22)."""
+
+    def batch_ready(self, plan: CPPlan, rids: Sequence[Hashable]) -> None: ...
+
+    def layer_written(self, layer: int) -> None: ...
 
 
 def row_chunks(num_rows: int, bytes_per_row: int, budget_bytes: int) -> list[tuple[int, int]]:
@@ -123,7 +135,7 @@ class CPPrefill:
 
     # ---- the batch ----------------------------------------------------------------------------
     def run(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
-            capture_topk: bool = False) -> PrefillResult:
+            capture_topk: bool = False, hook: LayerHook | None = None) -> PrefillResult:
         """Prefill ``batch``: [(request id, token ids of the extend)], continuing any request the
         pool already holds (its cached tokens are the prefix). Commits the KV on success and
         gives the batch's pages back on failure.
@@ -140,8 +152,10 @@ class CPPrefill:
         kv = self.pool.prepare(plan, [rid for rid, _ in batch])
         try:
             inputs = self._rank_inputs(plan, kv, batch)
+            if hook is not None:
+                hook.batch_ready(plan, [rid for rid, _ in batch])
             seconds["plan"] = time.perf_counter() - t
-            out = self._layers(kv, inputs, seconds, capture_topk)
+            out = self._layers(kv, inputs, seconds, capture_topk, hook)
             t = time.perf_counter()
             hidden = kv.rows.gather(out["x"], self.group, self.ops)
             last = torch.tensor([o + r.extend_len - 1 for o, r in
@@ -159,7 +173,7 @@ class CPPrefill:
                              topk=out["topk"])
 
     def _layers(self, kv: BatchKV, inputs: dict[str, Any], seconds: dict[str, float],
-                capture: bool) -> dict[str, Any]:
+                capture: bool, hook: LayerHook | None = None) -> dict[str, Any]:
         m, ops, pool = self.model, self.ops, self.pool
         fmt = pool.fmt
         x = m.embed(inputs["ids"])
@@ -181,6 +195,8 @@ class CPPrefill:
             a = m.attention_inputs(layer, x, pos, rope)
             t1 = time.perf_counter()
             pool.write(layer, kv, a.latent, a.index_k)
+            if hook is not None:
+                hook.layer_written(layer)
             t2 = time.perf_counter()
             view = pool.materialize(layer, kv, nxt)
             nxt = pool.prefetch(layer + 1, kv) if self.prefetch and layer + 1 < m.num_layers \

@@ -133,8 +133,14 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         if sent != decode.bytes_per_rank:
             raise RuntimeError(f"transfer accounting: prefill ranks sent {sent} bytes, the decode "
                                f"rank received {decode.bytes_per_rank}")
-        transfer = {"plugin": settings.transfer.name, "bytes_per_rank": sent,
-                    "entries": decode.entries, "seconds": max(r.seconds for r in senders)}
+        # ready: per request, the slowest rank's view (they share the decode's publish time)
+        ready = [max(v) for v in zip(*(r.ready_seconds for r in senders), strict=True)]
+        transfer = {"plugin": settings.transfer.name, "pipeline": settings.transfer.pipeline,
+                    "bytes_per_rank": sent, "entries": decode.entries,
+                    "seconds": max(r.seconds for r in senders),
+                    "send_seconds": max(r.send_seconds for r in senders),
+                    "overlap_seconds": min(r.overlap_seconds for r in senders),
+                    "ready_seconds": sum(ready), "ready_seconds_per_request": ready}
         dec = {"tokens": decode.tokens, "reference_tokens": ref_tokens,
                "tokens_match_reference": decode.tokens == ref_tokens}
         seconds.update({f"decode_{k}": v for k, v in decode.seconds.items()})
