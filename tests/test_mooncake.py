@@ -205,15 +205,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix"), [
-    (2, "zigzag", (20, 0, 3, 64)),
-    pytest.param(4, "interleave", (), marks=pytest.mark.slow)])
-def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
+    (2, "zigzag", (20, 0, 3, 64), "request"),
+    (2, "zigzag", (20, 0, 3, 64), "layer"),
+    pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
+def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
+                                      pipeline: str) -> None:
     from cpkv.models import load_model
 
     base = _spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": base.settings.transfer.model_copy(
-        update={"name": "mooncake", "timeout_s": 60})})
+        update={"name": "mooncake", "timeout_s": 60, "pipeline": pipeline})})
     spec = JobSpec(base.model_dir, base.prompts, s, False, base.prefix_lens, base.decode_tokens)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
@@ -229,6 +231,8 @@ def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tu
         for snd in senders:
             owner_crc.update(snd.page_crcs[rid])
         assert crcs == [owner_crc[k] for k in range(len(crcs))], rid
+    if pipeline == "layer":
+        assert all(snd.overlap_seconds > 0 for snd in senders if snd.bytes_sent)
     assert dec.tokens == _reference(spec)
 
 

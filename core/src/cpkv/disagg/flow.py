@@ -200,7 +200,9 @@ class PrefillTransfer:
         Raises:
             TransferError: not every layer was queued, or the decode did not publish it.
         """
-        s = self.open.pop(str(request))
+        s = self.open.pop(str(request), None)
+        if s is None:
+            raise TransferError(f"request {request!r} has no layer-pipelined send open")
         if s.layers_queued != self.pool.num_layers:
             self.worker.submit(s, range(s.layers_queued, self.pool.num_layers))
         sums = None

@@ -31,9 +31,13 @@ __all__ = ["PrefillSession"]
 
 
 class _LayerSends:
-    """The layer-pipelined transfer's hook in the layer loop: opens the batch's requests once
-    their pages are reserved, then queues each layer's sends after its KV write (on GPUs after
-    a CUDA event recorded on the compute stream: no host sync in the loop)."""
+    """The layer-pipelined transfer's hook in the layer loop: opens the batch's first request to
+    send once its pages are reserved, then queues each layer's sends after its KV write (on GPUs
+    after a CUDA event recorded on the compute stream: no host sync in the loop).
+
+    One request per batch: the decode side takes requests one at a time, in the order they are
+    sent, so a second request opened before the layer loop would wait for a grant the decode gives
+    only after the first one's last layer. The batch's other requests move after it, whole."""
 
     def __init__(self, sender: PrefillTransfer, session: PrefillSession,
                  finals: Mapping[Hashable, bool], started: float) -> None:
@@ -45,6 +49,7 @@ class _LayerSends:
                 rp = self.session.pool.table[rid]  # reserved, written during the layer loop
                 pages = RequestPages(list(rp.owners), list(rp.slots), req.end)
                 self.sender.open_request(rid, pages, final=self.finals[rid], started=self.started)
+                return
 
     def layer_written(self, layer: int) -> None:
         ready = None
@@ -99,10 +104,11 @@ class PrefillSession:
         """Prefill ``[(request id, new token ids), ...]``; a request the session already holds
         continues from its cached tokens (the prefix may end inside a page).
 
-        ``send`` (request id -> is this its final chunk?) names the requests that :meth:`send`
-        will hand to the decode rank after this batch. With ``transfer.pipeline = "layer"``
-        (and a transfer :meth:`connect`-ed) their pages start moving during the layer loop,
-        layer by layer; :meth:`send` then only concludes them. Ignored otherwise.
+        ``send`` (request id -> is this its final chunk?, in the order :meth:`send` will be
+        called) names the requests handed to the decode rank after this batch. With
+        ``transfer.pipeline = "layer"`` (and a transfer :meth:`connect`-ed) the pages of the first
+        of them start moving during the layer loop, layer by layer (:meth:`send` then only
+        concludes it), the others move after the batch. Ignored otherwise.
         """
         self._started = time.time()
         hook = None
