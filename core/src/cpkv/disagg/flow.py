@@ -145,7 +145,13 @@ class PrefillTransfer:
         if self.pool.loads_pending:  # pages a cache hit brought back from the host, in place first
             self.pool.flush_loads()
         s = self._offer(manifest, "request", end if started is None else started, meta)
-        self.worker.submit(s, range(self.pool.num_layers))
+        ready = None
+        if self.pool.group.device.type == "cuda":  # the prefill's last writes may still run
+            import torch
+
+            ready = torch.cuda.Event()
+            ready.record()
+        self.worker.submit(s, range(self.pool.num_layers), ready)
         return self._conclude(s, None, end)
 
     def cancel(self, why: str) -> None:
