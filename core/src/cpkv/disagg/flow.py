@@ -133,6 +133,13 @@ class PrefillTransfer:
         else:
             self.sent_pages[rid] = m.num_pages
 
+    def _unsent(self, m: TransferManifest) -> None:
+        """A layer-pipelined send counted at open did not publish: its pages count as unsent."""
+        if m.first_page:
+            self.sent_pages[m.request] = m.first_page
+        else:
+            self.sent_pages.pop(m.request, None)
+
     def send(self, manifest: TransferManifest, meta: Mapping[str, Any] | None = None, *,
              started: float | None = None) -> Sent:
         """Send this rank's part of ``manifest`` (every prefill rank calls it with the same
@@ -162,6 +169,7 @@ class PrefillTransfer:
         self.open.clear()
         for s in streams:
             s.error = s.error or why
+            self._unsent(s.manifest)
             self.worker.finish(s)
         for s in streams:
             s.done.wait(self.link_timeout())
@@ -214,8 +222,12 @@ class PrefillTransfer:
         sums = None
         if self.debug:  # every layer is written by now; the checksums cover every layer
             sums = page_checksums(self.pool, _src_slots(s.part))
-        return self._conclude(s, meta, prefill_end if prefill_end is not None else time.time(),
-                              sums)
+        try:
+            return self._conclude(s, meta, prefill_end if prefill_end is not None else time.time(),
+                                  sums)
+        except TransferError:
+            self._unsent(s.manifest)
+            raise
 
     # ---- both ----------------------------------------------------------------------------------
     def _offer(self, manifest: TransferManifest, pipeline: str, started: float,

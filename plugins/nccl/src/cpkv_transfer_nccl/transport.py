@@ -70,12 +70,13 @@ class NcclLink:
     def send_part(self, part: RankTransfer, dst_slots: Sequence[int], *,
                   layers: range | None = None, epoch: int = 0, fenced: Any = None) -> int:
         """One buffer per (rank, request[, layer]): the destination slots are the receiver's
-        business. On GPUs the pack and the send run on a side stream."""
+        business. On GPUs the pack and the send run on a side stream, which waits for nothing:
+        the caller (the core's sender worker) has waited for the CUDA event of the pages'
+        writes; it returns once the send completed."""
         if len(dst_slots) != part.num_pages:
             raise ValueError(f"{len(dst_slots)} destination slots for {part.num_pages} pages")
         dst = self.spec.world_rank(self.spec.decode_endpoint)
         if self._side is not None:
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side):
                 buf = pack_part(self.spec.pool, part, layers)
                 dist.send(buf, dst=dst, group=self.data_group, tag=self._tag(epoch))
