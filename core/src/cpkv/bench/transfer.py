@@ -49,7 +49,8 @@ class TransferBenchSpec:
 
 
 def bench_settings(cp: int, plugin: str, tokens: Sequence[int], page_size: int = 64,
-                   timeout_s: float = 1800.0, kv_dtype: str = "bf16") -> Settings:
+                   timeout_s: float = 1800.0, kv_dtype: str = "bf16",
+                   protocol: str = "tcp") -> Settings:
     """Settings of the run: zigzag CP, a ``kv_dtype`` pool big enough for the longest prompt, no cache, the
     transfer plugin ``plugin`` (its bound long enough for a whole prefill: the decode waits for
     the offers, or the layer pipeline's Done, while the prefill runs)."""
@@ -60,7 +61,7 @@ def bench_settings(cp: int, plugin: str, tokens: Sequence[int], page_size: int =
         cp={"size": cp, "mode": "zigzag"},
         kv={"dtype": kv_dtype, "page_size": page_size, "pages_per_rank": cdiv(pages, cp) + 8},
         cache={"enabled": False}, backend={"preference": ["cuda", "triton", "torch"]},
-        transfer={"name": plugin, "timeout_s": timeout_s},
+        transfer={"name": plugin, "timeout_s": timeout_s, "protocol": protocol},
         runtime={"timeout_s": timeout_s})
 
 

@@ -160,6 +160,11 @@ class SendWorker:
             s.busy.append((t0, time.time()))
 
     def _loop(self) -> None:
+        dev = self.pool.group.device
+        if dev.type == "cuda":  # a new thread starts on device 0: this rank's GPU instead
+            import torch
+
+            torch.cuda.set_device(dev)
         while True:
             job = self._q.get()
             if job is None:
