@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,7 @@ import torch
 
 from cpkv.cache import PrefixCache
 from cpkv.comm import CPGroup
-from cpkv.disagg import Link, PrefillTransfer, Sent, Transport, open_link
+from cpkv.disagg import Link, PrefillTransfer, Sent, TransferError, Transport, open_link
 from cpkv.kv import RequestPages
 from cpkv.kv.host import HostPages
 from cpkv.ops import ALL_OPS
@@ -48,7 +49,11 @@ class _LayerSends:
             if rid in self.finals:
                 rp = self.session.pool.table[rid]  # reserved, written during the layer loop
                 pages = RequestPages(list(rp.owners), list(rp.slots), req.end)
-                self.sender.open_request(rid, pages, final=self.finals[rid], started=self.started)
+                # refused (e.g. the decode pool is full): the prefill goes on, and send() offers
+                # the request again after it, whole
+                with contextlib.suppress(TransferError):
+                    self.sender.open_request(rid, pages, final=self.finals[rid],
+                                             started=self.started)
                 return
 
     def layer_written(self, layer: int) -> None:
