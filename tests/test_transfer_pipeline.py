@@ -40,8 +40,8 @@ class _Decode:
 
     one_sided = True
 
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
+    def __init__(self, pool: Any, refuse: int = 0) -> None:
+        self.pool, self.refuse = pool, refuse
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.messages: list[Any] = []
         self.sends: list[tuple[int, float, int]] = []  # (first layer, time, bytes)
@@ -53,7 +53,10 @@ class _Decode:
     def send(self, peer: int, msg: Any) -> None:
         with self.lock:
             self.messages.append(msg)
-        if isinstance(msg, Offer):
+        if isinstance(msg, Offer) and self.refuse:
+            self.refuse -= 1
+            self.inbox.put(Grant(msg.manifest.request, None, "the decode pool is full"))
+        elif isinstance(msg, Offer):
             part = next((p for p in msg.manifest.parts if p.rank == 0), None)
             n = part.num_pages if part else 0
             self.inbox.put(Grant(msg.manifest.request, list(range(n)), epoch=7))
@@ -82,13 +85,14 @@ class _Decode:
         pass
 
 
-def _session(tiny: Path, inflight_mb: int = 256) -> tuple[PrefillSession, _Decode]:
+def _session(tiny: Path, inflight_mb: int = 256, refuse: int = 0,
+             ) -> tuple[PrefillSession, _Decode]:
     s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp32"},
                       backend={"preference": ["torch"]},
                       transfer={"pipeline": "layer", "max_inflight_mb": inflight_mb})
     with recording():
         session = PrefillSession(load_model(str(tiny)), s, CPGroup.single())
-    dec = _Decode(session.pool)
+    dec = _Decode(session.pool, refuse)
     session._sender = PrefillTransfer(dec, session.pool, 0, 1,  # type: ignore[arg-type]
                                       max_inflight_bytes=inflight_mb << 20)
     return session, dec
@@ -183,3 +187,17 @@ def test_a_failed_prefill_tells_the_decode_at_once(tiny: Path, monkeypatch: pyte
     assert not session._sender.open  # type: ignore[union-attr]
     with pytest.raises(TransferError):  # nothing is left open for this request
         session._sender.finish("a")  # type: ignore[union-attr]
+
+
+def test_a_refused_offer_does_not_fail_the_prefill(tiny: Path) -> None:
+    """The decode refused the layer-pipelined offer: the prefill completes, and send() offers
+    the request again after it, whole."""
+    session, dec = _session(tiny, refuse=1)
+    with recording():
+        res = session.prefill([("a", list(range(50)))], send={"a": True})
+    assert torch.isfinite(res.last_logits).all() and not dec.sends
+    sent = session.send("a")
+    assert sent.pipeline == "request" and [s[0] for s in dec.sends] == [0]
+    offers = [m for m in dec.messages if isinstance(m, Offer)]
+    assert [o.pipeline for o in offers] == ["layer", "request"]
+    session.close()
