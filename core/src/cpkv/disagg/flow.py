@@ -168,8 +168,10 @@ class PrefillTransfer:
         streams = list(self.open.values())
         self.open.clear()
         for s in streams:
-            s.error = s.error or why
+            s.cancelled = why
             self._unsent(s.manifest)
+            if s.layers_queued < self.pool.num_layers:  # a two-sided link sends them anyway
+                self.worker.submit(s, range(s.layers_queued, self.pool.num_layers))
             self.worker.finish(s)
         for s in streams:
             s.done.wait(self.link_timeout())
@@ -253,9 +255,10 @@ class PrefillTransfer:
         ack: Ack = self.link.channel.recv(self.cp_size)
         m = s.manifest
         if not ack.published:
-            if s.error is not None:
+            if s.error is not None or s.cancelled is not None:
                 raise TransferError(f"rank {self.rank} failed writing its part of {m.request!r} "
-                                    f"({s.part.num_pages} pages): {s.error}; decode: {ack.error}")
+                                    f"({s.part.num_pages} pages): {s.error or s.cancelled}; decode: "
+                                f"{ack.error}")
             raise TransferError(f"decode did not publish request {m.request!r}: {ack.error}")
         busy = sum(b - a for a, b in s.busy)
         return Sent(m.request, s.sent, len(s.part.runs), time.time() - s.started, m, s.pipeline,

@@ -45,6 +45,9 @@ class Stream:
     started: float
     sent: int = 0
     error: str | None = None
+    #: why the prefill side gave the stream up (its sends are skipped on a one-sided link; a
+    #: two-sided one still sends every granted message: the decode has posted receives for them)
+    cancelled: str | None = None
     #: (start, end) wall-clock intervals of this stream's sends
     busy: list[tuple[float, float]] = field(default_factory=list)
     #: set once the worker sent the :class:`Done` (no write of this stream can land any more)
@@ -144,6 +147,8 @@ class SendWorker:
         s = job.stream
         if s.error is not None:
             return  # a failed stream writes nothing more
+        if s.cancelled is not None and getattr(self.link, "one_sided", False):
+            return
         fenced = self._fenced(s.epoch)
         if fenced is not None and fenced():
             s.error = f"fenced: the decode gave grant {s.epoch} of {s.manifest.request!r} up"
@@ -178,8 +183,8 @@ class SendWorker:
                         self._inflight -= job.nbytes
                         self._cv.notify_all()
                 continue
-            done = Done(s.manifest.request, self.rank, s.epoch, s.sent, s.error, job.meta,
-                        job.checksums)
+            done = Done(s.manifest.request, self.rank, s.epoch, s.sent, s.error or s.cancelled,
+                        job.meta, job.checksums)
             with contextlib.suppress(Exception):  # the decode may be gone: it learns by timeout
                 self.link.channel.send(self.decode, done)
             s.done.set()
