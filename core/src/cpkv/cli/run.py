@@ -109,7 +109,7 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
                       soft_wrap=True)
     if rep.transfer is not None and rep.decode is not None:
         tr = rep.transfer
-        console.print(f"transfer ({tr['plugin']}, pipelined by {tr['pipeline']}): bytes per "
+        console.print(f"transfer ({tr['plugin']}): pipelined by {tr['pipeline']}, bytes per "
                       f"prefill rank {', '.join(f'{b:,}' for b in tr['bytes_per_rank'])}; "
                       f"{tr['entries']} coalesced runs; {tr['seconds']:.3f} s; ready "
                       f"{tr['ready_seconds']:.3f} s after the prefills started, "
