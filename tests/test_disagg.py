@@ -296,19 +296,22 @@ class _Box:
 
 
 class _FailingLink:
-    """Decode side of a link whose data plane dies after ``ok_parts`` parts."""
+    """Decode side of a two-sided link whose data plane dies after ``ok_parts`` parts."""
+
+    one_sided = False
 
     def __init__(self, channel: StoreSideChannel, ranks: list[_FakeRank], ok_parts: int) -> None:
         self.channel, self.ranks, self.left = channel, ranks, ok_parts
 
-    def send_part(self, part: RankTransfer, dst: Any) -> int:
+    def send_part(self, part: RankTransfer, dst: Any, **kw: Any) -> int:
         raise NotImplementedError
 
-    def recv_part(self, part: RankTransfer, rx: DecodeReceiver) -> int:
+    def recv_part(self, part: RankTransfer, rx: DecodeReceiver, *, layers: Any = None,
+                  epoch: int = 0) -> int:
         if self.left == 0:
             raise ConnectionError("peer went away")
         self.left -= 1
-        rx.place_packed(part, pack_part(self.ranks[part.rank].pool, part))
+        rx.place_packed(part, pack_part(self.ranks[part.rank].pool, part, layers), layers=layers)
         return part_nbytes(rx.pool, part.num_pages)
 
     def close(self) -> None:
@@ -373,12 +376,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
 
 
-def _spec(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...] = (), n: int = 4) -> JobSpec:
+def _spec(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...] = (), n: int = 4,
+          pipeline: str = "request") -> JobSpec:
     rng = random.Random(cp)
     prompts = tuple(tuple(rng.randrange(512) for _ in range(k)) for k in (90, 45, 7, 130))
     s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp32"},
                       backend={"preference": ["torch"]}, debug=True,
-                      transfer={"name": "nccl", "timeout_s": 60})
+                      transfer={"name": "nccl", "timeout_s": 60, "pipeline": pipeline})
     return JobSpec(str(tiny), prompts, s, False, prefix, n)
 
 
@@ -391,11 +395,13 @@ def _reference(spec: JobSpec) -> list[list[int]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix"), [
-    (2, "zigzag", (20, 0, 3, 64)),
-    pytest.param(4, "interleave", (), marks=pytest.mark.slow)])
-def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...]) -> None:
-    spec = _spec(tiny, cp, mode, prefix)
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
+    (2, "zigzag", (20, 0, 3, 64), "request"),
+    (2, "zigzag", (20, 0, 3, 64), "layer"),
+    pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
+def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
+                                  pipeline: str) -> None:
+    spec = _spec(tiny, cp, mode, prefix, pipeline=pipeline)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
     dec: DecodeReport = out[cp].value
@@ -423,6 +429,12 @@ def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[
         assert ms[-1].valid_len == len(spec.prompts[int(rid[1:])])
     if prefix:
         assert any(len(ms) == 2 for ms in by_req.values())
+    assert all(snd.pipeline == pipeline and len(snd.ready_seconds) == len(senders[0].manifests)
+               for snd in senders)
+    if pipeline == "layer":  # the sends started while the prefill still computed
+        assert all(snd.overlap_seconds > 0 for snd in senders if snd.bytes_sent)
+    else:
+        assert all(snd.overlap_seconds == 0 for snd in senders)
     assert dec.tokens == _reference(spec)
 
 
@@ -440,7 +452,7 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
     if world.rank == 1:
         from cpkv_transfer_nccl.transport import NcclLink
 
-        def die(self: Any, part: Any, dst: Any) -> int:
+        def die(self: Any, part: Any, dst: Any, **kw: Any) -> int:
             os._exit(3)
 
         NcclLink.send_part = die  # type: ignore[method-assign]

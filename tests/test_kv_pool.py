@@ -389,3 +389,28 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
             block = part.kv[layer][s_part].reshape(-1)
             assert torch.equal(block[:ps * nl].view(ps, nl), rows[:, :nl])
             assert torch.equal(block[ps * nl:].view(ps, ni), rows[:, nl:])
+
+
+def test_relayout_turns_token_major_blocks_into_part_major_pages() -> None:
+    """A one-sided transfer copies a token-major pool's page blocks as they are; the part-major
+    decode pool re-lays them out in place: its views then equal the sender's."""
+    from cpkv.contracts import PageLayout
+
+    group = CPGroup.single()
+    ops = kv_ops(group)
+    fmt = _fmt(KVDtype.FP8, 8)
+    src = ShardedKVPool(fmt, 2, group, ops, pages_per_rank=6)
+    dst = ShardedKVPool(fmt, 2, group, ops, pages_per_rank=6, layout=PageLayout.PART_MAJOR)
+    for b in src.kv:
+        b.random_(0, 255, generator=torch.Generator().manual_seed(5))
+    pairs = [(0, 4), (3, 1), (5, 2)]  # (source slot, destination slot)
+    for layer in range(2):
+        for s, d in pairs:
+            dst.kv[layer][d] = src.kv[layer][s]  # raw block copy, as Mooncake writes it
+    untouched = dst.kv[0][0].clone()  # slot 0 is not among the relaid pages
+    dst.relayout([d for _, d in pairs], PageLayout.TOKEN_MAJOR)
+    for layer in range(2):
+        for s, d in pairs:
+            assert torch.equal(dst.latent[layer][d], src.latent[layer][s])
+            assert torch.equal(dst.index_k[layer][d], src.index_k[layer][s])
+    assert torch.equal(dst.kv[0][0], untouched)

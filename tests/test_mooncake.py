@@ -134,15 +134,16 @@ def _bare_link(n_pages: int, max_batch: int, retries: int = 0, fail: int = 0) ->
 
 
 def test_batches_stay_within_the_limit_and_retries_use_a_fresh_engine() -> None:
-    from cpkv_transfer_mooncake.transport import Written
-
     # 700 pages, every other destination slot: 700 pieces x 2 layers = 1400 entries (a page's
     # latent and index-K are one block)
     part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=700, src_slot=0),))
     link = _bare_link(1400, 1024)
     assert link.send_part(part, list(range(0, 1400, 2))) == part_bytes(link, 700)
     assert link.engine.batches == [1024, 376]
-    assert isinstance(link.channel.sent[-1], Written) and link.channel.sent[-1].error is None
+    link = _bare_link(1400, 1024)  # one layer: 700 entries, its share of the bytes
+    assert link.send_part(part, list(range(0, 1400, 2)), layers=range(1, 2)) == \
+        part_bytes(link, 700) // 2
+    assert link.engine.batches == [700]
     link = _bare_link(1400, 1024, retries=1, fail=1)
     with recording() as rec:
         link.send_part(part, list(range(0, 1400, 2)))
@@ -150,10 +151,21 @@ def test_batches_stay_within_the_limit_and_retries_use_a_fresh_engine() -> None:
     assert [e.reason.value for e in rec.events] == ["transfer_retry"]  # a retry is reported
     link = _bare_link(1400, 1024, retries=1, fail=5)
     link._renew_engine = lambda: setattr(link, "engine", _FakeEngine(fail=5))
-    with pytest.raises(TransferError, match=r"returned -1 after 2 attempt\(s\).*nothing published"):
+    with pytest.raises(TransferError, match=r"failed writing its part of 'a' .*returned -1 after "
+                                            r"2 attempt\(s\)"):
         link.send_part(part, list(range(0, 1400, 2)))
-    told = link.channel.sent[-1]
-    assert isinstance(told, Written) and "returned -1" in (told.error or "")
+
+
+def test_a_fenced_grant_gets_no_more_batches() -> None:
+    """The fence is checked before each batch: once the decode gave the grant up, nothing more
+    is written (and the engine is kept: nothing failed)."""
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=700, src_slot=0),))
+    link = _bare_link(1400, 512)
+    engine = link.engine
+    checks = iter([False, True])
+    with pytest.raises(TransferError, match=r"fenced: the decode gave grant 7 up; 512 of 1400"):
+        link.send_part(part, list(range(0, 1400, 2)), epoch=7, fenced=lambda: next(checks))
+    assert engine.batches == [512] and link.engine is engine
 
 
 def part_bytes(link: Any, n: int) -> int:
@@ -193,15 +205,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix"), [
-    (2, "zigzag", (20, 0, 3, 64)),
-    pytest.param(4, "interleave", (), marks=pytest.mark.slow)])
-def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
+    (2, "zigzag", (20, 0, 3, 64), "request"),
+    (2, "zigzag", (20, 0, 3, 64), "layer"),
+    pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
+def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
+                                      pipeline: str) -> None:
     from cpkv.models import load_model
 
     base = _spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": base.settings.transfer.model_copy(
-        update={"name": "mooncake", "timeout_s": 60})})
+        update={"name": "mooncake", "timeout_s": 60, "pipeline": pipeline})})
     spec = JobSpec(base.model_dir, base.prompts, s, False, base.prefix_lens, base.decode_tokens)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
@@ -217,6 +231,8 @@ def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tu
         for snd in senders:
             owner_crc.update(snd.page_crcs[rid])
         assert crcs == [owner_crc[k] for k in range(len(crcs))], rid
+    if pipeline == "layer":
+        assert all(snd.overlap_seconds > 0 for snd in senders if snd.bytes_sent)
     assert dec.tokens == _reference(spec)
 
 
@@ -272,13 +288,20 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
     except TransferError as exc:
         rec["error"] = str(exc)
     rec["seconds"] = time.perf_counter() - t0
-    rec["unchanged"] = _snapshot(rx.pool) == before and rx.in_flight() == []
+    # a sender that has not said it is done may still write: its slots stay in quarantine
+    rec["quarantined"] = [pending for _, _, pending in rx.quarantined().values()]
+    rec["unchanged"] = (_snapshot(rx.pool)[1] == before[1] and rx.in_flight() == []
+                        and (bool(rec["quarantined"]) or _snapshot(rx.pool) == before))
     if fault == "kill":  # rank 1 is gone: the next request is a local one
         _next_request_works(rx)
     else:
         DecodeTransfer(link, rx, C).receive()
         _check_landed(rx, ranks, f"next-{fault}", owners, slots)
         rx.free(f"next-{fault}")
+        # the stalled sender's late notice came in during the next request: all slots back
+        rec["released"] = (not rx.quarantined() and
+                           [sorted(f) for f in rx.pool.allocator.snapshot()] ==
+                           [sorted(f) for f in before[0]])
     rec["next_ok"] = True
     return rec
 
@@ -307,7 +330,7 @@ def _apply_fault(link: Any, fault: str) -> Any:
         link.remote_layout = replace(lay, kv=tuple(a + (1 << 44) for a in lay.kv))
         return lambda: setattr(link, "remote_layout", lay)
     if fault == "stall":  # never writes nor notifies within the timeout
-        link.send_part = lambda part, dst: time.sleep(TIMEOUT + 1.5) or 0
+        link.send_part = lambda part, dst, **kw: time.sleep(TIMEOUT + 1.5) or 0
         return lambda: delattr(link, "send_part")
     assert fault == "over_limit"  # bypasses the startup check: 2400 entries in one batch
     link.max_batch = 4096
@@ -380,9 +403,12 @@ def test_fault_publishes_nothing(fault_session: Any, fault: str, why: str) -> No
     assert dec["unchanged"] and dec["next_ok"]  # the next request landed over the same links
     assert f"did not publish request {fault!r}" in (ranks[0][fault]["error"] or "")
     assert ranks[1][fault]["error"], "rank 1 must see its failure"
+    assert dec["released"]
     if fault == "stall":
         assert dec["seconds"] < TIMEOUT + 3  # bounded by transfer.timeout_s
+        assert dec["quarantined"] == [[1]]  # until rank 1's late notice
     else:
+        assert dec["quarantined"] == []  # every sender said it was done
         assert f"failed writing its part of {fault!r}" in ranks[1][fault]["error"]
     # the next request's 2400 entries per rank went in batches within the limit
     for r in (0, 1):

@@ -56,6 +56,9 @@ def test_cpkv_run_matches_transformers(tmp_path: Path, mode: str, materialize: s
     tr = rep["transfer"]
     assert tr["plugin"] == "nccl" and tr["bytes_per_rank"] == rep["kv_bytes_per_rank"]
     assert tr["entries"] >= 1 and tr["seconds"] >= 0
+    # the default pipeline sends after each prefill: nothing overlaps it, ready after it
+    assert tr["pipeline"] == "request" and tr["overlap_seconds"] == 0
+    assert tr["ready_seconds"] > 0 and len(tr["ready_seconds_per_request"]) >= 3
     assert rep["decode"]["tokens_match_reference"] is True
     assert [len(t) for t in rep["decode"]["tokens"]] == [8, 8, 8]
 

@@ -125,6 +125,13 @@ class TransferSettings(_Section):
 
     name: str = Field("nccl", min_length=1, description="a transfer entry-point name")
     timeout_s: float = Field(30.0, gt=0, description="bound on one transfer, seconds")
+    pipeline: Literal["request", "layer"] = Field(
+        "request", description="'request': each rank sends a request's pages after its prefill; "
+                               "'layer': it sends layer l's pages as soon as layer l's KV is "
+                               "written, during the prefill")
+    max_inflight_mb: int = Field(
+        256, ge=1, description="queued send bytes per prefill rank past which the layer loop "
+                               "waits for its sender (MiB)")
     protocol: str = Field("tcp", min_length=1,
                           description="mooncake: the engine's transport: 'tcp', 'rdma' or 'nvlink'")
     hostname: str = Field("127.0.0.1", min_length=1,

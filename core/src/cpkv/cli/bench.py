@@ -92,6 +92,61 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
             f"(hits_agree_across_ranks={detail['hits_agree_across_ranks']})")
 
 
+@command.command("transfer")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Default: benchmarks/results/transfer_cpu.json (transfer_h200.json with --gpus).")
+@click.option("--plugins", default="nccl,mooncake", show_default=True,
+              help="Transfer plugins, comma-separated (each its own run).")
+@click.option("--tokens", default="8192,32768", show_default=True,
+              help="Prompt lengths, comma-separated.")
+@click.option("--cp", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Prefill CP ranks (plus one decode rank).")
+@click.option("--layers", type=click.IntRange(min=1), default=16, show_default=True,
+              help="The model's layer count.")
+@click.option("--preset", type=click.Choice(["tiny", "v32-attention"]), default="tiny",
+              show_default=True, help="Model shape (cpkv init-model --preset).")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Timed rounds per prompt length (the medians are reported).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
+@click.option("--mooncake-protocol", default="tcp", show_default=True,
+              help="transfer.protocol of the mooncake runs: tcp, rdma or nvlink.")
+@click.option("--gpus", is_flag=True,
+              help="NCCL world, rank r on cuda:r (prefill on cuda:0.., decode on the next GPU); "
+                   "adds each plugin's GB/s against a raw cuda:0 -> cuda:1 copy.")
+def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: int, preset: str,
+                 repeats: int, kv_dtype: str, mooncake_protocol: str, gpus: bool) -> None:
+    """Prefill -> decode transfer: time to ready (prefill start -> decode published) with
+    transfer.pipeline = "layer" vs "request" vs the prefill alone, per plugin, same run."""
+    import tempfile
+
+    from cpkv.bench import transfer
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.models.tiny import PRESETS
+
+    err = Console(stderr=True)
+    sizes = [int(t) for t in tokens.split(",") if t.strip()]
+    names = [p.strip() for p in plugins.split(",") if p.strip()]
+    rows: list[BenchRow] = []
+    detail: dict[str, Any] = {"layers": layers, "preset": preset,
+                              "mooncake_protocol": mooncake_protocol}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = {**PRESETS[preset], "num_hidden_layers": layers}
+        cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings", 4096)),
+                                             max(sizes) + 1024)
+        if preset == "v32-attention":
+            cfg["first_k_dense_replace"] = layers
+        ckpt = write_tiny_checkpoint(Path(tmp) / "model", seed=0, **cfg)
+        for name in names:
+            settings = transfer.bench_settings(cp, name, sizes, kv_dtype=kv_dtype,
+                                               protocol=mooncake_protocol)
+            r, d = transfer.run(ckpt, settings, tokens=sizes, repeats=repeats, gpus=gpus,
+                                progress=lambda s: err.print(f"[dim]{s}[/]"))
+            rows += r
+            detail[name] = d
+    _report("transfer", rows, out or ("benchmarks/results/transfer_h200.json" if gpus
+                                      else "benchmarks/results/transfer_cpu.json"), detail)
+
+
 @command.command("host")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Default: benchmarks/results/host_h200.json on a GPU, else host_cpu.json.")

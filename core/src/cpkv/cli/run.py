@@ -118,9 +118,12 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
                       soft_wrap=True)
     if rep.transfer is not None and rep.decode is not None:
         tr = rep.transfer
-        console.print(f"transfer ({tr['plugin']}): bytes per prefill rank "
-                      f"{', '.join(f'{b:,}' for b in tr['bytes_per_rank'])}; {tr['entries']} "
-                      f"coalesced runs; {tr['seconds']:.3f} s")
+        console.print(f"transfer ({tr['plugin']}): pipelined by {tr['pipeline']}, bytes per "
+                      f"prefill rank {', '.join(f'{b:,}' for b in tr['bytes_per_rank'])}; "
+                      f"{tr['entries']} coalesced runs; {tr['seconds']:.3f} s; ready "
+                      f"{tr['ready_seconds']:.3f} s after the prefills started, "
+                      f"{tr['overlap_seconds']:.3f} s of sending hidden behind them",
+                      soft_wrap=True)
         match = rep.decode["tokens_match_reference"]
         verdict = "[green]correct[/]" if match else "[red]MISMATCH[/]"
         console.print(f"{verdict}: decode greedy tokens vs one-process generation: "

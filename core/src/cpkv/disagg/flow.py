@@ -2,16 +2,23 @@
 
 Per request (one :class:`TransferManifest`, identical on every prefill rank):
 
-1. every prefill rank r -> decode: :class:`Offer` (manifest, its byte count, debug checksums);
+1. every prefill rank r -> decode: :class:`Offer` (manifest, its byte count, the pipeline, debug
+   checksums);
 2. decode: checks the offers agree, reserves slots (all or nothing) -> every rank:
-   :class:`Grant` (its destination slots, or the refusal: then every side raises, nothing moved);
-3. every rank with pages: ``link.send_part``; decode: ``link.recv_part`` per part;
+   :class:`Grant` (its destination slots and the grant's epoch, or the refusal: then every side
+   raises, nothing moved);
+3. every rank's sender worker moves its part (after the prefill, or layer by layer during it:
+   ``transfer.pipeline``), then sends :class:`Done`; decode: ``link.recv_part`` per part and
+   layer group (two-sided links), then every rank's :class:`Done`;
 4. decode: ``DecodeReceiver.complete`` (counts; checksums under debug) -> every rank:
-   :class:`Ack`. A failure at any step aborts the reservation: nothing is published.
+   :class:`Ack`. A failure at any step gives the reservation up: nothing is published, and
+   with a one-sided link the slots stay in quarantine until every sender that may still write
+   them sent its (late) :class:`Done` (docs/transfer.md, "Late writes").
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -21,9 +28,13 @@ from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 
 from .plan import RankTransfer, TransferManifest, manifest_for
 from .receiver import DecodeReceiver, TransferError, page_checksums, part_nbytes
-from .transport import Ack, Grant, Link, Offer
+from .sender import SendWorker, Stream, overlap
+from .transport import Ack, Done, Grant, Link, Offer
 
-__all__ = ["DecodeTransfer", "PrefillTransfer", "Received", "Sent"]
+__all__ = ["PIPELINES", "DecodeTransfer", "PrefillTransfer", "Received", "Sent"]
+
+#: ``transfer.pipeline``: one send per request after its prefill, or one per layer during it
+PIPELINES = ("request", "layer")
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,13 @@ class Sent:
     seconds: float
     #: what was sent (identical on every prefill rank)
     manifest: TransferManifest
+    pipeline: str = "request"
+    #: prefill start (or send start) -> the decode published it
+    ready_seconds: float = 0.0
+    #: seconds of this rank's sends that ran while the prefill still computed
+    overlap_seconds: float = 0.0
+    #: seconds this rank's sends took in all
+    send_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,9 @@ class Received:
     entries: int
     seconds: float
     meta: Mapping[str, Any] = field(default_factory=dict)
+    pipeline: str = "request"
+    #: wall clock (``time.time()``) of the publish
+    published_at: float = 0.0
 
 
 def _part_of(manifest: TransferManifest, rank: int) -> RankTransfer:
@@ -54,71 +75,213 @@ def _part_of(manifest: TransferManifest, rank: int) -> RankTransfer:
                 RankTransfer(request=manifest.request, rank=rank, runs=()))
 
 
+def _src_slots(part: RankTransfer) -> list[int]:
+    return [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
+
+
 class PrefillTransfer:
     """The sending side on prefill CP rank ``rank`` (endpoint ``rank`` of ``link``).
 
-    :meth:`send_request` sends a request's pages from the pool's page table and remembers how
-    many pages of it were sent, so the chunks of a chunked prefill continue each other;
-    :meth:`send` sends a manifest built elsewhere.
+    :meth:`send_request` sends a request's pages from the pool's page table after its prefill
+    and remembers how many pages of it were sent, so the chunks of a chunked prefill continue
+    each other; :meth:`send` sends a manifest built elsewhere. With the layer pipeline an engine
+    opens the batch's requests before the layer loop (:meth:`open_request`), calls
+    :meth:`layer_written` after each layer's KV write and :meth:`finish` after the batch.
+    The bytes move on a :class:`~cpkv.disagg.sender.SendWorker` thread.
     """
 
     def __init__(self, link: Link, pool: ShardedKVPool, rank: int, cp_size: int, *,
-                 debug: bool = False) -> None:
+                 debug: bool = False, max_inflight_bytes: int = 256 << 20) -> None:
         self.link, self.pool, self.rank, self.cp_size, self.debug = link, pool, rank, cp_size, debug
         #: request -> logical pages already sent (by earlier chunks)
         self.sent_pages: dict[str, int] = {}
+        self.worker = SendWorker(link, pool, rank, cp_size, max_inflight_bytes)
+        #: streams opened for the layer pipeline and not finished yet, in order
+        self.open: dict[str, Stream] = {}
 
+    # ---- request pipeline: everything after the prefill ---------------------------------------
     def send_request(self, request: Hashable, pages: RequestPages, *, final: bool = True,
-                     meta: Mapping[str, Any] | None = None) -> Sent:
+                     meta: Mapping[str, Any] | None = None, started: float | None = None) -> Sent:
         """Send the pages of ``request`` (page table ``pages``) not sent before: after a non-final
         chunk only its whole pages (rule 26), after the final one the rest, tail page included.
         Every prefill rank calls it with the same arguments; returns once decode published.
+        A request opened with :meth:`open_request` (layer pipeline) is finished instead.
+        ``started``: the wall clock (``time.time()``) of its prefill's start, for
+        ``Sent.ready_seconds`` (default: now).
 
         Raises:
             TransferError: the decode rank refused or did not publish the request (nothing of
                 this call counts as sent then).
         """
         rid = str(request)
-        m = manifest_for(rid, pages, self.pool.fmt.page_size, self.cp_size, final=final,
-                         already_sent=self.sent_pages.get(rid, 0))
-        done = self.send(m, meta)
+        if rid in self.open:
+            return self.finish(rid, meta)
+        m = self.manifest(rid, pages, final)
+        done = self.send(m, meta, started=started)
+        self._sent(rid, m, final)
+        return done
+
+    def manifest(self, request: Hashable, pages: RequestPages, final: bool) -> TransferManifest:
+        """The manifest of the pages of ``request`` not sent before (see :meth:`send_request`)."""
+        rid = str(request)
+        return manifest_for(rid, pages, self.pool.fmt.page_size, self.cp_size, final=final,
+                            already_sent=self.sent_pages.get(rid, 0), layout=self.pool.layout)
+
+    def _sent(self, rid: str, m: TransferManifest, final: bool) -> None:
         if final:
             self.sent_pages.pop(rid, None)
         else:
             self.sent_pages[rid] = m.num_pages
-        return done
 
-    def send(self, manifest: TransferManifest, meta: Mapping[str, Any] | None = None) -> Sent:
+    def _unsent(self, m: TransferManifest) -> None:
+        """A layer-pipelined send counted at open did not publish: its pages count as unsent."""
+        if m.first_page:
+            self.sent_pages[m.request] = m.first_page
+        else:
+            self.sent_pages.pop(m.request, None)
+
+    def send(self, manifest: TransferManifest, meta: Mapping[str, Any] | None = None, *,
+             started: float | None = None) -> Sent:
         """Send this rank's part of ``manifest`` (every prefill rank calls it with the same
         manifest). Returns after the decode rank published the request.
 
         Raises:
             TransferError: the decode rank refused or did not publish the request.
         """
-        t0 = time.perf_counter()
+        end = time.time()
         if self.pool.loads_pending:  # pages a cache hit brought back from the host, in place first
             self.pool.flush_loads()
+        s = self._offer(manifest, "request", end if started is None else started, meta)
+        ready = None
+        if self.pool.group.device.type == "cuda":  # the prefill's last writes may still run
+            import torch
+
+            ready = torch.cuda.Event()
+            ready.record()
+        self.worker.submit(s, range(self.pool.num_layers), ready)
+        return self._conclude(s, None, end)
+
+    def cancel(self, why: str) -> None:
+        """The prefill of the open (layer-pipelined) requests failed: their queued sends are
+        skipped and their :class:`Done` says ``why`` (the decode gives them up at once); returns
+        once the sender worker is past them (bounded), so the batch's pages can be reused."""
+        streams = list(self.open.values())
+        self.open.clear()
+        for s in streams:
+            s.cancelled = why
+            self._unsent(s.manifest)
+            if s.layers_queued < self.pool.num_layers:  # a two-sided link sends them anyway
+                self.worker.submit(s, range(s.layers_queued, self.pool.num_layers))
+            self.worker.finish(s)
+        for s in streams:
+            s.done.wait(self.link_timeout())
+        for _ in streams:  # the decode's (negative) verdicts keep the side channel in step
+            with contextlib.suppress(Exception):
+                self.link.channel.recv(self.cp_size)
+
+    def link_timeout(self) -> float:
+        return float(getattr(self.link.channel, "timeout_s", 30.0))
+
+    # ---- layer pipeline: sends during the prefill -----------------------------------------------
+    def open_request(self, request: Hashable, pages: RequestPages, *, final: bool,
+                     started: float) -> Stream:
+        """Offer ``request``'s pages (the batch's page table, reserved but not yet written) to the
+        decode and take its grant, before the layer loop; its layers then move as
+        :meth:`layer_written` is called. ``started``: the batch's prefill start
+        (``time.time()``).
+
+        Raises:
+            TransferError: the decode refused the request (nothing will move).
+        """
+        rid = str(request)
+        m = self.manifest(rid, pages, final)
+        s = self._offer(m, "layer", started, None)
+        self.open[rid] = s
+        self._sent(rid, m, final)
+        return s
+
+    def layer_written(self, layer: int, ready: Any = None) -> None:
+        """Layer ``layer``'s KV of the open requests is written (on GPUs ``ready`` is a CUDA
+        event recorded after the write on the compute stream: nothing here waits for it):
+        queue its pages' sends."""
+        for s in self.open.values():
+            if s.layers_queued == layer:
+                self.worker.submit(s, range(layer, layer + 1), ready)
+
+    def finish(self, request: Hashable, meta: Mapping[str, Any] | None = None,
+               prefill_end: float | None = None) -> Sent:
+        """End ``request``'s layer-pipelined send (every layer queued): its :class:`Done` with
+        ``meta``, then the decode's verdict.
+
+        Raises:
+            TransferError: not every layer was queued, or the decode did not publish it.
+        """
+        s = self.open.pop(str(request), None)
+        if s is None:
+            raise TransferError(f"request {request!r} has no layer-pipelined send open")
+        if s.layers_queued != self.pool.num_layers:
+            self.worker.submit(s, range(s.layers_queued, self.pool.num_layers))
+        sums = None
+        if self.debug:  # every layer is written by now; the checksums cover every layer
+            sums = page_checksums(self.pool, _src_slots(s.part))
+        try:
+            return self._conclude(s, meta, prefill_end if prefill_end is not None else time.time(),
+                                  sums)
+        except TransferError:
+            self._unsent(s.manifest)
+            raise
+
+    # ---- both ----------------------------------------------------------------------------------
+    def _offer(self, manifest: TransferManifest, pipeline: str, started: float,
+               meta: Mapping[str, Any] | None) -> Stream:
         part = _part_of(manifest, self.rank)
-        src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
-        sums = page_checksums(self.pool, src) if self.debug else None
+        sums = (page_checksums(self.pool, _src_slots(part))
+                if self.debug and pipeline == "request" else None)
         decode = self.cp_size
-        self.link.channel.send(decode, Offer(self.rank, manifest, part_nbytes(self.pool, part.num_pages),
-                                             sums, dict(meta or {})))
+        self.link.channel.send(decode, Offer(self.rank, manifest,
+                                             part_nbytes(self.pool, part.num_pages), sums,
+                                             dict(meta or {}), pipeline))
         grant: Grant = self.link.channel.recv(decode)
         if grant.error is not None or grant.dst_slots is None:
             raise TransferError(f"decode refused request {manifest.request!r}: {grant.error}")
-        sent = self.link.send_part(part, grant.dst_slots) if part.runs else 0
-        ack: Ack = self.link.channel.recv(decode)
+        return Stream(manifest, part, list(grant.dst_slots), grant.epoch, pipeline, started)
+
+    def _conclude(self, s: Stream, meta: Mapping[str, Any] | None, prefill_end: float,
+                  sums: list[int] | None = None) -> Sent:
+        """Queue the Done, wait for the decode's Ack (it comes after every rank's Done, or when
+        the decode gave the request up: the worker may then still be sending; its Done follows
+        late and releases the quarantine)."""
+        self.worker.finish(s, meta, sums)
+        ack: Ack = self.link.channel.recv(self.cp_size)
+        m = s.manifest
         if not ack.published:
-            raise TransferError(f"decode did not publish request {manifest.request!r}: {ack.error}")
-        return Sent(manifest.request, sent, len(part.runs), time.perf_counter() - t0, manifest)
+            if s.error is not None or s.cancelled is not None:
+                raise TransferError(f"rank {self.rank} failed writing its part of {m.request!r} "
+                                    f"({s.part.num_pages} pages): {s.error or s.cancelled}; decode: "
+                                f"{ack.error}")
+            raise TransferError(f"decode did not publish request {m.request!r}: {ack.error}")
+        busy = sum(b - a for a, b in s.busy)
+        return Sent(m.request, s.sent, len(s.part.runs), time.time() - s.started, m, s.pipeline,
+                    ready_seconds=max(0.0, ack.published_at - s.started),
+                    overlap_seconds=overlap(s.busy, s.started, prefill_end),
+                    send_seconds=busy)
+
+    def close(self) -> None:
+        """Stop the sender thread (after its queued jobs)."""
+        self.worker.close()
 
 
 class DecodeTransfer:
-    """The receiving side on the decode rank (endpoint C of ``link``)."""
+    """The receiving side on the decode rank (endpoint C of ``link``).
+
+    Attributes:
+        late: :class:`Done` notices of given-up grants that arrived later (each released that
+            sender's hold on the quarantined slots).
+    """
 
     def __init__(self, link: Link, receiver: DecodeReceiver, cp_size: int) -> None:
         self.link, self.receiver, self.cp_size = link, receiver, cp_size
+        self.late: list[Done] = []
 
     def _tell_all(self, msg: Any, best_effort: bool = False) -> None:
         for r in range(self.cp_size):
@@ -128,55 +291,150 @@ class DecodeTransfer:
                 if not best_effort:
                     raise
 
+    def _recv(self, rank: int, epoch: int | None = None) -> Any:
+        """The next message from ``rank`` that is not a late :class:`Done` of another grant
+        (those release the sender's hold on a quarantined reservation and are skipped)."""
+        while True:
+            msg = self.link.channel.recv(rank)
+            if isinstance(msg, Done) and msg.epoch != epoch:
+                self.receiver.sender_done(msg.epoch, msg.rank)
+                self.late.append(msg)
+                continue
+            return msg
+
+    def _await_quarantine(self) -> bool:
+        """The pool is full and slots are in quarantine: wait (each wait bounded by the link's
+        timeout) for the late notices of the senders they wait for: between requests the next
+        message of such a sender can only be its late :class:`Done`. Returns whether slots came
+        back."""
+        before = sum(len(q[1]) for q in self.receiver.quarantined().values())
+        pending = sorted({r for _, _, rs in self.receiver.quarantined().values() for r in rs})
+        for r in pending:
+            try:
+                msg = self.link.channel.recv(r)
+            except Exception:
+                return False
+            if not isinstance(msg, Done):
+                raise TransferError(f"rank {r} sent {type(msg).__name__} while the decode waited "
+                                    f"for its late completion notice")
+            self.receiver.sender_done(msg.epoch, msg.rank)
+            self.late.append(msg)
+        return sum(len(q[1]) for q in self.receiver.quarantined().values()) < before
+
+    def _done(self, rank: int, epoch: int, request: str) -> Done:
+        try:
+            msg = self._recv(rank, epoch)
+        except Exception as exc:
+            wait = getattr(self.link.channel, "timeout_s", None)
+            raise TransferError(f"no completion notice from rank {rank} (waited at most "
+                                f"{wait if wait is None else format(wait, 'g')} s, "
+                                f"transfer.timeout_s): {type(exc).__name__}: {exc}") from exc
+        if not isinstance(msg, Done) or (msg.request, msg.rank) != (request, rank):
+            raise TransferError(f"rank {rank} sent {msg!r}, expected the completion notice of "
+                                f"its part of {request!r}")
+        return msg
+
     def receive(self) -> Received:
         """Receive, assemble and publish the next request.
 
         Raises:
             TransferError: refused (pool exhausted, inconsistent offers), a transport failure, or
-                the parts did not check out; nothing was published and the reservation is gone.
+                the parts did not check out; nothing was published and the reservation is gone
+                (or, with a one-sided link, in quarantine until its senders are done).
         """
         rx, c = self.receiver, self.cp_size
-        offers: list[Offer] = [self.link.channel.recv(r) for r in range(c)]
+        offers: list[Offer] = [self._recv(r) for r in range(c)]
         t0 = time.perf_counter()
         m = offers[0].manifest
         problem = None
         for r, o in enumerate(offers):
-            if o.rank != r or o.manifest != m:
+            if not isinstance(o, Offer):
+                problem = f"rank {r} sent {type(o).__name__}, expected an offer"
+            elif o.rank != r or o.manifest != m:
                 problem = f"rank {r}'s offer does not match rank 0's manifest"
             elif o.nbytes != part_nbytes(rx.pool, _part_of(m, r).num_pages):
                 problem = (f"rank {r} offers {o.nbytes} bytes, its part has "
                            f"{_part_of(m, r).num_pages} pages")
+            elif o.pipeline != offers[0].pipeline:
+                problem = f"rank {r} pipelines by {o.pipeline!r}, rank 0 by {offers[0].pipeline!r}"
         slots: dict[int, int] = {}
-        if problem is None:
+        while problem is None:
             try:
                 slots = rx.reserve(m)
-            except (PoolExhausted, TransferError) as exc:
+                break
+            except PoolExhausted as exc:
+                problem = str(exc)
+                if rx.quarantined() and self._await_quarantine():
+                    problem = None  # slots came back: try again
+            except TransferError as exc:
                 problem = str(exc)
         if problem is not None:
             self._tell_all(Grant(m.request, None, problem), best_effort=True)
             raise TransferError(f"request {m.request!r} refused: {problem}")
+        epoch, pipeline = rx.next_epoch(), offers[0].pipeline
         for r in range(c):
             part = _part_of(m, r)
-            self.link.channel.send(r, Grant(m.request, [slots[p] for p in part.logical_pages()]))
+            self.link.channel.send(r, Grant(m.request, [slots[p] for p in part.logical_pages()],
+                                            epoch=epoch))
+        one_sided = bool(getattr(self.link, "one_sided", False))
+        n_layers = rx.pool.num_layers
+        groups = ([range(k, k + 1) for k in range(n_layers)] if pipeline == "layer"
+                  else [range(n_layers)])
         got = [0] * c
+        done: dict[int, Done] = {}
         current = -1
+        todo = [(g, part) for g in groups for part in m.parts] if not one_sided else []
         try:
-            for part in m.parts:
+            while todo:  # two-sided: in the order every sender sends (layer group, then rank)
+                g, part = todo[0]
                 current = part.rank
-                got[part.rank] = self.link.recv_part(part, rx)
-                if got[part.rank] != offers[part.rank].nbytes:
-                    raise TransferError(f"rank {part.rank}: {got[part.rank]} bytes arrived, "
-                                        f"{offers[part.rank].nbytes} offered")
+                got[part.rank] += self.link.recv_part(part, rx, layers=g, epoch=epoch)
+                todo.pop(0)
+            for r in range(c):
+                current = r
+                done[r] = d = self._done(r, epoch, m.request)  # it writes nothing more
+                if d.error is not None:
+                    raise TransferError(f"rank {r}'s writes failed: {d.error}")
+                part = _part_of(m, r)
+                if one_sided:
+                    got[r] = d.nbytes
+                    if part.runs:
+                        rx.mark_written(part, m.layout)
+                if got[r] != offers[r].nbytes:
+                    raise TransferError(f"rank {r}: {got[r]} bytes arrived, {offers[r].nbytes} "
+                                        f"offered")
         except Exception as exc:
-            rx.abort(m)
+            # one-sided: a sender without its Done may still write into the slots
+            hold = {p.rank for p in m.parts if p.rank not in done} if one_sided else set()
+            rx.abort(m, hold=hold, epoch=epoch)
+            fence = getattr(self.link.channel, "fence", None)
+            if fence is not None:
+                with contextlib.suppress(Exception):
+                    fence(epoch)
+            abandon = getattr(self.link, "abandon", None)
+            if todo and abandon is not None:  # two-sided: drain what the senders still send
+                with contextlib.suppress(Exception):
+                    abandon(todo[1:], epoch)
             why = (f"transfer of {m.request!r} failed receiving rank {current}'s part: "
                    f"{type(exc).__name__}: {exc}; nothing published")
             self._tell_all(Ack(m.request, False, why), best_effort=True)
             raise TransferError(why) from exc
-        sums = {o.rank: o.checksums for o in offers if o.checksums is not None} if rx.debug else None
+        sums = None
+        if rx.debug:
+            src = {o.rank: o.checksums for o in offers} if pipeline == "request" else \
+                {r: d.checksums for r, d in done.items()}
+            sums = {r: v for r, v in src.items() if v is not None}
         ok = rx.complete(m, sums)
-        self._tell_all(Ack(m.request, ok, rx.last_error), best_effort=not ok)
+        now = time.time()
+        self._tell_all(Ack(m.request, ok, rx.last_error, now), best_effort=not ok)
         if not ok:
             raise TransferError(rx.last_error or f"request {m.request!r} not published")
+        meta = {**offers[0].meta, **done[0].meta} if done else dict(offers[0].meta)
         return Received(m, got, sum(len(p.runs) for p in m.parts), time.perf_counter() - t0,
-                        offers[0].meta)
+                        meta, pipeline, now)
+
+    def close(self) -> None:
+        """Tear the link down: no sender can write any more, so quarantined slots come back."""
+        with contextlib.suppress(Exception):
+            self.link.close()
+        self.receiver.release_quarantine()

@@ -14,7 +14,7 @@ from typing import Self
 
 from pydantic import Field, model_validator
 
-from cpkv.contracts import Contract, Count, PageIndex, Rank, cdiv
+from cpkv.contracts import Contract, Count, PageIndex, PageLayout, Rank, cdiv
 from cpkv.kv import RequestPages
 
 __all__ = ["PageRun", "RankTransfer", "TransferManifest", "coalesce", "manifest_for",
@@ -59,6 +59,9 @@ class TransferManifest(Contract):
     num_pages: Count
     first_page: Count = 0
     parts: tuple[RankTransfer, ...]
+    #: the byte order of the senders' page blocks (their pool's :class:`PageLayout`): a one-sided
+    #: transport copies blocks as they are, and the decode side re-lays them out for its pool
+    layout: PageLayout = PageLayout.TOKEN_MAJOR
 
     @model_validator(mode="after")
     def _exactly_once(self) -> Self:
@@ -99,7 +102,8 @@ def rank_transfer(request: Hashable, owners: Sequence[int], slots: Sequence[int]
 
 
 def manifest_for(request: Hashable, pages: RequestPages, page_size: int, cp_size: int, *,
-                 final: bool = True, already_sent: int = 0) -> TransferManifest:
+                 final: bool = True, already_sent: int = 0,
+                 layout: PageLayout = PageLayout.TOKEN_MAJOR) -> TransferManifest:
     """The manifest of a request's pages [already_sent, n) from its page table ``pages`` (a
     prefill pool's :class:`~cpkv.kv.RequestPages`): n covers ``pages.valid_len`` tokens when
     ``final``, else only the whole pages (a non-final chunk never sends the tail page, which the
@@ -120,4 +124,4 @@ def manifest_for(request: Hashable, pages: RequestPages, page_size: int, cp_size
     parts = tuple(p for p in parts if p.runs)
     covered = valid_len if final else n * ps
     return TransferManifest(request=str(request), page_size=ps, valid_len=covered,
-                            num_pages=n, first_page=already_sent, parts=parts)
+                            num_pages=n, first_page=already_sent, parts=parts, layout=layout)

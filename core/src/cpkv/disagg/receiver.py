@@ -10,11 +10,12 @@ transfer never shows up in it, and :meth:`DecodeReceiver.abort` gives the reserv
 from __future__ import annotations
 
 import zlib
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from cpkv.contracts import PageLayout
 from cpkv.kv import RequestPages, ShardedKVPool
 
 from .plan import RankTransfer, TransferManifest
@@ -26,26 +27,27 @@ class TransferError(RuntimeError):
     """A transfer failed or did not check out; nothing of it was published."""
 
 
-def part_nbytes(pool: ShardedKVPool, num_pages: int) -> int:
-    """Bytes of ``num_pages`` pages of every layer, latent and index-K: what a part moves."""
-    return num_pages * pool.fmt.page_bytes * pool.num_layers
+def part_nbytes(pool: ShardedKVPool, num_pages: int, num_layers: int | None = None) -> int:
+    """Bytes of ``num_pages`` pages of every layer (or of ``num_layers`` layers), latent and
+    index-K: what a part moves."""
+    return num_pages * pool.fmt.page_bytes * (pool.num_layers if num_layers is None else num_layers)
 
 
 def _slots_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(slots), dtype=torch.int64, device=device)
 
 
-def pack_part(pool: ShardedKVPool, part: RankTransfer) -> torch.Tensor:
+def pack_part(pool: ShardedKVPool, part: RankTransfer, layers: range | None = None) -> torch.Tensor:
     """The sender's pages of ``part`` as one contiguous uint8 buffer (on the pool's device).
 
-    Layout (the *packed part layout*): for layer 0..L-1: the latent bytes of the part's pages
-    ``[n, ps, latent bytes]`` then their index-K bytes ``[n, ps, index bytes]``; pages in the
-    part's logical order (runs in order, pages of a run in order).
+    Layout (the *packed part layout*): for each layer of ``layers`` (default 0..L-1): the latent
+    bytes of the part's pages ``[n, ps, latent bytes]`` then their index-K bytes ``[n, ps, index
+    bytes]``; pages in the part's logical order (runs in order, pages of a run in order).
     """
     src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
     idx = _slots_tensor(src, pool.group.device)
     chunks = []
-    for layer in range(pool.num_layers):
+    for layer in range(pool.num_layers) if layers is None else layers:
         chunks.append(pool.latent[layer].index_select(0, idx).reshape(-1))
         chunks.append(pool.index_k[layer].index_select(0, idx).reshape(-1))
     if not chunks or not src:
@@ -79,6 +81,16 @@ class _Reservation:
     manifest: TransferManifest
     slots: dict[int, int]  # logical page -> decode slot
     arrived: dict[int, int] = field(default_factory=dict)  # sender rank -> pages placed
+    layers: dict[int, set[int]] = field(default_factory=dict)  # sender rank -> layers placed
+
+
+@dataclass
+class _Quarantine:
+    """Slots of a given-up request that a sender may still write (one-sided transports)."""
+
+    request: str
+    slots: list[int]
+    pending: set[int]  # sender ranks not yet known done
 
 
 class DecodeReceiver:
@@ -103,7 +115,15 @@ class DecodeReceiver:
         self.pool = pool
         self.debug = pool.debug if debug is None else debug
         self._res: dict[str, _Reservation] = {}
+        #: epoch -> slots held back from the allocator until every pending sender is done
+        self._quarantine: dict[int, _Quarantine] = {}
+        self._epoch = 0
         self.last_error: str | None = None
+
+    def next_epoch(self) -> int:
+        """A new grant number (never reused by this receiver: a fence names one grant)."""
+        self._epoch += 1
+        return self._epoch
 
     # ---- reservation -----------------------------------------------------------------------
     def in_flight(self) -> list[str]:
@@ -152,6 +172,17 @@ class DecodeReceiver:
             raise TransferError(f"request {part.request!r}: rank {part.rank}'s part arrived twice")
         return res
 
+    def _arrive(self, res: _Reservation, part: RankTransfer, layers: range) -> None:
+        """Count ``layers`` of ``part`` placed; the part has arrived once every layer has."""
+        got = res.layers.setdefault(part.rank, set())
+        again = got.intersection(layers)
+        if again:
+            raise TransferError(f"request {part.request!r}: rank {part.rank}'s layers "
+                                f"{sorted(again)[:8]} arrived twice")
+        got.update(layers)
+        if len(got) == self.pool.num_layers:
+            res.arrived[part.rank] = part.num_pages
+
     def dst_slots(self, part: RankTransfer) -> list[int]:
         """Reserved decode slots of ``part``'s pages, in the part's logical order."""
         res = self._res[part.request]
@@ -159,54 +190,68 @@ class DecodeReceiver:
 
     # ---- arrival ---------------------------------------------------------------------------
     def place(self, part: RankTransfer, latent: Sequence[torch.Tensor],
-              index_k: Sequence[torch.Tensor]) -> None:
-        """Write ``part``'s received pages at their reserved slots and mark the part arrived.
+              index_k: Sequence[torch.Tensor], *, layers: range | None = None) -> None:
+        """Write ``part``'s received pages of ``layers`` (default: every layer) at their reserved
+        slots; the part has arrived once every layer has.
 
-        ``latent[layer]`` / ``index_k[layer]``: uint8 ``[part.num_pages, ps, bytes]``, pages in the
-        part's logical order.
+        ``latent[i]`` / ``index_k[i]``: uint8 ``[part.num_pages, ps, bytes]`` of layer
+        ``layers[i]``, pages in the part's logical order.
 
         Raises:
-            TransferError: unknown request or part, part already arrived, wrong shapes (nothing
-                was written then).
+            TransferError: unknown request or part, part (or one of these layers) already
+                arrived, wrong shapes (nothing was written then).
         """
         res = self._take(part)
         pool, n = self.pool, part.num_pages
+        layers = range(pool.num_layers) if layers is None else layers
         ps, lb, ib = pool.fmt.page_size, pool.fmt.latent_bytes_per_token, pool.fmt.index_bytes_per_token
-        if len(latent) != pool.num_layers or len(index_k) != pool.num_layers:
+        if len(latent) != len(layers) or len(index_k) != len(layers) or \
+                (len(layers) and not 0 <= layers[0] <= layers[-1] < pool.num_layers):
             raise TransferError(f"request {part.request!r} rank {part.rank}: {len(latent)}/"
-                                f"{len(index_k)} layers received, the pool has {pool.num_layers}")
+                                f"{len(index_k)} layers received for layers {layers}, the pool "
+                                f"has {pool.num_layers}")
         for a, b in zip(latent, index_k, strict=True):
             if tuple(a.shape) != (n, ps, lb) or tuple(b.shape) != (n, ps, ib) or \
                     a.dtype != torch.uint8 or b.dtype != torch.uint8:
                 raise TransferError(f"request {part.request!r} rank {part.rank}: received pages "
                                     f"{tuple(a.shape)}/{tuple(b.shape)}, expected {(n, ps, lb)}/"
                                     f"{(n, ps, ib)} uint8")
+        if set(layers) & res.layers.get(part.rank, set()):
+            self._arrive(res, part, layers)  # raises: arrived twice
         idx = _slots_tensor(self.dst_slots(part), pool.group.device)
-        for layer in range(pool.num_layers):
-            pool.latent[layer].index_copy_(0, idx, latent[layer].to(pool.group.device))
-            pool.index_k[layer].index_copy_(0, idx, index_k[layer].to(pool.group.device))
-        res.arrived[part.rank] = n
+        for i, layer in enumerate(layers):
+            pool.latent[layer].index_copy_(0, idx, latent[i].to(pool.group.device))
+            pool.index_k[layer].index_copy_(0, idx, index_k[i].to(pool.group.device))
+        self._arrive(res, part, layers)
 
-    def place_packed(self, part: RankTransfer, buf: torch.Tensor) -> None:
-        """:meth:`place` from one buffer in the packed part layout (see :func:`pack_part`)."""
+    def place_packed(self, part: RankTransfer, buf: torch.Tensor, *,
+                     layers: range | None = None) -> None:
+        """:meth:`place` from one buffer in the packed part layout (see :func:`pack_part`),
+        holding ``layers`` (default: every layer)."""
         pool, n = self.pool, part.num_pages
-        want = part_nbytes(pool, n)
+        layers = range(pool.num_layers) if layers is None else layers
+        want = part_nbytes(pool, n, len(layers))
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != want:
             raise TransferError(f"request {part.request!r} rank {part.rank}: received "
                                 f"{buf.numel()} bytes ({buf.dtype}), expected {want} for {n} pages")
         ps, lb, ib = pool.fmt.page_size, pool.fmt.latent_bytes_per_token, pool.fmt.index_bytes_per_token
         lat, idx, off = [], [], 0
-        for _ in range(pool.num_layers):
+        for _ in layers:
             lat.append(buf[off:off + n * ps * lb].view(n, ps, lb))
             off += n * ps * lb
             idx.append(buf[off:off + n * ps * ib].view(n, ps, ib))
             off += n * ps * ib
-        self.place(part, lat, idx)
+        self.place(part, lat, idx, layers=layers)
 
-    def mark_written(self, part: RankTransfer) -> None:
+    def mark_written(self, part: RankTransfer,
+                     layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
         """Mark ``part`` arrived when the transport wrote its bytes straight into the reserved
-        slots (one-sided writes, e.g. Mooncake). Call only once the bytes are in place."""
+        slots (one-sided writes, e.g. Mooncake), as blocks in the senders' ``layout``: pages of
+        another layout than the decode pool's are re-laid out in place here. Call only once the
+        bytes are in place."""
         res = self._take(part)
+        if layout is not self.pool.layout:
+            self.pool.relayout(self.dst_slots(part), layout)
         res.arrived[part.rank] = part.num_pages
 
     # ---- publish / abort -------------------------------------------------------------------
@@ -267,12 +312,47 @@ class DecodeReceiver:
         self.last_error = None
         return True
 
-    def abort(self, manifest: TransferManifest | str) -> None:
-        """Release everything reserved for the request (no-op when nothing is reserved)."""
+    def abort(self, manifest: TransferManifest | str, *, hold: Iterable[int] = (),
+              epoch: int = 0) -> None:
+        """Give up the request's reservation (no-op when nothing is reserved). Without ``hold``
+        its slots go back to the allocator. With ``hold`` (sender ranks that may still write
+        into them: one-sided transports) they go to quarantine under ``epoch`` instead, and come
+        back only when :meth:`sender_done` has been called for every one of those ranks (or
+        :meth:`release_quarantine`): a late write can never land in memory given to another
+        request."""
         rid = manifest if isinstance(manifest, str) else manifest.request
         res = self._res.pop(rid, None)
-        if res is not None and res.slots:
+        if res is None or not res.slots:
+            return
+        pending = set(hold)
+        if pending:
+            self._quarantine[epoch] = _Quarantine(rid, list(res.slots.values()), pending)
+        else:
             self.pool.release((0, s) for s in res.slots.values())
+
+    def sender_done(self, epoch: int, rank: int) -> bool:
+        """Sender ``rank`` of quarantined grant ``epoch`` writes nothing more (its :class:`Done`
+        arrived, or its link is gone); the slots go back once no sender is pending. Returns
+        whether ``epoch`` was quarantined and waiting for ``rank``."""
+        q = self._quarantine.get(epoch)
+        if q is None or rank not in q.pending:
+            return False
+        q.pending.discard(rank)
+        if not q.pending:
+            del self._quarantine[epoch]
+            self.pool.release((0, s) for s in q.slots)
+        return True
+
+    def quarantined(self) -> dict[int, tuple[str, list[int], list[int]]]:
+        """epoch -> (request, slots held back, sender ranks still pending)."""
+        return {e: (q.request, list(q.slots), sorted(q.pending)) for e, q in self._quarantine.items()}
+
+    def release_quarantine(self) -> None:
+        """Every link to the senders is torn down (nothing can write any more): give every
+        quarantined slot back."""
+        for e in list(self._quarantine):
+            q = self._quarantine.pop(e)
+            self.pool.release((0, s) for s in q.slots)
 
     def free(self, rid: Hashable) -> None:
         """Release a published request (after decoding it)."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
 
     from .receiver import DecodeReceiver
 
-__all__ = ["Ack", "DistSideChannel", "Grant", "Link", "LinkSpec", "Offer", "SideChannel",
-           "StoreSideChannel", "Transport"]
+__all__ = ["Ack", "DistSideChannel", "Done", "Grant", "Link", "LinkSpec", "Offer", "SideChannel",
+           "StoreSideChannel", "Transport", "store_side_channel"]
 
 
 # ---- what a plugin implements ---------------------------------------------------------------
@@ -82,7 +83,8 @@ class SideChannel(Protocol):
     """Ordered, reliable, picklable messages between endpoints (per sender -> receiver pair).
 
     ``recv`` blocks until the next message from ``peer`` arrives, bounded by the link's timeout
-    (raises on timeout or when the peer is gone).
+    (raises on timeout or when the peer is gone). ``send`` may be called from two threads of an
+    endpoint (the protocol's and its sender worker's).
     """
 
     def send(self, peer: int, msg: Any) -> None: ...
@@ -92,24 +94,39 @@ class SideChannel(Protocol):
 
 @runtime_checkable
 class Link(Protocol):
-    """One endpoint's connection, from :meth:`Transport.connect`."""
+    """One endpoint's connection, from :meth:`Transport.connect`.
+
+    ``one_sided``: True when :meth:`send_part` writes straight into the decode pool's reserved
+    slots (the decode side never touches the bytes). The core then keeps the slots of a failed
+    request in quarantine until every sender of it is known done (docs/transfer.md, "Late
+    writes"); a two-sided link places the bytes itself, so a late send can never reach the pool.
+    """
 
     channel: SideChannel
+    one_sided: bool
 
-    def send_part(self, part: RankTransfer, dst_slots: Sequence[int]) -> int:
-        """Prefill endpoint: move the bytes of ``part`` (latent and index-K of every layer of its
-        pages, read from this endpoint's pool at ``run.src_slot``...) to the decode endpoint,
-        where page ``part.logical_pages()[i]`` goes to decode slot ``dst_slots[i]``. Coalesced
-        runs move as one entry per (layer, buffer) where the transport has entries; batches stay
-        within its limits (rule 27). Returns the bytes moved: exactly
-        ``part.num_pages * fmt.page_bytes * num_layers``. Raises on any failure."""
+    def send_part(self, part: RankTransfer, dst_slots: Sequence[int], *,
+                  layers: range | None = None, epoch: int = 0,
+                  fenced: Callable[[], bool] | None = None) -> int:
+        """Prefill endpoint: move the bytes of ``part`` (latent and index-K of ``layers``, default
+        every layer, of its pages, read from this endpoint's pool at ``run.src_slot``...) to the
+        decode endpoint, where page ``part.logical_pages()[i]`` goes to decode slot
+        ``dst_slots[i]``. ``epoch`` is the decode's grant (a two-sided link tags its messages with
+        it, so a late message is never taken for a later request's). ``fenced``, when given, is
+        checked before each batch of writes: once it says True nothing more is written
+        (``TransferError``). Coalesced runs move as one entry per layer where the transport has
+        entries; batches stay within its limits (rule 27). Returns the bytes moved: exactly
+        ``part.num_pages * fmt.page_bytes * len(layers)``. Raises on any failure, and only once
+        none of its writes can still land (a failed engine is torn down first)."""
         ...
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver) -> int:
-        """Decode endpoint: return once ``part``'s bytes are in ``receiver``'s reserved slots
-        (``receiver.place``/``place_packed`` for a two-sided transport, ``mark_written`` after
-        one-sided writes completed). Returns the bytes received. Raises on failure or timeout;
-        the caller then aborts the request."""
+    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+                  layers: range | None = None, epoch: int = 0) -> int:
+        """Decode endpoint, two-sided links: return once the bytes of ``part``'s ``layers`` are
+        placed (``receiver.place_packed``), bounded by the link's timeout. Returns the bytes
+        received. Raises on failure or timeout (a receive still pending keeps its own staging
+        buffer: late bytes land there, never in the pool). One-sided links: the bytes are already
+        in place when the sender's :class:`Done` arrived; returns 0."""
         ...
 
     def close(self) -> None: ...
@@ -139,6 +156,9 @@ class Offer:
     nbytes: int  # bytes this rank will move (its pages x page bytes x layers)
     checksums: list[int] | None = None  # debug: per page of its part, in logical order
     meta: Mapping[str, Any] = field(default_factory=dict)  # e.g. the first generated token
+    #: "request": the whole part in one send after the prefill; "layer": one send per layer, as
+    #: the layers are written (checksums then come with the :class:`Done`)
+    pipeline: str = "request"
 
 
 @dataclass(frozen=True)
@@ -149,6 +169,25 @@ class Grant:
     request: str
     dst_slots: list[int] | None
     error: str | None = None
+    #: the decode's number for this reservation: a sender's :class:`Done` names it, and the
+    #: decode fences it (``SideChannel.fence``) when it gives the request up
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Done:
+    """Prefill endpoint -> decode once none of its writes of a granted request can still land:
+    every send returned (``error`` None: ``nbytes`` moved), or its sends failed or were fenced
+    (``error`` says why; some bytes may have landed). Every granted endpoint sends exactly one
+    per grant, late or not: the decode releases a failed request's quarantined slots on it."""
+
+    request: str
+    rank: int
+    epoch: int
+    nbytes: int
+    error: str | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    checksums: list[int] | None = None  # debug, layer pipeline: per page of its part
 
 
 @dataclass(frozen=True)
@@ -158,6 +197,9 @@ class Ack:
     request: str
     published: bool
     error: str | None = None
+    #: the decode's wall clock (``time.time()``) when it published (prefill ranks on the same
+    #: host measure ``ready_seconds`` with it)
+    published_at: float = 0.0
 
 
 # ---- side channels the core provides ---------------------------------------------------------
@@ -185,20 +227,40 @@ class DistSideChannel:
 class StoreSideChannel:
     """Messages over a key-value store (``torch.distributed.TCPStore`` or any object with
     ``set(key, bytes)``, ``get(key)``, ``wait([key], timedelta)``, ``delete_key(key)``): a plain
-    TCP side channel that needs no process group. Keys are ``{prefix}/{src}->{dst}/{seq}``."""
+    TCP side channel that needs no process group. Keys are ``{prefix}/{src}->{dst}/{seq}``.
+
+    Sends (and :meth:`fenced`) go through a second connection when the store can ``clone()``:
+    one thread may wait in :meth:`recv` while another sends (a store client serves one call at
+    a time)."""
 
     def __init__(self, store: Any, endpoint: int, timeout_s: float, prefix: str = "cpkv-xfer") -> None:
         self.store, self.endpoint, self.timeout_s, self.prefix = store, endpoint, timeout_s, prefix
         self._sent: dict[int, int] = {}
         self._got: dict[int, int] = {}
+        self._lock = threading.Lock()  # the protocol's thread and the sender worker both send
+        clone = getattr(store, "clone", None)
+        self._out = clone() if callable(clone) else store
 
     def _key(self, src: int, dst: int, seq: int) -> str:
         return f"{self.prefix}/{src}->{dst}/{seq}"
 
     def send(self, peer: int, msg: Any) -> None:
-        seq = self._sent.get(peer, 0)
-        self._sent[peer] = seq + 1
-        self.store.set(self._key(self.endpoint, peer, seq), pickle.dumps(msg))
+        data = pickle.dumps(msg)
+        with self._lock:
+            seq = self._sent.get(peer, 0)
+            self._sent[peer] = seq + 1
+            self._out.set(self._key(self.endpoint, peer, seq), data)
+
+    def fence(self, epoch: int) -> None:
+        """Decode: grant ``epoch`` is given up; a sender that checks :meth:`fenced` before each
+        batch writes nothing more for it."""
+        with self._lock:
+            self._out.set(f"{self.prefix}/fence/{epoch}", b"1")
+
+    def fenced(self, epoch: int) -> bool:
+        """Prefill: has the decode given grant ``epoch`` up? (one store round trip)"""
+        with self._lock:
+            return bool(self._out.check([f"{self.prefix}/fence/{epoch}"]))
 
     def recv(self, peer: int) -> Any:
         seq = self._got.get(peer, 0)
@@ -209,3 +271,50 @@ class StoreSideChannel:
         with contextlib.suppress(Exception):  # stores without delete keep the key; harmless
             self.store.delete_key(key)
         return msg
+
+
+def store_side_channel(spec: LinkSpec, hostname: str, prefix: str) -> tuple[StoreSideChannel, Any]:
+    """A :class:`StoreSideChannel` on a ``TCPStore`` that the decode endpoint hosts on
+    ``hostname`` (a timed-out wait leaves it usable, unlike a Gloo pair, which its first timeout
+    closes: a stalled sender must not break the link for the next request), or on
+    ``spec.options["store"]``. The store's port reaches the prefill endpoints over a Gloo group
+    of the endpoints' ``torch.distributed`` world (``new_group``: collective over the world).
+    The decode waits at most ``timeout_s`` per message; a prefill endpoint at most
+    (C + 1) x ``timeout_s`` (it hears the decode's verdict on a stalled peer instead of timing
+    out first). Returns (channel, the store when made here).
+
+    Raises:
+        RuntimeError: no store given and no initialized ``torch.distributed`` world.
+        TransferError: the decode endpoint could not host the store.
+    """
+    from datetime import timedelta
+
+    from .receiver import TransferError
+
+    wait_s = spec.timeout_s if spec.is_decode else (spec.cp_size + 1) * spec.timeout_s
+    if spec.options.get("store") is not None:
+        return StoreSideChannel(spec.options["store"], spec.endpoint, wait_s, prefix), None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("the transfer needs a side channel: an initialized torch.distributed "
+                           "world holding the C prefill ranks and the decode rank, or "
+                           "options['store'] (e.g. a torch.distributed.TCPStore)")
+    timeout = timedelta(seconds=spec.timeout_s)
+    ranks = [spec.world_rank(e) for e in range(spec.cp_size + 1)]
+    group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    store = None
+    box: list[Any] = [None]
+    if spec.is_decode:
+        try:
+            store = dist.TCPStore(hostname, 0, None, True, timeout, wait_for_workers=False)
+            box[0] = store.port
+        except Exception as exc:  # the prefill endpoints must hear of it, not hang
+            box[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(box, src=spec.world_rank(spec.decode_endpoint), group=group)
+    if not isinstance(box[0], int):
+        raise TransferError(f"connect: the decode endpoint's side-channel store on {hostname} "
+                            f"failed: {box[0]}")
+    if store is None:
+        store = dist.TCPStore(hostname, box[0], None, False, timeout)
+    return StoreSideChannel(store, spec.endpoint, wait_s, prefix), store

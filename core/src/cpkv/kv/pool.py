@@ -275,6 +275,25 @@ class ShardedKVPool:
             mine = self.ops.page_gather(gathered, batch.owner_src)
             self._store(layer, batch.owner_dst, mine[:, :nl], mine[:, nl:])
 
+    def relayout(self, slots: Sequence[int], layout: PageLayout) -> None:
+        """Pages at ``slots`` (every layer) hold blocks in ``layout`` (written by a one-sided
+        transfer from pools of that layout): rewrite them in place in this pool's layout."""
+        if layout is self.layout or not slots:
+            return
+        fmt = self.fmt
+        ps, nl, ni = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.group.device)
+        for layer in range(self.num_layers):
+            raw = self.kv[layer].index_select(0, idx)  # [n, ps, B]: the blocks as they came
+            if layout is PageLayout.TOKEN_MAJOR:
+                lat, ixk = raw[..., :nl], raw[..., nl:]
+            else:
+                flat = raw.view(raw.shape[0], -1)
+                lat = flat[:, :ps * nl].view(-1, ps, nl)
+                ixk = flat[:, ps * nl:].view(-1, ps, ni)
+            self.latent[layer].index_copy_(0, idx, lat)
+            self.index_k[layer].index_copy_(0, idx, ixk)
+
     def _store(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
                index_k: torch.Tensor) -> None:
         """Packed rows into token rows ``rows`` (page slot x ps + offset) of ``layer``."""

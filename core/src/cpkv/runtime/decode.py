@@ -135,6 +135,12 @@ class DecodeSession:
             raise RuntimeError("DecodeSession.receive needs a transfer: call connect(...) first")
         return self._rx.receive()
 
+    def close(self) -> None:
+        """Tear the transfer down (quarantined slots come back: no sender can write any more)."""
+        if self._rx is not None:
+            self._rx.close()
+            self._rx = None
+
     def step(self, batch: Sequence[tuple[Hashable, int]]) -> list[int]:
         """One decode step (see :meth:`DecodeWorker.step`)."""
         return self.worker.step(batch)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import structlog
 import torch
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from cpkv.models import DeepseekV32
     from cpkv.ops import OpTable
 
-__all__ = ["BATCH_PLAN", "CPPrefill", "DraftNext", "PrefillResult", "TopkCapture", "row_chunks"]
+__all__ = ["BATCH_PLAN", "CPPrefill", "DraftNext", "LayerHook", "PrefillResult", "TopkCapture",
+           "row_chunks"]
 
 #: ``draft_plan`` default: the draft layer uses the batch's own plan
 BATCH_PLAN: Any = object()
@@ -79,6 +80,18 @@ class PrefillResult:
     all_draft_hidden: torch.Tensor | None = None
     #: with the draft layer: how its input was embedded, "local" (rule 32) or "full" (fallback)
     draft_embedding: str | None = None
+
+
+class LayerHook(Protocol):
+    """Called by :meth:`CPPrefill.run` around the layer loop (the layer-pipelined transfer).
+
+    ``batch_ready`` runs once after the batch's pages are reserved (the pool's page table holds
+    them), before any layer; ``layer_written(layer)`` right after ``layer``'s KV is in the pool
+    (it must not sync the host with the device: rule 22)."""
+
+    def batch_ready(self, plan: CPPlan, rids: Sequence[Hashable]) -> None: ...
+
+    def layer_written(self, layer: int) -> None: ...
 
 
 def row_chunks(num_rows: int, bytes_per_row: int, budget_bytes: int) -> list[tuple[int, int]]:
@@ -155,7 +168,7 @@ class CPPrefill:
     def run(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
             capture_topk: bool = False, next_ids: Sequence[int | None] | None = None,
             draft_next: DraftNext = "prompt", draft_plan: CPPlan | None = BATCH_PLAN,
-            ) -> PrefillResult:
+            hook: LayerHook | None = None) -> PrefillResult:
         """Prefill ``batch``: [(request id, token ids of the extend)], continuing any request the
         pool already holds (its cached tokens are the prefix). Commits the KV on success and
         gives the batch's pages back on failure.
@@ -185,10 +198,12 @@ class CPPrefill:
             if draft:
                 dplan = plan if draft_plan is BATCH_PLAN else draft_plan
                 inputs |= self._draft_ids(plan, dplan, batch, next_ids, draft_next)
+            if hook is not None:
+                hook.batch_ready(plan, [rid for rid, _ in batch])
             seconds["plan"] = time.perf_counter() - t
             m = self.model
             out = self._layers(kv, inputs, seconds, capture_topk, m.embed(inputs["ids"]),
-                               range(m.num_layers))
+                               range(m.num_layers), hook)
             t = time.perf_counter()
             hidden = kv.rows.gather(out["x"], self.group, self.ops)
             last = torch.tensor([o + r.extend_len - 1 for o, r in
@@ -205,7 +220,7 @@ class CPPrefill:
                 # the target's greedy choice: of the last rows (a prompt's sampled first token),
                 # or of every row (verifying drafts); stays on the device
                 choice = (logits if draft_next == "greedy" else res.last_logits).argmax(dim=-1)
-                self._draft(kv, inputs, out["x"], choice, res, all_logits)
+                self._draft(kv, inputs, out["x"], choice, res, all_logits, hook)
                 seconds["draft"] = time.perf_counter() - t
         except BaseException:
             self.pool.abort(kv)
@@ -335,7 +350,7 @@ class CPPrefill:
         return kv.rows.split(m.draft_embed(ids), self.ops)
 
     def _draft(self, kv: BatchKV, inputs: dict[str, Any], x: torch.Tensor, choice: torch.Tensor,
-               res: PrefillResult, all_logits: bool) -> None:
+               res: PrefillResult, all_logits: bool, hook: LayerHook | None = None) -> None:
         """The MTP layer on this rank's rows: ``eh_proj(cat(enorm(embed(next)), hnorm(h)))``
         with ``h`` the target's final-normed hidden state of each local row, the decoder layer
         as pool layer ``mtp_layer`` (direct writes to own pages, the same full-view machinery),
@@ -346,7 +361,7 @@ class CPPrefill:
         emb = self._draft_input_embedding(kv, inputs, choice)
         xd = m.draft_input(emb, m.final_hidden(x))
         phase: dict[str, float] = {}
-        xd = self._layers(kv, inputs, phase, False, xd, range(layer, layer + 1))["x"]
+        xd = self._layers(kv, inputs, phase, False, xd, range(layer, layer + 1), hook)["x"]
         hidden = kv.rows.gather(m.draft_hidden(xd), self.group, self.ops)
         last = torch.tensor([o + r.extend_len - 1 for o, r in
                              zip(kv.plan.natural_offsets(), kv.plan.requests, strict=True)],
@@ -361,8 +376,10 @@ class CPPrefill:
             res.draft_logits = m.draft_logits(hidden[last])
 
     def _layers(self, kv: BatchKV, inputs: dict[str, Any], seconds: dict[str, float],
-                capture: bool, x: torch.Tensor, layers: range) -> dict[str, Any]:
-        """``layers`` (consecutive pool layers) on this rank's rows, residual stream ``x``."""
+                capture: bool, x: torch.Tensor, layers: range,
+                hook: LayerHook | None = None) -> dict[str, Any]:
+        """``layers`` (consecutive pool layers) on this rank's rows, residual stream ``x``;
+        ``hook.layer_written(layer)`` after each layer's KV write (the layer-pipelined send)."""
         m, ops, pool = self.model, self.ops, self.pool
         fmt = pool.fmt
         pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
@@ -387,6 +404,8 @@ class CPPrefill:
             a = m.attention_inputs(layer, x, pos, rope)
             t1 = time.perf_counter()
             pool.write(layer, kv, a.latent, a.index_k)
+            if hook is not None:
+                hook.layer_written(layer)
             t2 = time.perf_counter()
             view = pool.materialize(layer, kv, nxt)
             nxt = pool.prefetch(layer + 1, kv) if self.prefetch and layer + 1 < layers.stop \

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from cpkv.cache import PrefixCache
 from cpkv.comm import CPGroup
-from cpkv.disagg import Link, PrefillTransfer, Sent, Transport, open_link
+from cpkv.disagg import Link, PrefillTransfer, Sent, TransferError, Transport, open_link
 from cpkv.kv import RequestPages
 from cpkv.kv.host import HostPages
 from cpkv.ops import ALL_OPS
@@ -23,6 +27,39 @@ if TYPE_CHECKING:
     from cpkv.settings import Settings
 
 __all__ = ["PrefillSession"]
+
+
+class _LayerSends:
+    """The layer-pipelined transfer's hook in the layer loop: opens the batch's first request to
+    send once its pages are reserved, then queues each layer's sends after its KV write (on GPUs
+    after a CUDA event recorded on the compute stream: no host sync in the loop).
+
+    One request per batch: the decode side takes requests one at a time, in the order they are
+    sent, so a second request opened before the layer loop would wait for a grant the decode gives
+    only after the first one's last layer. The batch's other requests move after it, whole."""
+
+    def __init__(self, sender: PrefillTransfer, session: PrefillSession,
+                 finals: Mapping[Hashable, bool], started: float) -> None:
+        self.sender, self.session, self.finals, self.started = sender, session, finals, started
+
+    def batch_ready(self, plan: CPPlan, rids: Sequence[Hashable]) -> None:
+        for rid, req in zip(rids, plan.requests, strict=True):
+            if rid in self.finals:
+                rp = self.session.pool.table[rid]  # reserved, written during the layer loop
+                pages = RequestPages(list(rp.owners), list(rp.slots), req.end)
+                # refused (e.g. the decode pool is full): the prefill goes on, and send() offers
+                # the request again after it, whole
+                with contextlib.suppress(TransferError):
+                    self.sender.open_request(rid, pages, final=self.finals[rid],
+                                             started=self.started)
+                return
+
+    def layer_written(self, layer: int) -> None:
+        ready = None
+        if self.session.group.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self.sender.layer_written(layer, ready)
 
 
 class PrefillSession:
@@ -54,6 +91,8 @@ class PrefillSession:
                                 prefetch=settings.runtime.prefetch,
                                 indexer_fp8=settings.runtime.indexer_dtype == "fp8")
         self._sender: PrefillTransfer | None = None
+        #: wall clock of the last batch's prefill start and end (transfer timing)
+        self._started = self._ended = 0.0
         #: the prefix cache (``cache.enabled``): same tree on every rank, fed by these calls
         self.cache: PrefixCache | None = None
         if settings.cache.enabled:
@@ -71,13 +110,32 @@ class PrefillSession:
     def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
                 capture_topk: bool = False, next_ids: Sequence[int | None] | None = None,
                 draft_next: DraftNext = "prompt", draft_plan: CPPlan | None = BATCH_PLAN,
-                ) -> PrefillResult:
+                send: Mapping[Hashable, bool] | None = None) -> PrefillResult:
         """Prefill ``[(request id, new token ids), ...]``; a request the session already holds
         continues from its cached tokens (the prefix may end inside a page). With the draft
         layer, ``next_ids`` (the token after each extend, when known: a non-final chunk),
-        ``draft_next`` and ``draft_plan`` are as for :meth:`CPPrefill.run`."""
-        return self.driver.run(batch, all_logits=all_logits, capture_topk=capture_topk,
-                               next_ids=next_ids, draft_next=draft_next, draft_plan=draft_plan)
+        ``draft_next`` and ``draft_plan`` are as for :meth:`CPPrefill.run`.
+
+        ``send`` (request id -> is this its final chunk?, in the order :meth:`send` will be
+        called) names the requests handed to the decode rank after this batch. With
+        ``transfer.pipeline = "layer"`` (and a transfer :meth:`connect`-ed) the pages of the first
+        of them start moving during the layer loop, layer by layer (:meth:`send` then only
+        concludes it), the others move after the batch. Ignored otherwise.
+        """
+        self._started = time.time()
+        hook = None
+        if send and self._sender is not None and self.settings.transfer.pipeline == "layer":
+            hook = _LayerSends(self._sender, self, send, self._started)
+        try:
+            return self.driver.run(batch, all_logits=all_logits, capture_topk=capture_topk,
+                                   next_ids=next_ids, draft_next=draft_next,
+                                   draft_plan=draft_plan, hook=hook)
+        except BaseException:
+            if hook is not None and self._sender is not None and self._sender.open:
+                self._sender.cancel("the prefill of the batch failed")
+            raise
+        finally:
+            self._ended = time.time()
 
     def admit(self, rid: Hashable, tokens: Sequence[int]) -> int:
         """Start new request ``rid`` (``tokens``: all its token ids) from the longest prefix the
@@ -117,6 +175,11 @@ class PrefillSession:
         """The request's logical page table: owner rank and physical slot of each page."""
         return self.pool.table[rid]
 
+    def close(self) -> None:
+        """Stop the transfer's sender thread (after what it has queued); the link stays."""
+        if self._sender is not None:
+            self._sender.close()
+
     def release(self, rid: Hashable) -> None:
         """Free a finished request's pages on every rank (call on every rank)."""
         self.pool.free(rid)
@@ -132,7 +195,8 @@ class PrefillSession:
         link = open_link(transport, self.settings, endpoint=self.group.rank,
                          cp_size=self.group.size, pool=self.pool, world_ranks=world_ranks)
         self._sender = PrefillTransfer(link, self.pool, self.group.rank, self.group.size,
-                                       debug=self.settings.debug)
+                                       debug=self.settings.debug,
+                                       max_inflight_bytes=self.settings.transfer.max_inflight_mb << 20)
         return link
 
     def send(self, rid: Hashable, *, final: bool = True,
@@ -142,7 +206,8 @@ class PrefillSession:
         them). ``final=False`` after a non-final chunk of a chunked prefill: only the whole pages
         it completed move (the tail page is still being written); ``final=True`` sends the rest.
         ``meta`` (e.g. ``{"first_token": t}``) reaches the decode side with the request. Returns
-        once the decode rank published the request.
+        once the decode rank published the request. A request named in the last
+        :meth:`prefill`'s ``send`` under the layer pipeline is already moving: this concludes it.
 
         Raises:
             RuntimeError: :meth:`connect` was not called.
@@ -150,4 +215,7 @@ class PrefillSession:
         """
         if self._sender is None:
             raise RuntimeError("PrefillSession.send needs a transfer: call connect(transport) first")
-        return self._sender.send_request(rid, self.pages(rid), final=final, meta=meta)
+        if str(rid) in self._sender.open:
+            return self._sender.finish(rid, meta, prefill_end=self._ended)
+        return self._sender.send_request(rid, self.pages(rid), final=final, meta=meta,
+                                         started=self._started)

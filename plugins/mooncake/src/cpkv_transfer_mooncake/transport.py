@@ -19,10 +19,12 @@ each piece moves as one entry per layer (latent and index-K together). Entries g
 ``transfer.max_batch_entries`` (<= 1024: more than ~2048 entries in flight to one peer break the
 engine's path to it) with ``batch_transfer_sync_write``; a failed batch is retried
 ``transfer.retries`` times, each on a fresh engine (a failed path stays broken in the old one),
-then the part fails (and the sender renews its engine for the next request). The sender then
-tells the decode endpoint :class:`Written` (with the error, if any) over the side channel;
-``recv_part`` waits for it (bounded by ``transfer.timeout_s``) and marks the part written. A
-failed part publishes nothing (the core aborts the reservation).
+then the part fails (and the sender renews its engine for the next request: the old engine is
+destroyed before ``send_part`` raises, so none of its writes can land later). Before each batch
+the sender checks the decode's fence (``fenced``): a given-up grant gets no more writes. The
+core's sender worker then tells the decode endpoint ``Done`` (with the error, if any); the decode
+marks the part written. A failed part publishes nothing, and its slots stay in quarantine until
+every sender of it is done (the core: docs/transfer.md, "Late writes").
 
 Engine facts this module relies on (``/work/shared/notes/mooncake.md``): positional arguments
 only; no method may be called before a successful ``initialize`` (segfault), so an engine whose
@@ -33,9 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from cpkv.contracts import FallbackReason
@@ -43,15 +44,15 @@ from cpkv.disagg import (
     DecodeReceiver,
     LinkSpec,
     RankTransfer,
-    StoreSideChannel,
     TransferError,
     part_nbytes,
+    store_side_channel,
 )
-from cpkv.disagg.transport import Ack, SideChannel
+from cpkv.disagg.transport import SideChannel
 from cpkv.fallback import report_fallback
 
 __all__ = ["ENGINE_MAX_IN_FLIGHT", "Joined", "Layout", "MooncakeLink", "MooncakeTransport",
-           "Options", "Session", "Written", "batch_limit", "write_entries"]
+           "Options", "Session", "batch_limit", "write_entries"]
 
 #: entries in flight to one peer past which the engine's TCP path to it breaks (-1 with part of
 #: the data written; the path stays broken until a new engine is made)
@@ -144,23 +145,12 @@ class Joined:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class Written:
-    """Prefill endpoint -> decode after its writes of a part: done (all bytes in place), or the
-    error (then some of the bytes may be in place: the part must not be published)."""
-
-    request: str
-    rank: int
-    nbytes: int
-    entries: int
-    error: str | None = None
-
-
 # ---- write entries ---------------------------------------------------------------------------
 
 def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
-                  dst: Layout) -> list[tuple[int, int, int]]:
-    """``(local address, remote address, length)`` per coalesced piece x layer x buffer.
+                  dst: Layout, layers: range | None = None) -> list[tuple[int, int, int]]:
+    """``(local address, remote address, length)`` per coalesced piece x layer (of ``layers``,
+    default every layer; a page's latent and index-K are one block of a layer's buffer).
 
     A piece is a range of pages consecutive in both the source and the destination slots: runs
     split where ``dst_slots`` jump, pieces merged where they continue each other.
@@ -187,7 +177,7 @@ def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
                 pieces.append([s, d, 1])
     out: list[tuple[int, int, int]] = []
     for s, d, n in pieces:
-        for layer in range(len(src.kv)):
+        for layer in range(len(src.kv)) if layers is None else layers:
             out.append((src.kv[layer] + s * src.page_bytes, dst.kv[layer] + d * dst.page_bytes,
                         n * src.page_bytes))
     return out
@@ -234,42 +224,8 @@ class _Engine:
 
 
 def _side_channel(spec: LinkSpec, hostname: str) -> tuple[SideChannel, Any]:
-    """A :class:`StoreSideChannel` on a ``TCPStore`` the decode endpoint hosts on ``hostname``
-    (a timed-out wait leaves it usable, unlike a Gloo pair, which a timeout closes), or on
-    ``options["store"]``. Its port reaches the prefill endpoints over a Gloo group of the
-    endpoints' ``torch.distributed`` world. Returns (channel, the store when hosted here)."""
-    prefix = str(spec.options.get("store_prefix", "cpkv-mooncake"))
-    # the decode endpoint waits at most timeout_s per part (C parts); a prefill endpoint waits for
-    # the decode's answer (grant, ack) at most (C + 1) x timeout_s, so it hears the decode's
-    # verdict on a stalled peer instead of timing out first
-    wait_s = spec.timeout_s if spec.is_decode else (spec.cp_size + 1) * spec.timeout_s
-    if spec.options.get("store") is not None:
-        return StoreSideChannel(spec.options["store"], spec.endpoint, wait_s, prefix), None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("the mooncake transfer needs a side channel: an initialized "
-                           "torch.distributed world holding the C prefill ranks and the decode "
-                           "rank, or options['store'] (e.g. a torch.distributed.TCPStore)")
-    timeout = timedelta(seconds=spec.timeout_s)
-    ranks = [spec.world_rank(e) for e in range(spec.cp_size + 1)]
-    # new_group is collective over the whole world: every process calls it, in this order
-    group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-    store = None
-    box: list[Any] = [None]
-    if spec.is_decode:
-        try:
-            store = dist.TCPStore(hostname, 0, None, True, timeout, wait_for_workers=False)
-            box[0] = store.port
-        except Exception as exc:  # the prefill endpoints must hear of it, not hang
-            box[0] = _why(exc)
-    dist.broadcast_object_list(box, src=spec.world_rank(spec.decode_endpoint), group=group)
-    if not isinstance(box[0], int):
-        raise TransferError(f"mooncake connect: the decode endpoint's side-channel store on "
-                            f"{hostname} failed: {box[0]}")
-    if store is None:
-        store = dist.TCPStore(hostname, box[0], None, False, timeout)
-    return StoreSideChannel(store, spec.endpoint, wait_s, prefix), store
+    """The core's store side channel (``cpkv.disagg.store_side_channel``)."""
+    return store_side_channel(spec, hostname, str(spec.options.get("store_prefix", "cpkv-mooncake")))
 
 
 def _why(exc: BaseException) -> str:
@@ -283,7 +239,10 @@ class MooncakeLink:
         remote: decode engine's ``host:port`` (prefill endpoints; the decode's own on decode).
         max_batch: entries per batch write (``transfer.max_batch_entries``).
         stats: ``batches``, ``entries``, ``largest_batch``, ``retries`` so far (prefill).
+        one_sided: True: the writes land in the decode pool's slots themselves.
     """
+
+    one_sided = True
 
     def __init__(self, spec: LinkSpec, engine_cls: Any) -> None:
         self.spec = spec
@@ -377,63 +336,47 @@ class MooncakeLink:
                             f"({sum(e[2] for e in batch)} bytes) to {self.remote} returned {rc} "
                             f"after {attempts} attempt(s)")
 
-    def send_part(self, part: RankTransfer, dst_slots: Sequence[int]) -> int:
-        """Write the part's pages into the decode pool, then tell the decode endpoint.
+    def send_part(self, part: RankTransfer, dst_slots: Sequence[int], *,
+                  layers: range | None = None, epoch: int = 0,
+                  fenced: Callable[[], bool] | None = None) -> int:
+        """Write the part's pages of ``layers`` (default every layer) into the decode pool, in
+        batches; ``fenced`` is checked before each batch (a given-up grant gets no more writes).
 
         Raises:
-            TransferError: a batch failed (after the retries) or the slots are wrong; the decode
-                endpoint was told and answered (its negative ack is consumed here, so the side
-                channel stays in step for the next request).
+            TransferError: a batch failed (after the retries; the failed engine is destroyed
+                first, so none of its writes can land later), the grant was fenced, or the slots
+                are wrong.
         """
         spec = self.spec
-        n = part_nbytes(spec.pool, part.num_pages)
+        n_layers = spec.pool.num_layers if layers is None else len(layers)
+        n = part_nbytes(spec.pool, part.num_pages, n_layers)
         entries: list[tuple[int, int, int]] = []
         try:
             if self.engine is None or self.remote_layout is None:
                 raise TransferError("the link is closed")
-            entries = write_entries(part, dst_slots, self.local, self.remote_layout)
+            entries = write_entries(part, dst_slots, self.local, self.remote_layout, layers)
             for i in range(0, len(entries), self.max_batch):
+                if fenced is not None and fenced():
+                    raise TransferError(f"fenced: the decode gave grant {epoch} up; "
+                                        f"{i} of {len(entries)} entries written")
                 self._write(entries[i:i + self.max_batch])
         except Exception as exc:
-            why = _why(exc)
-            if isinstance(exc, TransferError) and self.engine is not None:
+            if isinstance(exc, TransferError) and self.engine is not None \
+                    and not str(exc).startswith("fenced"):
                 # a failed write leaves the engine's path to the peer broken (also for the next
-                # request): the next one goes through a fresh engine
+                # request), and a write of it might still land: a fresh engine replaces it
                 with contextlib.suppress(Exception):
                     self._renew_engine()
-            told = ack = None
-            with contextlib.suppress(Exception):
-                self.channel.send(spec.decode_endpoint,
-                                  Written(part.request, spec.endpoint, 0, len(entries), why))
-                told = True
-            if told:
-                with contextlib.suppress(Exception):
-                    ack = self.channel.recv(spec.decode_endpoint)
-            after = (f"; decode: {ack.error}" if isinstance(ack, Ack) and ack.error else
-                     "; nothing published" if isinstance(ack, Ack) and not ack.published else "")
             raise TransferError(f"mooncake: rank {spec.endpoint} failed writing its part of "
                                 f"{part.request!r} ({part.num_pages} pages, {len(entries)} "
-                                f"entries) to {self.remote or '?'}: {why}{after}") from exc
-        self.channel.send(spec.decode_endpoint, Written(part.request, spec.endpoint, n, len(entries)))
+                                f"entries) to {self.remote or '?'}: {_why(exc)}") from exc
         return n
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver) -> int:
-        """Wait (``transfer.timeout_s``) for the sender's :class:`Written`, then mark the part."""
-        n = part_nbytes(receiver.pool, part.num_pages)
-        try:
-            msg = self.channel.recv(part.rank)
-        except Exception as exc:
-            raise TransferError(f"no completion notice from rank {part.rank} (waited at most "
-                                f"{self.spec.timeout_s:g} s, transfer.timeout_s): {_why(exc)}") from exc
-        if not isinstance(msg, Written) or (msg.request, msg.rank) != (part.request, part.rank):
-            raise TransferError(f"rank {part.rank} sent {msg!r}, expected the completion notice of "
-                                f"its part of {part.request!r}")
-        if msg.error is not None:
-            raise TransferError(f"rank {part.rank}'s writes failed: {msg.error}")
-        if msg.nbytes != n:
-            raise TransferError(f"rank {part.rank} wrote {msg.nbytes} bytes, its part has {n}")
-        receiver.mark_written(part)
-        return n
+    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+                  layers: range | None = None, epoch: int = 0) -> int:
+        """One-sided: the bytes are in place when the sender's ``Done`` arrived (the core
+        waits for it); nothing to receive here."""
+        return 0
 
     def close(self) -> None:
         """Unregister the pool's buffers and release the engine (idempotent)."""

@@ -46,9 +46,13 @@ def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> Sender
                 sums = page_checksums(session.pool, [rp.slots[k] for k in mine])
                 crcs[rids[i]] = dict(zip(mine, sums, strict=True))
 
-    served = prefill_batches(session, spec, send)
+    served = prefill_batches(session, spec, send, sending=True)
+    session.close()
     return SenderReport(prefill=rank_report(group, session, served, load_s),
                         bytes_sent=sum(d.nbytes for d in sent), entries=sum(d.entries for d in sent),
                         seconds=sum(d.seconds for d in sent),
                         manifests=[d.manifest for d in sent],
-                        page_crcs=crcs)
+                        page_crcs=crcs, pipeline=s.transfer.pipeline,
+                        ready_seconds=[d.ready_seconds for d in sent],
+                        overlap_seconds=sum(d.overlap_seconds for d in sent),
+                        send_seconds=sum(d.send_seconds for d in sent))

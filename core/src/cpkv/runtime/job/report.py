@@ -94,6 +94,14 @@ class SenderReport:
     manifests: list[TransferManifest] = field(default_factory=list)
     #: debug only: request -> {logical page: CRC32} of the pages this rank owns
     page_crcs: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: transfer.pipeline: "request" or "layer"
+    pipeline: str = "request"
+    #: per request sent: its batch's prefill start -> the decode published it (seconds)
+    ready_seconds: list[float] = field(default_factory=list)
+    #: seconds of this rank's sends that ran while its prefill still computed
+    overlap_seconds: float = 0.0
+    #: seconds this rank's sends took in all
+    send_seconds: float = 0.0
 
 
 def tail_rows(have: list[int], want: list[int]) -> torch.Tensor:
@@ -153,7 +161,8 @@ class JobReport:
     seconds: dict[str, float]
     logits: torch.Tensor  # float32 [prompts, vocab], CP run, input order
     reference_logits: torch.Tensor
-    #: {plugin, bytes_per_rank, entries, seconds}; None without the transfer phase
+    #: {plugin, pipeline, bytes_per_rank, entries, seconds, overlap_seconds, ready_seconds};
+    #: None without the transfer phase
     transfer: dict[str, Any] | None = None
     #: {tokens, reference_tokens, tokens_match_reference}; None without the decode phase
     decode: dict[str, Any] | None = None

@@ -166,8 +166,17 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         if sent != decode.bytes_per_rank:
             raise RuntimeError(f"transfer accounting: prefill ranks sent {sent} bytes, the decode "
                                f"rank received {decode.bytes_per_rank}")
-        transfer = {"plugin": settings.transfer.name, "bytes_per_rank": sent,
-                    "entries": decode.entries, "seconds": max(r.seconds for r in senders)}
+        # ready: per request, the slowest rank's view (they share the decode's publish time)
+        ready = [max(v) for v in zip(*(r.ready_seconds for r in senders), strict=True)]
+        transfer = {"plugin": settings.transfer.name, "pipeline": settings.transfer.pipeline,
+                    "bytes_per_rank": sent, "entries": decode.entries,
+                    "seconds": max(r.seconds for r in senders),
+                    "send_seconds": max(r.send_seconds for r in senders),
+                    # per rank, its send time that ran while its prefill still computed; the
+                    # rank whose sends were hidden least (send - overlap largest) is reported
+                    "overlap_seconds": max(senders, key=lambda r: r.send_seconds
+                                           - r.overlap_seconds).overlap_seconds,
+                    "ready_seconds": sum(ready), "ready_seconds_per_request": ready}
         dec = {"tokens": decode.tokens, "reference_tokens": ref_tokens,
                "tokens_match_reference": decode.tokens == ref_tokens}
         seconds.update({f"decode_{k}": v for k, v in decode.seconds.items()})

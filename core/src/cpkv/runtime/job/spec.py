@@ -106,12 +106,13 @@ class Served:
 
 
 def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _nothing, *,
-                    use_cache: bool = True) -> Served:
+                    use_cache: bool = True, sending: bool = False) -> Served:
     """Prefill the job's batches in order, calling ``after`` after each. A prompt served whole in
     a batch first takes the longest cached prefix (``session.admit``; with ``use_cache`` and
     a session cache), and a prompt whose final chunk ran is finished into the cache after
     ``after`` (which may still send its pages); without ``use_cache`` requests stay in the pool
-    (the reference decodes them later).
+    (the reference decodes them later). ``sending``: ``after`` sends every request of the
+    batch (the session learns it up front: ``PrefillSession.prefill(send=...)``).
 
     Raises:
         ValueError: the job has no prompts.
@@ -140,7 +141,9 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
                for i, e in zip(idx, ends, strict=True)]
         res = session.prefill([(rids[i], spec.prompts[i][done[i]:e])
                                for i, e in zip(idx, ends, strict=True)],
-                              capture_topk=spec.capture_topk and last, next_ids=nxt)
+                              capture_topk=spec.capture_topk and last, next_ids=nxt,
+                              send={rids[i]: e == len(spec.prompts[i])
+                                    for i, e in zip(idx, ends, strict=True)} if sending else None)
         for j, (i, e) in enumerate(zip(idx, ends, strict=True)):
             done[i] = e
             last_logits[i] = res.last_logits[j].float()
