@@ -28,6 +28,8 @@ from cpkv.contracts import cdiv
 from .report import BenchRow
 
 if TYPE_CHECKING:
+    import torch
+
     from cpkv.comm import CPGroup
     from cpkv.settings import Settings
 
@@ -87,7 +89,7 @@ def _prefill_side(world: CPGroup, group: CPGroup, spec: TransferBenchSpec) -> di
     from cpkv.runtime.decode import greedy
     from cpkv.runtime.session import PrefillSession
 
-    model = load_model(spec.model_dir)
+    model = load_model(spec.model_dir, dtype=_dtype(group.device), device=group.device)
     base = spec.settings
     session = PrefillSession(model, base, group)
     session.connect(select_transport(base, world.agree_all))
@@ -137,13 +139,21 @@ def _raw_copy(nbytes: int) -> dict[str, float]:
     return {"bytes": nbytes, "ms": ms, "gbps": nbytes / ms / 1e6}
 
 
+def _dtype(device: torch.device) -> torch.dtype:
+    """The model's compute dtype: bfloat16 on GPUs (as `cpkv run --device cuda`), float32 on CPUs."""
+    import torch
+
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _decode_side(world: CPGroup, spec: TransferBenchSpec) -> dict[str, Any]:
     from cpkv.disagg import select_transport
     from cpkv.models import load_model
     from cpkv.runtime.decode import DecodeSession
 
     c = spec.settings.cp.size
-    decode = DecodeSession(load_model(spec.model_dir), spec.settings, world.device)
+    decode = DecodeSession(load_model(spec.model_dir, dtype=_dtype(world.device),
+                                      device=world.device), spec.settings, world.device)
     decode.connect(select_transport(spec.settings, world.agree_all), cp_size=c)
     got: dict[str, int] = {}
     for rid, _, mode, _ in _schedule(spec):
