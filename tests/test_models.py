@@ -22,6 +22,7 @@ from cpkv.models import (
     write_tiny_checkpoint,
 )
 from cpkv.models.deepseek_v32 import _rms_norm
+from cpkv.testing.checkpoints import copy_checkpoint
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -249,17 +250,7 @@ def test_fp8_block_weights_are_dequantised(tmp_path: Path, tiny_ckpt: Path) -> N
 
 
 # ---------------------------------------------------------------------------- loader errors
-def _copy(src: Path, dst: Path, mutate_cfg=None, mutate_state=None) -> Path:
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    if mutate_cfg:
-        mutate_cfg(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = safetensors_torch.load_file(src / "model.safetensors")
-    if mutate_state:
-        mutate_state(state)
-    safetensors_torch.save_file(state, str(dst / "model.safetensors"))
-    return dst
+_copy = copy_checkpoint
 
 
 def test_loader_errors(tmp_path: Path, tiny_ckpt: Path) -> None:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from cpkv.models import DeepseekV32, ModelLoadError, write_tiny_checkpoint
 from cpkv.models.loader import mtp_shapes
+from cpkv.testing.checkpoints import copy_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -21,17 +22,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
 
 
-def _copy(src: Path, dst: Path, mutate_cfg=None, mutate_state=None) -> Path:  # type: ignore[no-untyped-def]
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    if mutate_cfg:
-        mutate_cfg(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = safetensors_torch.load_file(src / "model.safetensors")
-    if mutate_state:
-        mutate_state(state)
-    safetensors_torch.save_file(state, str(dst / "model.safetensors"))
-    return dst
+_copy = copy_checkpoint
 
 
 # ---------------------------------------------------------------------------- checkpoint
