@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import PageLayout
+from cpkv.contracts import MaterializeMode, PageLayout
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
 from .session import PrefillSession
@@ -73,7 +73,9 @@ class DecodeWorker:
             # part-major pages: FlashMLA's fp8 decode (the cuda backend) reads them in place
             "kv": settings.kv.model_copy(
                 update={"pages_per_rank": settings.kv.pages_per_rank * settings.cp.size,
-                        "layout": PageLayout.PART_MAJOR}),
+                        "layout": PageLayout.PART_MAJOR,
+                        # one rank: its views read its own pool in place (p2p would map nothing)
+                        "materialize": MaterializeMode.ALL_GATHER}),
             "cache": settings.cache.model_copy(update={"enabled": False})})
         self.session = PrefillSession(model, one, CPGroup.single(device, settings.runtime.timeout_s),
                                       host)
