@@ -102,7 +102,8 @@ def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(ops, "TritonOps", KVOnly)
     monkeypatch.setattr(ops, "IMPORT_ERRORS", {"attention": "ImportError('no attention')"})
-    with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', 'sparse_mla', 'topk'\] "
+    with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', 'sparse_mla', "
+                                           r"'sparse_mla_paged', 'topk'\] "
                                            r"but does not have them: .*no attention"):
         plugin.load()
 
