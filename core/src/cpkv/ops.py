@@ -11,17 +11,18 @@ per-call host tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cpkv.contracts import FallbackReason, KVOps, KVPart, Op, OpDeclined
+from cpkv.contracts import FallbackReason, KVDtype, KVOps, KVPart, Op, OpDeclined, PageLayout
 from cpkv.fallback import report_fallback
 from cpkv.plugin import AgreeFn, BackendRegistry
 
 if TYPE_CHECKING:
     import torch
 
-    from cpkv.contracts import KVFormat, PageLayout
+    from cpkv.contracts import KVFormat
 
     # for type checkers the table IS a KVOps (each op typed as the Protocol says); at runtime it
     # is a plain object whose __getattr__ hands out the bound callable chosen per op
@@ -228,37 +229,50 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
         raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
 
 
-def part_rows(pages: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
-              tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One part's token rows of a page buffer, for reading: (rows [R, bytes of the part], the
-    row of each of ``tokens`` in it).
+def _part_span(fmt: KVFormat, page_size: int, part: KVPart) -> tuple[int, int, int]:
+    """(byte offset of ``part`` in a token-major row, its bytes per token, the row step U of a
+    part-major buffer: U divides every row start of that part)."""
+    nl, b = fmt.latent_bytes_per_token, fmt.bytes_per_token
+    lo, n = (0, nl) if part == "latent" else (nl, b - nl)
+    first = lo * page_size  # the part's offset inside a part-major page
+    return lo, n, math.gcd(page_size * b, first, n)
+
+
+def part_view(pages: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
+              ) -> torch.Tensor:
+    """One part's rows of a page buffer, for reading: [R, bytes of the part].
 
     ``pages`` is a contiguous uint8 [P, S, latent + index bytes] buffer (a pool layer, an
-    all-gather's receive buffer) whose token t is slot t % S of page t // S; ``tokens`` int64 [n]
-    (None: every token in order, token-major only). Token-major: the column slice of the token
-    rows, ``tokens`` unchanged. Part-major: the part's rows are not evenly spaced, so ``rows`` is an
-    overlapping strided view whose row i starts i * U bytes in (U divides every row start) and
-    the tokens are translated to those rows: read it, never write through it.
+    all-gather's receive buffer) whose token t is slot t % S of page t // S. Token-major: the
+    column slice of the token rows (row t is token t). Part-major: the part's rows are not evenly
+    spaced, so this is an overlapping strided view whose row i starts i * U bytes in
+    (:func:`part_index` gives a token's row): read it, never write through it.
     """
-    import math
-
-    from cpkv.contracts import PageLayout
-
-    nl = fmt.latent_bytes_per_token
-    b = fmt.bytes_per_token
-    lo, n = (0, nl) if part == "latent" else (nl, b - nl)
+    lo, n, unit = _part_span(fmt, pages.shape[1], part)
     if layout is PageLayout.TOKEN_MAJOR:
-        return pages.reshape(-1, b)[:, lo:lo + n], tokens
-    if tokens is None:
+        return pages.reshape(-1, fmt.bytes_per_token)[:, lo:lo + n]
+    return pages.as_strided(((pages.numel() - n) // unit + 1, n), (unit, 1),
+                            pages.storage_offset())
+
+
+def part_index(tokens: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
+               ) -> torch.Tensor:
+    """The rows of :func:`part_view` that hold ``tokens`` (int64 token rows: page x S + slot)."""
+    if layout is PageLayout.TOKEN_MAJOR:
+        return tokens
+    s = fmt.page_size
+    lo, n, unit = _part_span(fmt, s, part)
+    return (tokens // s) * (s * fmt.bytes_per_token // unit) + (lo * s + (tokens % s) * n) // unit
+
+
+def part_rows(pages: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
+              tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(:func:`part_view`, :func:`part_index` of ``tokens``); ``tokens`` None: every token in
+    order (token-major only)."""
+    if tokens is None and layout is PageLayout.PART_MAJOR:
         raise ValueError("part-major rows are read through a token index")
-    s = pages.shape[1]
-    pb = s * b
-    first = lo * s  # the part's offset inside a page
-    unit = math.gcd(pb, first, n) if first else math.gcd(pb, n)
-    total = pages.numel()
-    rows = pages.as_strided(((total - n) // unit + 1, n), (unit, 1), pages.storage_offset())
-    idx = (tokens // s) * (pb // unit) + (first + (tokens % s) * n) // unit
-    return rows, idx
+    rows = part_view(pages, fmt, layout, part)
+    return rows, None if tokens is None else part_index(tokens, fmt, layout, part)
 
 
 def check_sparse_mla_paged_args(q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
@@ -286,29 +300,36 @@ def check_sparse_mla_paged_args(q: torch.Tensor, pages: torch.Tensor, rows: torc
         raise ValueError(f"sparse_mla_paged: dv must be in (0, {q.shape[2]}], got {dv}")
 
 
-def paged_latent(pages: torch.Tensor, rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
-                 unpack: Callable[..., torch.Tensor],
-                 gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The latent rows ``rows`` (int32 [N, k] token rows of part-major ``pages``, -1 empty)
-    dequantized into [N * k, Dk] of ``dtype``, and int32 [N, k] indices into them (-1 kept):
-    ``sparse_mla_paged`` composed from a backend's ``fp8_unpack`` (``unpack``) or ``page_gather``
-    (``gather``, float formats) and its ``sparse_mla``."""
+def gather_latent(src: torch.Tensor, idx: torch.Tensor, picks: torch.Tensor, fmt: KVFormat,
+                  dtype: torch.dtype, unpack: Callable[..., torch.Tensor],
+                  gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent rows ``idx`` of ``src`` (a part's rows: :func:`part_view`), one per entry of
+    ``picks`` (int32 [N, k], -1 empty), dequantized into [N * k, Dk] of ``dtype`` in one pass
+    (a backend's ``fp8_unpack`` through the index, or its ``page_gather`` for float formats),
+    and int32 [N, k] indices into them, -1 kept: what ``sparse_mla`` takes."""
     import torch
 
-    from cpkv.contracts import KVDtype, PageLayout
-
-    n, k = rows.shape
-    src, idx = part_rows(pages, fmt, PageLayout.PART_MAJOR, "latent",
-                         rows.clamp_min(0).reshape(-1).long())
-    assert idx is not None
+    n, k = picks.shape
     if fmt.dtype is KVDtype.FP8:
         lat = unpack(src, fmt, "latent", dtype, idx)
     else:
         width = torch.float32 if fmt.dtype is KVDtype.FP32 else torch.bfloat16
         lat = gather(src, idx).view(width).to(dtype)
-    slots = torch.arange(n * k, dtype=torch.int32, device=rows.device).view(n, k)
-    return lat, torch.where(rows >= 0, slots, torch.full_like(slots, -1))
+    slots = torch.arange(n * k, dtype=torch.int32, device=picks.device).view(n, k)
+    return lat, torch.where(picks >= 0, slots, torch.full_like(slots, -1))
+
+
+def paged_latent(pages: torch.Tensor, rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
+                 unpack: Callable[..., torch.Tensor],
+                 gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_latent` of the token rows ``rows`` (int32 [N, k], -1 empty) of part-major
+    ``pages``: ``sparse_mla_paged`` composed from a backend's own ops."""
+    tokens = rows.clamp_min(0).reshape(-1).long()
+    return gather_latent(part_view(pages, fmt, PageLayout.PART_MAJOR, "latent"),
+                         part_index(tokens, fmt, PageLayout.PART_MAJOR, "latent"), rows, fmt,
+                         dtype, unpack, gather)
 
 
 class _Declinable:

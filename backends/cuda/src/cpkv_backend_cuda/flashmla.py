@@ -29,20 +29,30 @@ DK, DV = 576, 512
 TOPK_MULTIPLE = 64
 
 
-def decline_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dv: int) -> str | None:
-    """Why FlashMLA's sparse prefill cannot take this call, or None (metadata only)."""
+def _kernel_reason(kernel: str, q: torch.Tensor, dv: int, dtype_reason: str | None, k: int,
+                   src: tuple[str, torch.Tensor], indices: torch.Tensor) -> str | None:
+    """The checks FlashMLA's sparse kernels share: heads, head dims, dtypes (``dtype_reason``:
+    the kernel's own verdict), top-k, one CUDA device for q, ``src`` (name, tensor) and indices."""
     _, h, dk = q.shape
     if h not in HEADS:
-        return f"{h} heads (FlashMLA's sparse prefill takes {' or '.join(map(str, HEADS))})"
+        return f"{h} heads (FlashMLA's {kernel} takes {' or '.join(map(str, HEADS))})"
     if dk != DK or dv != DV:
         return f"head dims {dk}/{dv} (FlashMLA takes {DK}/{DV})"
-    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
-        return f"q {q.dtype} / kv {kv.dtype} (FlashMLA takes bf16)"
-    if indices.shape[1] % TOPK_MULTIPLE:
-        return f"top-k {indices.shape[1]} (FlashMLA takes a multiple of {TOPK_MULTIPLE})"
-    if q.device.type != "cuda" or kv.device != q.device or indices.device != q.device:
-        return f"needs CUDA tensors on one device, got q on {q.device}, kv on {kv.device}"
+    if dtype_reason is not None:
+        return dtype_reason
+    if k % TOPK_MULTIPLE:
+        return f"top-k {k} (FlashMLA takes a multiple of {TOPK_MULTIPLE})"
+    name, t = src
+    if q.device.type != "cuda" or t.device != q.device or indices.device != q.device:
+        return f"needs CUDA tensors on one device, got q on {q.device}, {name} on {t.device}"
     return None
+
+
+def decline_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dv: int) -> str | None:
+    """Why FlashMLA's sparse prefill cannot take this call, or None (metadata only)."""
+    dtypes = None if q.dtype == kv.dtype == torch.bfloat16 else \
+        f"q {q.dtype} / kv {kv.dtype} (FlashMLA takes bf16)"
+    return _kernel_reason("sparse prefill", q, dv, dtypes, indices.shape[1], ("kv", kv), indices)
 
 
 #: FlashMLA's fp8 token (DeepSeek-V3.2): 512 e4m3 + 4 fp32 scales + 64 bf16 rope bytes, the same
@@ -55,22 +65,13 @@ KCACHE_DTYPE = torch.float8_e4m3fn
 def decode_decline_reason(q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, fmt: KVFormat,
                           dv: int) -> str | None:
     """Why FlashMLA's fp8 sparse decode cannot take this call, or None (metadata only)."""
-    _, h, dk = q.shape
     if fmt.dtype is not KVDtype.FP8 or fmt.latent_bytes_per_token != FP8_TOKEN_BYTES \
             or fmt.quant_block != 128:
         return (f"a {fmt.dtype.value} pool with {fmt.latent_bytes_per_token}-byte latent rows "
                 f"(FlashMLA's sparse decode reads DeepSeek-V3.2's fp8 rows of {FP8_TOKEN_BYTES})")
-    if h not in HEADS:
-        return f"{h} heads (FlashMLA's sparse decode takes {' or '.join(map(str, HEADS))})"
-    if dk != DK or dv != DV:
-        return f"head dims {dk}/{dv} (FlashMLA takes {DK}/{DV})"
-    if q.dtype != torch.bfloat16:
-        return f"q {q.dtype} (FlashMLA's decode takes bf16 queries)"
-    if rows.shape[1] % TOPK_MULTIPLE:
-        return f"top-k {rows.shape[1]} (FlashMLA takes a multiple of {TOPK_MULTIPLE})"
-    if q.device.type != "cuda" or pages.device != q.device or rows.device != q.device:
-        return f"needs CUDA tensors on one device, got q on {q.device}, pages on {pages.device}"
-    return None
+    dtypes = None if q.dtype == torch.bfloat16 else \
+        f"q {q.dtype} (FlashMLA's decode takes bf16 queries)"
+    return _kernel_reason("sparse decode", q, dv, dtypes, rows.shape[1], ("pages", pages), rows)
 
 
 class FlashMLAOps:

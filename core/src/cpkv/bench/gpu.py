@@ -206,7 +206,7 @@ def _all_gather_part(views: AllGatherViews, m: MaterializePlan, part: int) -> to
 
 def _view_keys(pool: ShardedKVPool, kv: BatchKV) -> tuple[torch.Tensor, ...]:
     """Layer 0's view as the attention kernels take it (see :meth:`FullView.keys`)."""
-    lat, k, scale = pool.materialize(0, kv).keys(pool.fmt, pool.ops, torch.bfloat16)
+    lat, k, scale = pool.materialize(0, kv).keys(pool.ops, torch.bfloat16)
     return (lat, k) if scale is None else (lat, k, scale)
 
 

@@ -24,6 +24,7 @@ from cpkv.models import ModelLoadError, resolve_checkpoint
 from cpkv.models.loader import read_config
 from cpkv.runtime import RankFailed, RankTimeout
 from cpkv.runtime.job import JobReport, run_job
+from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE
 from cpkv.settings import SettingsError, load_settings
 
 #: the default prompts (see _default_prompts): a long one, one sharing its first 100 tokens
@@ -44,9 +45,6 @@ def _default_prompts(vocab: int) -> list[list[int]]:
 #: CP vs one rank: the same model and pool format, so only row-batching rounding differs; an fp8
 #: pool can turn an ulp into one quantisation step
 TOLERANCE = {KVDtype.FP32: 1e-4, KVDtype.BF16: 1e-3, KVDtype.FP8: 2e-2}
-#: on GPUs the model computes in bfloat16 (8 mantissa bits), and a CP rank's matmuls over its
-#: rows round differently from one GPU's over all rows: logits agree to bfloat16 accuracy
-BF16_COMPUTE_TOLERANCE = 3e-2
 
 
 def tolerance(kv_dtype: KVDtype, device: str) -> float:

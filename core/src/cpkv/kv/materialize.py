@@ -27,6 +27,7 @@ their one pass (docs/kv-pool.md, "Reading the view in place").
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,6 +37,7 @@ import torch
 from cpkv.comm import CPGroup, PeerAccessUnavailable, PeerBuffers, open_peer_buffers
 from cpkv.contracts import FallbackReason, KVFormat, MaterializeMode, PageLayout
 from cpkv.fallback import report_fallback
+from cpkv.ops import part_index
 
 from .batch import BatchKV, MaterializePlan
 from .view import FullView
@@ -81,9 +83,27 @@ class Materializer(Protocol):
 
 
 def _view(pages: torch.Tensor, index: torch.Tensor | None, fmt: KVFormat, m: MaterializePlan,
-          layout: PageLayout = PageLayout.TOKEN_MAJOR) -> FullView:
+          layout: PageLayout = PageLayout.TOKEN_MAJOR,
+          rows_of: Mapping[str, torch.Tensor] | None = None) -> FullView:
     return FullView(pages=pages, index=index, fmt=fmt, layout=layout, cu_seqlens=m.cu_seqlens,
-                    seq_lens=m.seq_lens)
+                    seq_lens=m.seq_lens, rows_of=rows_of)
+
+
+class _PartRows:
+    """Part-major views' row indices (:func:`~cpkv.ops.part_index` of the plan's view index),
+    translated once per materialization plan, not per layer; None for token-major pages."""
+
+    def __init__(self, fmt: KVFormat, layout: PageLayout) -> None:
+        self.fmt, self.layout = fmt, layout
+        self._last: tuple[MaterializePlan, dict[str, torch.Tensor]] | None = None
+
+    def of(self, m: MaterializePlan) -> dict[str, torch.Tensor] | None:
+        if self.layout is PageLayout.TOKEN_MAJOR:
+            return None
+        if self._last is None or self._last[0] is not m:
+            self._last = (m, {p: part_index(m.view_index, self.fmt, self.layout, p)
+                              for p in ("latent", "index_k")})
+        return self._last[1]
 
 
 def _plain_storage(fmt: KVFormat, num_layers: int, capacity: int,
@@ -100,6 +120,7 @@ class ReplicaViews:
     def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, ops: OpTable,
                  layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
         self.kv, self.fmt, self.ops, self.layout = kv, fmt, ops, layout
+        self._rows = _PartRows(fmt, layout)
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -109,7 +130,7 @@ class ReplicaViews:
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         m = batch.materialize
-        return _view(self.kv[layer], m.view_index, self.fmt, m, self.layout)
+        return _view(self.kv[layer], m.view_index, self.fmt, m, self.layout, self._rows.of(m))
 
 
 class AllGatherViews:
@@ -123,6 +144,7 @@ class AllGatherViews:
                  layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
         self.kv, self.fmt, self.group, self.ops, self.layout = kv, fmt, group, ops, layout
         self._stream = side
+        self._rows = _PartRows(fmt, layout)
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -182,7 +204,7 @@ class AllGatherViews:
                 buf.record_stream(cur)
             self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
-        return _view(buf, m.view_index, self.fmt, m, self.layout)
+        return _view(buf, m.view_index, self.fmt, m, self.layout, self._rows.of(m))
 
 
 class PeerViews:

@@ -111,6 +111,8 @@ class ShardedKVPool:
         self._loads: list[PageLoad] = []
         #: stages of prepared batches not committed or aborted yet
         self._staging: list[PageStage] = []
+        #: part-major writes: the last batch's destination rows as (rows, page, offset)
+        self._addr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def materialize_mode(self) -> MaterializeMode:
@@ -303,9 +305,12 @@ class ShardedKVPool:
             self.ops.page_scatter(tok[:, :nl], rows, latent)  # dense rows, row stride B
             self.ops.page_scatter(tok[:, nl:], rows, index_k)
             return
-        # part-major token rows are not evenly spaced: address them as (page, offset)
-        ps = self.fmt.page_size
-        page, off = rows // ps, rows % ps
+        # part-major token rows are not evenly spaced: address them as (page, offset), computed
+        # once per batch (``rows`` is the batch's) and reused by every layer
+        if self._addr is None or self._addr[0] is not rows:
+            ps = self.fmt.page_size
+            self._addr = (rows, rows // ps, rows % ps)
+        _, page, off = self._addr
         self.latent[layer].index_put_((page, off), latent)
         self.index_k[layer].index_put_((page, off), index_k)
 

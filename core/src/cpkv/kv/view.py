@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from cpkv.contracts import KVDtype, KVFormat, PageLayout
-from cpkv.ops import part_rows
+from cpkv.ops import gather_latent, part_index, part_view
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart, OpTable
@@ -54,6 +55,8 @@ class FullView:
     with key j at token row ``index[j]`` of ``pages`` (``index`` None: row j). Consumers read
     through the index in the pass they make anyway (:meth:`keys`: the fp8 dequantization, the
     split of the index-K bytes), so no natural-order copy of the whole view is made first.
+    ``rows_of`` holds, per part, the :func:`~cpkv.ops.part_index` of ``index`` when the strategy
+    translated it once for the batch (part-major pages); otherwise it is translated per call.
     """
 
     pages: torch.Tensor  # uint8 [P, S, latent bytes + index bytes], contiguous
@@ -62,6 +65,7 @@ class FullView:
     layout: PageLayout
     cu_seqlens: torch.Tensor  # int64 [B + 1], on the view's device
     seq_lens: tuple[int, ...]  # host copy of the key counts (from the plan, no sync)
+    rows_of: Mapping[str, torch.Tensor] | None = None
 
     @property
     def num_keys(self) -> int:
@@ -71,11 +75,14 @@ class FullView:
     def _rows(self, part: KVPart, keys: torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The part's rows and the row of each key (``keys``: view keys; None: all of them)."""
+        rows = part_view(self.pages, self.fmt, self.layout, part)
+        if keys is None and self.rows_of is not None:
+            return rows, self.rows_of[part]
         tokens = self.index if keys is None else (
             keys if self.index is None else self.index.index_select(0, keys))
         if tokens is None and self.layout is PageLayout.PART_MAJOR:
             tokens = torch.arange(self.num_keys, device=self.pages.device)
-        return part_rows(self.pages, self.fmt, self.layout, part, tokens)
+        return rows, None if tokens is None else part_index(tokens, self.fmt, self.layout, part)
 
     def _bytes(self, part: KVPart, ops: OpTable | None) -> torch.Tensor:
         rows, idx = self._rows(part)
@@ -99,9 +106,10 @@ class FullView:
         rows = self.index.index_select(0, top.clamp_min(0).reshape(-1).long()).view(top.shape)
         return torch.where(top >= 0, rows.to(torch.int32), top)
 
-    def unpack(self, fmt: KVFormat, ops: OpTable,
+    def unpack(self, ops: OpTable,
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent [T, kv_lora_rank + rope_dim], index_k [T, index_head_dim]) in ``dtype``."""
+        fmt = self.fmt
         if fmt.dtype is KVDtype.FP8:
             (lr, li), (ir, ii) = self._rows("latent"), self._rows("index_k")
             return (ops.fp8_unpack(lr, fmt, "latent", dtype, li),
@@ -109,10 +117,11 @@ class FullView:
         return (unpack_rows(self.latent(ops), fmt, "latent", ops, dtype),
                 unpack_rows(self.index_k(ops), fmt, "index_k", ops, dtype))
 
-    def index_keys(self, fmt: KVFormat, ops: OpTable, dtype: torch.dtype,
+    def index_keys(self, ops: OpTable, dtype: torch.dtype,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The indexer's keys alone (see :meth:`keys`): fp8 [T, D] with fp32 scales [T] for an
         fp8 pool, else [T, D] in ``dtype`` with None."""
+        fmt = self.fmt
         if fmt.dtype is not KVDtype.FP8:
             return unpack_rows(self.index_k(ops), fmt, "index_k", ops, dtype), None
         d = fmt.index_head_dim
@@ -120,30 +129,24 @@ class FullView:
         return (ik[:, :d].contiguous().view(torch.float8_e4m3fn),
                 ik[:, d:d + 4].contiguous().view(torch.float32).reshape(-1))
 
-    def selected_latent(self, top: torch.Tensor, fmt: KVFormat, ops: OpTable,
+    def selected_latent(self, top: torch.Tensor, ops: OpTable,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the latent rows a top-k choice reads, for batches that read fewer rows than the
         view holds (decode steps, short extends after a long prefix): ``top`` int32 [N, k] (view
         keys, -1 empty) -> (latent [N * k, Dk] in ``dtype``, indices int32 [N, k] into it, -1
         kept), gathered and dequantized in one pass from where the view's rows are."""
-        n, k = top.shape
         rows, idx = self._rows("latent", top.clamp_min(0).reshape(-1).long())
         assert idx is not None
-        if fmt.dtype is KVDtype.FP8:
-            lat = ops.fp8_unpack(rows, fmt, "latent", dtype, idx)
-        else:
-            lat = unpack_rows(ops.page_gather(rows, idx), fmt, "latent", ops, dtype)
-        slots = torch.arange(n * k, dtype=torch.int32, device=top.device).view(n, k)
-        return lat, torch.where(top >= 0, slots, torch.full_like(slots, -1))
+        return gather_latent(rows, idx, top, self.fmt, dtype, ops.fp8_unpack, ops.page_gather)
 
-    def keys(self, fmt: KVFormat, ops: OpTable, dtype: torch.dtype,
+    def keys(self, ops: OpTable, dtype: torch.dtype,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the attention kernels take, one pass over each part: latent keys [T, Dk] in
         ``dtype``; index keys as the indexer takes them (an fp8 pool's stay fp8 [T, D] with their
         fp32 scales [T], never widened; float pools' in ``dtype``, scales None)."""
-        if fmt.dtype is not KVDtype.FP8:
-            lat, idx = self.unpack(fmt, ops, dtype)
+        if self.fmt.dtype is not KVDtype.FP8:
+            lat, idx = self.unpack(ops, dtype)
             return lat, idx, None
         rows, where = self._rows("latent")
-        lat = ops.fp8_unpack(rows, fmt, "latent", dtype, where)
-        return (lat, *self.index_keys(fmt, ops, dtype))
+        lat = ops.fp8_unpack(rows, self.fmt, "latent", dtype, where)
+        return (lat, *self.index_keys(ops, dtype))

@@ -412,9 +412,9 @@ class CPPrefill:
                 else None
             if select:  # latent rows later, only those the top-k picks
                 lat = None
-                idx_k, idx_scale = view.index_keys(fmt, ops, a.q.dtype)
+                idx_k, idx_scale = view.index_keys(ops, a.q.dtype)
             else:
-                lat, idx_k, idx_scale = view.keys(fmt, ops, a.q.dtype)
+                lat, idx_k, idx_scale = view.keys(ops, a.q.dtype)
             t3 = time.perf_counter()
             picks, scores = [], []
             iq, iw = a.index_q, a.index_w
@@ -440,7 +440,7 @@ class CPPrefill:
                     o = ops.sparse_mla_paged(a.q[s:e], view.pages, view.token_rows(top[s:e]),
                                              fmt, m.softmax_scale, self.dv)
                 else:
-                    kv_rows, ind = view.selected_latent(top[s:e], fmt, ops, a.q.dtype)
+                    kv_rows, ind = view.selected_latent(top[s:e], ops, a.q.dtype)
                     o = ops.sparse_mla(a.q[s:e], kv_rows, ind, m.softmax_scale, self.dv)
                 attn.append(m.attention_output(layer, o.to(x.dtype)))
             if attn:  # a rank may hold no rows of a tiny batch
