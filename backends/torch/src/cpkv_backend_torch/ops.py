@@ -254,13 +254,26 @@ class TorchOps:
                 key without one.
         """
         fp8 = check_indexer_args(q, w, k, k_scale, key_start, key_end)
-        n, heads, _ = q.shape
+        n, heads, d = q.shape
         t = k.shape[0]
-        kf = k.float() * k_scale[:, None] if fp8 else k.float()  # type: ignore[index]
+        logits = torch.full((n, t), float("-inf"), dtype=torch.float32, device=q.device)
+        lo, hi = 0, t
+        if q.device.type == "cpu" and n:  # host tensors: reading the bounds costs no sync
+            lo = int(key_start.min().clamp(0, t))
+            hi = max(lo, int(key_end.max().clamp(0, t)))
+        if hi <= lo or n == 0:
+            return logits
+        ks = k[lo:hi]
+        kf = ks.float() * k_scale[lo:hi, None] if fp8 else ks.float()  # type: ignore[index]
         qf, kt = q.float(), kf.t()
-        logits = torch.zeros(n, t, dtype=torch.float32, device=q.device)
-        for h in range(heads):  # a loop over a shape, not over data: [N, T] memory per step
-            logits.add_(torch.relu(qf[:, h] @ kt) * w[:, h, None])
+        # all heads in one matmul, then the head sum as a batched [1, H] x [H, cols] product;
+        # row pieces keep the [rows, H, cols] temporary near 4 MB (in cache on a CPU: 2x faster
+        # than pieces of the [N, T] output's size at 4096 x 4096 x 16 heads)
+        step = max(1, (1 << 20) // (heads * (hi - lo)))
+        for s in range(0, n, step):  # a loop over a shape, not over data
+            e = min(n, s + step)
+            sc = torch.relu_((qf[s:e].reshape(-1, d) @ kt).view(e - s, heads, hi - lo))
+            logits[s:e, lo:hi] = torch.bmm(w[s:e, None, :].float(), sc).view(e - s, hi - lo)
         return logits.masked_fill_(~_in_range(t, key_start, key_end), float("-inf"))
 
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
@@ -293,10 +306,11 @@ class TorchOps:
         ascending = torch.where(few, start[:, None] + slot, -1)
         kk = min(k, t)
         if kk:
-            masked = logits.masked_fill(~_in_range(t, key_start, key_end), float("-inf"))
-            # a stable sort breaks ties by the lower column, so the choice never depends on the
-            # shape of the batch (torch.topk breaks ties differently for different T)
-            chosen = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :kk]
+            # row pieces of ~4 MB keep the temporaries in cache (a loop over a shape)
+            step = max(1, (1 << 20) // t)
+            chosen = torch.cat([_top_columns(logits[s:s + step].float().masked_fill(
+                ~_in_range(t, key_start[s:s + step], key_end[s:s + step]), float("-inf")), kk)
+                for s in range(0, n, step)]) if n else logits.new_zeros((0, kk), dtype=torch.int64)
             if kk < k:
                 chosen = torch.cat([chosen, chosen.new_full((n, k - kk), -1)], dim=1)
         else:
@@ -367,6 +381,27 @@ class TorchOps:
                                 lambda src, i: src.index_select(0, i))
         # the reference's own sparse MLA (a subclass that overrides it changes that op alone)
         return TorchOps.sparse_mla(self, q, lat, idx, scale, dv)
+
+
+def _top_columns(x: torch.Tensor, kk: int) -> torch.Tensor:
+    """int64 [N, kk]: the columns of each row's kk largest values, in descending value order,
+    equal values by ascending column (what a stable descending sort's first kk give).
+
+    ``torch.topk`` breaks ties differently for different T, so it only finds the k-th value; the
+    columns are then chosen exactly (every one above it, the lowest columns equal to it) with a
+    second ``topk`` over a key that has no ties, and ordered by a stable sort of kk values: O(T)
+    per row instead of a sort of all T (6x faster at 4096 x 4096 on a CPU core).
+    """
+    t = x.shape[1]
+    if t > 2**24:  # the column key below is exact in fp32 up to 2^24
+        return torch.sort(x, dim=1, descending=True, stable=True).indices[:, :kk]
+    kth = torch.topk(x, kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    col = torch.arange(t, device=x.device, dtype=torch.float32)
+    # above the k-th value: +inf; equal to it: -column (the lowest columns win); below: -inf
+    key = torch.where(x > kth, float("inf"), torch.where(x == kth, -col, float("-inf")))
+    cols = torch.topk(key, kk, dim=1, sorted=False).indices.sort(dim=1).values
+    order = torch.sort(x.gather(1, cols), dim=1, descending=True, stable=True).indices
+    return cols.gather(1, order)
 
 
 def _in_range(t: int, key_start: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:
