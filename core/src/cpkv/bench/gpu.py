@@ -329,7 +329,7 @@ class PrefillSpec:
     model_dir: str
     tokens: tuple[int, ...]
     kv_dtype: str = "fp8"
-    repeats: int = 6
+    repeats: int = 11
     materialize: str = "auto"
     #: backend.preference of the runs (the settings' default: cuda, triton, torch)
     backends: tuple[str, ...] = ("cuda", "triton", "torch")
@@ -342,7 +342,8 @@ class PrefillSpec:
 def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
     """CP prefill of one prompt per size on this group: the median wall time of ``repeats``
     after the first (warm-up: compiles, allocator growth), each after a ``gc.collect()`` so a
-    collection of the bench's own garbage does not land inside one of them."""
+    collection of the bench's own garbage does not land inside one of them, and a barrier so
+    every rank starts at once."""
     import gc
 
     from cpkv.models import load_model
@@ -364,6 +365,10 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
         times = []
         for r in range(spec.repeats):
             gc.collect()
+            torch.cuda.synchronize()
+            # every rank starts together, as a batch reaches an engine's ranks: without it a rank
+            # whose collection ran shorter counts its wait for the others (20-30 ms at 64K)
+            group.barrier()
             torch.cuda.synchronize()
             t = time.perf_counter()
             res = session.prefill([(f"p{n}-{r}", ids)])
