@@ -77,7 +77,12 @@ def _stall(link: Any, where: str) -> None:
         link._write = write
 
 
-def _connect(world: CPGroup, plugin: str, pool: Any) -> Any:
+def _connect(world: CPGroup, plugin: str, pool: Any, stage: str = "auto") -> Any:
+    """``stage``: mooncake's ``transfer.stage``, or ``"host-pieces"``: host staging through a
+    buffer of 5 pages of 512 bytes (A's 12 pages x 2 layers go in 6 pieces)."""
+    opts: dict[str, Any] = {"hostname": "127.0.0.1", "protocol": "tcp", "stage": stage}
+    if stage == "host-pieces":
+        opts.update(stage="host", stage_mb=2560 / (1 << 20))
     from cpkv.plugin import PluginHost
 
     host = PluginHost(allow=[plugin])
@@ -87,15 +92,16 @@ def _connect(world: CPGroup, plugin: str, pool: Any) -> Any:
         host.close()
     return transport.connect(LinkSpec(endpoint=world.rank, cp_size=C, pool=pool,
                                       timeout_s=TIMEOUT, debug=False,
-                                      options={"hostname": "127.0.0.1", "protocol": "tcp"}))
+                                      options=opts))
 
 
-def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: str) -> Any:
+def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: str,
+               stage: str = "auto") -> Any:
     ranks = [_FakeRank(seed=40 + r) for r in range(C)]
     tables = _tables()
     if world.rank == C:
         pool = _pool(CPGroup.single(), capacity=2 * N + 4)
-        link = _connect(world, plugin, pool)
+        link = _connect(world, plugin, pool, stage)
         rx = DecodeReceiver(pool, debug=False)
         if not quarantine:  # what the decode did before: give the slots back at once
             rx.abort = lambda m, hold=(), epoch=0: DecodeReceiver.abort(rx, m)  # type: ignore[method-assign]
@@ -133,7 +139,7 @@ def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: s
         Path(out).write_text(json.dumps(rec))
         return rec
     pool = ranks[world.rank].pool
-    link = _connect(world, plugin, pool)
+    link = _connect(world, plugin, pool, stage)
     if world.rank == 1:
         _stall(link, where)
     sender = PrefillTransfer(link, pool, world.rank, C)
@@ -148,17 +154,21 @@ def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: s
     return res
 
 
-def _run(tmp_path: Path, plugin: str, where: str, quarantine: bool = True) -> tuple[Any, Any]:
+def _run(tmp_path: Path, plugin: str, where: str, quarantine: bool = True,
+         stage: str = "auto") -> tuple[Any, Any]:
     out = tmp_path / "decode.json"
-    res = run_ranks(_late_rank, C + 1, args=(plugin, where, quarantine, str(out)), timeout_s=120)
+    res = run_ranks(_late_rank, C + 1, args=(plugin, where, quarantine, str(out), stage),
+                    timeout_s=120)
     return [r.value for r in res[:C]], json.loads(out.read_text())
 
 
 @pytest.mark.multiprocess
 @pytest.mark.mooncake
 @needs_mooncake
-def test_mooncake_late_write_lands_in_quarantine(tmp_path: Path) -> None:
-    senders, dec = _run(tmp_path, "mooncake", "write")
+# "host": A's part staged whole (one piece: the stall sits in its only batch, as unstaged)
+@pytest.mark.parametrize("stage", ["auto", "host"])
+def test_mooncake_late_write_lands_in_quarantine(tmp_path: Path, stage: str) -> None:
+    senders, dec = _run(tmp_path, "mooncake", "write", stage=stage)
     assert "no completion notice from rank 1" in dec["error_a"]
     assert "did not publish request 'A'" in senders[0]["A"] and senders[0]["B"] is None
     req, slots, pending = dec["quarantined"][0]
@@ -188,8 +198,9 @@ def test_without_the_quarantine_the_late_write_corrupts_the_next_request(tmp_pat
 @pytest.mark.multiprocess
 @pytest.mark.mooncake
 @needs_mooncake
-def test_a_stalled_sender_checks_the_fence_and_writes_nothing(tmp_path: Path) -> None:
-    _, dec = _run(tmp_path, "mooncake", "send")
+@pytest.mark.parametrize("stage", ["auto", "host-pieces"])
+def test_a_stalled_sender_checks_the_fence_and_writes_nothing(tmp_path: Path, stage: str) -> None:
+    _, dec = _run(tmp_path, "mooncake", "send", stage=stage)
     assert dec["late"][0][0] == "A" and "fenced" in (dec["late"][0][2] or "")
     assert dec["late"][0][1] == 0  # not one byte of A after the fence
     assert not dec["a_landed"]

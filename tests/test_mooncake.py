@@ -184,6 +184,154 @@ def test_a_misconfigured_batch_limit_is_rejected_at_startup() -> None:
     assert Options.from_mapping({"name": "x", "timeout_s": 3}).max_batch_entries == 1024
 
 
+# ---- host staging (transfer.stage) ------------------------------------------------------------
+
+def test_stage_pieces_fit_the_buffer_and_cover_the_send() -> None:
+    from cpkv_transfer_mooncake.transport import stage_pieces
+
+    # every layer fits: all in one piece; two of three layers fit: pieces of two layers
+    assert stage_pieces(4, range(3), 10, 120) == [(range(3), 0, 4)]
+    assert stage_pieces(4, range(1, 4), 10, 80) == [(range(1, 3), 0, 4), (range(3, 4), 0, 4)]
+    # one layer does not fit: each layer in page ranges of 3 (the buffer's whole pages)
+    assert stage_pieces(7, range(2), 10, 35) == [(range(0, 1), 0, 3), (range(0, 1), 3, 6),
+                                                  (range(0, 1), 6, 7), (range(1, 2), 0, 3),
+                                                  (range(1, 2), 3, 6), (range(1, 2), 6, 7)]
+    assert stage_pieces(0, range(2), 10, 35) == []
+    with pytest.raises(ValueError, match="holds no page"):
+        stage_pieces(1, range(1), 10, 9)
+
+
+def test_staged_entries_merge_where_destinations_continue() -> None:
+    from cpkv_transfer_mooncake.transport import staged_entries
+
+    dst = _layout(16, 10**8, layers=3)
+    # pages 1..4 of the part (destinations 7, 8, 3, 4) of layers 1 and 2, staged at 1000:
+    # destinations jump once, so two runs per layer; layer j of the piece at 1000 + j x 4 pages
+    ent = staged_entries([0, 7, 8, 3, 4, 9], 1, 5, 1000, dst, range(1, 3))
+    assert ent == [(1000, dst.kv[1] + 7 * 110, 220), (1000 + 220, dst.kv[1] + 3 * 110, 220),
+                   (1000 + 440, dst.kv[2] + 7 * 110, 220), (1000 + 660, dst.kv[2] + 3 * 110, 220)]
+
+
+def test_stage_decision() -> None:
+    from cpkv_transfer_mooncake.transport import stage_reason
+
+    assert "cudaMemcpy" in (stage_reason("auto", "cuda", "tcp") or "")
+    assert stage_reason("auto", "cpu", "tcp") is None  # the pool is host memory already
+    assert stage_reason("auto", "cuda", "nvlink") is None  # device to device
+    assert stage_reason("auto", "cuda", "rdma") is None  # GPUDirect: the NIC reads the pool
+    assert stage_reason("host", "cpu", "tcp") == "transfer.stage = 'host'"
+    assert stage_reason("none", "cuda", "tcp") is None
+
+
+def test_stage_options_are_validated() -> None:
+    from cpkv_transfer_mooncake.transport import Options
+
+    assert load_settings().transfer.stage == "auto" and load_settings().transfer.stage_mb == 64
+    assert Options.from_mapping(load_settings().transfer.model_dump(mode="json")).stage == "auto"
+    with pytest.raises(SettingsError, match="stage"):
+        load_settings(transfer={"name": "mooncake", "stage": "device"})
+    with pytest.raises(SettingsError, match="stage_mb"):
+        load_settings(transfer={"name": "mooncake", "stage_mb": 0})
+    with pytest.raises(SettingsError, match="stage_mb"):
+        load_settings(transfer={"name": "mooncake", "stage_mb": 5000})
+    with pytest.raises(ValueError, match=r"transfer\.stage = 'gpu' must be one of 'auto'"):
+        Options.from_mapping({"stage": "gpu"})
+    with pytest.raises(ValueError, match=r"transfer\.stage_mb = -1 is outside"):
+        Options.from_mapping({"stage_mb": -1})
+
+
+class _CopyEngine:
+    """Stands in for ``_Engine`` in one process: each entry is a ``memmove`` (a real write of the
+    entry's bytes from its source address, e.g. the staging buffer, into the destination pool)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int, int]]] = []
+
+    def write(self, peer: str, entries: Any) -> int:
+        import ctypes
+
+        for src, dst, n in entries:
+            ctypes.memmove(dst, src, n)
+        self.batches.append(list(entries))
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any]:
+    """A bare prefill link on a CPU pool of random bytes that stages through a ``stage_bytes``
+    host buffer and "writes" (memmove) into a second pool; returns (link, source, decode pool)."""
+    import torch
+
+    from cpkv_transfer_mooncake.transport import HostStaging, Layout, MooncakeLink
+
+    src, dec = _pool(CPGroup.single(), capacity=32, layers=3), _pool(CPGroup.single(), capacity=40,
+                                                                       layers=3)
+    gen = torch.Generator().manual_seed(5)
+    for buf in src.kv:
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+    link = object.__new__(MooncakeLink)
+    link.spec = LinkSpec(endpoint=0, cp_size=1, pool=src)
+    link.max_batch, link.retries = max_batch, 0
+    link.local, link.remote_layout = Layout.of(src), Layout.of(dec)
+    link.remote = "127.0.0.1:1"
+    link.engine = _CopyEngine()
+    link.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0, "staged_pieces": 0}
+    link.stage = HostStaging(src, stage_bytes)
+    link.channel = _Channel()
+    return link, src, dec
+
+
+@pytest.mark.parametrize(("stage_pages", "layers", "pieces"), [
+    (100, None, 1),  # the whole part (3 layers x 9 pages) in one piece
+    (9, range(0, 3), 3),  # one layer per piece
+    (4, range(1, 3), 6),  # smaller than one layer of the part: 3 page ranges per layer
+])
+def test_staged_send_lands_every_page_bit_exact(stage_pages: int, layers: range | None,
+                                                pieces: int) -> None:
+    import torch
+
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=4, src_slot=3),
+                                                   PageRun(first_page=6, num_pages=5, src_slot=20)))
+    dst = [10, 11, 12, 30, 31, 32, 33, 0, 1]  # gaps and continuations
+    link, src, dec = _staged_link(stage_pages * 512)
+    before = [b.clone() for b in dec.kv]
+    n = link.send_part(part, dst, layers=layers)
+    lays = range(3) if layers is None else layers
+    assert n == part_nbytes_of(src, 9, len(lays))
+    assert link.stats["staged_pieces"] == pieces
+    srcs = [3, 4, 5, 6, 20, 21, 22, 23, 24]
+    for layer in range(3):
+        for s_, d in zip(srcs, dst, strict=True):
+            want = src.kv[layer][s_] if layer in lays else before[layer][d]
+            assert torch.equal(dec.kv[layer][d], want), (layer, s_, d)
+        untouched = sorted(set(range(40)) - set(dst))
+        assert torch.equal(dec.kv[layer][untouched], before[layer][untouched])
+    # the sources are the staging buffer, never the pool; runs merged where destinations continue
+    lo, hi = link.stage.addr, link.stage.addr + link.stage.nbytes
+    assert all(lo <= e[0] and e[0] + e[2] <= hi for b in link.engine.batches for e in b)
+    if pieces == 1:
+        assert [e[2] // 512 for e in link.engine.batches[0]] == [3, 4, 2] * 3
+    link.close()
+    assert link.stage is None
+
+
+def test_staged_send_checks_the_fence_before_each_batch() -> None:
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=8, src_slot=0),))
+    link, _, _ = _staged_link(2 * 512, max_batch=1)
+    checks = iter([False, False, True])
+    with pytest.raises(TransferError, match=r"fenced: the decode gave grant 3 up; 2 of 24 entries"):
+        link.send_part(part, list(range(0, 16, 2)), epoch=3, fenced=lambda: next(checks))
+    assert len(link.engine.batches) == 2
+
+
+def part_nbytes_of(pool: Any, pages: int, layers: int) -> int:
+    from cpkv.disagg import part_nbytes
+
+    return part_nbytes(pool, pages, layers)
+
+
 def test_probe_names_a_missing_system_library(monkeypatch: pytest.MonkeyPatch) -> None:
     from cpkv_transfer_mooncake import plugin
 
@@ -205,17 +353,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
-    (2, "zigzag", (20, 0, 3, 64), "request"),
-    (2, "zigzag", (20, 0, 3, 64), "layer"),
-    pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "stage"), [
+    (2, "zigzag", (20, 0, 3, 64), "request", "auto"),
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto"),
+    # host staging on CPU pools, a buffer of 2.5 pages (the tiny model's page is 1792 bytes per
+    # layer): every part of more than 2 pages goes in pieces of 2 pages of one layer
+    (2, "zigzag", (20, 0, 3, 64), "layer", "host"),
+    pytest.param(2, "zigzag", (20, 0, 3, 64), "request", "host", marks=pytest.mark.slow),
+    pytest.param(4, "interleave", (), "layer", "auto", marks=pytest.mark.slow)])
 def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
-                                      pipeline: str) -> None:
+                                      pipeline: str, stage: str) -> None:
     from cpkv.models import load_model
 
     base = _spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": base.settings.transfer.model_copy(
-        update={"name": "mooncake", "timeout_s": 60, "pipeline": pipeline})})
+        update={"name": "mooncake", "timeout_s": 60, "pipeline": pipeline, "stage": stage,
+                "stage_mb": 4480 / (1 << 20)})})
     spec = JobSpec(base.model_dir, base.prompts, s, False, base.prefix_lens, base.decode_tokens)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]

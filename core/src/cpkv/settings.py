@@ -140,6 +140,17 @@ class TransferSettings(_Section):
     max_batch_entries: int = Field(
         1024, ge=1, le=1024,
         description="mooncake: entries per batch write (the engine breaks past ~2048 in flight)")
+    stage: Literal["auto", "host", "none"] = Field(
+        "auto", description="mooncake, sender side: 'host' gathers the pages it sends into a "
+                            "pinned host buffer (on a side stream) and the engine writes from "
+                            "there; 'none' lets the engine read the pool itself; 'auto': 'host' "
+                            "for CUDA pools unless the protocol reads device memory itself "
+                            "('rdma', 'nvlink'): over 'tcp' the engine copies device memory with "
+                            "a synchronous cudaMemcpy per 64 KiB slice, which stalls the prefill")
+    stage_mb: float = Field(
+        64.0, gt=0, le=4096,
+        description="mooncake: the sender's staging buffer (MiB, at least one page); a larger "
+                    "send is staged and written in pieces")
 
 
 class PluginSettings(_Section):

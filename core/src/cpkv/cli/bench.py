@@ -111,11 +111,15 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--mooncake-protocol", default="tcp", show_default=True,
               help="transfer.protocol of the mooncake runs: tcp, rdma or nvlink.")
+@click.option("--mooncake-stage", type=click.Choice(["auto", "host", "none"]), default="auto",
+              show_default=True,
+              help="transfer.stage of the mooncake runs: sender-side pinned host staging.")
 @click.option("--gpus", is_flag=True,
               help="NCCL world, rank r on cuda:r (prefill on cuda:0.., decode on the next GPU); "
                    "adds each plugin's GB/s against a raw cuda:0 -> cuda:1 copy.")
 def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: int, preset: str,
-                 repeats: int, kv_dtype: str, mooncake_protocol: str, gpus: bool) -> None:
+                 repeats: int, kv_dtype: str, mooncake_protocol: str, mooncake_stage: str,
+                 gpus: bool) -> None:
     """Prefill -> decode transfer: time to ready (prefill start -> decode published) with
     transfer.pipeline = "layer" vs "request" vs the prefill alone, per plugin, same run."""
     import tempfile
@@ -129,7 +133,8 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
     names = [p.strip() for p in plugins.split(",") if p.strip()]
     rows: list[BenchRow] = []
     detail: dict[str, Any] = {"layers": layers, "preset": preset,
-                              "mooncake_protocol": mooncake_protocol}
+                              "mooncake_protocol": mooncake_protocol,
+                              "mooncake_stage": mooncake_stage}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {**PRESETS[preset], "num_hidden_layers": layers}
         cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings", 4096)),
@@ -139,7 +144,7 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
         ckpt = write_tiny_checkpoint(Path(tmp) / "model", seed=0, **cfg)
         for name in names:
             settings = transfer.bench_settings(cp, name, sizes, kv_dtype=kv_dtype,
-                                               protocol=mooncake_protocol)
+                                               protocol=mooncake_protocol, stage=mooncake_stage)
             r, d = transfer.run(ckpt, settings, tokens=sizes, repeats=repeats, gpus=gpus,
                                 progress=lambda s: err.print(f"[dim]{s}[/]"))
             rows += r

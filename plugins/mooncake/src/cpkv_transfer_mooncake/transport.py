@@ -26,6 +26,18 @@ core's sender worker then tells the decode endpoint ``Done`` (with the error, if
 marks the part written. A failed part publishes nothing, and its slots stay in quarantine until
 every sender of it is done (the core: docs/transfer.md, "Late writes").
 
+Host staging (``transfer.stage``; ``auto``: CUDA pools over ``tcp`` and other protocols that
+copy device memory through the host). Mooncake's TCP transport copies each slice (64 KiB) of a
+device source with a synchronous ``cudaMemcpy`` in its worker thread (``ClientSession::writeBody``
+in tcp_transport); on the legacy default stream that waits for every kernel the prefill queued
+and holds back the later ones, so the sends slowed the prefill by their own duration. Instead the
+sender gathers the part's pages of the layer(s) it sends into a pinned host buffer registered
+with the engine (:class:`HostStaging`, ``transfer.stage_mb``; a larger send goes in pieces, each
+staged and written before the next) on a non-blocking side stream that only the sender thread
+synchronizes, and the entries' sources are the staging buffer (runs merged where the destination
+slots are consecutive: :func:`staged_entries`). The staging buffer is registered with every
+engine the link makes (retries included) and freed at ``close`` after its engine is gone.
+
 Engine facts this module relies on (``/work/shared/notes/mooncake.md``): positional arguments
 only; no method may be called before a successful ``initialize`` (segfault), so an engine whose
 ``initialize`` failed is kept, never touched; results are int codes; ``del`` releases an engine.
@@ -39,6 +51,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from cpkv.contracts import FallbackReason
 from cpkv.disagg import (
     DecodeReceiver,
@@ -51,12 +65,24 @@ from cpkv.disagg import (
 from cpkv.disagg.transport import SideChannel
 from cpkv.fallback import report_fallback
 
-__all__ = ["ENGINE_MAX_IN_FLIGHT", "Joined", "Layout", "MooncakeLink", "MooncakeTransport",
-           "Options", "Session", "batch_limit", "write_entries"]
+__all__ = ["DIRECT_PROTOCOLS", "ENGINE_MAX_IN_FLIGHT", "STAGE_MODES", "HostStaging", "Joined",
+           "Layout", "MooncakeLink", "MooncakeTransport", "Options", "Session", "batch_limit",
+           "stage_pieces", "stage_reason", "staged_entries", "write_entries"]
+
+log = structlog.get_logger(__name__)
 
 #: entries in flight to one peer past which the engine's TCP path to it breaks (-1 with part of
 #: the data written; the path stays broken until a new engine is made)
 ENGINE_MAX_IN_FLIGHT = 2048
+
+#: ``transfer.stage`` values
+STAGE_MODES = ("auto", "host", "none")
+STAGE_MAX_MB = 4096
+#: protocols whose engine reads device memory itself (GPUDirect RDMA, CUDA IPC): ``auto`` does not
+#: stage for them. Every other one (``tcp``...) copies device memory through the host with a
+#: synchronous ``cudaMemcpy`` per slice (tcp_transport: ``ClientSession::writeBody``), which
+#: waits for the prefill's queued kernels on the legacy default stream and blocks the later ones.
+DIRECT_PROTOCOLS = ("rdma", "nvlink", "nvlink_intra")
 
 # engines whose initialize failed: any call on them, the destructor included, may crash the
 # process, so they are kept alive and never touched
@@ -79,6 +105,11 @@ class Options:
     hostname: str = "127.0.0.1"
     retries: int = 0
     max_batch_entries: int = 1024
+    #: sender-side host staging: "auto" (for CUDA pools over a protocol that copies device memory
+    #: through the host, see :func:`stage_reason`), "host" (always, CPU pools included), "none"
+    stage: str = "auto"
+    #: the staging buffer (MiB, at least one page): a larger send is staged and sent in pieces
+    stage_mb: float = 64.0
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> Options:
@@ -87,8 +118,8 @@ class Options:
         Raises:
             ValueError: a value out of range, naming the key and the limit.
         """
-        o = cls(**{k: m[k] for k in ("protocol", "hostname", "retries", "max_batch_entries")
-                   if k in m})
+        o = cls(**{k: m[k] for k in ("protocol", "hostname", "retries", "max_batch_entries",
+                                     "stage", "stage_mb") if k in m})
         limit = batch_limit()
         if not 1 <= int(o.max_batch_entries) <= limit:
             raise ValueError(f"transfer.max_batch_entries = {o.max_batch_entries} is outside "
@@ -98,6 +129,11 @@ class Options:
             raise ValueError(f"transfer.retries = {o.retries} must be >= 0")
         if not o.protocol or not o.hostname:
             raise ValueError("transfer.protocol and transfer.hostname must not be empty")
+        if o.stage not in STAGE_MODES:
+            raise ValueError(f"transfer.stage = {o.stage!r} must be one of "
+                             f"{', '.join(map(repr, STAGE_MODES))}")
+        if not 0 < float(o.stage_mb) <= STAGE_MAX_MB:
+            raise ValueError(f"transfer.stage_mb = {o.stage_mb} is outside (0, {STAGE_MAX_MB}]")
         return o
 
 
@@ -147,13 +183,9 @@ class Joined:
 
 # ---- write entries ---------------------------------------------------------------------------
 
-def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
-                  dst: Layout, layers: range | None = None) -> list[tuple[int, int, int]]:
-    """``(local address, remote address, length)`` per coalesced piece x layer (of ``layers``,
-    default every layer; a page's latent and index-K are one block of a layer's buffer).
-
-    A piece is a range of pages consecutive in both the source and the destination slots: runs
-    split where ``dst_slots`` jump, pieces merged where they continue each other.
+def _src_slots(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
+               dst: Layout) -> list[int]:
+    """The part's source slots in its page order, after checking them and ``dst_slots``.
 
     Raises:
         ValueError: slot count or a slot out of range, or pools of different page layouts.
@@ -162,25 +194,152 @@ def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
         raise ValueError(f"{len(dst_slots)} destination slots for {part.num_pages} pages")
     if not src.same_pages_as(dst):
         raise ValueError("the prefill and decode pools have different page layouts")
+    out = [run.src_slot + i for run in part.runs for i in range(run.num_pages)]
+    for s, d in zip(out, dst_slots, strict=True):
+        if not (0 <= s < src.num_pages and 0 <= int(d) < dst.num_pages):
+            raise ValueError(f"page slot out of range: source {s} of {src.num_pages}, "
+                             f"destination {d} of {dst.num_pages}")
+    return out
+
+
+def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
+                  dst: Layout, layers: range | None = None) -> list[tuple[int, int, int]]:
+    """``(local address, remote address, length)`` per coalesced piece x layer (of ``layers``,
+    default every layer; a page's latent and index-K are one block of a layer's buffer), read
+    from the pool itself (no staging).
+
+    A piece is a range of pages consecutive in both the source and the destination slots: runs
+    split where ``dst_slots`` jump, pieces merged where they continue each other.
+
+    Raises:
+        ValueError: slot count or a slot out of range, or pools of different page layouts.
+    """
     pieces: list[list[int]] = []  # [src slot, dst slot, pages]
-    k = 0
-    for run in part.runs:
-        for i in range(run.num_pages):
-            s, d = run.src_slot + i, int(dst_slots[k])
-            k += 1
-            if not (0 <= s < src.num_pages and 0 <= d < dst.num_pages):
-                raise ValueError(f"page slot out of range: source {s} of {src.num_pages}, "
-                                 f"destination {d} of {dst.num_pages}")
-            if pieces and pieces[-1][0] + pieces[-1][2] == s and pieces[-1][1] + pieces[-1][2] == d:
-                pieces[-1][2] += 1
-            else:
-                pieces.append([s, d, 1])
+    for s, d in zip(_src_slots(part, dst_slots, src, dst), map(int, dst_slots), strict=True):
+        if pieces and pieces[-1][0] + pieces[-1][2] == s and pieces[-1][1] + pieces[-1][2] == d:
+            pieces[-1][2] += 1
+        else:
+            pieces.append([s, d, 1])
     out: list[tuple[int, int, int]] = []
     for s, d, n in pieces:
         for layer in range(len(src.kv)) if layers is None else layers:
             out.append((src.kv[layer] + s * src.page_bytes, dst.kv[layer] + d * dst.page_bytes,
                         n * src.page_bytes))
     return out
+
+
+def stage_pieces(num_pages: int, layers: range, page_bytes: int,
+                 capacity: int) -> list[tuple[range, int, int]]:
+    """How a send of ``num_pages`` pages x ``layers`` is cut to fit a staging buffer of
+    ``capacity`` bytes (>= one page): ``(layers, first page, end page)`` per piece, in order.
+    Every layer whole while several fit; else one layer in page ranges."""
+    if num_pages == 0 or len(layers) == 0:
+        return []
+    if capacity < page_bytes:
+        raise ValueError(f"a staging buffer of {capacity} bytes holds no page of {page_bytes}")
+    per_layer = num_pages * page_bytes
+    if per_layer <= capacity:
+        step = capacity // per_layer
+        return [(layers[i:i + step], 0, num_pages) for i in range(0, len(layers), step)]
+    step = capacity // page_bytes
+    return [(range(layer, layer + 1), k, min(k + step, num_pages))
+            for layer in layers for k in range(0, num_pages, step)]
+
+
+def staged_entries(dst_slots: Sequence[int], first: int, end: int, base: int, dst: Layout,
+                   layers: range) -> list[tuple[int, int, int]]:
+    """Write entries of a staged piece: pages ``first..end`` (part order) of ``layers``, staged
+    at ``base`` layer after layer (layer ``j`` of the piece at ``base + j x (end - first)``
+    pages). The staged pages are consecutive, so a run splits only where ``dst_slots`` jump."""
+    n, pb = end - first, dst.page_bytes
+    runs: list[list[int]] = []  # [page offset in the piece, dst slot, pages]
+    for k in range(first, end):
+        d = int(dst_slots[k])
+        if runs and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([k - first, d, 1])
+    return [(base + (j * n + off) * pb, dst.kv[layer] + d * pb, cnt * pb)
+            for j, layer in enumerate(layers) for off, d, cnt in runs]
+
+
+def stage_reason(mode: str, device_type: str, protocol: str) -> str | None:
+    """Why the sender stages through host memory (None: it does not) under ``transfer.stage``."""
+    if mode == "host":
+        return "transfer.stage = 'host'"
+    if mode == "none":
+        return None
+    if device_type != "cuda":
+        return None  # the pool is in host memory already
+    if protocol in DIRECT_PROTOCOLS:
+        return None
+    return (f"a CUDA pool over {protocol!r}: the engine would copy each slice of device memory "
+            f"with a synchronous cudaMemcpy that stalls the prefill's compute")
+
+
+class HostStaging:
+    """The sender's staging buffer: pages are gathered into it (one ``index_select`` per layer
+    and piece) and the engine writes from it.
+
+    CUDA pools: a pinned host buffer; the gather runs on a side stream of its own (PyTorch's
+    pool streams are created ``cudaStreamNonBlocking``: no implicit order with the legacy
+    default stream the prefill computes on) into a device scratch of the same size, then one
+    asynchronous copy into the pinned buffer; :meth:`fill` synchronizes that side stream only.
+    The layer's KV write is complete before: the core's sender worker waits for the layer's
+    CUDA event before it calls ``send_part``, and the gather is queued after that wait.
+    CPU pools: ``index_select(out=)`` straight into the host buffer (pinned when CUDA is there).
+    """
+
+    def __init__(self, pool: Any, nbytes: int) -> None:
+        import torch
+
+        self.page_bytes = int(pool.kv[0][0].nbytes)
+        self.page_shape = tuple(pool.kv[0].shape[1:])
+        self.nbytes = max(int(nbytes), self.page_bytes)
+        dev = pool.kv[0].device
+        self.device = dev
+        pages = int(pool.kv[0].shape[0])
+        pin = dev.type == "cuda" or torch.cuda.is_available()
+        self.host: Any = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.idx_host: Any = torch.empty(pages, dtype=torch.int64, pin_memory=pin)
+        self.addr = int(self.host.data_ptr())
+        self.stream: Any = None
+        self.scratch: Any = None
+        self.idx_dev: Any = None
+        if dev.type == "cuda":
+            self.stream = torch.cuda.Stream(device=dev)
+            with torch.cuda.device(dev):
+                self.scratch = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
+                self.idx_dev = torch.empty(pages, dtype=torch.int64, device=dev)
+
+    def fill(self, kv: Sequence[Any], layers: range, slots: Sequence[int]) -> None:
+        """Stage the pages ``slots`` of ``layers`` (layer after layer) at :attr:`addr`; returns
+        once the bytes are in the host buffer."""
+        import torch
+
+        n = len(slots)
+        size = n * self.page_bytes * len(layers)
+        if size > self.nbytes:
+            raise ValueError(f"{size} bytes to stage in a buffer of {self.nbytes}")
+        self.idx_host[:n].copy_(torch.as_tensor(list(slots), dtype=torch.int64))
+        if self.stream is None:
+            idx = self.idx_host[:n]
+            for j, layer in enumerate(layers):
+                out = self.host[j * n * self.page_bytes:(j + 1) * n * self.page_bytes]
+                torch.index_select(kv[layer], 0, idx, out=out.view(n, *self.page_shape))
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            idx = self.idx_dev[:n]
+            idx.copy_(self.idx_host[:n], non_blocking=True)
+            for j, layer in enumerate(layers):
+                out = self.scratch[j * n * self.page_bytes:(j + 1) * n * self.page_bytes]
+                torch.index_select(kv[layer], 0, idx, out=out.view(n, *self.page_shape))
+            self.host[:size].copy_(self.scratch[:size], non_blocking=True)
+        self.stream.synchronize()  # the side stream only: never the compute stream
+
+    def close(self) -> None:
+        """Free the buffers (unregister them from the engine first)."""
+        self.host = self.idx_host = self.scratch = self.idx_dev = self.stream = None
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -238,7 +397,10 @@ class MooncakeLink:
     Attributes:
         remote: decode engine's ``host:port`` (prefill endpoints; the decode's own on decode).
         max_batch: entries per batch write (``transfer.max_batch_entries``).
-        stats: ``batches``, ``entries``, ``largest_batch``, ``retries`` so far (prefill).
+        stats: ``batches``, ``entries``, ``largest_batch``, ``retries``, ``staged_pieces`` so
+            far (prefill).
+        stage: the sender's :class:`HostStaging` (``transfer.stage``), or None: the engine reads
+            the pool itself.
         one_sided: True: the writes land in the decode pool's slots themselves.
     """
 
@@ -254,7 +416,9 @@ class MooncakeLink:
         self.engine: _Engine | None = None
         self.remote = ""
         self.remote_layout: Layout | None = None
-        self.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0}
+        self.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0,
+                      "staged_pieces": 0}
+        self.stage: HostStaging | None = None
         self.channel, self._store = _side_channel(spec, self.opts.hostname)
         if spec.is_decode:
             self._connect_decode()
@@ -285,10 +449,29 @@ class MooncakeLink:
             self.close()
             raise TransferError(f"mooncake connect: prefill endpoints failed: {'; '.join(bad)}")
 
+    def _buffers(self) -> list[tuple[int, int]]:
+        """What an engine of this endpoint registers: the pool's buffers and the staging one."""
+        extra = [(self.stage.addr, self.stage.nbytes)] if self.stage is not None else []
+        return self.local.buffers() + extra
+
+    def _make_stage(self) -> None:
+        """The sender's staging decision (``transfer.stage``), logged; the buffer is made here."""
+        pool, o = self.spec.pool, self.opts
+        dev = pool.kv[0].device.type
+        why = stage_reason(o.stage, dev, o.protocol)
+        if why is not None:
+            self.stage = HostStaging(pool, int(float(o.stage_mb) * (1 << 20)))
+        log.info("cpkv.mooncake.stage", endpoint=self.spec.endpoint, stage=o.stage,
+                 protocol=o.protocol, pool_device=str(pool.kv[0].device),
+                 staged=why is not None, reason=why or "the engine reads the pool itself",
+                 buffer_bytes=self.stage.nbytes if self.stage is not None else 0,
+                 pinned=bool(self.stage is not None and self.stage.host.is_pinned()))
+
     def _connect_prefill(self) -> None:
         spec, err = self.spec, None
         try:
-            self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
+            self._make_stage()
+            self.engine = _Engine(self._engine_cls, self.opts, self._buffers())
         except Exception as exc:
             err = _why(exc)
         session = self.channel.recv(spec.decode_endpoint)
@@ -312,7 +495,7 @@ class MooncakeLink:
         if self.engine is not None:
             self.engine.close()
         self.engine = None
-        self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
+        self.engine = _Engine(self._engine_cls, self.opts, self._buffers())
 
     def _write(self, batch: Sequence[tuple[int, int, int]]) -> None:
         attempts = 1 + self.retries
@@ -354,12 +537,12 @@ class MooncakeLink:
         try:
             if self.engine is None or self.remote_layout is None:
                 raise TransferError("the link is closed")
-            entries = write_entries(part, dst_slots, self.local, self.remote_layout, layers)
-            for i in range(0, len(entries), self.max_batch):
-                if fenced is not None and fenced():
-                    raise TransferError(f"fenced: the decode gave grant {epoch} up; "
-                                        f"{i} of {len(entries)} entries written")
-                self._write(entries[i:i + self.max_batch])
+            stage = getattr(self, "stage", None)
+            if stage is None:
+                entries = write_entries(part, dst_slots, self.local, self.remote_layout, layers)
+                self._write_batches(entries, 0, len(entries), epoch, fenced)
+            else:
+                entries = self._send_staged(stage, part, dst_slots, layers, epoch, fenced)
         except Exception as exc:
             if isinstance(exc, TransferError) and self.engine is not None \
                     and not str(exc).startswith("fenced"):
@@ -372,6 +555,36 @@ class MooncakeLink:
                                 f"entries) to {self.remote or '?'}: {_why(exc)}") from exc
         return n
 
+    def _write_batches(self, entries: Sequence[tuple[int, int, int]], done: int, total: int,
+                       epoch: int, fenced: Callable[[], bool] | None) -> None:
+        """``entries`` in batches of at most ``max_batch``, the fence checked before each
+        (``done`` of ``total`` entries of the part were written before these)."""
+        for i in range(0, len(entries), self.max_batch):
+            if fenced is not None and fenced():
+                raise TransferError(f"fenced: the decode gave grant {epoch} up; "
+                                    f"{done + i} of {total} entries written")
+            self._write(entries[i:i + self.max_batch])
+
+    def _send_staged(self, stage: HostStaging, part: RankTransfer, dst_slots: Sequence[int],
+                     layers: range | None, epoch: int,
+                     fenced: Callable[[], bool] | None) -> list[tuple[int, int, int]]:
+        """Stage the part piece by piece (:func:`stage_pieces`) and write each piece from the
+        staging buffer (a piece's writes return before the next piece overwrites it: the sync
+        write is done with the buffer once it returns). Returns every entry written."""
+        assert self.remote_layout is not None
+        slots = _src_slots(part, dst_slots, self.local, self.remote_layout)
+        lays = range(self.spec.pool.num_layers) if layers is None else layers
+        plan = [(p, staged_entries(dst_slots, p[1], p[2], stage.addr, self.remote_layout, p[0]))
+                for p in stage_pieces(len(slots), lays, self.local.page_bytes, stage.nbytes)]
+        total = sum(len(e) for _, e in plan)
+        done = 0
+        for (plays, first, end), ents in plan:
+            stage.fill(self.spec.pool.kv, plays, slots[first:end])
+            self.stats["staged_pieces"] = self.stats.get("staged_pieces", 0) + 1
+            self._write_batches(ents, done, total, epoch, fenced)
+            done += len(ents)
+        return [e for _, ents in plan for e in ents]
+
     def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
                   layers: range | None = None, epoch: int = 0) -> int:
         """One-sided: the bytes are in place when the sender's ``Done`` arrived (the core
@@ -379,10 +592,15 @@ class MooncakeLink:
         return 0
 
     def close(self) -> None:
-        """Unregister the pool's buffers and release the engine (idempotent)."""
+        """Unregister the pool's (and the staging) buffers, release the engine, then free the
+        staging buffer (idempotent)."""
         if self.engine is not None:
             eng, self.engine = self.engine, None
             eng.close()
+        if getattr(self, "stage", None) is not None:
+            assert self.stage is not None
+            self.stage.close()
+            self.stage = None
         self._store = None
 
 
