@@ -314,9 +314,9 @@ class TorchOps:
         if kk:
             # row pieces of ~4 MB keep the temporaries in cache (a loop over a shape)
             step = max(1, _piece(logits.device) // t)
-            chosen = torch.cat([_top_columns(logits[s:s + step].float().masked_fill(
-                ~_in_range(t, key_start[s:s + step], key_end[s:s + step]), float("-inf")), kk)
-                for s in range(0, n, step)]) if n else logits.new_zeros((0, kk), dtype=torch.int64)
+            chosen = torch.cat([_top_columns(logits[s:s + step].float(), _in_range(
+                t, key_start[s:s + step], key_end[s:s + step]), kk) for s in range(0, n, step)]) \
+                if n else logits.new_zeros((0, kk), dtype=torch.int64)
             if kk < k:
                 chosen = torch.cat([chosen, chosen.new_full((n, k - kk), -1)], dim=1)
         else:
@@ -395,9 +395,10 @@ def _piece(device: torch.device) -> int:
     return 1 << 20 if device.type == "cpu" else 1 << 26
 
 
-def _top_columns(x: torch.Tensor, kk: int) -> torch.Tensor:
-    """int64 [N, kk]: the columns of each row's kk largest values, in descending value order,
-    equal values by ascending column (what a stable descending sort's first kk give).
+def _top_columns(x: torch.Tensor, inside: torch.Tensor, kk: int) -> torch.Tensor:
+    """int64 [N, kk]: the columns of each row's kk largest values inside its range (``inside``),
+    in descending value order, equal values by ascending column; columns outside the range come
+    after every column inside it (-inf logits inside included).
 
     ``torch.topk`` breaks ties differently for different T, so it only finds the k-th value; the
     columns are then chosen exactly (every one above it, the lowest columns equal to it) with a
@@ -405,14 +406,24 @@ def _top_columns(x: torch.Tensor, kk: int) -> torch.Tensor:
     per row instead of a sort of all T (6x faster at 4096 x 4096 on a CPU core).
     """
     t = x.shape[1]
+    x = x.masked_fill(~inside, float("-inf"))
     if t > 2**24:  # the column key below is exact in fp32 up to 2^24
-        return torch.sort(x, dim=1, descending=True, stable=True).indices[:, :kk]
+        order = torch.sort(x, dim=1, descending=True, stable=True).indices
+        outside = (~inside).gather(1, order).to(torch.uint8)
+        return order.gather(1, torch.sort(outside, dim=1, stable=True).indices)[:, :kk]
     kth = torch.topk(x, kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
     col = torch.arange(t, device=x.device, dtype=torch.float32)
-    # above the k-th value: +inf; equal to it: -column (the lowest columns win); below: -inf
-    key = torch.where(x > kth, float("inf"), torch.where(x == kth, -col, float("-inf")))
+    # above the k-th value: +inf; equal to it inside the range: -column (the lowest columns
+    # win); below it, or outside the range: -inf (outside columns come last: -t - column)
+    key = torch.where(x > kth, float("inf"),
+                      torch.where((x == kth) & inside, -col, -float(t) - col))
     cols = torch.topk(key, kk, dim=1, sorted=False).indices.sort(dim=1).values
-    order = torch.sort(x.gather(1, cols), dim=1, descending=True, stable=True).indices
+    sel_in = inside.gather(1, cols)
+    vals = x.gather(1, cols)
+    # descending value, inside columns before outside ones, then ascending column (stable)
+    order = torch.sort(vals, dim=1, descending=True, stable=True).indices
+    order = order.gather(1, torch.sort((~sel_in).gather(1, order).to(torch.uint8), dim=1,
+                                       stable=True).indices)
     return cols.gather(1, order)
 
 
