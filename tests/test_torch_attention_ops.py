@@ -236,6 +236,29 @@ def test_topk_matches_naive_property(data: st.DataObject) -> None:
     assert got.tolist() == naive_topk(logits.tolist(), k, ks, ke)
 
 
+def test_topk_neg_inf_inside_the_range_before_columns_outside() -> None:
+    """A row holding more than k keys lists only columns of its range, also when -inf logits
+    inside it reach the k-th place (the masked columns left of the range are -inf too)."""
+    inf = float("-inf")
+    logits = torch.tensor([[5.0, 1.0, inf, 3.0, inf, inf, 2.0]])
+    assert OPS.topk(logits, 3, _i64([2]), _i64([6])).tolist() == [[3, 2, 4]]
+
+
+@settings(deadline=None, max_examples=150)
+@given(st.data())
+def test_topk_ties_match_naive_property(data: st.DataObject) -> None:
+    """Logits from a few values (-inf, -0.0 and 0.0 among them): equal logits by column."""
+    n, t, k = data.draw(st.integers(0, 6)), data.draw(st.integers(0, 12)), data.draw(
+        st.integers(0, 14))
+    ks = [data.draw(st.integers(-2, t + 1)) for _ in range(n)]
+    ke = [data.draw(st.integers(-2, t + 2)) for _ in range(n)]
+    vals = [float("-inf"), -1.5, -0.0, 0.0, 0.5, 2.0]
+    rows = [[data.draw(st.sampled_from(vals)) for _ in range(t)] for _ in range(n)]
+    logits = torch.tensor(rows) if n else torch.empty(0, t)
+    got = OPS.topk(logits, k, _i64(ks), _i64(ke))
+    assert got.tolist() == naive_topk(rows, k, ks, ke)
+
+
 # ---- sparse_mla ----------------------------------------------------------------------------------
 def _mla_case(n: int, heads: int, dk: int, t: int, seed: int,
               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -293,10 +293,16 @@ class TorchOps:
         ascending = torch.where(few, start[:, None] + slot, -1)
         kk = min(k, t)
         if kk:
-            masked = logits.masked_fill(~_in_range(t, key_start, key_end), float("-inf"))
+            inside = _in_range(t, key_start, key_end)
+            masked = logits.masked_fill(~inside, float("-inf"))
             # a stable sort breaks ties by the lower column, so the choice never depends on the
             # shape of the batch (torch.topk breaks ties differently for different T)
-            chosen = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :kk]
+            order = torch.sort(masked, dim=1, descending=True, stable=True).indices
+            # -inf logits inside the range before the masked columns outside it (a second stable
+            # sort on "outside"): a row holding more than k keys picks only columns in its range
+            outside = (~inside).gather(1, order).to(torch.uint8)
+            order = order.gather(1, torch.sort(outside, dim=1, stable=True).indices)
+            chosen = order[:, :kk]
             if kk < k:
                 chosen = torch.cat([chosen, chosen.new_full((n, k - kk), -1)], dim=1)
         else:
