@@ -78,6 +78,16 @@ MLA_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "nu
 MLA_LOWP_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2,
                                     "P_SPLIT": 1, "P_FP16": 0, "P_CAT": 0}
 TOPK_BLOCK = 1024
+#: top-k selection: "radix" (the exact radix-select kernel, default) or "torch" (mask, torch.topk,
+#: fix-up: ties at the k-th place may differ from the reference); per instance through
+#: ``AttentionKernels(topk_method=...)``
+TOPK_METHOD = "radix"
+#: the radix kernel sorts a row's k choices in registers (k padded to a power of two): larger k,
+#: and float64 logits (whose keys have 64 bits), take the torch path
+TOPK_RADIX_MAX_K = 4096
+TOPK_RADIX_BLOCK = 4096
+TOPK_RADIX_WARPS = 8
+_RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -166,6 +176,82 @@ def _topk_fixup_kernel(chosen_ptr, ks_ptr, ke_ptr, out_ptr, T, K, KK,
         ch = tl.full([BLOCK], -1, tl.int64)
     res = tl.where(count <= K, asc, ch)
     tl.store(out_ptr + row * K + slot, res.to(tl.int32), mask=smask)
+
+
+@triton.jit
+def _ord_key(x):
+    """fp32 -> int32 whose signed order is the float order (-0.0 and 0.0 map alike; -inf is the
+    smallest key of every non-NaN value)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _radix_topk_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, scr_ptr, T, K, sx0, sx1,
+                       BLOCK: tl.constexpr, KP: tl.constexpr):
+    """One program per row: rows holding at most K keys list them ascending (-1 padded); longer
+    rows radix-select the K-th largest key (4 passes of 8 bits over the row's range), write the
+    chosen (key, column) composites to ``scr`` and sort them."""
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.load(ks_ptr + row)
+    ke = tl.load(ke_ptr + row)
+    start = tl.minimum(tl.maximum(ks, 0), T).to(tl.int32)
+    end = tl.minimum(tl.maximum(ke, 0), T).to(tl.int32)
+    count = tl.maximum(end - start, 0)
+    slot = tl.arange(0, KP)
+    smask = slot < K
+    if count <= K:
+        tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1), mask=smask)
+    else:
+        xrow = x_ptr + row * sx0
+        bins = tl.arange(0, 256)
+        need = K + tl.zeros([], tl.int32)  # keys still to take among those matching the prefix
+        prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
+        for p in tl.static_range(4):
+            hist = tl.zeros([256], tl.int32)
+            for c0 in range(start, end, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                m = cols < end
+                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
+                s = _ord_key(x.to(tl.float32))
+                if p == 0:  # the sign bit flipped: digits ascend with the key
+                    d = ((s >> 24) & 255) ^ 128
+                else:
+                    m = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
+                    d = (s >> (24 - 8 * p)) & 255
+                hist += tl.histogram(d, 256, mask=m)
+            above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0)  # keys with a larger digit
+            hit = (above < need) & (above + hist >= need)  # exactly one bin: the K-th's digit
+            b = tl.sum(tl.where(hit, bins, 0), axis=0)
+            need -= tl.sum(tl.where(hit, above, 0), axis=0)
+            if p == 0:
+                b = b ^ 128
+            prefix = prefix | (b << (24 - 8 * p))
+        # take every key above the K-th and the first `need` equal to it (ascending columns)
+        wpos = tl.zeros([], tl.int32)
+        eq_seen = tl.zeros([], tl.int32)
+        srow = scr_ptr + row * KP
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < end
+            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
+            s = _ord_key(x.to(tl.float32))
+            eq = m & (s == prefix)
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
+            take = (m & (s > prefix)) | (eq & (eq_rank <= need))
+            take_i = take.to(tl.int32)
+            pos = wpos + tl.cumsum(take_i, 0) - 1
+            # descending composite order = key descending, then column ascending
+            comp = (s.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
+            tl.store(srow + pos, comp, mask=take)
+            wpos += tl.sum(take_i, axis=0)
+            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the row's composites, written by all threads, read back below
+        comp = tl.load(srow + slot, mask=smask, other=-9223372036854775807 - 1)
+        comp = tl.sort(comp, descending=True)
+        col = 2147483647 - comp.to(tl.int32)  # the low 32 bits
+        tl.store(out_ptr + row * K + slot, col, mask=smask)
 
 
 @triton.jit
@@ -286,14 +372,20 @@ class AttentionKernels:
             num_stages).
         mla_config: overrides of :data:`MLA_DEFAULT` (BLOCK_H, BLOCK_K, num_warps, num_stages,
             P_SPLIT).
+        topk_method: ``"radix"`` (default, exact) or ``"torch"`` (torch.topk; ties may differ),
+            see :data:`TOPK_METHOD`.
     """
 
     # class-level defaults, so that a subclass mixing this in without calling __init__ works
     indexer_config: dict[str, int] = INDEXER_DEFAULT
     mla_config: dict[str, int] = MLA_DEFAULT
+    topk_method: str = TOPK_METHOD
 
     def __init__(self, indexer_config: dict[str, int] | None = None,
-                 mla_config: dict[str, int] | None = None) -> None:
+                 mla_config: dict[str, int] | None = None, topk_method: str = TOPK_METHOD) -> None:
+        if topk_method not in ("radix", "torch"):
+            raise ValueError(f"topk_method must be 'radix' or 'torch', got {topk_method!r}")
+        self.topk_method = topk_method
         self.indexer_config = {**INDEXER_DEFAULT, **(indexer_config or {})}
         self.mla_config = {**MLA_DEFAULT, **(mla_config or {})}
         self._mla_user = mla_config is not None
@@ -381,18 +473,27 @@ class AttentionKernels:
         if n == 0 or k == 0:
             return out
         ks, ke = key_start.contiguous(), key_end.contiguous()
-        kk = min(k, t)
-        if kk:
+        select = k < t  # else no row holds more than k keys: each lists its range ascending
+        method = getattr(self, "topk_method", TOPK_METHOD)
+        if select and method == "radix" and k <= TOPK_RADIX_MAX_K \
+                and logits.dtype in _RADIX_DTYPES:
+            kp = _pow2(k)
+            scratch = torch.empty(n, kp, dtype=torch.int64, device=logits.device)
+            _radix_topk_kernel[(n,)](logits, ks, ke, out, scratch, t, k, logits.stride(0),
+                                     logits.stride(1), BLOCK=min(TOPK_RADIX_BLOCK, _pow2(t)),
+                                     KP=kp, num_warps=TOPK_RADIX_WARPS)
+            return out
+        if select:
             masked = torch.empty(n, t, dtype=logits.dtype, device=logits.device)
             blk = min(TOPK_BLOCK, _pow2(t))
             _mask_kernel[(n, triton.cdiv(t, blk))](logits, ks, ke, masked, t, logits.stride(0),
                                                    logits.stride(1), BLOCK=blk, num_warps=4)
-            chosen = torch.topk(masked, kk, dim=1, largest=True, sorted=True).indices.contiguous()
+            chosen = torch.topk(masked, k, dim=1, largest=True, sorted=True).indices.contiguous()
         else:
             chosen = out  # unused
         blk = min(TOPK_BLOCK, _pow2(k))
-        _topk_fixup_kernel[(n, triton.cdiv(k, blk))](chosen, ks, ke, out, t, k, kk,
-                                                     HAS_CHOSEN=bool(kk), BLOCK=blk, num_warps=4)
+        _topk_fixup_kernel[(n, triton.cdiv(k, blk))](chosen, ks, ke, out, t, k, k,
+                                                     HAS_CHOSEN=select, BLOCK=blk, num_warps=4)
         return out
 
     # -- sparse MLA -----------------------------------------------------------------------------
