@@ -85,8 +85,9 @@ TOPK_METHOD = "radix"
 #: the radix kernel sorts a row's k choices in registers (k padded to a power of two): larger k,
 #: and float64 logits (whose keys have 64 bits), take the torch path
 TOPK_RADIX_MAX_K = 4096
-TOPK_RADIX_BLOCK = 4096
-TOPK_RADIX_WARPS = 8
+TOPK_SELECT: dict[str, int] = {"BLOCK": 2048, "num_warps": 4}
+TOPK_SORT: dict[str, int] = {"num_warps": 4}
+TOPK_MIN_CAP = 1024
 _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -188,70 +189,165 @@ def _ord_key(x):
 
 
 @triton.jit
-def _radix_topk_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, scr_ptr, T, K, sx0, sx1,
-                       BLOCK: tl.constexpr, KP: tl.constexpr):
-    """One program per row: rows holding at most K keys list them ascending (-1 padded); longer
-    rows radix-select the K-th largest key (4 passes of 8 bits over the row's range), write the
-    chosen (key, column) composites to ``scr`` and sort them."""
+def _coarse_bin(s, base):
+    """A monotone 8-bit bin of the key: 8 bins per octave (exponent and 3 mantissa bits),
+    saturating at 0 and 255 outside the window ``[base, base + 256)``."""
+    return tl.minimum(tl.maximum((s >> 20) - base, 0), 255)
+
+
+@triton.jit
+def _pick_bin(hist, need):
+    """The bin holding the need-th largest key, and how many keys lie in higher bins."""
+    above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0)  # keys in higher bins
+    hit = (above < need) & (above + hist >= need)  # exactly one bin
+    b = tl.sum(tl.where(hit, tl.arange(0, 256), 0), axis=0)
+    return b, tl.sum(tl.where(hit, above, 0), axis=0)
+
+
+@triton.jit
+def _radix_kth(s, m, need):
+    """Radix select over the keys ``s`` where ``m``, in registers: the need-th largest key, and
+    how many keys equal to it are taken (4 histograms of 8 bits)."""
+    prefix = tl.zeros([], tl.int32)
+    for p in tl.static_range(4):
+        if p == 0:  # the sign bit flipped: digits ascend with the key
+            d = ((s >> 24) & 255) ^ 128
+            mp = m
+        else:
+            mp = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
+            d = (s >> (24 - 8 * p)) & 255
+        b, above = _pick_bin(tl.histogram(d, 256, mask=mp), need)
+        need -= above
+        if p == 0:
+            b = b ^ 128
+        prefix = prefix | (b << (24 - 8 * p))
+    return prefix, need
+
+
+@triton.jit
+def _topk_select_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, sel_ptr, cand_ptr, meta_ptr, T, K,
+                        sx0, sx1, BLOCK: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr):
+    """Top-k, first kernel (one program per row), see :meth:`AttentionKernels.topk`."""
     row = tl.program_id(0).to(tl.int64)
     ks = tl.load(ks_ptr + row)
     ke = tl.load(ke_ptr + row)
     start = tl.minimum(tl.maximum(ks, 0), T).to(tl.int32)
     end = tl.minimum(tl.maximum(ke, 0), T).to(tl.int32)
     count = tl.maximum(end - start, 0)
-    slot = tl.arange(0, KP)
-    smask = slot < K
-    if count <= K:
-        tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1), mask=smask)
+    if count <= K:  # all keys ascending, -1 padded; the second kernel skips the row
+        for s0 in range(0, K, KP):
+            slot = s0 + tl.arange(0, KP)
+            tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
+                     mask=slot < K)
     else:
         xrow = x_ptr + row * sx0
-        bins = tl.arange(0, 256)
-        need = K + tl.zeros([], tl.int32)  # keys still to take among those matching the prefix
-        prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
-        for p in tl.static_range(4):
-            hist = tl.zeros([256], tl.int32)
+        srow = sel_ptr + row * KP
+        crow = cand_ptr + row * CAP
+        # coarse pass: the bin window's top lies 4 octaves above the first block's largest key
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < end
+        x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
+        smax = tl.max(tl.where(m, _ord_key(x.to(tl.float32)), -2147483647), axis=0)
+        base = (smax >> 20) + 32 - 255
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < end
+            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
+            hist += tl.histogram(_coarse_bin(_ord_key(x.to(tl.float32)), base), 256, mask=m)
+        b, above = _pick_bin(hist, K)
+        ncand = tl.sum(tl.where(tl.arange(0, 256) == b, hist, 0), axis=0)
+        if ncand <= CAP:
+            # keys of higher bins are chosen; the K-th's bin goes to the candidates (columns
+            # ascending), refined by the second kernel
+            gpos = tl.zeros([], tl.int32)
+            cpos = tl.zeros([], tl.int32)
             for c0 in range(start, end, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
                 m = cols < end
                 x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
                 s = _ord_key(x.to(tl.float32))
-                if p == 0:  # the sign bit flipped: digits ascend with the key
-                    d = ((s >> 24) & 255) ^ 128
-                else:
-                    m = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
-                    d = (s >> (24 - 8 * p)) & 255
-                hist += tl.histogram(d, 256, mask=m)
-            above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0)  # keys with a larger digit
-            hit = (above < need) & (above + hist >= need)  # exactly one bin: the K-th's digit
-            b = tl.sum(tl.where(hit, bins, 0), axis=0)
-            need -= tl.sum(tl.where(hit, above, 0), axis=0)
-            if p == 0:
-                b = b ^ 128
-            prefix = prefix | (b << (24 - 8 * p))
-        # take every key above the K-th and the first `need` equal to it (ascending columns)
-        wpos = tl.zeros([], tl.int32)
-        eq_seen = tl.zeros([], tl.int32)
-        srow = scr_ptr + row * KP
-        for c0 in range(start, end, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = cols < end
-            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-            s = _ord_key(x.to(tl.float32))
-            eq = m & (s == prefix)
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-            take = (m & (s > prefix)) | (eq & (eq_rank <= need))
-            take_i = take.to(tl.int32)
-            pos = wpos + tl.cumsum(take_i, 0) - 1
-            # descending composite order = key descending, then column ascending
-            comp = (s.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
-            tl.store(srow + pos, comp, mask=take)
-            wpos += tl.sum(take_i, axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-        tl.debug_barrier()  # the row's composites, written by all threads, read back below
-        comp = tl.load(srow + slot, mask=smask, other=-9223372036854775807 - 1)
+                cb = _coarse_bin(s, base)
+                gt = (m & (cb > b)).to(tl.int32)
+                eq = (m & (cb == b)).to(tl.int32)
+                comp = (s.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
+                tl.store(srow + gpos + tl.cumsum(gt, 0) - 1, comp, mask=gt != 0)
+                tl.store(crow + cpos + tl.cumsum(eq, 0) - 1, comp, mask=eq != 0)
+                gpos += tl.sum(gt, axis=0)
+                cpos += tl.sum(eq, axis=0)
+            tl.store(meta_ptr + row * 2, above)
+            tl.store(meta_ptr + row * 2 + 1, ncand)
+        else:
+            # too many keys share the K-th's bin (ties, a wide range): exact radix select over
+            # the row, 4 passes of 8 bits
+            need = K + tl.zeros([], tl.int32)  # keys still to take among those matching prefix
+            prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
+            for p in tl.static_range(4):
+                hist = tl.zeros([256], tl.int32)
+                for c0 in range(start, end, BLOCK):
+                    cols = c0 + tl.arange(0, BLOCK)
+                    m = cols < end
+                    x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
+                    s = _ord_key(x.to(tl.float32))
+                    if p == 0:  # the sign bit flipped: digits ascend with the key
+                        d = ((s >> 24) & 255) ^ 128
+                    else:
+                        m = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
+                        d = (s >> (24 - 8 * p)) & 255
+                    hist += tl.histogram(d, 256, mask=m)
+                b, above = _pick_bin(hist, need)
+                need -= above
+                if p == 0:
+                    b = b ^ 128
+                prefix = prefix | (b << (24 - 8 * p))
+            # every key above the K-th and the first `need` equal to it (ascending columns)
+            wpos = tl.zeros([], tl.int32)
+            eq_seen = tl.zeros([], tl.int32)
+            for c0 in range(start, end, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                m = cols < end
+                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
+                s = _ord_key(x.to(tl.float32))
+                eq = m & (s == prefix)
+                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
+                take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
+                comp = (s.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
+                tl.store(srow + wpos + tl.cumsum(take, 0) - 1, comp, mask=take != 0)
+                wpos += tl.sum(take, axis=0)
+                eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+            tl.store(meta_ptr + row * 2, K)
+            tl.store(meta_ptr + row * 2 + 1, 0)
+
+
+@triton.jit
+def _topk_sort_kernel(ks_ptr, ke_ptr, out_ptr, sel_ptr, cand_ptr, meta_ptr, T, K,
+                      KP: tl.constexpr, CAP: tl.constexpr):
+    """Top-k, second kernel (one program per row holding more than K keys): the candidates'
+    exact radix select, then the sort of the K chosen composites."""
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.load(ks_ptr + row)
+    ke = tl.load(ke_ptr + row)
+    start = tl.minimum(tl.maximum(ks, 0), T)
+    end = tl.minimum(tl.maximum(ke, 0), T)
+    if end - start > K:
+        srow = sel_ptr + row * KP
+        above = tl.load(meta_ptr + row * 2)
+        ncand = tl.load(meta_ptr + row * 2 + 1)
+        if ncand > 0:
+            j = tl.arange(0, CAP)
+            m = j < ncand
+            comp = tl.load(cand_ptr + row * CAP + j, mask=m, other=0)
+            s = (comp >> 32).to(tl.int32)
+            thr, need = _radix_kth(s, m, K - above)
+            eq = m & (s == thr)
+            take = ((m & (s > thr)) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))).to(tl.int32)
+            tl.store(srow + above + tl.cumsum(take, 0) - 1, comp, mask=take != 0)
+            tl.debug_barrier()  # the chosen candidates, written by all threads, read back below
+        slot = tl.arange(0, KP)
+        comp = tl.load(srow + slot, mask=slot < K, other=-9223372036854775807 - 1)
+        # descending (key, -column) order: the reference's order (equal logits by column)
         comp = tl.sort(comp, descending=True)
-        col = 2147483647 - comp.to(tl.int32)  # the low 32 bits
-        tl.store(out_ptr + row * K + slot, col, mask=smask)
+        tl.store(out_ptr + row * K + slot, 2147483647 - comp.to(tl.int32), mask=slot < K)
 
 
 @triton.jit
@@ -478,10 +574,16 @@ class AttentionKernels:
         if select and method == "radix" and k <= TOPK_RADIX_MAX_K \
                 and logits.dtype in _RADIX_DTYPES:
             kp = _pow2(k)
-            scratch = torch.empty(n, kp, dtype=torch.int64, device=logits.device)
-            _radix_topk_kernel[(n,)](logits, ks, ke, out, scratch, t, k, logits.stride(0),
-                                     logits.stride(1), BLOCK=min(TOPK_RADIX_BLOCK, _pow2(t)),
-                                     KP=kp, num_warps=TOPK_RADIX_WARPS)
+            cap = max(kp, TOPK_MIN_CAP)
+            sel = torch.empty(n, kp, dtype=torch.int64, device=logits.device)
+            cand = torch.empty(n, cap, dtype=torch.int64, device=logits.device)
+            meta = torch.empty(n, 2, dtype=torch.int32, device=logits.device)
+            _topk_select_kernel[(n,)](logits, ks, ke, out, sel, cand, meta, t, k,
+                                      logits.stride(0), logits.stride(1),
+                                      BLOCK=min(TOPK_SELECT["BLOCK"], _pow2(t)), KP=kp, CAP=cap,
+                                      num_warps=TOPK_SELECT["num_warps"])
+            _topk_sort_kernel[(n,)](ks, ke, out, sel, cand, meta, t, k, KP=kp, CAP=cap,
+                                    num_warps=TOPK_SORT["num_warps"])
             return out
         if select:
             masked = torch.empty(n, t, dtype=logits.dtype, device=logits.device)
