@@ -394,6 +394,7 @@ def test_bench_small_smoke() -> None:
     benches = {r["bench"] for r in rows}
     assert benches == {"matmul_bf16", "indexer_logits", "topk", "sparse_mla"}
     assert not [r for r in rows if "error" in r]
+    assert [r["exact"] for r in rows if r["bench"] == "topk"] == [True]
     for r in rows:
         if "max_abs_diff" in r and r["bench"] == "indexer_logits":
             assert r["max_abs_diff"] < 1e-4
