@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 CUDA = torch.cuda.is_available()
 # Triton decides at decoration time whether a kernel is interpreted: set the variable only around
@@ -87,6 +89,104 @@ def test_ops_declared() -> None:
                                 pytest.param("sparse_mla", marks=pytest.mark.slow)])
 def test_conformance_interpreter(ref: Any, op: str) -> None:
     conf.check_op(AttentionKernels(), ref, op, device="cpu")
+
+
+class _ExactTopk:
+    """The kernels with a topk that must equal the reference exactly (the conformance suite's
+    own comparison accepts any tie order; the radix kernel breaks ties as the reference)."""
+
+    def __init__(self, impl: Any, ref: Any) -> None:
+        self.impl, self.ref = impl, ref
+
+    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
+             key_end: torch.Tensor) -> torch.Tensor:
+        got = self.impl.topk(logits, k, key_start, key_end)
+        want = self.ref.topk(logits, k, key_start, key_end)
+        assert torch.equal(got, want), f"topk differs from the reference: k={k}, {logits.shape}"
+        return got
+
+
+def _small_topk_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many chunks per row and few candidates: every kernel path at interpreter sizes."""
+    monkeypatch.setattr(attention, "TOPK_CONFIG", {**attention.TOPK_CONFIG, "BLOCK": 16,
+                                                   "CHUNK": 48})
+    monkeypatch.setattr(attention, "TOPK_SAMPLE", 16)
+    monkeypatch.setattr(attention, "TOPK_MIN_CAP", 16)
+
+
+@interp
+@pytest.mark.usefixtures("small_sizes")
+@pytest.mark.parametrize("small_config", [False, True])
+def test_topk_conformance_exact(ref: Any, monkeypatch: pytest.MonkeyPatch,
+                                small_config: bool) -> None:
+    """The suite's top-k inputs (indexer logits with relu ties, coarse-grid ties, finite logits
+    outside the ranges), compared for exact equality."""
+    if small_config:
+        _small_topk_config(monkeypatch)
+    conf.check_op(_ExactTopk(AttentionKernels(), ref), ref, "topk", device="cpu")
+
+
+def _topk_case(g: torch.Generator, n: int, t: int, kind: str) -> torch.Tensor:
+    x = torch.randn(n, t, generator=g) * 3
+    if kind == "ties":
+        x = x.round()  # a few values: ties at the k-th place
+    elif kind == "neg_inf":
+        x = torch.where(torch.rand(n, t, generator=g) < 0.4, NEG_INF, x.round())
+    elif kind == "equal":
+        x = torch.full((n, t), 0.5)
+    elif kind == "zeros":  # -0.0 and 0.0 are equal logits
+        x = torch.where(torch.rand(n, t, generator=g) < 0.5, -0.0, 0.0)
+        x[:, ::7] = 1.0
+    return x
+
+
+@interp
+@pytest.mark.parametrize("kind", ["randn", "ties", "neg_inf", "equal", "zeros"])
+@pytest.mark.parametrize("small_config", [False, True])
+def test_topk_exact_edge_cases(ref: Any, monkeypatch: pytest.MonkeyPatch, kind: str,
+                               small_config: bool) -> None:
+    """Exact equality with the reference: ranges empty, shorter / longer than k, clipped, not
+    starting at 0 (-inf inside a range ranks before the masked columns), k not a power of two,
+    k of 1, T < k, N = 0, bf16 logits, a strided view."""
+    if small_config:
+        _small_topk_config(monkeypatch)
+    impl = AttentionKernels()
+    g = torch.Generator().manual_seed(7)
+    n, t = 9, 150
+    x = _topk_case(g, n, t, kind)
+    ks = torch.tensor([0, 0, 5, 30, -3, 100, 0, 149, 10])
+    ke = torch.tensor([150, 80, 5, 140, 200, 90, 3, 150, 137])
+    cases = [(x, k) for k in (1, 24, 150, 200)] + [(x.bfloat16(), 17), (x.t().contiguous().t(), 64)]
+    for logits, k in cases:
+        got = impl.topk(logits, k, ks, ke)
+        assert torch.equal(got, ref.topk(logits, k, ks, ke)), (k, logits.dtype)
+    r = torch.zeros(0, dtype=torch.int64)
+    assert impl.topk(torch.zeros(0, t), 5, r, r).shape == (0, 5)
+
+
+@interp
+@settings(deadline=None, max_examples=25)
+@given(st.data())
+def test_topk_exact_property(ref: Any, data: st.DataObject) -> None:
+    """Random small shapes and ranges, logits from a few values (-inf, -0.0, 0.0 among them) or
+    continuous: the kernel equals the reference."""
+    n, t, k = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 70)), data.draw(
+        st.integers(0, 40))
+    ks = torch.tensor([data.draw(st.integers(-3, t + 2)) for _ in range(n)], dtype=torch.int64)
+    ke = torch.tensor([data.draw(st.integers(-3, t + 3)) for _ in range(n)], dtype=torch.int64)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    if data.draw(st.booleans()):
+        vals = torch.tensor([NEG_INF, -1.5, -0.0, 0.0, 0.5, 2.0])
+        x = vals[torch.randint(0, 6, (n, t), generator=g)]
+    else:
+        x = torch.randn(n, t, generator=g)
+    assert torch.equal(AttentionKernels().topk(x, k, ks, ke), ref.topk(x, k, ks, ke))
+
+
+def test_topk_method_is_checked() -> None:
+    with pytest.raises(ValueError, match="topk_method"):
+        AttentionKernels(topk_method="bitonic")
+    assert AttentionKernels().topk_method == "radix"
 
 
 @interp
@@ -252,7 +352,7 @@ def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int,
     impl = AttentionKernels()
     idx = impl.topk(logits, k, ks, ke)
     want_idx = ref.topk(logits, k, ks, ke)
-    assert torch.equal(idx.sort(1).values, want_idx.sort(1).values)
+    assert torch.equal(idx, want_idx)  # the radix kernel breaks ties as the reference
     idx[::3, k // 2:] = -1
     got = impl.sparse_mla(q, kv, idx, 576 ** -0.5, 512)
     want = ref.sparse_mla(q, kv, idx, 576 ** -0.5, 512)
@@ -294,6 +394,7 @@ def test_bench_small_smoke() -> None:
     benches = {r["bench"] for r in rows}
     assert benches == {"matmul_bf16", "indexer_logits", "topk", "sparse_mla"}
     assert not [r for r in rows if "error" in r]
+    assert [r["exact"] for r in rows if r["bench"] == "topk"] == [True]
     for r in rows:
         if "max_abs_diff" in r and r["bench"] == "indexer_logits":
             assert r["max_abs_diff"] < 1e-4

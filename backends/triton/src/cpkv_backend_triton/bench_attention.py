@@ -9,7 +9,8 @@
 (b) sparse MLA, 1024 queries x 128 heads x 576/512, top-2048 random valid indices over a 64K-key
     view: ms, TFLOP/s (``2*N*H*k*(576+512)``), vs the reference; one row per P mode (the default
     fp16 x 2 concatenated, bf16 x 3 chained: both within the contract; bf16 x 1 as FlashMLA: not);
-(c) top-k 2048 over 1024 x 32K fp32 logits;
+(c) top-k 2048 over 1024 x 32K fp32 logits: ms of the exact radix kernel, of the old
+    torch.topk path (``torch_path_ms``) and of torch.topk alone, exactness against the reference;
 (d) the bf16 dense matmul 8192^3 ceiling (TFLOP/s), measured in the same run.
 
 ``small=True`` runs everything tiny (CPU under ``TRITON_INTERPRET=1``: a smoke test; timings there
@@ -112,17 +113,23 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
                              "ref_tflops": flops / ref_ms / 1e9, "speedup": ref_ms / ms,
                              "max_abs_diff": _diff(got, want)})
 
-    # (c) top-k
+    # (c) top-k: the radix kernel (default), the old torch.topk path, torch.topk alone
     ks, ke = ranges["causal"]
     logits = ker.indexer_logits(q, w, kf.to(torch.bfloat16), None, ks, ke)
     want = ref.topk(logits, topk_k, ks, ke)
     got = ker.topk(logits, topk_k, ks, ke)
-    same = float((got.sort(1).values == want.sort(1).values).float().mean())
+    old = AttentionKernels(topk_method="torch")
+    got_old = old.topk(logits, topk_k, ks, ke)
     ms = tm(lambda: ker.topk(logits, topk_k, ks, ke))
+    old_ms = tm(lambda: old.topk(logits, topk_k, ks, ke))
     ref_ms = tm(lambda: ref.topk(logits, topk_k, ks, ke))
     tk_ms = tm(lambda: torch.topk(logits, topk_k, dim=1))
     rows.append({"bench": "topk", "shape": f"{n}x{t} k={topk_k}", "ms": ms, "ref_ms": ref_ms,
-                 "torch_topk_ms": tk_ms, "speedup": ref_ms / ms, "same_set_fraction": same})
+                 "torch_path_ms": old_ms, "torch_topk_ms": tk_ms, "speedup": ref_ms / ms,
+                 "exact": bool(torch.equal(got, want)),
+                 "exact_rows": int((got == want).all(1).sum()), "rows": int(got.shape[0]),
+                 "torch_path_same_set_fraction": float(
+                     (got_old.sort(1).values == want.sort(1).values).float().mean())})
 
     # (b) sparse MLA
     qm = torch.randn(mla_n, mla_h, 576, generator=g).to(dev, torch.bfloat16)
