@@ -308,7 +308,7 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                     rows.append(BenchRow.of(name, r0["gathered_bytes"] / mat / 1e6, "GB/s",
                                             "raw all_gather_into_tensor of the same bytes",
                                             r0["gathered_bytes"] / raw / 1e6))
-    if ngpu >= 2 and not skip_prefill:
+    if ngpu >= 1 and not skip_prefill:  # CP1 rows on one GPU, CP2 rows with two
         from cpkv.models import write_tiny_checkpoint
         from cpkv.models.tiny import PRESETS
 
@@ -322,13 +322,21 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                                backends=tuple(b for b in backends.split(",") if b),
                                profile_tokens=65536 if 65536 in lens else 0)
         per: dict[int, list[dict[str, Any]]] = {}
-        for c in (1, 2):
+        for c in (1, 2)[:ngpu]:
             err.print(f"[dim]CP{c} prefill at {lens}[/]")
             res = run_ranks(gpu.prefill_rank, c, args=(spec,), backend="nccl", timeout_s=580)
             per[c] = [r.value for r in res]
         detail["prefill"] = {f"cp{c}": v for c, v in per.items()}
         for n in lens:
             t1 = per[1][0]["sizes"][n]["seconds"]
+            if n == 65536:  # a whole prefill's layer FLOPs over its wall time: a lower bound of
+                # the layers' rate (embedding, planning and the last logits count as time)
+                one = per[1][0]
+                flops = one["layers"] * sum(one["layer_flops"][n].values())
+                rows.append(BenchRow.of("cp1_layer_64k_mfu", flops / t1 / 1e12, "TFLOP/s",
+                                        "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
+            if 2 not in per:
+                continue
             # a CP batch ends when its slowest rank does: per repeat the slower rank, then the
             # median (the ranks started each repeat together: a barrier)
             each = [max(ts) for ts in zip(*(r["sizes"][n]["all"] for r in per[2]),
@@ -341,13 +349,7 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
             b2 = max(r["sizes"][n]["kv_bytes"] for r in per[2])
             rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
                                     "CP1 (one rank holds every page)", b1))
-            if n == 65536:  # a whole prefill's layer FLOPs over its wall time: a lower bound of
-                # the layers' rate (embedding, planning and the last logits count as time)
-                one = per[1][0]
-                flops = one["layers"] * sum(one["layer_flops"][n].values())
-                rows.append(BenchRow.of("cp1_layer_64k_mfu", flops / t1 / 1e12, "TFLOP/s",
-                                        "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
-    if ngpu >= 2 and not skip_prefill and 65536 in lens:
+    if ngpu >= 1 and not skip_prefill and 65536 in lens:
         err.print("[dim]CP1 64K prefill with fp8 indexer queries (runtime.indexer_dtype)[/]")
         fp8 = dataclasses.replace(spec, tokens=(65536,), indexer_dtype="fp8",
                                   profile_tokens=65536)
