@@ -602,3 +602,28 @@ def test_cpkv_run_with_the_example_config(tmp_path: Path) -> None:
     assert rep["transfer"]["bytes_per_rank"] == rep["kv_bytes_per_rank"]
     assert rep["decode"]["tokens_match_reference"] is True and rep["correct"] is True
     assert "transfer (mooncake)" in res.stdout
+
+
+@pytest.mark.parametrize("src", ["token_major", "part_major"])
+def test_relayout_pages_round_trips_and_matches_the_part_major_block(src: str) -> None:
+    """A staged page re-laid out for the decode pool: token-major -> part-major puts the page's
+    latent rows first, then its index-K rows; the way back restores the bytes."""
+    import torch
+
+    from cpkv.contracts import PageLayout
+    from cpkv_transfer_mooncake.transport import relayout_pages
+
+    src_l = PageLayout(src)
+    g = torch.Generator().manual_seed(0)
+    n, ps, nl, ni = 3, 4, 5, 2
+    tok = torch.randint(0, 256, (n, ps, nl + ni), generator=g, dtype=torch.uint8)
+    part = torch.cat([tok[..., :nl].reshape(n, -1), tok[..., nl:].reshape(n, -1)], dim=1)
+    pages = tok if src_l is PageLayout.TOKEN_MAJOR else part.view(n, ps, nl + ni)
+    other = PageLayout.PART_MAJOR if src_l is PageLayout.TOKEN_MAJOR else PageLayout.TOKEN_MAJOR
+    out = torch.empty(n, ps * (nl + ni), dtype=torch.uint8)
+    relayout_pages(pages, out, src_l, other, nl)
+    want = part if other is PageLayout.PART_MAJOR else tok.reshape(n, -1)
+    assert torch.equal(out, want)
+    back = torch.empty_like(out)
+    relayout_pages(out.view(n, ps, nl + ni), back, other, src_l, nl)
+    assert torch.equal(back, pages.reshape(n, -1))

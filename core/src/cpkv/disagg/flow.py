@@ -399,7 +399,9 @@ class DecodeTransfer:
                 if one_sided:
                     got[r] = d.nbytes
                     if part.runs:
-                        rx.mark_written(part, m.layout)
+                        # a link that writes in the receiver's layout leaves nothing to re-lay
+                        rx.mark_written(part, rx.pool.layout if getattr(
+                            self.link, "writes_receiver_layout", False) else m.layout)
                 if got[r] != offers[r].nbytes:
                     raise TransferError(f"rank {r}: {got[r]} bytes arrived, {offers[r].nbytes} "
                                         f"offered")

@@ -53,7 +53,7 @@ from typing import Any
 
 import structlog
 
-from cpkv.contracts import FallbackReason
+from cpkv.contracts import FallbackReason, PageLayout
 from cpkv.disagg import (
     DecodeReceiver,
     LinkSpec,
@@ -171,6 +171,8 @@ class Session:
     layout: Layout | None
     protocol: str
     error: str | None = None
+    #: the decode pool's page layout (``PageLayout`` value): senders write their pages in it
+    page_layout: str = PageLayout.TOKEN_MAJOR.value
 
 
 @dataclass(frozen=True)
@@ -263,10 +265,16 @@ def staged_entries(dst_slots: Sequence[int], first: int, end: int, base: int, ds
             for j, layer in enumerate(layers) for off, d, cnt in runs]
 
 
-def stage_reason(mode: str, device_type: str, protocol: str) -> str | None:
-    """Why the sender stages through host memory (None: it does not) under ``transfer.stage``."""
+def stage_reason(mode: str, device_type: str, protocol: str,
+                 relayout: bool = False) -> str | None:
+    """Why the sender stages through host memory (None: it does not) under ``transfer.stage``.
+    ``relayout``: the decode pool's page layout differs from the sender's; the pages are re-laid
+    out while staged (whatever the mode: the decode takes the bytes as they land)."""
     if mode == "host":
         return "transfer.stage = 'host'"
+    if relayout:
+        return ("the decode pool's page layout differs: pages are re-laid out while staged "
+                "(the decode would otherwise rewrite every page after the last Done)")
     if mode == "none":
         return None
     if device_type != "cuda":
@@ -275,6 +283,25 @@ def stage_reason(mode: str, device_type: str, protocol: str) -> str | None:
         return None
     return (f"a CUDA pool over {protocol!r}: the engine would copy each slice of device memory "
             f"with a synchronous cudaMemcpy that stalls the prefill's compute")
+
+
+def relayout_pages(pages: Any, out: Any, src: PageLayout, dst: PageLayout, nl: int) -> None:
+    """Write the page blocks ``pages`` ([n, ps, B] uint8, blocks in layout ``src``) into
+    ``out`` ([n, ps * B]) in layout ``dst``: token-major = each token's latent then its index-K
+    bytes; part-major = the page's ps latent rows, then its ps index-K rows (``nl`` latent bytes
+    per token)."""
+    n, ps, b = pages.shape
+    if src is dst:
+        out.copy_(pages.reshape(n, -1))
+        return
+    flat = pages.reshape(n, -1)
+    if src is PageLayout.TOKEN_MAJOR:  # -> part-major
+        out[:, :ps * nl].view(n, ps, nl).copy_(pages[..., :nl])
+        out[:, ps * nl:].view(n, ps, b - nl).copy_(pages[..., nl:])
+    else:  # part-major -> token-major
+        dst3 = out.view(n, ps, b)
+        dst3[..., :nl].copy_(flat[:, :ps * nl].view(n, ps, nl))
+        dst3[..., nl:].copy_(flat[:, ps * nl:].view(n, ps, b - nl))
 
 
 class HostStaging:
@@ -312,9 +339,11 @@ class HostStaging:
                 self.scratch = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
                 self.idx_dev = torch.empty(pages, dtype=torch.int64, device=dev)
 
-    def fill(self, kv: Sequence[Any], layers: range, slots: Sequence[int]) -> None:
+    def fill(self, kv: Sequence[Any], layers: range, slots: Sequence[int],
+             relayout: tuple[PageLayout, PageLayout, int] | None = None) -> None:
         """Stage the pages ``slots`` of ``layers`` (layer after layer) at :attr:`addr`; returns
-        once the bytes are in the host buffer."""
+        once the bytes are in the host buffer. ``relayout`` = (the pool's layout, the one to
+        stage in, latent bytes per token): each page's block is rewritten on the way."""
         import torch
 
         n = len(slots)
@@ -322,18 +351,22 @@ class HostStaging:
         if size > self.nbytes:
             raise ValueError(f"{size} bytes to stage in a buffer of {self.nbytes}")
         self.idx_host[:n].copy_(torch.as_tensor(list(slots), dtype=torch.int64))
-        if self.stream is None:
-            idx = self.idx_host[:n]
+
+        def gather(buf: Any, idx: Any) -> None:
             for j, layer in enumerate(layers):
-                out = self.host[j * n * self.page_bytes:(j + 1) * n * self.page_bytes]
-                torch.index_select(kv[layer], 0, idx, out=out.view(n, *self.page_shape))
+                out = buf[j * n * self.page_bytes:(j + 1) * n * self.page_bytes]
+                if relayout is None:
+                    torch.index_select(kv[layer], 0, idx, out=out.view(n, *self.page_shape))
+                else:
+                    relayout_pages(kv[layer].index_select(0, idx), out.view(n, -1), *relayout)
+
+        if self.stream is None:
+            gather(self.host, self.idx_host[:n])
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             idx = self.idx_dev[:n]
             idx.copy_(self.idx_host[:n], non_blocking=True)
-            for j, layer in enumerate(layers):
-                out = self.scratch[j * n * self.page_bytes:(j + 1) * n * self.page_bytes]
-                torch.index_select(kv[layer], 0, idx, out=out.view(n, *self.page_shape))
+            gather(self.scratch, idx)
             self.host[:size].copy_(self.scratch[:size], non_blocking=True)
         self.stream.synchronize()  # the side stream only: never the compute stream
 
@@ -405,6 +438,8 @@ class MooncakeLink:
     """
 
     one_sided = True
+    #: the pages land in the decode pool's own layout (senders re-lay them out while staged)
+    writes_receiver_layout = True
 
     def __init__(self, spec: LinkSpec, engine_cls: Any) -> None:
         self.spec = spec
@@ -419,6 +454,8 @@ class MooncakeLink:
         self.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0,
                       "staged_pieces": 0}
         self.stage: HostStaging | None = None
+        #: (this pool's layout, the decode pool's, latent bytes per token) when they differ
+        self.relayout: tuple[PageLayout, PageLayout, int] | None = None
         self.channel, self._store = _side_channel(spec, self.opts.hostname)
         if spec.is_decode:
             self._connect_decode()
@@ -431,7 +468,8 @@ class MooncakeLink:
         spec, err = self.spec, None
         try:
             self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
-            session = Session(self.engine.address, self.local, self.opts.protocol)
+            session = Session(self.engine.address, self.local, self.opts.protocol,
+                              page_layout=PageLayout(spec.pool.layout).value)
             self.remote, self.remote_layout = self.engine.address, self.local
         except Exception as exc:
             err = exc
@@ -454,11 +492,15 @@ class MooncakeLink:
         extra = [(self.stage.addr, self.stage.nbytes)] if self.stage is not None else []
         return self.local.buffers() + extra
 
-    def _make_stage(self) -> None:
-        """The sender's staging decision (``transfer.stage``), logged; the buffer is made here."""
+    def _make_stage(self, decode_layout: PageLayout) -> None:
+        """The sender's staging decision (``transfer.stage``; always when the decode pool's page
+        layout differs), logged; the buffer is made here."""
         pool, o = self.spec.pool, self.opts
         dev = pool.kv[0].device.type
-        why = stage_reason(o.stage, dev, o.protocol)
+        mine = PageLayout(pool.layout)
+        self.relayout = None if mine is decode_layout else (
+            mine, decode_layout, int(pool.fmt.latent_bytes_per_token))
+        why = stage_reason(o.stage, dev, o.protocol, relayout=self.relayout is not None)
         if why is not None:
             self.stage = HostStaging(pool, int(float(o.stage_mb) * (1 << 20)))
         log.info("cpkv.mooncake.stage", endpoint=self.spec.endpoint, stage=o.stage,
@@ -469,16 +511,16 @@ class MooncakeLink:
 
     def _connect_prefill(self) -> None:
         spec, err = self.spec, None
-        try:
-            self._make_stage()
-            self.engine = _Engine(self._engine_cls, self.opts, self._buffers())
-        except Exception as exc:
-            err = _why(exc)
-        session = self.channel.recv(spec.decode_endpoint)
+        session = self.channel.recv(spec.decode_endpoint)  # the decode does not wait for us
         if not isinstance(session, Session) or session.error is not None or session.layout is None:
             self.close()
             raise TransferError(f"mooncake connect: the decode engine failed: "
                                 f"{getattr(session, 'error', session)}")
+        try:
+            self._make_stage(PageLayout(session.page_layout))
+            self.engine = _Engine(self._engine_cls, self.opts, self._buffers())
+        except Exception as exc:
+            err = _why(exc)
         if err is None and not self.local.same_pages_as(session.layout):
             err = (f"page layouts differ: this pool {len(self.local.kv)} layers x "
                    f"{self.local.page_bytes} bytes per page, the decode pool "
@@ -579,7 +621,8 @@ class MooncakeLink:
         total = sum(len(e) for _, e in plan)
         done = 0
         for (plays, first, end), ents in plan:
-            stage.fill(self.spec.pool.kv, plays, slots[first:end])
+            stage.fill(self.spec.pool.kv, plays, slots[first:end],
+                       getattr(self, "relayout", None))
             self.stats["staged_pieces"] = self.stats.get("staged_pieces", 0) + 1
             self._write_batches(ents, done, total, epoch, fenced)
             done += len(ents)
