@@ -314,6 +314,10 @@ class _OnDevice:
                    dv: int) -> torch.Tensor:
         return self._run("sparse_mla", q, kv, indices, scale, dv)
 
+    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
+        return self._run("sparse_mla_paged", q, pages, rows, fmt, scale, dv)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
