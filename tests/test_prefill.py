@@ -18,6 +18,7 @@ from cpkv.models import write_tiny_checkpoint
 from cpkv.runtime import run_ranks
 from cpkv.runtime.job import JobSpec, compare_topk, prefill_rank
 from cpkv.settings import load_settings
+from cpkv_backend_torch import ops as torch_ops
 
 PAGE = 8  # small pages so that short prompts still span many pages
 
@@ -131,6 +132,9 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
 
         monkeypatch.setattr(CPPrefill, name, guarded)
 
+    # the torch reference's CPU-only shortcut reads key bounds (host ints, no device): off, so
+    # the guard checks the path a GPU takes
+    monkeypatch.setattr(torch_ops, "READ_HOST_BOUNDS", False)
     guard("_layers")
     guard("_draft")
     prompts = _prompts(5, [90, 33])

@@ -21,6 +21,7 @@ from cpkv.models import load_model, write_tiny_checkpoint
 from cpkv.runtime.prefill import CPPrefill
 from cpkv.runtime.session import PrefillSession
 from cpkv.settings import load_settings
+from cpkv_backend_torch import ops as torch_ops
 
 PAGE = 8
 
@@ -128,6 +129,9 @@ def _guard_layers(monkeypatch: pytest.MonkeyPatch, written: list[float]) -> None
             return real_layers(self, *args, **kwargs)
 
     monkeypatch.setattr(CPPrefill, "_layers", guarded)
+    # the torch reference's CPU-only shortcut reads key bounds (host ints): off, so the guard
+    # checks the path a GPU takes
+    monkeypatch.setattr(torch_ops, "READ_HOST_BOUNDS", False)
 
 
 def test_each_layer_moves_after_its_write_without_a_host_sync(

@@ -261,7 +261,9 @@ class TorchOps:
             return logits
         kf = k.float() * k_scale[:, None] if fp8 else k.float()  # type: ignore[index]
         qf, w32 = q.float(), w.float()
-        host = q.device.type == "cpu"  # host tensors: reading a piece's key bounds costs no sync
+        # host tensors: reading a piece's key bounds costs no sync (tests of rule 22 turn this
+        # off to check, on a CPU, the path a GPU takes)
+        host = q.device.type == "cpu" and READ_HOST_BOUNDS
         # all heads in one matmul, then the head sum as a batched [1, H] x [H, cols] product;
         # row pieces keep the [rows, H, cols] temporary near 4 MB (in cache on a CPU: 2x faster
         # than pieces of the [N, T] output's size at 4096 x 4096 x 16 heads), and on a CPU each
@@ -387,6 +389,11 @@ class TorchOps:
                                 lambda src, i: src.index_select(0, i))
         # the reference's own sparse MLA (a subclass that overrides it changes that op alone)
         return TorchOps.sparse_mla(self, q, lat, idx, scale, dv)
+
+
+#: on a CPU, the indexer reads each row piece's key bounds (host ints) and computes only those
+#: columns; False computes every column as on a GPU (the no-host-sync tests set it)
+READ_HOST_BOUNDS = True
 
 
 def _piece(device: torch.device) -> int:
