@@ -255,6 +255,20 @@ def part_view(pages: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPa
                             pages.storage_offset())
 
 
+def page_blocks(pages: torch.Tensor, layout: PageLayout, latent_bytes: int,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writable views of each page block's latent and index-K bytes: ``[n, S, latent]`` and
+    ``[n, S, index]`` of a contiguous uint8 ``[n, S, latent + index]`` tensor of blocks laid out
+    in ``layout`` (token-major: each token's latent then index-K bytes; part-major: the S latent
+    rows, then the S index-K rows)."""
+    n, s, b = pages.shape
+    if layout is PageLayout.TOKEN_MAJOR:
+        return pages[..., :latent_bytes], pages[..., latent_bytes:]
+    flat = pages.view(n, s * b)
+    return (flat[:, :s * latent_bytes].view(n, s, latent_bytes),
+            flat[:, s * latent_bytes:].view(n, s, b - latent_bytes))
+
+
 def part_index(tokens: torch.Tensor, fmt: KVFormat, layout: PageLayout, part: KVPart,
                ) -> torch.Tensor:
     """The rows of :func:`part_view` that hold ``tokens`` (int64 token rows: page x S + slot)."""

@@ -279,8 +279,7 @@ class TorchOps:
                     continue
             sc = torch.relu_((qf[s:e].reshape(-1, d) @ kf[lo:hi].t()).view(e - s, heads, hi - lo))
             part = torch.bmm(w32[s:e, None, :], sc).view(e - s, hi - lo)
-            col = torch.arange(lo, hi, device=q.device)
-            inside = (col >= key_start[s:e, None]) & (col < key_end[s:e, None])
+            inside = _in_range(hi, key_start[s:e], key_end[s:e], lo)
             logits[s:e, lo:hi] = part.masked_fill_(~inside, float("-inf"))
         return logits
 
@@ -415,9 +414,7 @@ def _top_columns(x: torch.Tensor, inside: torch.Tensor, kk: int) -> torch.Tensor
     t = x.shape[1]
     x = x.masked_fill(~inside, float("-inf"))
     if t > 2**24:  # the column key below is exact in fp32 up to 2^24
-        order = torch.sort(x, dim=1, descending=True, stable=True).indices
-        outside = (~inside).gather(1, order).to(torch.uint8)
-        return order.gather(1, torch.sort(outside, dim=1, stable=True).indices)[:, :kk]
+        return _inside_first(x, inside)[:, :kk]
     kth = torch.topk(x, kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
     col = torch.arange(t, device=x.device, dtype=torch.float32)
     # above the k-th value: +inf; equal to it inside the range: -column (the lowest columns
@@ -425,16 +422,19 @@ def _top_columns(x: torch.Tensor, inside: torch.Tensor, kk: int) -> torch.Tensor
     key = torch.where(x > kth, float("inf"),
                       torch.where((x == kth) & inside, -col, -float(t) - col))
     cols = torch.topk(key, kk, dim=1, sorted=False).indices.sort(dim=1).values
-    sel_in = inside.gather(1, cols)
-    vals = x.gather(1, cols)
-    # descending value, inside columns before outside ones, then ascending column (stable)
-    order = torch.sort(vals, dim=1, descending=True, stable=True).indices
-    order = order.gather(1, torch.sort((~sel_in).gather(1, order).to(torch.uint8), dim=1,
-                                       stable=True).indices)
-    return cols.gather(1, order)
+    return cols.gather(1, _inside_first(x.gather(1, cols), inside.gather(1, cols)))
 
 
-def _in_range(t: int, key_start: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:
-    """bool [N, T]: ``key_start[i] <= j < key_end[i]``."""
-    col = torch.arange(t, device=key_start.device, dtype=torch.int64)
+def _inside_first(x: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """The order of each row's columns: descending value, columns inside the range before those
+    outside, equal values by ascending column (two stable sorts)."""
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices
+    outside = (~inside).gather(1, order).to(torch.uint8)
+    return order.gather(1, torch.sort(outside, dim=1, stable=True).indices)
+
+
+def _in_range(t: int, key_start: torch.Tensor, key_end: torch.Tensor,
+              lo: int = 0) -> torch.Tensor:
+    """bool [N, T - lo]: ``key_start[i] <= j < key_end[i]`` for the columns j in [lo, T)."""
+    col = torch.arange(lo, t, device=key_start.device, dtype=torch.int64)
     return (col >= key_start[:, None]) & (col < key_end[:, None])

@@ -34,6 +34,7 @@ from cpkv.contracts import (
     cdiv,
 )
 from cpkv.fallback import report_fallback
+from cpkv.ops import page_blocks
 
 from .allocator import PageAllocator, PoolExhausted, drop_refs, hold_new
 from .batch import BatchKV, RequestPages, build_batch
@@ -283,16 +284,11 @@ class ShardedKVPool:
         if layout is self.layout or not slots:
             return
         fmt = self.fmt
-        ps, nl, ni = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
+        nl = fmt.latent_bytes_per_token
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.group.device)
         for layer in range(self.num_layers):
             raw = self.kv[layer].index_select(0, idx)  # [n, ps, B]: the blocks as they came
-            if layout is PageLayout.TOKEN_MAJOR:
-                lat, ixk = raw[..., :nl], raw[..., nl:]
-            else:
-                flat = raw.view(raw.shape[0], -1)
-                lat = flat[:, :ps * nl].view(-1, ps, nl)
-                ixk = flat[:, ps * nl:].view(-1, ps, ni)
+            lat, ixk = page_blocks(raw, layout, nl)
             self.latent[layer].index_copy_(0, idx, lat)
             self.index_k[layer].index_copy_(0, idx, ixk)
 

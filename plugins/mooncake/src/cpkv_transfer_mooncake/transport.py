@@ -64,6 +64,7 @@ from cpkv.disagg import (
 )
 from cpkv.disagg.transport import SideChannel
 from cpkv.fallback import report_fallback
+from cpkv.ops import page_blocks
 
 __all__ = ["DIRECT_PROTOCOLS", "ENGINE_MAX_IN_FLIGHT", "STAGE_MODES", "HostStaging", "Joined",
            "Layout", "MooncakeLink", "MooncakeTransport", "Options", "Session", "batch_limit",
@@ -290,18 +291,9 @@ def relayout_pages(pages: Any, out: Any, src: PageLayout, dst: PageLayout, nl: i
     ``out`` ([n, ps * B]) in layout ``dst``: token-major = each token's latent then its index-K
     bytes; part-major = the page's ps latent rows, then its ps index-K rows (``nl`` latent bytes
     per token)."""
-    n, ps, b = pages.shape
-    if src is dst:
-        out.copy_(pages.reshape(n, -1))
-        return
-    flat = pages.reshape(n, -1)
-    if src is PageLayout.TOKEN_MAJOR:  # -> part-major
-        out[:, :ps * nl].view(n, ps, nl).copy_(pages[..., :nl])
-        out[:, ps * nl:].view(n, ps, b - nl).copy_(pages[..., nl:])
-    else:  # part-major -> token-major
-        dst3 = out.view(n, ps, b)
-        dst3[..., :nl].copy_(flat[:, :ps * nl].view(n, ps, nl))
-        dst3[..., nl:].copy_(flat[:, ps * nl:].view(n, ps, b - nl))
+    for d, s in zip(page_blocks(out.view(pages.shape), dst, nl), page_blocks(pages, src, nl),
+                    strict=True):
+        d.copy_(s)
 
 
 class HostStaging:
