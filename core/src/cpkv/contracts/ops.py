@@ -74,9 +74,11 @@ class KVOps(Protocol):
         Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside
         each row's [key_start, key_end); when the range holds at most k keys, all of them in
         ascending order; the remaining slots are -1, the only invalid value (rule 19). Rows with
-        more than k keys list their choice in descending logit order. The reference breaks ties
-        by the lower column so that the choice never depends on the batch's shape; conformance
-        accepts any tie order. Logits inside a range are finite; values outside it are ignored.
+        more than k keys list their choice in an order the backend chooses, the same for the
+        same input (the reference: descending logit order; Triton: the order its kernels pick
+        them in, which saves a sort per row). The reference breaks ties by the lower column so
+        that the choice never depends on the batch's shape; conformance accepts any tie order.
+        Logits inside a range are finite; values outside it are ignored.
     sparse_mla(q, kv, indices, scale, dv) -> float32 (or q's dtype) [N, H, dv]
         Sparse MLA over the selected keys (absorbed form, FlashMLA's sparse prefill interface):
         q [N, H, Dk], kv [T, Dk] (the latent full view, nope + rope), indices int32 [N, k] with
