@@ -88,7 +88,7 @@ class BatchKV:
 
 def _token_rows(pages: torch.Tensor, ps: int) -> torch.Tensor:
     """Token rows (page x ps + offset) of every position of ``pages`` (int64 [n]): [n * ps]."""
-    return (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64)).flatten()
+    return (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64, device=pages.device)).flatten()
 
 
 def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -135,10 +135,14 @@ class _BatchPages:
                    logical=torch.cat([torch.arange(n, dtype=torch.int64) for n in count]),
                    first=first, count=count, ends=ends)
 
-    def per_request(self, rows: torch.Tensor, ps: int) -> list[torch.Tensor]:
+    def rows_at(self, i: int, positions: torch.Tensor, ps: int) -> torch.Tensor:
+        """Token rows (slot x ps + offset) of ``positions`` (int64) of request ``i``."""
+        return self.slots[self.first[i] + positions // ps] * ps + positions % ps
+
+    def per_request(self, rows: torch.Tensor, ps: int) -> torch.Tensor:
         """Each request's first ``end`` positions of ``rows`` (``ps`` per page of the batch, in
-        the order of the tensors above): views of it, no copy."""
-        return [rows[f * ps: f * ps + e] for f, e in zip(self.first, self.ends, strict=True)]
+        the order of the tensors above), requests concatenated (a view for one request)."""
+        return _cat([rows[f * ps: f * ps + e] for f, e in zip(self.first, self.ends, strict=True)])
 
 
 def _layout(bp: _BatchPages, part: torch.Tensor, c: int, rank: int, parts: int, capacity: int,
@@ -189,13 +193,13 @@ def build_batch(
 ) -> BatchKV:
     """Out-cache locations and materialization plan of ``rank`` (tables already hold the pages).
 
-    Host work once per batch in a number of tensor ops that does not grow with the pages; the
-    results reach the device in one copy."""
+    Host work once per batch, in a number of tensor ops that does not grow with the pages and
+    on host tensors of one entry per page (or per extend row); they reach the device in one copy
+    and the views' token rows are expanded there."""
     ps, c = plan.page_size, plan.cp_size
     rows = RowLayout.build(plan, rank, device)
     pages = [table[rid] for rid in rids]
     bp = _BatchPages.of(plan, pages)
-    slot_rows = bp.per_request(_token_rows(bp.slots, ps), ps)
 
     # direct writes: local rows of page-aligned requests into the rank's own pages (rule 13)
     src: list[torch.Tensor] = []
@@ -206,7 +210,7 @@ def build_batch(
             n = b.end - b.start
             if plan.requests[b.request].page_aligned:
                 src.append(torch.arange(j, j + n, dtype=torch.int64))
-                dst.append(slot_rows[b.request][b.start:b.end])
+                dst.append(bp.rows_at(b.request, torch.arange(b.start, b.end), ps))
             j += n
     n_direct = sum(len(t) for t in src)
     direct_src = None if n_direct == rows.num_local else _cat(src)
@@ -218,58 +222,59 @@ def build_batch(
     odst: list[torch.Tensor] = []
     if gather_writes:
         perm = rows.perm.cpu()
-        for i, (off, req, rws) in enumerate(zip(plan.natural_offsets(), plan.requests, slot_rows,
-                                                strict=True)):
+        for i, (off, req) in enumerate(zip(plan.natural_offsets(), plan.requests, strict=True)):
             if shared and req.page_aligned:
                 continue
             pos = torch.arange(req.prefix_len, req.end, dtype=torch.int64)
             s_rows = perm[off: off + req.extend_len]
-            d_rows = rws[req.prefix_len: req.end]
+            d_rows = bp.rows_at(i, pos, ps)
             if shared:
-                owners = bp.owners[bp.first[i]: bp.first[i] + bp.count[i]]
-                mine = owners[pos // ps] == rank
+                mine = bp.owners[bp.first[i] + pos // ps] == rank
                 s_rows, d_rows = s_rows[mine], d_rows[mine]
             osrc.append(s_rows)
             odst.append(d_rows)
 
-    # materialization: every page of every request in the batch, prefix pages included (rule 15)
+    # materialization: every page of every request in the batch, prefix pages included (rule 15);
+    # per page on the host, where each page lies in the gathered pages (none for a replica: its
+    # view reads the pool)
     seq_lens = bp.ends
     cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64)
-    view_owner = _cat(bp.per_request(bp.owners.repeat_interleave(ps), ps))
-    view_physical = _cat(slot_rows)
+    plans: list[tuple[list[torch.Tensor], tuple[int, ...], torch.Tensor | None,
+                      tuple[int | None, ...]]] = []
+    if not shared:
+        plans.append(([], (), None, ()))
+    else:  # the part each page moves in: one part, or the cached prefix's whole pages first
+        slots, maxes, where, starts = _layout(bp, torch.zeros_like(bp.logical), c, rank, 1,
+                                              capacity)
+        plans.append((slots, maxes, where, tuple(starts)))
+        # (a one-rank group's views read its pool in place: nothing moves ahead, no split)
+        if c > 1 and any(req.prefix_len >= ps for req in plan.requests):
+            prefix_pages = torch.tensor([req.prefix_len // ps for req in plan.requests],
+                                        dtype=torch.int64).repeat_interleave(torch.tensor(bp.count))
+            slots, maxes, where, starts = _layout(bp, (bp.logical >= prefix_pages).long(), c,
+                                                  rank, 2, capacity)
+            plans.append((slots, maxes, where, tuple(starts)))
 
-    def layout(parts: int, part: torch.Tensor) -> tuple[list[torch.Tensor], tuple[int, ...],
-                                                         torch.Tensor, tuple[int | None, ...]]:
-        if not shared:
-            return [], (), view_physical, ()
-        slots, maxes, where, starts = _layout(bp, part, c, rank, parts, capacity)
-        return (slots, maxes,
-                _cat(bp.per_request(_token_rows(where, ps), ps)), tuple(starts))
-
-    # the part each page moves in: one part, or the cached prefix's whole pages first
-    plans = [layout(1, torch.zeros_like(bp.logical))]
-    # (a one-rank group's views read its pool in place: nothing moves ahead, no split)
-    if shared and c > 1 and any(req.prefix_len >= ps for req in plan.requests):
-        prefix_pages = torch.tensor([req.prefix_len // ps for req in plan.requests],
-                                    dtype=torch.int64)
-        plans.append(layout(2, (bp.logical >= prefix_pages.repeat_interleave(
-            torch.tensor(bp.count))).long()))
-
-    # everything the layers read, on the device in one copy
-    host = [cu, view_owner, view_physical, _cat(dst), _cat(osrc), _cat(odst)]
+    # what the layers read goes to the device in one copy, per page, not per token: the token
+    # rows of a view (64K of them in a decode step over a 64K context) are expanded there
+    host = [cu, bp.owners, bp.slots, _cat(dst), _cat(osrc), _cat(odst)]
     if direct_src is not None:
         host.append(direct_src)
-    for send, _, view, _ in plans:
-        host += [*send, view]
+    for send, _, where_p, _ in plans:
+        host += [*send] + ([] if where_p is None else [where_p])
     moved = iter(_upload(host, device))
-    cu_d, owner_d, physical_d, dst_d, osrc_d, odst_d = (next(moved) for _ in range(6))
+    cu_d, owners_d, slots_d, dst_d, osrc_d, odst_d = (next(moved) for _ in range(6))
     src_d = next(moved) if direct_src is not None else None
+    view_owner = bp.per_request(owners_d.repeat_interleave(ps), ps)
+    view_physical = bp.per_request(_token_rows(slots_d, ps), ps)
     mplans = []
-    for send, maxes, _, starts in plans:
+    for send, lens, where_p, first in plans:
         send_d = tuple(next(moved) for _ in send)
-        mplans.append(MaterializePlan(send_slots=send_d, max_send=maxes, send_start=starts,
-                                      view_index=next(moved), cu_seqlens=cu_d, seq_lens=seq_lens,
-                                      view_owner=owner_d, view_physical=physical_d))
+        view = view_physical if where_p is None else bp.per_request(_token_rows(next(moved), ps),
+                                                                     ps)
+        mplans.append(MaterializePlan(send_slots=send_d, max_send=lens, send_start=first,
+                                      view_index=view, cu_seqlens=cu_d, seq_lens=seq_lens,
+                                      view_owner=view_owner, view_physical=view_physical))
 
     return BatchKV(
         plan=plan,
