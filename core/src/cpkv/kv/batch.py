@@ -18,7 +18,7 @@ from cpkv.contracts import CPPlan, cdiv
 from .rows import RowLayout
 from .stage import PageStage
 
-__all__ = ["BatchKV", "MaterializePlan", "RequestPages"]
+__all__ = ["BatchKV", "MaterializePlan", "RequestPages", "to_device_at_once"]
 
 
 @dataclass
@@ -171,8 +171,9 @@ def _layout(bp: _BatchPages, part: torch.Tensor, c: int, rank: int, parts: int, 
     return mine, maxes, where, starts
 
 
-def _upload(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """1-D int64 host tensors on ``device``: one copy for all of them (views of one buffer)."""
+def to_device_at_once(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """1-D host tensors of one dtype on ``device`` in one copy (views of one buffer; on a CPU
+    the tensors themselves): per-batch index tensors, without a copy per tensor."""
     if device.type == "cpu":
         return list(host)
     sizes = [t.numel() for t in host]
@@ -262,7 +263,7 @@ def build_batch(
         host.append(direct_src)
     for send, _, where_p, _ in plans:
         host += [*send] + ([] if where_p is None else [where_p])
-    moved = iter(_upload(host, device))
+    moved = iter(to_device_at_once(host, device))
     cu_d, owners_d, slots_d, dst_d, osrc_d, odst_d = (next(moved) for _ in range(6))
     src_d = next(moved) if direct_src is not None else None
     view_owner = bp.per_request(owners_d.repeat_interleave(ps), ps)
