@@ -17,6 +17,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,14 +66,18 @@ def main() -> None:
 
     for _ in range(3):  # warm-up
         step(args.save is not None)
-    times = []
+    times, cpu = [], []  # wall time, and this thread's CPU time (steadier on a shared machine)
     for i in range(args.steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         step(args.save is not None and i % 10 == 0)
         times.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
     print(f"decode step host time (CPU, median of {args.steps}): "
           f"{1e3 * statistics.median(times):.3f} ms  (min {1e3 * min(times):.3f}, "
-          f"max {1e3 * max(times):.3f}); ops {dict(session.ops.chosen)}")
+          f"max {1e3 * max(times):.3f}); thread CPU time {1e3 * statistics.median(cpu):.3f} ms "
+          f"(min {1e3 * min(cpu):.3f}); ops {dict(session.ops.chosen)}")
+    calls, ops = _count(step)
+    print(f"one step: {calls} Python function calls, {ops} torch ops dispatched")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -82,6 +87,28 @@ def main() -> None:
         pstats.Stats(prof).sort_stats(args.profile).print_stats(args.top)
     if args.save:
         torch.save(saved, args.save)
+
+
+def _count(step: Callable[[], None]) -> tuple[int, int]:
+    """Python function calls (cProfile) and aten ops (a dispatch mode) of one ``step()``: the
+    host work a step does, counted (steady where timings on a shared machine are not)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    calls = sum(v[1] for v in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
+    with Ops():
+        step()
+    return calls, Ops.n
 
 
 def per_batch(session: PrefillSession, context: int, steps: int) -> None:

@@ -154,6 +154,9 @@ def _layout(bp: _BatchPages, part: torch.Tensor, c: int, rank: int, parts: int, 
     Every page, request by request in page order, goes to the send list of its (part, owner);
     its place in the gathered pages is then its part's base, plus its owner's block, plus its
     index in that list. Host tensor ops over all pages at once, no Python loop over them."""
+    if c == 1 and parts == 1:  # one send list (a decode rank's): every page in batch order
+        padded, start = _pad(bp.slots, bp.slots.numel(), capacity)
+        return [padded], (bp.slots.numel(),), torch.arange(bp.slots.numel()), [start]
     group = part * c + bp.owners  # which send list each page goes to
     member = torch.nn.functional.one_hot(group, parts * c)
     index = member.cumsum(0).gather(1, group[:, None]).squeeze(1) - 1  # its place in that list
