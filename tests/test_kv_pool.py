@@ -107,6 +107,54 @@ def test_single_rank_pool_equals_truth_both_formats() -> None:
         assert run_pool_scenario(CPGroup.single(), sc).mismatches == []
 
 
+@pytest.mark.parametrize("layout", ["token_major", "part_major"])
+def test_single_rank_views_read_the_pool_in_place(layout: str) -> None:
+    """A one-rank group (the decode rank) owns every page: its views read the pool layer itself
+    (no all-gather copy, nothing prefetched, no split plan) and equal a replica's and the
+    written rows, across batches that continue requests after whole prefix pages; its gathered
+    hidden rows are its local rows."""
+    group = CPGroup.single()
+    ops = kv_ops(group)
+    fmt = _fmt(KVDtype.FP8, 4)
+    pools = {shared: ShardedKVPool(fmt, 2, group, ops, shared=shared, pages_per_rank=32,
+                                   layout=layout) for shared in (True, False)}
+    g = torch.Generator().manual_seed(3)
+    written: dict[str, list[torch.Tensor]] = {}
+    for batch in ([("a", 13), ("b", 9)], [("a", 1)], [("b", 6), ("a", 1)]):
+        n = sum(e for _, e in batch)
+        lat = [torch.randn(n, fmt.kv_lora_rank + fmt.rope_dim, generator=g) for _ in range(2)]
+        idx = [torch.randn(n, fmt.index_head_dim, generator=g) for _ in range(2)]
+        got = {}
+        for shared, pool in pools.items():
+            plan = plan_batch([pool.request_spec(r, e) for r, e in batch], 1, fmt.page_size)
+            kv = pool.prepare(plan, [r for r, _ in batch])
+            assert kv.materialize_split is None
+            x = torch.randn(n, 3)
+            assert kv.rows.gather(x, group, ops) is x
+            views = []
+            for layer in range(2):
+                assert pool.prefetch(layer, kv) is None
+                pool.write(layer, kv, lat[layer], idx[layer])
+                v = pool.materialize(layer, kv)
+                assert v.pages.data_ptr() == pool.kv[layer].data_ptr()  # read in place
+                views.append((v.latent(), v.index_k()))
+            got[shared] = views
+            pool.commit(kv)
+        assert all(torch.equal(a, b) for va, vb in zip(got[True], got[False], strict=True)
+                   for a, b in zip(va, vb, strict=True))
+        off = 0
+        for r, e in batch:  # every request's rows so far, in the view's natural order
+            rows = written.setdefault(r, [torch.empty(0, lat[0].shape[1] + idx[0].shape[1])] * 2)
+            written[r] = [torch.cat([rows[ly], torch.cat([lat[ly], idx[ly]], 1)[off:off + e]])
+                          for ly in range(2)]
+            off += e
+        for layer, (vl, vi) in enumerate(got[True]):
+            d = lat[0].shape[1]
+            want = torch.cat([written[r][layer] for r, _ in batch])
+            assert torch.equal(vl, pack_rows(want[:, :d], fmt, "latent", ops))
+            assert torch.equal(vi, pack_rows(want[:, d:], fmt, "index_k", ops))
+
+
 def test_prepare_rejects_a_plan_that_disagrees_with_the_pool() -> None:
     pool, _ = _pool()
     with pytest.raises(ValueError, match="plan is for CP2"):

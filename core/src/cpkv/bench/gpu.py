@@ -484,8 +484,8 @@ def prefetch_rank(group: Any, spec: PrefetchSpec) -> dict[str, Any]:
             # the part that stays on the critical path, timed repeatedly on its own
             split = kv.materialize_split
             if split is None:
-                raise RuntimeError("the extend batch has no whole prefix page to prefetch: "
-                                   f"prefix={spec.prefix} tokens")
+                raise RuntimeError("the extend batch has no whole prefix page to prefetch (or "
+                                   f"the group has one rank): prefix={spec.prefix} tokens")
             out["new_part_all_gather_ms"] = cuda_ms(
                 partial(_all_gather_part, _all_gather_views(pool), split, 1), iters=10)
             pool.abort(kv)

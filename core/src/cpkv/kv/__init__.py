@@ -1,7 +1,7 @@
 """The sharded KV pool: page ownership, direct and owner writes, full-view materialization."""
 
 from .allocator import PageAllocator, PoolExhausted
-from .batch import BatchKV, MaterializePlan, RequestPages
+from .batch import BatchKV, MaterializePlan, RequestPages, to_device_at_once
 from .indices import ragged_to_paged
 from .materialize import (
     AllGatherViews,
@@ -32,5 +32,6 @@ __all__ = [
     "open_materializer",
     "pack_rows",
     "ragged_to_paged",
+    "to_device_at_once",
     "unpack_rows",
 ]

@@ -7,7 +7,8 @@ the page table, so it is identical on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import itertools
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ from cpkv.contracts import CPPlan, cdiv
 from .rows import RowLayout
 from .stage import PageStage
 
-__all__ = ["BatchKV", "MaterializePlan", "RequestPages"]
+__all__ = ["BatchKV", "MaterializePlan", "RequestPages", "to_device_at_once"]
 
 
 @dataclass
@@ -75,7 +76,7 @@ class BatchKV:
     materialize: MaterializePlan
     #: the same view in two parts, cached prefix pages first (gathered ahead of time, on a side
     #: stream, while the previous layer computes) then the pages this batch writes; None when
-    #: the batch has no whole prefix page or the pool is a replica
+    #: the batch has no whole prefix page, the pool is a replica or the group has one rank
     materialize_split: MaterializePlan | None
     #: pages this batch reserved, per rank: [(rid, first new page)]; undone by abort
     new_pages: tuple[tuple[Hashable, int], ...]
@@ -85,54 +86,101 @@ class BatchKV:
     copies: tuple[tuple[Hashable, int, int, int], ...] = ()
 
 
-def _rows_of(pages: Sequence[int], length: int, ps: int) -> torch.Tensor:
-    """Token rows of the first ``length`` positions laid out on ``pages`` (page-row ids)."""
-    p = torch.tensor(pages, dtype=torch.int64)
-    return (p[:, None] * ps + torch.arange(ps, dtype=torch.int64)).flatten()[:length]
+def _token_rows(pages: torch.Tensor, ps: int) -> torch.Tensor:
+    """Token rows (page x ps + offset) of every position of ``pages`` (int64 [n]): [n * ps]."""
+    return (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64, device=pages.device)).flatten()
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(parts) == 1:  # one request (a decode step): no copy
+        return parts[0]
+    return torch.cat(list(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _pad(s: list[int], n: int, capacity: int) -> tuple[list[int], int | None]:
-    """``s`` padded to ``n`` slots (padding rows are never read), and its first slot when the
-    result is consecutive slots inside the pool (then the send buffer is a slice)."""
-    if not s:
-        return [0] * n, 0 if n <= capacity else None
-    run = s == list(range(s[0], s[0] + len(s)))
-    if run and s[0] + n <= capacity:
-        return list(range(s[0], s[0] + n)), s[0]
-    return s + [s[0]] * (n - len(s)), None
+def _pad(s: torch.Tensor, n: int, capacity: int) -> tuple[torch.Tensor, int | None]:
+    """Slots ``s`` (int64, host) padded to ``n`` (padding rows are never read), and the first
+    slot when the result is consecutive slots inside the pool (then the send buffer is a slice)."""
+    if not s.numel():
+        return torch.zeros(n, dtype=torch.int64), 0 if n <= capacity else None
+    first = int(s[0])
+    run = bool((s == torch.arange(first, first + s.numel())).all())
+    if run and first + n <= capacity:
+        return torch.arange(first, first + n, dtype=torch.int64), first
+    return torch.cat([s, s[:1].expand(n - s.numel())]), None
 
 
-def _layout(plan: CPPlan, pages: Sequence[RequestPages], c: int, rank: int, parts: int,
-            part_of: Callable[[int, int], int], capacity: int,
-            ) -> tuple[list[list[int]], tuple[int, ...], list[torch.Tensor], list[int | None]]:
-    """Send lists of ``rank`` per part (padded), their common lengths, the view's source rows and
-    where each send list starts when it is consecutive slots."""
-    ps = plan.page_size
-    send: list[list[list[int]]] = [[[] for _ in range(c)] for _ in range(parts)]  # part, rank
-    where: list[list[tuple[int, int, int]]] = []
-    for i, (req, rp) in enumerate(zip(plan.requests, pages, strict=True)):
-        w = []
-        for k in range(cdiv(req.end, ps)):
-            p, o = part_of(i, k), rp.owners[k]
-            w.append((p, o, len(send[p][o])))
-            send[p][o].append(rp.slots[k])
-        where.append(w)
-    maxes = tuple(max(len(s) for s in send[p]) for p in range(parts))
+@dataclass(frozen=True)
+class _BatchPages:
+    """Every page of the batch's requests, request by request in page order, as host tensors
+    (converted from the page tables once per batch: a long context has a thousand pages)."""
+
+    owners: torch.Tensor  # int64 [pages]
+    slots: torch.Tensor  # int64 [pages]
+    logical: torch.Tensor  # int64 [pages]: the page's index k in its request
+    #: per request: its pages' offset into the tensors above, its page count, its tokens
+    first: tuple[int, ...]
+    count: tuple[int, ...]
+    ends: tuple[int, ...]
+
+    @classmethod
+    def of(cls, plan: CPPlan, pages: Sequence[RequestPages]) -> _BatchPages:
+        ps = plan.page_size
+        ends = tuple(req.end for req in plan.requests)
+        count = tuple(cdiv(e, ps) for e in ends)
+        first = tuple(itertools.accumulate(count, initial=0))[:-1]
+        return cls(owners=torch.tensor([o for rp, n in zip(pages, count, strict=True)
+                                        for o in rp.owners[:n]], dtype=torch.int64),
+                   slots=torch.tensor([s for rp, n in zip(pages, count, strict=True)
+                                       for s in rp.slots[:n]], dtype=torch.int64),
+                   logical=torch.cat([torch.arange(n, dtype=torch.int64) for n in count]),
+                   first=first, count=count, ends=ends)
+
+    def rows_at(self, i: int, positions: torch.Tensor, ps: int) -> torch.Tensor:
+        """Token rows (slot x ps + offset) of ``positions`` (int64) of request ``i``."""
+        return self.slots[self.first[i] + positions // ps] * ps + positions % ps
+
+    def per_request(self, rows: torch.Tensor, ps: int) -> torch.Tensor:
+        """Each request's first ``end`` positions of ``rows`` (``ps`` per page of the batch, in
+        the order of the tensors above), requests concatenated (a view for one request)."""
+        return _cat([rows[f * ps: f * ps + e] for f, e in zip(self.first, self.ends, strict=True)])
+
+
+def _layout(bp: _BatchPages, part: torch.Tensor, c: int, rank: int, parts: int, capacity: int,
+            ) -> tuple[list[torch.Tensor], tuple[int, ...], torch.Tensor, list[int | None]]:
+    """Send lists of ``rank`` per part (padded), their common lengths, where each page of the
+    batch lies in the gathered pages, and where each send list starts when it is consecutive
+    slots. ``part``: int64 [pages], the part each page moves in.
+
+    Every page, request by request in page order, goes to the send list of its (part, owner);
+    its place in the gathered pages is then its part's base, plus its owner's block, plus its
+    index in that list. Host tensor ops over all pages at once, no Python loop over them."""
+    if c == 1 and parts == 1:  # one send list (a decode rank's): every page in batch order
+        padded, start = _pad(bp.slots, bp.slots.numel(), capacity)
+        return [padded], (bp.slots.numel(),), torch.arange(bp.slots.numel()), [start]
+    group = part * c + bp.owners  # which send list each page goes to
+    member = torch.nn.functional.one_hot(group, parts * c)
+    index = member.cumsum(0).gather(1, group[:, None]).squeeze(1) - 1  # its place in that list
+    maxes = tuple(int(m) for m in member.sum(0).view(parts, c).amax(1).tolist())
     base = [0]
     for p in range(parts - 1):
         base.append(base[-1] + c * maxes[p])
-    view = [_rows_of([base[p] + o * maxes[p] + j for p, o, j in w], req.end, ps)
-            for w, req in zip(where, plan.requests, strict=True)]
+    width = torch.tensor(maxes, dtype=torch.int64)
+    where = torch.tensor(base, dtype=torch.int64)[part] + bp.owners * width[part] + index
     mine, starts = [], []
     for p in range(parts):
-        slots, start = _pad(send[p][rank], maxes[p], capacity)
-        mine.append(slots)
+        padded, start = _pad(bp.slots[group == p * c + rank], maxes[p], capacity)
+        mine.append(padded)
         starts.append(start)
-    return mine, maxes, view, starts
+    return mine, maxes, where, starts
+
+
+def to_device_at_once(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """1-D host tensors of one dtype on ``device`` in one copy (views of one buffer; on a CPU
+    the tensors themselves): per-batch index tensors, without a copy per tensor."""
+    if device.type == "cpu":
+        return list(host)
+    sizes = [t.numel() for t in host]
+    return list(torch.split(torch.cat(list(host)).to(device), sizes))
 
 
 def build_batch(
@@ -147,13 +195,15 @@ def build_batch(
     stage: PageStage,
     copies: tuple[tuple[Hashable, int, int, int], ...] = (),
 ) -> BatchKV:
-    """Out-cache locations and materialization plan of ``rank`` (tables already hold the pages)."""
+    """Out-cache locations and materialization plan of ``rank`` (tables already hold the pages).
+
+    Host work once per batch, in a number of tensor ops that does not grow with the pages and
+    on host tensors of one entry per page (or per extend row); they reach the device in one copy
+    and the views' token rows are expanded there."""
     ps, c = plan.page_size, plan.cp_size
     rows = RowLayout.build(plan, rank, device)
     pages = [table[rid] for rid in rids]
-
-    slot_rows = [_rows_of(rp.slots[: cdiv(req.end, ps)], req.end, ps)
-                 for req, rp in zip(plan.requests, pages, strict=True)]
+    bp = _BatchPages.of(plan, pages)
 
     # direct writes: local rows of page-aligned requests into the rank's own pages (rule 13)
     src: list[torch.Tensor] = []
@@ -164,7 +214,7 @@ def build_batch(
             n = b.end - b.start
             if plan.requests[b.request].page_aligned:
                 src.append(torch.arange(j, j + n, dtype=torch.int64))
-                dst.append(slot_rows[b.request][b.start:b.end])
+                dst.append(bp.rows_at(b.request, torch.arange(b.start, b.end), ps))
             j += n
     n_direct = sum(len(t) for t in src)
     direct_src = None if n_direct == rows.num_local else _cat(src)
@@ -176,59 +226,71 @@ def build_batch(
     odst: list[torch.Tensor] = []
     if gather_writes:
         perm = rows.perm.cpu()
-        for off, req, rp, rws in zip(plan.natural_offsets(), plan.requests, pages, slot_rows,
-                                     strict=True):
+        for i, (off, req) in enumerate(zip(plan.natural_offsets(), plan.requests, strict=True)):
             if shared and req.page_aligned:
                 continue
             pos = torch.arange(req.prefix_len, req.end, dtype=torch.int64)
             s_rows = perm[off: off + req.extend_len]
-            d_rows = rws[req.prefix_len: req.end]
+            d_rows = bp.rows_at(i, pos, ps)
             if shared:
-                mine = torch.tensor(rp.owners, dtype=torch.int64)[pos // ps] == rank
+                mine = bp.owners[bp.first[i] + pos // ps] == rank
                 s_rows, d_rows = s_rows[mine], d_rows[mine]
             osrc.append(s_rows)
             odst.append(d_rows)
 
-    # materialization: every page of every request in the batch, prefix pages included (rule 15)
-    seq_lens = tuple(req.end for req in plan.requests)
-    cu = [0]
-    for n in seq_lens:
-        cu.append(cu[-1] + n)
-    def dev(x: list[int] | torch.Tensor) -> torch.Tensor:
-        t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
-        return t.to(device)
+    # materialization: every page of every request in the batch, prefix pages included (rule 15);
+    # per page on the host, where each page lies in the gathered pages (none for a replica: its
+    # view reads the pool)
+    seq_lens = bp.ends
+    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64)
+    plans: list[tuple[list[torch.Tensor], tuple[int, ...], torch.Tensor | None,
+                      tuple[int | None, ...]]] = []
+    if not shared:
+        plans.append(([], (), None, ()))
+    else:  # the part each page moves in: one part, or the cached prefix's whole pages first
+        slots, maxes, where, starts = _layout(bp, torch.zeros_like(bp.logical), c, rank, 1,
+                                              capacity)
+        plans.append((slots, maxes, where, tuple(starts)))
+        # (a one-rank group's views read its pool in place: nothing moves ahead, no split)
+        if c > 1 and any(req.prefix_len >= ps for req in plan.requests):
+            prefix_pages = torch.tensor([req.prefix_len // ps for req in plan.requests],
+                                        dtype=torch.int64).repeat_interleave(torch.tensor(bp.count))
+            slots, maxes, where, starts = _layout(bp, (bp.logical >= prefix_pages).long(), c,
+                                                  rank, 2, capacity)
+            plans.append((slots, maxes, where, tuple(starts)))
 
-    view_owner = dev(_cat([torch.tensor(rp.owners, dtype=torch.int64).repeat_interleave(ps)[:n]
-                           for rp, n in zip(pages, seq_lens, strict=True)]))
-    view_physical = dev(_cat(slot_rows))
-
-    def mplan(parts: int, part_of: Callable[[int, int], int]) -> MaterializePlan:
-        slots: list[list[int]] = []
-        maxes: tuple[int, ...] = ()
-        view, starts = slot_rows, list[int | None]()
-        if shared:
-            slots, maxes, view, starts = _layout(plan, pages, c, rank, parts, part_of, capacity)
-        return MaterializePlan(send_slots=tuple(dev(x) for x in slots), max_send=maxes,
-                               send_start=tuple(starts),
-                               view_index=dev(_cat(view)), cu_seqlens=dev(cu), seq_lens=seq_lens,
-                               view_owner=view_owner, view_physical=view_physical)
-
-    whole = mplan(1, lambda i, k: 0)
-    has_prefix = any(req.prefix_len >= ps for req in plan.requests)
-    split = mplan(2, lambda i, k: 0 if k < plan.requests[i].prefix_len // ps else 1) \
-        if shared and has_prefix else None
+    # what the layers read goes to the device in one copy, per page, not per token: the token
+    # rows of a view (64K of them in a decode step over a 64K context) are expanded there
+    host = [cu, bp.owners, bp.slots, _cat(dst), _cat(osrc), _cat(odst)]
+    if direct_src is not None:
+        host.append(direct_src)
+    for send, _, where_p, _ in plans:
+        host += [*send] + ([] if where_p is None else [where_p])
+    moved = iter(to_device_at_once(host, device))
+    cu_d, owners_d, slots_d, dst_d, osrc_d, odst_d = (next(moved) for _ in range(6))
+    src_d = next(moved) if direct_src is not None else None
+    view_owner = bp.per_request(owners_d.repeat_interleave(ps), ps)
+    view_physical = bp.per_request(_token_rows(slots_d, ps), ps)
+    mplans = []
+    for send, lens, where_p, first in plans:
+        send_d = tuple(next(moved) for _ in send)
+        view = view_physical if where_p is None else bp.per_request(_token_rows(next(moved), ps),
+                                                                     ps)
+        mplans.append(MaterializePlan(send_slots=send_d, max_send=lens, send_start=first,
+                                      view_index=view, cu_seqlens=cu_d, seq_lens=seq_lens,
+                                      view_owner=view_owner, view_physical=view_physical))
 
     return BatchKV(
         plan=plan,
         rids=tuple(rids),
         rows=rows,
-        direct_src=None if direct_src is None else dev(direct_src),
-        direct_dst=dev(_cat(dst)),
+        direct_src=src_d,
+        direct_dst=dst_d,
         gather_writes=gather_writes,
-        owner_src=dev(_cat(osrc)),
-        owner_dst=dev(_cat(odst)),
-        materialize=whole,
-        materialize_split=split,
+        owner_src=osrc_d,
+        owner_dst=odst_d,
+        materialize=mplans[0],
+        materialize_split=mplans[1] if len(mplans) > 1 else None,
         new_pages=new_pages,
         stage=stage,
         copies=copies,

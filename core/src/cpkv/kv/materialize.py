@@ -97,11 +97,13 @@ class _PartRows:
         self.fmt, self.layout = fmt, layout
         self._last: tuple[MaterializePlan, dict[str, torch.Tensor]] | None = None
 
-    def of(self, m: MaterializePlan) -> dict[str, torch.Tensor] | None:
+    def of(self, m: MaterializePlan, index: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The part rows of ``index`` (``m``'s view index, or its physical rows for a view that
+        reads the pool in place: one or the other per strategy), cached for the last plan."""
         if self.layout is PageLayout.TOKEN_MAJOR:
             return None
         if self._last is None or self._last[0] is not m:
-            self._last = (m, {p: part_index(m.view_index, self.fmt, self.layout, p)
+            self._last = (m, {p: part_index(index, self.fmt, self.layout, p)
                               for p in ("latent", "index_k")})
         return self._last[1]
 
@@ -130,12 +132,17 @@ class ReplicaViews:
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         m = batch.materialize
-        return _view(self.kv[layer], m.view_index, self.fmt, m, self.layout, self._rows.of(m))
+        return _view(self.kv[layer], m.view_index, self.fmt, m, self.layout,
+                     self._rows.of(m, m.view_index))
 
 
 class AllGatherViews:
     """Owned pages -> one all-gather -> one gather into natural order; prefix pages optionally a
-    layer ahead on a side stream (CUDA) or inline (CPU)."""
+    layer ahead on a side stream (CUDA) or inline (CPU).
+
+    A one-rank group (the decode rank) owns every page and its all-gather would be a copy of
+    them: its views read the pool in place through the physical rows (``view_physical``), like
+    a replica's, and nothing is prefetched."""
 
     mode = MaterializeMode.ALL_GATHER
 
@@ -168,7 +175,7 @@ class AllGatherViews:
         """Move ``layer``'s cached prefix pages (those this batch does not write) into the first
         part of the gathered buffer. None when the batch has no whole prefix page. A collective."""
         m = batch.materialize_split
-        if m is None:
+        if m is None or self.group.size == 1:
             return None
         c, b = self.group.size, self.fmt.bytes_per_token
         stream = self._side_stream()
@@ -190,6 +197,10 @@ class AllGatherViews:
         """One collective of the owned pages (only the pages this batch wrote when
         ``prefetched`` holds the rest); the view reads the receive buffer in place."""
         c = self.group.size
+        if c == 1:  # every page is this rank's: read the pool in place (no copy of the view)
+            m = batch.materialize
+            return _view(self.kv[layer], m.view_physical, self.fmt, m, self.layout,
+                         self._rows.of(m, m.view_physical))
         if prefetched is None:
             m = batch.materialize
             buf = self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0])
@@ -204,7 +215,7 @@ class AllGatherViews:
                 buf.record_stream(cur)
             self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
-        return _view(buf, m.view_index, self.fmt, m, self.layout, self._rows.of(m))
+        return _view(buf, m.view_index, self.fmt, m, self.layout, self._rows.of(m, m.view_index))
 
 
 class PeerViews:

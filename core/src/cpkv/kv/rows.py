@@ -62,9 +62,12 @@ class RowLayout:
         return ops.page_gather(x, self.local_index)
 
     def gather(self, local: torch.Tensor, group: CPGroup, ops: OpTable) -> torch.Tensor:
-        """Every rank's rows back in natural order: one all-gather, then one rerange pass."""
+        """Every rank's rows back in natural order: one all-gather, then one rerange pass (on a
+        one-rank group the local rows are every row in natural order: ``local`` itself)."""
         if local.shape[0] != self.num_local:
             raise ValueError(f"rank {self.rank} has {self.num_local} local rows, got a tensor of "
                              f"{local.shape[0]}")
+        if self.cp_size == 1:
+            return local
         gathered = group.all_gather_rows(local, self.max_rank_len)
         return ops.rerange(gathered, self.perm)

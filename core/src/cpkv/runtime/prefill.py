@@ -26,7 +26,7 @@ import torch
 
 from cpkv.contracts import CPPlan, FallbackReason, PageLayout, SplitMode
 from cpkv.fallback import report_fallback
-from cpkv.kv import BatchKV, ShardedKVPool
+from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
 from cpkv.ops import quantize_index_q
 from cpkv.planning import plan_batch
 
@@ -139,8 +139,9 @@ class CPPrefill:
 
     def _rank_inputs(self, plan: CPPlan, kv: BatchKV,
                      batch: Sequence[tuple[Hashable, Sequence[int]]]) -> dict[str, Any]:
-        """This rank's token ids, positions and key ranges (rule 7), built per row block with
-        torch ops on the host and copied to the device once per batch."""
+        """This rank's token ids, positions and key ranges (rule 7), and each request's last row
+        in natural order, built per row block with torch ops on the host and copied to the
+        device in one copy per batch."""
         cu = [0]
         for n in kv.materialize.seq_lens:  # host copy: no device read
             cu.append(cu[-1] + n)
@@ -154,12 +155,14 @@ class CPPrefill:
         empty = torch.zeros(0, dtype=torch.int64)
         positions = torch.cat(pos) if pos else empty
         key_start = torch.cat(ks) if ks else empty
-        dev = self.device
+        last = torch.tensor([o + r.extend_len - 1 for o, r in
+                             zip(plan.natural_offsets(), plan.requests, strict=True)],
+                            dtype=torch.int64)
+        names = ("ids", "positions", "key_start", "key_end", "last")
+        host = (torch.cat(ids) if ids else empty, positions, key_start, key_start + positions + 1,
+                last)
         return {
-            "ids": (torch.cat(ids) if ids else empty).to(dev),
-            "positions": positions.to(dev),
-            "key_start": key_start.to(dev),
-            "key_end": (key_start + positions + 1).to(dev),
+            **dict(zip(names, to_device_at_once(host, self.device), strict=True)),
             "num_keys": cu[-1],
             "max_position": int(positions.max()) if positions.numel() else 0,  # host tensor
         }
@@ -206,9 +209,7 @@ class CPPrefill:
                                range(m.num_layers), hook)
             t = time.perf_counter()
             hidden = kv.rows.gather(out["x"], self.group, self.ops)
-            last = torch.tensor([o + r.extend_len - 1 for o, r in
-                                 zip(plan.natural_offsets(), plan.requests, strict=True)],
-                                device=hidden.device)
+            last = inputs["last"]
             whole = all_logits or (draft and draft_next == "greedy")
             logits = m.final_logits(hidden if whole else hidden[last])
             seconds["gather_logits"] = time.perf_counter() - t
@@ -363,9 +364,7 @@ class CPPrefill:
         phase: dict[str, float] = {}
         xd = self._layers(kv, inputs, phase, False, xd, range(layer, layer + 1), hook)["x"]
         hidden = kv.rows.gather(m.draft_hidden(xd), self.group, self.ops)
-        last = torch.tensor([o + r.extend_len - 1 for o, r in
-                             zip(kv.plan.natural_offsets(), kv.plan.requests, strict=True)],
-                            device=hidden.device)
+        last = inputs["last"]
         res.draft_embedding = "local" if inputs["draft_local"] else "full"
         res.draft_hidden = hidden[last]
         if all_logits:
