@@ -355,3 +355,18 @@ def test_the_v32_attention_preset_has_deepseek_v32_attention_shapes(tmp_path: Pa
     assert (m.num_layers, m.config.hidden_size, m.config.num_attention_heads) == (1, 256, 64)
     assert (m.config.kv_lora_rank, m.config.index_topk, m.config.index_head_dim) == (512, 2048, 128)
     assert m.kv_format("fp8", 64).bytes_per_token == 656 + 132
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_rms_norm_on_a_gpu_is_hfs_within_bf16_rounding() -> None:
+    """The GPU path (torch's fused rms_norm) against HF's op sequence, which the CPU keeps."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(512, 7168, generator=g) * 3).to("cuda", torch.bfloat16)
+    w = (torch.rand(7168, generator=g) + 0.5).to("cuda", torch.bfloat16)
+    got = _rms_norm(x, w, 1e-6).float()
+    h = x.float()
+    want = (w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)).float()
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)  # one bf16 ulp
+    assert bool(((got - want).abs() <= 2 * step).all())  # the weight product may round apart
+    assert float((got != want).float().mean()) < 1e-3

@@ -104,7 +104,12 @@ class _MTP:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF DeepSeek's RMSNorm: normalized in fp32, rounded to x's dtype, times the weight. On a
+    GPU through torch's fused ``rms_norm`` (fp32 inside, one pass instead of six over the
+    residual stream: ~3 ms per norm at 64K x 7168); the CPU keeps HF's exact op sequence."""
     dt = x.dtype
+    if x.is_cuda:
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dt)
