@@ -250,6 +250,27 @@ def _pick_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
+def _radix_digit(s, m, prefix, p: tl.constexpr):
+    """Round p (0-3) of an 8-bit radix select over keys s: the digit, and the mask narrowed to
+    the keys whose higher bits match the prefix found so far."""
+    if p == 0:  # the sign bit flipped: digits ascend with the key
+        d = ((s >> 24) & 255) ^ 128
+    else:
+        m = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
+        d = (s >> (24 - 8 * p)) & 255
+    return d, m
+
+
+@triton.jit
+def _radix_step(hist, need, prefix, p: tl.constexpr):
+    """After round p's histogram: keys still to take among those matching the longer prefix."""
+    b, above = _pick_bin(hist, need, 256)
+    if p == 0:
+        b = b ^ 128
+    return need - above, prefix | (b << (24 - 8 * p))
+
+
+@triton.jit
 def _row_range(ks_ptr, ke_ptr, row, T):
     ks = tl.load(ks_ptr + row)
     ke = tl.load(ke_ptr + row)
@@ -385,18 +406,9 @@ def _topk_exact_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K, sx0, sx1,
                     cols = c0 + tl.arange(0, BLOCK)
                     m = cols < end
                     x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                    s = _ord_key(x.to(tl.float32))
-                    if p == 0:  # the sign bit flipped: digits ascend with the key
-                        d = ((s >> 24) & 255) ^ 128
-                    else:
-                        m = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
-                        d = (s >> (24 - 8 * p)) & 255
+                    d, m = _radix_digit(_ord_key(x.to(tl.float32)), m, prefix, p)
                     hist += tl.histogram(d, 256, mask=m)
-                b, above = _pick_bin(hist, need, 256)
-                need -= above
-                if p == 0:
-                    b = b ^ 128
-                prefix = prefix | (b << (24 - 8 * p))
+                need, prefix = _radix_step(hist, need, prefix, p)
             # every key above the K-th and the first `need` equal to it (ascending columns)
             wpos = tl.zeros([], tl.int32)
             eq_seen = tl.zeros([], tl.int32)
@@ -442,17 +454,9 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
                 j = c0 + tl.arange(0, RB)
                 m = j < ncand
                 s = (tl.load(crow + j, mask=m, other=0) >> 32).to(tl.int32)
-                if p == 0:  # the sign bit flipped: digits ascend with the key
-                    d = ((s >> 24) & 255) ^ 128
-                else:
-                    m = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
-                    d = (s >> (24 - 8 * p)) & 255
+                d, m = _radix_digit(s, m, prefix, p)
                 hist += tl.histogram(d, 256, mask=m)
-            b, ab = _pick_bin(hist, need, 256)
-            need -= ab
-            if p == 0:
-                b = b ^ 128
-            prefix = prefix | (b << (24 - 8 * p))
+            need, prefix = _radix_step(hist, need, prefix, p)
         wpos = above
         eq_seen = tl.zeros([], tl.int32)
         for c0 in range(0, ncand, RB):
