@@ -257,3 +257,38 @@ def test_row_layout_matches_the_plan(case: BatchCase) -> None:  # rules 7, 8
         lay = RowLayout.build(plan, r)
         assert lay.local_index.tolist() == plan.local_row_indices(r)
         assert lay.perm.tolist() == plan.gather_permutation()
+
+
+@given(batches(), st.data())
+@settings(max_examples=60)
+def test_gather_rows_is_the_gather_of_the_selected_rows(case: BatchCase, data: st.DataObject) -> None:
+    """``RowLayout.gather_rows`` (the prefill's last-row logits path): equal to the whole gather
+    indexed by the rows, bit for bit, for any rows (repeats and any order), with every rank's
+    all-gather simulated from what each rank contributes."""
+    from cpkv.kv import RowLayout
+
+    plan = _plan(case)
+    x = torch.randn(plan.num_tokens, 2, dtype=torch.float32)
+    rows = torch.tensor(data.draw(st.lists(st.integers(0, plan.num_tokens - 1), max_size=6)),
+                        dtype=torch.long)
+    lays = [RowLayout.build(plan, r) for r in range(case.cp_size)]
+    sent: dict[int, torch.Tensor] = {}
+
+    class Group:  # all_gather_rows over what every rank put in (recorded in a first pass)
+        rank = 0
+
+        def all_gather_rows(self, local: torch.Tensor, max_rows: int) -> torch.Tensor:
+            sent[self.rank] = local.clone()
+            out = torch.full((case.cp_size * max_rows, *local.shape[1:]), float("nan"))
+            for r, t in sent.items():
+                out[r * max_rows: r * max_rows + t.shape[0]] = t
+            return out
+
+    g = Group()
+    for _ in range(2):  # the second pass sees every rank's contribution
+        got = []
+        for r, lay in enumerate(lays):
+            g.rank = r
+            got.append(lay.gather_rows(x[lay.local_index], rows, g))  # type: ignore[arg-type]
+    for t in got:
+        assert torch.equal(t, x[rows])

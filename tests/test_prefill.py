@@ -212,6 +212,26 @@ def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:
                                                  strict=True))
 
 
+def test_token_ids_as_a_tensor_equal_a_list(tiny: Path) -> None:
+    """A request's ids given as a 1-D tensor (what engines hold) prefill exactly like the same
+    ids as a list, continuing a cached prefix too (the slice starts past the prefix)."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]})
+    model = load_model(str(tiny))
+    first, more = _prompts(8, [40, 30])
+    out = []
+    for wrap in (list, lambda ids: torch.tensor(ids, dtype=torch.int32)):
+        with recording():
+            session = PrefillSession(model, s, CPGroup.single())
+        a = session.prefill([("a", wrap(first))])
+        b = session.prefill([("a", wrap(more))])  # the same request continued
+        out.append((a.last_logits, b.last_logits))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 def test_fp8_indexer_queries_on_an_fp8_pool(tiny: Path) -> None:
     """``runtime.indexer_dtype = "fp8"`` on an fp8 pool: the indexer gets fp8 queries with their
     scales folded into the head weights, and the prefill equals one whose indexer gets the same

@@ -71,3 +71,24 @@ class RowLayout:
             return local
         gathered = group.all_gather_rows(local, self.max_rank_len)
         return ops.rerange(gathered, self.perm)
+
+    def gather_rows(self, local: torch.Tensor, rows: torch.Tensor, group: CPGroup) -> torch.Tensor:
+        """The natural-order rows ``rows`` (int64 ``[m]`` on the group's device) of every rank's
+        rows, without gathering the rest: ``gather(local)[rows]`` for ``m`` rows' bytes (a
+        prefill's last rows: a few rows instead of the whole batch's hidden states).
+
+        Each rank puts the selected rows it owns in an ``[m, ...]`` buffer (the others are never
+        read), one all-gather moves ``size * m`` rows, and each row is taken from its owner's
+        block: exact, device ops only (no host sync)."""
+        if local.shape[0] != self.num_local:
+            raise ValueError(f"rank {self.rank} has {self.num_local} local rows, got a tensor of "
+                             f"{local.shape[0]}")
+        if self.cp_size == 1:
+            return local[rows]
+        slot = self.perm[rows]  # row in the rank-major padded gather
+        owner, at = slot // self.max_rank_len, slot % self.max_rank_len
+        m = rows.numel()
+        mine = local[at.clamp(max=max(self.num_local - 1, 0))] if self.num_local else \
+            local.new_zeros((m, *local.shape[1:]))
+        gathered = group.all_gather_rows(mine.contiguous(), m)
+        return gathered[owner * m + torch.arange(m, device=rows.device)]

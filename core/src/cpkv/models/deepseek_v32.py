@@ -280,8 +280,14 @@ class DeepseekV32:
         q_resid = _rms_norm(F.linear(h, w.q_a), w.q_a_norm, _SUB_NORM_EPS)
         q = F.linear(q_resid, w.q_b).view(n, c.num_attention_heads, c.qk_head_dim)
         q_nope, q_rot = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w.w_uk)
-        q_out = torch.cat([q_abs, rope_interleave(q_rot, cos[:, None], sin[:, None])], dim=-1)
+        # q_nope absorbed by W_UK written straight into the first kv_lora_rank columns of the
+        # [N, H, kv_lora_rank + rope] query (a strided batched-GEMM output), the rope part after
+        # it: no concatenation pass over the largest tensor of the layer (9.7 GB at 64K rows)
+        lr = c.kv_lora_rank
+        q_out = torch.empty(n, c.num_attention_heads, lr + c.qk_rope_head_dim, dtype=q.dtype,
+                            device=q.device)
+        torch.matmul(q_nope.transpose(0, 1), w.w_uk, out=q_out.transpose(0, 1)[..., :lr])
+        rope_interleave(q_rot, cos[:, None], sin[:, None], out=q_out[..., lr:])
 
         kv_pass, k_rot = F.linear(h, w.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = torch.cat([_rms_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS),
@@ -289,18 +295,33 @@ class DeepseekV32:
 
         r = c.qk_rope_head_dim
         iq = F.linear(q_resid, w.idx_wq_b).view(n, c.index_n_heads, c.index_head_dim)
-        iq = torch.cat([rope_half(iq[..., :r], cos[:, None], sin[:, None]), iq[..., r:]], dim=-1)
+        rope_half(iq[..., :r], cos[:, None], sin[:, None], out=iq[..., :r])  # in place
         ik = F.layer_norm(F.linear(h, w.idx_wk), (c.index_head_dim,), w.idx_k_norm_w, w.idx_k_norm_b,
                           _SUB_NORM_EPS)
-        ik = torch.cat([rope_half(ik[..., :r], cos, sin), ik[..., r:]], dim=-1)
+        rope_half(ik[..., :r], cos, sin, out=ik[..., :r])
         iw = F.linear(h.float(), w.idx_w) * self.index_scale
         return AttentionInputs(q=q_out, latent=latent, index_q=iq, index_w=iw, index_k=ik)
 
     def attention_output(self, layer: int, out_latent: torch.Tensor) -> torch.Tensor:
         """``[N, H, kv_lora_rank]`` attention output in latent space -> ``[N, hidden]`` (W_UV, o_proj)."""
+        return self.output_projection(layer, self.attention_values(layer, out_latent))
+
+    def attention_values(self, layer: int, out_latent: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, H, kv_lora_rank]`` latent attention output -> per-head values ``[N, H, v_head_dim]``
+        (W_UV), one batched GEMM over the heads written in row-major ``[N, H, v]`` (``out``: rows
+        of a larger buffer, so that chunks of rows need no concatenation)."""
         w = self._layer(layer)
-        v = torch.einsum("nhc,hdc->nhd", out_latent.to(self.dtype), w.w_uv)
-        return F.linear(v.reshape(v.shape[0], -1), w.o)
+        n, heads = out_latent.shape[0], out_latent.shape[1]
+        if out is None:
+            out = torch.empty(n, heads, w.w_uv.shape[1], dtype=self.dtype, device=out_latent.device)
+        torch.matmul(out_latent.to(self.dtype).transpose(0, 1), w.w_uv.transpose(1, 2),
+                     out=out.transpose(0, 1))
+        return out
+
+    def output_projection(self, layer: int, values: torch.Tensor) -> torch.Tensor:
+        """``[N, H, v_head_dim]`` values -> ``[N, hidden]`` (o_proj)."""
+        return F.linear(values.reshape(values.shape[0], -1), self._layer(layer).o)
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference routing of normed rows ``h``: ``(weights [N, k] float32, expert ids [N, k])``."""

@@ -71,16 +71,28 @@ def mla_softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
     return scale
 
 
-def rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair rope; ``cos``/``sin`` are ``cat(freqs, freqs)``-shaped and broadcast against ``x``."""
+def rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Interleaved-pair rope; ``cos``/``sin`` are ``cat(freqs, freqs)``-shaped and broadcast against ``x``.
+
+    ``out``: where the result goes (e.g. the rope columns of a larger tensor; not ``x``), each
+    half written by its last op, so no concatenation pass; the same values either way."""
     half = cos.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    if out is None:
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    torch.sub(x1 * c, x2 * s, out=out[..., :half])
+    torch.add(x2 * c, x1 * s, out=out[..., half:])
+    return out
 
 
-def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rope (``rotate_half``), as the indexer uses."""
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Half-split rope (``rotate_half``), as the indexer uses. ``out`` may be ``x`` itself (the
+    inputs are read into temporaries before the last op writes it); the same values either way."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    if out is None:
+        return x * cos + rotated * sin
+    return torch.add(x * cos, rotated * sin, out=out)
