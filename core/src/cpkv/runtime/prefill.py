@@ -17,6 +17,7 @@ and takes its rows (fallback ``draft_plan_missing``).
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -468,8 +469,10 @@ class CPPrefill:
 def _token_ids(ids: Sequence[int], start: int, end: int) -> torch.Tensor:
     """Host int64 tensor of ``ids[start:end]``: a slice of a tensor (or an array) without a
     per-element copy (a 1-D tensor of ids used to go through a list of 0-d tensors: ~44 ms per
-    64K ids, against ~4 ms for a list and ~0.01 ms for a tensor)."""
+    64K ids, against ~1 ms for a list and ~0.01 ms for a tensor)."""
     part = ids[start:end]
     if isinstance(part, torch.Tensor):
         return part.to(device="cpu", dtype=torch.int64)
+    if isinstance(part, list | tuple) and part:  # through a machine-int array: 3.5x faster
+        return torch.frombuffer(array.array("q", part), dtype=torch.int64)
     return torch.as_tensor(part, dtype=torch.int64)
