@@ -257,6 +257,9 @@ def test_row_layout_matches_the_plan(case: BatchCase) -> None:  # rules 7, 8
         lay = RowLayout.build(plan, r)
         assert lay.local_index.tolist() == plan.local_row_indices(r)
         assert lay.perm.tolist() == plan.gather_permutation()
+        reqs, pos = plan.local_rows(r)
+        assert lay.positions.tolist() == pos
+        assert lay.per_row(torch.tensor([b.request for b in lay.blocks])).tolist() == reqs
 
 
 @given(batches(), st.data())

@@ -15,7 +15,7 @@ import torch
 
 from cpkv.contracts import CPPlan, cdiv
 
-from .rows import RowLayout
+from .rows import RowLayout, expand_ranges
 from .stage import PageStage
 
 __all__ = ["BatchKV", "MaterializePlan", "RequestPages", "to_device_at_once"]
@@ -205,19 +205,13 @@ def build_batch(
     pages = [table[rid] for rid in rids]
     bp = _BatchPages.of(plan, pages)
 
-    # direct writes: local rows of page-aligned requests into the rank's own pages (rule 13)
-    src: list[torch.Tensor] = []
-    dst: list[torch.Tensor] = []
-    if shared:
-        j = 0
-        for b in plan.rank_blocks(rank):
-            n = b.end - b.start
-            if plan.requests[b.request].page_aligned:
-                src.append(torch.arange(j, j + n, dtype=torch.int64))
-                dst.append(bp.rows_at(b.request, torch.arange(b.start, b.end), ps))
-            j += n
-    n_direct = sum(len(t) for t in src)
-    direct_src = None if n_direct == rows.num_local else _cat(src)
+    # direct writes: local rows of page-aligned requests into the rank's own pages (rule 13);
+    # per block on the host (its first local row, its request's first page in the batch's page
+    # tensors), the rows expanded on the device below
+    direct = [b for b in rows.blocks if shared and plan.requests[b.request].page_aligned]
+    n_direct = sum(b.end - b.start for b in direct)
+    direct_meta = torch.tensor([[b.row for b in direct], [b.end - b.start for b in direct],
+                                [bp.first[b.request] for b in direct]], dtype=torch.int64)
 
     # writes from the gathered rows: non-aligned requests' pages on their owner (rule 14), or
     # every row on every rank for a replicated pool
@@ -261,14 +255,18 @@ def build_batch(
 
     # what the layers read goes to the device in one copy, per page, not per token: the token
     # rows of a view (64K of them in a decode step over a 64K context) are expanded there
-    host = [cu, bp.owners, bp.slots, _cat(dst), _cat(osrc), _cat(odst)]
-    if direct_src is not None:
-        host.append(direct_src)
+    host = [cu, bp.owners, bp.slots, direct_meta.flatten(), _cat(osrc), _cat(odst)]
     for send, _, where_p, _ in plans:
         host += [*send] + ([] if where_p is None else [where_p])
     moved = iter(to_device_at_once(host, device))
-    cu_d, owners_d, slots_d, dst_d, osrc_d, odst_d = (next(moved) for _ in range(6))
-    src_d = next(moved) if direct_src is not None else None
+    cu_d, owners_d, slots_d, meta_d, osrc_d, odst_d = (next(moved) for _ in range(6))
+    row_d, len_d, page0_d = meta_d.view(3, len(direct))
+    # the direct writes' rows (all local rows in order, the usual case: no source index) and
+    # their token rows: slot of (the request's first page + position // ps) x ps + position % ps
+    src_d = None if n_direct == rows.num_local else expand_ranges(row_d, len_d, n_direct)
+    pos_d = rows.positions if src_d is None else rows.positions[src_d]
+    page0 = torch.repeat_interleave(page0_d, len_d, output_size=n_direct)
+    dst_d = slots_d[page0 + pos_d // ps] * ps + pos_d % ps
     view_owner = bp.per_request(owners_d.repeat_interleave(ps), ps)
     view_physical = bp.per_request(_token_rows(slots_d, ps), ps)
     mplans = []

@@ -142,30 +142,28 @@ class CPPrefill:
     def _rank_inputs(self, plan: CPPlan, kv: BatchKV,
                      batch: Sequence[tuple[Hashable, Sequence[int]]]) -> dict[str, Any]:
         """This rank's token ids, positions and key ranges (rule 7), and each request's last row
-        in natural order, built per row block with torch ops on the host and copied to the
-        device in one copy per batch."""
+        in natural order: host work per row block (the ids aside), one copy to the device, the
+        rows expanded there (:class:`~cpkv.kv.RowLayout`)."""
         cu = [0]
         for n in kv.materialize.seq_lens:  # host copy: no device read
             cu.append(cu[-1] + n)
-        ids, pos, ks = [], [], []
-        for b in plan.rank_blocks(self.group.rank):
-            p0 = plan.requests[b.request].prefix_len
-            ids.append(_token_ids(batch[b.request][1], b.start - p0, b.end - p0))
-            pos.append(torch.arange(b.start, b.end, dtype=torch.int64))
-            ks.append(torch.full((b.end - b.start,), cu[b.request], dtype=torch.int64))
+        rows = kv.rows
+        ids = [_token_ids(batch[b.request][1], b.start - plan.requests[b.request].prefix_len,
+                          b.end - plan.requests[b.request].prefix_len) for b in rows.blocks]
         empty = torch.zeros(0, dtype=torch.int64)
-        positions = torch.cat(pos) if pos else empty
-        key_start = torch.cat(ks) if ks else empty
         last = torch.tensor([o + r.extend_len - 1 for o, r in
                              zip(plan.natural_offsets(), plan.requests, strict=True)],
                             dtype=torch.int64)
-        names = ("ids", "positions", "key_start", "key_end", "last")
-        host = (torch.cat(ids) if ids else empty, positions, key_start, key_start + positions + 1,
-                last)
+        block_cu = torch.tensor([cu[b.request] for b in rows.blocks], dtype=torch.int64)
+        ids_d, last_d, block_cu_d = to_device_at_once(
+            (torch.cat(ids) if len(ids) > 1 else ids[0] if ids else empty, last, block_cu),
+            self.device)
+        key_start = rows.per_row(block_cu_d)
         return {
-            **dict(zip(names, to_device_at_once(host, self.device), strict=True)),
+            "ids": ids_d, "positions": rows.positions, "key_start": key_start,
+            "key_end": key_start + rows.positions + 1, "last": last_d,
             "num_keys": cu[-1],
-            "max_position": int(positions.max()) if positions.numel() else 0,  # host tensor
+            "max_position": max((b.end - 1 for b in rows.blocks), default=0),  # host integer
         }
 
     # ---- the batch ----------------------------------------------------------------------------
