@@ -15,7 +15,7 @@ import torch
 
 from cpkv.contracts import CPPlan, cdiv
 
-from .rows import RowLayout, expand_ranges
+from .rows import RowLayout, expand_ranges, to_device_at_once
 from .stage import PageStage
 
 __all__ = ["BatchKV", "MaterializePlan", "RequestPages", "to_device_at_once"]
@@ -172,15 +172,6 @@ def _layout(bp: _BatchPages, part: torch.Tensor, c: int, rank: int, parts: int, 
         mine.append(padded)
         starts.append(start)
     return mine, maxes, where, starts
-
-
-def to_device_at_once(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """1-D host tensors of one dtype on ``device`` in one copy (views of one buffer; on a CPU
-    the tensors themselves): per-batch index tensors, without a copy per tensor."""
-    if device.type == "cpu":
-        return list(host)
-    sizes = [t.numel() for t in host]
-    return list(torch.split(torch.cat(list(host)).to(device), sizes))
 
 
 def build_batch(

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from cpkv.comm import CPGroup
     from cpkv.ops import OpTable
 
-__all__ = ["Block", "RowLayout", "expand_ranges"]
+__all__ = ["Block", "RowLayout", "expand_ranges", "to_device_at_once"]
 
 
 class Block(NamedTuple):
@@ -29,6 +30,22 @@ class Block(NamedTuple):
     start: int
     end: int
     row: int
+
+
+def to_device_at_once(host: Sequence[torch.Tensor], device: torch.device | str
+                      ) -> list[torch.Tensor]:
+    """1-D host tensors of one dtype on ``device`` in one copy (views of one buffer; on a CPU
+    the tensors themselves): per-batch index tensors, without a copy per tensor. On a GPU the
+    copy is from pinned memory and does not block the host: an engine preparing the next batch
+    while the GPU runs this one does not wait for it (a pageable copy would, in stream order)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(host)
+    sizes = [t.numel() for t in host]
+    staged = torch.cat(list(host)) if len(host) > 1 else host[0]
+    if device.type == "cuda":
+        staged = staged.pin_memory()  # torch's caching host allocator: reused, kept until copied
+    return list(torch.split(staged.to(device, non_blocking=True), sizes))
 
 
 def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
@@ -89,8 +106,8 @@ class RowLayout:
                     mine.append(Block(i, start, end, j))
                 j += end - start
         nb = len(lens)
-        meta = torch.tensor([*nat, *slot, *lens, *(b.start for b in mine)],
-                            dtype=torch.int64).to(device)
+        meta, = to_device_at_once([torch.tensor([*nat, *slot, *lens, *(b.start for b in mine)],
+                                                dtype=torch.int64)], device)
         nat_d, slot_d, lens_d, mine_start = meta[:nb], meta[nb:2 * nb], meta[2 * nb:3 * nb], meta[3 * nb:]
         total = plan.num_tokens
         gathered_nat = expand_ranges(nat_d, lens_d, total)  # rank-major, every rank's rows
