@@ -34,3 +34,26 @@ def test_device_ms_hides_host_work_on_gpu() -> None:
         x.mul_(1.0)
 
     assert device_ms(fn, iters=5, lead_ms=20) < 2.0 < median_ms(fn, "cuda", iters=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_host_timeline_sees_host_work_before_the_first_kernel() -> None:
+    """10 ms of host work, then two kernels with 10 ms of host work between them: the
+    timeline puts the first 10 ms before the first kernel and the second in the gaps."""
+    from cpkv.bench.gpu import host_timeline
+
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+
+    def fn() -> None:
+        time.sleep(0.010)
+        x.mul_(1.0)
+        torch.cuda.synchronize()  # the GPU is idle while the host sleeps again
+        time.sleep(0.010)
+        x.mul_(1.0)
+
+    t = host_timeline(fn)
+    assert 9.0 <= t["host_before_first_kernel_ms"] < 100
+    assert 9.0 <= t["gaps_between_kernels_ms"] < 100
+    assert 0 < t["kernel_busy_ms"] < 5
+    assert t["wall_ms"] >= 20

@@ -324,6 +324,49 @@ def _kernel_profile(run: Callable[[], Any], top: int = 14) -> list[dict[str, Any
     return [{"total_ms": total}, *rows[:top]]
 
 
+def host_timeline(run: Callable[[], Any]) -> dict[str, float]:
+    """Where one call of ``run`` leaves the GPU idle (torch.profiler trace, ms): host time
+    before its first kernel (per-batch host work the GPU waits for), after its last kernel,
+    the kernels' busy time and the idle gaps between kernels (host launch work the GPU caught
+    up with)."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    label = "cpkv.bench.timeline"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+            record_function(label):
+        run()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    span = [e for e in events if e.get("name") == label and e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
+                     key=lambda e: e["ts"])
+    if not span or not kernels:
+        return {}
+    start = min(e["ts"] for e in span)
+    stop = max(e["ts"] + e["dur"] for e in span)
+    busy = idle = 0.0
+    end = kernels[0]["ts"]
+    for e in kernels:
+        idle += max(0.0, e["ts"] - end)
+        end = max(end, e["ts"] + e["dur"])
+        busy += e["dur"]
+    return {"wall_ms": (stop - start) / 1e3,
+            "host_before_first_kernel_ms": (kernels[0]["ts"] - start) / 1e3,
+            "after_last_kernel_ms": (stop - end) / 1e3,
+            "kernel_busy_ms": busy / 1e3, "gaps_between_kernels_ms": idle / 1e3}
+
+
 @dataclass(frozen=True)
 class PrefillSpec:
     model_dir: str
@@ -385,6 +428,14 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
             out["sizes"][n]["kernels"] = _kernel_profile(
                 partial(session.prefill, [(f"p{n}-prof", ids)]))
             session.release(f"p{n}-prof")
+            gc.collect()
+            torch.cuda.synchronize()
+            try:  # a diagnostic: a profiler that cannot trace does not end the bench
+                out["sizes"][n]["timeline"] = host_timeline(
+                    partial(session.prefill, [(f"p{n}-line", ids)]))
+                session.release(f"p{n}-line")
+            except Exception as exc:  # noqa: BLE001
+                out["sizes"][n]["timeline"] = {"error": repr(exc)}
     out["layers"] = model.num_layers
     out["layer_flops"] = {n: layer_flops(model.config, n) for n in spec.tokens}
     return out
