@@ -434,7 +434,7 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
                 out["sizes"][n]["timeline"] = host_timeline(
                     partial(session.prefill, [(f"p{n}-line", ids)]))
                 session.release(f"p{n}-line")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 out["sizes"][n]["timeline"] = {"error": repr(exc)}
     out["layers"] = model.num_layers
     out["layer_flops"] = {n: layer_flops(model.config, n) for n in spec.tokens}
