@@ -332,14 +332,17 @@ def host_timeline(run: Callable[[], Any]) -> dict[str, float]:
     import json
     import os
     import tempfile
+    import warnings
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     label = "cpkv.bench.timeline"
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
-            record_function(label):
-        run()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")  # cycle here
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+                record_function(label):
+            run()
+            torch.cuda.synchronize()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
