@@ -63,7 +63,7 @@ def test_defaults_without_a_file() -> None:
     assert (s.transfer.name, s.transfer.timeout_s) == ("nccl", 30.0)
     assert (s.plugins.disable, s.plugins.allow) == ([], None)
     assert s.fallback.policy is FallbackPolicy.WARN
-    assert (s.runtime.timeout_s, s.runtime.logits_budget_mb) == (120.0, 256)
+    assert (s.runtime.timeout_s, s.runtime.logits_budget_mb) == (120.0, 512)
     assert s == Settings()
 
 

@@ -172,7 +172,7 @@ class RuntimeSettings(_Section):
     """Runtime bounds."""
 
     timeout_s: float = Field(120.0, gt=0, description="bound on every cross-rank wait, seconds")
-    logits_budget_mb: int = Field(256, ge=1, description="indexer logits memory budget per chunk")
+    logits_budget_mb: int = Field(512, ge=1, description="indexer logits memory budget per chunk")
     prefetch: bool = Field(
         True, description="gather the next layer's cached prefix pages while this layer computes"
     )
