@@ -1,8 +1,10 @@
 """Split and gather of per-token rows (hidden states, new KV rows) across the CP group.
 
 ``RowLayout`` is built once per batch from the plan: the natural-order rows this rank computes
-(split) and the permutation that turns the rank-major padded all-gather back into natural order
-(rerange, rule 8/24). Both are device tensors, so the per-layer path never builds host tensors.
+(split), the permutation that turns the rank-major padded all-gather back into natural order
+(rerange, rule 8/24) and each local row's position. All are device tensors, expanded on the
+device from one host entry per row block (:func:`expand_ranges`), so neither the batch's host
+work nor the per-layer path grows with the tokens.
 """
 
 from __future__ import annotations
