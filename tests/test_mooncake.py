@@ -438,6 +438,11 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
     try:
         DecodeTransfer(link, rx, C).receive()
         rec["error"] = None
+        # only "over_limit" may go through, on an engine that takes the batch (the CUDA 13
+        # wheel 0.3.14 takes 2400 entries): then the request must have arrived whole
+        _check_landed(rx, ranks, fault, owners, slots)
+        rx.free(fault)
+        rec["published_whole"] = True
     except TransferError as exc:
         rec["error"] = str(exc)
     rec["seconds"] = time.perf_counter() - t0
@@ -550,6 +555,15 @@ def test_fault_publishes_nothing(fault_session: Any, fault: str, why: str) -> No
 
     ranks, recs = fault_session
     dec = recs[fault]
+    if fault == "over_limit" and dec["error"] is None:
+        # this engine takes a batch over cpkv's limit (Mooncake's CUDA 13 wheel 0.3.14 takes
+        # 2400 entries; the non-CUDA 0.3.13 refuses them): nothing to refuse, and the request
+        # must have landed whole and correct, its pages given back, the next one landed too
+        assert dec["published_whole"] and ranks[1][fault]["error"] is None
+        assert dec["next_ok"] and dec["released"] and dec["quarantined"] == []
+        for r in (0, 1):
+            assert ranks[r][fault]["stats"]["largest_batch"] == 1024
+        return
     err = dec["error"] or ""
     assert re.search(why, err), err
     assert f"{fault!r} failed receiving rank 1's part" in err and "nothing published" in err
