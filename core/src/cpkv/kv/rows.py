@@ -129,6 +129,11 @@ class RowLayout:
         every local row: [num_local], no host sync."""
         return torch.repeat_interleave(values, self.block_lengths, output_size=self.num_local)
 
+    def _check_local(self, local: torch.Tensor) -> None:
+        if local.shape[0] != self.num_local:
+            raise ValueError(f"rank {self.rank} has {self.num_local} local rows, got a tensor of "
+                             f"{local.shape[0]}")
+
     def split(self, x: torch.Tensor, ops: OpTable) -> torch.Tensor:
         """This rank's rows of a natural-order tensor ``x`` [num_tokens, ...]."""
         return ops.page_gather(x, self.local_index)
@@ -136,9 +141,7 @@ class RowLayout:
     def gather(self, local: torch.Tensor, group: CPGroup, ops: OpTable) -> torch.Tensor:
         """Every rank's rows back in natural order: one all-gather, then one rerange pass (on a
         one-rank group the local rows are every row in natural order: ``local`` itself)."""
-        if local.shape[0] != self.num_local:
-            raise ValueError(f"rank {self.rank} has {self.num_local} local rows, got a tensor of "
-                             f"{local.shape[0]}")
+        self._check_local(local)
         if self.cp_size == 1:
             return local
         gathered = group.all_gather_rows(local, self.max_rank_len)
@@ -152,9 +155,7 @@ class RowLayout:
         Each rank puts the selected rows it owns in an ``[m, ...]`` buffer (the others are never
         read), one all-gather moves ``size * m`` rows, and each row is taken from its owner's
         block: exact, device ops only (no host sync)."""
-        if local.shape[0] != self.num_local:
-            raise ValueError(f"rank {self.rank} has {self.num_local} local rows, got a tensor of "
-                             f"{local.shape[0]}")
+        self._check_local(local)
         if self.cp_size == 1:
             return local[rows]
         slot = self.perm[rows]  # row in the rank-major padded gather

@@ -400,6 +400,11 @@ class CPPrefill:
         nxt = pool.prefetch(layers.start, kv) if self.prefetch else None
         phase = dict.fromkeys(("attn_inputs", "write", "materialize", "indexer", "sparse_mla",
                                "mlp"), 0.0)
+        # per-head values of every sparse-MLA chunk in one buffer (once per batch, rewritten by
+        # each layer), then one o_proj GEMM over all rows (o_proj per chunk ran ~20 % under the
+        # GEMM's rate at 64K, plus a concatenation)
+        values = torch.empty(kv.rows.num_local, m.config.num_attention_heads, m.config.v_head_dim,
+                             dtype=m.dtype, device=self.device)
         for layer in layers:
             t0 = time.perf_counter()
             a = m.attention_inputs(layer, x, pos, rope)
@@ -433,10 +438,6 @@ class CPPrefill:
             t4 = time.perf_counter()
             # row chunks bound the sparse-attention temporaries (latent outputs are fp32 [H, 512]
             # per row: 34 GB for 128K rows at DeepSeek sizes if taken at once)
-            # per-head values of every chunk in one buffer, then one o_proj GEMM over all rows
-            # (o_proj per chunk ran ~20 % under the GEMM's rate at 64K, plus a concatenation)
-            values = torch.empty(kv.rows.num_local, m.config.num_attention_heads,
-                                 m.config.v_head_dim, dtype=x.dtype, device=x.device)
             for s, e in mla_chunks:
                 if lat is not None:
                     o = ops.sparse_mla(a.q[s:e], lat, top[s:e], m.softmax_scale, self.dv)
@@ -447,7 +448,7 @@ class CPPrefill:
                     kv_rows, ind = view.selected_latent(top[s:e], ops, a.q.dtype)
                     o = ops.sparse_mla(a.q[s:e], kv_rows, ind, m.softmax_scale, self.dv)
                 m.attention_values(layer, o, out=values[s:e])
-            if values.shape[0]:  # a rank may hold no rows of a tiny batch
+            if kv.rows.num_local:  # a rank may hold no rows of a tiny batch
                 x = x + m.output_projection(layer, values)
             t5 = time.perf_counter()
             x = x + m.mlp(layer, x)
