@@ -232,6 +232,35 @@ def test_token_ids_as_a_tensor_equal_a_list(tiny: Path) -> None:
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
+def test_rotations_go_through_the_op_tables_rope(tiny: Path) -> None:
+    """The driver applies the rotary embedding with its op table's ``rope`` (four rotations a
+    layer: MLA query and key, indexer query and key); a table without the op leaves the
+    model's own reference sequence, with the same logits bit for bit."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]})
+    model = load_model(str(tiny))
+    prompt = _prompts(9, [50])[0]
+    calls: list[str] = []
+    out = []
+    for keep in (True, False):
+        with recording():
+            session = PrefillSession(model, s, CPGroup.single())
+        impls = session.ops._impls
+        assert session.ops.chosen["rope"] == "torch"
+        if keep:
+            real = impls["rope"]
+            impls["rope"] = lambda x, c, s_, style, o, real=real: (calls.append(style),
+                                                                  real(x, c, s_, style, o))[1]
+        else:
+            del impls["rope"]
+        out.append(session.prefill([("a", prompt)]).last_logits)
+    assert calls == ["interleave", "interleave", "half", "half"] * model.kv_layers
+    assert torch.equal(out[0], out[1])
+
+
 def test_fp8_indexer_queries_on_an_fp8_pool(tiny: Path) -> None:
     """``runtime.indexer_dtype = "fp8"`` on an fp8 pool: the indexer gets fp8 queries with their
     scales folded into the head weights, and the prefill equals one whose indexer gets the same

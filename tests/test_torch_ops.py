@@ -318,6 +318,15 @@ class _OnDevice:
                          fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
         return self._run("sparse_mla_paged", q, pages, rows, fmt, scale, dv)
 
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Any,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        on = [t.to(self.device) for t in (x, cos, sin)]
+        if out is None:
+            return self.impl.rope(*on, style).cpu()
+        dst = on[0] if out.data_ptr() == x.data_ptr() else out.to(self.device)
+        self.impl.rope(*on, style, dst)
+        return out.copy_(dst.cpu())  # the caller's out, written
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -11,8 +11,6 @@ present the kernels are compiled for the GPU and the interpreter tests skip.
 
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Any
 
 import pytest
@@ -20,43 +18,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-CUDA = torch.cuda.is_available()
-# Triton decides at decoration time whether a kernel is interpreted: set the variable only around
-# the import, so that it never leaks into the session (subprocesses would pick the interpreter)
-_PREV = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed")
-    from cpkv_backend_triton import attention
+import cpkv.testing.conformance as conf
+from cpkv.contracts import Op
+from triton_interp import CUDA, import_kernels, interpreter_env
 
-    if not CUDA and not attention._interpreted(attention._indexer_kernel):
-        attention = importlib.reload(attention)  # imported before TRITON_INTERPRET was set
-finally:
-    if _PREV is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV
-
-import cpkv.testing.conformance as conf  # noqa: E402
-from cpkv.contracts import Op  # noqa: E402
-
+attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
 AttentionKernels = attention.AttentionKernels
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_env():  # type: ignore[no-untyped-def]
     """The interpreter also reads TRITON_INTERPRET at launch: set it for this module only."""
-    if CUDA:
+    with interpreter_env():
         yield
-        return
-    prev = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if prev is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = prev
 
 interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
                                          "gpu tests cover them)")
@@ -401,12 +375,15 @@ def test_bench_small_smoke() -> None:
     """The benchmark's tiny run (CPU interpreter without CUDA)."""
     from cpkv_backend_triton.bench_attention import bench_attention
 
+    import_kernels("cpkv_backend_triton.rope", "_rope_kernel")  # the bench's rope rows
     dev = "cuda" if CUDA else "cpu"
     rows = bench_attention(dev, small=True, reps=1, warmup=0)
     benches = {r["bench"] for r in rows}
-    assert benches == {"matmul_bf16", "indexer_logits", "topk", "sparse_mla"}
+    assert benches == {"matmul_bf16", "indexer_logits", "topk", "sparse_mla", "rope"}
     assert not [r for r in rows if "error" in r]
     assert [r["exact"] for r in rows if r["bench"] == "topk"] == [True]
     for r in rows:
         if "max_abs_diff" in r and r["bench"] == "indexer_logits":
             assert r["max_abs_diff"] < 1e-4
+        if r["bench"] == "rope":  # bf16 values below ~8: two ulps of the reference
+            assert r["max_abs_diff"] < 0.07

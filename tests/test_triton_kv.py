@@ -10,36 +10,24 @@ machine without it). With a CUDA device the same tests run on the GPU, plus the 
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-INTERPRET = not torch.cuda.is_available()
-_PREV = os.environ.get("TRITON_INTERPRET")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip("triton", reason="triton is not installed")
-    from cpkv_backend_triton import kv
+from cpkv.contracts import KVDtype, KVFormat, Op
+from cpkv.fallback import recording
+from cpkv.ops import KV_OPS
+from cpkv.plugin import PluginHost
+from cpkv.testing.conformance import FORMATS, check_fp8_round_trip, check_op
+from triton_interp import CUDA, import_kernels, interpreter_env
+
+kv = import_kernels("cpkv_backend_triton.kv", "_copy_rows")
+INTERPRET = not CUDA
+triton = pytest.importorskip("triton")
+with interpreter_env():  # its attention and rope mixins' kernels, as kv's
     from cpkv_backend_triton.ops import TritonOps
-
-    if INTERPRET and type(kv._copy_rows).__name__ != "InterpretedFunction":
-        kv = importlib.reload(kv)  # imported earlier without TRITON_INTERPRET: redefine kernels
-finally:
-    if _PREV is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV
-
-from cpkv.contracts import KVDtype, KVFormat, Op  # noqa: E402
-from cpkv.fallback import recording  # noqa: E402
-from cpkv.ops import KV_OPS  # noqa: E402
-from cpkv.plugin import PluginHost  # noqa: E402
-from cpkv.testing.conformance import FORMATS, check_fp8_round_trip, check_op  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 DS = KVFormat.deepseek_v32(KVDtype.FP8)
@@ -97,7 +85,7 @@ def test_plugin_ops_are_the_ops_triton_ops_has() -> None:
 def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.MonkeyPatch) -> None:
     from cpkv_backend_triton import ops, plugin
 
-    class KVOnly(ops.KVKernels):  # as if attention.py had failed to import
+    class KVOnly(ops.KVKernels, ops.RopeKernels):  # as if attention.py had failed to import
         pass
 
     monkeypatch.setattr(ops, "TritonOps", KVOnly)

@@ -15,7 +15,16 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cpkv.contracts import FallbackReason, KVDtype, KVOps, KVPart, Op, OpDeclined, PageLayout
+from cpkv.contracts import (
+    FallbackReason,
+    KVDtype,
+    KVOps,
+    KVPart,
+    Op,
+    OpDeclined,
+    PageLayout,
+    RopeStyle,
+)
 from cpkv.fallback import report_fallback
 from cpkv.plugin import AgreeFn, BackendRegistry
 
@@ -36,7 +45,8 @@ __all__ = ["KV_OPS", "KVOps", "KVPart", "OpTable"]
 KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.FP8_PACK,
                           Op.FP8_UNPACK, Op.PEER_GATHER)
 #: the sparse-attention ops of one layer (issue #4)
-ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED)
+ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED,
+                            Op.ROPE)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 
 
@@ -68,6 +78,29 @@ def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tenso
     for name, r in (("key_start", key_start), ("key_end", key_end)):
         if r.shape != (n,) or r.dtype != torch.int64:
             raise ValueError(f"{op}: expected {name} int64 [{n}], got {r.dtype} {tuple(r.shape)}")
+
+
+def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
+                    out: torch.Tensor | None) -> None:
+    """Validate ``rope`` arguments.
+
+    Raises:
+        ValueError: x is not [N, R] or [N, H, R] float with R even, cos / sin are not [N, R] of
+            x's dtype, ``style`` is unknown, or ``out`` has another shape or dtype.
+    """
+    if style not in ("interleave", "half"):
+        raise ValueError(f"rope: style must be 'interleave' or 'half', got {style!r}")
+    if x.dim() not in (2, 3) or not x.dtype.is_floating_point or x.shape[-1] % 2:
+        raise ValueError(f"rope: expected x float [N, R] or [N, H, R] with R even, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    want = (x.shape[0], x.shape[-1])
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want or t.dtype != x.dtype:
+            raise ValueError(f"rope: expected {name} {x.dtype} {list(want)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"rope: out must be {x.dtype} {tuple(x.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
 
 
 def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,

@@ -47,10 +47,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.contracts import KVFormat
+from cpkv.models.rope import apply_rope
 from cpkv.ops import (
     check_indexer_args,
     check_page_copy_args,
     check_peer_gather_args,
+    check_rope_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
     check_topk_args,
@@ -59,6 +61,7 @@ from cpkv.ops import (
 )
 
 if TYPE_CHECKING:
+    from cpkv.contracts import RopeStyle
     from cpkv.ops import KVPart
 
 __all__ = ["AMAX_FLOOR", "FP8_E4M3_MAX", "TorchOps", "fp8_layout"]
@@ -282,6 +285,18 @@ class TorchOps:
             inside = _in_range(hi, key_start[s:e], key_end[s:e], lo)
             logits[s:e, lo:hi] = part.masked_fill_(~inside, float("-inf"))
         return logits
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rotary embedding of ``x`` rows (see :class:`cpkv.ops.KVOps`), transformers' op
+        sequence (each product rounded to x's dtype): the models' own
+        :func:`~cpkv.models.rope.apply_rope`.
+
+        Raises:
+            ValueError: a shape, dtype or style does not fit (as every backend).
+        """
+        check_rope_args(x, cos, sin, style, out)
+        return apply_rope(x, cos, sin, style, out)
 
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:

@@ -31,5 +31,14 @@ except ImportError as exc:
         """Empty stand-in: ``cpkv_backend_triton.attention`` did not import."""
 
 
-class TritonOps(KVKernels, AttentionKernels):
+try:
+    from .rope import RopeKernels
+except ImportError as exc:
+    IMPORT_ERRORS["rope"] = repr(exc)
+
+    class RopeKernels:  # type: ignore[no-redef]
+        """Empty stand-in: ``cpkv_backend_triton.rope`` did not import."""
+
+
+class TritonOps(KVKernels, AttentionKernels, RopeKernels):
     """cpkv's compute ops as Triton kernels (one method per op the plugin lists)."""

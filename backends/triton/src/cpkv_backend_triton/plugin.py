@@ -15,10 +15,11 @@ from cpkv.contracts import Availability, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "triton"
-#: the ops of ``kv.KVKernels`` and ``attention.AttentionKernels``, the mixins of ``TritonOps``
+#: the ops of ``kv.KVKernels``, ``attention.AttentionKernels`` and ``rope.RopeKernels``, the
+#: mixins of ``TritonOps``
 OPS: frozenset[Op] = frozenset({
     Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK,
-    Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED,
+    Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,
 })
 
 

@@ -7,7 +7,7 @@ The backend op Protocol (:class:`KVOps`) lives here too, its tensor types for ty
 from ._base import Contract, Count, CPSize, PageIndex, PageSize, Position, Rank
 from .fallback import FallbackEvent, FallbackPolicy, FallbackReason
 from .formats import KVDtype, KVFormat, MaterializeMode, PageLayout
-from .ops import KVOps, KVPart
+from .ops import KVOps, KVPart, RopeStyle
 from .plan import (
     CPPlan,
     OwnerMap,
@@ -48,6 +48,7 @@ __all__ = [
     "Rank",
     "RequestPlan",
     "RequestSpec",
+    "RopeStyle",
     "RowBlock",
     "Segment",
     "SplitMode",

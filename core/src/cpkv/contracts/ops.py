@@ -15,10 +15,13 @@ if TYPE_CHECKING:
 
     from .formats import KVFormat
 
-__all__ = ["KVOps", "KVPart"]
+__all__ = ["KVOps", "KVPart", "RopeStyle"]
 
 #: which pool buffer a row belongs to: the MLA latent (nope + rope) or the indexer key
 KVPart = Literal["latent", "index_k"]
+#: the rotary embedding's pairing: MLA's interleaved pairs written de-interleaved, or the
+#: indexer's halves (``rotate_half``)
+RopeStyle = Literal["interleave", "half"]
 
 
 class KVOps(Protocol):
@@ -97,6 +100,21 @@ class KVOps(Protocol):
         ``sparse_mla`` with them: a decode step reads its 2048 picks in place (FlashMLA's fp8
         sparse decode on Hopper) instead of dequantizing a copy.
 
+    rope(x, cos, sin, style, out=None) -> [N, ..., R] x's dtype
+        The rotary embedding of a layer's query and key rows (model math, but the layer's
+        largest elementwise pass: ~13 ms per 64K prefill of the DeepSeek-V3.2 stack as six
+        strided torch ops per rotation). x [N, R] or [N, H, R] float (any strides), cos / sin
+        [N, R] of x's dtype in ``cat(f, f)`` form (both halves equal), one row per x row. With
+        ``h = R / 2``: ``style="interleave"`` rotates the pairs ``(x[2j], x[2j+1])`` and writes
+        them de-interleaved, ``out[j] = x[2j] c_j - x[2j+1] s_j``, ``out[h+j] = x[2j+1] c_j +
+        x[2j] s_j`` (transformers' ``apply_rotary_pos_emb_interleave``); ``style="half"``:
+        ``out[j] = x[j] c_j - x[h+j] s_j``, ``out[h+j] = x[h+j] c_j + x[j] s_j``
+        (``rotate_half``). ``out``: a tensor of x's shape and dtype to write (may be x itself:
+        in place; no other overlap), else a new one; returned. The reference rounds each
+        product to x's dtype as transformers does; a backend may round once (fp32 inside):
+        conformance allows ``4 u (|x_a c| + |x_b s|)`` per element, u the unit roundoff of
+        x's dtype (2^-8 for bf16).
+
     Wrong shapes or dtypes raise ValueError naming them.
     """
 
@@ -126,3 +144,6 @@ class KVOps(Protocol):
 
     def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
                          fmt: KVFormat, scale: float, dv: int) -> torch.Tensor: ...
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
+             out: torch.Tensor | None = None) -> torch.Tensor: ...

@@ -39,6 +39,7 @@ class Op(StrEnum):
     TOPK = "topk"
     SPARSE_MLA = "sparse_mla"
     SPARSE_MLA_PAGED = "sparse_mla_paged"
+    ROPE = "rope"
 
 
 class Availability(Contract):

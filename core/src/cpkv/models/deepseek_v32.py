@@ -37,7 +37,7 @@ from cpkv.contracts import KVDtype, KVFormat
 
 from .config import DeepseekV32Config
 from .loader import CheckpointReader, read_config
-from .rope import mla_softmax_scale, rope_half, rope_interleave, rope_inv_freq
+from .rope import RopeFn, apply_rope, mla_softmax_scale, rope_inv_freq
 
 __all__ = ["AttentionInputs", "DeepseekV32"]
 
@@ -77,6 +77,10 @@ class _Layer:
     idx_k_norm_w: torch.Tensor
     idx_k_norm_b: torch.Tensor
     idx_w: torch.Tensor  # float32
+    #: GPUs: idx_w as two 16-bit halves ``[hi; lo]`` (hi + lo = idx_w to ~2^-17), so the head
+    #: weights are one 16-bit GEMM with fp32 output instead of an fp32 copy of the hidden states
+    #: and an fp32 GEMM (:meth:`DeepseekV32._index_weights`)
+    idx_w_split: torch.Tensor | None = None
     # dense MLP (None on MoE layers)
     gate: torch.Tensor | None = None
     up: torch.Tensor | None = None
@@ -105,11 +109,13 @@ class _MTP:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF DeepSeek's RMSNorm: normalized in fp32, rounded to x's dtype, times the weight. On a
-    GPU through torch's fused ``rms_norm`` (fp32 inside, one pass instead of six over the
-    residual stream: ~3 ms per norm at 64K x 7168); the CPU keeps HF's exact op sequence."""
+    GPU through torch's fused ``rms_norm`` with the weight inside (fp32 throughout, rounded
+    once: one pass instead of seven over the residual stream, 1.82 -> 0.67 ms per norm of 64K x
+    7168 bf16 on the H200; HF rounds before the weight, so a quarter of the elements differ by
+    one ulp); the CPU keeps HF's exact op sequence."""
     dt = x.dtype
-    if x.is_cuda:
-        return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    if x.is_cuda and weight.dtype == dt:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dt)
@@ -147,6 +153,10 @@ class DeepseekV32:
         self._cos = self._sin = torch.empty(0, config.qk_rope_head_dim, device=self.device)
         c = config
         self.index_scale = (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
+        if self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
+            for layer in layers:
+                hi = layer.idx_w.to(self.dtype)
+                layer.idx_w_split = torch.cat([hi, (layer.idx_w - hi.float()).to(self.dtype)])
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -263,11 +273,15 @@ class DeepseekV32:
         return F.embedding(ids.to(self.device), self._embed)
 
     def attention_inputs(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
-                         rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionInputs:
+                         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         rotate: RopeFn | None = None) -> AttentionInputs:
         """MLA + indexer inputs of ``N`` rows; ``x`` is the residual stream before ``input_layernorm``.
 
         ``rope``: ``rope_cos_sin(positions, dtype, max_position)`` computed once per batch by the
-        caller (every layer uses the same); computed here when omitted.
+        caller (every layer uses the same); computed here when omitted. ``rotate``: the ``rope``
+        op to apply it with (the driver passes its op table's: one Triton pass per rotation on
+        GPUs instead of six strided torch ops); :func:`~cpkv.models.rope.apply_rope`, the
+        op's reference, when omitted.
         """
         c, w = self.config, self._layer(layer)
         n = x.shape[0]
@@ -276,6 +290,7 @@ class DeepseekV32:
         x = x.to(self.dtype)
         h = _rms_norm(x, w.input_norm, c.rms_norm_eps)
         cos, sin = rope if rope is not None else self.rope_cos_sin(positions, self.dtype)
+        rot: RopeFn = rotate if rotate is not None else apply_rope
 
         q_resid = _rms_norm(F.linear(h, w.q_a), w.q_a_norm, _SUB_NORM_EPS)
         q = F.linear(q_resid, w.q_b).view(n, c.num_attention_heads, c.qk_head_dim)
@@ -287,20 +302,31 @@ class DeepseekV32:
         q_out = torch.empty(n, c.num_attention_heads, lr + c.qk_rope_head_dim, dtype=q.dtype,
                             device=q.device)
         torch.matmul(q_nope.transpose(0, 1), w.w_uk, out=q_out.transpose(0, 1)[..., :lr])
-        rope_interleave(q_rot, cos[:, None], sin[:, None], out=q_out[..., lr:])
+        rot(q_rot, cos, sin, "interleave", q_out[..., lr:])
 
         kv_pass, k_rot = F.linear(h, w.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = torch.cat([_rms_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS),
-                            rope_interleave(k_rot, cos, sin)], dim=-1)
+                            rot(k_rot, cos, sin, "interleave", None)], dim=-1)
 
         r = c.qk_rope_head_dim
         iq = F.linear(q_resid, w.idx_wq_b).view(n, c.index_n_heads, c.index_head_dim)
-        rope_half(iq[..., :r], cos[:, None], sin[:, None], out=iq[..., :r])  # in place
+        rot(iq[..., :r], cos, sin, "half", iq[..., :r])  # in place
         ik = F.layer_norm(F.linear(h, w.idx_wk), (c.index_head_dim,), w.idx_k_norm_w, w.idx_k_norm_b,
                           _SUB_NORM_EPS)
-        rope_half(ik[..., :r], cos, sin, out=ik[..., :r])
-        iw = F.linear(h.float(), w.idx_w) * self.index_scale
+        rot(ik[..., :r], cos, sin, "half", ik[..., :r])
+        iw = self._index_weights(w, h)
         return AttentionInputs(q=q_out, latent=latent, index_q=iq, index_w=iw, index_k=ik)
+
+    def _index_weights(self, w: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """``weights_proj(h) * index_scale`` in float32 ``[N, index_n_heads]``. transformers keeps
+        ``weights_proj`` in fp32 (an fp32 GEMM over an fp32 copy of ``h``: 2.77 ms per layer at
+        64K x 7168 on the H200); on GPUs one 16-bit GEMM with fp32 output over the weight's
+        ``[hi; lo]`` halves, summed (0.56 ms; ~1e-5 of the largest value apart)."""
+        if w.idx_w_split is not None and h.is_cuda and h.dtype == w.idx_w_split.dtype:
+            y = torch.mm(h, w.idx_w_split.t(), out_dtype=torch.float32)
+            heads = w.idx_w.shape[0]
+            return (y[:, :heads] + y[:, heads:]) * self.index_scale
+        return F.linear(h.float(), w.idx_w) * self.index_scale
 
     def attention_output(self, layer: int, out_latent: torch.Tensor) -> torch.Tensor:
         """``[N, H, kv_lora_rank]`` attention output in latent space -> ``[N, hidden]`` (W_UV, o_proj)."""
@@ -410,7 +436,8 @@ class DeepseekV32:
         if self._mtp is not None:
             tensors += list(vars(self._mtp).values())
         for layer in self._layers:
-            tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+            tensors += [t for k, t in vars(layer).items()
+                        if isinstance(t, torch.Tensor) and k != "idx_w_split"]  # a copy
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())

@@ -7,17 +7,28 @@
   de-interleaved, ``[evens', odds']``, exactly like transformers' ``apply_rotary_pos_emb_interleave``;
   the query and the key get the same layout, so their dot product is that of the original rope).
 * :func:`rope_half` (indexer: ``x * cos + rotate_half(x) * sin``).
+* :func:`apply_rope`: either, on ``[N, R]`` or ``[N, H, R]`` rows with per-row ``[N, R]`` cos /
+  sin, into ``out`` (may be x itself): the ``rope`` op's reference (the torch backend's), and
+  what :class:`~cpkv.models.DeepseekV32` runs when the driver passes no op.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
+from cpkv.contracts import RopeStyle
+
 from .config import RopeConfig
 
-__all__ = ["mla_softmax_scale", "rope_half", "rope_interleave", "rope_inv_freq", "yarn_get_mscale"]
+__all__ = ["RopeFn", "apply_rope", "mla_softmax_scale", "rope_half", "rope_interleave",
+           "rope_inv_freq", "yarn_get_mscale"]
+
+#: the ``rope`` op's signature: ``(x, cos, sin, style, out) -> out`` (``cpkv.ops.KVOps.rope``)
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RopeStyle, "torch.Tensor | None"],
+                  torch.Tensor]
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -96,3 +107,18 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if out is None:
         return x * cos + rotated * sin
     return torch.add(x * cos, rotated * sin, out=out)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rope_interleave`` (``style="interleave"``) or ``rope_half`` (``"half"``) of ``x`` rows
+    ``[N, R]`` or ``[N, H, R]`` with per-row ``cos`` / ``sin`` ``[N, R]``, written into ``out``
+    when given (x itself: in place), else a new tensor; transformers' op sequence."""
+    c, s = (cos, sin) if x.dim() == 2 else (cos[:, None], sin[:, None])
+    if style == "half":  # reads x into temporaries before its last op writes out
+        return rope_half(x, c, s, out=out)
+    if out is None:
+        return rope_interleave(x, c, s)
+    if out.data_ptr() == x.data_ptr():  # in place: the first half's write would clobber x
+        return out.copy_(rope_interleave(x, c, s))
+    return rope_interleave(x, c, s, out=out)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import structlog
 import torch
 
-from cpkv.contracts import CPPlan, FallbackReason, PageLayout, SplitMode
+from cpkv.contracts import CPPlan, FallbackReason, Op, PageLayout, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
 from cpkv.ops import quantize_index_q
@@ -385,6 +385,9 @@ class CPPrefill:
         fmt = pool.fmt
         pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
         rope = m.rope_cos_sin(pos, m.dtype, inputs["max_position"])  # once per batch
+        # the rotations through the op table's ``rope`` when it has one (one Triton pass each
+        # on GPUs), else the model's reference sequence
+        rotate = getattr(ops, Op.ROPE.value, None)
         chunks = row_chunks(kv.rows.num_local, 4 * inputs["num_keys"], self.budget)
         # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
         # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
@@ -407,7 +410,7 @@ class CPPrefill:
                              dtype=m.dtype, device=self.device)
         for layer in layers:
             t0 = time.perf_counter()
-            a = m.attention_inputs(layer, x, pos, rope)
+            a = m.attention_inputs(layer, x, pos, rope, rotate)
             t1 = time.perf_counter()
             pool.write(layer, kv, a.latent, a.index_k)
             if hook is not None:

@@ -711,6 +711,77 @@ def _check_sparse_mla_paged(impl: Any, ref: Any, device: str, seed: int) -> None
                 _unchanged(op, case, keep, [q, buf, rows])
 
 
+def _rope_operands(x: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair ``(a_j, b_j)`` each output j of ``rope`` rotates, in float64."""
+    x64 = x.double()
+    h = x.shape[-1] // 2
+    if style == "interleave":
+        return x64[..., 0::2], x64[..., 1::2]
+    return x64[..., :h], x64[..., h:]
+
+
+def _check_rope(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """x [N, R] and [N, H, R] as strided slices of wider rows (as the model's query and key
+    are), both styles, fp32 and bf16, a half that is not a power of two, and three ways of
+    writing: a new tensor, ``out`` a slice of another buffer (its other columns untouched), in
+    place. Bound per output element against the reference: ``4 u (|a c| + |b s|)`` with u the
+    unit roundoff of x's dtype (the reference rounds each product and the sum; a backend that
+    rounds once is within it)."""
+    op = "rope"
+    g = _gen(seed + 11)
+    j = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        u = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8  # unit roundoff
+        for style in ("interleave", "half"):
+            for n, heads, r in ((0, 3, 16), (1, 3, 64), (37, 3, 64), (29, 0, 12), (33, 0, 64)):
+                j += 1
+                wide = r + 8  # x is the last r columns of wider rows
+                shape = (n, heads, wide) if heads else (n, wide)
+                base = _nonzero(shape, dtype, g)
+                ang = torch.rand(n, r // 2, generator=g, dtype=torch.float64) * 20.0
+                cos = torch.cat([ang.cos(), ang.cos()], 1).to(dtype)
+                sin = torch.cat([ang.sin(), ang.sin()], 1).to(dtype)
+                base, cos, sin = _to(device, base, cos, sin)
+                x = base[..., 8:]
+                keep = [base.clone(), cos.clone(), sin.clone()]
+                want = ref.rope(x.clone(), cos, sin, style)
+                a, b = _rope_operands(x, style)
+                c = cos.double()[:, : r // 2]
+                sn = sin.double()[:, : r // 2]
+                if heads:
+                    c, sn = c[:, None], sn[:, None]
+                bound = 4 * u * torch.cat([(a * c).abs() + (b * sn).abs(),
+                                           (b * c).abs() + (a * sn).abs()], -1)
+                for mode in ("new", "out", "in place"):
+                    case = f"{dtype} {style} x {list(x.shape)} {mode} #{j}"
+                    if mode == "new":
+                        got = _call(op, case, impl.rope, x, cos, sin, style)
+                        _unchanged(op, case, keep, [base, cos, sin])
+                    elif mode == "out":
+                        dst = _nonzero(shape, dtype, g).to(device)
+                        dkeep = dst[..., :8].clone()
+                        res = _call(op, case, impl.rope, x, cos, sin, style, dst[..., 8:])
+                        got = dst[..., 8:]
+                        if not isinstance(res, torch.Tensor) or res.data_ptr() != got.data_ptr():
+                            raise AssertionError(f"{op} [{case}]: does not return out")
+                        _unchanged(op, case, [dkeep, *keep], [dst[..., :8], base, cos, sin])
+                    else:
+                        xi = base.clone()
+                        res = _call(op, case, impl.rope, xi[..., 8:], cos, sin, style,
+                                    xi[..., 8:])
+                        got = xi[..., 8:]
+                        _unchanged(op, case, [keep[0][..., :8]], [xi[..., :8]])
+                    _assert_like(f"{op} [{case}] output", got, want)
+                    diff = (got.double() - want.double()).abs().cpu()
+                    over = diff > bound.cpu() + 1e-300
+                    if bool(over.any()):
+                        i = int((diff - bound.cpu()).flatten().argmax())
+                        raise AssertionError(
+                            f"{op} [{case}]: {int(over.sum())} element(s) beyond 4u(|a c| + |b s|) "
+                            f"of the reference; worst at flat index {i}: |got - want| = "
+                            f"{diff.flatten()[i].item():.3g} > {bound.flatten()[i].item():.3g}")
+
+
 def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
     """Inputs of one layer's attention ops at a realistic shape, for the GPU tests that run the
     ops under ``torch.cuda.set_sync_debug_mode("error")``: 64 query rows x 64 indexer heads x 128
@@ -742,6 +813,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.TOPK.value: _check_topk,
     Op.SPARSE_MLA.value: _check_sparse_mla,
     Op.SPARSE_MLA_PAGED.value: _check_sparse_mla_paged,
+    Op.ROPE.value: _check_rope,
 }
 
 
