@@ -176,6 +176,18 @@ def test_topk_method_is_checked() -> None:
 
 
 @interp
+@pytest.mark.parametrize("few_rows", [0, 10**9])
+def test_indexer_either_kernel_at_any_row_count(ref: Any, monkeypatch: pytest.MonkeyPatch,
+                                                few_rows: int) -> None:
+    """The few-rows kernel (heads stacked into one dot) at every size, up to 131 rows and 4 or
+    64 heads, and the row-tile kernel at a decode step's 1-7 rows."""
+    monkeypatch.setattr(conf, "ATTN_SIZES", ((1, 1, 8), (3, 5, 8), (17, 40, 64), (64, 200, 16),
+                                             (131, 300, 64), (7, 2600, 2048)))
+    impl = AttentionKernels(indexer_config={"FEW_ROWS": few_rows, "FEW_BLOCK_N": 64})
+    conf.check_op(impl, ref, "indexer_logits", device="cpu")
+
+
+@interp
 @pytest.mark.parametrize("heads_fast", [0, 1])
 def test_conformance_interpreter_small_tiles(ref: Any, monkeypatch: pytest.MonkeyPatch,
                                              heads_fast: int) -> None:
@@ -303,7 +315,9 @@ def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
 
 @_gpu
 @pytest.mark.parametrize(("n", "t", "kind"), [(256, 8192, "bf16"), (256, 8192, "fp8"),
-                                             (1000, 4099, "fp8"), (77, 20000, "bf16")])
+                                             (1000, 4099, "fp8"), (77, 20000, "bf16"),
+                                             (1, 65536, "fp8"), (2, 65536, "bf16"),
+                                             (8, 30001, "fp8")])  # the few-rows kernel
 def test_indexer_realistic_gpu(ref: Any, n: int, t: int, kind: str) -> None:
     g = torch.Generator().manual_seed(n + t)
     q = torch.randn(n, 64, 128, generator=g).to("cuda", torch.bfloat16)
@@ -379,7 +393,8 @@ def test_bench_small_smoke() -> None:
     dev = "cuda" if CUDA else "cpu"
     rows = bench_attention(dev, small=True, reps=1, warmup=0)
     benches = {r["bench"] for r in rows}
-    assert benches == {"matmul_bf16", "indexer_logits", "topk", "sparse_mla", "rope"}
+    assert benches == {"matmul_bf16", "indexer_logits", "topk", "sparse_mla", "rope",
+                       "indexer_few_rows"}
     assert not [r for r in rows if "error" in r]
     assert [r["exact"] for r in rows if r["bench"] == "topk"] == [True]
     for r in rows:
@@ -387,3 +402,5 @@ def test_bench_small_smoke() -> None:
             assert r["max_abs_diff"] < 1e-4
         if r["bench"] == "rope":  # bf16 values below ~8: two ulps of the reference
             assert r["max_abs_diff"] < 0.07
+        if r["bench"] == "indexer_few_rows":
+            assert max(r["row_tile_max_abs_diff"], r["few_rows_max_abs_diff"]) < 1e-4

@@ -13,6 +13,10 @@ no ``.item()``, no data-dependent shapes, no host tensors, any number of rows in
   reads its rows' ``key_start`` / ``key_end`` on the device and skips the head loop when its key
   tile lies outside every row's range (with rows sorted by position, all tiles right of the
   tile's largest ``key_end`` and left of its smallest ``key_start``); it still writes its -inf.
+  At most ``FEW_ROWS`` rows (a decode step, an MTP check) take ``_indexer_few_rows_kernel``
+  instead: the heads of up to 128 / H rows stacked into one operand, one dot per key tile and
+  the weighted head sum a reduction, where the row-tile kernel would run H dependent dots on a
+  16-row tile holding one row.
 * :meth:`AttentionKernels.topk`: an exact select in five kernels, no host sync: the same set as
   the torch reference (equal logits by ascending column), listed in the kernels' own order (the
   chosen columns of each chunk in column order, then the candidates taken), not sorted by logit:
@@ -100,7 +104,12 @@ _LOWP = (torch.bfloat16, torch.float16)
 
 #: default launch configurations (the bench sweeps alternatives)
 # num_warps 4 measured best on the H200 (598 vs 497 TFLOP/s at 1024 x 32K x 64 x 128, docs/perf.md)
-INDEXER_DEFAULT: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+#: FEW_ROWS: at most this many query rows take the few-rows kernel (heads stacked into one dot;
+#: a decode step), with FEW_BLOCK_N keys per program and few_warps warps. On the H200 at 64K fp8
+#: keys x 64 heads (bf16 queries, times with launch work): 1-4 rows ~2x faster than the row-tile
+#: kernel, 8 rows 1.28x, 16 rows 0.72x (docs/perf.md); in a decode step 80 -> 9 us of GPU time
+INDEXER_DEFAULT: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
+                                   "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4}
 MLA_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2,
                                "P_SPLIT": 2, "P_FP16": 1, "P_CAT": 1}
 #: 16-bit q/kv (the production path): one bf16 P, FlashMLA's precision, within bf16 tolerance of
@@ -186,6 +195,57 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
     out = tl.where(inr, acc, float("-inf"))
     tl.store(out_ptr + rows64[:, None] * so0 + cols64[None, :], out,
              mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
+                             N, T,
+                             sq0, sq1, sq2, sw0, sw1, sk0, sk1, so0,
+                             H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                             BQ: tl.constexpr, BLOCK_N: tl.constexpr,
+                             FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """The indexer for a few query rows (decode steps, MTP checks): the heads of ``BQ`` rows
+    stacked into one ``[BQ * HP, D]`` operand, one dot per key tile, the weighted head sum a
+    reduction over that axis (instead of a loop of ``H`` dependent dots on a mostly empty
+    row tile)."""
+    pid_n = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    qr = pid_q * BQ + tl.arange(0, BQ)
+    qmask = qr < N
+    ks = tl.load(ks_ptr + qr, mask=qmask, other=0)
+    ke = tl.load(ke_ptr + qr, mask=qmask, other=0)
+    nonempty = qmask & (ks < ke)
+    lo = tl.min(tl.where(nonempty, ks, 9223372036854775807), axis=0)
+    hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < T
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros([BQ, BLOCK_N], dtype=tl.float32)
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        m = tl.arange(0, BQ * HP)
+        head = m % HP
+        rows64 = (pid_q * BQ + m // HP).to(tl.int64)
+        rmask = (pid_q * BQ + m // HP < N) & (head < H)
+        d = tl.arange(0, DP)
+        dmask = d < D
+        kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
+                     mask=cmask[:, None] & dmask[None, :], other=0.0)
+        qt = tl.load(q_ptr + rows64[:, None] * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                     mask=rmask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            s = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(qt, tl.trans(kt.to(q_ptr.dtype.element_ty)))
+        wv = tl.load(w_ptr + rows64 * sw0 + head * sw1, mask=rmask, other=0.0)
+        acc = tl.sum(tl.reshape(wv[:, None] * tl.maximum(s, 0.0), [BQ, HP, BLOCK_N]), axis=1)
+        if FP8:
+            c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
+            acc = acc * c[None, :]
+    inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
+    out = tl.where(inr, acc, float("-inf"))
+    tl.store(out_ptr + qr.to(tl.int64)[:, None] * so0 + cols64[None, :], out,
+             mask=qmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -661,8 +721,22 @@ class AttentionKernels:
         upcast = interp or not (both_fp8 or (q.dtype in _LOWP and (fp8 or k.dtype == q.dtype)))
         ks, ke = key_start.contiguous(), key_end.contiguous()
         scale = k_scale.contiguous() if fp8 else out  # unused pointer for float keys
-        grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
         dp = _pow2(d)
+        if n <= cfg["FEW_ROWS"]:  # a decode step's rows: every head in one dot per key tile
+            hp = _pow2(heads, 1)
+            bq = min(_pow2(n, 1), max(1, 128 // hp))  # at most 128 stacked (row, head) pairs
+            bq = max(bq, 16 // hp)  # a dot takes at least 16 rows (hp is a power of two)
+            bnf = min(cfg["FEW_BLOCK_N"], _pow2(t))
+            self._launch(("indexer_few", q.dtype, k.dtype, heads, d, bq, bnf, upcast),
+                         _indexer_few_rows_kernel, (triton.cdiv(t, bnf), triton.cdiv(n, bq)),
+                         (q, w, k, scale, ks, ke, out, n, t,
+                          q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+                          k.stride(0), k.stride(1), out.stride(0)),
+                         {"H": heads, "HP": hp, "D": d, "DP": dp, "BQ": bq, "BLOCK_N": bnf,
+                          "FP8": fp8, "UPCAST": upcast},
+                         cfg["few_warps"], cfg["num_stages"])
+            return out
+        grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
         key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast)
         self._launch(key, _indexer_kernel, grid,
                      (q, w, k, scale, ks, ke, out, n, t,

@@ -12,6 +12,9 @@
 (c) top-k 2048 over 1024 x 32K fp32 logits: ms of the exact radix kernel, of the old
     torch.topk path (``torch_path_ms``) and of torch.topk alone, exactness against the reference;
 (d) the bf16 dense matmul 8192^3 ceiling (TFLOP/s), measured in the same run;
+(f) the indexer at a decode step's few rows (1-64 rows x 64K fp8 keys x 64 heads x 128, bf16
+    queries, causal ranges ending at the last key): GPU ms of the row-tile kernel and of the
+    few-rows kernel, which the default picks at most ``FEW_ROWS`` rows;
 (e) ``rope``: the MLA query's rotation (64K rows x 128 heads x 64 rope dims, a strided slice of
     the q projection, written into the rope columns of the absorbed query) and the indexer's
     (in place, 64 heads): ms of the kernel and of the torch reference, GB/s of the bytes moved.
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from cpkv.bench.timing import median_ms
+from cpkv.bench.timing import device_ms, median_ms
 from cpkv_backend_triton import rope as rope_mod
 from cpkv_backend_triton.attention import AttentionKernels
 
@@ -136,6 +139,30 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
                  "rows": int(got.shape[0]),
                  "torch_path_same_set_fraction": float(
                      (got_old.sort(1).values == want.sort(1).values).float().mean())})
+
+    # (f) the indexer at a few rows: both kernels
+    ft = 700 if small else 65536
+    kf2 = torch.randn(ft, d, generator=g).to(dev)
+    sc2 = kf2.abs().amax(1).clamp_min(1e-12) / 448.0
+    k82 = (kf2 / sc2[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    tile = AttentionKernels(indexer_config={"FEW_ROWS": 0})
+    few = AttentionKernels(indexer_config={"FEW_ROWS": 1 << 30})
+    for fn in (1, 2, 8) if small else (1, 2, 4, 8, 16, 32, 64):
+        qf = torch.randn(fn, heads, d, generator=g).to(dev, torch.bfloat16)
+        wf = (torch.randn(fn, heads, generator=g) * (heads * d) ** -0.5).to(dev)
+        fpos = torch.arange(ft - fn, ft, device=dev, dtype=torch.int64)
+        fks, fke = torch.zeros_like(fpos), fpos + 1
+        want = ref.indexer_logits(qf, wf, k82, sc2, fks, fke)
+        row = {"bench": "indexer_few_rows", "rows": fn, "keys": ft}
+        for name, kk in (("row_tile", tile), ("few_rows", few)):
+            got = kk.indexer_logits(qf, wf, k82, sc2, fks, fke)
+            # GPU time (the host's launch work hidden: at a few rows it exceeds the kernel's)
+            row[f"{name}_ms"] = (tm if small else device_ms)(
+                lambda kk=kk, qf=qf, wf=wf, fks=fks, fke=fke: kk.indexer_logits(
+                    qf, wf, k82, sc2, fks, fke))
+            row[f"{name}_max_abs_diff"] = _diff(got, want)
+        row["speedup"] = row["row_tile_ms"] / row["few_rows_ms"]
+        rows.append(row)
 
     # (e) rope: MLA query into the absorbed query's rope columns; indexer query in place
     rn = 64 if small else 65536
