@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run of docs/perf.md (2 GPUs): the GPU tests (kernels, rope, models, two-GPU runs),
-# `cpkv bench gpu` -> OUT_DIR/gpu_h200.json. Run from the repository root.
+# then `cpkv bench gpu` -> OUT_DIR/gpu_h200.json. Run from the repository root.
 #
 # Usage: bash benchmarks/gpu_final.sh [OUT_DIR] [cpkv bench gpu options, e.g. --sizes 65536]
 #   OUT_DIR       where the report goes (default: $BENCH_OUT, else benchmarks/results)
