@@ -147,6 +147,26 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 # ---- kernels ---------------------------------------------------------------------------------
 @triton.jit
+def _key_span(ks_ptr, ke_ptr, rows, rmask):
+    """The rows' key ranges ``[ks, ke)`` and the span ``[lo, hi)`` they cover together (empty
+    and masked rows left out): key tiles outside it are skipped."""
+    ks = tl.load(ks_ptr + rows, mask=rmask, other=0)
+    ke = tl.load(ke_ptr + rows, mask=rmask, other=0)
+    nonempty = rmask & (ks < ke)
+    lo = tl.min(tl.where(nonempty, ks, 9223372036854775807), axis=0)
+    hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
+    return ks, ke, lo, hi
+
+
+@triton.jit
+def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
+    """``acc`` inside each row's key range, -inf outside, into the logits tile."""
+    inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * so0 + cols.to(tl.int64)[None, :],
+             tl.where(inr, acc, float("-inf")), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
                     N, T,
                     sq0, sq1, sq2, sw0, sw1, sk0, sk1, so0,
@@ -158,11 +178,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
-    ks = tl.load(ks_ptr + rows, mask=rmask, other=0)
-    ke = tl.load(ke_ptr + rows, mask=rmask, other=0)
-    nonempty = rmask & (ks < ke)
-    lo = tl.min(tl.where(nonempty, ks, 9223372036854775807), axis=0)
-    hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
+    ks, ke, lo, hi = _key_span(ks_ptr, ke_ptr, rows, rmask)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < T
@@ -191,10 +207,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
         if FP8:
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
             acc = acc * c[None, :]
-    inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
-    out = tl.where(inr, acc, float("-inf"))
-    tl.store(out_ptr + rows64[:, None] * so0 + cols64[None, :], out,
-             mask=rmask[:, None] & cmask[None, :])
+    _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0)
 
 
 @triton.jit
@@ -212,11 +225,7 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
     pid_q = tl.program_id(1)
     qr = pid_q * BQ + tl.arange(0, BQ)
     qmask = qr < N
-    ks = tl.load(ks_ptr + qr, mask=qmask, other=0)
-    ke = tl.load(ke_ptr + qr, mask=qmask, other=0)
-    nonempty = qmask & (ks < ke)
-    lo = tl.min(tl.where(nonempty, ks, 9223372036854775807), axis=0)
-    hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
+    ks, ke, lo, hi = _key_span(ks_ptr, ke_ptr, qr, qmask)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < T
@@ -242,10 +251,7 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
         if FP8:
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
             acc = acc * c[None, :]
-    inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
-    out = tl.where(inr, acc, float("-inf"))
-    tl.store(out_ptr + qr.to(tl.int64)[:, None] * so0 + cols64[None, :], out,
-             mask=qmask[:, None] & cmask[None, :])
+    _store_in_range(out_ptr, acc, qr, qmask, cols, cmask, ks, ke, so0)
 
 
 @triton.jit
