@@ -159,6 +159,20 @@ def _key_span(ks_ptr, ke_ptr, rows, rmask):
 
 
 @triton.jit
+def _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST: tl.constexpr):
+    """The key tile ``[BLOCK_N, DP]`` transposed for ``q @ k^T``, in the dot's input type: fp32
+    (``UPCAST``), else the query's type (fp8 keys convert exactly to 16 bits; fp8 queries keep
+    fp8)."""
+    kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
+                 mask=cmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+        kt = kt.to(tl.float32)
+    else:
+        kt = kt.to(q_ptr.dtype.element_ty)
+    return tl.trans(kt)
+
+
+@triton.jit
 def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
     """``acc`` inside each row's key range, -inf outside, into the logits tile."""
     inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
@@ -187,13 +201,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
     if (n0 < hi) & (n0 + BLOCK_N > lo):  # the tile meets some row's range: compute it
         d = tl.arange(0, DP)
         dmask = d < D
-        kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
-                     mask=cmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-            kt = kt.to(tl.float32)
-        else:
-            kt = kt.to(q_ptr.dtype.element_ty)
-        ktt = tl.trans(kt)
+        ktt = _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
         qbase = q_ptr + rows64[:, None] * sq0 + d[None, :] * sq2
         qmask = rmask[:, None] & dmask[None, :]
         for h in range(H):
@@ -238,14 +246,13 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
         rmask = (pid_q * BQ + m // HP < N) & (head < H)
         d = tl.arange(0, DP)
         dmask = d < D
-        kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
-                     mask=cmask[:, None] & dmask[None, :], other=0.0)
+        ktt = _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
         qt = tl.load(q_ptr + rows64[:, None] * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                      mask=rmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:
-            s = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+            s = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee")
         else:
-            s = tl.dot(qt, tl.trans(kt.to(q_ptr.dtype.element_ty)))
+            s = tl.dot(qt, ktt)
         wv = tl.load(w_ptr + rows64 * sw0 + head * sw1, mask=rmask, other=0.0)
         acc = tl.sum(tl.reshape(wv[:, None] * tl.maximum(s, 0.0), [BQ, HP, BLOCK_N]), axis=1)
         if FP8:

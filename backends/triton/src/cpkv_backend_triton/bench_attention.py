@@ -12,12 +12,12 @@
 (c) top-k 2048 over 1024 x 32K fp32 logits: ms of the exact radix kernel, of the old
     torch.topk path (``torch_path_ms``) and of torch.topk alone, exactness against the reference;
 (d) the bf16 dense matmul 8192^3 ceiling (TFLOP/s), measured in the same run;
-(f) the indexer at a decode step's few rows (1-64 rows x 64K fp8 keys x 64 heads x 128, bf16
-    queries, causal ranges ending at the last key): GPU ms of the row-tile kernel and of the
-    few-rows kernel, which the default picks at most ``FEW_ROWS`` rows;
 (e) ``rope``: the MLA query's rotation (64K rows x 128 heads x 64 rope dims, a strided slice of
     the q projection, written into the rope columns of the absorbed query) and the indexer's
-    (in place, 64 heads): ms of the kernel and of the torch reference, GB/s of the bytes moved.
+    (in place, 64 heads): ms of the kernel and of the torch reference, GB/s of the bytes moved;
+(f) the indexer at a decode step's few rows (1-64 rows x 64K fp8 keys x 64 heads x 128, bf16
+    queries, causal ranges ending at the last key): GPU ms of the row-tile kernel and of the
+    few-rows kernel, which the default picks at most ``FEW_ROWS`` rows.
 
 ``small=True`` runs everything tiny (CPU under ``TRITON_INTERPRET=1``: a smoke test; timings there
 are meaningless). ``sweep=True`` adds rows for alternative launch configurations.
@@ -173,25 +173,23 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
     sn = torch.cat([ang.sin(), ang.sin()], 1).to(dev, torch.bfloat16)
     qo = torch.empty(qp.shape[0], qp.shape[1], 576, device=dev, dtype=torch.bfloat16)
     iq = torch.randn(rn, 64 if not small else 4, 128, generator=g).to(dev, torch.bfloat16)
-    blocks = [rope_mod.ROPE_BLOCK] + ([b for b in (4, 8, 32, 64) if b != rope_mod.ROPE_BLOCK]
-                                      if sweep else [])
+    blocks = [rk.block] + ([b for b in (4, 8, 32, 64) if b != rk.block] if sweep else [])
     for what, x, out, style in (("mla_q", qp[..., 128:], qo[..., 512:], "interleave"),
                                 ("indexer_q", iq[..., :64], iq[..., :64], "half")):
         # values first: the timed in-place calls rotate x again and again
         want = ref.rope(x.clone(), cs, sn, style)
         got = {}
         for blk in blocks:
-            rope_mod.ROPE_BLOCK = blk
+            rk.block = blk
             got[blk] = rk.rope(x.clone(), cs, sn, style)
         ref_ms = tm(lambda x=x, out=out, style=style: ref.rope(x, cs, sn, style, out))
         nbytes = 2 * x.numel() * x.element_size()
         for blk in blocks:
-            rope_mod.ROPE_BLOCK = blk
+            rk.block = blk
             ms = tm(lambda x=x, out=out, style=style: rk.rope(x, cs, sn, style, out))
             rows.append({"bench": "rope", "what": what, "shape": list(x.shape), "block": blk,
                          "ms": ms, "ref_ms": ref_ms, "speedup": ref_ms / ms,
                          "gbps": nbytes / ms / 1e6, "max_abs_diff": _diff(got[blk], want)})
-        rope_mod.ROPE_BLOCK = blocks[0]
 
     # (b) sparse MLA
     qm = torch.randn(mla_n, mla_h, 576, generator=g).to(dev, torch.bfloat16)

@@ -6,7 +6,7 @@ their sum and difference, each rounded to bf16); over the query of the DeepSeek-
 layer on the H200, the indexer's two more. One program here takes ``BLOCK`` (row, head) pairs:
 it loads each pair's ``R`` values as one contiguous vector (the interleaved pairs split in
 registers), the row's cos / sin halves, computes in fp32 and stores both halves once (rounded
-once: within one unit of x's dtype of the reference, which rounds each product). In place
+once, where the reference rounds each product: within the op's conformance bound). In place
 (``out`` is ``x``) is safe: a program reads its pairs before writing them, and pairs are
 disjoint between programs.
 
@@ -65,7 +65,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, P, H,
 
 
 class RopeKernels:
-    """The ``rope`` op of the Triton backend (mixed into ``TritonOps``)."""
+    """The ``rope`` op of the Triton backend (mixed into ``TritonOps``); ``block``: (row, head)
+    pairs per program (the bench sweeps it)."""
+
+    block: int = ROPE_BLOCK
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,11 +87,11 @@ class RopeKernels:
         if pairs == 0:
             return out
         half = r // 2
-        grid = (triton.cdiv(pairs, ROPE_BLOCK),)
+        grid = (triton.cdiv(pairs, self.block),)
         _rope_kernel[grid](x3, cos, sin, o3, pairs, h,
                            x3.stride(0), x3.stride(1), x3.stride(2),
                            o3.stride(0), o3.stride(1), o3.stride(2),
                            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
                            HALF=half, HP=triton.next_power_of_2(half),
-                           INTERLEAVE=style == "interleave", BLOCK=ROPE_BLOCK, num_warps=4)
+                           INTERLEAVE=style == "interleave", BLOCK=self.block, num_warps=4)
         return out
