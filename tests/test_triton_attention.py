@@ -22,6 +22,7 @@ import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
 from triton_interp import CUDA, import_kernels, interpreter_env
 
+topk_mod = import_kernels("cpkv_backend_triton.topk", "_topk_filter_kernel")
 attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
 AttentionKernels = attention.AttentionKernels
 
@@ -94,21 +95,38 @@ class _ExactTopk:
 
 def _small_topk_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many chunks per row and few candidates: every kernel path at interpreter sizes."""
-    monkeypatch.setattr(attention, "TOPK_CONFIG", {**attention.TOPK_CONFIG, "BLOCK": 16,
-                                                   "CHUNK": 48, "BINS": 8})
-    monkeypatch.setattr(attention, "TOPK_SAMPLE", 16)
-    monkeypatch.setattr(attention, "TOPK_MIN_CAP", 16)
+    monkeypatch.setattr(topk_mod, "TOPK_CONFIG", {**topk_mod.TOPK_CONFIG, "BLOCK": 16,
+                                                  "CHUNK": 48, "BINS": 8})
+    monkeypatch.setattr(topk_mod, "TOPK_SAMPLE", 16)
+    monkeypatch.setattr(topk_mod, "TOPK_MIN_CAP", 16)
+
+
+def _long_topk_config(monkeypatch: pytest.MonkeyPatch, sample: int = 16, cap: int = 32,
+                      programs: int = 64) -> None:
+    """The long-row path (floor, filter, select) for every row length, several splits a row,
+    few candidates: its flagged rows (a split over CAP, fewer than k candidates) reach the exact
+    kernel at interpreter sizes."""
+    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "MIN_T": 1,
+                                                "SAMPLE": sample, "CAP": cap, "BLOCK": 16,
+                                                "PROGRAMS": programs, "SPLIT_MIN": 32,
+                                                "REFINE": 16})
+
+
+def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
+    if config == "small":
+        _small_topk_config(monkeypatch)
+    elif config == "long":
+        _long_topk_config(monkeypatch)
 
 
 @interp
 @pytest.mark.usefixtures("small_sizes")
-@pytest.mark.parametrize("small_config", [False, True])
+@pytest.mark.parametrize("config", ["default", "small", "long"])
 def test_topk_conformance_exact(ref: Any, monkeypatch: pytest.MonkeyPatch,
-                                small_config: bool) -> None:
+                                config: str) -> None:
     """The suite's top-k inputs (indexer logits with relu ties, coarse-grid ties, finite logits
     outside the ranges), compared for exact equality."""
-    if small_config:
-        _small_topk_config(monkeypatch)
+    _topk_config(monkeypatch, config)
     conf.check_op(_ExactTopk(AttentionKernels(), ref), ref, "topk", device="cpu")
 
 
@@ -128,14 +146,13 @@ def _topk_case(g: torch.Generator, n: int, t: int, kind: str) -> torch.Tensor:
 
 @interp
 @pytest.mark.parametrize("kind", ["randn", "ties", "neg_inf", "equal", "zeros"])
-@pytest.mark.parametrize("small_config", [False, True])
+@pytest.mark.parametrize("config", ["default", "small", "long"])
 def test_topk_exact_edge_cases(ref: Any, monkeypatch: pytest.MonkeyPatch, kind: str,
-                               small_config: bool) -> None:
+                               config: str) -> None:
     """Exact equality with the reference: ranges empty, shorter / longer than k, clipped, not
     starting at 0 (-inf inside a range ranks before the masked columns), k not a power of two,
     k of 1, T < k, N = 0, bf16 logits, a strided view."""
-    if small_config:
-        _small_topk_config(monkeypatch)
+    _topk_config(monkeypatch, config)
     impl = AttentionKernels()
     g = torch.Generator().manual_seed(7)
     n, t = 9, 150
@@ -151,9 +168,27 @@ def test_topk_exact_edge_cases(ref: Any, monkeypatch: pytest.MonkeyPatch, kind: 
 
 
 @interp
+def test_topk_long_rows_flagged_to_the_exact_kernel(ref: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long-row path, rows whose sample misleads the floor: row 0's sampled columns hold its
+    largest keys (the floor lands above its k-th key: fewer than k candidates), row 1 is one
+    value (every key a candidate, one split: over CAP), row 2 ordinary (its ~400 candidates
+    over this CAP too). All equal the reference (without the exact kernel none would)."""
+    sample, n, t, k = 64, 3, 1000, 100
+    _long_topk_config(monkeypatch, sample=sample, cap=128, programs=1)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, t, generator=g)
+    x[0, (torch.arange(sample) * t) // sample] = 10.0
+    x[1] = 0.25
+    ks, ke = torch.zeros(n, dtype=torch.int64), torch.full((n,), t)
+    got = AttentionKernels().topk(x, k, ks, ke)
+    assert _same_choice(got, ref.topk(x, k, ks, ke), x, ks, ke, k)
+
+
+@interp
 @settings(deadline=None, max_examples=25)
-@given(st.data())
-def test_topk_exact_property(ref: Any, data: st.DataObject) -> None:
+@given(st.data(), st.sampled_from(["default", "long"]))
+def test_topk_exact_property(ref: Any, data: st.DataObject, config: str) -> None:
     """Random small shapes and ranges, logits from a few values (-inf, -0.0, 0.0 among them) or
     continuous: the kernel equals the reference."""
     n, t, k = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 70)), data.draw(
@@ -166,7 +201,10 @@ def test_topk_exact_property(ref: Any, data: st.DataObject) -> None:
         x = vals[torch.randint(0, 6, (n, t), generator=g)]
     else:
         x = torch.randn(n, t, generator=g)
-    assert _same_choice(AttentionKernels().topk(x, k, ks, ke), ref.topk(x, k, ks, ke), x, ks, ke, k)
+    with pytest.MonkeyPatch.context() as mp:
+        _topk_config(mp, config)
+        got = AttentionKernels().topk(x, k, ks, ke)
+    assert _same_choice(got, ref.topk(x, k, ks, ke), x, ks, ke, k)
 
 
 def test_topk_method_is_checked() -> None:

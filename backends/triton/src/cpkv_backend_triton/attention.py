@@ -17,41 +17,8 @@ no ``.item()``, no data-dependent shapes, no host tensors, any number of rows in
   instead: the heads of up to 128 / H rows stacked into one operand, one dot per key tile and
   the weighted head sum a reduction, where the row-tile kernel would run H dependent dots on a
   16-row tile holding one row.
-* :meth:`AttentionKernels.topk`: an exact select in five kernels, no host sync: the same set as
-  the torch reference (equal logits by ascending column), listed in the kernels' own order (the
-  chosen columns of each chunk in column order, then the candidates taken), not sorted by logit:
-  the op's contract leaves the order of a full row to the backend, and sorting 2048 int64
-  composites per row cost ~0.19 ms per 1024 x 64K call on the H200, a quarter of the op. Logits
-  (fp32, or bf16/fp16 converted exactly) map to order-preserving int32 keys (``b ^ ((b >> 31) &
-  0x7FFFFFFF)`` of the fp32 bits, -0.0 folded into 0.0, -inf the smallest); only the columns of
-  a row's ``[key_start, key_end)`` are read.
-
-  1. ``_topk_bracket_kernel``, one program per row: ``TOPK_SAMPLE`` columns spread evenly over
-     the range, sorted; the bracket runs between the sample keys a margin above and below the
-     k-th key's estimated place (a few standard deviations of that estimate).
-  2. ``_topk_hist_kernel``, program (row, chunk of ``CHUNK`` columns): a ``BINS``-bin histogram
-     (``tl.histogram``) of a monotone bin of the logit: bin 0 below the bracket, equal widths
-     inside it, the last bin open upwards. Monotone, so any bracket is exact; a good one leaves
-     ~100 keys in the k-th key's bin at 64K columns. Triton's histogram costs per key about one
-     ballot per bin bit plus bins / 32 popcounts per thread, so 64 bins cost ~1/4 of 256.
-  3. ``_topk_compact_kernel``, same grid: from the row's chunk histograms, the bin b of the K-th
-     largest key; the columns of keys in higher bins go straight to the output row, keys of bin
-     b are candidates (a scratch row of int64 composites ``key << 32 | (2^31 - 1 - column)``),
-     both in column order (chunk offsets from the histograms, one ``tl.cumsum`` of both flags).
-  4. ``_topk_exact_kernel``, one program per row whose bin b holds more than ``CAP`` candidates
-     (massive ties, a sample unlike its row): radix select over the row, 4 passes of 8 bits,
-     then the keys above the K-th plus the first ``need`` equal to it by column.
-  5. ``_topk_final_kernel``, one program per row: rows holding at most k keys list them
-     ascending (-1 padded); the others refine the candidates (4 histograms of 8 bits find the
-     exact K-th key; ties by column: the candidates are in column order) and append the ones
-     taken.
-
-  On the H200 (Triton 3.6) at 1024 x 65536, k = 2048, the last rows of a causal prefill:
-  ~0.49 ms against 1.28 ms for the previous radix kernel (coarse log-scale bins and a sort)
-  and 1.07 ms for the torch.topk path (docs/perf.md). ``topk_method="torch"`` (or
-  :data:`TOPK_METHOD`) selects that path: a masking kernel, ``torch.topk`` (sorted) and a
-  fix-up (ties at the k-th place may differ from the reference); float64 logits and
-  k > :data:`TOPK_RADIX_MAX_K` always take it.
+* :meth:`AttentionKernels.topk`: the exact select of :mod:`cpkv_backend_triton.topk` (the
+  reference's set, ties by ascending column; one read of each logit for long rows).
 * :meth:`AttentionKernels.sparse_mla`: one program per (query row, block of ``BLOCK_H`` heads);
   the heads of a block share each gathered kv tile ``[BLOCK_K, Dk]`` (split at ``dv`` into the
   value part and the rope tail), ``scores = q @ kv^T`` by ``tl.dot``, online softmax in fp32
@@ -94,9 +61,11 @@ from cpkv.ops import (
     check_indexer_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
-    check_topk_args,
     paged_latent,
 )
+
+from .topk import TOPK_METHOD
+from .topk import topk as select_topk
 
 __all__ = ["AttentionKernels"]
 
@@ -116,29 +85,6 @@ MLA_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "nu
 #: the fp32 reference (the conformance suite's 16-bit tolerance); 229 vs 42 TFLOP/s on the H200
 MLA_LOWP_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2,
                                     "P_SPLIT": 1, "P_FP16": 0, "P_CAT": 0}
-TOPK_BLOCK = 1024
-#: top-k selection: "radix" (the exact radix-select kernel, default) or "torch" (mask, torch.topk,
-#: fix-up: ties at the k-th place may differ from the reference); per instance through
-#: ``AttentionKernels(topk_method=...)``
-TOPK_METHOD = "radix"
-#: larger k (the candidates' scratch grows with it), and float64 logits (whose keys have 64
-#: bits), take the torch path
-TOPK_RADIX_MAX_K = 4096
-#: the radix kernels' launch: BLOCK columns per step, CHUNK columns of a row per program (the
-#: histogram and compaction kernels), warps of the streaming kernels and of the final kernel,
-#: BINS of the value histogram (a power of two). Measured on the H200 (1024 x 64K, docs/perf.md):
-#: 64 bins as fast as 32 and 12 % faster than 128; 512-column blocks, 8K-column chunks and 4
-#: warps best of a sweep (the compaction 0.42 -> 0.26 ms from 2048-column blocks)
-TOPK_CONFIG: dict[str, int] = {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
-                               "BINS": 64}
-#: candidates (keys in the K-th key's bin) a row may hand to the final kernel's refinement (at
-#: least the power of two >= k); more take the exact kernel's 4 passes
-TOPK_MIN_CAP = 1024
-#: candidates per step of the final kernel's refinement
-TOPK_REFINE_BLOCK = 256
-#: columns, spread evenly over a row's range, whose sorted keys place the bins' bracket
-TOPK_SAMPLE = 512
-_RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -259,291 +205,6 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
             acc = acc * c[None, :]
     _store_in_range(out_ptr, acc, qr, qmask, cols, cmask, ks, ke, so0)
-
-
-@triton.jit
-def _mask_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, T, sx0, sx1, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < T
-    ks = tl.load(ks_ptr + row)
-    ke = tl.load(ke_ptr + row)
-    x = tl.load(x_ptr + row * sx0 + cols.to(tl.int64) * sx1, mask=cmask, other=0.0)
-    inr = (cols >= ks) & (cols < ke)
-    tl.store(out_ptr + row * T + cols, tl.where(inr, x, float("-inf")), mask=cmask)
-
-
-@triton.jit
-def _topk_fixup_kernel(chosen_ptr, ks_ptr, ke_ptr, out_ptr, T, K, KK,
-                       HAS_CHOSEN: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    slot = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    smask = slot < K
-    ks = tl.load(ks_ptr + row)
-    ke = tl.load(ke_ptr + row)
-    start = tl.minimum(tl.maximum(ks, 0), T)
-    end = tl.minimum(tl.maximum(ke, 0), T)
-    count = tl.maximum(end - start, 0)
-    asc = tl.where(slot < count, start + slot, -1)
-    if HAS_CHOSEN:
-        ch = tl.load(chosen_ptr + row * KK + slot, mask=slot < KK, other=-1)
-    else:
-        ch = tl.full([BLOCK], -1, tl.int64)
-    res = tl.where(count <= K, asc, ch)
-    tl.store(out_ptr + row * K + slot, res.to(tl.int32), mask=smask)
-
-
-@triton.jit
-def _ord_key(x):
-    """fp32 -> int32 whose signed order is the float order (-0.0 and 0.0 map alike; -inf is the
-    smallest key of every non-NaN value)."""
-    x = tl.where(x == 0.0, 0.0, x)
-    b = x.to(tl.int32, bitcast=True)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _value_bin(x, lo, inv, NB: tl.constexpr):
-    """A monotone bin of the fp32 logit: 0 below the bracket's ``lo``, then ``NB - 2`` equal
-    widths of ``1 / inv`` above it, the last bin open upwards (``inv = 0``: every key >= lo in
-    bin 1). Monotone in x, so any bracket is exact: a poor one only gives more candidates."""
-    below = x < lo
-    # lo is finite (the bracket kernel clamps it), so nothing here is NaN: -inf keys sit below
-    f = tl.minimum(tl.minimum(tl.maximum(x, lo) - lo, 3.0e38) * inv, NB - 2)
-    return tl.where(below, 0, 1 + f.to(tl.int32))
-
-
-@triton.jit
-def _pick_bin(hist, need, NB: tl.constexpr):
-    """The bin holding the need-th largest key, and how many keys lie in higher bins."""
-    above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0)  # keys in higher bins
-    hit = (above < need) & (above + hist >= need)  # exactly one bin
-    b = tl.sum(tl.where(hit, tl.arange(0, NB), 0), axis=0)
-    return b, tl.sum(tl.where(hit, above, 0), axis=0)
-
-
-@triton.jit
-def _radix_digit(s, m, prefix, p: tl.constexpr):
-    """Round p (0-3) of an 8-bit radix select over keys s: the digit, and the mask narrowed to
-    the keys whose higher bits match the prefix found so far."""
-    if p == 0:  # the sign bit flipped: digits ascend with the key
-        d = ((s >> 24) & 255) ^ 128
-    else:
-        m = m & (((s ^ prefix) & -(1 << (32 - 8 * p))) == 0)
-        d = (s >> (24 - 8 * p)) & 255
-    return d, m
-
-
-@triton.jit
-def _radix_step(hist, need, prefix, p: tl.constexpr):
-    """After round p's histogram: keys still to take among those matching the longer prefix."""
-    b, above = _pick_bin(hist, need, 256)
-    if p == 0:
-        b = b ^ 128
-    return need - above, prefix | (b << (24 - 8 * p))
-
-
-@triton.jit
-def _row_range(ks_ptr, ke_ptr, row, T):
-    ks = tl.load(ks_ptr + row)
-    ke = tl.load(ke_ptr + row)
-    start = tl.minimum(tl.maximum(ks, 0), T).to(tl.int32)
-    end = tl.minimum(tl.maximum(ke, 0), T).to(tl.int32)
-    return start, end
-
-
-@triton.jit
-def _topk_bracket_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, T, K, sx0, sx1, NB: tl.constexpr,
-                         SAMPLE: tl.constexpr):
-    """Top-k, kernel 1 of 5 (one program per row holding more than K keys): the bins' bracket
-    from SAMPLE columns spread evenly over the range. The k-th largest key's place in the sorted
-    sample is estimated (``SAMPLE * K / count``); the bracket runs from the sample key a margin
-    below it (4 standard deviations of that estimate, plus 8) to the one a margin above."""
-    row = tl.program_id(0).to(tl.int64)
-    start, end = _row_range(ks_ptr, ke_ptr, row, T)
-    cnt = end - start
-    if cnt > K:
-        i = tl.arange(0, SAMPLE)
-        cols = start + (i.to(tl.int64) * cnt) // SAMPLE
-        x = tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32)
-        x = tl.sort(tl.where(x == 0.0, 0.0, x), descending=True)
-        est = (K * SAMPLE) // cnt  # ~ sample keys at or above the k-th largest
-        margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
-        ih = tl.maximum(est - 1 - margin, 0)
-        il = tl.minimum(est - 1 + margin, SAMPLE - 1)
-        x = tl.maximum(x, -3.0e38)  # -inf keys: a finite bracket (they all fall below it)
-        hi = tl.sum(tl.where(i == ih, x, 0.0), axis=0)
-        lo = tl.sum(tl.where(i == il, x, 0.0), axis=0)
-        width = hi - lo
-        ok = (width > 1e-30) & (width < 3.0e38)
-        inv = tl.where(ok, (NB - 2) / tl.where(ok, width, 1.0), 0.0)
-        tl.store(br_ptr + row * 2, lo)
-        tl.store(br_ptr + row * 2 + 1, inv)
-
-
-@triton.jit
-def _topk_hist_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, T, K, CH, sx0, sx1, NCH,
-                      BLOCK: tl.constexpr, NB: tl.constexpr):
-    """Top-k, kernel 2 of 5 (program (row, chunk of CH columns of its range)): the chunk's
-    histogram of the keys' bins."""
-    row = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    start, end = _row_range(ks_ptr, ke_ptr, row, T)
-    hist = tl.zeros([NB], tl.int32)
-    if end - start > K:
-        xrow = x_ptr + row * sx0
-        lo = tl.load(br_ptr + row * 2)
-        inv = tl.load(br_ptr + row * 2 + 1)
-        c_lo = start + j * CH
-        c_hi = tl.minimum(c_lo + CH, end)
-        for c0 in range(c_lo, c_hi, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = cols < c_hi
-            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32)
-            hist += tl.histogram(_value_bin(x, lo, inv, NB), NB, mask=m)
-    tl.store(hist_ptr + (row * NCH + j) * NB + tl.arange(0, NB), hist)
-
-
-@triton.jit
-def _topk_compact_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, out_ptr, cand_ptr, meta_ptr, T,
-                         K, CH, sx0, sx1, NCH, BLOCK: tl.constexpr, NB: tl.constexpr,
-                         NCHP: tl.constexpr, CAP: tl.constexpr):
-    """Top-k, kernel 3 of 5 (program (row, chunk)): from the row's histograms, the bin b of its
-    K-th largest key; the columns of the chunk's keys in higher bins are chosen (written to the
-    output row's first ``above`` slots), the keys of bin b are candidates (int64 composites
-    ``key << 32 | (2^31 - 1 - column)`` in a scratch row, in column order: chunk offsets from
-    the histograms, one ``tl.cumsum`` of both flags inside a block). More than CAP candidates:
-    the row is left to the exact kernel (``meta = -1``)."""
-    row = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    start, end = _row_range(ks_ptr, ke_ptr, row, T)
-    if end - start > K:
-        jj = tl.arange(0, NCHP)
-        bins = tl.arange(0, NB)
-        h = tl.load(hist_ptr + (row * NCH + jj[:, None]) * NB + bins[None, :],
-                    mask=(jj < NCH)[:, None], other=0)
-        b, above = _pick_bin(tl.sum(h, axis=0), K, NB)
-        eqc = tl.sum(tl.where(bins[None, :] == b, h, 0), axis=1)  # per chunk
-        gtc = tl.sum(tl.where(bins[None, :] > b, h, 0), axis=1)
-        ncand = tl.sum(eqc, axis=0)
-        if ncand <= CAP:
-            xrow = x_ptr + row * sx0
-            orow = out_ptr + row * K
-            crow = cand_ptr + row * CAP
-            lo = tl.load(br_ptr + row * 2)
-            inv = tl.load(br_ptr + row * 2 + 1)
-            gpos = tl.sum(tl.where(jj < j, gtc, 0), axis=0)
-            cpos = tl.sum(tl.where(jj < j, eqc, 0), axis=0)
-            c_lo = start + j * CH
-            c_hi = tl.minimum(c_lo + CH, end)
-            for c0 in range(c_lo, c_hi, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                m = cols < c_hi
-                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32)
-                vb = _value_bin(x, lo, inv, NB)
-                gt = m & (vb > b)
-                eq = m & (vb == b)
-                # both running counts in one scan (a block holds < 2^16 columns)
-                both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
-                comp = (_ord_key(x).to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
-                tl.store(orow + gpos + (both & 0xFFFF) - 1, cols, mask=gt)
-                tl.store(crow + cpos + (both >> 16) - 1, comp, mask=eq)
-                tot = tl.sum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
-                gpos += tot & 0xFFFF
-                cpos += tot >> 16
-            if j == 0:
-                tl.store(meta_ptr + row * 2, above)
-                tl.store(meta_ptr + row * 2 + 1, ncand)
-        elif j == 0:
-            tl.store(meta_ptr + row * 2, -1)
-            tl.store(meta_ptr + row * 2 + 1, 0)
-
-
-@triton.jit
-def _topk_exact_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K, sx0, sx1,
-                       BLOCK: tl.constexpr):
-    """Top-k, kernel 4 of 5 (one program per row the compact kernel left, ``meta = -1``: more
-    than CAP keys in the K-th key's bin, i.e. massive ties or a sample far from the row): exact
-    radix select over the row, 4 passes of 8 bits, then the K chosen columns in column order."""
-    row = tl.program_id(0).to(tl.int64)
-    start, end = _row_range(ks_ptr, ke_ptr, row, T)
-    if end - start > K:  # noqa: SIM102 (the meta load only for rows holding more than K keys)
-        if tl.load(meta_ptr + row * 2) < 0:
-            xrow = x_ptr + row * sx0
-            orow = out_ptr + row * K
-            need = K + tl.zeros([], tl.int32)  # keys still to take among those matching prefix
-            prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(start, end, BLOCK):
-                    cols = c0 + tl.arange(0, BLOCK)
-                    m = cols < end
-                    x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                    d, m = _radix_digit(_ord_key(x.to(tl.float32)), m, prefix, p)
-                    hist += tl.histogram(d, 256, mask=m)
-                need, prefix = _radix_step(hist, need, prefix, p)
-            # every key above the K-th and the first `need` equal to it (ascending columns)
-            wpos = tl.zeros([], tl.int32)
-            eq_seen = tl.zeros([], tl.int32)
-            for c0 in range(start, end, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                m = cols < end
-                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                s = _ord_key(x.to(tl.float32))
-                eq = m & (s == prefix)
-                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-                take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-                tl.store(orow + wpos + tl.cumsum(take, 0) - 1, cols, mask=take != 0)
-                wpos += tl.sum(take, axis=0)
-                eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-            tl.store(meta_ptr + row * 2, K)
-            tl.store(meta_ptr + row * 2 + 1, 0)
-
-
-@triton.jit
-def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl.constexpr,
-                       CAP: tl.constexpr, RB: tl.constexpr):
-    """Top-k, kernel 5 of 5 (one program per row): rows holding at most K keys list them
-    ascending (-1 padded); longer rows refine their ``ncand`` candidates (exact radix select, 4
-    histograms of 8 bits, in blocks of RB) and append the ``K - above`` they take, the keys above
-    the K-th and the first ones equal to it by column, after the chosen columns."""
-    row = tl.program_id(0).to(tl.int64)
-    start, end = _row_range(ks_ptr, ke_ptr, row, T)
-    count = tl.maximum(end - start, 0)
-    if count <= K:
-        for s0 in range(0, K, KP):
-            slot = s0 + tl.arange(0, KP)
-            tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
-                     mask=slot < K)
-    else:
-        crow = cand_ptr + row * CAP
-        above = tl.load(meta_ptr + row * 2)
-        ncand = tl.load(meta_ptr + row * 2 + 1)  # 0 for the rows the exact kernel took
-        need = K - above  # candidates to take
-        prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
-        for p in tl.static_range(4):
-            hist = tl.zeros([256], tl.int32)
-            for c0 in range(0, ncand, RB):
-                j = c0 + tl.arange(0, RB)
-                m = j < ncand
-                s = (tl.load(crow + j, mask=m, other=0) >> 32).to(tl.int32)
-                d, m = _radix_digit(s, m, prefix, p)
-                hist += tl.histogram(d, 256, mask=m)
-            need, prefix = _radix_step(hist, need, prefix, p)
-        wpos = above
-        eq_seen = tl.zeros([], tl.int32)
-        for c0 in range(0, ncand, RB):
-            j = c0 + tl.arange(0, RB)
-            m = j < ncand
-            comp = tl.load(crow + j, mask=m, other=0)
-            s = (comp >> 32).to(tl.int32)
-            eq = m & (s == prefix)
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-            take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-            tl.store(out_ptr + row * K + wpos + tl.cumsum(take, 0) - 1,
-                     2147483647 - comp.to(tl.int32), mask=take != 0)
-            wpos += tl.sum(take, axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -775,54 +436,8 @@ class AttentionKernels:
         Raises:
             ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
         """
-        check_topk_args(logits, k, key_start, key_end)
-        n, t = logits.shape
-        out = torch.empty(n, k, dtype=torch.int32, device=logits.device)
-        if n == 0 or k == 0:
-            return out
-        ks, ke = key_start.contiguous(), key_end.contiguous()
-        select = k < t  # else no row holds more than k keys: each lists its range ascending
-        method = getattr(self, "topk_method", TOPK_METHOD)
-        if select and method == "radix" and k <= TOPK_RADIX_MAX_K \
-                and logits.dtype in _RADIX_DTYPES:
-            kp = _pow2(k)
-            cap = max(kp, TOPK_MIN_CAP)
-            cfg = TOPK_CONFIG
-            blk = min(cfg["BLOCK"], _pow2(t))
-            nb = cfg["BINS"]
-            ch = triton.cdiv(cfg["CHUNK"], blk) * blk  # columns of a row per program
-            nch = triton.cdiv(t, ch)
-            dev = logits.device
-            bracket = torch.empty(n, 2, dtype=torch.float32, device=dev)
-            hist = torch.empty(n, nch, nb, dtype=torch.int32, device=dev)
-            cand = torch.empty(n, cap, dtype=torch.int64, device=dev)
-            meta = torch.empty(n, 2, dtype=torch.int32, device=dev)
-            sx0, sx1 = logits.stride(0), logits.stride(1)
-            warps = cfg["num_warps"]
-            _topk_bracket_kernel[(n,)](logits, ks, ke, bracket, t, k, sx0, sx1, NB=nb,
-                                       SAMPLE=TOPK_SAMPLE, num_warps=warps)
-            _topk_hist_kernel[(n, nch)](logits, ks, ke, bracket, hist, t, k, ch, sx0, sx1, nch,
-                                        BLOCK=blk, NB=nb, num_warps=warps)
-            _topk_compact_kernel[(n, nch)](logits, ks, ke, bracket, hist, out, cand, meta, t, k,
-                                           ch, sx0, sx1, nch, BLOCK=blk, NB=nb,
-                                           NCHP=_pow2(nch, 1), CAP=cap, num_warps=warps)
-            _topk_exact_kernel[(n,)](logits, ks, ke, out, meta, t, k, sx0, sx1, BLOCK=blk,
-                                     num_warps=warps)
-            _topk_final_kernel[(n,)](ks, ke, out, cand, meta, t, k, KP=kp, CAP=cap,
-                                     RB=min(TOPK_REFINE_BLOCK, cap), num_warps=cfg["final_warps"])
-            return out
-        if select:
-            masked = torch.empty(n, t, dtype=logits.dtype, device=logits.device)
-            blk = min(TOPK_BLOCK, _pow2(t))
-            _mask_kernel[(n, triton.cdiv(t, blk))](logits, ks, ke, masked, t, logits.stride(0),
-                                                   logits.stride(1), BLOCK=blk, num_warps=4)
-            chosen = torch.topk(masked, k, dim=1, largest=True, sorted=True).indices.contiguous()
-        else:
-            chosen = out  # unused
-        blk = min(TOPK_BLOCK, _pow2(k))
-        _topk_fixup_kernel[(n, triton.cdiv(k, blk))](chosen, ks, ke, out, t, k, k,
-                                                     HAS_CHOSEN=select, BLOCK=blk, num_warps=4)
-        return out
+        return select_topk(logits, k, key_start, key_end,
+                           getattr(self, "topk_method", TOPK_METHOD))
 
     # -- sparse MLA -----------------------------------------------------------------------------
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
