@@ -387,3 +387,83 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                                 1 / on, "batches/s", "the same extend without prefetch",
                                 1 / off))
     _report("gpu", rows, out, detail)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+@command.command("long")
+@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/long_h200.json",
+              show_default=True)
+@click.option("--tokens", default="262144,524288,1048576", show_default=True,
+              help="Prompt lengths (comma-separated).")
+@click.option("--chunks", default="65536,131072", show_default=True,
+              help="Chunk sizes each prompt is prefilled in (comma-separated).")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--budget-mb", type=click.IntRange(min=1), default=None,
+              help="runtime.logits_budget_mb of the runs (default: the settings' default).")
+@click.option("--fixed-budget-mb", type=click.IntRange(min=0), default=512, show_default=True,
+              help="Also the longest prompt in the smallest chunks at this fixed budget (peak "
+                   "memory; 0 skips it).")
+@click.option("--recall-tokens", default="4096,16384,65536,131072", show_default=True,
+              help="Prompt lengths of the fp8-vs-bf16 indexer top-k recall (empty skips it).")
+@click.option("--hf/--no-hf", default=True, show_default=True,
+              help="The recall also on a checkpoint written by transformers.")
+def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | None,
+             fixed_budget_mb: int, recall_tokens: str, hf: bool) -> None:
+    """Long prompts in chunks on one GPU: MFU, the top-k's share, peak memory, fp8 indexer recall."""
+    import tempfile
+
+    import torch
+
+    from cpkv.bench import gpu, long
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.models.tiny import PRESETS
+    from cpkv.runtime import run_ranks
+
+    if not torch.cuda.is_available():
+        raise click.ClickException("cpkv bench long needs a CUDA device")
+    err = Console(stderr=True)
+    dev = torch.device("cuda", 0)
+    lens, sizes, rlens = _ints(tokens), _ints(chunks), _ints(recall_tokens)
+    ceil = gpu.ceilings(dev)
+    device_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9
+    detail: dict[str, Any] = {"ceilings": ceil, "device_gb": device_gb}
+    tmp = Path(tempfile.mkdtemp())
+    stack = {**PRESETS["v32-attention"], "num_hidden_layers": layers,
+             "first_k_dense_replace": layers,
+             "max_position_embeddings": max(PRESETS["v32-attention"]["max_position_embeddings"],
+                                            *lens, *rlens)}
+    ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, **stack))
+    spec = long.LongSpec(ckpt, lens, sizes, budget_mb=budget_mb,
+                         profile=(524288, min(sizes)) if 524288 in lens else None)
+    err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}[/]")
+    res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600)[0].value
+    detail["long"] = res
+    fixed = None
+    if fixed_budget_mb:
+        err.print(f"[dim]{max(lens)} tokens in chunks of {min(sizes)} at a {fixed_budget_mb} MB "
+                  "logits budget[/]")
+        fspec = dataclasses.replace(spec, tokens=(max(lens),), chunks=(min(sizes),),
+                                    budget_mb=fixed_budget_mb, profile=None)
+        fixed = run_ranks(long.long_rank, 1, args=(fspec,), backend="nccl",
+                          timeout_s=3600)[0].value
+        detail["fixed_budget"] = fixed
+    rows = long.long_rows(res, ceil["matmul_tflops"], device_gb, fixed)
+    if rlens:
+        ckpts = [("v32-attention", ckpt)]
+        if hf:
+            err.print("[dim]writing the stack with transformers[/]")
+            ckpts.append(("hf", long.write_hf_checkpoint(str(tmp / "hf"), **stack)))
+        for label, path in ckpts:
+            err.print(f"[dim]fp8 vs bf16 indexer top-k on {label} at {rlens}[/]")
+            rec = run_ranks(long.fp8_recall_rank, 1, args=(long.RecallSpec(path, rlens, label),),
+                            backend="nccl", timeout_s=3600)[0].value
+            detail[f"fp8_recall_{label}"] = rec
+            rows += long.recall_rows(rec)
+    longest = max(res["runs"].values(), key=lambda r: (r["tokens"], r["chunk"] == min(sizes)))
+    _report("long", rows, out, detail,
+            f"logits budget {res['budget_mb']} MB; logits equal across chunkings: "
+            f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first token "
+            f"projected {longest['seconds'] / 8:.2f} s ({longest['tokens'] // 8} rows a rank)")
