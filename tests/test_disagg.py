@@ -299,6 +299,7 @@ class _FailingLink:
     """Decode side of a two-sided link whose data plane dies after ``ok_parts`` parts."""
 
     one_sided = False
+    writes_receiver_layout = False
 
     def __init__(self, channel: StoreSideChannel, ranks: list[_FakeRank], ok_parts: int) -> None:
         self.channel, self.ranks, self.left = channel, ranks, ok_parts
