@@ -30,6 +30,7 @@ from cpkv.disagg import (
     PrefillTransfer,
     RankTransfer,
     TransferError,
+    TransferFenced,
     manifest_for,
     registered_buffers,
 )
@@ -171,7 +172,7 @@ def test_a_fenced_grant_gets_no_more_batches() -> None:
     link = _bare_link(1400, 512)
     engine = link.engine
     checks = iter([False, True])
-    with pytest.raises(TransferError, match=r"fenced: the decode gave grant 7 up; 512 of 1400"):
+    with pytest.raises(TransferFenced, match=r"fenced: the decode gave grant 7 up; 512 of 1400"):
         link.send_part(part, list(range(0, 1400, 2)), epoch=7, fenced=lambda: next(checks))
     assert engine.batches == [512] and link.engine is engine
 
@@ -362,7 +363,7 @@ def test_staged_send_checks_the_fence_before_each_batch() -> None:
     part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=8, src_slot=0),))
     link, _, _ = _staged_link(2 * 512, max_batch=1)
     checks = iter([False, False, True])
-    with pytest.raises(TransferError, match=r"fenced: the decode gave grant 3 up; 2 of 24 entries"):
+    with pytest.raises(TransferFenced, match=r"fenced: the decode gave grant 3 up; 2 of 24 entries"):
         link.send_part(part, list(range(0, 16, 2)), epoch=3, fenced=lambda: next(checks))
     assert len(link.engine.batches) == 2
 
