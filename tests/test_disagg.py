@@ -28,11 +28,14 @@ from cpkv.disagg import (
     StoreSideChannel,
     TransferError,
     TransferManifest,
+    TransferRefused,
     coalesce,
+    link_features,
     manifest_for,
     pack_part,
     page_checksums,
     part_nbytes,
+    registered_buffers,
 )
 from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 from cpkv.models import load_model, write_tiny_checkpoint
@@ -299,6 +302,7 @@ class _FailingLink:
     """Decode side of a two-sided link whose data plane dies after ``ok_parts`` parts."""
 
     one_sided = False
+    writes_receiver_layout = False
 
     def __init__(self, channel: StoreSideChannel, ranks: list[_FakeRank], ok_parts: int) -> None:
         self.channel, self.ranks, self.left = channel, ranks, ok_parts
@@ -350,9 +354,61 @@ def test_mismatched_offers_are_refused() -> None:
     StoreSideChannel(store, 0, 1.0).send(2, Offer(0, m, part_nbytes(rx.pool, m.parts[0].num_pages)))
     StoreSideChannel(store, 1, 1.0).send(2, Offer(1, m, 12345))  # wrong byte count
     link = _FailingLink(StoreSideChannel(store, 2, 1.0), ranks, 2)
-    with pytest.raises(TransferError, match="rank 1 offers 12345 bytes"):
+    with pytest.raises(TransferRefused, match="rank 1 offers 12345 bytes"):
         DecodeTransfer(link, rx, 2).receive()
     assert _snapshot(rx.pool) == before
+    for r in range(2):  # every rank hears the refusal (a grant without slots)
+        grant = StoreSideChannel(store, r, 1.0).recv(2)
+        assert isinstance(grant, Grant) and grant.dst_slots is None and "12345" in grant.error
+
+
+def test_link_capabilities_are_resolved_once_from_declared_protocols() -> None:
+    store = _Box()
+    two_sided = _FailingLink(StoreSideChannel(store, 2, 1.0), [], 0)
+    f = link_features(two_sided)  # a store channel fences; this link cannot drain
+    assert (f.one_sided, f.writes_receiver_layout, f.draining) == (False, False, None)
+    assert f.fencing is two_sided.channel
+
+    class Draining(_FailingLink):
+        def abandon(self, rest: Any, epoch: int) -> None:
+            pass
+
+    assert link_features(Draining(StoreSideChannel(store, 2, 1.0), [], 0)).draining is not None
+
+    class NoLayout:  # an old link that does not declare writes_receiver_layout
+        one_sided = True
+        channel = StoreSideChannel(store, 2, 1.0)
+
+        def send_part(self, *a: Any, **k: Any) -> int:
+            return 0
+
+        def recv_part(self, *a: Any, **k: Any) -> int:
+            return 0
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match=r"NoLayout is not a cpkv\.disagg\.Link.*writes_receiver_layout"):
+        DecodeTransfer(NoLayout(), DecodeReceiver(_pool(CPGroup.single())), 2)  # type: ignore[arg-type]
+
+
+def test_plugins_see_the_registered_buffers_not_the_pool() -> None:
+    """The buffers view shares the pool's memory, and packs a part as the receiver unpacks it."""
+    src = _FakeRank(seed=3)
+    bufs = registered_buffers(src.pool)
+    assert (bufs.num_layers, bufs.num_pages, bufs.page_bytes) == (
+        src.pool.num_layers, src.pool.capacity, src.pool.fmt.page_bytes)
+    assert all(b.data_ptr() == k.data_ptr() for b, k in zip(bufs.kv, src.pool.kv, strict=True))
+    bufs.kv[1][5].fill_(7)  # a write through the view lands in the pool
+    assert bool((src.pool.latent[1][5] == 7).all()) and bool((src.pool.index_k[1][5] == 7).all())
+    m = manifest_for("a", RequestPages([0] * 3, [5, 1, 2], 3 * PAGE), PAGE, 1)
+    packed = bufs.pack(m.parts[0], range(1, 2))
+    assert packed.numel() == bufs.nbytes(3, 1) == part_nbytes(src.pool, 3, 1)
+    rx = DecodeReceiver(_pool(CPGroup.single()))
+    rx.reserve(m)
+    rx.place_packed(m.parts[0], bufs.pack(m.parts[0]))
+    assert rx.complete(m)
+    _check_landed(rx, [src], "a", [0] * 3, [5, 1, 2])
 
 
 # ---- NCCL plugin over Gloo, C prefill ranks -> one decode rank ---------------------------------

@@ -31,9 +31,11 @@ from cpkv.disagg import (
     PrefillTransfer,
     TransferError,
     manifest_for,
+    registered_buffers,
 )
 from cpkv.kv import RequestPages
 from cpkv.runtime import run_ranks
+from cpkv.settings import PluginTable
 from cpkv_transfer_mooncake.plugin import probe
 from test_disagg import PAGE, _FakeRank, _pool
 
@@ -78,9 +80,11 @@ def _stall(link: Any, where: str) -> None:
 
 
 def _connect(world: CPGroup, plugin: str, pool: Any, stage: str = "auto") -> Any:
-    """``stage``: mooncake's ``transfer.stage``, or ``"host-pieces"``: host staging through a
-    buffer of 5 pages of 512 bytes (A's 12 pages x 2 layers go in 6 pieces)."""
-    opts: dict[str, Any] = {"hostname": "127.0.0.1", "protocol": "tcp", "stage": stage}
+    """``stage``: mooncake's ``transfer.mooncake.stage``, or ``"host-pieces"``: host staging
+    through a buffer of 5 pages of 512 bytes (A's 12 pages x 2 layers go in 6 pieces)."""
+    opts: dict[str, Any] = {"hostname": "127.0.0.1"}
+    if plugin == "mooncake":
+        opts.update(protocol="tcp", stage=stage)
     if stage == "host-pieces":
         opts.update(stage="host", stage_mb=2560 / (1 << 20))
     from cpkv.plugin import PluginHost
@@ -90,9 +94,9 @@ def _connect(world: CPGroup, plugin: str, pool: Any, stage: str = "auto") -> Any
         transport = host.transfers().select([plugin])["transfer"].impl
     finally:
         host.close()
-    return transport.connect(LinkSpec(endpoint=world.rank, cp_size=C, pool=pool,
-                                      timeout_s=TIMEOUT, debug=False,
-                                      options=opts))
+    return transport.connect(LinkSpec(endpoint=world.rank, cp_size=C,
+                                      buffers=registered_buffers(pool), timeout_s=TIMEOUT,
+                                      debug=False, options=PluginTable(("transfer", plugin), opts)))
 
 
 def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: str,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,14 +30,16 @@ from cpkv.disagg import (
     PrefillTransfer,
     RankTransfer,
     TransferError,
+    TransferFenced,
     manifest_for,
+    registered_buffers,
 )
 from cpkv.disagg.plan import PageRun
 from cpkv.fallback import recording
 from cpkv.kv import RequestPages
 from cpkv.runtime import RankFailed, run_ranks
 from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
-from cpkv.settings import SettingsError, load_settings
+from cpkv.settings import PluginTable, SettingsError, TransferSettings, load_settings
 from cpkv_transfer_mooncake.plugin import probe
 from test_disagg import (
     PAGE,
@@ -55,6 +58,11 @@ pytestmark = [pytest.mark.mooncake,
 
 
 # ---- no engine: entries, batches, limits -------------------------------------------------------
+
+def _buffers(n_pages: int) -> Any:
+    """The registered buffers of a one-rank CPU pool of ``n_pages`` pages."""
+    return registered_buffers(_pool(CPGroup.single(), capacity=n_pages))
+
 
 def _layout(n: int, base: int, layers: int = 2) -> Any:
     from cpkv_transfer_mooncake.transport import Layout
@@ -122,8 +130,9 @@ def _bare_link(n_pages: int, max_batch: int, retries: int = 0, fail: int = 0) ->
 
     link = object.__new__(MooncakeLink)
     pool = _pool(CPGroup.single(), capacity=n_pages)
-    link.spec = LinkSpec(endpoint=0, cp_size=1, pool=pool)
+    link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(pool))
     link.max_batch, link.retries = max_batch, retries
+    link.stage = link.relayout = None
     link.local = link.remote_layout = _layout(n_pages, 0)
     link.remote = "127.0.0.1:1"
     link.engine = _FakeEngine(fail)
@@ -163,25 +172,59 @@ def test_a_fenced_grant_gets_no_more_batches() -> None:
     link = _bare_link(1400, 512)
     engine = link.engine
     checks = iter([False, True])
-    with pytest.raises(TransferError, match=r"fenced: the decode gave grant 7 up; 512 of 1400"):
+    with pytest.raises(TransferFenced, match=r"fenced: the decode gave grant 7 up; 512 of 1400"):
         link.send_part(part, list(range(0, 1400, 2)), epoch=7, fenced=lambda: next(checks))
     assert engine.batches == [512] and link.engine is engine
 
 
 def part_bytes(link: Any, n: int) -> int:
-    from cpkv.disagg import part_nbytes
+    return int(link.spec.buffers.nbytes(n))
 
-    return part_nbytes(link.spec.pool, n)
+
+def _mooncake_settings(**keys: Any) -> Any:
+    """``[transfer.mooncake]`` given as keyword arguments, parsed as a link parses it at connect."""
+    from cpkv_transfer_mooncake.settings import MooncakeSettings
+
+    s = load_settings(transfer={"name": "mooncake", "mooncake": keys})
+    return s.transfer_table().parse(MooncakeSettings)
 
 
 def test_a_misconfigured_batch_limit_is_rejected_at_startup() -> None:
-    from cpkv_transfer_mooncake.transport import Options
+    from cpkv_transfer_mooncake.transport import MooncakeLink
 
-    with pytest.raises(SettingsError, match="max_batch_entries"):
-        load_settings(transfer={"name": "mooncake", "max_batch_entries": 4096})
-    with pytest.raises(ValueError, match=r"max_batch_entries = 4096 is outside 1\.\.1024"):
-        Options.from_mapping({"max_batch_entries": 4096})
-    assert Options.from_mapping({"name": "x", "timeout_s": 3}).max_batch_entries == 1024
+    with pytest.raises(SettingsError, match=r"transfer\.mooncake\.max_batch_entries: value error, "
+                                            r"max_batch_entries = 4096 is outside 1\.\.1024.*"
+                                            r"\[from keyword arguments\]"):
+        _mooncake_settings(max_batch_entries=4096)
+    assert _mooncake_settings().max_batch_entries == 1024
+    # a link validates its table first, before any collective or engine
+    table = load_settings(transfer={"mooncake": {"max_batch_entries": 0}}).transfer.table("mooncake")
+    with pytest.raises(SettingsError, match=r"transfer\.mooncake\.max_batch_entries"):
+        MooncakeLink(LinkSpec(endpoint=0, cp_size=1, buffers=_buffers(1), options=table), None)
+    # the old flat key is gone: an error naming it
+    with pytest.raises(SettingsError, match=r"transfer\.max_batch_entries: value error, not a "
+                                            r"\[transfer\] setting.*\[transfer\.mooncake\]"):
+        load_settings(transfer={"name": "mooncake", "max_batch_entries": 512})
+
+
+def test_a_misspelt_mooncake_key_is_an_error_naming_it_and_its_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpkv_transfer_mooncake.settings import MooncakeSettings
+
+    cfg = tmp_path / "cpkv.toml"
+    cfg.write_text('[transfer]\nname = "mooncake"\n[transfer.mooncake]\nretries = 2\n'
+                   'protocl = "rdma"\n')
+    with pytest.raises(SettingsError, match=rf"transfer\.mooncake\.protocl: extra inputs are not "
+                                            rf"permitted \(got 'rdma'\) \[from {re.escape(str(cfg))}\]"):
+        load_settings(cfg).transfer_table().parse(MooncakeSettings)
+    cfg.write_text('[transfer]\nname = "mooncake"\n[transfer.mooncake]\nretries = 2\n')
+    monkeypatch.setenv("CPKV_TRANSFER__MOONCAKE__STAGE", "device")
+    with pytest.raises(SettingsError, match=r"transfer\.mooncake\.stage: .*'device'.*\[from "
+                                            r"environment variable CPKV_TRANSFER__MOONCAKE__STAGE\]"):
+        load_settings(cfg).transfer_table().parse(MooncakeSettings)
+    monkeypatch.setenv("CPKV_TRANSFER__MOONCAKE__STAGE", "host")
+    got = load_settings(cfg).transfer_table().parse(MooncakeSettings)
+    assert (got.retries, got.stage, got.protocol) == (2, "host", "tcp")
 
 
 # ---- host staging (transfer.stage) ------------------------------------------------------------
@@ -219,25 +262,23 @@ def test_stage_decision() -> None:
     assert stage_reason("auto", "cpu", "tcp") is None  # the pool is host memory already
     assert stage_reason("auto", "cuda", "nvlink") is None  # device to device
     assert stage_reason("auto", "cuda", "rdma") is None  # GPUDirect: the NIC reads the pool
-    assert stage_reason("host", "cpu", "tcp") == "transfer.stage = 'host'"
+    assert stage_reason("host", "cpu", "tcp") == "transfer.mooncake.stage = 'host'"
     assert stage_reason("none", "cuda", "tcp") is None
 
 
 def test_stage_options_are_validated() -> None:
-    from cpkv_transfer_mooncake.transport import Options
-
-    assert load_settings().transfer.stage == "auto" and load_settings().transfer.stage_mb == 64
-    assert Options.from_mapping(load_settings().transfer.model_dump(mode="json")).stage == "auto"
-    with pytest.raises(SettingsError, match="stage"):
-        load_settings(transfer={"name": "mooncake", "stage": "device"})
-    with pytest.raises(SettingsError, match="stage_mb"):
-        load_settings(transfer={"name": "mooncake", "stage_mb": 0})
-    with pytest.raises(SettingsError, match="stage_mb"):
-        load_settings(transfer={"name": "mooncake", "stage_mb": 5000})
-    with pytest.raises(ValueError, match=r"transfer\.stage = 'gpu' must be one of 'auto'"):
-        Options.from_mapping({"stage": "gpu"})
-    with pytest.raises(ValueError, match=r"transfer\.stage_mb = -1 is outside"):
-        Options.from_mapping({"stage_mb": -1})
+    got = _mooncake_settings()
+    assert (got.stage, got.stage_mb) == ("auto", 64)
+    with pytest.raises(SettingsError, match=r"transfer\.mooncake\.stage: input should be 'auto', "
+                                            r"'host' or 'none'"):
+        _mooncake_settings(stage="device")
+    with pytest.raises(SettingsError, match=r"transfer\.mooncake\.stage_mb: input should be greater"):
+        _mooncake_settings(stage_mb=0)
+    with pytest.raises(SettingsError, match=r"transfer\.mooncake\.stage_mb: input should be less"):
+        _mooncake_settings(stage_mb=5000)
+    with pytest.raises(SettingsError, match=r"transfer\.mooncake\.stage: .*'gpu'.*\n.*"
+                                            r"transfer\.mooncake\.stage_mb: .*-1"):  # one line each
+        _mooncake_settings(stage_mb=-1, stage="gpu")
 
 
 class _CopyEngine:
@@ -272,13 +313,14 @@ def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any
     for buf in src.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     link = object.__new__(MooncakeLink)
-    link.spec = LinkSpec(endpoint=0, cp_size=1, pool=src)
+    link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(src))
     link.max_batch, link.retries = max_batch, 0
-    link.local, link.remote_layout = Layout.of(src), Layout.of(dec)
+    link.relayout = None
+    link.local, link.remote_layout = Layout.of(link.spec.buffers), Layout.of(registered_buffers(dec))
     link.remote = "127.0.0.1:1"
     link.engine = _CopyEngine()
     link.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0, "staged_pieces": 0}
-    link.stage = HostStaging(src, stage_bytes)
+    link.stage = HostStaging(link.spec.buffers, stage_bytes)
     link.channel = _Channel()
     return link, src, dec
 
@@ -321,7 +363,7 @@ def test_staged_send_checks_the_fence_before_each_batch() -> None:
     part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=8, src_slot=0),))
     link, _, _ = _staged_link(2 * 512, max_batch=1)
     checks = iter([False, False, True])
-    with pytest.raises(TransferError, match=r"fenced: the decode gave grant 3 up; 2 of 24 entries"):
+    with pytest.raises(TransferFenced, match=r"fenced: the decode gave grant 3 up; 2 of 24 entries"):
         link.send_part(part, list(range(0, 16, 2)), epoch=3, fenced=lambda: next(checks))
     assert len(link.engine.batches) == 2
 
@@ -366,9 +408,9 @@ def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tu
     from cpkv.models import load_model
 
     base = _spec(tiny, cp, mode, prefix)
-    s = base.settings.model_copy(update={"transfer": base.settings.transfer.model_copy(
-        update={"name": "mooncake", "timeout_s": 60, "pipeline": pipeline, "stage": stage,
-                "stage_mb": 4480 / (1 << 20)})})
+    s = base.settings.model_copy(update={"transfer": TransferSettings.model_validate(
+        {"name": "mooncake", "timeout_s": 60, "pipeline": pipeline,
+         "mooncake": {"stage": stage, "stage_mb": 4480 / (1 << 20)}})})
     spec = JobSpec(base.model_dir, base.prompts, s, False, base.prefix_lens, base.decode_tokens)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
@@ -425,8 +467,9 @@ def _connect(world: CPGroup, pool: Any, max_batch: int) -> Any:
     from cpkv_transfer_mooncake import plugin
 
     return plugin.load().connect(LinkSpec(
-        endpoint=world.rank, cp_size=C, pool=pool, timeout_s=TIMEOUT, debug=True,
-        options={"max_batch_entries": max_batch, "hostname": "127.0.0.1", "protocol": "tcp"}))
+        endpoint=world.rank, cp_size=C, buffers=registered_buffers(pool), timeout_s=TIMEOUT,
+        debug=True, options=PluginTable(("transfer", "mooncake"), {
+            "max_batch_entries": max_batch, "hostname": "127.0.0.1", "protocol": "tcp"})))
 
 
 def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: Any,

@@ -40,6 +40,8 @@ class _Decode:
     every Done; ``send_part`` copies the pages it is asked to send and records when."""
 
     one_sided = True
+    writes_receiver_layout = False
+    timeout_s = 30.0
 
     def __init__(self, pool: Any, refuse: int = 0) -> None:
         self.pool, self.refuse = pool, refuse

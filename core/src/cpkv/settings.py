@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -35,6 +45,7 @@ __all__ = [
     "FallbackSettings",
     "KVSettings",
     "PluginSettings",
+    "PluginTable",
     "RunSettings",
     "RuntimeSettings",
     "Settings",
@@ -120,8 +131,56 @@ class BackendSettings(_Section):
         return [self.name, *(p for p in self.preference if p != self.name)]
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class PluginTable:
+    """A plugin-owned settings table (``[transfer.<plugin>]``) as the core forwards it: the raw
+    values and where each came from. The plugin validates it once, with its own model
+    (:meth:`parse`).
+
+    Attributes:
+        key: the table's dotted location, e.g. ``("transfer", "mooncake")``.
+        values: the keys as given (strings from ``CPKV_*`` variables are not converted yet).
+        origins: key -> its source (a file path, an environment variable, keyword arguments).
+    """
+
+    key: tuple[str, ...] = ()
+    values: Mapping[str, Any] = field(default_factory=dict)
+    origins: Mapping[str, str] = field(default_factory=dict)
+
+    def parse(self, model: type[M]) -> M:
+        """``model`` validated from :attr:`values` (make it closed, ``extra="forbid"``, so a
+        misspelt key is an error).
+
+        Raises:
+            SettingsError: a value fails validation, or a key is unknown; one line per error with
+                the key's dotted location (``transfer.mooncake.retries``) and its source.
+        """
+        try:
+            return model.model_validate(dict(self.values))
+        except ValidationError as exc:
+            lines = [_error_line(err, (*self.key, *map(str, err["loc"])),
+                                 self.origins.get(str(err["loc"][0]) if err["loc"] else "",
+                                                  "defaults"))
+                     for err in exc.errors()]
+            raise SettingsError(f"invalid cpkv settings [{'.'.join(self.key)}]:\n"
+                                + "\n".join(lines)) from exc
+
+
+def _plugin_table(value: Any) -> Any:
+    if not isinstance(value, Mapping):
+        raise ValueError("not a [transfer] setting (name, timeout_s, pipeline, max_inflight_mb); a "
+                         "transfer plugin's own settings go in its table, e.g. [transfer.mooncake]")
+    return value
+
+
 class TransferSettings(_Section):
-    """Cross-rank page transfer."""
+    """Cross-rank page transfer: the core's keys, and one table per transfer plugin for the
+    plugin's own keys (``[transfer.mooncake]``), which the plugin validates itself."""
+
+    model_config = ConfigDict(extra="allow")
 
     name: str = Field("nccl", min_length=1, description="a transfer entry-point name")
     timeout_s: float = Field(30.0, gt=0, description="bound on one transfer, seconds")
@@ -132,25 +191,25 @@ class TransferSettings(_Section):
     max_inflight_mb: int = Field(
         256, ge=1, description="queued send bytes per prefill rank past which the layer loop "
                                "waits for its sender (MiB)")
-    protocol: str = Field("tcp", min_length=1,
-                          description="mooncake: the engine's transport: 'tcp', 'rdma' or 'nvlink'")
-    hostname: str = Field("127.0.0.1", min_length=1,
-                          description="mooncake: the address this host's engine listens on")
-    retries: int = Field(0, ge=0, le=10, description="mooncake: retries of a failed batch write")
-    max_batch_entries: int = Field(
-        1024, ge=1, le=1024,
-        description="mooncake: entries per batch write (the engine breaks past ~2048 in flight)")
-    stage: Literal["auto", "host", "none"] = Field(
-        "auto", description="mooncake, sender side: 'host' gathers the pages it sends into a "
-                            "pinned host buffer (on a side stream) and the engine writes from "
-                            "there; 'none' lets the engine read the pool itself; 'auto': 'host' "
-                            "for CUDA pools unless the protocol reads device memory itself "
-                            "('rdma', 'nvlink'): over 'tcp' the engine copies device memory with "
-                            "a synchronous cudaMemcpy per 64 KiB slice, which stalls the prefill")
-    stage_mb: float = Field(
-        64.0, gt=0, le=4096,
-        description="mooncake: the sender's staging buffer (MiB, at least one page); a larger "
-                    "send is staged and written in pieces")
+
+    #: plugin-owned tables, ``[transfer.<plugin>]`` (e.g. ``[transfer.mooncake]``): kept as
+    #: given, validated by that plugin's own model when it connects (:meth:`Settings.transfer_table`)
+    __pydantic_extra__: dict[str, Annotated[dict[str, Any], BeforeValidator(_plugin_table)]] = Field(
+        init=False)
+
+    #: table -> key -> where its value came from (set by :class:`Settings`)
+    _origins: dict[str, dict[str, str]] = PrivateAttr(default_factory=dict)
+
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """The plugin-owned tables, by plugin name."""
+        return dict(self.model_extra or {})
+
+    def table(self, name: str) -> PluginTable:
+        """Plugin ``name``'s table (empty when the settings have none), as the core forwards it."""
+        values = self.tables().get(name, {})
+        origins = self._origins.get(name, {})
+        return PluginTable(("transfer", name), dict(values),
+                           {k: origins.get(k, "keyword arguments") for k in values})
 
 
 class PluginSettings(_Section):
@@ -257,8 +316,8 @@ def _resolves(model: type[BaseModel], parts: list[str]) -> bool:
     if not parts:
         return False
     field = model.model_fields.get(parts[0])
-    if field is None:
-        return False
+    if field is None:  # a key of a plugin-owned table (``[transfer.<plugin>]``)
+        return model.model_config.get("extra") == "allow" and len(parts) >= 2
     rest = parts[1:]
     if not rest:
         return True
@@ -280,18 +339,21 @@ def unknown_env_vars(model: type[BaseModel], environ: Mapping[str, str] | None =
     return out
 
 
+def _error_line(err: ErrorDetails, loc: Sequence[str], origin: str) -> str:
+    """``  dotted.location: message (got value) [from origin]``."""
+    msg = err["msg"]
+    if msg:
+        msg = msg[0].lower() + msg[1:]
+    line = f"  {'.'.join(loc)}: {msg}"
+    if err["type"] != "missing":
+        line += f" (got {err['input']!r})"
+    return f"{line} [from {origin}]"
+
+
 def _describe(exc: ValidationError, init: Mapping[str, Any], toml: Path | None) -> str:
     """One line per error: dotted location, message, bad value, and where it came from."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"]
-        if msg:
-            msg = msg[0].lower() + msg[1:]
-        line = f"  {loc}: {msg}"
-        if err["type"] != "missing":
-            line += f" (got {err['input']!r})"
-        lines.append(f"{line} [from {_origin(err['loc'], init, toml)}]")
+    lines = [_error_line(err, [str(p) for p in err["loc"]], _origin(err["loc"], init, toml))
+             for err in exc.errors()]
     where = f"file {toml}" if toml is not None else "no file"
     return f"invalid cpkv settings ({where}):\n" + "\n".join(lines)
 
@@ -303,7 +365,7 @@ def _origin(loc: tuple[Any, ...], init: Mapping[str, Any], toml: Path | None) ->
     def has(data: Any) -> bool:
         for k in keys:
             if isinstance(data, BaseModel):
-                data = data.__dict__
+                data = {**data.__dict__, **(data.model_extra or {})}
             if not isinstance(data, Mapping) or k not in data:
                 return False
             data = data[k]
@@ -365,6 +427,14 @@ class Settings(BaseSettings):
             raise SettingsError(_describe(exc, values, toml)) from exc
         except _SourceError as exc:  # e.g. a list-valued CPKV_* variable that is not JSON
             raise SettingsError(f"invalid cpkv settings: {exc}") from exc
+        # the plugins validate their tables later (at connect): remember where each key came from
+        self.transfer._origins = {
+            name: {k: _origin(("transfer", name, k), values, toml) for k in table}
+            for name, table in self.transfer.tables().items()}
+
+    def transfer_table(self) -> PluginTable:
+        """The selected transfer plugin's table, ``[transfer.<transfer.name>]``."""
+        return self.transfer.table(self.transfer.name)
 
     def with_cp_size(self, size: int) -> Settings:
         """These settings for a CP group of ``size`` ranks (e.g. 1: a decode rank, the

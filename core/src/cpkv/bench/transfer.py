@@ -56,7 +56,7 @@ def bench_settings(cp: int, plugin: str, tokens: Sequence[int], page_size: int =
     """Settings of the run: zigzag CP, a ``kv_dtype`` pool big enough for the longest prompt, no cache, the
     transfer plugin ``plugin`` (its bound long enough for a whole prefill: the decode waits for
     the offers, or the layer pipeline's Done, while the prefill runs; ``protocol`` and
-    ``stage`` are Mooncake's ``transfer.protocol`` and ``transfer.stage``)."""
+    ``stage`` are Mooncake's ``transfer.mooncake.protocol`` and ``transfer.mooncake.stage``)."""
     from cpkv.settings import load_settings
 
     pages = cdiv(max(max(tokens), WARMUP_TOKENS), page_size)
@@ -64,7 +64,8 @@ def bench_settings(cp: int, plugin: str, tokens: Sequence[int], page_size: int =
         cp={"size": cp, "mode": "zigzag"},
         kv={"dtype": kv_dtype, "page_size": page_size, "pages_per_rank": cdiv(pages, cp) + 8},
         cache={"enabled": False}, backend={"preference": ["cuda", "triton", "torch"]},
-        transfer={"name": plugin, "timeout_s": timeout_s, "protocol": protocol, "stage": stage},
+        transfer={"name": plugin, "timeout_s": timeout_s,
+                  "mooncake": {"protocol": protocol, "stage": stage}},
         runtime={"timeout_s": timeout_s})
 
 
@@ -212,9 +213,9 @@ def run(model_dir: str | Path, settings: Settings, *, tokens: Sequence[int], rep
                               "settings": {"kv_dtype": settings.kv.dtype.value,
                                            "page_size": settings.kv.page_size,
                                            "max_inflight_mb": settings.transfer.max_inflight_mb,
-                                           "protocol": settings.transfer.protocol,
-                                           "stage": settings.transfer.stage,
-                                           "stage_mb": settings.transfer.stage_mb}}
+                                           # the plugin's own table, as set (its defaults
+                                           # apply to the rest)
+                                           plugin: settings.transfer.tables().get(plugin, {})}}
     for i, row in enumerate(per_rank[0]):  # the slowest rank's view of each request
         merged = dict(row)
         for key in ("prefill_seconds", "ready_seconds", "send_seconds"):

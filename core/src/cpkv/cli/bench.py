@@ -110,10 +110,10 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
               help="Timed rounds per prompt length (the medians are reported).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--mooncake-protocol", default="tcp", show_default=True,
-              help="transfer.protocol of the mooncake runs: tcp, rdma or nvlink.")
+              help="transfer.mooncake.protocol of the mooncake runs: tcp, rdma or nvlink.")
 @click.option("--mooncake-stage", type=click.Choice(["auto", "host", "none"]), default="auto",
               show_default=True,
-              help="transfer.stage of the mooncake runs: sender-side pinned host staging.")
+              help="transfer.mooncake.stage of the mooncake runs: sender-side pinned host staging.")
 @click.option("--gpus", is_flag=True,
               help="NCCL world, rank r on cuda:r (prefill on cuda:0.., decode on the next GPU); "
                    "adds each plugin's GB/s against a raw cuda:0 -> cuda:1 copy.")

@@ -31,7 +31,7 @@ class FallbackReason(StrEnum):
     #: a kernel runs a slower variant than configured (fewer pipeline stages after an
     #: out-of-resources compile, a dense copy for a strided destination)
     KERNEL_VARIANT = "kernel_variant"
-    #: a transfer batch failed and is retried (``transfer.retries``) on a fresh engine
+    #: a transfer batch failed and is retried (``transfer.mooncake.retries``) on a fresh engine
     TRANSFER_RETRY = "transfer_retry"
     #: draft (MTP) layer without usable plan metadata embeds the full prompt (rule 32)
     DRAFT_PLAN_MISSING = "draft_plan_missing"

@@ -1,21 +1,27 @@
 """Prefill -> decode transfer of owned pages (contract rules 25-27)."""
 
+from .buffers import PoolBuffers, registered_buffers
 from .connect import open_link, select_transport
+from .errors import TransferError, TransferFenced, TransferRefused
 from .flow import PIPELINES, DecodeTransfer, PrefillTransfer, Received, Sent
 from .plan import PageRun, RankTransfer, TransferManifest, coalesce, manifest_for, rank_transfer
-from .receiver import DecodeReceiver, TransferError, pack_part, page_checksums, part_nbytes
+from .receiver import DecodeReceiver, pack_part, page_checksums, part_nbytes
 from .sender import SendWorker, Stream
 from .transport import (
     Ack,
     DistSideChannel,
     Done,
+    DrainingLink,
+    FencingChannel,
     Grant,
     Link,
+    LinkFeatures,
     LinkSpec,
     Offer,
     SideChannel,
     StoreSideChannel,
     Transport,
+    link_features,
     store_side_channel,
 )
 
@@ -26,11 +32,15 @@ __all__ = [
     "DecodeTransfer",
     "DistSideChannel",
     "Done",
+    "DrainingLink",
+    "FencingChannel",
     "Grant",
     "Link",
+    "LinkFeatures",
     "LinkSpec",
     "Offer",
     "PageRun",
+    "PoolBuffers",
     "PrefillTransfer",
     "RankTransfer",
     "Received",
@@ -40,15 +50,19 @@ __all__ = [
     "StoreSideChannel",
     "Stream",
     "TransferError",
+    "TransferFenced",
     "TransferManifest",
+    "TransferRefused",
     "Transport",
     "coalesce",
+    "link_features",
     "manifest_for",
     "open_link",
     "pack_part",
     "page_checksums",
     "part_nbytes",
     "rank_transfer",
+    "registered_buffers",
     "select_transport",
     "store_side_channel",
 ]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from cpkv.kv import ShardedKVPool
 from cpkv.plugin import AgreeFn, PluginHost
 
+from .buffers import registered_buffers
 from .transport import Link, LinkSpec, Transport
 
 if TYPE_CHECKING:
@@ -38,9 +39,15 @@ def select_transport(settings: Settings, agree: AgreeFn) -> Transport:
 def open_link(transport: Transport, settings: Settings, *, endpoint: int, cp_size: int,
               pool: ShardedKVPool, world_ranks: tuple[int, ...] | None = None) -> Link:
     """Join a transfer as ``endpoint`` (0..C-1: prefill CP rank, C: the decode rank) with this
-    endpoint's ``pool``: a collective over all C + 1 endpoints. Timeout, debug switch and plugin
-    options come from ``settings.transfer`` and ``settings.debug``."""
+    endpoint's ``pool``: a collective over all C + 1 endpoints. The plugin sees the pool's
+    registered buffers (:func:`~cpkv.disagg.buffers.registered_buffers`), not the pool. Timeout
+    and debug switch come from ``settings.transfer`` and ``settings.debug``, the plugin's own
+    settings from its table ``[transfer.<name>]`` (forwarded as given: the plugin validates it).
+
+    Raises:
+        SettingsError: the plugin's table fails its validation (naming the key and its source).
+    """
     return transport.connect(LinkSpec(
-        endpoint=endpoint, cp_size=cp_size, pool=pool, timeout_s=settings.transfer.timeout_s,
-        debug=settings.debug, world_ranks=world_ranks,
-        options=settings.transfer.model_dump(mode="json")))
+        endpoint=endpoint, cp_size=cp_size, buffers=registered_buffers(pool),
+        timeout_s=settings.transfer.timeout_s, debug=settings.debug, world_ranks=world_ranks,
+        options=settings.transfer_table()))

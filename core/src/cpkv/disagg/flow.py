@@ -22,14 +22,15 @@ import contextlib
 import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 
+from .errors import TransferError, TransferRefused
 from .plan import RankTransfer, TransferManifest, manifest_for
-from .receiver import DecodeReceiver, TransferError, page_checksums, part_nbytes
+from .receiver import DecodeReceiver, page_checksums, part_nbytes
 from .sender import SendWorker, Stream, overlap
-from .transport import Ack, Done, Grant, Link, Offer
+from .transport import Ack, Done, Grant, Link, Offer, link_features
 
 __all__ = ["PIPELINES", "DecodeTransfer", "PrefillTransfer", "Received", "Sent"]
 
@@ -180,7 +181,8 @@ class PrefillTransfer:
                 self.link.channel.recv(self.cp_size)
 
     def link_timeout(self) -> float:
-        return float(getattr(self.link.channel, "timeout_s", 30.0))
+        """The bound of one wait on the link's side channel, seconds."""
+        return float(self.link.channel.timeout_s)
 
     # ---- layer pipeline: sends during the prefill -----------------------------------------------
     def open_request(self, request: Hashable, pages: RequestPages, *, final: bool,
@@ -191,7 +193,7 @@ class PrefillTransfer:
         (``time.time()``).
 
         Raises:
-            TransferError: the decode refused the request (nothing will move).
+            TransferRefused: the decode refused the request (nothing will move).
         """
         rid = str(request)
         m = self.manifest(rid, pages, final)
@@ -243,7 +245,7 @@ class PrefillTransfer:
                                              dict(meta or {}), pipeline))
         grant: Grant = self.link.channel.recv(decode)
         if grant.error is not None or grant.dst_slots is None:
-            raise TransferError(f"decode refused request {manifest.request!r}: {grant.error}")
+            raise TransferRefused(f"decode refused request {manifest.request!r}: {grant.error}")
         return Stream(manifest, part, list(grant.dst_slots), grant.epoch, pipeline, started)
 
     def _conclude(self, s: Stream, meta: Mapping[str, Any] | None, prefill_end: float,
@@ -271,16 +273,39 @@ class PrefillTransfer:
         self.worker.close()
 
 
+@dataclass
+class _Arrival:
+    """One granted request on the decode rank while its parts arrive."""
+
+    manifest: TransferManifest
+    offers: list[Offer]
+    epoch: int
+    #: (layer group, part) receives a two-sided link still has to make, in the senders' order
+    todo: list[tuple[range, RankTransfer]]
+    #: bytes arrived per rank
+    got: list[int]
+    #: each rank's completion notice, once it came
+    done: dict[int, Done] = field(default_factory=dict)
+    #: the rank whose part was being received (for the error message)
+    current: int = -1
+
+    @property
+    def pipeline(self) -> str:
+        return self.offers[0].pipeline
+
+
 class DecodeTransfer:
     """The receiving side on the decode rank (endpoint C of ``link``).
 
     Attributes:
         late: :class:`Done` notices of given-up grants that arrived later (each released that
             sender's hold on the quarantined slots).
+        features: the link's capabilities (resolved once, here).
     """
 
     def __init__(self, link: Link, receiver: DecodeReceiver, cp_size: int) -> None:
         self.link, self.receiver, self.cp_size = link, receiver, cp_size
+        self.features = link_features(link)
         self.late: list[Done] = []
 
     def _tell_all(self, msg: Any, best_effort: bool = False) -> None:
@@ -325,10 +350,9 @@ class DecodeTransfer:
         try:
             msg = self._recv(rank, epoch)
         except Exception as exc:
-            wait = getattr(self.link.channel, "timeout_s", None)
             raise TransferError(f"no completion notice from rank {rank} (waited at most "
-                                f"{wait if wait is None else format(wait, 'g')} s, "
-                                f"transfer.timeout_s): {type(exc).__name__}: {exc}") from exc
+                                f"{self.link.channel.timeout_s:g} s, transfer.timeout_s): "
+                                f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(msg, Done) or (msg.request, msg.rank) != (request, rank):
             raise TransferError(f"rank {rank} sent {msg!r}, expected the completion notice of "
                                 f"its part of {request!r}")
@@ -338,92 +362,119 @@ class DecodeTransfer:
         """Receive, assemble and publish the next request.
 
         Raises:
-            TransferError: refused (pool exhausted, inconsistent offers), a transport failure, or
-                the parts did not check out; nothing was published and the reservation is gone
-                (or, with a one-sided link, in quarantine until its senders are done).
+            TransferRefused: refused before anything moved (pool exhausted, inconsistent offers,
+                a manifest that does not continue the request); nothing reserved.
+            TransferError: a transport failure, or the parts did not check out; nothing was
+                published and the reservation is gone (or, with a one-sided link, in quarantine
+                until its senders are done).
         """
-        rx, c = self.receiver, self.cp_size
-        offers: list[Offer] = [self._recv(r) for r in range(c)]
+        offers: list[Offer] = [self._recv(r) for r in range(self.cp_size)]
         t0 = time.perf_counter()
         m = offers[0].manifest
-        problem = None
+        slots = self._reserve(m, self._offer_problem(offers))
+        run = self._grant(m, offers, slots)
+        try:
+            self._arrive(run)
+        except Exception as exc:
+            self._give_up(run, exc)
+        return self._publish(run, t0)
+
+    # ---- the steps of receive ------------------------------------------------------------------
+    def _offer_problem(self, offers: list[Offer]) -> str | None:
+        """Why the offers of one request do not agree (None: they do)."""
+        m, pool, problem = offers[0].manifest, self.receiver.pool, None
         for r, o in enumerate(offers):
             if not isinstance(o, Offer):
                 problem = f"rank {r} sent {type(o).__name__}, expected an offer"
             elif o.rank != r or o.manifest != m:
                 problem = f"rank {r}'s offer does not match rank 0's manifest"
-            elif o.nbytes != part_nbytes(rx.pool, _part_of(m, r).num_pages):
+            elif o.nbytes != part_nbytes(pool, _part_of(m, r).num_pages):
                 problem = (f"rank {r} offers {o.nbytes} bytes, its part has "
                            f"{_part_of(m, r).num_pages} pages")
             elif o.pipeline != offers[0].pipeline:
                 problem = f"rank {r} pipelines by {o.pipeline!r}, rank 0 by {offers[0].pipeline!r}"
-        slots: dict[int, int] = {}
+        return problem
+
+    def _reserve(self, m: TransferManifest, problem: str | None) -> dict[int, int]:
+        """Reserve ``m``'s slots (waiting for quarantined slots to come back when the pool is
+        full), or refuse it: every rank hears why, then :class:`TransferRefused`."""
+        rx = self.receiver
         while problem is None:
             try:
-                slots = rx.reserve(m)
-                break
+                return rx.reserve(m)
             except PoolExhausted as exc:
                 problem = str(exc)
                 if rx.quarantined() and self._await_quarantine():
                     problem = None  # slots came back: try again
             except TransferError as exc:
                 problem = str(exc)
-        if problem is not None:
-            self._tell_all(Grant(m.request, None, problem), best_effort=True)
-            raise TransferError(f"request {m.request!r} refused: {problem}")
-        epoch, pipeline = rx.next_epoch(), offers[0].pipeline
-        for r in range(c):
+        self._tell_all(Grant(m.request, None, problem), best_effort=True)
+        raise TransferRefused(f"request {m.request!r} refused: {problem}")
+
+    def _grant(self, m: TransferManifest, offers: list[Offer], slots: dict[int, int]) -> _Arrival:
+        """Send every rank its destination slots under a new epoch."""
+        epoch = self.receiver.next_epoch()
+        for r in range(self.cp_size):
             part = _part_of(m, r)
             self.link.channel.send(r, Grant(m.request, [slots[p] for p in part.logical_pages()],
                                             epoch=epoch))
-        one_sided = bool(getattr(self.link, "one_sided", False))
-        n_layers = rx.pool.num_layers
-        groups = ([range(k, k + 1) for k in range(n_layers)] if pipeline == "layer"
+        n_layers = self.receiver.pool.num_layers
+        groups = ([range(k, k + 1) for k in range(n_layers)] if offers[0].pipeline == "layer"
                   else [range(n_layers)])
-        got = [0] * c
-        done: dict[int, Done] = {}
-        current = -1
-        todo = [(g, part) for g in groups for part in m.parts] if not one_sided else []
-        try:
-            while todo:  # two-sided: in the order every sender sends (layer group, then rank)
-                g, part = todo[0]
-                current = part.rank
-                got[part.rank] += self.link.recv_part(part, rx, layers=g, epoch=epoch)
-                todo.pop(0)
-            for r in range(c):
-                current = r
-                done[r] = d = self._done(r, epoch, m.request)  # it writes nothing more
-                if d.error is not None:
-                    raise TransferError(f"rank {r}'s writes failed: {d.error}")
-                part = _part_of(m, r)
-                if one_sided:
-                    got[r] = d.nbytes
-                    if part.runs:
-                        # a link that writes in the receiver's layout leaves nothing to re-lay
-                        rx.mark_written(part, rx.pool.layout if getattr(
-                            self.link, "writes_receiver_layout", False) else m.layout)
-                if got[r] != offers[r].nbytes:
-                    raise TransferError(f"rank {r}: {got[r]} bytes arrived, {offers[r].nbytes} "
-                                        f"offered")
-        except Exception as exc:
-            # one-sided: a sender without its Done may still write into the slots
-            hold = {p.rank for p in m.parts if p.rank not in done} if one_sided else set()
-            rx.abort(m, hold=hold, epoch=epoch)
-            fence = getattr(self.link.channel, "fence", None)
-            if fence is not None:
-                with contextlib.suppress(Exception):
-                    fence(epoch)
-            abandon = getattr(self.link, "abandon", None)
-            if todo and abandon is not None:  # two-sided: drain what the senders still send
-                with contextlib.suppress(Exception):
-                    abandon(todo[1:], epoch)
-            why = (f"transfer of {m.request!r} failed receiving rank {current}'s part: "
-                   f"{type(exc).__name__}: {exc}; nothing published")
-            self._tell_all(Ack(m.request, False, why), best_effort=True)
-            raise TransferError(why) from exc
+        todo = [] if self.features.one_sided else [(g, part) for g in groups for part in m.parts]
+        return _Arrival(m, offers, epoch, todo, [0] * self.cp_size)
+
+    def _arrive(self, run: _Arrival) -> None:
+        """Two-sided: receive every part and layer group, in the order every sender sends
+        (layer group, then rank); then every rank's :class:`Done` (it writes nothing more), its
+        bytes checked against its offer. One-sided: the Done says the bytes are in place."""
+        rx, m = self.receiver, run.manifest
+        while run.todo:
+            g, part = run.todo[0]
+            run.current = part.rank
+            run.got[part.rank] += self.link.recv_part(part, rx, layers=g, epoch=run.epoch)
+            run.todo.pop(0)
+        for r in range(self.cp_size):
+            run.current = r
+            run.done[r] = d = self._done(r, run.epoch, m.request)
+            if d.error is not None:
+                raise TransferError(f"rank {r}'s writes failed: {d.error}")
+            part = _part_of(m, r)
+            if self.features.one_sided:
+                run.got[r] = d.nbytes
+                if part.runs:
+                    # a link that writes in the receiver's layout leaves nothing to re-lay
+                    rx.mark_written(part, rx.pool.layout if self.features.writes_receiver_layout
+                                    else m.layout)
+            if run.got[r] != run.offers[r].nbytes:
+                raise TransferError(f"rank {r}: {run.got[r]} bytes arrived, {run.offers[r].nbytes} "
+                                    f"offered")
+
+    def _give_up(self, run: _Arrival, exc: Exception) -> NoReturn:
+        """A part failed: drop the reservation (one-sided: into quarantine until every sender
+        without its Done is done), fence the grant, drain a two-sided link, tell every rank."""
+        m = run.manifest
+        # one-sided: a sender without its Done may still write into the slots
+        hold = ({p.rank for p in m.parts if p.rank not in run.done} if self.features.one_sided
+                else set())
+        self.receiver.abort(m, hold=hold, epoch=run.epoch)
+        if self.features.fencing is not None:
+            with contextlib.suppress(Exception):
+                self.features.fencing.fence(run.epoch)
+        if run.todo and self.features.draining is not None:  # two-sided: drain what is still sent
+            with contextlib.suppress(Exception):
+                self.features.draining.abandon(run.todo[1:], run.epoch)
+        why = (f"transfer of {m.request!r} failed receiving rank {run.current}'s part: "
+               f"{type(exc).__name__}: {exc}; nothing published")
+        self._tell_all(Ack(m.request, False, why), best_effort=True)
+        raise TransferError(why) from exc
+
+    def _publish(self, run: _Arrival, t0: float) -> Received:
+        """Check (counts; checksums under debug) and publish, then tell every rank."""
+        rx, m, offers, done = self.receiver, run.manifest, run.offers, run.done
         sums = None
         if rx.debug:
-            src = {o.rank: o.checksums for o in offers} if pipeline == "request" else \
+            src = {o.rank: o.checksums for o in offers} if run.pipeline == "request" else \
                 {r: d.checksums for r, d in done.items()}
             sums = {r: v for r, v in src.items() if v is not None}
         ok = rx.complete(m, sums)
@@ -432,8 +483,8 @@ class DecodeTransfer:
         if not ok:
             raise TransferError(rx.last_error or f"request {m.request!r} not published")
         meta = {**offers[0].meta, **done[0].meta} if done else dict(offers[0].meta)
-        return Received(m, got, sum(len(p.runs) for p in m.parts), time.perf_counter() - t0,
-                        meta, pipeline, now)
+        return Received(m, run.got, sum(len(p.runs) for p in m.parts), time.perf_counter() - t0,
+                        meta, run.pipeline, now)
 
     def close(self) -> None:
         """Tear the link down: no sender can write any more, so quarantined slots come back."""

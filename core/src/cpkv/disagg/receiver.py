@@ -18,13 +18,11 @@ import torch
 from cpkv.contracts import PageLayout
 from cpkv.kv import RequestPages, ShardedKVPool
 
+from .buffers import registered_buffers
+from .errors import TransferError
 from .plan import RankTransfer, TransferManifest
 
-__all__ = ["DecodeReceiver", "TransferError", "pack_part", "page_checksums", "part_nbytes"]
-
-
-class TransferError(RuntimeError):
-    """A transfer failed or did not check out; nothing of it was published."""
+__all__ = ["DecodeReceiver", "pack_part", "page_checksums", "part_nbytes"]
 
 
 def part_nbytes(pool: ShardedKVPool, num_pages: int, num_layers: int | None = None) -> int:
@@ -38,21 +36,9 @@ def _slots_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def pack_part(pool: ShardedKVPool, part: RankTransfer, layers: range | None = None) -> torch.Tensor:
-    """The sender's pages of ``part`` as one contiguous uint8 buffer (on the pool's device).
-
-    Layout (the *packed part layout*): for each layer of ``layers`` (default 0..L-1): the latent
-    bytes of the part's pages ``[n, ps, latent bytes]`` then their index-K bytes ``[n, ps, index
-    bytes]``; pages in the part's logical order (runs in order, pages of a run in order).
-    """
-    src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
-    idx = _slots_tensor(src, pool.group.device)
-    chunks = []
-    for layer in range(pool.num_layers) if layers is None else layers:
-        chunks.append(pool.latent[layer].index_select(0, idx).reshape(-1))
-        chunks.append(pool.index_k[layer].index_select(0, idx).reshape(-1))
-    if not chunks or not src:
-        return torch.empty(0, dtype=torch.uint8, device=pool.group.device)
-    return torch.cat(chunks)
+    """The sender's pages of ``part`` as one contiguous uint8 buffer (on the pool's device), in
+    the packed part layout (:meth:`~cpkv.disagg.buffers.PoolBuffers.pack`)."""
+    return registered_buffers(pool).pack(part, layers)
 
 
 def page_checksums(pool: ShardedKVPool, slots: Sequence[int],

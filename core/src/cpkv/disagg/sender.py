@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .plan import RankTransfer, TransferManifest
 from .receiver import part_nbytes
-from .transport import Done, Link
+from .transport import Done, Link, link_features
 
 if TYPE_CHECKING:
     from cpkv.kv import ShardedKVPool
@@ -84,6 +84,7 @@ class SendWorker:
     def __init__(self, link: Link, pool: ShardedKVPool, rank: int, decode: int,
                  max_inflight_bytes: int) -> None:
         self.link, self.pool, self.rank, self.decode = link, pool, rank, decode
+        self.features = link_features(link)
         self.limit = max(1, max_inflight_bytes)
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._cv = threading.Condition()
@@ -131,13 +132,13 @@ class SendWorker:
     def _fenced(self, epoch: int) -> Callable[[], bool] | None:
         """A one-sided link checks the decode's fence before each batch; a two-sided one sends
         every message the decode may have posted a receive for (it drains them)."""
-        check = getattr(self.link.channel, "fenced", None)
-        if not getattr(self.link, "one_sided", False) or check is None:
+        channel = self.features.fencing
+        if not self.features.one_sided or channel is None:
             return None
 
         def fenced() -> bool:
             try:
-                return bool(check(epoch))
+                return bool(channel.fenced(epoch))
             except Exception:
                 return False
 
@@ -147,7 +148,7 @@ class SendWorker:
         s = job.stream
         if s.error is not None:
             return  # a failed stream writes nothing more
-        if s.cancelled is not None and getattr(self.link, "one_sided", False):
+        if s.cancelled is not None and self.features.one_sided:
             return
         fenced = self._fenced(s.epoch)
         if fenced is not None and fenced():

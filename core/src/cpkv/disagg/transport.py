@@ -27,15 +27,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from cpkv.settings import PluginTable
+
+from .buffers import PoolBuffers
+from .errors import TransferError
 from .plan import RankTransfer, TransferManifest
 
 if TYPE_CHECKING:
-    from cpkv.kv import ShardedKVPool
-
     from .receiver import DecodeReceiver
 
-__all__ = ["Ack", "DistSideChannel", "Done", "Grant", "Link", "LinkSpec", "Offer", "SideChannel",
-           "StoreSideChannel", "Transport", "store_side_channel"]
+__all__ = ["Ack", "DistSideChannel", "Done", "DrainingLink", "FencingChannel", "Grant", "Link",
+           "LinkFeatures", "LinkSpec", "Offer", "SideChannel", "StoreSideChannel", "Transport",
+           "link_features", "store_side_channel"]
 
 
 # ---- what a plugin implements ---------------------------------------------------------------
@@ -47,24 +50,29 @@ class LinkSpec:
     Attributes:
         endpoint: this process: 0..C-1 = prefill CP rank, ``cp_size`` = the decode rank.
         cp_size: C, the number of prefill ranks.
-        pool: this endpoint's pool: the prefill rank's sharded pool, or the decode rank's
-            one-rank full-layout pool (its buffers ``kv[layer]`` are contiguous uint8
-            ``[pages, ps, latent + index bytes]``: what a one-sided transport registers;
-            ``latent[layer]`` / ``index_k[layer]`` are their column views).
+        buffers: this endpoint's KV buffers (:class:`~cpkv.disagg.buffers.PoolBuffers`: per
+            layer a contiguous uint8 ``[pages, ps, latent + index bytes]`` tensor, what a
+            one-sided transport registers, and its latent / index-K column views): the prefill
+            rank's shard, or the decode rank's one-rank full-layout pool. Never the pool.
         timeout_s: bound on every wait of one transfer (``transfer.timeout_s``).
         debug: the debug switch (checksums are computed and compared).
         world_ranks: for transports over ``torch.distributed``: the global rank of each endpoint
             (default ``range(C + 1)``). Others ignore it.
-        options: plugin-specific settings (e.g. a hostname or protocol); may be empty.
+        options: the plugin's own settings table (``[transfer.<plugin>]``), which the plugin
+            validates with its own model (``options.parse(Model)``); may be empty.
+        store: a key-value store for the side channel (e.g. a ``torch.distributed.TCPStore``
+            with ``set`` / ``get`` / ``wait`` / ``check``); None: the transport makes one
+            (:func:`store_side_channel`).
     """
 
     endpoint: int
     cp_size: int
-    pool: ShardedKVPool
+    buffers: PoolBuffers
     timeout_s: float = 30.0
     debug: bool = False
     world_ranks: tuple[int, ...] | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: PluginTable = field(default_factory=PluginTable)
+    store: object | None = None
 
     @property
     def decode_endpoint(self) -> int:
@@ -82,14 +90,32 @@ class LinkSpec:
 class SideChannel(Protocol):
     """Ordered, reliable, picklable messages between endpoints (per sender -> receiver pair).
 
-    ``recv`` blocks until the next message from ``peer`` arrives, bounded by the link's timeout
+    ``recv`` blocks until the next message from ``peer`` arrives, bounded by ``timeout_s``
     (raises on timeout or when the peer is gone). ``send`` may be called from two threads of an
     endpoint (the protocol's and its sender worker's).
     """
 
+    #: the bound of one ``recv``, seconds
+    timeout_s: float
+
     def send(self, peer: int, msg: Any) -> None: ...
 
     def recv(self, peer: int) -> Any: ...
+
+
+@runtime_checkable
+class FencingChannel(SideChannel, Protocol):
+    """Optional capability of a side channel: it carries the decode's *fences*. The decode
+    fences a grant it gave up; a one-sided sender checks its grant's fence before each batch of
+    writes and writes nothing more once it is set."""
+
+    def fence(self, epoch: int) -> None:
+        """Decode: grant ``epoch`` is given up."""
+        ...
+
+    def fenced(self, epoch: int) -> bool:
+        """Prefill: has the decode given grant ``epoch`` up?"""
+        ...
 
 
 @runtime_checkable
@@ -100,24 +126,32 @@ class Link(Protocol):
     slots (the decode side never touches the bytes). The core then keeps the slots of a failed
     request in quarantine until every sender of it is known done (docs/transfer.md, "Late
     writes"); a two-sided link places the bytes itself, so a late send can never reach the pool.
+    ``writes_receiver_layout``: a one-sided link writes the pages in the decode pool's page
+    layout (the senders re-lay them out), so the decode leaves them as they land; False: they
+    land in the senders' layout and the decode re-lays them out.
+
+    Optional capabilities are separate protocols (:class:`FencingChannel` for ``channel``,
+    :class:`DrainingLink`), resolved once when the core takes the link (:func:`link_features`).
     """
 
     channel: SideChannel
     one_sided: bool
+    writes_receiver_layout: bool
 
     def send_part(self, part: RankTransfer, dst_slots: Sequence[int], *,
                   layers: range | None = None, epoch: int = 0,
                   fenced: Callable[[], bool] | None = None) -> int:
         """Prefill endpoint: move the bytes of ``part`` (latent and index-K of ``layers``, default
-        every layer, of its pages, read from this endpoint's pool at ``run.src_slot``...) to the
-        decode endpoint, where page ``part.logical_pages()[i]`` goes to decode slot
+        every layer, of its pages, read from this endpoint's buffers at ``run.src_slot``...) to
+        the decode endpoint, where page ``part.logical_pages()[i]`` goes to decode slot
         ``dst_slots[i]``. ``epoch`` is the decode's grant (a two-sided link tags its messages with
         it, so a late message is never taken for a later request's). ``fenced``, when given, is
         checked before each batch of writes: once it says True nothing more is written
-        (``TransferError``). Coalesced runs move as one entry per layer where the transport has
-        entries; batches stay within its limits (rule 27). Returns the bytes moved: exactly
-        ``part.num_pages * fmt.page_bytes * len(layers)``. Raises on any failure, and only once
-        none of its writes can still land (a failed engine is torn down first)."""
+        (:class:`~cpkv.disagg.errors.TransferFenced`). Coalesced runs move as one entry per layer
+        where the transport has entries; batches stay within its limits (rule 27). Returns the
+        bytes moved: exactly ``part.num_pages * fmt.page_bytes * len(layers)``. Raises
+        ``TransferError`` on any failure, and only once none of its writes can still land (a
+        failed engine is torn down first)."""
         ...
 
     def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
@@ -133,6 +167,50 @@ class Link(Protocol):
 
 
 @runtime_checkable
+class DrainingLink(Link, Protocol):
+    """Optional capability of a two-sided link: drain what the senders of a given-up grant still
+    send, so a late message is never taken for a later request's."""
+
+    def abandon(self, rest: Sequence[tuple[range, RankTransfer]], epoch: int) -> None:
+        """The decode gave grant ``epoch`` up before receiving ``rest`` ((layers, part) in the
+        order the senders send them)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LinkFeatures:
+    """A link's capabilities, resolved once (:func:`link_features`) when the core takes it.
+
+    Attributes:
+        one_sided: see :class:`Link`.
+        writes_receiver_layout: see :class:`Link` (False for a two-sided link).
+        fencing: the link's channel when it carries fences, else None.
+        draining: the link when it drains given-up grants, else None.
+    """
+
+    one_sided: bool
+    writes_receiver_layout: bool
+    fencing: FencingChannel | None
+    draining: DrainingLink | None
+
+
+def link_features(link: Link) -> LinkFeatures:
+    """What ``link`` can do beyond :class:`Link`.
+
+    Raises:
+        TypeError: ``link`` is not a :class:`Link` (a missing attribute or method).
+    """
+    if not isinstance(link, Link):
+        raise TypeError(f"{type(link).__name__} is not a cpkv.disagg.Link (it needs channel, "
+                        f"one_sided, writes_receiver_layout, send_part, recv_part and close)")
+    one_sided = bool(link.one_sided)
+    return LinkFeatures(one_sided=one_sided,
+                        writes_receiver_layout=one_sided and bool(link.writes_receiver_layout),
+                        fencing=link.channel if isinstance(link.channel, FencingChannel) else None,
+                        draining=link if isinstance(link, DrainingLink) else None)
+
+
+@runtime_checkable
 class Transport(Protocol):
     """What a transfer plugin's ``load()`` returns."""
 
@@ -141,7 +219,8 @@ class Transport(Protocol):
     def connect(self, spec: LinkSpec) -> Link:
         """Join the transfer: a collective over all C + 1 endpoints (every endpoint calls it,
         once, after its pool exists). A one-sided transport exchanges the decode pool's buffer
-        addresses here."""
+        addresses here. A plugin with settings validates ``spec.options`` first (before any
+        collective: every endpoint has the same settings, so all fail alike)."""
         ...
 
 
@@ -210,6 +289,7 @@ class DistSideChannel:
 
     def __init__(self, spec: LinkSpec, group: Any = None) -> None:
         self.spec, self.group = spec, group
+        self.timeout_s = spec.timeout_s
 
     def send(self, peer: int, msg: Any) -> None:
         import torch.distributed as dist
@@ -277,7 +357,7 @@ def store_side_channel(spec: LinkSpec, hostname: str, prefix: str) -> tuple[Stor
     """A :class:`StoreSideChannel` on a ``TCPStore`` that the decode endpoint hosts on
     ``hostname`` (a timed-out wait leaves it usable, unlike a Gloo pair, which its first timeout
     closes: a stalled sender must not break the link for the next request), or on
-    ``spec.options["store"]``. The store's port reaches the prefill endpoints over a Gloo group
+    ``spec.store``. The store's port reaches the prefill endpoints over a Gloo group
     of the endpoints' ``torch.distributed`` world (``new_group``: collective over the world).
     The decode waits at most ``timeout_s`` per message; a prefill endpoint at most
     (C + 1) x ``timeout_s`` (it hears the decode's verdict on a stalled peer instead of timing
@@ -287,19 +367,15 @@ def store_side_channel(spec: LinkSpec, hostname: str, prefix: str) -> tuple[Stor
         RuntimeError: no store given and no initialized ``torch.distributed`` world.
         TransferError: the decode endpoint could not host the store.
     """
-    from datetime import timedelta
-
-    from .receiver import TransferError
-
     wait_s = spec.timeout_s if spec.is_decode else (spec.cp_size + 1) * spec.timeout_s
-    if spec.options.get("store") is not None:
-        return StoreSideChannel(spec.options["store"], spec.endpoint, wait_s, prefix), None
+    if spec.store is not None:
+        return StoreSideChannel(spec.store, spec.endpoint, wait_s, prefix), None
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("the transfer needs a side channel: an initialized torch.distributed "
                            "world holding the C prefill ranks and the decode rank, or "
-                           "options['store'] (e.g. a torch.distributed.TCPStore)")
+                           "LinkSpec.store (e.g. a torch.distributed.TCPStore)")
     timeout = timedelta(seconds=spec.timeout_s)
     ranks = [spec.world_rank(e) for e in range(spec.cp_size + 1)]
     group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)

@@ -11,7 +11,7 @@ import torch
 
 from cpkv.cache import PrefixCache
 from cpkv.comm import CPGroup
-from cpkv.disagg import Link, PrefillTransfer, Sent, TransferError, Transport, open_link
+from cpkv.disagg import Link, PrefillTransfer, Sent, TransferRefused, Transport, open_link
 from cpkv.kv import RequestPages
 from cpkv.kv.host import HostPages
 from cpkv.ops import ALL_OPS
@@ -49,7 +49,7 @@ class _LayerSends:
                 pages = RequestPages(list(rp.owners), list(rp.slots), req.end)
                 # refused (e.g. the decode pool is full): the prefill goes on, and send() offers
                 # the request again after it, whole
-                with contextlib.suppress(TransferError):
+                with contextlib.suppress(TransferRefused):
                     self.sender.open_request(rid, pages, final=self.finals[rid],
                                              started=self.started)
                 return

@@ -1,24 +1,28 @@
 """The ``mooncake`` transport: one-sided writes of the prefill ranks' pages into the decode pool
 with the Mooncake Transfer Engine (``P2PHANDSHAKE``: no metadata server).
 
+Settings: the ``[transfer.mooncake]`` table (:class:`~cpkv_transfer_mooncake.settings.
+MooncakeSettings`, validated once at connect; below ``mooncake.<key>`` for short). The link sees
+the endpoint's registered buffers (``LinkSpec.buffers``), never its pool.
+
 ``connect`` (collective over the C + 1 endpoints): every endpoint initializes its own engine on
-``transfer.hostname`` with ``transfer.protocol`` (``tcp`` by default) and registers its pool's
+``mooncake.hostname`` with ``mooncake.protocol`` (``tcp`` by default) and registers its pool's
 buffers (``kv[l]`` of every layer: a contiguous uint8 ``[pages, ps, latent + index bytes]``
 tensor, a page's latent and index-K in one block). The decode endpoint sends every prefill
 endpoint a :class:`Session`: its engine's ``host:rpc_port`` and the :class:`Layout` of its pool
 (base address of every layer's buffer, bytes per page, pages);
 each prefill endpoint answers :class:`Joined` (its engine came up, its pool has the same page
 layout). The side channel is a ``StoreSideChannel`` on a ``TCPStore`` that the decode endpoint
-hosts on ``transfer.hostname`` (its port goes to the prefill endpoints over the endpoints'
-``torch.distributed`` world), or on ``options["store"]``: a timed-out wait leaves it usable for the
+hosts on ``mooncake.hostname`` (its port goes to the prefill endpoints over the endpoints'
+``torch.distributed`` world), or on ``LinkSpec.store``: a timed-out wait leaves it usable for the
 next request (a Gloo pair is closed by its first timeout).
 
 ``send_part`` turns a part into write entries: its runs are split where the destination slots are
 not consecutive, pieces that continue each other in both source and destination are merged, and
 each piece moves as one entry per layer (latent and index-K together). Entries go in batches of at most
-``transfer.max_batch_entries`` (<= 1024: more than ~2048 entries in flight to one peer break the
+``mooncake.max_batch_entries`` (<= 1024: more than ~2048 entries in flight to one peer break the
 engine's path to it) with ``batch_transfer_sync_write``; a failed batch is retried
-``transfer.retries`` times, each on a fresh engine (a failed path stays broken in the old one),
+``mooncake.retries`` times, each on a fresh engine (a failed path stays broken in the old one),
 then the part fails (and the sender renews its engine for the next request: the old engine is
 destroyed before ``send_part`` raises, so none of its writes can land later). Before each batch
 the sender checks the decode's fence (``fenced``): a given-up grant gets no more writes. The
@@ -26,13 +30,13 @@ core's sender worker then tells the decode endpoint ``Done`` (with the error, if
 marks the part written. A failed part publishes nothing, and its slots stay in quarantine until
 every sender of it is done (the core: docs/transfer.md, "Late writes").
 
-Host staging (``transfer.stage``; ``auto``: CUDA pools over ``tcp`` and other protocols that
+Host staging (``mooncake.stage``; ``auto``: CUDA pools over ``tcp`` and other protocols that
 copy device memory through the host). Mooncake's TCP transport copies each slice (64 KiB) of a
 device source with a synchronous ``cudaMemcpy`` in its worker thread (``ClientSession::writeBody``
 in tcp_transport); on the legacy default stream that waits for every kernel the prefill queued
 and holds back the later ones, so the sends slowed the prefill by their own duration. Instead the
 sender gathers the part's pages of the layer(s) it sends into a pinned host buffer registered
-with the engine (:class:`HostStaging`, ``transfer.stage_mb``; a larger send goes in pieces, each
+with the engine (:class:`HostStaging`, ``mooncake.stage_mb``; a larger send goes in pieces, each
 staged and written before the next) on a non-blocking side stream that only the sender thread
 synchronizes, and the entries' sources are the staging buffer (runs merged where the destination
 slots are consecutive: :func:`staged_entries`). The staging buffer is registered with every
@@ -46,8 +50,7 @@ only; no method may be called before a successful ``initialize`` (segfault), so 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,85 +60,26 @@ from cpkv.contracts import FallbackReason, PageLayout
 from cpkv.disagg import (
     DecodeReceiver,
     LinkSpec,
+    PoolBuffers,
     RankTransfer,
+    SideChannel,
     TransferError,
-    part_nbytes,
+    TransferFenced,
     store_side_channel,
 )
-from cpkv.disagg.transport import SideChannel
 from cpkv.fallback import report_fallback
 from cpkv.ops import page_blocks
 
-__all__ = ["DIRECT_PROTOCOLS", "ENGINE_MAX_IN_FLIGHT", "STAGE_MODES", "HostStaging", "Joined",
-           "Layout", "MooncakeLink", "MooncakeTransport", "Options", "Session", "batch_limit",
+from .settings import DIRECT_PROTOCOLS, MooncakeSettings
+
+__all__ = ["HostStaging", "Joined", "Layout", "MooncakeLink", "MooncakeTransport", "Session",
            "stage_pieces", "stage_reason", "staged_entries", "write_entries"]
 
 log = structlog.get_logger(__name__)
 
-#: entries in flight to one peer past which the engine's TCP path to it breaks (-1 with part of
-#: the data written; the path stays broken until a new engine is made)
-ENGINE_MAX_IN_FLIGHT = 2048
-
-#: ``transfer.stage`` values
-STAGE_MODES = ("auto", "host", "none")
-STAGE_MAX_MB = 4096
-#: protocols whose engine reads device memory itself (GPUDirect RDMA, CUDA IPC): ``auto`` does not
-#: stage for them. Every other one (``tcp``...) copies device memory through the host with a
-#: synchronous ``cudaMemcpy`` per slice (tcp_transport: ``ClientSession::writeBody``), which
-#: waits for the prefill's queued kernels on the legacy default stream and blocks the later ones.
-DIRECT_PROTOCOLS = ("rdma", "nvlink", "nvlink_intra")
-
 # engines whose initialize failed: any call on them, the destructor included, may crash the
 # process, so they are kept alive and never touched
 _UNTOUCHABLE: list[Any] = []
-
-
-def batch_limit() -> int:
-    """The largest allowed ``max_batch_entries``: 1024 (half the engine's per-peer queue), or half
-    of ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when that is set."""
-    raw = os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "")
-    queue = int(raw) if raw.strip().isdigit() else ENGINE_MAX_IN_FLIGHT
-    return max(1, min(queue, 65535) // 2)
-
-
-@dataclass(frozen=True)
-class Options:
-    """The plugin's settings (``transfer.*`` of the settings file, via ``LinkSpec.options``)."""
-
-    protocol: str = "tcp"
-    hostname: str = "127.0.0.1"
-    retries: int = 0
-    max_batch_entries: int = 1024
-    #: sender-side host staging: "auto" (for CUDA pools over a protocol that copies device memory
-    #: through the host, see :func:`stage_reason`), "host" (always, CPU pools included), "none"
-    stage: str = "auto"
-    #: the staging buffer (MiB, at least one page): a larger send is staged and sent in pieces
-    stage_mb: float = 64.0
-
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> Options:
-        """Unknown keys (``name``, ``timeout_s``, ``store``...) are ignored.
-
-        Raises:
-            ValueError: a value out of range, naming the key and the limit.
-        """
-        o = cls(**{k: m[k] for k in ("protocol", "hostname", "retries", "max_batch_entries",
-                                     "stage", "stage_mb") if k in m})
-        limit = batch_limit()
-        if not 1 <= int(o.max_batch_entries) <= limit:
-            raise ValueError(f"transfer.max_batch_entries = {o.max_batch_entries} is outside "
-                             f"1..{limit}: the Mooncake engine breaks a peer path past "
-                             f"~{ENGINE_MAX_IN_FLIGHT} entries in flight")
-        if int(o.retries) < 0:
-            raise ValueError(f"transfer.retries = {o.retries} must be >= 0")
-        if not o.protocol or not o.hostname:
-            raise ValueError("transfer.protocol and transfer.hostname must not be empty")
-        if o.stage not in STAGE_MODES:
-            raise ValueError(f"transfer.stage = {o.stage!r} must be one of "
-                             f"{', '.join(map(repr, STAGE_MODES))}")
-        if not 0 < float(o.stage_mb) <= STAGE_MAX_MB:
-            raise ValueError(f"transfer.stage_mb = {o.stage_mb} is outside (0, {STAGE_MAX_MB}]")
-        return o
 
 
 # ---- side-channel messages -------------------------------------------------------------------
@@ -149,12 +93,13 @@ class Layout:
     num_pages: int
 
     @classmethod
-    def of(cls, pool: Any) -> Layout:
-        for buf in pool.kv:
+    def of(cls, buffers: PoolBuffers) -> Layout:
+        """Raises: ValueError: a buffer is not contiguous."""
+        for buf in buffers.kv:
             if not buf.is_contiguous():
                 raise ValueError("the Mooncake transfer needs contiguous pool buffers")
-        return cls(kv=tuple(b.data_ptr() for b in pool.kv), page_bytes=pool.kv[0][0].nbytes,
-                   num_pages=pool.kv[0].shape[0])
+        return cls(kv=tuple(b.data_ptr() for b in buffers.kv), page_bytes=buffers.kv[0][0].nbytes,
+                   num_pages=buffers.num_pages)
 
     def buffers(self) -> list[tuple[int, int]]:
         """(address, bytes) of every buffer, for registration."""
@@ -268,11 +213,11 @@ def staged_entries(dst_slots: Sequence[int], first: int, end: int, base: int, ds
 
 def stage_reason(mode: str, device_type: str, protocol: str,
                  relayout: bool = False) -> str | None:
-    """Why the sender stages through host memory (None: it does not) under ``transfer.stage``.
+    """Why the sender stages through host memory (None: it does not) under ``transfer.mooncake.stage``.
     ``relayout``: the decode pool's page layout differs from the sender's; the pages are re-laid
     out while staged (whatever the mode: the decode takes the bytes as they land)."""
     if mode == "host":
-        return "transfer.stage = 'host'"
+        return "transfer.mooncake.stage = 'host'"
     if relayout:
         return ("the decode pool's page layout differs: pages are re-laid out while staged "
                 "(the decode would otherwise rewrite every page after the last Done)")
@@ -309,15 +254,15 @@ class HostStaging:
     CPU pools: ``index_select(out=)`` straight into the host buffer (pinned when CUDA is there).
     """
 
-    def __init__(self, pool: Any, nbytes: int) -> None:
+    def __init__(self, buffers: PoolBuffers, nbytes: int) -> None:
         import torch
 
-        self.page_bytes = int(pool.kv[0][0].nbytes)
-        self.page_shape = tuple(pool.kv[0].shape[1:])
+        self.page_bytes = int(buffers.kv[0][0].nbytes)
+        self.page_shape = tuple(buffers.kv[0].shape[1:])
         self.nbytes = max(int(nbytes), self.page_bytes)
-        dev = pool.kv[0].device
+        dev = buffers.kv[0].device
         self.device = dev
-        pages = int(pool.kv[0].shape[0])
+        pages = buffers.num_pages
         pin = dev.type == "cuda" or torch.cuda.is_available()
         self.host: Any = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
         self.idx_host: Any = torch.empty(pages, dtype=torch.int64, pin_memory=pin)
@@ -372,7 +317,8 @@ class HostStaging:
 class _Engine:
     """One initialized TransferEngine with the pool's buffers registered."""
 
-    def __init__(self, engine_cls: Any, opts: Options, buffers: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, engine_cls: Any, opts: MooncakeSettings,
+                 buffers: Sequence[tuple[int, int]]) -> None:
         eng = engine_cls()
         rc = eng.initialize(opts.hostname, "P2PHANDSHAKE", opts.protocol, "")
         if rc != 0:
@@ -409,7 +355,7 @@ class _Engine:
 
 def _side_channel(spec: LinkSpec, hostname: str) -> tuple[SideChannel, Any]:
     """The core's store side channel (``cpkv.disagg.store_side_channel``)."""
-    return store_side_channel(spec, hostname, str(spec.options.get("store_prefix", "cpkv-mooncake")))
+    return store_side_channel(spec, hostname, "cpkv-mooncake")
 
 
 def _why(exc: BaseException) -> str:
@@ -421,11 +367,12 @@ class MooncakeLink:
 
     Attributes:
         remote: decode engine's ``host:port`` (prefill endpoints; the decode's own on decode).
-        max_batch: entries per batch write (``transfer.max_batch_entries``).
+        opts: the plugin's settings (``[transfer.mooncake]``).
+        max_batch: entries per batch write (``transfer.mooncake.max_batch_entries``).
         stats: ``batches``, ``entries``, ``largest_batch``, ``retries``, ``staged_pieces`` so
             far (prefill).
-        stage: the sender's :class:`HostStaging` (``transfer.stage``), or None: the engine reads
-            the pool itself.
+        stage: the sender's :class:`HostStaging` (``transfer.mooncake.stage``), or None: the
+            engine reads the pool itself.
         one_sided: True: the writes land in the decode pool's slots themselves.
     """
 
@@ -434,12 +381,14 @@ class MooncakeLink:
     writes_receiver_layout = True
 
     def __init__(self, spec: LinkSpec, engine_cls: Any) -> None:
+        """Raises: SettingsError (a bad ``[transfer.mooncake]``, before any collective),
+        TransferError (an engine failed on some endpoint)."""
+        self.opts = spec.options.parse(MooncakeSettings)
         self.spec = spec
-        self.opts = Options.from_mapping(spec.options)
         self.max_batch = self.opts.max_batch_entries
         self.retries = self.opts.retries
         self._engine_cls = engine_cls
-        self.local = Layout.of(spec.pool)
+        self.local = Layout.of(spec.buffers)
         self.engine: _Engine | None = None
         self.remote = ""
         self.remote_layout: Layout | None = None
@@ -461,7 +410,7 @@ class MooncakeLink:
         try:
             self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
             session = Session(self.engine.address, self.local, self.opts.protocol,
-                              page_layout=PageLayout(spec.pool.layout).value)
+                              page_layout=spec.buffers.layout.value)
             self.remote, self.remote_layout = self.engine.address, self.local
         except Exception as exc:
             err = exc
@@ -474,7 +423,7 @@ class MooncakeLink:
         for r in range(spec.cp_size):
             j = self.channel.recv(r)
             if not isinstance(j, Joined) or j.error is not None:
-                bad.append(f"rank {r}: {getattr(j, 'error', j)!s}")
+                bad.append(f"rank {r}: {j.error if isinstance(j, Joined) else j!s}")
         if bad:
             self.close()
             raise TransferError(f"mooncake connect: prefill endpoints failed: {'; '.join(bad)}")
@@ -485,18 +434,17 @@ class MooncakeLink:
         return self.local.buffers() + extra
 
     def _make_stage(self, decode_layout: PageLayout) -> None:
-        """The sender's staging decision (``transfer.stage``; always when the decode pool's page
-        layout differs), logged; the buffer is made here."""
-        pool, o = self.spec.pool, self.opts
-        dev = pool.kv[0].device.type
-        mine = PageLayout(pool.layout)
+        """The sender's staging decision (``transfer.mooncake.stage``; always when the decode
+        pool's page layout differs), logged; the buffer is made here."""
+        bufs, o = self.spec.buffers, self.opts
+        mine = bufs.layout
         self.relayout = None if mine is decode_layout else (
-            mine, decode_layout, int(pool.fmt.latent_bytes_per_token))
-        why = stage_reason(o.stage, dev, o.protocol, relayout=self.relayout is not None)
+            mine, decode_layout, int(bufs.fmt.latent_bytes_per_token))
+        why = stage_reason(o.stage, bufs.device.type, o.protocol, relayout=self.relayout is not None)
         if why is not None:
-            self.stage = HostStaging(pool, int(float(o.stage_mb) * (1 << 20)))
+            self.stage = HostStaging(bufs, int(float(o.stage_mb) * (1 << 20)))
         log.info("cpkv.mooncake.stage", endpoint=self.spec.endpoint, stage=o.stage,
-                 protocol=o.protocol, pool_device=str(pool.kv[0].device),
+                 protocol=o.protocol, pool_device=str(bufs.device),
                  staged=why is not None, reason=why or "the engine reads the pool itself",
                  buffer_bytes=self.stage.nbytes if self.stage is not None else 0,
                  pinned=bool(self.stage is not None and self.stage.host.is_pinned()))
@@ -507,7 +455,7 @@ class MooncakeLink:
         if not isinstance(session, Session) or session.error is not None or session.layout is None:
             self.close()
             raise TransferError(f"mooncake connect: the decode engine failed: "
-                                f"{getattr(session, 'error', session)}")
+                                f"{session.error if isinstance(session, Session) else session}")
         try:
             self._make_stage(PageLayout(session.page_layout))
             self.engine = _Engine(self._engine_cls, self.opts, self._buffers())
@@ -565,28 +513,28 @@ class MooncakeLink:
                 are wrong.
         """
         spec = self.spec
-        n_layers = spec.pool.num_layers if layers is None else len(layers)
-        n = part_nbytes(spec.pool, part.num_pages, n_layers)
+        n = spec.buffers.nbytes(part.num_pages, None if layers is None else len(layers))
         entries: list[tuple[int, int, int]] = []
         try:
             if self.engine is None or self.remote_layout is None:
                 raise TransferError("the link is closed")
-            stage = getattr(self, "stage", None)
+            stage = self.stage
             if stage is None:
                 entries = write_entries(part, dst_slots, self.local, self.remote_layout, layers)
                 self._write_batches(entries, 0, len(entries), epoch, fenced)
             else:
                 entries = self._send_staged(stage, part, dst_slots, layers, epoch, fenced)
         except Exception as exc:
-            if isinstance(exc, TransferError) and self.engine is not None \
-                    and not str(exc).startswith("fenced"):
+            fenced_off = isinstance(exc, TransferFenced)  # the engine is fine: keep it
+            if isinstance(exc, TransferError) and not fenced_off and self.engine is not None:
                 # a failed write leaves the engine's path to the peer broken (also for the next
                 # request), and a write of it might still land: a fresh engine replaces it
                 with contextlib.suppress(Exception):
                     self._renew_engine()
-            raise TransferError(f"mooncake: rank {spec.endpoint} failed writing its part of "
-                                f"{part.request!r} ({part.num_pages} pages, {len(entries)} "
-                                f"entries) to {self.remote or '?'}: {_why(exc)}") from exc
+            kind = TransferFenced if fenced_off else TransferError
+            raise kind(f"mooncake: rank {spec.endpoint} failed writing its part of "
+                       f"{part.request!r} ({part.num_pages} pages, {len(entries)} "
+                       f"entries) to {self.remote or '?'}: {_why(exc)}") from exc
         return n
 
     def _write_batches(self, entries: Sequence[tuple[int, int, int]], done: int, total: int,
@@ -595,8 +543,8 @@ class MooncakeLink:
         (``done`` of ``total`` entries of the part were written before these)."""
         for i in range(0, len(entries), self.max_batch):
             if fenced is not None and fenced():
-                raise TransferError(f"fenced: the decode gave grant {epoch} up; "
-                                    f"{done + i} of {total} entries written")
+                raise TransferFenced(f"fenced: the decode gave grant {epoch} up; "
+                                     f"{done + i} of {total} entries written")
             self._write(entries[i:i + self.max_batch])
 
     def _send_staged(self, stage: HostStaging, part: RankTransfer, dst_slots: Sequence[int],
@@ -607,15 +555,14 @@ class MooncakeLink:
         write is done with the buffer once it returns). Returns every entry written."""
         assert self.remote_layout is not None
         slots = _src_slots(part, dst_slots, self.local, self.remote_layout)
-        lays = range(self.spec.pool.num_layers) if layers is None else layers
+        lays = range(self.spec.buffers.num_layers) if layers is None else layers
         plan = [(p, staged_entries(dst_slots, p[1], p[2], stage.addr, self.remote_layout, p[0]))
                 for p in stage_pieces(len(slots), lays, self.local.page_bytes, stage.nbytes)]
         total = sum(len(e) for _, e in plan)
         done = 0
         for (plays, first, end), ents in plan:
-            stage.fill(self.spec.pool.kv, plays, slots[first:end],
-                       getattr(self, "relayout", None))
-            self.stats["staged_pieces"] = self.stats.get("staged_pieces", 0) + 1
+            stage.fill(self.spec.buffers.kv, plays, slots[first:end], self.relayout)
+            self.stats["staged_pieces"] += 1
             self._write_batches(ents, done, total, epoch, fenced)
             done += len(ents)
         return [e for _, ents in plan for e in ents]
@@ -632,8 +579,7 @@ class MooncakeLink:
         if self.engine is not None:
             eng, self.engine = self.engine, None
             eng.close()
-        if getattr(self, "stage", None) is not None:
-            assert self.stage is not None
+        if self.stage is not None:
             self.stage.close()
             self.stage = None
         self._store = None

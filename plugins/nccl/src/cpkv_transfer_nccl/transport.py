@@ -5,14 +5,16 @@ CPU, NCCL on GPUs; its timeout is long (the link bounds its own waits: a Gloo wa
 out closes the pair for good). The side channel is the core's store side channel (a
 ``TCPStore`` the decode endpoint hosts): a timed-out wait leaves it usable for the next request.
 
-A prefill rank packs its pages of one request (or of one layer of it, with the layer pipeline)
-into one contiguous buffer (``cpkv.disagg.pack_part``: per layer its latent pages, then their
-index-K pages) and sends it with one ``dist.send`` tagged with the grant's epoch; the decode rank
-receives it with one ``irecv`` into a staging buffer, waits for it at most ``transfer.timeout_s``
-and places the pages at their reserved slots. Two-sided, so a late send can never reach the pool:
-a receive the decode gave up stays posted with its staging buffer, and the decode posts receives
-for every message the senders of a given-up request still send (:meth:`NcclLink.abandon`): a
-late message is drained, never taken for a later request's (Gloo matches by tag; NCCL in order).
+Settings: ``[transfer.nccl]`` (:class:`~cpkv_transfer_nccl.settings.NcclSettings`: the side
+channel's ``hostname``). A prefill rank packs its pages of one request (or of one layer of it,
+with the layer pipeline) into one contiguous buffer (``PoolBuffers.pack``: per layer its latent
+pages, then their index-K pages) and sends it with one ``dist.send`` tagged with the grant's
+epoch; the decode rank receives it with one ``irecv`` into a staging buffer, waits for it at
+most ``transfer.timeout_s`` and places the pages at their reserved slots. Two-sided, so a late
+send can never reach the pool: a receive the decode gave up stays posted with its staging
+buffer, and the decode posts receives for every message the senders of a given-up request still
+send (:meth:`NcclLink.abandon`): a late message is drained, never taken for a later request's
+(Gloo matches by tag; NCCL in order).
 """
 
 from __future__ import annotations
@@ -25,15 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpkv.disagg import (
-    DecodeReceiver,
-    LinkSpec,
-    RankTransfer,
-    TransferError,
-    pack_part,
-    part_nbytes,
-    store_side_channel,
-)
+from cpkv.disagg import DecodeReceiver, LinkSpec, RankTransfer, TransferError, store_side_channel
+
+from .settings import NcclSettings
 
 __all__ = ["NcclLink", "NcclTransport"]
 
@@ -45,18 +41,20 @@ class NcclLink:
     """One endpoint's link (see ``cpkv.disagg.transport.Link``)."""
 
     one_sided = False
+    writes_receiver_layout = False
 
     def __init__(self, spec: LinkSpec) -> None:
+        """Raises: SettingsError (a bad ``[transfer.nccl]``, before any collective),
+        RuntimeError (no torch.distributed world)."""
+        self.opts = spec.options.parse(NcclSettings)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("the nccl transfer needs an initialized torch.distributed world "
                                "holding the C prefill ranks and the decode rank")
         self.spec = spec
         ranks = [spec.world_rank(e) for e in range(spec.cp_size + 1)]
-        self.device = spec.pool.group.device
+        self.device = spec.buffers.device
         # new_group is collective over the whole world: every process calls it, in this order
-        self.channel, self._store = store_side_channel(
-            spec, str(spec.options.get("hostname", "127.0.0.1")),
-            str(spec.options.get("store_prefix", "cpkv-nccl")))
+        self.channel, self._store = store_side_channel(spec, self.opts.hostname, "cpkv-nccl")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.data_group = dist.new_group(ranks=ranks, backend=backend, timeout=DATA_TIMEOUT)
         #: receives the decode gave up (still posted: late bytes land in their buffers)
@@ -78,18 +76,19 @@ class NcclLink:
         dst = self.spec.world_rank(self.spec.decode_endpoint)
         if self._side is not None:
             with torch.cuda.stream(self._side):
-                buf = pack_part(self.spec.pool, part, layers)
+                buf = self.spec.buffers.pack(part, layers)
                 dist.send(buf, dst=dst, group=self.data_group, tag=self._tag(epoch))
             self._side.synchronize()
         else:
-            buf = pack_part(self.spec.pool, part, layers)
+            buf = self.spec.buffers.pack(part, layers)
             dist.send(buf, dst=dst, group=self.data_group, tag=self._tag(epoch))
         return buf.numel()
 
-    def _post(self, part: RankTransfer, layers: range | None, epoch: int,
-              pool: Any) -> tuple[Any, torch.Tensor]:
-        n_layers = pool.num_layers if layers is None else len(layers)
-        buf = torch.empty(part_nbytes(pool, part.num_pages, n_layers), dtype=torch.uint8,
+    def _post(self, part: RankTransfer, layers: range | None,
+              epoch: int) -> tuple[Any, torch.Tensor]:
+        """Post the receive of ``part``'s ``layers`` into a staging buffer of their size."""
+        n_layers = None if layers is None else len(layers)
+        buf = torch.empty(self.spec.buffers.nbytes(part.num_pages, n_layers), dtype=torch.uint8,
                           device=self.device)
         work = dist.irecv(buf, src=self.spec.world_rank(part.rank), group=self.data_group,
                           tag=self._tag(epoch))
@@ -126,7 +125,7 @@ class NcclLink:
 
     def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
                   layers: range | None = None, epoch: int = 0) -> int:
-        work, buf = self._post(part, layers, epoch, receiver.pool)
+        work, buf = self._post(part, layers, epoch)
         if not self._wait(work):
             self.abandoned.append((work, buf))
             raise TransferError(f"rank {part.rank}'s part did not arrive within "
@@ -139,7 +138,7 @@ class NcclLink:
         order the senders send them): post their receives into staging buffers, so the late
         messages are drained there (never placed, never matched with a later request's)."""
         for layers, part in rest:
-            self.abandoned.append(self._post(part, layers, epoch, self.spec.pool))
+            self.abandoned.append(self._post(part, layers, epoch))
 
     def close(self) -> None:
         """Groups are torn down with the world (``destroy_process_group``)."""

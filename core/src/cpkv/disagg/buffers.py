@@ -1,0 +1,87 @@
+"""What a transfer plugin sees of an endpoint's KV: its registered buffers, not the pool.
+
+A plugin moves page bytes; it has no business with page tables, reference counts or the
+materializer. :func:`registered_buffers` is the one place this view is built from a pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cpkv.contracts import KVFormat, PageLayout
+
+from .plan import RankTransfer
+
+if TYPE_CHECKING:
+    from cpkv.kv import ShardedKVPool
+
+__all__ = ["PoolBuffers", "registered_buffers"]
+
+
+@dataclass(frozen=True)
+class PoolBuffers:
+    """One endpoint's KV buffers, as a transfer plugin reads, writes and registers them.
+
+    Attributes:
+        kv: per layer, a contiguous uint8 ``[pages, ps, latent + index bytes]`` tensor: page
+            ``s`` of a layer is one block of :attr:`page_bytes` bytes at ``kv[layer][s]`` (what a
+            one-sided transport registers and writes into).
+        latent: per layer, the ``[pages, ps, latent bytes]`` view of ``kv`` (strided).
+        index_k: per layer, the ``[pages, ps, index bytes]`` view of ``kv`` (strided).
+        layout: the byte order inside a page block (token-major or part-major).
+        fmt: the stored format (page size, bytes per token).
+        device: where the buffers live.
+    """
+
+    kv: tuple[torch.Tensor, ...]
+    latent: tuple[torch.Tensor, ...]
+    index_k: tuple[torch.Tensor, ...]
+    layout: PageLayout
+    fmt: KVFormat
+    device: torch.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of each layer's buffer (the capacity)."""
+        return int(self.kv[0].shape[0])
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer, latent and index-K together."""
+        return self.fmt.page_bytes
+
+    def nbytes(self, num_pages: int, num_layers: int | None = None) -> int:
+        """Bytes of ``num_pages`` pages of every layer (or of ``num_layers`` layers): what a
+        part moves."""
+        return num_pages * self.page_bytes * (self.num_layers if num_layers is None else num_layers)
+
+    def pack(self, part: RankTransfer, layers: range | None = None) -> torch.Tensor:
+        """The pages of ``part`` (at its runs' source slots) as one contiguous uint8 buffer on
+        :attr:`device`, in the *packed part layout*: for each layer of ``layers`` (default
+        every layer) the latent bytes of the part's pages ``[n, ps, latent bytes]``, then their
+        index-K bytes ``[n, ps, index bytes]``; pages in the part's logical order."""
+        src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
+        if not src:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        idx = torch.tensor(src, dtype=torch.int64, device=self.device)
+        chunks = []
+        for layer in range(self.num_layers) if layers is None else layers:
+            chunks.append(self.latent[layer].index_select(0, idx).reshape(-1))
+            chunks.append(self.index_k[layer].index_select(0, idx).reshape(-1))
+        if not chunks:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return torch.cat(chunks)
+
+
+def registered_buffers(pool: ShardedKVPool) -> PoolBuffers:
+    """The buffers view of ``pool`` (its public ``kv`` / ``latent`` / ``index_k``, ``layout``,
+    ``fmt`` and device): the one place a :class:`PoolBuffers` is made from a pool."""
+    return PoolBuffers(kv=tuple(pool.kv), latent=tuple(pool.latent), index_k=tuple(pool.index_k),
+                       layout=PageLayout(pool.layout), fmt=pool.fmt, device=pool.group.device)
