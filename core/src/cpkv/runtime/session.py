@@ -101,6 +101,9 @@ class PrefillSession:
                                 prefetch=settings.runtime.prefetch,
                                 indexer_fp8=settings.runtime.indexer_dtype == "fp8")
         self._sender: PrefillTransfer | None = None
+        #: what the last :meth:`prefill` sent itself: the non-final chunks of a chunked prefill
+        #: (:meth:`send`'s results, in order; the caller's own sends are not in it)
+        self.chunk_sends: tuple[Sent, ...] = ()
         #: wall clock of the last batch's prefill start and end (transfer timing)
         self._started = self._ended = 0.0
         #: the prefix cache (``cache.enabled``): same tree on every rank, fed by these calls
@@ -138,7 +141,8 @@ class PrefillSession:
         (:mod:`cpkv.runtime.chunked`; the draft layer's last row of a non-final chunk takes the
         request's next token). With a transfer connected, the pages each non-final chunk
         completed are sent after it (``send(rid, final=False)``, layer by layer under the layer
-        pipeline) for the requests named in ``send``; the caller then sends the rest as usual.
+        pipeline; their results in :attr:`chunk_sends`) for the requests named in ``send``; the
+        caller then sends the rest as usual.
         The result is the batch's (last-row outputs of each request's last chunk, per-row
         outputs concatenated in natural order) with ``chunk_seconds``, the wall time of each
         chunk (on GPUs up to a device sync after it).
@@ -148,6 +152,7 @@ class PrefillSession:
                 :meth:`CPPrefill.run` for the rest. When a later chunk fails, the earlier ones
                 stay committed (the request holds their tokens).
         """
+        self.chunk_sends = ()
         n = self.settings.runtime.chunk_tokens if chunk_tokens is None else chunk_tokens
         rounds = chunk_rounds([(self.pool.request_spec(rid, len(ids)).prefix_len, len(ids))
                                for rid, ids in batch], n, self.pool.fmt.page_size)
@@ -193,7 +198,7 @@ class PrefillSession:
                 torch.cuda.synchronize(self.group.device)
             seconds.append(time.perf_counter() - t)
             for rid in partial:  # whole pages only: the tail page is the next chunk's
-                self.send(rid, final=False)
+                self.chunk_sends += (self.send(rid, final=False),)
         return merge_results(rounds, results, len(batch), seconds)
 
     def _prefill_batch(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *,
