@@ -66,6 +66,16 @@ def _stitch(parts: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.cat([t for per in parts for t in per])
 
 
+def _key_offsets(res: PrefillResult) -> list[int]:
+    """Where each request's keys start in the flat full view of a round (cached + new tokens of
+    the requests before it): the offsets its top-k indices are relative to."""
+    out, off = [], 0
+    for r in res.plan.requests:
+        out.append(off)
+        off += r.prefix_len + r.extend_len
+    return out
+
+
 def _rows_of(res: PrefillResult, k: int) -> slice:
     """Natural-order rows of the ``k``-th request of a round's result."""
     off = res.plan.natural_offsets()[k]
@@ -76,7 +86,8 @@ def merge_results(rounds: list[list[ChunkPiece]], results: list[PrefillResult],
                   num_requests: int, chunk_seconds: Sequence[float]) -> PrefillResult:
     """One batch's result from its rounds' (``results[j]`` of ``rounds[j]``): each request's
     last-row outputs from its last chunk; per-row outputs (``all_logits``, top-k captures, the
-    draft layer's) concatenated in natural order (request by request, chunk by chunk); phase
+    draft layer's) concatenated in natural order (request by request, chunk by chunk; top-k
+    indices as offsets into the whole batch's view, as the one-piece batch gives them); phase
     seconds summed; ``plan`` the last round's; ``chunk_seconds`` as given (one per round)."""
     last: list[tuple[int, int]] = [(0, 0)] * num_requests  # request -> (round, slot in it)
     rows: list[list[tuple[int, int]]] = [[] for _ in range(num_requests)]
@@ -100,12 +111,23 @@ def merge_results(rounds: list[list[ChunkPiece]], results: list[PrefillResult],
 
     topk = None
     if results[0].topk is not None:
+        # a round's top-k indices are offsets into that round's view; the batch's view holds
+        # every request whole: shift each chunk's picks to where its request's keys start there
+        ends = [results[j].plan.requests[k].prefix_len + results[j].plan.requests[k].extend_len
+                for j, k in last]
+        whole = [sum(ends[:i]) for i in range(num_requests)]
+        starts = [_key_offsets(r) for r in results]
         topk = TopkCapture()
         for layer in range(len(results[0].topk.indices)):
-            for name in ("indices", "scores"):
-                getattr(topk, name).append(_stitch([[
-                    getattr(results[j].topk, name)[layer][_rows_of(results[j], k)]
-                    for j, k in rows[i]] for i in range(num_requests)]))
+            picks = []
+            for i in range(num_requests):
+                for j, k in rows[i]:
+                    t = results[j].topk.indices[layer][_rows_of(results[j], k)]
+                    shift = whole[i] - starts[j][k]
+                    picks.append(torch.where(t >= 0, t + shift, t) if shift else t)
+            topk.indices.append(torch.cat(picks))
+            topk.scores.append(_stitch([[results[j].topk.scores[layer][_rows_of(results[j], k)]
+                                         for j, k in rows[i]] for i in range(num_requests)]))
     seconds: dict[str, float] = {}
     for r in results:
         for key, v in r.seconds.items():
