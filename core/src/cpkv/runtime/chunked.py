@@ -117,16 +117,18 @@ def merge_results(rounds: list[list[ChunkPiece]], results: list[PrefillResult],
                 for j, k in last]
         whole = [sum(ends[:i]) for i in range(num_requests)]
         starts = [_key_offsets(r) for r in results]
+        caps = [r.topk for r in results if r.topk is not None]
+        assert len(caps) == len(results)  # every round captured (the same capture_topk)
         topk = TopkCapture()
         for layer in range(len(results[0].topk.indices)):
             picks = []
             for i in range(num_requests):
                 for j, k in rows[i]:
-                    t = results[j].topk.indices[layer][_rows_of(results[j], k)]
+                    t = caps[j].indices[layer][_rows_of(results[j], k)]
                     shift = whole[i] - starts[j][k]
                     picks.append(torch.where(t >= 0, t + shift, t) if shift else t)
             topk.indices.append(torch.cat(picks))
-            topk.scores.append(_stitch([[results[j].topk.scores[layer][_rows_of(results[j], k)]
+            topk.scores.append(_stitch([[caps[j].scores[layer][_rows_of(results[j], k)]
                                          for j, k in rows[i]] for i in range(num_requests)]))
     seconds: dict[str, float] = {}
     for r in results:
