@@ -63,7 +63,8 @@ def test_defaults_without_a_file() -> None:
     assert (s.transfer.name, s.transfer.timeout_s) == ("nccl", 30.0)
     assert (s.plugins.disable, s.plugins.allow) == ([], None)
     assert s.fallback.policy is FallbackPolicy.WARN
-    assert (s.runtime.timeout_s, s.runtime.logits_budget_mb) == (120.0, 512)
+    assert (s.runtime.timeout_s, s.runtime.logits_budget_mb, s.runtime.chunk_tokens) == (
+        120.0, "auto", 0)
     assert s == Settings()
 
 
@@ -325,3 +326,44 @@ def test_effective_preference_unlisted_backend_is_prepended() -> None:
 def test_backend_name_from_env_feeds_preference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CPKV_BACKEND__NAME", "cuda")
     assert load_settings().backend.effective_preference() == ["cuda", "triton", "torch"]
+
+
+@pytest.mark.parametrize(("raw", "want"), [('"auto"', "auto"), ('"AUTO"', "auto"), ("4096", 4096),
+                                           ("1", 1)])
+def test_logits_budget_takes_auto_or_a_number(tmp_path: Path, raw: str, want: object) -> None:
+    s = load_settings(_write(tmp_path, f"[runtime]\nlogits_budget_mb = {raw}\n"))
+    assert s.runtime.logits_budget_mb == want
+
+
+def test_logits_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CPKV_RUNTIME__LOGITS_BUDGET_MB", "2048")
+    assert load_settings().runtime.logits_budget_mb == 2048
+    monkeypatch.setenv("CPKV_RUNTIME__LOGITS_BUDGET_MB", "auto")
+    assert load_settings().runtime.logits_budget_mb == "auto"
+
+
+@pytest.mark.parametrize("raw", ['"lots"', '"512MiB"', "true", "-3", "1.5"])
+def test_bad_logits_budget_names_the_key(tmp_path: Path, raw: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(_write(tmp_path, f"[runtime]\nlogits_budget_mb = {raw}\n"))
+    msg = str(info.value)
+    assert re.search(r"(^|\s)runtime\.logits_budget_mb: .*'auto'", msg, re.MULTILINE), msg
+
+
+@pytest.mark.parametrize(("chunk", "page", "ok"), [(0, 64, True), (256, 64, True), (64, 64, True),
+                                                   (100, 64, False), (24, 16, False),
+                                                   (48, 16, True)])
+def test_chunk_tokens_must_be_a_multiple_of_the_page_size(chunk: int, page: int, ok: bool) -> None:
+    if ok:
+        s = load_settings(runtime={"chunk_tokens": chunk}, kv={"page_size": page})
+        assert s.runtime.chunk_tokens == chunk
+        return
+    with pytest.raises(SettingsError,
+                       match=rf"runtime\.chunk_tokens: .*multiple of kv\.page_size = {page} "
+                             rf"\(got {chunk}\)"):
+        load_settings(runtime={"chunk_tokens": chunk}, kv={"page_size": page})
+
+
+def test_negative_chunk_tokens_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"runtime\.chunk_tokens: .*\(got -64\)"):
+        load_settings(_write(tmp_path, "[runtime]\nchunk_tokens = -64\n"))

@@ -231,7 +231,14 @@ class RuntimeSettings(_Section):
     """Runtime bounds."""
 
     timeout_s: float = Field(120.0, gt=0, description="bound on every cross-rank wait, seconds")
-    logits_budget_mb: int = Field(512, ge=1, description="indexer logits memory budget per chunk")
+    logits_budget_mb: int | Literal["auto"] = Field(
+        "auto", description="indexer logits/scratch memory budget per row chunk, MiB (>= 1), or "
+                            "'auto': on CUDA a quarter of the device memory free once the model "
+                            "and pool are allocated, clamped to [512, 32768] MiB; 512 on CPUs")
+    chunk_tokens: int = Field(
+        0, ge=0, description="chunked prefill: a request whose extend is longer than this is "
+                             "prefilled in chunks of at most this many tokens, one batch each, "
+                             "their boundaries on pages; 0 = off. A multiple of kv.page_size")
     prefetch: bool = Field(
         True, description="gather the next layer's cached prefix pages while this layer computes"
     )
@@ -240,6 +247,18 @@ class RuntimeSettings(_Section):
                             "scale folded into the head weights) when the pool's index keys are "
                             "fp8, for fp8 x fp8 tensor cores; 'bf16' keeps the model dtype",
     )
+
+    @field_validator("logits_budget_mb", mode="before")
+    @classmethod
+    def _budget(cls, v: Any) -> int | str:
+        # one clear message for every bad value (a plain union reports one error per member)
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v.strip())  # an environment variable
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError("must be a whole number of MiB >= 1 or 'auto'")
+        return v
 
 
 class CacheSettings(_Section):
@@ -431,10 +450,24 @@ class Settings(BaseSettings):
         self.transfer._origins = {
             name: {k: _origin(("transfer", name, k), values, toml) for k in table}
             for name, table in self.transfer.tables().items()}
+        problem = self.cross_section_problem()
+        if problem is not None:
+            where = f"file {toml}" if toml is not None else "no file"
+            raise SettingsError(f"invalid cpkv settings ({where}):\n  {problem}")
 
     def transfer_table(self) -> PluginTable:
         """The selected transfer plugin's table, ``[transfer.<transfer.name>]``."""
         return self.transfer.table(self.transfer.name)
+
+    def cross_section_problem(self) -> str | None:
+        """Why values of different sections cannot work together (None: they can): a
+        ``runtime.chunk_tokens`` that is not a multiple of ``kv.page_size`` (non-final chunks
+        must end on a page boundary, so they write and send whole pages only: rule 26)."""
+        n, ps = self.runtime.chunk_tokens, self.kv.page_size
+        if n and n % ps:
+            return (f"runtime.chunk_tokens: must be 0 (off) or a multiple of kv.page_size = {ps} "
+                    f"(got {n})")
+        return None
 
     def with_cp_size(self, size: int) -> Settings:
         """These settings for a CP group of ``size`` ranks (e.g. 1: a decode rank, the

@@ -107,6 +107,16 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
     console.print("backends: " + "; ".join(f"{n} ({', '.join(ops)})" for n, ops in by.items())
                   + "".join(f"\n  passed over: {why}" for why in rep.backends.get("skipped", [])),
                   soft_wrap=True)
+    if rep.logits_budget is not None:
+        lb = rep.logits_budget
+        console.print(f"indexer logits budget: {', '.join(map(str, lb['mb_per_rank']))} MiB per "
+                      f"rank{' (auto)' if lb['auto'] else ''}")
+    if rep.chunks is not None:
+        console.print(f"chunked prefill ({rep.chunks['chunk_tokens']} tokens), seconds per chunk: "
+                      + "; ".join(f"batch {i}: {', '.join(f'{x:.3f}' for x in ts)}"
+                                  for i, ts in enumerate(rep.chunks["seconds_per_batch"]) if ts)
+                      + (" (no prompt was longer)" if not any(rep.chunks["seconds_per_batch"])
+                         else ""), soft_wrap=True)
     if rep.cache is not None:
         c = rep.cache
         console.print(f"prefix cache: hit tokens per prompt {c['hit_tokens']} "
@@ -167,13 +177,18 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
                    "speculatively (run.mtp).")
 @click.option("--draft-tokens", type=click.IntRange(min=1, max=8), default=None,
               help="With --mtp: draft tokens verified per decode step (run.draft_tokens) [1].")
+@click.option("--chunk", type=click.IntRange(min=0), default=None,
+              help="Chunked prefill: prefill a prompt longer than N tokens in chunks of at most N "
+                   "(a multiple of kv.page_size; 0: off) and list each chunk's time "
+                   "(runtime.chunk_tokens).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the report as JSON here.")
 @click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="torch.save the last-position logits, float32 [prompts, vocab], input order.")
 def command(config: Path | None, model: str | None, cp: int | None, mode: str | None,
             prompts: str | None, decode_tokens: int, device: str | None, mtp: bool | None,
-            draft_tokens: int | None, report: Path | None, save_logits: Path | None) -> None:
+            draft_tokens: int | None, chunk: int | None, report: Path | None,
+            save_logits: Path | None) -> None:
     """CP prefill of prompts on a CP group, transfer of the pages to a decode rank and greedy
     decoding there, checked against one rank; prints a report.
 
@@ -197,6 +212,8 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
                                   "draft_tokens": draft_tokens}.items() if v is not None}
     if run_over:
         over["run"] = run_over
+    if chunk is not None:
+        over["runtime"] = {"chunk_tokens": chunk}
     try:
         settings = load_settings(config, **over)
         ckpt = resolve_checkpoint(settings.run.model)

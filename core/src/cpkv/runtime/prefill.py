@@ -82,6 +82,9 @@ class PrefillResult:
     all_draft_hidden: torch.Tensor | None = None
     #: with the draft layer: how its input was embedded, "local" (rule 32) or "full" (fallback)
     draft_embedding: str | None = None
+    #: wall seconds of each chunk of a chunked prefill (``runtime.chunk_tokens``), in order;
+    #: empty for a batch prefilled in one piece
+    chunk_seconds: tuple[float, ...] = ()
 
 
 class LayerHook(Protocol):
@@ -98,7 +101,9 @@ class LayerHook(Protocol):
 
 def row_chunks(num_rows: int, bytes_per_row: int, budget_bytes: int) -> list[tuple[int, int]]:
     """Row ranges whose temporaries (``bytes_per_row`` each) stay under ``budget_bytes`` (rule 21:
-    indexer logits are 4 x keys bytes per row)."""
+    indexer logits are 4 x keys bytes per row). Rank-local compute only: the budget may differ
+    between ranks (``runtime.logits_budget_mb = "auto"`` reads each device's free memory), so no
+    collective may ever depend on these chunks."""
     per = max(1, budget_bytes // max(1, bytes_per_row))
     return [(s, min(num_rows, s + per)) for s in range(0, num_rows, per)]
 

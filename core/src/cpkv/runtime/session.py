@@ -17,6 +17,8 @@ from cpkv.kv.host import HostPages
 from cpkv.ops import ALL_OPS
 from cpkv.plugin import PluginHost
 
+from .budget import logits_budget
+from .chunked import ChunkPiece, chunk_rounds, merge_results
 from .prefill import BATCH_PLAN, CPPrefill, DraftNext, PrefillResult
 from .setup import create_pool
 
@@ -86,11 +88,22 @@ class PrefillSession:
         # a model loaded with its MTP layer: the draft layer's KV is one more layer of the pool
         self.pool = create_pool(settings, fmt, model.kv_layers, group, host, ops=ALL_OPS)
         self.ops = self.pool.ops
+        problem = settings.cross_section_problem()  # settings built by model_copy skip it
+        if problem is not None:
+            raise ValueError(problem)
+        # "auto" reads this device's free memory now, after the model and the pool took theirs;
+        # ranks may get different budgets: it only chunks rank-local compute (budget.py)
+        budget = logits_budget(settings.runtime.logits_budget_mb, group.device)
+        #: the effective indexer logits/scratch budget, MiB, and whether "auto" chose it
+        self.logits_budget_mb, self.logits_budget_auto = budget.mb, budget.auto
         self.driver = CPPrefill(model, self.pool, self.ops, mode=settings.cp.mode,
-                                logits_budget_bytes=settings.runtime.logits_budget_mb << 20,
+                                logits_budget_bytes=budget.bytes,
                                 prefetch=settings.runtime.prefetch,
                                 indexer_fp8=settings.runtime.indexer_dtype == "fp8")
         self._sender: PrefillTransfer | None = None
+        #: what the last :meth:`prefill` sent itself: the non-final chunks of a chunked prefill
+        #: (:meth:`send`'s results, in order; the caller's own sends are not in it)
+        self.chunk_sends: tuple[Sent, ...] = ()
         #: wall clock of the last batch's prefill start and end (transfer timing)
         self._started = self._ended = 0.0
         #: the prefix cache (``cache.enabled``): same tree on every rank, fed by these calls
@@ -110,7 +123,8 @@ class PrefillSession:
     def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
                 capture_topk: bool = False, next_ids: Sequence[int | None] | None = None,
                 draft_next: DraftNext = "prompt", draft_plan: CPPlan | None = BATCH_PLAN,
-                send: Mapping[Hashable, bool] | None = None) -> PrefillResult:
+                send: Mapping[Hashable, bool] | None = None,
+                chunk_tokens: int | None = None) -> PrefillResult:
         """Prefill ``[(request id, new token ids), ...]``; a request the session already holds
         continues from its cached tokens (the prefix may end inside a page). With the draft
         layer, ``next_ids`` (the token after each extend, when known: a non-final chunk),
@@ -121,7 +135,78 @@ class PrefillSession:
         ``transfer.pipeline = "layer"`` (and a transfer :meth:`connect`-ed) the pages of the first
         of them start moving during the layer loop, layer by layer (:meth:`send` then only
         concludes it), the others move after the batch. Ignored otherwise.
+
+        Chunked prefill: a request whose extend is longer than ``chunk_tokens`` (default
+        ``runtime.chunk_tokens``; 0: off) is prefilled in chunks, one batch each
+        (:mod:`cpkv.runtime.chunked`; the draft layer's last row of a non-final chunk takes the
+        request's next token). With a transfer connected, the pages each non-final chunk
+        completed are sent after it (``send(rid, final=False)``, layer by layer under the layer
+        pipeline; their results in :attr:`chunk_sends`) for the requests named in ``send``; the
+        caller then sends the rest as usual.
+        The result is the batch's (last-row outputs of each request's last chunk, per-row
+        outputs concatenated in natural order) with ``chunk_seconds``, the wall time of each
+        chunk (on GPUs up to a device sync after it).
+
+        Raises:
+            ValueError: ``chunk_tokens`` is not a multiple of the page size; see
+                :meth:`CPPrefill.run` for the rest. When a later chunk fails, the earlier ones
+                stay committed (the request holds their tokens).
         """
+        self.chunk_sends = ()
+        n = self.settings.runtime.chunk_tokens if chunk_tokens is None else chunk_tokens
+        rounds = chunk_rounds([(self.pool.request_spec(rid, len(ids)).prefix_len, len(ids))
+                               for rid, ids in batch], n, self.pool.fmt.page_size)
+        if len(rounds) > 1:
+            return self._prefill_chunks(batch, rounds, all_logits=all_logits,
+                                        capture_topk=capture_topk, next_ids=next_ids,
+                                        draft_next=draft_next, draft_plan=draft_plan, send=send)
+        return self._prefill_batch(batch, all_logits=all_logits, capture_topk=capture_topk,
+                                   next_ids=next_ids, draft_next=draft_next,
+                                   draft_plan=draft_plan, send=send)
+
+    def _prefill_chunks(self, batch: Sequence[tuple[Hashable, Sequence[int]]],
+                        rounds: list[list[ChunkPiece]], *, all_logits: bool, capture_topk: bool,
+                        next_ids: Sequence[int | None] | None, draft_next: DraftNext,
+                        draft_plan: CPPlan | None, send: Mapping[Hashable, bool] | None
+                        ) -> PrefillResult:
+        """The rounds of a chunked batch (:func:`~cpkv.runtime.chunked.chunk_rounds`), each one
+        :meth:`_prefill_batch`; non-final chunks of requests in ``send`` are sent after their
+        round (in batch order: the layer pipeline opens the round's first one)."""
+        sending = bool(send) and self._sender is not None
+        results: list[PrefillResult] = []
+        seconds: list[float] = []
+        for j, pieces in enumerate(rounds):
+            sub = [(batch[p.index][0], batch[p.index][1][p.start:p.end]) for p in pieces]
+            # the draft layer's last row of a non-final chunk: the prompt's next token
+            nxt = [int(batch[p.index][1][p.end]) if not p.last
+                   else None if next_ids is None else next_ids[p.index] for p in pieces]
+            partial = [batch[p.index][0] for p in pieces
+                       if sending and send and not p.last and batch[p.index][0] in send]
+            if j < len(rounds) - 1:
+                hook_send: Mapping[Hashable, bool] | None = dict.fromkeys(partial, False)
+            else:
+                # the caller sends these after the call, in its order: pipeline them only when
+                # every request it names ends here (else one opened now could wait on another)
+                ends = {batch[p.index][0] for p in pieces}
+                hook_send = send if send and all(rid in ends for rid in send) else None
+            t = time.perf_counter()
+            results.append(self._prefill_batch(sub, all_logits=all_logits,
+                                               capture_topk=capture_topk, next_ids=nxt,
+                                               draft_next=draft_next, draft_plan=draft_plan,
+                                               send=hook_send))
+            if self.group.device.type == "cuda":  # the chunk's time, not its launch time
+                torch.cuda.synchronize(self.group.device)
+            seconds.append(time.perf_counter() - t)
+            for rid in partial:  # whole pages only: the tail page is the next chunk's
+                self.chunk_sends += (self.send(rid, final=False),)
+        return merge_results(rounds, results, len(batch), seconds)
+
+    def _prefill_batch(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *,
+                       all_logits: bool, capture_topk: bool,
+                       next_ids: Sequence[int | None] | None, draft_next: DraftNext,
+                       draft_plan: CPPlan | None, send: Mapping[Hashable, bool] | None
+                       ) -> PrefillResult:
+        """One prefill batch through the driver (see :meth:`prefill`)."""
         self._started = time.time()
         hook = None
         if send and self._sender is not None and self.settings.transfer.pipeline == "layer":

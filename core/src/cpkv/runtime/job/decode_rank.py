@@ -17,7 +17,8 @@ __all__ = ["decode_rank"]
 
 def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     """Endpoint C of the transfer (``world.rank == cp.size``): receive and publish each request
-    the prefill ranks send (one per request and batch it appears in), then generate
+    the prefill ranks send (once per batch and chunk it appears in, until every prompt's final
+    part, which carries its first token, arrived), then generate
     ``spec.decode_tokens`` greedy tokens per prompt, starting from the first tokens the prefill
     ranks sent along."""
     from cpkv.models import load_model
@@ -35,22 +36,23 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     crcs: dict[str, list[int]] = {}
     valid: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    for counts in spec.batches():
-        for _ in (n for n in counts if n > 0):
-            r = decode.receive()
-            rid = r.manifest.request
-            if s.debug:
-                rp = decode.pool.table[rid]
-                crcs[rid] = page_checksums(decode.pool, rp.slots)
-                ps = decode.pool.fmt.page_size
-                valid[rid] = page_checksums(decode.pool, rp.slots, [
-                    min(ps, rp.valid_len - k * ps) for k in range(len(rp.slots))])
-            got = [a + b for a, b in zip(got, r.bytes_per_rank, strict=True)]
-            entries += r.entries
-            if "first_token" in r.meta:
-                first[rid] = int(r.meta["first_token"])
-            if "draft_token" in r.meta:
-                drafts[rid] = int(r.meta["draft_token"])
+    # a request arrives once per chunk (the job's batches, and chunked prefill's chunks, whose
+    # number depends on the prefill's cache hits); its final part carries its first token
+    while len(first) < len(spec.prompts):
+        r = decode.receive()
+        rid = r.manifest.request
+        if s.debug:
+            rp = decode.pool.table[rid]
+            crcs[rid] = page_checksums(decode.pool, rp.slots)
+            ps = decode.pool.fmt.page_size
+            valid[rid] = page_checksums(decode.pool, rp.slots, [
+                min(ps, rp.valid_len - k * ps) for k in range(len(rp.slots))])
+        got = [a + b for a, b in zip(got, r.bytes_per_rank, strict=True)]
+        entries += r.entries
+        if "first_token" in r.meta:
+            first[rid] = int(r.meta["first_token"])
+        if "draft_token" in r.meta:
+            drafts[rid] = int(r.meta["draft_token"])
     receive_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     speculation = None

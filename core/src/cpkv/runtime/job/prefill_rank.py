@@ -33,6 +33,7 @@ def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> Sender
     crcs: dict[str, dict[int, int]] = {}
 
     def send(batch: list[tuple[int, bool]], res: PrefillResult) -> None:
+        sent.extend(session.chunk_sends)  # a chunked prefill's non-final chunks, sent in it
         # every page of the request moves, cached prefix pages too (each from its owner)
         drafts = greedy(res.draft_logits) if res.draft_logits is not None else None
         for j, ((i, final), tok) in enumerate(zip(batch, greedy(res.last_logits), strict=True)):

@@ -40,6 +40,11 @@ class RankReport:
     backends: dict[str, Any] = field(default_factory=dict)
     #: with the draft layer: float32 [prompts, vocab] draft logits of each prompt's last row
     draft_logits: torch.Tensor | None = None
+    #: the session's effective indexer logits budget (MiB) and whether "auto" chose it
+    logits_budget_mb: int = 0
+    logits_budget_auto: bool = False
+    #: per batch, the wall seconds of each chunk (empty: the batch ran in one piece)
+    chunk_seconds: list[list[float]] = field(default_factory=list)
 
 
 def rank_report(group: CPGroup, session: PrefillSession, served: Served,
@@ -61,6 +66,8 @@ def rank_report(group: CPGroup, session: PrefillSession, served: Served,
         cache=dict(vars(session.cache.stats)) if session.cache is not None else {},
         backends={"chosen": dict(session.ops.chosen), "skipped": list(session.ops.skipped)},
         draft_logits=served.draft_logits.cpu() if served.draft_logits is not None else None,
+        logits_budget_mb=session.logits_budget_mb, logits_budget_auto=session.logits_budget_auto,
+        chunk_seconds=served.chunk_seconds,
     )
 
 
@@ -174,6 +181,11 @@ class JobReport:
     draft: dict[str, Any] | None = None
     #: where the job ran: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model)
     device: str = "cpu"
+    #: {mb_per_rank, auto}: the indexer logits budget each prefill rank's session took
+    logits_budget: dict[str, Any] | None = None
+    #: with ``runtime.chunk_tokens``: {chunk_tokens, seconds_per_batch (per batch, each chunk's
+    #: wall seconds on the slowest rank; empty for a batch that ran in one piece)}
+    chunks: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}

@@ -136,8 +136,10 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     if launched is not None and launched[0] != 0:
         return None  # rank 0 checks against the reference and reports
     progress("single-rank reference")
+    # whole prompts, unchunked: chunked prefill is checked against the one-piece prefill
     no_cache = spec.holding_all(settings.with_cp_size(1).model_copy(
-        update={"cache": settings.cache.model_copy(update={"enabled": False})}), 1)
+        update={"cache": settings.cache.model_copy(update={"enabled": False}),
+                "runtime": settings.runtime.model_copy(update={"chunk_tokens": 0})}), 1)
     # the reference decodes plain greedy (its draft layer only gives the prefill's draft logits)
     ref_spec = JobSpec(model_dir, spec.prompts, no_cache, capture_topk, spec.prefix_lens,
                        decode_tokens, batch_size, mtp=mtp, device=device)
@@ -204,6 +206,11 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
                  "pages_saved_to_host": st.get("pages_saved_to_host", 0),
                  "pages_loaded_from_host": st.get("pages_loaded_from_host", 0),
                  "recomputed_tokens": st.get("recomputed_tokens", 0)}
+    chunks = None
+    if settings.runtime.chunk_tokens:  # per chunk, the slowest rank (they run in lock step)
+        chunks = {"chunk_tokens": settings.runtime.chunk_tokens,
+                  "seconds_per_batch": [[max(ts) for ts in zip(*per, strict=True)] for per in
+                                        zip(*(v.chunk_seconds for _, v, _ in pre), strict=True)]}
     return JobReport(
         cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,
         materialize=r0.materialize, backends=r0.backends,
@@ -212,4 +219,6 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         kv_bytes_replicated=r0.kv_bytes_replicated,
         max_rel_err_vs_reference=err, topk_rows_differing=topk_bad, fallbacks=fallbacks,
         seconds=seconds, logits=r0.last_logits, reference_logits=ref.last_logits,
-        transfer=transfer, decode=dec, cache=cache, draft=draft, device=device)
+        transfer=transfer, decode=dec, cache=cache, draft=draft, device=device,
+        logits_budget={"mb_per_rank": [v.logits_budget_mb for _, v, _ in pre],
+                       "auto": r0.logits_budget_auto}, chunks=chunks)

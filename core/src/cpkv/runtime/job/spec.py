@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -103,6 +103,9 @@ class Served:
     last_extends: list[int]
     #: with the draft layer: float32 [prompts, vocab] draft logits of each prompt's last row
     draft_logits: torch.Tensor | None = None
+    #: per batch, the wall seconds of each of its chunks (``runtime.chunk_tokens``; empty for a
+    #: batch prefilled in one piece)
+    chunk_seconds: list[list[float]] = field(default_factory=list)
 
 
 def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _nothing, *,
@@ -126,6 +129,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
     draft_logits: list[torch.Tensor | None] = [None] * len(spec.prompts)
     res: PrefillResult | None = None
     extends: list[int] = []
+    chunk_seconds: list[list[float]] = []
     cache = use_cache and session.cache is not None
     for b, counts in enumerate(batches):
         idx = [i for i, n in enumerate(counts) if n > 0]
@@ -144,6 +148,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
                               capture_topk=spec.capture_topk and last, next_ids=nxt,
                               send={rids[i]: e == len(spec.prompts[i])
                                     for i, e in zip(idx, ends, strict=True)} if sending else None)
+        chunk_seconds.append(list(res.chunk_seconds))
         for j, (i, e) in enumerate(zip(idx, ends, strict=True)):
             done[i] = e
             last_logits[i] = res.last_logits[j].float()
@@ -159,4 +164,5 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
     logits = torch.stack([t for t in last_logits if t is not None])
     drafts = [t for t in draft_logits if t is not None]
     return Served(last_logits=logits, hits=hits, last=res, last_extends=extends,
-                  draft_logits=torch.stack(drafts) if drafts else None)
+                  draft_logits=torch.stack(drafts) if drafts else None,
+                  chunk_seconds=chunk_seconds)
