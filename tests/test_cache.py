@@ -146,7 +146,7 @@ def _poison_unheld(session: Any) -> int:
                 hold(o, s, min(ps, n.end - k * ps))
             elif pool.alloc_rank(o) == pool.alloc_rank(pool.rank):
                 host_valid[s] = max(host_valid.get(s, 0), min(ps, n.end - k * ps))
-    for load in pool._loads:  # host pages still to be read by a queued load: whole pages
+    for load in pool.queued_loads():  # host pages still to be read by a queued load: whole pages
         for o, s, _ in load.pages:
             if pool.alloc_rank(o) == pool.alloc_rank(pool.rank):
                 host_valid[s] = ps

@@ -423,8 +423,8 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
                 pool.write(layer, kv, lat[layer], idx[layer])
                 views.append(pool.materialize(layer, kv))
             top = torch.tensor([[0, 3, -1, 9], [12, 1, 2, -1]], dtype=torch.int32)
-            got[lay] = [(v.latent(), v.index_k(), *v.keys(ops, torch.float32),
-                         *v.selected_latent(top, ops, torch.float32)) for v in views]
+            got[lay] = [(v.latent(), v.index_k(), *v.keys(torch.float32),
+                         *v.selected_latent(top, torch.float32)) for v in views]
             pool.commit(kv)
         for a, b in zip(got[PageLayout.TOKEN_MAJOR], got[PageLayout.PART_MAJOR], strict=True):
             assert all((x is None and y is None) or torch.equal(x, y)

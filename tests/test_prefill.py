@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +109,6 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
     """Rule 22: nothing in the per-layer path reads a device value back to the host; with the
     MTP layer loaded, nor does the draft layer (its embedding, the layer, shared_head)."""
     from cpkv.models import load_model
-    from cpkv.runtime.prefill import CPPrefill
     from cpkv.runtime.session import PrefillSession
 
     s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp8"},
@@ -116,27 +117,23 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
         session = PrefillSession(load_model(str(tiny), mtp=mtp), s, CPGroup.single())
     guarded_calls: list[str] = []
 
-    def guard(name: str) -> None:
-        real = getattr(CPPrefill, name)
+    @contextmanager
+    def guard(part: str) -> Iterator[None]:
+        """The driver's public sync-free hook: fail on any host read inside the region."""
+        def sync(*_a, **_k):  # type: ignore[no-untyped-def]
+            raise _HostSync(f"host sync inside the driver's {part!r} region")
 
-        def guarded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            def sync(*_a, **_k):  # type: ignore[no-untyped-def]
-                raise _HostSync(f"host sync inside CPPrefill.{name}")
-
-            guarded_calls.append(name)
-            with monkeypatch.context() as mp:
-                for attr in ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero", "cpu",
-                             "numpy"):
-                    mp.setattr(torch.Tensor, attr, sync)
-                return real(self, *args, **kwargs)
-
-        monkeypatch.setattr(CPPrefill, name, guarded)
+        guarded_calls.append(part)
+        with monkeypatch.context() as mp:
+            for attr in ("item", "tolist", "__int__", "__float__", "__bool__", "nonzero", "cpu",
+                         "numpy"):
+                mp.setattr(torch.Tensor, attr, sync)
+            yield
 
     # the torch reference's CPU-only shortcut reads key bounds (host ints, no device): off, so
     # the guard checks the path a GPU takes
     monkeypatch.setattr(torch_ops, "READ_HOST_BOUNDS", False)
-    guard("_layers")
-    guard("_draft")
+    session.driver.sync_free_region = guard
     prompts = _prompts(5, [90, 33])
     with recording():
         res = session.prefill([("a", prompts[0]), ("b", prompts[1])])
@@ -144,7 +141,7 @@ def test_layer_loop_has_no_host_sync(tiny: Path, monkeypatch: pytest.MonkeyPatch
         res3 = session.prefill([("a", [7]), ("b", [9])])  # decode-like: selected latent rows
     assert torch.isfinite(res.last_logits).all() and torch.isfinite(res2.last_logits).all()
     assert torch.isfinite(res3.last_logits).all()
-    assert ("_draft" in guarded_calls) == mtp
+    assert "layers" in guarded_calls and ("draft" in guarded_calls) == mtp
     if mtp:
         assert res.draft_logits is not None and torch.isfinite(res.draft_logits).all()
 

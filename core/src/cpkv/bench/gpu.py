@@ -201,12 +201,12 @@ def _all_gather_views(pool: ShardedKVPool) -> AllGatherViews:
 
 def _all_gather_part(views: AllGatherViews, m: MaterializePlan, part: int) -> torch.Tensor:
     """One all-gather of this rank's pages of ``part`` of layer 0 (as a full view does)."""
-    return views.group.all_gather_rows(views._send(0, m, part), m.max_send[part])
+    return views.group.all_gather_rows(views.send_buffer(0, m, part), m.max_send[part])
 
 
 def _view_keys(pool: ShardedKVPool, kv: BatchKV) -> tuple[torch.Tensor, ...]:
     """Layer 0's view as the attention kernels take it (see :meth:`FullView.keys`)."""
-    lat, k, scale = pool.materialize(0, kv).keys(pool.ops, torch.bfloat16)
+    lat, k, scale = pool.materialize(0, kv).keys(torch.bfloat16)
     return (lat, k) if scale is None else (lat, k, scale)
 
 
@@ -257,13 +257,13 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
         out[f"view_keys_{mode}_ms"] = device_ms(partial(_view_keys, pool, kv), iters=20,
                                                 align=align)
         v = pool.materialize(0, kv)
-        views[mode] = (v.latent(ops), v.index_k(ops))
+        views[mode] = (v.latent(), v.index_k())
         if mode == "all_gather":
             m = kv.materialize
             ag = _all_gather_views(pool)
-            send = ag._send(0, m, 0).contiguous()
+            send = ag.send_buffer(0, m, 0).contiguous()
             out["send_is_pool_slice"] = m.send_start[0] is not None
-            out["send_buffer_ms"] = device_ms(partial(ag._send, 0, m, 0), iters=20)
+            out["send_buffer_ms"] = device_ms(partial(ag.send_buffer, 0, m, 0), iters=20)
             del ag  # holds the pool's buffers
             gathered = torch.empty(group.size * m.max_send[0] * PAGE, fmt.bytes_per_token,
                                    dtype=torch.uint8, device=group.device)

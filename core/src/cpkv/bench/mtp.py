@@ -18,7 +18,8 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +67,7 @@ def memory_rank(group: CPGroup, spec: MemorySpec) -> dict[str, Any]:
         backend={"preference": list(spec.backends)}, cache={"enabled": False})
     session = PrefillSession(model, settings, group)
     driver = session.driver
-    real_draft, real_embed = driver._draft, model.draft_embed
+    real_embed = model.draft_embed
     now: dict[str, Any] = {}
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
@@ -75,19 +76,24 @@ def memory_rank(group: CPGroup, spec: MemorySpec) -> dict[str, Any]:
         now["embed_bytes"] = out.numel() * out.element_size()
         return out
 
-    def draft(*args: Any, **kwargs: Any) -> None:
+    @contextmanager
+    def timed(part: str) -> Iterator[None]:
+        """The driver's region hook: times (and measures the memory of) the draft layer."""
+        if part != "draft":
+            yield
+            return
         if cuda:
             torch.cuda.synchronize(dev)
             base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         t = time.perf_counter()
-        real_draft(*args, **kwargs)
+        yield
         if cuda:
             torch.cuda.synchronize(dev)
             now["peak_bytes"] = torch.cuda.max_memory_allocated(dev) - base
         now["seconds"] = time.perf_counter() - t
 
-    driver._draft = draft  # type: ignore[method-assign]
+    driver.sync_free_region = timed
     model.draft_embed = embed
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (spec.tokens,), generator=g).tolist()

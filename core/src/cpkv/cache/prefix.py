@@ -84,7 +84,7 @@ class PrefixCache:
         #: nodes no eviction may take right now (a hit being attached)
         self._keep: set[_Node] = set()
         if evict:
-            pool.reclaim = self.evict_for
+            pool.pages.reclaim = self.evict_for
 
     @property
     def page_size(self) -> int:

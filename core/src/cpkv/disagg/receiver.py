@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpkv.contracts import PageLayout
-from cpkv.kv import RequestPages, ShardedKVPool
+from cpkv.kv import ShardedKVPool
 
 from .buffers import registered_buffers
 from .errors import TransferError
@@ -290,11 +290,9 @@ class DecodeReceiver:
             self.abort(manifest)
             return False
         del self._res[manifest.request]
-        rp = self.pool.table.setdefault(manifest.request, RequestPages())
-        for p in range(manifest.first_page, manifest.num_pages):
-            rp.owners.append(0)
-            rp.slots.append(res.slots[p])
-        rp.valid_len = manifest.valid_len
+        self.pool.extend(manifest.request, [(0, res.slots[p]) for p in
+                                            range(manifest.first_page, manifest.num_pages)],
+                         manifest.valid_len)
         self.last_error = None
         return True
 

@@ -7,9 +7,9 @@ exhaustion decision at the same point: the error is raised alike everywhere, bef
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["PageAllocator", "PoolExhausted", "drop_refs", "hold_new"]
+__all__ = ["PageAllocator", "PageRefs", "PoolExhausted", "drop_refs", "hold_new"]
 
 
 class PoolExhausted(RuntimeError):
@@ -92,3 +92,64 @@ def drop_refs(refs: Refs, keys: Iterable[tuple[int, int]], allocator: PageAlloca
     for a, slots in freed.items():
         allocator.release(a, slots)
     return sum(len(v) for v in freed.values())
+
+
+class PageRefs:
+    """Reference-counted pages over a :class:`PageAllocator`: a page is taken with one
+    reference, shared by more, and back on the free list when the last one is dropped.
+
+    ``reclaim`` is asked, with each allocation rank's need, to free pages when a take does not
+    fit (the prefix cache evicts); it returns whether they are free now. Same on every rank.
+    """
+
+    def __init__(self, num_ranks: int, capacity: int) -> None:
+        self.allocator = PageAllocator(num_ranks, capacity)
+        self._refs: Refs = {}
+        self.reclaim: Callable[[Sequence[int]], bool] | None = None
+
+    def count(self, key: tuple[int, int]) -> int:
+        """References to page ``key`` (allocation rank, slot); 0: free."""
+        return self._refs.get(key, 0)
+
+    def snapshot(self) -> dict[tuple[int, int], int]:
+        """A copy of every held page's count."""
+        return dict(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def take(self, needs: Sequence[int], what: str) -> list[list[int]]:
+        """``needs[a]`` pages on each allocation rank ``a``, all or nothing, one reference each;
+        the reclaimer is asked first when they do not fit.
+
+        Raises:
+            PoolExhausted: not enough free pages even then (nothing taken).
+        """
+        try:
+            slots = self.allocator.allocate(needs, what=what)
+        except PoolExhausted:
+            if self.reclaim is None or not self.reclaim(needs):
+                raise
+            slots = self.allocator.allocate(needs, what=what)
+        hold_new(self._refs, slots)
+        return slots
+
+    def retain(self, keys: Sequence[tuple[int, int]]) -> None:
+        """One more reference to each page.
+
+        Raises:
+            ValueError: a page is not held (nothing was changed).
+        """
+        missing = [k for k in keys if k not in self._refs]
+        if missing:
+            raise ValueError(f"cannot share pages that are not held: {missing[:8]}")
+        for k in keys:
+            self._refs[k] += 1
+
+    def drop(self, keys: Iterable[tuple[int, int]]) -> int:
+        """One reference less to each page; returns how many went back to the free lists."""
+        return drop_refs(self._refs, keys, self.allocator)
+
+    def give_back(self, rank: int, slots: Sequence[int]) -> None:
+        """Slots taken by :meth:`take` and never used: dropped (one reference each)."""
+        self.drop((rank, s) for s in slots)

@@ -8,28 +8,23 @@ the page table, so it is identical on every rank.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from cpkv.contracts import CPPlan, cdiv
 
+from .pages import RequestPages, Reservation
 from .rows import RowLayout, expand_ranges, to_device_at_once
 from .stage import PageStage
 
+if TYPE_CHECKING:
+    from cpkv.comm import CPGroup
+    from cpkv.ops import OpTable
+
 __all__ = ["BatchKV", "MaterializePlan", "RequestPages", "to_device_at_once"]
-
-
-@dataclass
-class RequestPages:
-    """Logical page table of one request: page k -> (owner rank, physical slot on the owner)."""
-
-    owners: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    valid_len: int = 0
-    #: pages reserved by a batch that is not committed yet
-    pending: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -78,12 +73,31 @@ class BatchKV:
     #: stream, while the previous layer computes) then the pages this batch writes; None when
     #: the batch has no whole prefix page, the pool is a replica or the group has one rank
     materialize_split: MaterializePlan | None
-    #: pages this batch reserved, per rank: [(rid, first new page)]; undone by abort
-    new_pages: tuple[tuple[Hashable, int], ...]
+    #: what the page table reserved for the batch (new pages, copies on write); undone by abort
+    reservation: Reservation
     #: per-layer page work before the layer's first read or write (host loads, copies on write)
     stage: PageStage
-    #: copies on write of shared tail pages: (rid, logical page, old slot, new slot)
-    copies: tuple[tuple[Hashable, int, int, int], ...] = ()
+    #: the pool's group and op table (the row splits and gathers below run through them)
+    group: CPGroup
+    ops: OpTable
+
+    @property
+    def copies(self) -> tuple[tuple[Hashable, int, int, int], ...]:
+        """Copies on write of shared tail pages: (rid, logical page, old slot, new slot)."""
+        return self.reservation.copies
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a natural-order tensor ``x`` [num_tokens, ...]."""
+        return self.rows.split(x, self.ops)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``local`` [local rows, ...] in natural order (a collective)."""
+        return self.rows.gather(local, self.group, self.ops)
+
+    def gather_rows(self, local: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Natural-order rows ``rows`` (int64 [m], device) of every rank's ``local`` rows, only
+        those moved (a collective; see :meth:`RowLayout.gather_rows`)."""
+        return self.rows.gather_rows(local, rows, self.group)
 
 
 def _token_rows(pages: torch.Tensor, ps: int) -> torch.Tensor:
@@ -176,15 +190,15 @@ def _layout(bp: _BatchPages, part: torch.Tensor, c: int, rank: int, parts: int, 
 
 def build_batch(
     plan: CPPlan,
-    rids: Sequence[Hashable],
-    table: dict[Hashable, RequestPages],
+    reservation: Reservation,
+    table: Mapping[Hashable, RequestPages],
     rank: int,
     shared: bool,
     device: torch.device,
-    new_pages: tuple[tuple[Hashable, int], ...],
     capacity: int,
     stage: PageStage,
-    copies: tuple[tuple[Hashable, int, int, int], ...] = (),
+    group: CPGroup,
+    ops: OpTable,
 ) -> BatchKV:
     """Out-cache locations and materialization plan of ``rank`` (tables already hold the pages).
 
@@ -193,6 +207,7 @@ def build_batch(
     and the views' token rows are expanded there."""
     ps, c = plan.page_size, plan.cp_size
     rows = RowLayout.build(plan, rank, device)
+    rids = reservation.rids
     pages = [table[rid] for rid in rids]
     bp = _BatchPages.of(plan, pages)
 
@@ -280,7 +295,8 @@ def build_batch(
         owner_dst=odst_d,
         materialize=mplans[0],
         materialize_split=mplans[1] if len(mplans) > 1 else None,
-        new_pages=new_pages,
+        reservation=reservation,
         stage=stage,
-        copies=copies,
+        group=group,
+        ops=ops,
     )

@@ -96,6 +96,10 @@ class HostPages:
     def refcount(self, key: tuple[int, int]) -> int:
         return self._refs.get(key, 0)
 
+    def references(self) -> dict[tuple[int, int], int]:
+        """A copy of every held host page's reference count, by (allocation rank, slot)."""
+        return dict(self._refs)
+
     # ---- bytes (this rank's pages only) --------------------------------------------------------
     def index(self, slots: Sequence[int]) -> torch.Tensor:
         """Slots as the int64 index tensor the copies take (on the device that runs them)."""

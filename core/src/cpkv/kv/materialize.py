@@ -83,10 +83,10 @@ class Materializer(Protocol):
 
 
 def _view(pages: torch.Tensor, index: torch.Tensor | None, fmt: KVFormat, m: MaterializePlan,
-          layout: PageLayout = PageLayout.TOKEN_MAJOR,
+          ops: OpTable, layout: PageLayout = PageLayout.TOKEN_MAJOR,
           rows_of: Mapping[str, torch.Tensor] | None = None) -> FullView:
     return FullView(pages=pages, index=index, fmt=fmt, layout=layout, cu_seqlens=m.cu_seqlens,
-                    seq_lens=m.seq_lens, rows_of=rows_of)
+                    seq_lens=m.seq_lens, ops=ops, rows_of=rows_of)
 
 
 class _PartRows:
@@ -132,7 +132,7 @@ class ReplicaViews:
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         m = batch.materialize
-        return _view(self.kv[layer], m.view_index, self.fmt, m, self.layout,
+        return _view(self.kv[layer], m.view_index, self.fmt, m, self.ops, self.layout,
                      self._rows.of(m, m.view_index))
 
 
@@ -156,7 +156,7 @@ class AllGatherViews:
     def begin_batch(self, batch: BatchKV) -> None:
         return None
 
-    def _send(self, layer: int, m: MaterializePlan, part: int) -> torch.Tensor:
+    def send_buffer(self, layer: int, m: MaterializePlan, part: int) -> torch.Tensor:
         """This rank's pages of ``part`` of ``layer``: a slice of the pool when they are
         consecutive slots (no copy), else one page gather."""
         start = m.send_start[part]
@@ -185,7 +185,7 @@ class AllGatherViews:
                 stream.wait_stream(torch.cuda.current_stream(self.group.device))
             buf = torch.empty((c * sum(m.max_send), self.fmt.page_size, b), dtype=torch.uint8,
                               device=self.group.device)
-            self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0],
+            self.group.all_gather_rows(self.send_buffer(layer, m, 0), m.max_send[0],
                                        out=buf[: c * m.max_send[0]])
             event = None
             if stream is not None:
@@ -199,11 +199,11 @@ class AllGatherViews:
         c = self.group.size
         if c == 1:  # every page is this rank's: read the pool in place (no copy of the view)
             m = batch.materialize
-            return _view(self.kv[layer], m.view_physical, self.fmt, m, self.layout,
+            return _view(self.kv[layer], m.view_physical, self.fmt, m, self.ops, self.layout,
                          self._rows.of(m, m.view_physical))
         if prefetched is None:
             m = batch.materialize
-            buf = self.group.all_gather_rows(self._send(layer, m, 0), m.max_send[0])
+            buf = self.group.all_gather_rows(self.send_buffer(layer, m, 0), m.max_send[0])
         else:
             split = batch.materialize_split
             if split is None:
@@ -213,9 +213,10 @@ class AllGatherViews:
                 cur = torch.cuda.current_stream(self.group.device)
                 cur.wait_event(prefetched.event)
                 buf.record_stream(cur)
-            self.group.all_gather_rows(self._send(layer, m, 1), m.max_send[1],
+            self.group.all_gather_rows(self.send_buffer(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
-        return _view(buf, m.view_index, self.fmt, m, self.layout, self._rows.of(m, m.view_index))
+        return _view(buf, m.view_index, self.fmt, m, self.ops, self.layout,
+                     self._rows.of(m, m.view_index))
 
 
 class PeerViews:
@@ -244,7 +245,7 @@ class PeerViews:
         m = batch.materialize
         self.peers.barrier()  # every owner's writes of this layer are done and visible
         rows = self.ops.peer_gather(self.rows[layer], m.view_owner, m.view_physical)
-        return _view(rows.unsqueeze(1), None, self.fmt, m)
+        return _view(rows.unsqueeze(1), None, self.fmt, m, self.ops)
 
 
 def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, capacity: int,

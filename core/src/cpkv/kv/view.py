@@ -14,7 +14,7 @@ from cpkv.ops import gather_latent, part_index, part_view
 if TYPE_CHECKING:
     from cpkv.ops import KVPart, OpTable
 
-__all__ = ["FullView", "pack_rows", "row_dims", "unpack_rows"]
+__all__ = ["AttentionKeys", "FullView", "pack_rows", "row_dims", "unpack_rows"]
 
 _FLOAT = {KVDtype.BF16: torch.bfloat16, KVDtype.FP32: torch.float32}
 
@@ -55,6 +55,7 @@ class FullView:
     with key j at token row ``index[j]`` of ``pages`` (``index`` None: row j). Consumers read
     through the index in the pass they make anyway (:meth:`keys`: the fp8 dequantization, the
     split of the index-K bytes), so no natural-order copy of the whole view is made first.
+    ``ops`` is the pool's op table (the gathers and dequantization read through it).
     ``rows_of`` holds, per part, the :func:`~cpkv.ops.part_index` of ``index`` when the strategy
     translated it once for the batch (part-major pages); otherwise it is translated per call.
     """
@@ -65,6 +66,7 @@ class FullView:
     layout: PageLayout
     cu_seqlens: torch.Tensor  # int64 [B + 1], on the view's device
     seq_lens: tuple[int, ...]  # host copy of the key counts (from the plan, no sync)
+    ops: OpTable
     rows_of: Mapping[str, torch.Tensor] | None = None
 
     @property
@@ -84,19 +86,17 @@ class FullView:
             tokens = torch.arange(self.num_keys, device=self.pages.device)
         return rows, None if tokens is None else part_index(tokens, self.fmt, self.layout, part)
 
-    def _bytes(self, part: KVPart, ops: OpTable | None) -> torch.Tensor:
+    def _bytes(self, part: KVPart) -> torch.Tensor:
         rows, idx = self._rows(part)
-        if idx is None:
-            return rows
-        return rows.index_select(0, idx) if ops is None else ops.page_gather(rows, idx)
+        return rows if idx is None else self.ops.page_gather(rows, idx)
 
-    def latent(self, ops: OpTable | None = None) -> torch.Tensor:
+    def latent(self) -> torch.Tensor:
         """uint8 [T, latent bytes] in natural order (a copy when the view has an index)."""
-        return self._bytes("latent", ops)
+        return self._bytes("latent")
 
-    def index_k(self, ops: OpTable | None = None) -> torch.Tensor:
+    def index_k(self) -> torch.Tensor:
         """uint8 [T, index bytes] in natural order (a copy when the view has an index)."""
-        return self._bytes("index_k", ops)
+        return self._bytes("index_k")
 
     def token_rows(self, top: torch.Tensor) -> torch.Tensor:
         """int32 [N, k]: the token row of ``pages`` (page x S + slot) each view key of ``top``
@@ -106,30 +106,28 @@ class FullView:
         rows = self.index.index_select(0, top.clamp_min(0).reshape(-1).long()).view(top.shape)
         return torch.where(top >= 0, rows.to(torch.int32), top)
 
-    def unpack(self, ops: OpTable,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    def unpack(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent [T, kv_lora_rank + rope_dim], index_k [T, index_head_dim]) in ``dtype``."""
-        fmt = self.fmt
+        fmt, ops = self.fmt, self.ops
         if fmt.dtype is KVDtype.FP8:
             (lr, li), (ir, ii) = self._rows("latent"), self._rows("index_k")
             return (ops.fp8_unpack(lr, fmt, "latent", dtype, li),
                     ops.fp8_unpack(ir, fmt, "index_k", dtype, ii))
-        return (unpack_rows(self.latent(ops), fmt, "latent", ops, dtype),
-                unpack_rows(self.index_k(ops), fmt, "index_k", ops, dtype))
+        return (unpack_rows(self.latent(), fmt, "latent", ops, dtype),
+                unpack_rows(self.index_k(), fmt, "index_k", ops, dtype))
 
-    def index_keys(self, ops: OpTable, dtype: torch.dtype,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def index_keys(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The indexer's keys alone (see :meth:`keys`): fp8 [T, D] with fp32 scales [T] for an
         fp8 pool, else [T, D] in ``dtype`` with None."""
         fmt = self.fmt
         if fmt.dtype is not KVDtype.FP8:
-            return unpack_rows(self.index_k(ops), fmt, "index_k", ops, dtype), None
+            return unpack_rows(self.index_k(), fmt, "index_k", self.ops, dtype), None
         d = fmt.index_head_dim
-        ik = self.index_k(ops)  # [T, D + 4]: natural order, one gather of the index bytes
+        ik = self.index_k()  # [T, D + 4]: natural order, one gather of the index bytes
         return (ik[:, :d].contiguous().view(torch.float8_e4m3fn),
                 ik[:, d:d + 4].contiguous().view(torch.float32).reshape(-1))
 
-    def selected_latent(self, top: torch.Tensor, ops: OpTable,
+    def selected_latent(self, top: torch.Tensor,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the latent rows a top-k choice reads, for batches that read fewer rows than the
         view holds (decode steps, short extends after a long prefix): ``top`` int32 [N, k] (view
@@ -137,16 +135,53 @@ class FullView:
         kept), gathered and dequantized in one pass from where the view's rows are."""
         rows, idx = self._rows("latent", top.clamp_min(0).reshape(-1).long())
         assert idx is not None
-        return gather_latent(rows, idx, top, self.fmt, dtype, ops.fp8_unpack, ops.page_gather)
+        return gather_latent(rows, idx, top, self.fmt, dtype, self.ops.fp8_unpack,
+                             self.ops.page_gather)
 
-    def keys(self, ops: OpTable, dtype: torch.dtype,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def keys(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the attention kernels take, one pass over each part: latent keys [T, Dk] in
         ``dtype``; index keys as the indexer takes them (an fp8 pool's stay fp8 [T, D] with their
         fp32 scales [T], never widened; float pools' in ``dtype``, scales None)."""
         if self.fmt.dtype is not KVDtype.FP8:
-            lat, idx = self.unpack(ops, dtype)
+            lat, idx = self.unpack(dtype)
             return lat, idx, None
         rows, where = self._rows("latent")
-        lat = ops.fp8_unpack(rows, self.fmt, "latent", dtype, where)
-        return (lat, *self.index_keys(ops, dtype))
+        lat = self.ops.fp8_unpack(rows, self.fmt, "latent", dtype, where)
+        return (lat, *self.index_keys(dtype))
+
+    def attention_keys(self, dtype: torch.dtype, *, whole: bool) -> AttentionKeys:
+        """What one layer's attention reads from this view, in ``dtype``: the indexer's keys,
+        and the latent rows either dequantized whole now (``whole``) or read per top-k choice
+        later (:meth:`AttentionKeys.sparse_mla`: in place on part-major pages, else only the
+        picked rows gathered), for batches that read fewer rows than the view holds."""
+        if whole:
+            lat, idx_k, scale = self.keys(dtype)
+            return AttentionKeys(self, dtype, idx_k, scale, lat)
+        idx_k, scale = self.index_keys(dtype)
+        return AttentionKeys(self, dtype, idx_k, scale, None)
+
+
+@dataclass(frozen=True)
+class AttentionKeys:
+    """A layer's keys as its attention reads them (:meth:`FullView.attention_keys`)."""
+
+    view: FullView
+    dtype: torch.dtype
+    #: the indexer's keys: fp8 [T, D] with fp32 scales [T] (fp8 pool), else [T, D] and None
+    index_k: torch.Tensor
+    index_scale: torch.Tensor | None
+    #: every latent key [T, Dk] in ``dtype``, or None: read per choice by :meth:`sparse_mla`
+    latent: torch.Tensor | None
+
+    def sparse_mla(self, q: torch.Tensor, top: torch.Tensor, softmax_scale: float,
+                   dv: int) -> torch.Tensor:
+        """Sparse MLA of queries ``q`` [N, H, Dk] over their top-k choice ``top`` (int32
+        [N, k] view keys, -1 empty) -> [N, H, dv], reading the latent keys the way this view
+        holds them. Device ops only (no host sync)."""
+        v, ops = self.view, self.view.ops
+        if self.latent is not None:
+            return ops.sparse_mla(q, self.latent, top, softmax_scale, dv)
+        if v.layout is PageLayout.PART_MAJOR:  # the picks read where they are
+            return ops.sparse_mla_paged(q, v.pages, v.token_rows(top), v.fmt, softmax_scale, dv)
+        rows, ind = v.selected_latent(top, self.dtype)
+        return ops.sparse_mla(q, rows, ind, softmax_scale, dv)

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import array
 import time
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import structlog
 import torch
 
-from cpkv.contracts import CPPlan, FallbackReason, Op, PageLayout, SplitMode
+from cpkv.contracts import CPPlan, FallbackReason, Op, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
 from cpkv.ops import quantize_index_q
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
     from cpkv.models import DeepseekV32
     from cpkv.ops import OpTable
 
-__all__ = ["BATCH_PLAN", "CPPrefill", "DraftNext", "LayerHook", "PrefillResult", "TopkCapture",
-           "row_chunks"]
+__all__ = ["BATCH_PLAN", "CPPrefill", "DraftInputs", "DraftNext", "LayerHook", "PrefillResult",
+           "RankInputs", "SyncFreeRegion", "TopkCapture", "row_chunks"]
 
 #: ``draft_plan`` default: the draft layer uses the batch's own plan
 BATCH_PLAN: Any = object()
@@ -85,6 +86,51 @@ class PrefillResult:
     #: wall seconds of each chunk of a chunked prefill (``runtime.chunk_tokens``), in order;
     #: empty for a batch prefilled in one piece
     chunk_seconds: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """The draft layer's input ids of one rank (host work once per batch, on the device).
+
+    ``local``: the ids are this rank's rows padded to the plan's ``max_rank_len`` (rule 32),
+    else the whole batch in natural order (the ``draft_plan_missing`` fallback). Rows ``fill``
+    of ``ids`` (int64) take the target's choice at rows ``src`` (int64) before embedding."""
+
+    local: bool
+    ids: torch.Tensor
+    fill: torch.Tensor
+    src: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """One rank's inputs of a batch, built once per batch (rule 7), device tensors and host ints.
+
+    ``ids``, ``positions``, ``key_start``, ``key_end``: int64 [local rows]: each row's token
+    id, absolute position and causal key range ``[key_start, key_end)`` in the full view;
+    ``last``: int64 [requests], each request's last extend row in natural order;
+    ``num_keys``: the full view's keys; ``max_position``: the largest local position (host
+    ints from the plan: no sync); ``draft``: the draft layer's ids when it runs."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    key_start: torch.Tensor
+    key_end: torch.Tensor
+    last: torch.Tensor
+    num_keys: int
+    max_position: int
+    draft: DraftInputs | None = None
+
+
+#: a context factory entered around each part of a batch's device work that must not read a
+#: device value back to the host (rule 22), given the part's name: ``"layers"`` (a layer loop:
+#: rope table, writes, views, indexer, attention, MLP) or ``"draft"`` (the draft layer:
+#: embedding, layer, shared_head)
+SyncFreeRegion = Callable[[str], AbstractContextManager[object]]
+
+
+def _no_guard(_part: str) -> AbstractContextManager[object]:
+    return nullcontext()
 
 
 class LayerHook(Protocol):
@@ -137,6 +183,11 @@ class CPPrefill:
         self.topk = cfg.index_topk
         self.dv = cfg.kv_lora_rank
         self.device = self.group.device
+        #: entered around the parts that must not sync the host (see :data:`SyncFreeRegion`);
+        #: nothing by default. A test or a debug run sets a guard here (one that fails on
+        #: ``Tensor.item``, tests/test_prefill.py; ``torch.cuda.set_sync_debug_mode("error")``),
+        #: a benchmark a timer (it may sync on entry and exit, outside the region)
+        self.sync_free_region: SyncFreeRegion = _no_guard
 
     # ---- once per batch -------------------------------------------------------------------
     def plan(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> CPPlan:
@@ -145,7 +196,7 @@ class CPPrefill:
         return plan_batch(specs, self.group.size, self.pool.fmt.page_size, self.mode)
 
     def _rank_inputs(self, plan: CPPlan, kv: BatchKV,
-                     batch: Sequence[tuple[Hashable, Sequence[int]]]) -> dict[str, Any]:
+                     batch: Sequence[tuple[Hashable, Sequence[int]]]) -> RankInputs:
         """This rank's token ids, positions and key ranges (rule 7), and each request's last row
         in natural order: host work per row block (the ids aside), one copy to the device, the
         rows expanded there (:class:`~cpkv.kv.RowLayout`)."""
@@ -164,12 +215,9 @@ class CPPrefill:
             (torch.cat(ids) if len(ids) > 1 else ids[0] if ids else empty, last, block_cu),
             self.device)
         key_start = rows.per_row(block_cu_d)
-        return {
-            "ids": ids_d, "positions": rows.positions, "key_start": key_start,
-            "key_end": key_start + rows.positions + 1, "last": last_d,
-            "num_keys": cu[-1],
-            "max_position": max((b.end - 1 for b in rows.blocks), default=0),  # host integer
-        }
+        return RankInputs(ids=ids_d, positions=rows.positions, key_start=key_start,
+                          key_end=key_start + rows.positions + 1, last=last_d, num_keys=cu[-1],
+                          max_position=max((b.end - 1 for b in rows.blocks), default=0))
 
     # ---- the batch ----------------------------------------------------------------------------
     def run(self, batch: Sequence[tuple[Hashable, Sequence[int]]], *, all_logits: bool = False,
@@ -204,29 +252,29 @@ class CPPrefill:
             draft = self.model.mtp_layer is not None
             if draft:
                 dplan = plan if draft_plan is BATCH_PLAN else draft_plan
-                inputs |= self._draft_ids(plan, dplan, batch, next_ids, draft_next)
+                inputs = replace(inputs, draft=self._draft_ids(plan, dplan, batch, next_ids,
+                                                                draft_next))
             if hook is not None:
                 hook.batch_ready(plan, [rid for rid, _ in batch])
             seconds["plan"] = time.perf_counter() - t
             m = self.model
-            out = self._layers(kv, inputs, seconds, capture_topk, m.embed(inputs["ids"]),
-                               range(m.num_layers), hook)
+            x, topk = self._layers(kv, inputs, seconds, capture_topk, m.embed(inputs.ids),
+                                   range(m.num_layers), hook)
             t = time.perf_counter()
-            last = inputs["last"]
+            last = inputs.last
             whole = all_logits or (draft and draft_next == "greedy")
             # only the rows the logits need cross the group (the last rows, unless every row's)
-            logits = m.final_logits(kv.rows.gather(out["x"], self.group, self.ops) if whole
-                                    else kv.rows.gather_rows(out["x"], last, self.group))
+            logits = m.final_logits(kv.gather(x) if whole else kv.gather_rows(x, last))
             seconds["gather_logits"] = time.perf_counter() - t
             res = PrefillResult(plan=plan, last_logits=logits[last] if whole else logits,
                                 all_logits=logits if all_logits else None, seconds=seconds,
-                                topk=out["topk"])
+                                topk=topk)
             if draft:
                 t = time.perf_counter()
                 # the target's greedy choice: of the last rows (a prompt's sampled first token),
                 # or of every row (verifying drafts); stays on the device
                 choice = (logits if draft_next == "greedy" else res.last_logits).argmax(dim=-1)
-                self._draft(kv, inputs, out["x"], choice, res, all_logits, hook)
+                self._draft(kv, inputs, x, choice, res, all_logits, hook)
                 seconds["draft"] = time.perf_counter() - t
         except BaseException:
             self.pool.abort(kv)
@@ -261,7 +309,7 @@ class CPPrefill:
             inputs = self._rank_inputs(plan, kv, one)
             ids = torch.tensor([t for _, t in batch], dtype=torch.int64, device=self.device)
             x = m.draft_input(m.draft_embed(ids), h)
-            x = self._layers(kv, inputs, {}, False, x, range(layer, layer + 1))["x"]
+            x, _ = self._layers(kv, inputs, {}, False, x, range(layer, layer + 1))
             hd = m.draft_hidden(x)
             logits = m.draft_logits(hd)
         except BaseException:
@@ -272,13 +320,13 @@ class CPPrefill:
 
     def _draft_ids(self, plan: CPPlan, dplan: CPPlan | None,
                    batch: Sequence[tuple[Hashable, Sequence[int]]],
-                   next_ids: Sequence[int | None] | None, draft_next: DraftNext) -> dict[str, Any]:
+                   next_ids: Sequence[int | None] | None, draft_next: DraftNext) -> DraftInputs:
         """The draft layer's input ids, host work once per batch (``plan`` is the batch's,
         ``dplan`` the metadata the draft layer was given). With usable metadata (rule 32): this
         rank's local rows by ``dplan``, padded to its ``max_rank_len``; otherwise (a
         ``draft_plan_missing`` fallback, decided here alike on every rank) the whole batch in
         natural order. Rows whose next token is the target's choice get a placeholder that the
-        device fills: rows ``draft_fill`` take ``choice[draft_src]``."""
+        device fills (:class:`DraftInputs`)."""
         nat: list[torch.Tensor] = []
         fill: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -307,8 +355,8 @@ class CPPrefill:
                             requested="embed the local draft tokens padded to max_rank_len",
                             selected="embed every draft token of the batch, keep the local rows",
                             reason=FallbackReason.DRAFT_PLAN_MISSING, detail=problem)
-            return {"draft_local": False, "draft_ids": natural.to(dev),
-                    "draft_fill": fill_rows.to(dev), "draft_src": fill_src.to(dev)}
+            return DraftInputs(local=False, ids=natural.to(dev), fill=fill_rows.to(dev),
+                               src=fill_src.to(dev))
         assert dplan is not None
         # this rank's rows by the plan metadata (natural-order row of each local row), padded
         # to the plan's uniform shape
@@ -323,8 +371,8 @@ class CPPrefill:
         keep = mine >= 0
         padded = torch.zeros(dplan.max_rank_len, dtype=torch.int64)
         padded[: local.numel()] = natural[local]
-        return {"draft_local": True, "draft_ids": padded.to(dev), "draft_fill": mine[keep].to(dev),
-                "draft_src": fill_src[keep].to(dev)}
+        return DraftInputs(local=True, ids=padded.to(dev), fill=mine[keep].to(dev),
+                           src=fill_src[keep].to(dev))
 
     @staticmethod
     def _draft_plan_problem(plan: CPPlan | None, want: CPPlan) -> str | None:
@@ -345,55 +393,68 @@ class CPPrefill:
             return f"the plan's segments differ from the batch's ({plan.mode.value} vs {want.mode.value})"
         return None
 
-    def _draft_input_embedding(self, kv: BatchKV, inputs: dict[str, Any], choice: torch.Tensor
+    def _draft_input_embedding(self, kv: BatchKV, draft: DraftInputs, choice: torch.Tensor
                                ) -> torch.Tensor:
         """Rule 32: ``[local rows, hidden]`` embeddings of this rank's draft ids: the local ids
         padded to ``max_rank_len`` (the same shape on every rank), embedded and trimmed; on the
         fallback the whole batch is embedded and this rank's rows taken."""
         m = self.model
-        ids = inputs["draft_ids"].index_copy(0, inputs["draft_fill"], choice[inputs["draft_src"]])
-        if inputs["draft_local"]:
+        ids = draft.ids.index_copy(0, draft.fill, choice[draft.src])
+        if draft.local:
             return m.draft_embed(ids)[: kv.rows.num_local]
-        return kv.rows.split(m.draft_embed(ids), self.ops)
+        return kv.split(m.draft_embed(ids))
 
-    def _draft(self, kv: BatchKV, inputs: dict[str, Any], x: torch.Tensor, choice: torch.Tensor,
+    def _draft(self, kv: BatchKV, inputs: RankInputs, x: torch.Tensor, choice: torch.Tensor,
                res: PrefillResult, all_logits: bool, hook: LayerHook | None = None) -> None:
         """The MTP layer on this rank's rows: ``eh_proj(cat(enorm(embed(next)), hnorm(h)))``
         with ``h`` the target's final-normed hidden state of each local row, the decoder layer
         as pool layer ``mtp_layer`` (direct writes to own pages, the same full-view machinery),
-        ``shared_head``; then the rows are gathered like the target's. No host sync."""
+        ``shared_head``; then the rows are gathered like the target's. No host sync (run inside
+        :attr:`sync_free_region` ``("draft")``)."""
+        with self.sync_free_region("draft"):
+            self._draft_layer(kv, inputs, x, choice, res, all_logits, hook)
+
+    def _draft_layer(self, kv: BatchKV, inputs: RankInputs, x: torch.Tensor, choice: torch.Tensor,
+                     res: PrefillResult, all_logits: bool, hook: LayerHook | None) -> None:
         m = self.model
-        layer = m.mtp_layer
-        assert layer is not None
-        emb = self._draft_input_embedding(kv, inputs, choice)
+        layer, draft = m.mtp_layer, inputs.draft
+        assert layer is not None and draft is not None
+        emb = self._draft_input_embedding(kv, draft, choice)
         xd = m.draft_input(emb, m.final_hidden(x))
         phase: dict[str, float] = {}
-        xd = self._layers(kv, inputs, phase, False, xd, range(layer, layer + 1), hook)["x"]
-        last = inputs["last"]
-        res.draft_embedding = "local" if inputs["draft_local"] else "full"
+        xd, _ = self._layers(kv, inputs, phase, False, xd, range(layer, layer + 1), hook)
+        last = inputs.last
+        res.draft_embedding = "local" if draft.local else "full"
         if all_logits:
-            hidden = kv.rows.gather(m.draft_hidden(xd), self.group, self.ops)
+            hidden = kv.gather(m.draft_hidden(xd))
             res.draft_hidden = hidden[last]
             res.all_draft_hidden = hidden
             res.all_draft_logits = m.draft_logits(hidden)
             res.draft_logits = res.all_draft_logits[last]
         else:  # only the last rows cross the group
-            res.draft_hidden = kv.rows.gather_rows(m.draft_hidden(xd), last, self.group)
+            res.draft_hidden = kv.gather_rows(m.draft_hidden(xd), last)
             res.draft_logits = m.draft_logits(res.draft_hidden)
 
-    def _layers(self, kv: BatchKV, inputs: dict[str, Any], seconds: dict[str, float],
+    def _layers(self, kv: BatchKV, inputs: RankInputs, seconds: dict[str, float],
                 capture: bool, x: torch.Tensor, layers: range,
-                hook: LayerHook | None = None) -> dict[str, Any]:
+                hook: LayerHook | None = None) -> tuple[torch.Tensor, TopkCapture | None]:
         """``layers`` (consecutive pool layers) on this rank's rows, residual stream ``x``;
-        ``hook.layer_written(layer)`` after each layer's KV write (the layer-pipelined send)."""
+        ``hook.layer_written(layer)`` after each layer's KV write (the layer-pipelined send).
+        Returns the residual stream after the last layer and the captured top-k (``capture``).
+        Runs inside :attr:`sync_free_region` ``("layers")``."""
+        with self.sync_free_region("layers"):
+            return self._layer_loop(kv, inputs, seconds, capture, x, layers, hook)
+
+    def _layer_loop(self, kv: BatchKV, inputs: RankInputs, seconds: dict[str, float],
+                    capture: bool, x: torch.Tensor, layers: range,
+                    hook: LayerHook | None) -> tuple[torch.Tensor, TopkCapture | None]:
         m, ops, pool = self.model, self.ops, self.pool
-        fmt = pool.fmt
-        pos, ks, ke = inputs["positions"], inputs["key_start"], inputs["key_end"]
-        rope = m.rope_cos_sin(pos, m.dtype, inputs["max_position"])  # once per batch
+        pos, ks, ke = inputs.positions, inputs.key_start, inputs.key_end
+        rope = m.rope_cos_sin(pos, m.dtype, inputs.max_position)  # once per batch
         # the rotations through the op table's ``rope`` when it has one (one Triton pass each
         # on GPUs), else the model's reference sequence
         rotate = getattr(ops, Op.ROPE.value, None)
-        chunks = row_chunks(kv.rows.num_local, 4 * inputs["num_keys"], self.budget)
+        chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, self.budget)
         # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
         # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
         # chunking by those made FlashMLA calls of 37 rows at DeepSeek sizes: half the GPU idle)
@@ -402,7 +463,7 @@ class CPPrefill:
         cap = TopkCapture() if capture else None
         select = self.select_latent
         if select is None:  # host ints of the plan: the same on every rank, no sync
-            select = kv.rows.num_local * self.topk < inputs["num_keys"]
+            select = kv.rows.num_local * self.topk < inputs.num_keys
         # the next layer's cached prefix pages move while this layer computes (rule 17: one more
         # layer's view in memory); the same decision on every rank (plan + settings only)
         nxt = pool.prefetch(layers.start, kv) if self.prefetch else None
@@ -424,11 +485,9 @@ class CPPrefill:
             view = pool.materialize(layer, kv, nxt)
             nxt = pool.prefetch(layer + 1, kv) if self.prefetch and layer + 1 < layers.stop \
                 else None
-            if select:  # latent rows later, only those the top-k picks
-                lat = None
-                idx_k, idx_scale = view.index_keys(ops, a.q.dtype)
-            else:
-                lat, idx_k, idx_scale = view.keys(ops, a.q.dtype)
+            # with ``select`` the latent rows are read later, only those the top-k picks
+            keys = view.attention_keys(a.q.dtype, whole=not select)
+            idx_k, idx_scale = keys.index_k, keys.index_scale
             t3 = time.perf_counter()
             picks, scores = [], []
             iq, iw = a.index_q, a.index_w
@@ -447,14 +506,7 @@ class CPPrefill:
             # row chunks bound the sparse-attention temporaries (latent outputs are fp32 [H, 512]
             # per row: 34 GB for 128K rows at DeepSeek sizes if taken at once)
             for s, e in mla_chunks:
-                if lat is not None:
-                    o = ops.sparse_mla(a.q[s:e], lat, top[s:e], m.softmax_scale, self.dv)
-                elif view.layout is PageLayout.PART_MAJOR:  # the picks read where they are
-                    o = ops.sparse_mla_paged(a.q[s:e], view.pages, view.token_rows(top[s:e]),
-                                             fmt, m.softmax_scale, self.dv)
-                else:
-                    kv_rows, ind = view.selected_latent(top[s:e], ops, a.q.dtype)
-                    o = ops.sparse_mla(a.q[s:e], kv_rows, ind, m.softmax_scale, self.dv)
+                o = keys.sparse_mla(a.q[s:e], top[s:e], m.softmax_scale, self.dv)
                 m.attention_values(layer, o, out=values[s:e])
             if kv.rows.num_local:  # a rank may hold no rows of a tiny batch
                 x = x + m.output_projection(layer, values)
@@ -465,12 +517,11 @@ class CPPrefill:
                             strict=True):
                 phase[k] += v
             if cap is not None:
-                cap.indices.append(kv.rows.gather(top, self.group, ops))
-                cap.scores.append(kv.rows.gather(torch.cat(scores) if scores else
-                                                 torch.zeros(0, self.topk, device=self.device),
-                                                 self.group, ops))
+                cap.indices.append(kv.gather(top))
+                cap.scores.append(kv.gather(torch.cat(scores) if scores else
+                                            torch.zeros(0, self.topk, device=self.device)))
         seconds.update(phase)
-        return {"x": x, "topk": cap}
+        return x, cap
 
 
 def _token_ids(ids: Sequence[int], start: int, end: int) -> torch.Tensor:

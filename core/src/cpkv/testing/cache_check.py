@@ -63,19 +63,20 @@ def reference_problems(cache: PrefixCache) -> list[str]:
     dev: Counter[tuple[int, int]] = Counter()
     hst: Counter[tuple[int, int]] = Counter()
     for rp in pool.table.values():
-        dev.update(pool._key(o, s) for o, s in zip(rp.owners, rp.slots, strict=True))
+        dev.update((pool.alloc_rank(o), s) for o, s in zip(rp.owners, rp.slots, strict=True))
     problems: list[str] = []
     for n in cache.tree.nodes():
         refs = [(pool.alloc_rank(o), s) for o, s in n.pages.values()]
         (hst if n.on_host else dev).update(refs)
         if n.on_host and any(not c.on_host for c in n.children.values()):
             problems.append(f"host node [{n.start}, {n.end}) has a device child")
-    for load in pool._loads:
+    for load in pool.queued_loads():
         hst.update((pool.alloc_rank(o), h) for o, h, _ in load.pages)
-    if dict(dev) != pool._refs:
-        problems.append(f"device references {dict(pool._refs)} != holders {dict(dev)}")
-    if host is not None and dict(hst) != host._refs:
-        problems.append(f"host references {dict(host._refs)} != holders {dict(hst)}")
+    held_refs = pool.pages.references()
+    if dict(dev) != held_refs:
+        problems.append(f"device references {held_refs} != holders {dict(dev)}")
+    if host is not None and dict(hst) != host.references():
+        problems.append(f"host references {host.references()} != holders {dict(hst)}")
     if host is None and hst:
         problems.append("host nodes without a host tier")
     for a in range(pool.allocator.num_ranks):

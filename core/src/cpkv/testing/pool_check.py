@@ -102,7 +102,8 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
     for bi, batch_reqs in enumerate(sc.batches):
         rids = [r for r, _ in batch_reqs]
         views = {}
-        before = {s: (p.allocator.snapshot(), copy.deepcopy(p.table)) for s, p in pools.items()}
+        before = {s: (p.allocator.snapshot(), copy.deepcopy(dict(p.table)))
+                  for s, p in pools.items()}
         batches = {}
         try:
             # one plan for both pools: the replica's page table has the same owners
@@ -115,7 +116,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
             for shared, bk in batches.items():
                 pools[shared].abort(bk)
             for s, p in pools.items():
-                if (p.allocator.snapshot(), p.table) != before[s]:
+                if (p.allocator.snapshot(), dict(p.table)) != before[s]:
                     out.unchanged_after_exhaustion = False
             continue
         for layer in range(sc.num_layers):
@@ -125,7 +126,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                              zip(rids, plan.requests, strict=True)])
             for shared, pool in pools.items():
                 bk = batches[shared]
-                pool.write(layer, bk, bk.rows.split(lat, ops), bk.rows.split(idx, ops))
+                pool.write(layer, bk, bk.split(lat), bk.split(idx))
                 views[shared] = pool.materialize(layer, bk)
             split = batches[True].materialize_split
             if split is not None:  # the prefetched path must give the same view

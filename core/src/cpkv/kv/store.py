@@ -1,0 +1,219 @@
+"""The device side of a pool: KV bytes per layer, their writes, the full views and staged page
+work (rules 13-18).
+
+Per layer one byte buffer in the stored format of :class:`KVFormat`: ``kv[layer]`` [pages, ps,
+latent bytes + index bytes], so a page (latent and its index-K sidecar) is one contiguous block,
+allocated, written and moved as one. ``latent[layer]`` and ``index_k[layer]`` are its two column
+views ([pages, ps, latent bytes] and [pages, ps, index bytes]); how a block's bytes are ordered is
+the :class:`PageLayout`. How the full view is built is the :class:`~cpkv.kv.materialize.Materializer`
+chosen at construction. Which slot holds which page is the :class:`~cpkv.kv.table.PageTable`'s;
+the store only reads it, once per batch (:meth:`KVStore.batch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from cpkv.comm import CPGroup
+from cpkv.contracts import CPPlan, KVFormat, MaterializeMode, PageLayout
+from cpkv.ops import page_blocks
+
+from .batch import BatchKV, build_batch
+from .materialize import Materializer, Prefetch, open_materializer
+from .pages import RequestPages, Reservation
+from .stage import PageLoad, PageStage
+from .view import FullView, pack_rows
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from cpkv.ops import OpTable
+
+__all__ = ["KVStore"]
+
+
+class KVStore:
+    """One rank's KV bytes (see the module docstring).
+
+    Args:
+        fmt: stored format.
+        num_layers: layers with KV.
+        group: the CP group.
+        ops: the op table (page gather/scatter/copy, fp8 pack).
+        mode: how full views are built (``replica`` for a replicated pool).
+        capacity: pages per buffer.
+        layout: how a page's bytes are ordered.
+        alloc_rank: the page table's owner -> allocation rank map.
+    """
+
+    def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable,
+                 mode: MaterializeMode, capacity: int, layout: PageLayout,
+                 alloc_rank: Callable[[int], int]) -> None:
+        self.fmt, self.num_layers, self.group, self.ops = fmt, num_layers, group, ops
+        self.capacity, self.layout, self.alloc_rank = capacity, layout, alloc_rank
+        #: the side stream of work done a layer ahead (prefix pages, host loads); None on CPU
+        self.side: torch.cuda.Stream | None = None
+        if group.device.type == "cuda":
+            self.side = torch.cuda.Stream(device=group.device)  # type: ignore[no-untyped-call]
+        self.views: Materializer = open_materializer(mode, fmt, num_layers, capacity, group,
+                                                     ops, self.side, layout)
+        #: per layer: uint8 [pages, ps, latent + index bytes] (the strategy's storage)
+        self.kv = self.views.kv
+        nl, ps = fmt.latent_bytes_per_token, fmt.page_size
+        if layout is PageLayout.TOKEN_MAJOR:
+            self.latent = [b[..., :nl] for b in self.kv]
+            self.index_k = [b[..., nl:] for b in self.kv]
+        else:  # a page's latent rows, then its index-K rows
+            flat = [b.view(b.shape[0], -1) for b in self.kv]
+            self.latent = [f[:, :ps * nl].view(-1, ps, nl) for f in flat]
+            self.index_k = [f[:, ps * nl:].view(-1, ps, fmt.index_bytes_per_token) for f in flat]
+        #: host pages queued to load back (the cache's host tier), staged by the next batch
+        self._loads: list[PageLoad] = []
+        #: stages of batches not ended yet
+        self._staging: list[PageStage] = []
+        #: part-major writes: the last batch's destination rows as (rows, page, offset)
+        self._addr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.views.mode is not MaterializeMode.REPLICA
+
+    # ---- per batch -----------------------------------------------------------------------------
+    def batch(self, plan: CPPlan, res: Reservation,
+              requests: Mapping[Hashable, RequestPages]) -> BatchKV:
+        """The batch's out-cache locations, materialization plan and staged page work (queued
+        host loads, this rank's copies on write), from the page tables that hold ``res``."""
+        me = self.alloc_rank(self.group.rank)
+        cows = [(old, fresh) for rid, k, old, fresh in res.copies
+                if self.alloc_rank(requests[rid].owners[k]) == me]
+        stage = PageStage(self.kv, self._loads, cows, self.alloc_rank, me, self.ops,
+                          self.group.device, self.side)
+        self._loads = []
+        batch = build_batch(plan, res, requests, self.group.rank, self.shared, self.group.device,
+                            capacity=self.capacity, stage=stage, group=self.group, ops=self.ops)
+        self._staging.append(stage)
+        return batch
+
+    def begin(self, batch: BatchKV) -> None:
+        """The batch's reads may start (after this no peer still reads its new slots, so
+        staged copies may land)."""
+        self.views.begin_batch(batch)
+
+    def end(self, batch: BatchKV) -> None:
+        """The batch's staged work is done (commit or abort)."""
+        batch.stage.finish()
+        if batch.stage in self._staging:
+            self._staging.remove(batch.stage)
+
+    def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Store this rank's new KV rows of ``layer`` (compute dtype, [local rows, D]): direct
+        writes into own pages, then (non-aligned requests, a replica) one all-gather of the
+        packed rows and owner writes."""
+        batch.stage.ready(layer)
+        lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
+        idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
+        nl = lat_b.shape[1]
+        if batch.direct_dst.numel():
+            src_l, src_i = lat_b, idx_b
+            if batch.direct_src is not None:
+                src_l = self.ops.page_gather(lat_b, batch.direct_src)
+                src_i = self.ops.page_gather(idx_b, batch.direct_src)
+            self._store(layer, batch.direct_dst, src_l, src_i)
+        if batch.gather_writes:
+            both = torch.cat([lat_b, idx_b], dim=1)
+            gathered = self.group.all_gather_rows(both, batch.rows.max_rank_len)
+            mine = self.ops.page_gather(gathered, batch.owner_src)
+            self._store(layer, batch.owner_dst, mine[:, :nl], mine[:, nl:])
+
+    def _store(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
+               index_k: torch.Tensor) -> None:
+        """Packed rows into token rows ``rows`` (page slot x ps + offset) of ``layer``."""
+        if self.layout is PageLayout.TOKEN_MAJOR:
+            tok = self.kv[layer].view(-1, self.fmt.bytes_per_token)
+            nl = latent.shape[1]
+            self.ops.page_scatter(tok[:, :nl], rows, latent)  # dense rows, row stride B
+            self.ops.page_scatter(tok[:, nl:], rows, index_k)
+            return
+        # part-major token rows are not evenly spaced: address them as (page, offset), computed
+        # once per batch (``rows`` is the batch's) and reused by every layer
+        if self._addr is None or self._addr[0] is not rows:
+            ps = self.fmt.page_size
+            self._addr = (rows, rows // ps, rows % ps)
+        _, page, off = self._addr
+        self.latent[layer].index_put_((page, off), latent)
+        self.index_k[layer].index_put_((page, off), index_k)
+
+    def relayout(self, slots: Sequence[int], layout: PageLayout) -> None:
+        """Pages at ``slots`` (every layer) hold blocks in ``layout``: rewrite them in place in
+        this store's layout."""
+        if layout is self.layout or not slots:
+            return
+        nl = self.fmt.latent_bytes_per_token
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.group.device)
+        for layer in range(self.num_layers):
+            raw = self.kv[layer].index_select(0, idx)  # [n, ps, B]: the blocks as they came
+            lat, ixk = page_blocks(raw, layout, nl)
+            self.latent[layer].index_copy_(0, idx, lat)
+            self.index_k[layer].index_copy_(0, idx, ixk)
+
+    def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
+        """Start ``layer``'s staged page work and the strategy's prefetch (see
+        :meth:`~cpkv.kv.ShardedKVPool.prefetch`)."""
+        batch.stage.issue(layer)
+        return self.views.prefetch(layer, batch)
+
+    def materialize(self, layer: int, batch: BatchKV,
+                    prefetched: Prefetch | None = None) -> FullView:
+        """The full view of ``layer`` for the batch, in natural order (rule 15)."""
+        batch.stage.ready(layer)
+        return self.views.full_view(layer, batch, prefetched)
+
+    # ---- host pages (the prefix cache's host tier) --------------------------------------------
+    def queue_load(self, load: PageLoad) -> None:
+        """Load host pages into reserved device slots with the next batch's staged work."""
+        self._loads.append(load)
+
+    def queued_loads(self) -> tuple[PageLoad, ...]:
+        """Host loads queued and not yet handed to a batch."""
+        return tuple(self._loads)
+
+    @property
+    def loads_pending(self) -> bool:
+        """Queued or in-flight host loads (or copies) whose bytes are not all in place yet."""
+        return bool(self._loads) or any(not s.empty for s in self._staging)
+
+    def flush_loads(self) -> None:
+        """Finish every queued host load and every in-flight batch's staged work now."""
+        for stage in self._staging:
+            stage.finish()
+        if self._loads:
+            me = self.alloc_rank(self.group.rank)
+            PageStage(self.kv, self._loads, [], self.alloc_rank, me, self.ops, self.group.device,
+                      self.side).finish()
+            self._loads = []
+
+    # ---- debug -------------------------------------------------------------------------------
+    def verify_out_cache(self, batch: BatchKV, requests: Mapping[Hashable, RequestPages]) -> None:
+        """Every direct write lands in a page this rank owns, at the row of its position; all
+        ranks agree (a collective that syncs).
+
+        Raises:
+            RuntimeError: on every rank, when one rank's check failed.
+        """
+        ps, rank = self.fmt.page_size, self.group.rank
+        ok, msg = True, ""
+        if self.shared and batch.direct_dst.numel():
+            reqs, pos = batch.plan.local_rows(rank)
+            src = (batch.direct_src.tolist() if batch.direct_src is not None
+                   else list(range(len(pos))))
+            for j, d in zip(src, batch.direct_dst.tolist(), strict=True):
+                rp = requests[batch.rids[reqs[j]]]
+                k = pos[j] // ps
+                if rp.owners[k] != rank or d != rp.slots[k] * ps + pos[j] % ps:
+                    ok, msg = False, (f"rank {rank}: row {j} (pos {pos[j]}) would write row {d}"
+                                      f", page {k} is owned by {rp.owners[k]} at slot {rp.slots[k]}")
+                    break
+        self.group.check_all(ok, msg)

@@ -1,0 +1,270 @@
+"""The host-side page table of a pool (rules 10-12): pure Python, no tensors, no device.
+
+Per request a logical page table (page k -> owner rank, physical slot on the owner), per page a
+reference count (the requests whose tables hold it plus outside holders such as the prefix
+cache), the free lists, and the reclaim hook asked to evict when a reservation does not fit.
+Every rank runs the same calls in the same order, so every rank's table is the same.
+
+A batch is reserved in one step (:meth:`PageTable.reserve`): the plan is checked against the
+tables, the pages it needs (new pages, copies of shared tail pages it writes into) are taken all
+or nothing, and the tables are updated; :meth:`PageTable.commit` or :meth:`PageTable.abort`
+ends it. Bytes are the :class:`~cpkv.kv.store.KVStore`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+from cpkv.contracts import CPPlan, RequestSpec, cdiv
+
+from .allocator import PageAllocator, PageRefs
+from .pages import PageKey, RequestPages, Reservation
+
+__all__ = ["PageTable", "RequestPages", "Reservation"]
+
+class PageTable:
+    """Request page tables, reference counts and free lists of one pool (every rank's alike).
+
+    Args:
+        page_size: tokens per page.
+        num_ranks: allocation ranks (the CP size of a sharded pool; 1 for a replica, whose one
+            free list serves every owner).
+        capacity: pages per allocation rank.
+    """
+
+    def __init__(self, page_size: int, num_ranks: int, capacity: int, *, shared: bool = True
+                 ) -> None:
+        self.page_size, self.shared = page_size, shared
+        self._requests: dict[Hashable, RequestPages] = {}
+        #: every held page's references: the requests' tables and outside holders
+        self._refs = PageRefs(num_ranks if shared else 1, capacity)
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The free lists (read them; pages are taken and given back through the table)."""
+        return self._refs.allocator
+
+    @property
+    def reclaim(self) -> Callable[[Sequence[int]], bool] | None:
+        """Asked with each allocation rank's need when pages do not fit (the prefix cache
+        evicts); returns whether they are free now. Same on every rank."""
+        return self._refs.reclaim
+
+    @reclaim.setter
+    def reclaim(self, hook: Callable[[Sequence[int]], bool] | None) -> None:
+        self._refs.reclaim = hook
+
+    # ---- reading -------------------------------------------------------------------------------
+    @property
+    def requests(self) -> Mapping[Hashable, RequestPages]:
+        """Every request's page table (read-only mapping; change it through the methods)."""
+        return MappingProxyType(self._requests)
+
+    def alloc_rank(self, owner: int) -> int:
+        """Whose free list a page of ``owner`` comes from (the one list of a replica)."""
+        return owner if self.shared else 0
+
+    def key(self, owner: int, slot: int) -> PageKey:
+        """The (allocation rank, slot) key of the page at ``slot`` on ``owner``."""
+        return self.alloc_rank(owner), slot
+
+    def refcount(self, owner: int, slot: int) -> int:
+        """References to the page at ``slot`` on ``owner`` (0: free)."""
+        return self._refs.count(self.key(owner, slot))
+
+    def references(self) -> dict[PageKey, int]:
+        """A copy of every held page's reference count, by (allocation rank, slot)."""
+        return self._refs.snapshot()
+
+    def logical_pages(self) -> int:
+        """Distinct pages held (shared pages once)."""
+        return len(self._refs)
+
+    def request_spec(self, rid: Hashable, extend_len: int) -> RequestSpec:
+        """Planner input for extending ``rid`` by ``extend_len`` tokens after what it holds."""
+        rp = self._requests.get(rid)
+        if rp is None:
+            return RequestSpec(prefix_len=0, extend_len=extend_len)
+        return RequestSpec(prefix_len=rp.valid_len, extend_len=extend_len,
+                           prefix_owners=tuple(rp.owners[: cdiv(rp.valid_len, self.page_size)]))
+
+    # ---- a batch -------------------------------------------------------------------------------
+    def reserve(self, plan: CPPlan, rids: Sequence[Hashable]) -> Reservation:
+        """Take the pages the batch ``plan`` of requests ``rids`` writes, all or nothing, and
+        put them in the requests' tables (pending until :meth:`commit`).
+
+        Raises:
+            ValueError: plan and table disagree (a request's prefix or owners, a request in an
+                uncommitted batch); nothing changed.
+            PoolExhausted: not enough pages even after the reclaimer; nothing changed.
+        """
+        ps = self.page_size
+        needs = [0] * self.allocator.num_ranks
+        new: list[tuple[Hashable, int, list[int]]] = []
+        cows: list[tuple[Hashable, int]] = []  # shared tail pages this batch writes into
+        for rid, req in zip(rids, plan.requests, strict=True):
+            rp = self._requests.get(rid)
+            have = 0 if rp is None else rp.valid_len
+            if rp is not None and rp.pending:
+                raise ValueError(f"request {rid!r} is already in an uncommitted batch")
+            if req.prefix_len != have:
+                raise ValueError(f"request {rid!r}: the plan's prefix is {req.prefix_len} tokens, the "
+                                 f"pool holds {have}")
+            existing = 0 if rp is None else len(rp.slots)
+            for k in range(req.prefix_len // ps, existing):  # the tail page keeps its owner
+                if rp is not None and req.page_owners[k] != rp.owners[k]:
+                    raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
+                                     f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
+            if rp is not None and req.prefix_len % ps:
+                k = req.prefix_len // ps  # the head fragment writes into this page (rule 3)
+                if self._refs.count(self.key(rp.owners[k], rp.slots[k])) > 1:
+                    cows.append((rid, k))  # others still read it: copy on write, on its owner
+                    needs[self.alloc_rank(rp.owners[k])] += 1
+            owners: list[int] = []
+            for k in range(existing, cdiv(req.end, ps)):
+                o = req.page_owners[k]
+                if o is None:  # the plan validates this away: pages from the prefix's tail on
+                    raise ValueError(f"request {rid!r}: the plan has no owner for page {k}")
+                owners.append(o)
+                needs[self.alloc_rank(o)] += 1
+            new.append((rid, existing, owners))
+        slots = self._refs.take(needs, f"a batch of {len(rids)} requests")
+        # commit the reservation to the page tables (nothing can fail from here on)
+        cursor = [0] * len(slots)
+
+        def take(owner: int) -> int:
+            a = self.alloc_rank(owner)
+            cursor[a] += 1
+            return slots[a][cursor[a] - 1]
+
+        copies: list[tuple[Hashable, int, int, int]] = []
+        for rid, k in cows:
+            rp = self._requests[rid]
+            old = rp.slots[k]
+            # allocation may have evicted the other holders (lessons: shared pages and pressure)
+            if self._refs.count(self.key(rp.owners[k], old)) == 1:
+                continue
+            fresh = take(rp.owners[k])
+            rp.slots[k] = fresh
+            self._refs.drop([self.key(rp.owners[k], old)])  # still held by the others
+            copies.append((rid, k, old, fresh))
+        for rid, _existing, owners in new:
+            rp = self._requests.setdefault(rid, RequestPages())
+            for o in owners:
+                rp.owners.append(o)
+                rp.slots.append(take(o))
+                rp.pending.append(len(rp.slots) - 1)
+        for a, got in enumerate(slots):  # copies that turned out unneeded: their pages go back
+            self._refs.give_back(a, got[cursor[a]:])
+        return Reservation(rids=tuple(rids), ends=tuple(r.end for r in plan.requests),
+                           new_pages=tuple((rid, e) for rid, e, _ in new), copies=tuple(copies))
+
+    def commit(self, res: Reservation) -> None:
+        """Mark the reserved batch's tokens valid."""
+        for rid, end in zip(res.rids, res.ends, strict=True):
+            rp = self._requests[rid]
+            rp.valid_len = end
+            rp.pending.clear()
+
+    def abort(self, res: Reservation) -> None:
+        """Undo :meth:`reserve`: the requests hold what they held before."""
+        for rid, k, old, fresh in res.copies:
+            rp = self._requests[rid]
+            self.retain([(rp.owners[k], old)])
+            self._refs.drop([self.key(rp.owners[k], fresh)])
+            rp.slots[k] = old
+        for rid, first_new in res.new_pages:
+            rp = self._requests[rid]
+            self._refs.drop(self.key(rp.owners[k], rp.slots[k])
+                            for k in range(first_new, len(rp.slots)))
+            del rp.owners[first_new:], rp.slots[first_new:]
+            rp.pending.clear()
+            if not rp.slots:
+                del self._requests[rid]
+
+    # ---- requests ------------------------------------------------------------------------------
+    def free(self, rid: Hashable) -> None:
+        """Release request ``rid``'s references to its pages.
+
+        Raises:
+            KeyError: ``rid`` is not in the table.
+        """
+        rp = self._requests.pop(rid)
+        self._refs.drop(self.key(o, s) for o, s in zip(rp.owners, rp.slots, strict=True))
+
+    def truncate(self, rid: Hashable, valid_len: int) -> int:
+        """Keep ``rid``'s first ``valid_len`` tokens; its pages past them lose its reference.
+        Returns how many pages went back to the free lists.
+
+        Raises:
+            ValueError: ``rid`` is in an uncommitted batch, or ``valid_len`` is not in
+                ``[1, valid length]``.
+        """
+        rp = self._requests[rid]
+        if rp.pending:
+            raise ValueError(f"request {rid!r} is in an uncommitted batch")
+        if not 1 <= valid_len <= rp.valid_len:
+            raise ValueError(f"request {rid!r} holds {rp.valid_len} tokens, cannot keep {valid_len}")
+        keep = cdiv(valid_len, self.page_size)
+        freed = self._refs.drop(self.key(o, s) for o, s in zip(rp.owners[keep:], rp.slots[keep:],
+                                                               strict=True))
+        del rp.owners[keep:], rp.slots[keep:]
+        rp.valid_len = valid_len
+        return freed
+
+    def adopt(self, rid: Hashable, pages: Sequence[tuple[int, int]], valid_len: int) -> None:
+        """Start ``rid`` from ``valid_len`` tokens stored in ``pages`` ((owner, slot) of logical
+        pages 0..), taking one more reference to each.
+
+        Raises:
+            ValueError: ``rid`` is in the table, ``pages`` does not cover ``valid_len``, or a
+                page is not held (nothing changed).
+        """
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already in the pool")
+        if valid_len < 1 or len(pages) != cdiv(valid_len, self.page_size):
+            raise ValueError(f"{valid_len} valid tokens need {cdiv(valid_len, self.page_size)} "
+                             f"pages of {self.page_size}, got {len(pages)}")
+        self.retain(pages)
+        self._requests[rid] = RequestPages(owners=[o for o, _ in pages],
+                                           slots=[s for _, s in pages], valid_len=valid_len)
+
+    def extend(self, rid: Hashable, pages: Sequence[tuple[int, int]], valid_len: int) -> None:
+        """Append ``pages`` ((owner, slot), held by the caller: their references pass to the
+        request) to ``rid``'s table (created when new) and set its valid length (a transfer's
+        publish: the pages cover ``valid_len``).
+
+        Raises:
+            ValueError: a page is not held (nothing changed).
+        """
+        missing = [p for p in pages if not self._refs.count(self.key(*p))]
+        if missing:
+            raise ValueError(f"cannot hand over pages that are not held: {missing[:8]}")
+        rp = self._requests.setdefault(rid, RequestPages())
+        rp.owners.extend(o for o, _ in pages)
+        rp.slots.extend(s for _, s in pages)
+        rp.valid_len = valid_len
+
+    # ---- pages held outside requests (the prefix cache, transfers) ----------------------------
+    def retain(self, pages: Iterable[tuple[int, int]]) -> None:
+        """One more reference to each (owner rank, slot) page.
+
+        Raises:
+            ValueError: a page is not held (nothing was changed).
+        """
+        self._refs.retain([self.key(o, s) for o, s in pages])
+
+    def release(self, pages: Iterable[tuple[int, int]]) -> int:
+        """One reference less to each (owner rank, slot) page; returns how many went back to the
+        free lists."""
+        return self._refs.drop(self.key(o, s) for o, s in pages)
+
+    def take_pages(self, needs: Sequence[int], what: str = "pages") -> list[list[int]]:
+        """``needs[a]`` new pages on every allocation rank ``a``, all or nothing, one reference
+        each (the caller's), the reclaimer asked first under pressure.
+
+        Raises:
+            PoolExhausted: not enough free pages (nothing taken).
+        """
+        return self._refs.take(list(needs), what)
