@@ -200,6 +200,11 @@ class TransferSettings(_Section):
     #: table -> key -> where its value came from (set by :class:`Settings`)
     _origins: dict[str, dict[str, str]] = PrivateAttr(default_factory=dict)
 
+    def record_origins(self, origins: dict[str, dict[str, str]]) -> None:
+        """Remember where each plugin table's keys came from (table -> key -> source), for the
+        plugins' error messages; :class:`Settings` calls it once after validation."""
+        self._origins = origins
+
     def tables(self) -> dict[str, dict[str, Any]]:
         """The plugin-owned tables, by plugin name."""
         return dict(self.model_extra or {})
@@ -447,9 +452,9 @@ class Settings(BaseSettings):
         except _SourceError as exc:  # e.g. a list-valued CPKV_* variable that is not JSON
             raise SettingsError(f"invalid cpkv settings: {exc}") from exc
         # the plugins validate their tables later (at connect): remember where each key came from
-        self.transfer._origins = {
+        self.transfer.record_origins({
             name: {k: _origin(("transfer", name, k), values, toml) for k in table}
-            for name, table in self.transfer.tables().items()}
+            for name, table in self.transfer.tables().items()})
         problem = self.cross_section_problem()
         if problem is not None:
             where = f"file {toml}" if toml is not None else "no file"
