@@ -397,7 +397,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/long_h200.json",
               show_default=True)
 @click.option("--tokens", default="262144,524288,1048576", show_default=True,
-              help="Prompt lengths (comma-separated).")
+              help="Prompt lengths (comma-separated; empty: the recall only).")
 @click.option("--chunks", default="65536,131072", show_default=True,
               help="Chunk sizes each prompt is prefilled in (comma-separated).")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
@@ -436,21 +436,24 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
              "max_position_embeddings": max(PRESETS["v32-attention"]["max_position_embeddings"],
                                             *lens, *rlens)}
     ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, **stack))
-    spec = long.LongSpec(ckpt, lens, sizes, budget_mb=budget_mb,
-                         profile=(524288, min(sizes)) if 524288 in lens else None)
-    err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}[/]")
-    res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600)[0].value
-    detail["long"] = res
-    fixed = None
-    if fixed_budget_mb:
-        err.print(f"[dim]{max(lens)} tokens in chunks of {min(sizes)} at a {fixed_budget_mb} MB "
-                  "logits budget[/]")
-        fspec = dataclasses.replace(spec, tokens=(max(lens),), chunks=(min(sizes),),
-                                    budget_mb=fixed_budget_mb, profile=None)
-        fixed = run_ranks(long.long_rank, 1, args=(fspec,), backend="nccl",
-                          timeout_s=3600)[0].value
-        detail["fixed_budget"] = fixed
-    rows = long.long_rows(res, ceil["matmul_tflops"], device_gb, fixed)
+    rows: list[BenchRow] = []
+    res: dict[str, Any] = {}
+    if lens:
+        spec = long.LongSpec(ckpt, lens, sizes, budget_mb=budget_mb,
+                             profile=(524288, min(sizes)) if 524288 in lens else None)
+        err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}[/]")
+        res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600)[0].value
+        detail["long"] = res
+        fixed = None
+        if fixed_budget_mb:
+            err.print(f"[dim]{max(lens)} tokens in chunks of {min(sizes)} at a "
+                      f"{fixed_budget_mb} MB logits budget[/]")
+            fspec = dataclasses.replace(spec, tokens=(max(lens),), chunks=(min(sizes),),
+                                        budget_mb=fixed_budget_mb, profile=None)
+            fixed = run_ranks(long.long_rank, 1, args=(fspec,), backend="nccl",
+                              timeout_s=3600)[0].value
+            detail["fixed_budget"] = fixed
+        rows += long.long_rows(res, ceil["matmul_tflops"], device_gb, fixed)
     if rlens:
         ckpts = [("v32-attention", ckpt)]
         if hf:
@@ -462,8 +465,12 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
                             backend="nccl", timeout_s=3600)[0].value
             detail[f"fp8_recall_{label}"] = rec
             rows += long.recall_rows(rec)
-    longest = max(res["runs"].values(), key=lambda r: (r["tokens"], r["chunk"] == min(sizes)))
-    _report("long", rows, out, detail,
-            f"logits budget {res['budget_mb']} MB; logits equal across chunkings: "
-            f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first token "
-            f"projected {longest['seconds'] / 8:.2f} s ({longest['tokens'] // 8} rows a rank)")
+    summary = ""
+    if res:
+        longest = max(res["runs"].values(),
+                      key=lambda r: (r["tokens"], r["chunk"] == min(sizes)))
+        summary = (f"logits budget {res['budget_mb']} MB; logits equal across chunkings: "
+                   f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first "
+                   f"token projected {longest['seconds'] / 8:.2f} s "
+                   f"({longest['tokens'] // 8} rows a rank)")
+    _report("long", rows, out, detail, summary)
