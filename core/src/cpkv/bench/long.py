@@ -123,7 +123,8 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
     session = _session(model, group, max(spec.tokens), spec.kv_dtype, spec.indexer_dtype,
                        spec.budget_mb)
     out: dict[str, Any] = {"ops": dict(session.ops.chosen), "layers": model.num_layers,
-                           "budget_mb": session.driver.budget >> 20, "runs": {}}
+                           "budget_mb": session.logits_budget_mb,
+                           "budget_auto": session.logits_budget_auto, "runs": {}}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     # warm-up: every kernel specialisation the timed chunks use (compiles; the top-k's

@@ -469,7 +469,8 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
     if res:
         longest = max(res["runs"].values(),
                       key=lambda r: (r["tokens"], r["chunk"] == min(sizes)))
-        summary = (f"logits budget {res['budget_mb']} MB; logits equal across chunkings: "
+        auto = " (auto: from the free device memory)" if res["budget_auto"] else ""
+        summary = (f"logits budget {res['budget_mb']} MB{auto}; logits equal across chunkings: "
                    f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first "
                    f"token projected {longest['seconds'] / 8:.2f} s "
                    f"({longest['tokens'] // 8} rows a rank)")
