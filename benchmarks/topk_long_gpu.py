@@ -66,7 +66,33 @@ def small_cases(ref: object) -> dict[str, bool]:
     return out
 
 
+def sweep(tri: object) -> None:
+    """Launch shapes of the one-read path at 1024 rows x 512K keys, and where one call's time
+    goes (torch.profiler, per kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x, ks, ke = logits_of("indexer", 1024, 524288, g, tri)
+    saved = dict(T.TOPK_LONG)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        T.topk(x, 2048, ks, ke)
+        torch.cuda.synchronize()
+    print(json.dumps({e.key[:40]: round(e.self_device_time_total / 1e3, 3)
+                      for e in prof.key_averages() if e.self_device_time_total}), flush=True)
+    for blk in (1024, 2048, 4096):
+        for warps in (4, 8):
+            for progs in (2048, 8192):
+                T.TOPK_LONG = {**saved, "BLOCK": blk, "num_warps": warps, "PROGRAMS": progs}
+                ms = device_ms(partial(T.topk, x, 2048, ks, ke), iters=10)
+                print(json.dumps({"BLOCK": blk, "num_warps": warps, "PROGRAMS": progs,
+                                  "ms": round(ms, 3)}), flush=True)
+    T.TOPK_LONG = saved
+
+
 def main() -> None:
+    if sys.argv[2:] == ["sweep"]:
+        sweep(PluginHost().backends().load("triton"))
+        return
     host = PluginHost()
     tri, ref = host.backends().load("triton"), host.backends().load("torch")
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -64,8 +64,10 @@ TOPK_SAMPLE = 512
 #: filter; PROGRAMS: splits a row into enough (row, split) programs to fill the GPU when a call
 #: has few rows (splits of at least SPLIT_MIN columns); REFINE candidates per refinement step.
 #: At 1M columns the floor keeps ~7K candidates (k = 2048: the k-th key ~8 sample places down,
-#: the floor 4 standard deviations plus 8 places below it)
-TOPK_LONG: dict[str, int] = {"MIN_T": 131072, "SAMPLE": 4096, "CAP": 16384, "BLOCK": 1024,
+#: the floor 4 standard deviations plus 8 places below it). MIN_T: on the H200 at 1024 rows the
+#: one-read path took 0.84 ms at 64K columns (two-read 0.49), 1.07 at 128K (0.92), 2.16 at 512K
+#: (11.75: the two-read path's sample misses the k-th key there and rows take the exact kernel)
+TOPK_LONG: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "CAP": 16384, "BLOCK": 1024,
                              "PROGRAMS": 2048, "SPLIT_MIN": 32768, "REFINE": 1024,
                              "num_warps": 4, "select_warps": 4}
 _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -386,8 +388,8 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
         cols = start + (i.to(tl.int64) * cnt) // SAMPLE
         x = tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32)
         x = tl.sort(tl.where(x == 0.0, 0.0, x), descending=True)
-        est = (K.to(tl.int64) * SAMPLE) // cnt
-        place = est + (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int64) + 8
+        est = (K * SAMPLE) // cnt
+        place = est + (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
         lo = tl.sum(tl.where(i == place, x, 0.0), axis=0)
         lo = tl.where(place < SAMPLE, lo, float("-inf"))
         tl.store(floor_ptr + row, lo)
