@@ -34,6 +34,7 @@ __all__ = [
     "CacheSettings",
     "FallbackSettings",
     "KVSettings",
+    "LogSettings",
     "PluginSettings",
     "RunSettings",
     "RuntimeSettings",
@@ -172,6 +173,10 @@ class RuntimeSettings(_Section):
     """Runtime bounds."""
 
     timeout_s: float = Field(120.0, gt=0, description="bound on every cross-rank wait, seconds")
+    startup_timeout_s: float = Field(
+        60.0, gt=0, description="bound on starting the rank processes (interpreter, imports) and "
+                                "joining the process group, seconds; raise it when the machine "
+                                "has fewer CPU cores than processes")
     logits_budget_mb: int = Field(512, ge=1, description="indexer logits memory budget per chunk")
     prefetch: bool = Field(
         True, description="gather the next layer's cached prefix pages while this layer computes"
@@ -181,6 +186,14 @@ class RuntimeSettings(_Section):
                             "scale folded into the head weights) when the pool's index keys are "
                             "fp8, for fp8 x fp8 tensor cores; 'bf16' keeps the model dtype",
     )
+
+
+class LogSettings(_Section):
+    """Logging of the ``cpkv`` command (the library itself never configures logging)."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="events logged (stderr) from this level up, the rank processes' "
+                               "included; -v (info), -vv (debug) and -q (error) override it")
 
 
 class CacheSettings(_Section):
@@ -351,6 +364,7 @@ class Settings(BaseSettings):
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     run: RunSettings = Field(default_factory=RunSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
 
     def __init__(self, **values: Any) -> None:
         """Build settings from ``values`` (highest priority), the environment and the bound TOML.

@@ -103,6 +103,8 @@ class Served:
     last_extends: list[int]
     #: with the draft layer: float32 [prompts, vocab] draft logits of each prompt's last row
     draft_logits: torch.Tensor | None = None
+    #: wall time of the whole loop (every batch, and what ``after`` did), seconds
+    seconds: float = 0.0
 
 
 def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _nothing, *,
@@ -117,6 +119,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
     Raises:
         ValueError: the job has no prompts.
     """
+    t0 = time.perf_counter()
     rids, done = spec.rids, [0] * len(spec.prompts)
     batches = spec.batches()
     if not batches or not spec.prompts:
@@ -159,4 +162,5 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
     logits = torch.stack([t for t in last_logits if t is not None])
     drafts = [t for t in draft_logits if t is not None]
     return Served(last_logits=logits, hits=hits, last=res, last_extends=extends,
-                  draft_logits=torch.stack(drafts) if drafts else None)
+                  draft_logits=torch.stack(drafts) if drafts else None,
+                  seconds=time.perf_counter() - t0)
