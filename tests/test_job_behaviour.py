@@ -1,0 +1,186 @@
+"""``cpkv run`` as a well-made command line program: one log stream, user errors as one line with
+the fix, no rank process left behind whatever kills the parent, Ctrl-C exits 130."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # every test runs the ``cpkv`` command in a subprocess
+
+#: a quick job: no transfer or decode phase, the default prompts
+QUICK = ["run", "--decode-tokens", "0"]
+#: prompts whose extends are whole multiples of 2C pages: no fallback at CP2
+ALIGNED = str(Path(__file__).parents[1] / "examples" / "prompts_aligned.json")
+
+
+def cpkv(*args: str, env: dict[str, str] | None = None,
+         timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cpkv.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"  # a zombie is dead, only unreaped
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
+def test_killing_the_parent_leaves_no_rank_process(sig: signal.Signals) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "cpkv.cli", *QUICK], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ranks: list[int] = []
+        deadline = time.monotonic() + 90
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            ranks = [p for p in _children(proc.pid) if _is_rank(p)]
+        assert len(ranks) == 2, "the two rank processes did not start within 90 s"
+        time.sleep(1.0)  # inside the job (imports, the process group)
+        if sig == signal.SIGINT:  # Ctrl-C: the terminal signals the whole process group
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        rc = proc.wait(timeout=30)
+        end = time.monotonic() + 5
+        while any(map(_alive, ranks)) and time.monotonic() < end:
+            time.sleep(0.1)
+        left = [p for p in ranks if _alive(p)]
+        assert not left, f"rank processes {left} outlived the parent ({sig.name}) by 5 s"
+        _, err = proc.communicate(timeout=10)
+        assert "BrokenPipeError" not in err and "Traceback" not in err, err[-2000:]
+        expected = {signal.SIGTERM: 128 + 15, signal.SIGKILL: -9, signal.SIGINT: 130}[sig]
+        assert rc == expected, (rc, err[-2000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_default_run_prints_the_report_on_stdout_and_no_rank_events() -> None:
+    out = cpkv(*QUICK)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "correct" in out.stdout
+    # the ranks' events are not on stdout, and by default not at all (the report lists the
+    # fallbacks once): nothing from structlog anywhere
+    for stream in (out.stdout, out.stderr):
+        assert "cpkv.backend.selected" not in stream and "[info" not in stream
+        assert "[warning  ] cpkv.fallback" not in stream
+    assert out.stdout.count("fallback split_plan") == len(set(
+        ln for ln in out.stdout.splitlines() if ln.startswith("fallback split_plan")))
+
+
+@pytest.mark.slow
+def test_verbose_run_logs_every_rank_once_per_event_on_stderr() -> None:
+    out = cpkv("-v", *QUICK)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ranks=0,1" in out.stderr  # identical events of both ranks: one line
+    assert "cpkv.fallback" in out.stderr
+    assert "cpkv." not in out.stdout and "ranks=" not in out.stdout
+    lines = [ln for ln in out.stderr.splitlines() if "cpkv.kv.materialize_auto" in ln
+             and "ranks=" in ln]
+    assert len(lines) == 1, out.stderr  # one line, not one per rank
+
+
+def test_exhausted_pool_is_one_line_naming_the_setting() -> None:
+    out = cpkv(*QUICK, env={"CPKV_KV__PAGES_PER_RANK": "2"})
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1, out.stderr
+    assert "PoolExhausted" in errors[0] and "kv.pages_per_rank" in errors[0]
+    assert "CPKV_KV__PAGES_PER_RANK" in errors[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_exhausted_pool_with_v_shows_the_rank_traceback() -> None:
+    out = cpkv("-v", *QUICK, env={"CPKV_KV__PAGES_PER_RANK": "2"})
+    assert out.returncode == 1
+    assert "--- traceback of rank" in out.stderr and "PoolExhausted" in out.stderr
+
+
+@pytest.mark.parametrize(("var", "value", "available"), [
+    ("CPKV_BACKEND__NAME", "tritn", "torch"),
+    ("CPKV_TRANSFER__NAME", "mooncak", "nccl"),
+])
+def test_unknown_plugin_name_is_a_configuration_error(var: str, value: str,
+                                                      available: str) -> None:
+    t0 = time.monotonic()
+    out = cpkv("run", env={var: value})
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert f"{value!r}" in out.stderr and "available:" in out.stderr and available in out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - t0 < 60  # before any rank started
+
+
+def test_missing_weights_are_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    out = cpkv("run", "--model", str(tmp_path), "--decode-tokens", "0")
+    assert out.returncode == 1
+    assert out.stderr.count("Error:") == 1 and "Traceback" not in out.stderr
+
+
+def test_draft_tokens_without_mtp_is_an_error() -> None:
+    out = cpkv("run", "--draft-tokens", "2")
+    assert out.returncode == 2 and "--draft-tokens needs --mtp" in out.stderr
+
+
+def test_json_true_is_not_a_token_id(tmp_path: Path) -> None:
+    p = tmp_path / "prompts.json"
+    p.write_text("[[1, 2, true]]")
+    out = cpkv("run", "--prompts", str(p))
+    assert out.returncode == 2 and "token ids" in out.stderr
+
+
+@pytest.mark.slow
+def test_error_policy_with_aligned_prompts_runs_and_reports_context(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    out = cpkv("run", "--prompts", ALIGNED, "--report", str(report),
+               env={"CPKV_FALLBACK__POLICY": "error"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["fallbacks"] == []
+    assert data["settings"]["fallback"]["policy"] == "error" and data["version"]
+    assert "Python" in data["machine"]
+    sec = data["seconds"]
+    for k in ("cp_startup", "cp_prefill", "cp_decode", "reference_startup",
+              "reference_prefill", "reference_decode"):
+        assert sec[k] >= 0.0
+    assert "cp_wall" not in sec
+    # startup (spawn, imports, load) is what makes the CP wall time long, not the prefill
+    assert sec["cp_startup"] + sec["cp_prefill"] <= sec["cp_total"] + 1.0
