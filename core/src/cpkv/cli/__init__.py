@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import traceback
-from dataclasses import dataclass
 from types import FrameType
 
 import click
@@ -14,25 +14,12 @@ from cpkv.runtime import RankFailed
 
 from ._errors import one_line
 from ._logging import configure_logging, level_from_flags
+from ._state import CliState
 
 __all__ = ["CliState", "main"]
 
 #: exit status after Ctrl-C (128 + SIGINT), as shells report it
 EXIT_INTERRUPTED = 130
-
-
-@dataclass
-class CliState:
-    """The group's options, for the subcommands (``ctx.obj``)."""
-
-    verbose: int = 0
-    quiet: int = 0
-    debug: bool = False
-
-    @property
-    def tracebacks(self) -> bool:
-        """Show tracebacks of errors: ``--debug`` or ``-v``."""
-        return self.debug or self.verbose > 0
 
 
 class _Group(click.Group):
@@ -78,7 +65,7 @@ def main(ctx: click.Context, verbose: int, quiet: int, debug: bool) -> None:
     """cpkv: page-aligned shared KV for context-parallel prefill."""
     ctx.obj = CliState(verbose=verbose, quiet=quiet, debug=debug)
     configure_logging(level_from_flags(verbose, quiet))
-    if sys.platform != "win32":
+    if sys.platform != "win32" and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
 
 

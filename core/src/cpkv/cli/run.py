@@ -27,9 +27,9 @@ from cpkv.runtime.job import JobReport, run_job
 from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE
 from cpkv.settings import SettingsError, load_settings
 
-from . import CliState
 from ._logging import RankLogging, configure_logging, level_from_flags
 from ._report import engine_log_env, report_context
+from ._state import CliState
 
 #: the default prompts (see _default_prompts): a long one, one sharing its first 100 tokens
 #: (a cache hit that ends inside a 64-token page), a short extend (it takes the visible

@@ -26,12 +26,10 @@ parent (``cpkv.comm.waiting_in``), so a timeout names what each hung rank waits 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -44,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpkv._lifetime import PARENT_ENV, die_with_parent
 from cpkv.comm import CPGroup, current_wait
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
@@ -208,19 +207,6 @@ def _send_quietly(conn: Connection, msg: tuple[Any, ...]) -> bool:
     return True
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``);
-    exit at once if the parent already died before that (the rank was re-parented)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def _watchdog(parent_pid: int, rank: int, conn: Connection) -> None:
     """Daemon thread of a rank: exit when the parent is gone (where there is no parent-death
     signal), and tell the parent the collective the rank has been waiting in for a while (so a
@@ -285,7 +271,7 @@ def _rank_main(
 ) -> None:
     """Entry point of one rank process (top level, so ``spawn`` can pickle it)."""
     if parent_pid:
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid)  # (cpkv's first import did it too, before torch loaded)
         threading.Thread(target=_watchdog, args=(parent_pid, rank, conn), daemon=True,
                          name="cpkv-rank-watchdog").start()
     # Ctrl-C reaches every process of the terminal's group: the parent stops the ranks
@@ -411,7 +397,9 @@ def run_ranks(
     conns: dict[int, Connection] = {}
     logs = RankLogMerger(size, names)
     try:
-        with _sigint_ignored():  # inherited through exec: the ranks ignore Ctrl-C from birth
+        # SIGINT ignored is inherited through exec: the ranks ignore Ctrl-C from birth; the
+        # variable makes their first import of cpkv tie them to this process (cpkv._lifetime)
+        with _sigint_ignored(), _env(PARENT_ENV, str(os.getpid())):
             for rank in range(size):
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 p = ctx.Process(
@@ -435,6 +423,20 @@ def run_ranks(
         for c in conns.values():
             c.close()
         del store
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str) -> Any:
+    """``os.environ[key] = value`` for the block (the processes started in it inherit it)."""
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 @contextlib.contextmanager
