@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from cpkv.comm import CPGroup, waiting_in
+from cpkv.runtime import RankFailed, RankTimeout, run_ranks
+
 pytestmark = pytest.mark.multiprocess  # every test runs the ``cpkv`` command in a subprocess
 
 #: a quick job: no transfer or decode phase, the default prompts
@@ -184,3 +187,30 @@ def test_error_policy_with_aligned_prompts_runs_and_reports_context(tmp_path: Pa
     assert "cp_wall" not in sec
     # startup (spawn, imports, load) is what makes the CP wall time long, not the prefill
     assert sec["cp_startup"] + sec["cp_prefill"] <= sec["cp_total"] + 1.0
+
+
+def _rank0_waits_rank1_sleeps(group: CPGroup) -> None:
+    if group.rank == 0:
+        with waiting_in("barrier (group of 2)"):
+            time.sleep(1000)
+    time.sleep(1000)
+
+
+def test_a_hung_rank_is_named_by_the_collective_it_waits_in() -> None:
+    with pytest.raises(RankTimeout) as info:
+        run_ranks(_rank0_waits_rank1_sleeps, 2, timeout_s=6.0)
+    assert info.value.waiting == {0: "barrier (group of 2)"}
+    assert "rank 0 waited in barrier (group of 2)" in str(info.value)
+
+
+def _last_rank_raises(group: CPGroup) -> None:
+    if group.rank == group.size - 1:
+        raise ValueError("no pages arrived")
+    group.barrier()
+
+
+def test_the_decode_rank_is_called_so() -> None:
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_last_rank_raises, 2, timeout_s=60.0, names=["rank 0", "the decode rank"])
+    assert str(info.value).startswith("ValueError: no pages arrived [the decode rank (rank 1 of 2)]")
+    assert info.value.label == "the decode rank (rank 1 of 2)"
