@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from cpkv.comm import CPGroup, waiting_in
 from cpkv.runtime import RankFailed, RankTimeout, run_ranks
+from cpkv.runtime.ranklog import RankLogMerger, StderrLines
 
 pytestmark = pytest.mark.multiprocess  # every test runs the ``cpkv`` command in a subprocess
 
@@ -214,3 +216,27 @@ def test_the_decode_rank_is_called_so() -> None:
         run_ranks(_last_rank_raises, 2, timeout_s=60.0, names=["rank 0", "the decode rank"])
     assert str(info.value).startswith("ValueError: no pages arrived [the decode rank (rank 1 of 2)]")
     assert info.value.label == "the decode rank (rank 1 of 2)"
+
+
+def test_rank_events_merge_across_ranks_and_stderr_lines_become_events() -> None:
+    merger = RankLogMerger(3, ["rank 0", "rank 1", "the decode rank"], window_s=60.0)
+    lines = StderrLines(merger)
+    with capture_logs() as logs:
+        for r in range(3):
+            merger.add(r, {"event": "cpkv.kv.materialize_auto", "level": "info", "why": "cpu"})
+        assert len(logs) == 1  # every rank sent it: logged at once, not after the window
+        lines.feed(0, b"E1202 01:11:55.1 26614 transfer_metadata.cpp:1098] Local segment descr")
+        lines.feed(0, b"iptor not found\nframe #0: c10::Error\n")
+        lines.feed(2, b"E1202 01:11:56.2 26615 transfer_metadata.cpp:1098] Local segment "
+                      b"descriptor not found\n")
+        lines.feed(1, b"a stray line without newline")
+        lines.feed(1, b"")
+        merger.flush(force=True)
+    assert logs[0]["ranks"] == "0,1,decode" and logs[0]["event"] == "cpkv.kv.materialize_auto"
+    glog = [e for e in logs if e.get("source") == "transfer_metadata.cpp:1098"]
+    assert len(glog) == 1 and glog[0]["ranks"] == "0,decode"  # timestamps differ, text the same
+    assert glog[0]["log_level"] == "info"  # an engine's E line of a run is no warning
+    frame = next(e for e in logs if e.get("line") == "frame #0: c10::Error")
+    assert frame["log_level"] == "debug" and frame["rank"] == "0"
+    stray = next(e for e in logs if e.get("line") == "a stray line without newline")
+    assert stray["log_level"] == "warning" and stray["rank"] == "1"

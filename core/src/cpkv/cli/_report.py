@@ -36,14 +36,9 @@ def report_context(settings: Settings) -> dict[str, Any]:
 
 
 def engine_log_env(level: int) -> None:
-    """Quiet the logging of engines that write to stderr themselves (Mooncake's glog), unless
-    the user set their variables or asked for info (``-v``): read when the engine is imported in
-    the rank processes, which inherit this environment."""
-    if level <= logging.INFO:
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-        return
-    # Mooncake's lowest level is ERROR, and a successful run still logs E lines (e.g. "Local
-    # segment descriptor not found" while peers connect); glog's own threshold (FATAL = 3)
-    # silences them; real failures reach the user as the transfer's errors
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("GLOG_minloglevel", "3")
+    """The log level of engines that log on their own (Mooncake's glog, ``MC_LOG_LEVEL``, read
+    when the engine is imported in the rank processes, which inherit this environment), unless
+    the user set it: their lines reach the log stream as ``rank.stderr`` events (glog E and W
+    lines at info level), so a quiet run still shows none of them."""
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level <= logging.DEBUG
+                          else "WARNING" if level <= logging.INFO else "ERROR")

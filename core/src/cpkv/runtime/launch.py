@@ -19,7 +19,7 @@ Lifetime: every rank dies with the parent, whatever kills it (Linux ``PR_SET_PDE
 watchdog thread that sees the parent change); ranks ignore SIGINT (Ctrl-C reaches the whole
 process group: the parent alone decides, and terminates them). Logging: with ``log_setup`` each
 rank's events travel to the parent through its pipe and are logged there, identical events of
-several ranks as one (:mod:`._ranklog`). A rank that sits in one collective for a while tells the
+several ranks as one (:mod:`.ranklog`). A rank that sits in one collective for a while tells the
 parent (``cpkv.comm.waiting_in``), so a timeout names what each hung rank waits for.
 """
 
@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -47,7 +48,7 @@ from cpkv.comm import CPGroup, current_wait
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
 
-from ._ranklog import LogSetup, RankLogMerger, rank_label
+from .ranklog import LogSetup, RankLogMerger, StderrLines, rank_label
 
 __all__ = ["LogSetup", "RankFailed", "RankResult", "RankTimeout", "run_ranks"]
 
@@ -268,8 +269,14 @@ def _rank_main(
     parent_pid: int = 0,
     started_at: float = 0.0,
     log_setup: LogSetup | None = None,
+    stderr: Connection | None = None,
 ) -> None:
-    """Entry point of one rank process (top level, so ``spawn`` can pickle it)."""
+    """Entry point of one rank process (top level, so ``spawn`` can pickle it). ``stderr``: the
+    write end of a pipe that becomes this process's file descriptor 2 (the parent reads it)."""
+    if stderr is not None:
+        sys.stderr.flush()
+        os.dup2(stderr.fileno(), 2)
+        stderr.close()
     if parent_pid:
         die_with_parent(parent_pid)  # (cpkv's first import did it too, before torch loaded)
         threading.Thread(target=_watchdog, args=(parent_pid, rank, conn), daemon=True,
@@ -367,7 +374,9 @@ def run_ranks(
         names: what messages call each rank (e.g. ``"the decode rank"``); default "rank r".
         log_setup: a picklable function each rank calls first with a sink (one event dict ->
             the parent): the caller's logging setup for the rank (the CLI's configures structlog
-            to hand every event to the sink). The parent logs each event it receives through
+            to hand every event to the sink); what a rank writes to its stderr (fd 2: C++
+            libraries such as glog) comes to the parent through a pipe too, one event per line.
+            The parent logs each event it receives through
             structlog with the rank in it (``rank=`` or ``ranks=``), identical events of several
             ranks once. Without it the ranks log as their own structlog configuration says.
 
@@ -396,17 +405,21 @@ def run_ranks(
     procs: list[Any] = []
     conns: dict[int, Connection] = {}
     logs = RankLogMerger(size, names)
+    errs: dict[int, Connection] = {}  # rank -> the read end of its stderr (with log_setup)
     try:
         # SIGINT ignored is inherited through exec: the ranks ignore Ctrl-C from birth; the
         # variable makes their first import of cpkv tie them to this process (cpkv._lifetime)
         with _sigint_ignored(), _env(PARENT_ENV, str(os.getpid())):
             for rank in range(size):
                 recv_end, send_end = ctx.Pipe(duplex=False)
+                err_write: Connection | None = None
+                if log_setup is not None:
+                    errs[rank], err_write = ctx.Pipe(duplex=False)
                 p = ctx.Process(
                     target=_rank_main,
                     args=(fn, rank, size, backend, store.port, timeout_s, tuple(args),
                           dict(env or {}), send_end, str(fallback_policy), os.getpid(),
-                          time.time(), log_setup),
+                          time.time(), log_setup, err_write),
                     name=f"cpkv-rank-{rank}",
                     daemon=False,  # fn may start processes of its own; _reap joins every rank
                 )
@@ -416,10 +429,16 @@ def run_ranks(
                     p.start()
                 finally:
                     send_end.close()  # the parent keeps only the read end: EOF when the rank exits
-        return _supervise(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names, logs)
+                    if err_write is not None:
+                        err_write.close()
+        return _supervise(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names, logs,
+                          errs)
     finally:
-        logs.flush(force=True)
         _reap(procs)
+        lines = StderrLines(logs)
+        for r in list(errs):
+            _drain(errs, r, lines)
+        logs.flush(force=True)
         for c in conns.values():
             c.close()
         del store
@@ -469,6 +488,7 @@ def _supervise(
     settle_s: float,
     names: Sequence[str] | None = None,
     logs: RankLogMerger | None = None,
+    errs: dict[int, Connection] | None = None,
 ) -> list[RankResult]:
     ready: set[int] = set()
     results: dict[int, RankResult] = {}
@@ -476,6 +496,8 @@ def _supervise(
     deaths: dict[int, tuple[int | None, float]] = {}  # rank -> (exitcode, observed when)
     waiting: dict[int, str] = {}  # rank -> the collective it last said it waits in
     open_conns = dict(conns)
+    errs = errs if errs is not None else {}
+    lines = StderrLines(logs) if logs is not None else None
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
     deadline = time.monotonic() + startup_timeout_s
     phase = "startup"
@@ -505,7 +527,13 @@ def _supervise(
                 limit = min(limit, due)
         waitables: list[Any] = list(open_conns.values())
         waitables += [s for s, r in sentinels.items() if not done(r)]
+        waitables += list(errs.values())
         for obj in wait(waitables, timeout=max(0.0, limit - now)):
+            err_rank = _rank_of(errs, obj) if isinstance(obj, Connection) else None
+            if err_rank is not None:
+                if lines is not None:
+                    _read_stderr(errs, err_rank, lines)
+                continue
             rank = sentinels.get(obj) if not isinstance(obj, Connection) else _rank_of(open_conns, obj)
             if rank is None:
                 continue
@@ -556,6 +584,29 @@ def _supervise(
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     return [results[r] for r in range(size)]
+
+
+def _read_stderr(errs: dict[int, Connection], rank: int, lines: StderrLines) -> None:
+    """Read what is there of ``rank``'s stderr; at its end, forget the pipe."""
+    try:
+        data = os.read(errs[rank].fileno(), 1 << 16)
+    except OSError:
+        data = b""
+    lines.feed(rank, data)
+    if not data:
+        errs.pop(rank).close()
+
+
+def _drain(errs: dict[int, Connection], rank: int, lines: StderrLines) -> None:
+    """Read the rest of ``rank``'s stderr (the rank has exited; a process it started may still
+    hold the pipe: read only what is there)."""
+    for _ in range(1024):
+        if rank not in errs or not errs[rank].poll(0):
+            break
+        _read_stderr(errs, rank, lines)
+    if rank in errs:
+        lines.feed(rank, b"")
+        errs.pop(rank).close()
 
 
 def _rank_of(conns: dict[int, Connection], obj: Connection) -> int | None:

@@ -4,19 +4,21 @@ A rank's events reach the parent as plain dicts (structlog's event dict: ``event
 the key-value pairs). Identical events of several ranks (the same level, event and values) seen
 within a short window are logged as one, ``ranks=0,1``; an event of one rank carries ``rank=``.
 The parent logs through ``structlog.get_logger("cpkv.rank")``: whatever configured structlog in
-the parent (the CLI) decides the format, the stream and the level.
+the parent (the CLI) decides the format, the stream and the level. What the ranks write to their
+stderr themselves (C++ libraries: glog, torch) comes as lines (:class:`StderrLines`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 
-__all__ = ["LogSetup", "RankLogMerger", "rank_label"]
+__all__ = ["LogSetup", "RankLogMerger", "StderrLines", "rank_label"]
 
 #: called first in each rank with a sink that hands one event dict to the parent
 LogSetup = Callable[[Callable[[dict[str, Any]], None]], None]
@@ -97,3 +99,48 @@ class RankLogMerger:
         else:
             fields["ranks"] = ",".join(labels)
         log.log(level if isinstance(level, int) else logging.INFO, name, **fields)
+
+
+# glog's line prefix: severity, date, time, thread, source] message (Mooncake's engine; torch's
+# c10 logging writes the same in brackets: "[W1201 12:00:00.1 123 TCPStore.cpp:1] ...")
+_GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ +\d+ ([^\]]+)\] ?(.*)$")
+# the C++ stack frames torch appends to its errors: detail, not one warning per frame
+_FRAME = re.compile(r"^(frame #\d+:|Exception raised from |\s+(at|from) )")
+#: glog severities as cpkv levels: the engine's own lines are detail (-v); its failures reach
+#: the user as the plugin's errors, so an "E" line of a run that succeeds is no warning
+_GLOG_LEVEL = {"I": "debug", "W": "info", "E": "info", "F": "error"}
+_NOISE = ("WARNING: Logging before InitGoogleLogging() is written to STDERR",)
+
+
+class StderrLines:
+    """What the rank processes write to their stderr (C++ libraries, stray prints), as events
+    of the merger: ``rank.stderr`` with the line; glog lines (``E1201 ... file.cpp:12] text``)
+    at their severity (I debug, W and E info, F error) with the source, so identical lines of
+    several ranks merge; any other line at warning level."""
+
+    def __init__(self, merger: RankLogMerger) -> None:
+        self.merger = merger
+        self._partial: dict[int, bytes] = {}
+
+    def feed(self, rank: int, data: bytes) -> None:
+        """Bytes read from ``rank``'s stderr; empty at its end (a partial last line is logged)."""
+        buf = self._partial.pop(rank, b"") + data
+        *lines, rest = buf.split(b"\n")
+        if not data and rest:
+            lines, rest = [*lines, rest], b""
+        if rest:
+            self._partial[rank] = rest
+        for raw in lines:
+            line = raw.decode(errors="replace").rstrip()
+            if line and line not in _NOISE:
+                self.merger.add(rank, _event(line))
+
+
+def _event(line: str) -> dict[str, Any]:
+    if _FRAME.match(line):
+        return {"event": "rank.stderr", "level": "debug", "line": line}
+    m = _GLOG.match(line)
+    if m is None:
+        return {"event": "rank.stderr", "level": "warning", "line": line}
+    sev, source, text = m.groups()
+    return {"event": "rank.stderr", "level": _GLOG_LEVEL[sev], "line": text, "source": source}
