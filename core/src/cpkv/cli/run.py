@@ -24,7 +24,7 @@ from cpkv.contracts import KVDtype, SplitMode
 from cpkv.models import ModelLoadError, resolve_checkpoint
 from cpkv.models.loader import read_config
 from cpkv.runtime.job import JobReport, run_job
-from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE
+from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE, check_plugin_names
 from cpkv.settings import SettingsError, load_settings
 
 from ._logging import RankLogging, configure_logging, level_from_flags
@@ -252,6 +252,10 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     configure_logging(level, hide)
     engine_log_env(level)
     token_lists = _prompts(settings.run.prompts, vocab)
+    try:  # before the heading: a misspelt plugin name is all the user sees
+        check_plugin_names(settings, transfer=decode_tokens > 0)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from exc
     need = settings.cp.size + (1 if decode_tokens > 0 else 0)
     if launched is not None and launched[1] != need:
         raise click.ClickException(f"torchrun started {launched[1]} processes; this job needs "

@@ -60,12 +60,14 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
 
 def check_plugin_names(settings: Settings, *, transfer: bool = True) -> None:
     """``backend.name`` (unless "auto") and, with ``transfer``, ``transfer.name`` must each name a
-    plugin an installed distribution provides (one that is installed but cannot run here, or is
-    disabled, is the registry's reported fallback instead). Checked in this process, before any
-    rank starts.
+    plugin an installed distribution provides (a backend that is installed but cannot run here,
+    or is disabled, is the registry's reported fallback instead); the transfer, which has no
+    fallback, must also be available here (its probe: e.g. a missing system library). Checked
+    in this process, before any rank starts.
 
     Raises:
-        SettingsError: a name no installed plugin has, with the names there are.
+        SettingsError: a name no installed plugin has, with the names there are; a transfer
+            that cannot run here, with the probe's reason (and its fix).
     """
     host = PluginHost(disable=settings.plugins.disable, allow=settings.plugins.allow)
     try:
@@ -83,6 +85,11 @@ def check_plugin_names(settings: Settings, *, transfer: bool = True) -> None:
                 raise SettingsError(f"{key} = {name!r}: no installed {kind} plugin has that name; "
                                     f"available: {', '.join(known) or 'none'}{extra} "
                                     f"(`cpkv plugins` lists them)")
+        if transfer:  # the transfer has no fallback: one that cannot run here fails the job
+            av = transfers.availability(settings.transfer.name)
+            if not av.available:
+                raise SettingsError(f"transfer.name = {settings.transfer.name!r} cannot run here: "
+                                    f"{av.reason}")
     finally:
         host.close()
 
