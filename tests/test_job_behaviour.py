@@ -123,6 +123,7 @@ def test_verbose_run_logs_every_rank_once_per_event_on_stderr() -> None:
     assert len(lines) == 1, out.stderr  # one line, not one per rank
 
 
+@pytest.mark.slow
 def test_exhausted_pool_is_one_line_naming_the_setting() -> None:
     out = cpkv(*QUICK, env={"CPKV_KV__PAGES_PER_RANK": "2"})
     assert out.returncode == 1, out.stderr[-3000:]
@@ -133,6 +134,7 @@ def test_exhausted_pool_is_one_line_naming_the_setting() -> None:
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_exhausted_pool_with_v_shows_the_rank_traceback() -> None:
     out = cpkv("-v", *QUICK, env={"CPKV_KV__PAGES_PER_RANK": "2"})
     assert out.returncode == 1
@@ -158,6 +160,31 @@ def test_missing_weights_are_one_line(tmp_path: Path) -> None:
     out = cpkv("run", "--model", str(tmp_path), "--decode-tokens", "0")
     assert out.returncode == 1
     assert out.stderr.count("Error:") == 1 and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_mis_shaped_weights_are_one_line_from_the_ranks(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert cpkv("init-model", str(ckpt)).returncode == 0
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["intermediate_size"] += 32  # the weights no longer match
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    out = cpkv("run", "--model", str(ckpt), "--decode-tokens", "0")
+    assert out.returncode == 1
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and "ModelLoadError" in errors[0] and "mis-shaped" in errors[0]
+    assert "config.json matches its weights" in errors[0] and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_writes_to_the_user_cache_unless_out_is_given(tmp_path: Path) -> None:
+    tracked = Path(__file__).parents[1] / "benchmarks" / "results" / "plan_cpu.json"
+    before = tracked.read_bytes() if tracked.exists() else None
+    out = cpkv("bench", "plan", "--repeat", "1", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    written = tmp_path / "cpkv" / "bench" / "plan_cpu.json"
+    assert written.is_file() and f"wrote {written}" in out.stdout
+    assert (tracked.read_bytes() if tracked.exists() else None) == before
 
 
 def test_draft_tokens_without_mtp_is_an_error() -> None:
@@ -198,6 +225,7 @@ def _rank0_waits_rank1_sleeps(group: CPGroup) -> None:
     time.sleep(1000)
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_by_the_collective_it_waits_in() -> None:
     with pytest.raises(RankTimeout) as info:
         run_ranks(_rank0_waits_rank1_sleeps, 2, timeout_s=6.0)
@@ -211,6 +239,7 @@ def _last_rank_raises(group: CPGroup) -> None:
     group.barrier()
 
 
+@pytest.mark.slow
 def test_the_decode_rank_is_called_so() -> None:
     with pytest.raises(RankFailed) as info:
         run_ranks(_last_rank_raises, 2, timeout_s=60.0, names=["rank 0", "the decode rank"])

@@ -35,7 +35,8 @@ def hint_for(type_name: str, message: str) -> str:
                     "choose another transfer.name")
         return f"install the system library that provides {lib}"
     if short == "ModelLoadError":
-        return "run.model must name a checkpoint directory with config.json and its weights, or 'tiny'"
+        return ("run.model (--model) must name an HF-format DeepSeek-V3.2 checkpoint directory whose "
+                "config.json matches its weights, or 'tiny'")
     return ""
 
 
