@@ -107,8 +107,37 @@ def test_default_run_prints_the_report_on_stdout_and_no_rank_events() -> None:
     for stream in (out.stdout, out.stderr):
         assert "cpkv.backend.selected" not in stream and "[info" not in stream
         assert "[warning  ] cpkv.fallback" not in stream
+    # at 80 columns (no terminal: rich's default) the tables fit and no cell breaks a word
+    assert "startup (spawn, imports, model load)" in out.stdout
+    assert all(len(ln) <= 80 for ln in out.stdout.splitlines() if ln[:1] in "┏┃┡│└")
     assert out.stdout.count("fallback split_plan") == len(set(
         ln for ln in out.stdout.splitlines() if ln.startswith("fallback split_plan")))
+
+
+def _mooncake_available() -> bool:
+    try:
+        from cpkv_transfer_mooncake.plugin import probe
+    except ImportError:
+        return False
+    return probe().available
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.skipif(not _mooncake_available(), reason="the mooncake transfer cannot run here")
+def test_a_mooncake_run_prints_no_engine_lines_unless_verbose() -> None:
+    config = str(Path(__file__).parents[1] / "examples" / "mooncake.toml")
+    out = cpkv("run", "--config", config)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the engine's glog lines ("E1201 ... transfer_metadata.cpp:1098] Local segment descriptor
+    # not found") go through the log as info events: not shown by default
+    assert "transfer_metadata" not in out.stderr and "InitGoogleLogging" not in out.stderr
+    assert "transfer_metadata" not in out.stdout
+    verbose = cpkv("-v", "run", "--config", config)
+    assert verbose.returncode == 0
+    engine = [ln for ln in verbose.stderr.splitlines() if "rank.stderr" in ln
+              and "transfer_metadata" in ln]
+    assert engine and all("ranks=" in ln or "rank=" in ln for ln in engine)
 
 
 @pytest.mark.slow

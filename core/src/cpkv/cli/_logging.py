@@ -46,6 +46,17 @@ class _Hide:
         return event
 
 
+class _CurrentStderr:
+    """``sys.stderr`` as it is at each write: a live display (the ``cpkv run`` spinner) swaps in a
+    proxy that prints above it, so a log line never lands glued to the spinner's line."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: int = logging.WARNING, hide: frozenset[str] = frozenset()) -> None:
     """Human-readable key=value events on stderr, from ``level`` up; ``hide``: event names not
     logged below error level."""
@@ -57,7 +68,7 @@ def configure_logging(level: int = logging.WARNING, hide: frozenset[str] = froze
             structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 
