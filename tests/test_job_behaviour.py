@@ -98,6 +98,32 @@ def test_killing_the_parent_leaves_no_rank_process(sig: signal.Signals) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_decode_rank_death_is_one_line_naming_the_decode_rank() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "cpkv.cli", "run"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ranks: list[int] = []
+        deadline = time.monotonic() + 90
+        while len(ranks) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            ranks = sorted(p for p in _children(proc.pid) if _is_rank(p))
+        assert len(ranks) == 3, "the three processes did not start within 90 s"
+        time.sleep(2.0)
+        os.kill(ranks[2], signal.SIGKILL)  # started last: the decode rank
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 1, err[-3000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
+    assert errors == [ln for ln in errors if "the decode rank (rank 2 of 3)" in ln], err[-3000:]
+    assert len(errors) == 1 and "SIGKILL" in errors[0]
+    assert "frame #" not in err and "Traceback" not in err and "TCPStore" not in err
+
+
+@pytest.mark.slow
 def test_default_run_prints_the_report_on_stdout_and_no_rank_events() -> None:
     out = cpkv(*QUICK)
     assert out.returncode == 0, out.stderr[-3000:]
