@@ -580,9 +580,17 @@ def _supervise(
 
     if errors or deaths:
         raise _root_cause(errors, deaths, procs, size, names)
-    # Every rank reported a result; let them exit (destroy_process_group) within the deadline.
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    # Every rank reported a result; let them exit (destroy_process_group) within the deadline,
+    # reading their stderr meanwhile (a rank blocked on a full pipe would never exit)
+    exiting = {p.sentinel: p for p in procs}
+    while exiting and time.monotonic() < deadline:
+        for obj in wait([*exiting, *errs.values()], timeout=max(0.0, deadline - time.monotonic())):
+            if obj in exiting:
+                exiting.pop(obj).join(timeout=_REAP_S)
+            elif isinstance(obj, Connection) and lines is not None:
+                r = _rank_of(errs, obj)
+                if r is not None:
+                    _read_stderr(errs, r, lines)
     return [results[r] for r in range(size)]
 
 
