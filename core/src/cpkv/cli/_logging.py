@@ -62,6 +62,7 @@ def configure_logging(level: int = logging.WARNING, hide: frozenset[str] = froze
     logged below error level."""
     structlog.configure(
         processors=[
+            structlog.contextvars.merge_contextvars,  # e.g. rank="reference" (cpkv.runtime.job)
             structlog.processors.add_log_level,
             _Hide(hide),
             structlog.processors.TimeStamper(fmt="%H:%M:%S"),

@@ -208,7 +208,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     ref_spec = JobSpec(model_dir, spec.prompts, no_cache, capture_topk, spec.prefix_lens,
                        decode_tokens, batch_size, mtp=mtp, device=device)
     t = time.perf_counter()
-    with recording(settings.fallback.policy) as ref_rec:
+    # its events name it as the ranks' name theirs (where the caller's logging merges contextvars)
+    with recording(settings.fallback.policy) as ref_rec, \
+            structlog.contextvars.bound_contextvars(rank="reference"):
         ref, ref_tokens = reference_rank(ref_spec)
     ref_wall = time.perf_counter() - t
     r0: RankReport = pre[0][1]
