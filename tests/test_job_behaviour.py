@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
-from cpkv.comm import CPGroup, waiting_in
+from cpkv.comm import CPGroup, current_wait, waiting_in
 from cpkv.runtime import RankFailed, RankTimeout, run_ranks
 from cpkv.runtime.ranklog import RankLogMerger, StderrLines
 
@@ -324,3 +325,29 @@ def test_rank_events_merge_across_ranks_and_stderr_lines_become_events() -> None
     assert frame["log_level"] == "debug" and frame["rank"] == "0"
     stray = next(e for e in logs if e.get("line") == "a stray line without newline")
     assert stray["log_level"] == "warning" and stray["rank"] == "1"
+
+
+def _seen_in_barrier(group: CPGroup) -> str | None:
+    seen: list[str | None] = []
+
+    def look() -> None:
+        time.sleep(0.5)
+        w = current_wait()
+        seen.append(w[1] if w else None)
+
+    if group.rank == 0:
+        t = threading.Thread(target=look)
+        t.start()
+        group.barrier()  # rank 1 comes 1.5 s later
+        t.join()
+        return seen[0]
+    time.sleep(1.5)
+    group.barrier()
+    return None
+
+
+@pytest.mark.slow
+def test_a_collective_marks_what_the_rank_waits_in() -> None:
+    out = run_ranks(_seen_in_barrier, 2, timeout_s=60.0)
+    assert out[0].value == "barrier (group of 2)"
+    assert current_wait() is None  # nothing marked outside a collective
