@@ -19,7 +19,7 @@ CORE = ROOT / "core" / "src"
 
 #: bottom up; a module may import its own layer (other packages of it too) and the ones below
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("cpkv.contracts",),
+    ("cpkv.contracts", "cpkv._lifetime"),  # _lifetime: rank processes' first import (stdlib only)
     ("cpkv.comm",),
     ("cpkv.settings", "cpkv.fallback", "cpkv.models"),
     ("cpkv.plugin", "cpkv.planning"),

@@ -21,6 +21,11 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from cpkv._lifetime import die_with_parent_from_env
+
+# a rank process run_ranks is starting dies with its parent from here on (before torch loads)
+die_with_parent_from_env()
+
 try:
     __version__ = version("cpkv-core")
 except PackageNotFoundError:  # running from a source tree without install

@@ -44,6 +44,7 @@ __all__ = [
     "CacheSettings",
     "FallbackSettings",
     "KVSettings",
+    "LogSettings",
     "PluginSettings",
     "PluginTable",
     "RunSettings",
@@ -236,6 +237,10 @@ class RuntimeSettings(_Section):
     """Runtime bounds."""
 
     timeout_s: float = Field(120.0, gt=0, description="bound on every cross-rank wait, seconds")
+    startup_timeout_s: float = Field(
+        60.0, gt=0, description="bound on starting the rank processes (interpreter, imports) and "
+                                "joining the process group, seconds; raise it when the machine "
+                                "has fewer CPU cores than processes")
     logits_budget_mb: int | Literal["auto"] = Field(
         "auto", description="indexer logits/scratch memory budget per row chunk, MiB (>= 1), or "
                             "'auto': on CUDA a quarter of the device memory free once the model "
@@ -264,6 +269,14 @@ class RuntimeSettings(_Section):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError("must be a whole number of MiB >= 1 or 'auto'")
         return v
+
+
+class LogSettings(_Section):
+    """Logging of the ``cpkv`` command (the library itself never configures logging)."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="events logged (stderr) from this level up, the rank processes' "
+                               "included; -v (info), -vv (debug) and -q (error) override it")
 
 
 class CacheSettings(_Section):
@@ -437,6 +450,7 @@ class Settings(BaseSettings):
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     run: RunSettings = Field(default_factory=RunSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
 
     def __init__(self, **values: Any) -> None:
         """Build settings from ``values`` (highest priority), the environment and the bound TOML.

@@ -29,7 +29,10 @@ def _show(rows: list[BenchRow]) -> None:
 def _report(name: str, rows: list[BenchRow], out: str, detail: dict[str, Any] | None = None,
             summary: str = "") -> None:
     """Show ``rows`` (and a summary line), write the JSON report of ``cpkv bench NAME`` to
-    ``out`` with the machine and the command line, and say where."""
+    ``out`` with the machine and the command line, and say where. Without ``--out`` the report
+    goes to the user cache dir under ``out``'s file name (:func:`bench_out`): the tracked
+    ``benchmarks/results`` files change only when asked for by ``--out``."""
+    out = bench_out(out)
     report = BenchReport(machine=machine_description(),
                          command=f"cpkv bench {name} " + shlex.join(sys.argv[3:]),
                          results=tuple(rows), detail=detail or {})
@@ -39,9 +42,21 @@ def _report(name: str, rows: list[BenchRow], out: str, detail: dict[str, Any] | 
     click.echo(f"wrote {report.write(out)}")
 
 
+def bench_out(out: str) -> str:
+    """``out`` when ``--out`` was given, else its file name in ``$XDG_CACHE_HOME/cpkv/bench``
+    (``~/.cache/cpkv/bench``)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or ctx.get_parameter_source("out") is not click.core.ParameterSource.DEFAULT:
+        return out
+    from cpkv.models.tiny import default_cache_dir
+
+    return str(default_cache_dir().parent / "bench" / Path(out).name)
+
+
 @click.group("bench")
 def command() -> None:
-    """Run benchmarks; each writes benchmarks/results/<name>.json."""
+    """Run benchmarks; each writes a JSON report: to --out (benchmarks/results/<name>.json to
+    update the tracked results), else to ~/.cache/cpkv/bench/<name>.json."""
 
 
 @command.command("plan")

@@ -10,6 +10,7 @@ transfer bytes per rank, time per phase, fallbacks, correctness.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,13 @@ from rich.table import Table
 from cpkv.contracts import KVDtype, SplitMode
 from cpkv.models import ModelLoadError, resolve_checkpoint
 from cpkv.models.loader import read_config
-from cpkv.runtime import RankFailed, RankTimeout
 from cpkv.runtime.job import JobReport, run_job
-from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE
+from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE, check_plugin_names
 from cpkv.settings import SettingsError, load_settings
+
+from ._logging import RankLogging, configure_logging, level_from_flags
+from ._report import engine_log_env, report_context
+from ._state import CliState
 
 #: the default prompts (see _default_prompts): a long one, one sharing its first 100 tokens
 #: (a cache hit that ends inside a 64-token page), a short extend (it takes the visible
@@ -62,7 +66,8 @@ def _prompts(path: str | None, vocab: int) -> list[list[int]]:
         raise click.BadParameter(f"cannot read prompts from {path}: {exc}",
                                  param_hint="--prompts") from None
     if (not isinstance(data, list) or not data
-            or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+            or not all(isinstance(p, list) and p
+                       and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                        for p in data)):
         raise click.BadParameter(f"{path} must hold a non-empty JSON list of non-empty lists of "
                                  f"token ids", param_hint="--prompts")
@@ -73,21 +78,48 @@ def _prompts(path: str | None, vocab: int) -> list[list[int]]:
     return data
 
 
+def _table() -> Table:
+    """A report table whose cells never wrap (a narrow terminal scrolls instead of breaking a
+    number or a word); its title is printed before it as a line, which wraps between words."""
+    return Table()
+
+
+def _column(t: Table, name: str, right: bool = True) -> None:
+    t.add_column(name, justify="right" if right else "left", no_wrap=True)
+
+
+#: the phase table's rows: (name, key in the report's ``seconds`` for CP, for the reference)
+PHASES = (("startup (spawn, imports, model load)", "cp_startup", "reference_startup"),
+          ("prefill (every batch)", "cp_prefill", "reference_prefill"),
+          ("decode", "cp_decode", "reference_decode"),
+          ("total (wall)", "cp_total", "reference_total"))
+
+
 def _render(rep: JobReport, tol: float, console: Console) -> bool:
-    t = Table(title=f"KV per rank: CP{rep.cp} {rep.mode} on {rep.device}, {rep.kv_dtype} pool, "
-                    f"{rep.materialize} views "
-                    f"(prompts of {', '.join(map(str, rep.prompt_lens))} tokens)")
+    console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {rep.device}, {rep.kv_dtype} pool, "
+                  f"{rep.materialize} views (prompts of {', '.join(map(str, rep.prompt_lens))} "
+                  f"tokens)")
+    t = _table()
     for col in ("rank", "KV bytes", "vs replicated"):
-        t.add_column(col, justify="right")
+        _column(t, col)
     for r, b in enumerate(rep.kv_bytes_per_rank):
         t.add_row(str(r), f"{b:,}", f"{b / max(1, rep.kv_bytes_replicated):.1%}")
     t.add_row("replica", f"{rep.kv_bytes_replicated:,}", "100.0%")
     console.print(t)
-    pt = Table(title="time per phase (slowest rank), seconds")
-    pt.add_column("phase")
-    pt.add_column("s", justify="right")
-    for k, v in rep.seconds.items():
-        pt.add_row(k, f"{v:.3f}")
+    sec = rep.seconds
+    console.print(f"time per phase, seconds (CP{rep.cp}: the slowest rank; the reference: one "
+                  f"rank in this process, so no spawn)")
+    pt = _table()
+    _column(pt, "phase", right=False)
+    _column(pt, f"CP{rep.cp}")
+    _column(pt, "reference")
+    for name, cp_key, ref_key in PHASES:
+        if cp_key in sec:
+            pt.add_row(name, f"{sec[cp_key]:.3f}", f"{sec[ref_key]:.3f}" if ref_key in sec else "-")
+    shown = {k for _, cp_key, ref_key in PHASES for k in (cp_key, ref_key)}
+    details = [k for k in sec if k not in shown]
+    for detail in details:
+        pt.add_row(f"  {detail}", f"{sec[detail]:.3f}", "")
     console.print(pt)
     seen = set()
     for f in rep.fallbacks:
@@ -185,9 +217,11 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
               help="Write the report as JSON here.")
 @click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="torch.save the last-position logits, float32 [prompts, vocab], input order.")
-def command(config: Path | None, model: str | None, cp: int | None, mode: str | None,
-            prompts: str | None, decode_tokens: int, device: str | None, mtp: bool | None,
-            draft_tokens: int | None, chunk: int | None, report: Path | None,
+@click.pass_obj
+def command(state: CliState | None, config: Path | None, model: str | None, cp: int | None,
+            mode: str | None, prompts: str | None, decode_tokens: int, device: str | None,
+            mtp: bool | None, draft_tokens: int | None, chunk: int | None,
+            report: Path | None,
             save_logits: Path | None) -> None:
     """CP prefill of prompts on a CP group, transfer of the pages to a decode rank and greedy
     decoding there, checked against one rank; prints a report.
@@ -196,6 +230,10 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
     --cp the CP size is the world size less the decode rank; rank 0 prints the report."""
     from cpkv.runtime.world import launched_world
 
+    state = state or CliState()
+    if draft_tokens is not None and mtp is not True:
+        raise click.UsageError("--draft-tokens needs --mtp (it sets the draft tokens verified per "
+                               "speculative decode step)")
     try:
         launched = launched_world()
     except ValueError as exc:
@@ -225,7 +263,16 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
                                  f"{cfg.num_nextn_predict_layers})")
     except (SettingsError, ModelLoadError) as exc:
         raise click.ClickException(str(exc)) from exc
+    level = level_from_flags(state.verbose, state.quiet, settings.log.level)
+    # the report lists every fallback: by default they are not logged as well
+    hide = frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset()
+    configure_logging(level, hide)
+    engine_log_env(level)
     token_lists = _prompts(settings.run.prompts, vocab)
+    try:  # before the heading: a misspelt plugin name is all the user sees
+        check_plugin_names(settings, transfer=decode_tokens > 0)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from exc
     need = settings.cp.size + (1 if decode_tokens > 0 else 0)
     if launched is not None and launched[1] != need:
         raise click.ClickException(f"torchrun started {launched[1]} processes; this job needs "
@@ -234,17 +281,15 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
     console = Console(quiet=launched is not None and launched[0] != 0)
     console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
                   f"{settings.kv.dtype.value} pool, {len(token_lists)} prompts")
-    with console.status("starting") as status:
+    # the spinner goes to stderr with the log: stdout holds the report alone
+    with Console(stderr=True, quiet=console.quiet).status("starting") as status:
         try:
             rep = run_job(settings, str(ckpt), token_lists, decode_tokens=decode_tokens,
                           batch_size=settings.run.batch_size, mtp=settings.run.mtp,
                           draft_tokens=settings.run.draft_tokens,
-                          progress=lambda s: status.update(s))
-        except RankFailed as exc:
-            if (exc.error_type or "").endswith("FallbackError"):  # policy "error": the reason is enough
-                raise click.ClickException(f"rank {exc.rank}: {exc.error_message}") from exc
-            raise click.ClickException(str(exc)) from exc
-        except (RankTimeout, ValueError) as exc:
+                          progress=lambda s: status.update(s),
+                          log_setup=RankLogging(level, hide))
+        except ValueError as exc:  # SettingsError (a plugin name) included
             raise click.ClickException(str(exc)) from exc
     if rep is None:  # a rank of a torchrun world other than 0: rank 0 reports
         return
@@ -253,7 +298,8 @@ def command(config: Path | None, model: str | None, cp: int | None, mode: str | 
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
-                                      "correct": ok}, indent=2) + "\n")
+                                      "correct": ok, **report_context(settings)},
+                                     indent=2) + "\n")
     if save_logits:
         save_logits.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rep.logits.float().contiguous(), save_logits)

@@ -1,8 +1,9 @@
 """Communication inside one CP group: the group wrapper over ``torch.distributed`` (agreement,
 collectives, bounded waits) and peer-mapped buffers. Imports no pool, runtime or plugin."""
 
+from ._waits import current_wait, waiting_in
 from .group import Backend, CollectiveCheckError, CPGroup
 from .peer import PeerAccessUnavailable, PeerBuffers, open_peer_buffers
 
 __all__ = ["Backend", "CPGroup", "CollectiveCheckError", "PeerAccessUnavailable", "PeerBuffers",
-           "open_peer_buffers"]
+           "current_wait", "open_peer_buffers", "waiting_in"]

@@ -32,6 +32,8 @@ from typing import Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from ._waits import waiting_in
+
 __all__ = ["Backend", "CPGroup", "CollectiveCheckError"]
 
 Backend = Literal["gloo", "nccl", "local"]
@@ -219,7 +221,8 @@ class CPGroup:
                                device=self.device)
         else:
             recv = out.view(self.size * max_rows, row_elems).view(torch.uint8)
-        _all_gather_single(recv, send, group=self._pg)
+        with waiting_in(f"all_gather_rows (group of {self.size})"):
+            _all_gather_single(recv, send, group=self._pg)
         return out if out is not None else recv.view(local.dtype).view(self.size * max_rows, *rest)
 
     def agree_all(self, local: dict[str, bool]) -> dict[str, bool]:
@@ -249,8 +252,9 @@ class CPGroup:
         if self.is_local:
             return [int(v) for v in values]
         t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
-        return [int(v) for v in t.tolist()]
+        with waiting_in(f"agree_min (all_reduce, group of {self.size})"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
+            return [int(v) for v in t.tolist()]
 
     def all_equal(self, value: str) -> bool:
         """Whether every rank passed the same string (e.g. a plan hash, rule 31's debug check).
@@ -268,7 +272,8 @@ class CPGroup:
         if self.is_local:
             return [obj]
         values: list[T | None] = [None] * self.size
-        dist.all_gather_object(values, obj, group=self._pg)
+        with waiting_in(f"all_gather_object (group of {self.size})"):
+            dist.all_gather_object(values, obj, group=self._pg)
         return values  # type: ignore[return-value]  # every slot was filled by the collective
 
     def check_all(self, ok: bool, message: str) -> None:
@@ -298,7 +303,8 @@ class CPGroup:
         """Wait until every rank of the group got here (bounded by :attr:`timeout_s`)."""
         if self.is_local:
             return
-        if self.backend == "nccl":
-            dist.barrier(group=self._pg, device_ids=[self.device.index or 0])
-        else:
-            dist.barrier(group=self._pg)
+        with waiting_in(f"barrier (group of {self.size})"):
+            if self.backend == "nccl":
+                dist.barrier(group=self._pg, device_ids=[self.device.index or 0])
+            else:
+                dist.barrier(group=self._pg)

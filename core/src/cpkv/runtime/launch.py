@@ -14,6 +14,13 @@ rank has joined the group, ``fn`` is bounded by ``timeout_s`` (also the process 
 so a collective waits no longer). A rank that raises sends its traceback; the parent waits
 ``settle_s`` for other reports (to tell the cause from its echoes, e.g. a peer's "connection
 closed"), then terminates every other rank and raises :class:`RankFailed`. See docs/runtime.md.
+
+Lifetime: every rank dies with the parent, whatever kills it (Linux ``PR_SET_PDEATHSIG``, and a
+watchdog thread that sees the parent change); ranks ignore SIGINT (Ctrl-C reaches the whole
+process group: the parent alone decides, and terminates them). Logging: with ``log_setup`` each
+rank's events travel to the parent through its pipe and are logged there, identical events of
+several ranks as one (:mod:`.ranklog`). A rank that sits in one collective for a while tells the
+parent (``cpkv.comm.waiting_in``), so a timeout names what each hung rank waits for.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -34,11 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpkv.comm import CPGroup
+from cpkv._lifetime import PARENT_ENV, die_with_parent
+from cpkv.comm import CPGroup, current_wait
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
 
-__all__ = ["RankFailed", "RankResult", "RankTimeout", "run_ranks"]
+from .ranklog import LogSetup, RankLogMerger, StderrLines, rank_label
+
+__all__ = ["LogSetup", "RankFailed", "RankResult", "RankTimeout", "run_ranks"]
 
 HOST = "127.0.0.1"
 
@@ -51,6 +63,8 @@ CHILD_ENV_DEFAULTS: dict[str, str] = {
 
 _TERM_GRACE_S = 1.0  # SIGTERM -> SIGKILL
 _REAP_S = 1.0  # sentinel closed -> exit status available
+#: a rank reports the collective it waits in once it has waited this long (seconds)
+_WAIT_REPORT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -62,12 +76,15 @@ class RankResult:
         value: ``fn``'s return value.
         fallbacks: the fallback events reported in the rank while ``fn`` ran (in order).
         seconds: wall time of ``fn`` in the rank.
+        startup_seconds: from the parent starting the rank process to ``fn`` starting (the
+            interpreter, imports, joining the process group).
     """
 
     rank: int
     value: Any
     fallbacks: list[FallbackEvent] = field(default_factory=list)
     seconds: float = 0.0
+    startup_seconds: float = 0.0
 
 
 class RankFailed(RuntimeError):
@@ -76,7 +93,8 @@ class RankFailed(RuntimeError):
     The message starts with the failing rank's own error (``Type: message``) and includes its
     traceback. Attributes: ``rank``, ``error_type`` (qualified name, or None when the process
     died), ``error_message``, ``traceback_text``, ``exitcode`` (None when the rank reported an
-    exception), ``others`` (other ranks' failures seen in the same window, rank -> one line).
+    exception), ``others`` (other ranks' failures seen in the same window, rank -> one line),
+    ``label`` (how messages name the rank: "rank 1 of 2", or e.g. "the decode rank (rank 2 of 3)").
     """
 
     def __init__(
@@ -89,24 +107,27 @@ class RankFailed(RuntimeError):
         traceback_text: str = "",
         exitcode: int | None = None,
         others: Mapping[int, str] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.rank = rank
+        self.label = rank_label(rank, size, names)
         self.error_type = error_type
         self.error_message = error_message
         self.traceback_text = traceback_text
         self.exitcode = exitcode
         self.others = dict(others or {})
         if error_type is not None:
-            head = f"{error_type}: {error_message} [rank {rank} of {size}]"
+            head = f"{error_type}: {error_message} [{self.label}]"
         else:
-            head = f"rank {rank} of {size} died without a report: {_describe_exit(exitcode)}"
+            head = f"{self.label} died without a report: {_describe_exit(exitcode)}"
         parts = [head]
         if traceback_text:
-            parts.append(f"--- traceback of rank {rank} ---\n{traceback_text.rstrip()}")
+            parts.append(f"--- traceback of {self.label} ---\n{traceback_text.rstrip()}")
         if self.others:
             parts.append(
                 "--- other ranks (terminated or failed after it) ---\n"
-                + "\n".join(f"rank {r}: {m}" for r, m in sorted(self.others.items()))
+                + "\n".join(f"{rank_label(r, size, names, short=True)}: {m}"
+                            for r, m in sorted(self.others.items()))
             )
         super().__init__("\n".join(parts))
 
@@ -115,18 +136,27 @@ class RankTimeout(RuntimeError):
     """Ranks were still running at the deadline; they were killed.
 
     Attributes: ``ranks`` (those that did not finish), ``phase`` (``"startup"`` or ``"run"``),
-    ``timeout_s`` (the bound of that phase).
+    ``timeout_s`` (the bound of that phase), ``waiting`` (rank -> the collective it last reported
+    waiting in, for ranks that did).
     """
 
-    def __init__(self, ranks: Sequence[int], size: int, phase: str, timeout_s: float) -> None:
+    def __init__(self, ranks: Sequence[int], size: int, phase: str, timeout_s: float, *,
+                 names: Sequence[str] | None = None, waiting: Mapping[int, str] | None = None,
+                 hint: str = "") -> None:
         self.ranks = list(ranks)
         self.phase = phase
         self.timeout_s = timeout_s
+        self.waiting = {r: w for r, w in (waiting or {}).items() if r in self.ranks}
         what = "did not join the process group" if phase == "startup" else "did not finish"
-        super().__init__(
-            f"rank(s) {', '.join(map(str, self.ranks))} of {size} {what} within {timeout_s:g} s; "
-            "killed"
-        )
+        if names is None:
+            who = f"rank(s) {', '.join(map(str, self.ranks))} of {size}"
+        else:
+            who = ", ".join(rank_label(r, size, names) for r in self.ranks)
+        msg = f"{who} {what} within {timeout_s:g} s; killed"
+        if self.waiting:
+            msg += " (" + "; ".join(f"{rank_label(r, size, names, short=True)} waited in {w}"
+                                    for r, w in sorted(self.waiting.items())) + ")"
+        super().__init__(msg + (f". {hint}" if hint else ""))
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -157,10 +187,58 @@ def _is_transport_error(type_name: str, message: str) -> bool:
 # -- the rank process -----------------------------------------------------------------------------
 
 
+_send_lock = threading.Lock()  # the rank's main thread, its watchdog and its log sink share the pipe
+
+
 def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
     """Plain pickle, by value: tensors in a result must not travel as shared-memory handles
     (torch's multiprocessing reducers), which die with the rank process that made them."""
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    with _send_lock:
+        conn.send_bytes(data)
+
+
+def _send_quietly(conn: Connection, msg: tuple[Any, ...]) -> bool:
+    """:func:`_send` that returns False instead of raising when the parent is gone (no
+    ``BrokenPipeError`` tracebacks from ranks whose parent died)."""
+    try:
+        _send(conn, msg)
+    except (OSError, EOFError):
+        return False
+    return True
+
+
+def _watchdog(parent_pid: int, rank: int, conn: Connection) -> None:
+    """Daemon thread of a rank: exit when the parent is gone (where there is no parent-death
+    signal), and tell the parent the collective the rank has been waiting in for a while (so a
+    timeout can name it; collectives release the GIL while they wait)."""
+    told: tuple[int, str] | None = None
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        wait = current_wait()
+        msg: tuple[Any, ...] | None = None
+        if wait is None:
+            if told is not None:  # it moved on: the parent forgets the stale wait
+                told, msg = None, ("waiting", rank, None)
+        else:
+            seq, what, since = wait
+            if (seq, what) != told and time.monotonic() - since >= _WAIT_REPORT_S:
+                told, msg = (seq, what), ("waiting", rank, what)
+        if msg is not None and not _send_quietly(conn, msg):
+            os._exit(1)
+
+
+def _log_sink(conn: Connection, rank: int) -> Callable[[dict[str, Any]], None]:
+    def sink(event: dict[str, Any]) -> None:
+        try:
+            pickle.dumps(event)
+        except Exception:  # values that do not pickle travel as their repr
+            event = {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+                     for k, v in event.items()}
+        _send_quietly(conn, ("log", rank, event))
+    return sink
 
 
 #: CPU threads of a GPU rank's torch ops (its CPU work is per-batch bookkeeping)
@@ -188,8 +266,26 @@ def _rank_main(
     env: dict[str, str],
     conn: Connection,
     fallback_policy: str = "warn",
+    parent_pid: int = 0,
+    started_at: float = 0.0,
+    log_setup: LogSetup | None = None,
+    stderr: Connection | None = None,
 ) -> None:
-    """Entry point of one rank process (top level, so ``spawn`` can pickle it)."""
+    """Entry point of one rank process (top level, so ``spawn`` can pickle it). ``stderr``: the
+    write end of a pipe that becomes this process's file descriptor 2 (the parent reads it)."""
+    if stderr is not None:
+        sys.stderr.flush()
+        os.dup2(stderr.fileno(), 2)
+        stderr.close()
+    if parent_pid:
+        die_with_parent(parent_pid)  # (cpkv's first import did it too, before torch loaded)
+        threading.Thread(target=_watchdog, args=(parent_pid, rank, conn), daemon=True,
+                         name="cpkv-rank-watchdog").start()
+    # Ctrl-C reaches every process of the terminal's group: the parent stops the ranks
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_setup is not None:
+        log_setup(_log_sink(conn, rank))
     for key, value in CHILD_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ.update(env)
@@ -212,25 +308,29 @@ def _rank_main(
             group = CPGroup(rank=rank, size=size, backend=backend,  # type: ignore[arg-type]
                             device=device, timeout_s=timeout_s)
             _send(conn, ("ready", rank))
+            startup = time.time() - started_at if started_at else 0.0
             t0 = time.perf_counter()
             with recording(fallback_policy) as rec:
                 value = fn(group, *args)
-            msg = ("ok", rank, value, list(rec.events), time.perf_counter() - t0)
+            msg = ("ok", rank, value, list(rec.events), time.perf_counter() - t0, startup)
         except BaseException as exc:
             msg = ("error", rank, _qualname(type(exc)), str(exc), traceback.format_exc(), time.time())
         try:
             _send(conn, msg)
+        except (OSError, EOFError):
+            pass  # the parent is gone: nothing to tell
         except Exception as exc:  # e.g. the return value does not pickle
-            _send(conn, ("error", rank, _qualname(type(exc)),
-                       f"could not send the result of rank {rank} to the parent: {exc}",
-                       traceback.format_exc(), time.time()))
+            _send_quietly(conn, ("error", rank, _qualname(type(exc)),
+                                 f"could not send the result of rank {rank} to the parent: {exc}",
+                                 traceback.format_exc(), time.time()))
     finally:
         # After the report, so a peer that sees this rank's sockets close (and fails on that)
         # reports later than this rank did.
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        conn.close()
+        with contextlib.suppress(OSError):
+            conn.close()
 
 
 def _qualname(tp: type) -> str:
@@ -252,6 +352,8 @@ def run_ranks(
     startup_timeout_s: float = 60.0,
     settle_s: float = 0.5,
     fallback_policy: str = "warn",
+    names: Sequence[str] | None = None,
+    log_setup: LogSetup | None = None,
 ) -> list[RankResult]:
     """Run ``fn(group, *args)`` on ``size`` spawned rank processes; results in rank order.
 
@@ -269,19 +371,31 @@ def run_ranks(
         fallback_policy: ``"warn"`` or ``"error"``: the fallback policy ``fn`` runs under.
         settle_s: after the first failure, how long to wait for other ranks' reports before
             terminating them (used to tell the failing rank from the peers that fail after it).
+        names: what messages call each rank (e.g. ``"the decode rank"``); default "rank r".
+        log_setup: a picklable function each rank calls first with a sink (one event dict ->
+            the parent): the caller's logging setup for the rank (the CLI's configures structlog
+            to hand every event to the sink); what a rank writes to its stderr (fd 2: C++
+            libraries such as glog) comes to the parent through a pipe too, one event per line.
+            The parent logs each event it receives through
+            structlog with the rank in it (``rank=`` or ``ranks=``), identical events of several
+            ranks once. Without it the ranks log as their own structlog configuration says.
 
     Returns:
         One :class:`RankResult` per rank, in rank order, each with the rank's fallback events.
 
     Raises:
         RankFailed: a rank raised or died; the message starts with that rank's error.
-        RankTimeout: ranks were still running at the deadline (named; all were killed).
-        ValueError: bad ``size``/``backend``, or too few GPUs for NCCL.
+        RankTimeout: ranks were still running at the deadline (named, with the collective each
+            last waited in; all were killed).
+        ValueError: bad ``size``/``backend``, ``names`` of the wrong length, or too few GPUs for
+            NCCL.
     """
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if names is not None and len(names) != size:
+        raise ValueError(f"names must name each of the {size} ranks, got {len(names)}")
     if backend == "nccl" and torch.cuda.device_count() < size:
         raise ValueError(f"backend 'nccl' with {size} ranks needs {size} GPUs, "
                          f"found {torch.cuda.device_count()}")
@@ -290,28 +404,79 @@ def run_ranks(
                           timeout=timedelta(seconds=startup_timeout_s + timeout_s))
     procs: list[Any] = []
     conns: dict[int, Connection] = {}
+    logs = RankLogMerger(size, names)
+    errs: dict[int, Connection] = {}  # rank -> the read end of its stderr (with log_setup)
     try:
-        for rank in range(size):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_rank_main,
-                args=(fn, rank, size, backend, store.port, timeout_s, tuple(args),
-                      dict(env or {}), send_end, str(fallback_policy)),
-                name=f"cpkv-rank-{rank}",
-                daemon=False,  # fn may start processes of its own; _reap joins every rank
-            )
-            procs.append(p)
-            conns[rank] = recv_end
-            try:
-                p.start()
-            finally:
-                send_end.close()  # the parent keeps only the read end: EOF when the rank exits
-        return _supervise(procs, conns, size, timeout_s, startup_timeout_s, settle_s)
+        # SIGINT ignored is inherited through exec: the ranks ignore Ctrl-C from birth; the
+        # variable makes their first import of cpkv tie them to this process (cpkv._lifetime)
+        with _sigint_ignored(), _env(PARENT_ENV, str(os.getpid())):
+            for rank in range(size):
+                recv_end, send_end = ctx.Pipe(duplex=False)
+                err_write: Connection | None = None
+                if log_setup is not None:
+                    errs[rank], err_write = ctx.Pipe(duplex=False)
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(fn, rank, size, backend, store.port, timeout_s, tuple(args),
+                          dict(env or {}), send_end, str(fallback_policy), os.getpid(),
+                          time.time(), log_setup, err_write),
+                    name=f"cpkv-rank-{rank}",
+                    daemon=False,  # fn may start processes of its own; _reap joins every rank
+                )
+                procs.append(p)
+                conns[rank] = recv_end
+                try:
+                    p.start()
+                finally:
+                    send_end.close()  # the parent keeps only the read end: EOF when the rank exits
+                    if err_write is not None:
+                        err_write.close()
+        return _supervise(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names, logs,
+                          errs)
     finally:
         _reap(procs)
+        lines = StderrLines(logs)
+        for r in list(errs):
+            _drain(errs, r, lines)
+        logs.flush(force=True)
         for c in conns.values():
             c.close()
         del store
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str) -> Any:
+    """``os.environ[key] = value`` for the block (the processes started in it inherit it)."""
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Any:
+    """SIGINT ignored in this process for the block (only the main thread may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _oversubscribed_hint(size: int) -> str:
+    cpus = os.cpu_count() or 1
+    if size <= cpus:
+        return ""
+    return (f"{size} rank processes on {cpus} CPU core(s): starting them is slow when oversubscribed; "
+            f"use fewer ranks or raise runtime.startup_timeout_s")
 
 
 def _supervise(
@@ -321,12 +486,18 @@ def _supervise(
     timeout_s: float,
     startup_timeout_s: float,
     settle_s: float,
+    names: Sequence[str] | None = None,
+    logs: RankLogMerger | None = None,
+    errs: dict[int, Connection] | None = None,
 ) -> list[RankResult]:
     ready: set[int] = set()
     results: dict[int, RankResult] = {}
     errors: dict[int, tuple[str, str, str, float]] = {}  # rank -> (type, message, tb, when)
     deaths: dict[int, tuple[int | None, float]] = {}  # rank -> (exitcode, observed when)
+    waiting: dict[int, str] = {}  # rank -> the collective it last said it waits in
     open_conns = dict(conns)
+    errs = errs if errs is not None else {}
+    lines = StderrLines(logs) if logs is not None else None
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
     deadline = time.monotonic() + startup_timeout_s
     phase = "startup"
@@ -344,12 +515,25 @@ def _supervise(
                 break
             if phase == "startup":
                 missing = [r for r in range(size) if r not in ready]
-                raise RankTimeout(missing, size, phase, startup_timeout_s)
-            raise RankTimeout([r for r in range(size) if not done(r)], size, phase, timeout_s)
+                raise RankTimeout(missing, size, phase, startup_timeout_s, names=names,
+                                  hint=_oversubscribed_hint(size))
+            raise RankTimeout([r for r in range(size) if not done(r)], size, phase, timeout_s,
+                              names=names, waiting=waiting)
         limit = deadline if failed_at is None else min(deadline, failed_at + settle_s)
+        if logs is not None:
+            logs.flush()
+            due = logs.next_due()
+            if due is not None:
+                limit = min(limit, due)
         waitables: list[Any] = list(open_conns.values())
         waitables += [s for s, r in sentinels.items() if not done(r)]
+        waitables += list(errs.values())
         for obj in wait(waitables, timeout=max(0.0, limit - now)):
+            err_rank = _rank_of(errs, obj) if isinstance(obj, Connection) else None
+            if err_rank is not None:
+                if lines is not None:
+                    _read_stderr(errs, err_rank, lines)
+                continue
             rank = sentinels.get(obj) if not isinstance(obj, Connection) else _rank_of(open_conns, obj)
             if rank is None:
                 continue
@@ -361,15 +545,24 @@ def _supervise(
                     del open_conns[rank]
                     continue
                 kind = msg[0]
-                if kind == "ready":
+                if kind == "log":
+                    if logs is not None:
+                        logs.add(msg[1], msg[2])
+                elif kind == "waiting":
+                    if msg[2] is None:
+                        waiting.pop(msg[1], None)
+                    else:
+                        waiting[msg[1]] = msg[2]
+                elif kind == "ready":
                     ready.add(rank)
                     if phase == "startup" and len(ready) == size:
                         phase = "run"
                         if failed_at is None:
                             deadline = time.monotonic() + timeout_s
                 elif kind == "ok":
-                    _, r, value, events, seconds = msg
-                    results[r] = RankResult(rank=r, value=value, fallbacks=events, seconds=seconds)
+                    _, r, value, events, seconds, startup = msg
+                    results[r] = RankResult(rank=r, value=value, fallbacks=events, seconds=seconds,
+                                            startup_seconds=startup)
                 else:
                     _, r, etype, emsg, tb, when = msg
                     errors[r] = (etype, emsg, tb, when)
@@ -386,11 +579,42 @@ def _supervise(
                     failed_at = failed_at if failed_at is not None else time.monotonic()
 
     if errors or deaths:
-        raise _root_cause(errors, deaths, procs, size)
-    # Every rank reported a result; let them exit (destroy_process_group) within the deadline.
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        raise _root_cause(errors, deaths, procs, size, names)
+    # Every rank reported a result; let them exit (destroy_process_group) within the deadline,
+    # reading their stderr meanwhile (a rank blocked on a full pipe would never exit)
+    exiting = {p.sentinel: p for p in procs}
+    while exiting and time.monotonic() < deadline:
+        for obj in wait([*exiting, *errs.values()], timeout=max(0.0, deadline - time.monotonic())):
+            if obj in exiting:
+                exiting.pop(obj).join(timeout=_REAP_S)
+            elif isinstance(obj, Connection) and lines is not None:
+                r = _rank_of(errs, obj)
+                if r is not None:
+                    _read_stderr(errs, r, lines)
     return [results[r] for r in range(size)]
+
+
+def _read_stderr(errs: dict[int, Connection], rank: int, lines: StderrLines) -> None:
+    """Read what is there of ``rank``'s stderr; at its end, forget the pipe."""
+    try:
+        data = os.read(errs[rank].fileno(), 1 << 16)
+    except OSError:
+        data = b""
+    lines.feed(rank, data)
+    if not data:
+        errs.pop(rank).close()
+
+
+def _drain(errs: dict[int, Connection], rank: int, lines: StderrLines) -> None:
+    """Read the rest of ``rank``'s stderr (the rank has exited; a process it started may still
+    hold the pipe: read only what is there)."""
+    for _ in range(1024):
+        if rank not in errs or not errs[rank].poll(0):
+            break
+        _read_stderr(errs, rank, lines)
+    if rank in errs:
+        lines.feed(rank, b"")
+        errs.pop(rank).close()
 
 
 def _rank_of(conns: dict[int, Connection], obj: Connection) -> int | None:
@@ -405,6 +629,7 @@ def _root_cause(
     deaths: dict[int, tuple[int | None, float]],
     procs: list[Any],
     size: int,
+    names: Sequence[str] | None = None,
 ) -> RankFailed:
     """The failure that caused the others: the earliest one that is not a transport error (a peer
     going away makes the others fail with ``DistBackendError`` & co.); else the earliest."""
@@ -427,8 +652,8 @@ def _root_cause(
     if rank in errors:
         etype, emsg, tb, _ = errors[rank]
         return RankFailed(rank, size, error_type=etype, error_message=emsg, traceback_text=tb,
-                          others=others)
-    return RankFailed(rank, size, exitcode=deaths[rank][0], others=others)
+                          others=others, names=names)
+    return RankFailed(rank, size, exitcode=deaths[rank][0], others=others, names=names)
 
 
 def _reap(procs: list[Any]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from cpkv.comm import CPGroup
 
 from ..decode import generate, greedy
@@ -15,7 +17,8 @@ __all__ = ["reference_rank"]
 def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
     """Prefill on one rank in the job's batches **without** a prefix cache (every prompt
     computed whole), then ``spec.decode_tokens`` greedy tokens per prompt with the same batched
-    steps as the decode rank. ``spec.settings.cp.size`` must be 1."""
+    steps as the decode rank. ``spec.settings.cp.size`` must be 1. The report's ``seconds``
+    has "load", "prefill" and "decode" (generation) wall times."""
     group = CPGroup.single("cuda:0" if spec.device == "cuda" else "cpu")
     session, load_s = open_session(group, spec)
     first: dict[int, int] = {}
@@ -27,6 +30,8 @@ def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
     served = prefill_batches(session, spec, keep, use_cache=False)
     rep = rank_report(group, session, served, load_s)
     rids = spec.rids
+    t0 = time.perf_counter()
     tokens = (generate(session, [(rids[i], first[i]) for i in range(len(rids))], spec.decode_tokens)
               if spec.decode_tokens else [])
+    rep.seconds["decode"] = time.perf_counter() - t0
     return rep, tokens

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import structlog
 import torch.distributed as dist
 
 from cpkv.comm import CPGroup
 from cpkv.fallback import recording
-from cpkv.settings import Settings
+from cpkv.plugin import PluginHost
+from cpkv.settings import Settings, SettingsError
 
-from ..launch import RankResult, run_ranks
+from ..launch import LogSetup, RankResult, run_ranks
 from ..world import launched_world, run_in_world
 from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
@@ -21,7 +24,10 @@ from .reference import reference_rank
 from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk, tail_rows
 from .spec import JobSpec
 
-__all__ = ["BF16_COMPUTE_TOLERANCE", "TIE_TOLERANCE", "disagg_rank", "job_device", "run_job"]
+__all__ = ["BF16_COMPUTE_TOLERANCE", "TIE_TOLERANCE", "check_plugin_names", "disagg_rank",
+           "job_device", "run_job"]
+
+log = structlog.get_logger(__name__)
 
 #: on GPUs the model computes in bfloat16 (8 mantissa bits), and a CP rank's matmuls over its
 #: rows round differently from one GPU's over all rows: logits and indexer scores agree to this
@@ -52,6 +58,42 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
     return decode_rank(world, spec)
 
 
+def check_plugin_names(settings: Settings, *, transfer: bool = True) -> None:
+    """``backend.name`` (unless "auto") and, with ``transfer``, ``transfer.name`` must each name a
+    plugin an installed distribution provides (a backend that is installed but cannot run here,
+    or is disabled, is the registry's reported fallback instead); the transfer, which has no
+    fallback, must also be available here (its probe: e.g. a missing system library). Checked
+    in this process, before any rank starts.
+
+    Raises:
+        SettingsError: a name no installed plugin has, with the names there are; a transfer
+            that cannot run here, with the probe's reason (and its fix).
+    """
+    host = PluginHost(disable=settings.plugins.disable, allow=settings.plugins.allow)
+    try:
+        backends = host.backends()
+        wanted = [("backend.name", "backend", settings.backend.name,
+                   [*backends.names(), *backends.unusable])]
+        if transfer:
+            transfers = host.transfers()
+            wanted.append(("transfer.name", "transfer", settings.transfer.name,
+                           [*transfers.names(), *transfers.unusable]))
+        for key, kind, name, names in wanted:
+            known = sorted(set(names))
+            if name != "auto" and name not in known:
+                extra = " or 'auto'" if kind == "backend" else ""
+                raise SettingsError(f"{key} = {name!r}: no installed {kind} plugin has that name; "
+                                    f"available: {', '.join(known) or 'none'}{extra} "
+                                    f"(`cpkv plugins` lists them)")
+        if transfer:  # the transfer has no fallback: one that cannot run here fails the job
+            av = transfers.availability(settings.transfer.name)
+            if not av.available:
+                raise SettingsError(f"transfer.name = {settings.transfer.name!r} cannot run here: "
+                                    f"{av.reason}")
+    finally:
+        host.close()
+
+
 def job_device(device: str, processes: int) -> str:
     """``settings.run.device`` resolved: "auto" is "cuda" when there is a GPU per process.
 
@@ -73,7 +115,8 @@ def job_device(device: str, processes: int) -> str:
 def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,
             prefix_lens: Sequence[int] = (), capture_topk: bool = True, decode_tokens: int = 0,
             batch_size: int = 0, mtp: bool = False, draft_tokens: int = 1,
-            progress: Callable[[str], None] = lambda s: None) -> JobReport | None:
+            progress: Callable[[str], None] = lambda s: None,
+            log_setup: LogSetup | None = None) -> JobReport | None:
     """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
 
     The prompts are served in order, ``batch_size`` per prefill batch (0: all in one); with the
@@ -93,13 +136,25 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     ``draft_tokens`` drafts per step (``draft``: accept rate, mean accepted length, steps saved,
     and whether the tokens equal the reference's plain greedy ones).
 
+    ``log_setup`` is handed to the rank launcher (:func:`~cpkv.runtime.launch.run_ranks`): how
+    the rank processes log (the CLI sends their events to its own stream).
+
+    The report's ``seconds``: ``cp_startup`` (spawning the processes, imports, joining the group
+    and loading the model: the slowest process), ``cp_prefill`` (every batch, the slowest prefill
+    rank), ``cp_decode`` (the decode rank's generation); ``reference_startup`` (its model load,
+    in this process), ``reference_prefill``, ``reference_decode``; ``cp_total`` and
+    ``reference_total`` (wall); and the detail of the last batch (``cp_plan``, ...) and of the
+    decode rank (``decode_load``, ``decode_receive``, ``decode_decode``).
+
     Raises:
+        SettingsError: ``backend.name`` or ``transfer.name`` names no installed plugin.
         RankFailed / RankTimeout: a rank failed (its own error) or hung.
         RuntimeError: the bytes the prefill ranks sent and the decode rank received differ.
         ValueError: under torchrun, a world of the wrong size; ``run.device = "cuda"`` without a
             GPU per process.
     """
     c = settings.cp.size
+    check_plugin_names(settings, transfer=decode_tokens > 0)
     device = job_device(settings.run.device, c + 1 if decode_tokens > 0 else c)
     spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
                    settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
@@ -115,12 +170,23 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         raise ValueError(f"torchrun started {launched[1]} processes; this job needs {need} "
                          f"(cp.size = {c}{' + the decode rank' if decode_tokens > 0 else ''})")
 
+    cpus = os.cpu_count() or 1
+    # the CP ranks compute together (the decode rank mostly waits): more than a core each is slow
+    if launched is None and device == "cpu" and c > cpus:
+        log.warning("cpkv.run.oversubscribed", cp_ranks=c, processes=need, cpu_cores=cpus,
+                    hint="the ranks share the cores: startup and every collective are slow; "
+                         "use fewer CP ranks or raise runtime.startup_timeout_s and "
+                         "runtime.timeout_s")
+
     def ranks(fn: Callable[..., Any], n: int) -> list[RankResult]:
         if launched is not None:  # this process is one rank of the launcher's world
             return run_in_world(fn, args=(spec,), timeout_s=settings.runtime.timeout_s,
                                 fallback_policy=policy, device=device)
+        names = [f"rank {r}" for r in range(c)] + (["the decode rank"] if n > c else [])
         return run_ranks(fn, n, args=(spec,), timeout_s=settings.runtime.timeout_s,
-                         fallback_policy=policy, backend="nccl" if device == "cuda" else "gloo")
+                         startup_timeout_s=settings.runtime.startup_timeout_s,
+                         fallback_policy=policy, backend="nccl" if device == "cuda" else "gloo",
+                         names=names, log_setup=log_setup)
 
     if decode_tokens > 0:
         progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes")
@@ -144,7 +210,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     ref_spec = JobSpec(model_dir, spec.prompts, no_cache, capture_topk, spec.prefix_lens,
                        decode_tokens, batch_size, mtp=mtp, device=device)
     t = time.perf_counter()
-    with recording(settings.fallback.policy) as ref_rec:
+    # its events name it as the ranks' name theirs (where the caller's logging merges contextvars)
+    with recording(settings.fallback.policy) as ref_rec, \
+            structlog.contextvars.bound_contextvars(rank="reference"):
         ref, ref_tokens = reference_rank(ref_spec)
     ref_wall = time.perf_counter() - t
     r0: RankReport = pre[0][1]
@@ -163,8 +231,17 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         fallbacks += [{"rank": "decode", **e.model_dump(mode="json")} for e in results[c].fallbacks]
     fallbacks += [{"rank": "reference", **e.model_dump(mode="json")} for e in ref_rec.events]
     phases = {k: max(v.seconds.get(k, 0.0) for _, v, _ in pre) for k in r0.seconds}
-    seconds = {"cp_wall": cp_wall, "reference_wall": ref_wall,
-               **{f"cp_{k}": v for k, v in phases.items()}}
+    # startup: from spawning a process to its model being loaded, the slowest process
+    starts = [r.startup_seconds + (r.value.prefill if isinstance(r.value, SenderReport)
+                                   else r.value).seconds["load"] for r in results[:c]]
+    if decode is not None:
+        starts.append(results[c].startup_seconds + decode.seconds["load"])
+    seconds = {"cp_startup": max(starts), "cp_prefill": phases["prefill"],
+               "cp_decode": decode.seconds["decode"] if decode is not None else 0.0,
+               "reference_startup": ref.seconds["load"], "reference_prefill": ref.seconds["prefill"],
+               "reference_decode": ref.seconds.get("decode", 0.0),
+               "cp_total": cp_wall, "reference_total": ref_wall,
+               **{f"cp_{k}": v for k, v in phases.items() if k not in ("load", "prefill")}}
     transfer = dec = None
     if decode is not None:
         sent = [r.bytes_sent for r in senders]

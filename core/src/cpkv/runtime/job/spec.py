@@ -106,6 +106,8 @@ class Served:
     #: per batch, the wall seconds of each of its chunks (``runtime.chunk_tokens``; empty for a
     #: batch prefilled in one piece)
     chunk_seconds: list[list[float]] = field(default_factory=list)
+    #: wall time of the whole loop (every batch, and what ``after`` did), seconds
+    seconds: float = 0.0
 
 
 def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _nothing, *,
@@ -120,6 +122,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
     Raises:
         ValueError: the job has no prompts.
     """
+    t0 = time.perf_counter()
     rids, done = spec.rids, [0] * len(spec.prompts)
     batches = spec.batches()
     if not batches or not spec.prompts:
@@ -165,4 +168,4 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
     drafts = [t for t in draft_logits if t is not None]
     return Served(last_logits=logits, hits=hits, last=res, last_extends=extends,
                   draft_logits=torch.stack(drafts) if drafts else None,
-                  chunk_seconds=chunk_seconds)
+                  chunk_seconds=chunk_seconds, seconds=time.perf_counter() - t0)
