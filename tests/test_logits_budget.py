@@ -1,5 +1,5 @@
 """``runtime.logits_budget_mb``: a number wins; "auto" is sized from the device's free memory on
-CUDA (a quarter, clamped to [512 MiB, 32 GiB]) and is 512 MiB on a CPU; the session exposes what
+CUDA (an eighth, clamped to [512 MiB, 16 GiB]) and is 512 MiB on a CPU; the session exposes what
 it took."""
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ GiB = 1 << 30
 
 @pytest.mark.parametrize(("free", "want"), [
     (0, AUTO_MIN_MB),                       # a full device: the floor
-    (1 * GiB, AUTO_MIN_MB),                 # a quarter is 256 MiB: still the floor
-    (8 * GiB, 2048),                        # a quarter
-    (100 * GiB + (3 << 20), 25600),         # a quarter, whole MiB (the odd bytes round down)
-    (139 * GiB, AUTO_MAX_MB),               # a quarter is 34.75 GiB: the ceiling
+    (1 * GiB, AUTO_MIN_MB),                 # an eighth is 128 MiB: still the floor
+    (8 * GiB, 1024),                        # an eighth
+    (100 * GiB + (9 << 20), 12801),         # an eighth, whole MiB (the odd bytes round down)
+    (139 * GiB, AUTO_MAX_MB),               # an eighth is 17.4 GiB: the ceiling
 ])
-def test_auto_budget_is_a_quarter_of_free_memory_clamped(free: int, want: int) -> None:
+def test_auto_budget_is_an_eighth_of_free_memory_clamped(free: int, want: int) -> None:
     assert auto_budget_mb(free) == want
 
 
@@ -44,7 +44,7 @@ def test_auto_budget_rejects_negative_free_memory() -> None:
 def test_auto_on_cuda_reads_free_memory_and_a_number_wins() -> None:
     cuda = torch.device("cuda", 0)
     b = logits_budget("auto", cuda, free_bytes=40 * GiB)  # a fake free-memory reading
-    assert (b.mb, b.auto, b.bytes) == (10240, True, 10240 << 20)
+    assert (b.mb, b.auto, b.bytes) == (5120, True, 5120 << 20)
     assert logits_budget(1024, cuda, free_bytes=40 * GiB) == type(b)(1024, auto=False)
     assert logits_budget("auto", torch.device("cpu")) == type(b)(CPU_AUTO_MB, auto=True)
     with pytest.raises(ValueError, match="logits_budget_mb"):

@@ -243,8 +243,8 @@ class RuntimeSettings(_Section):
                                 "has fewer CPU cores than processes")
     logits_budget_mb: int | Literal["auto"] = Field(
         "auto", description="indexer logits/scratch memory budget per row chunk, MiB (>= 1), or "
-                            "'auto': on CUDA a quarter of the device memory free once the model "
-                            "and pool are allocated, clamped to [512, 32768] MiB; 512 on CPUs")
+                            "'auto': on CUDA an eighth of the device memory free once the model "
+                            "and pool are allocated, clamped to [512, 16384] MiB; 512 on CPUs")
     chunk_tokens: int = Field(
         0, ge=0, description="chunked prefill: a request whose extend is longer than this is "
                              "prefilled in chunks of at most this many tokens, one batch each, "

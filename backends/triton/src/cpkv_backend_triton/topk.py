@@ -481,12 +481,15 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
 
 
 # ---- the op ----------------------------------------------------------------------------------
-def _splits(n: int, t: int) -> int:
+def _splits(n: int, t: int, cap: int) -> int:
     """(row, split) programs for the filter: enough to fill the GPU when a call has few rows,
-    splits of at least SPLIT_MIN columns."""
+    splits of at least SPLIT_MIN columns, and the candidates' scratch (``cap`` int64 a split) at
+    most an eighth of the logits' bytes (the caller's memory budget is sized by the logits: at
+    1M keys and a 512 MiB budget, 16 splits of 128 rows took 268 MB more than the budget)."""
     cfg = TOPK_LONG
     want = triton.cdiv(cfg["PROGRAMS"], max(n, 1))
-    return max(1, min(want, triton.cdiv(t, cfg["SPLIT_MIN"])))
+    by_memory = (4 * t) // (8 * 8 * cap)
+    return max(1, min(want, triton.cdiv(t, cfg["SPLIT_MIN"]), by_memory))
 
 
 def _radix(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
@@ -527,7 +530,7 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     cfg = TOPK_LONG
     cap = max(cfg["CAP"], _pow2(k))
     blk = min(cfg["BLOCK"], _pow2(t))
-    ns = _splits(n, t)
+    ns = _splits(n, t, cap)
     cs = triton.cdiv(triton.cdiv(t, ns), blk) * blk  # columns per split
     ns = triton.cdiv(t, cs)
     dev = logits.device

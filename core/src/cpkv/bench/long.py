@@ -178,6 +178,8 @@ class RecallSpec:
     model_dir: str
     tokens: tuple[int, ...]
     label: str = "v32-attention"
+    #: runtime.logits_budget_mb of both sessions (None: the settings' default)
+    budget_mb: int | None = None
 
 
 def _recall(a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[float, float, int]:
@@ -210,15 +212,15 @@ def fp8_recall_rank(group: Any, spec: RecallSpec) -> dict[str, Any]:
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=g)
         caps, last = {}, {}
         for dt in ("bf16", "fp8"):
-            session = _session(model, group, n, "fp8", dt, None)
+            session = _session(model, group, n, "fp8", dt, spec.budget_mb)
             res = session.prefill([("r", ids)], capture_topk=True)
-            caps[dt], last[dt] = res.topk, res.last_logits[0].float()
+            caps[dt], last[dt] = list(res.topk.indices), res.last_logits[0].float()
             session.release("r")
-            del session
+            del session, res  # the captured scores and the session's buffers
             gc.collect()
             torch.cuda.empty_cache()
         layers = []
-        for a, b in zip(caps["bf16"].indices, caps["fp8"].indices, strict=True):
+        for a, b in zip(caps["bf16"], caps["fp8"], strict=True):
             mean, low, rows = _recall(a, b, k)
             layers.append({"recall_mean": mean, "recall_min": low, "rows": rows})
         diff = (last["fp8"] - last["bf16"]).abs().max() / last["bf16"].abs().max()

@@ -476,7 +476,7 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
             ckpts.append(("hf", long.write_hf_checkpoint(str(tmp / "hf"), **stack)))
         for label, path in ckpts:
             err.print(f"[dim]fp8 vs bf16 indexer top-k on {label} at {rlens}[/]")
-            rec = run_ranks(long.fp8_recall_rank, 1, args=(long.RecallSpec(path, rlens, label),),
+            rec = run_ranks(long.fp8_recall_rank, 1, args=(long.RecallSpec(path, rlens, label, budget_mb),),
                             backend="nccl", timeout_s=3600)[0].value
             detail[f"fp8_recall_{label}"] = rec
             rows += long.recall_rows(rec)

@@ -3,7 +3,7 @@
 The budget bounds the rows the driver hands the indexer and the top-k at once (rule 21: rows x
 keys x 4 B of fp32 logits, plus the top-k's scratch). A larger budget means fewer, longer kernel
 launches: at 512K keys the top-k took 3.44 s of a 5.48 s chunk at 512 MiB and 1.05 s of 3.10 s at
-4 GiB (issue 24). ``"auto"`` therefore takes a fixed fraction of the memory the device still has
+4 GiB. ``"auto"`` therefore takes a fixed fraction of the memory the device still has
 free once the model and the pool are allocated, within bounds.
 
 The budget may differ between the ranks of a CP group (each reads its own free memory). That is
@@ -22,12 +22,17 @@ import torch
 __all__ = ["AUTO_FRACTION", "AUTO_MAX_MB", "AUTO_MIN_MB", "CPU_AUTO_MB", "LogitsBudget",
            "auto_budget_mb", "logits_budget"]
 
-#: "auto" on CUDA: this fraction of the free device memory at session start
-AUTO_FRACTION = 0.25
+#: "auto" on CUDA: this fraction of the free device memory at session start. The rest is for
+#: what a chunk's rows allocate besides the logits (a 128K-token chunk's activations at DeepSeek
+#: sizes: ~50 GB) and the allocator's slack. Measured on one H200 (135 GB free, 2-layer
+#: v32-attention stack, 1M tokens in 128K chunks): a quarter (32 GiB) ran out of memory with 57
+#: GB reserved but unallocated; 16 GiB peaked at 82 GB and ran as fast (``cpkv bench long``)
+AUTO_FRACTION = 0.125
 #: "auto" on CUDA: never below (today's fixed default) ...
 AUTO_MIN_MB = 512
-#: ... nor above this many MiB (the top-k's launches are few long before this)
-AUTO_MAX_MB = 32 << 10
+#: ... nor above this many MiB (the top-k's launches are few long before this: at 1M keys 16 GiB
+#: is 4K rows a launch)
+AUTO_MAX_MB = 16 << 10
 #: "auto" on a CPU: the fixed default (host memory is not the bound there; cache-sized row pieces
 #: inside the torch backend are)
 CPU_AUTO_MB = 512
