@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cpkv.contracts import KVDtype, KVFormat, Op
 from cpkv.ops import ALL_OPS
+from cpkv.ops.api import FP8_AMAX_FLOOR
 from cpkv.plugin import PluginHost
 from cpkv.testing.conformance import (
     CHECKS,
@@ -25,7 +26,7 @@ from cpkv.testing.conformance import (
     check_fp8_round_trip,
     check_op,
 )
-from cpkv_backend_torch.ops import AMAX_FLOOR, TorchOps
+from cpkv_backend_torch.ops import TorchOps
 
 DS = FORMATS["deepseek_v32"]
 SMALL = FORMATS["small"]
@@ -185,7 +186,7 @@ def test_fp8_all_zero_block_has_a_positive_scale_and_unpacks_to_zero() -> None:
     x[1, 128:256] = 1.0  # row 1: one non-zero block among zero blocks
     p = TorchOps().fp8_pack(x, DS, "latent")
     scales = p[:, 512:528].contiguous().view(torch.float32)
-    assert torch.equal(scales[0], torch.full((4,), AMAX_FLOOR / 448, dtype=torch.float32))
+    assert torch.equal(scales[0], torch.full((4,), FP8_AMAX_FLOOR / 448, dtype=torch.float32))
     assert scales[1, 1].item() == pytest.approx(1 / 448, rel=1e-7)
     out = TorchOps().fp8_unpack(p, DS, "latent", torch.float32)
     assert torch.equal(out, x)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
+from cpkv.ops.api import quantize_fp8
 from triton_interp import CUDA, import_kernels, interpreter_env
 
 attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
@@ -217,8 +218,7 @@ def test_indexer_causal_rows_skip_tiles(ref: Any) -> None:
     ke = torch.where(pos < 20, 150 + pos + 1, 280 + pos - 20)
     ke[5] = ks[5]  # an empty row
     impl = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32})
-    sc = k.abs().amax(1) / 448
-    k8 = (k / sc[:, None]).to(torch.float8_e4m3fn)
+    k8, sc = quantize_fp8(k)
     for keys, scale in ((k.to(torch.bfloat16), None), (k8, sc)):
         got = impl.indexer_logits(q, w, keys, scale, ks, ke)
         want = ref.indexer_logits(q, w, keys, scale, ks, ke)
@@ -325,8 +325,7 @@ def test_indexer_realistic_gpu(ref: Any, n: int, t: int, kind: str) -> None:
     k = torch.randn(t, 128, generator=g).cuda()
     scale = None
     if kind == "fp8":
-        scale = k.abs().amax(1).clamp_min(1e-12) / 448
-        k = (k / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        k, scale = quantize_fp8(k)
     else:
         k = k.to(torch.bfloat16)
     pos = torch.arange(t - n, t, dtype=torch.int64, device="cuda")

@@ -1,7 +1,7 @@
 """Triton kernels for the sparse-attention ops of one layer (rule 19): the lightning indexer's
 logits, top-k selection, and sparse MLA prefill (FlashMLA's sparse interface).
 
-Semantics are exactly :class:`cpkv.ops.KVOps`'s, checked against the torch reference by
+Semantics are exactly :class:`cpkv.ops.api.KVOps`'s, checked against the torch reference by
 ``cpkv.testing.conformance.check_op`` (rtol = atol = 1e-5 in fp32). Every op is shape-driven:
 no ``.item()``, no data-dependent shapes, no host tensors, any number of rows including 0.
 
@@ -88,14 +88,15 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.contracts import FallbackReason, KVFormat
-from cpkv.fallback import report_fallback
-from cpkv.ops import (
+from cpkv.ops.api import (
+    FallbackReason,
+    KVFormat,
     check_indexer_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
     check_topk_args,
     paged_latent,
+    report_fallback,
 )
 
 __all__ = ["AttentionKernels"]
@@ -711,7 +712,7 @@ class AttentionKernels:
                        k_scale: torch.Tensor | None, key_start: torch.Tensor,
                        key_end: torch.Tensor) -> torch.Tensor:
         """``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` inside ``[key_start[i],
-        key_end[i])``, -inf elsewhere; float32 [N, T]. See :class:`cpkv.ops.KVOps`.
+        key_end[i])``, -inf elsewhere; float32 [N, T]. See :class:`cpkv.ops.api.KVOps`.
 
         fp8 keys: the scale multiplies the head sum (``k_scale`` must be >= 0, as the pool's are).
 
@@ -764,7 +765,7 @@ class AttentionKernels:
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:
         """Columns of the k largest logits in each row's range; int32 [N, k], -1 padded; rows
-        holding at most k keys list them all ascending. See :class:`cpkv.ops.KVOps`.
+        holding at most k keys list them all ascending. See :class:`cpkv.ops.api.KVOps`.
 
         Default (``topk_method="radix"``): the exact select of the module docstring, the
         reference's set (ties by ascending column) in the kernels' order. ``"torch"``: a Triton
@@ -828,7 +829,7 @@ class AttentionKernels:
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                    dv: int) -> torch.Tensor:
         """Sparse MLA prefill (absorbed form) over the selected latent rows; float32 [N, H, dv].
-        See :class:`cpkv.ops.KVOps`.
+        See :class:`cpkv.ops.api.KVOps`.
 
         Raises:
             ValueError: a shape or dtype does not match, or ``dv`` is out of range.
@@ -867,7 +868,7 @@ class AttentionKernels:
                          fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
         """Sparse MLA over latent rows read from part-major pages: the selected rows gathered
         and dequantized in one pass (``fp8_unpack`` through an index) into q's dtype, then
-        :meth:`sparse_mla`. See :class:`cpkv.ops.KVOps`."""
+        :meth:`sparse_mla`. See :class:`cpkv.ops.api.KVOps`."""
         check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
         dtype = q.dtype if q.dtype in _LOWP else torch.float32
         lat, idx = paged_latent(pages, rows, fmt, dtype, self.fp8_unpack,  # type: ignore[attr-defined]

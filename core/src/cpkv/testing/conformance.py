@@ -51,7 +51,7 @@ import torch
 
 from cpkv.contracts import KVDtype, KVFormat, Op
 from cpkv.kv import pack_rows
-from cpkv.ops import quantize_index_q
+from cpkv.ops.api import quantize_fp8, quantize_index_q
 from cpkv.plugin import PluginHost
 
 __all__ = [
@@ -458,12 +458,6 @@ def _key_ranges(n: int, t: int, k: int, g: torch.Generator) -> tuple[torch.Tenso
     return torch.tensor(ks, dtype=torch.int64), torch.tensor(ke, dtype=torch.int64)
 
 
-def _quantise_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, D] float -> (float8_e4m3fn [T, D], fp32 [T] per-token scale), like the pool's index-K."""
-    scale = x.float().abs().amax(dim=1).clamp_min(1e-12) / 448.0
-    return (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
 def _assert_close(op: str, case: str, what: str, got: Any, want: torch.Tensor,
                   rtol: float = ATTN_RTOL, atol: float = ATTN_ATOL) -> None:
     """Same shape, dtype and device; the same +-inf positions; finite values within
@@ -502,7 +496,7 @@ def _indexer_keys(k: torch.Tensor, kind: str, fmt: KVFormat, ref: Any
     if kind == "fp32":
         return k, None
     if kind == "fp8":
-        return _quantise_keys(k)
+        return quantize_fp8(k)  # per-token scale, like the pool's index-K
     # "fp8 pool": e4m3 bytes and scale as slices of packed index-K rows (the e4m3 part is a
     # strided view, as the pool hands it out)
     packed = ref.fp8_pack(k, fmt, "index_k")
@@ -788,11 +782,11 @@ def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
     against 500 keys (``k`` float32, ``k8`` float8_e4m3fn with ``scale``), causal ranges
     ``ks``/``ke``, a 576-wide latent view ``kv`` and 16-head queries ``qm``."""
     k = torch.randn(500, 128, device=device)
-    scale = k.abs().amax(1) / 448
+    k8, scale = quantize_fp8(k)
     return {
         "q": torch.randn(64, 64, 128, device=device, dtype=torch.bfloat16),
         "w": torch.randn(64, 64, device=device),
-        "k": k, "scale": scale, "k8": (k / scale[:, None]).to(torch.float8_e4m3fn),
+        "k": k, "scale": scale, "k8": k8,
         "ks": torch.zeros(64, dtype=torch.int64, device=device),
         "ke": torch.arange(64, dtype=torch.int64, device=device) * 7,
         "kv": torch.randn(500, 576, device=device, dtype=torch.bfloat16),
