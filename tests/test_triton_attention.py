@@ -176,6 +176,17 @@ def test_topk_method_is_checked() -> None:
     assert AttentionKernels().topk_method == "radix"
 
 
+def test_mla_precision_is_explicit() -> None:
+    """The default is FlashMLA's precision on 16-bit inputs; "exact" is asked for by name (a
+    launch override alone no longer changes the precision); anything else is an error."""
+    with pytest.raises(ValueError, match="mla_precision"):
+        AttentionKernels(mla_precision="fp8")  # type: ignore[arg-type]
+    assert AttentionKernels().mla_config["P_SPLIT"] == 1
+    assert AttentionKernels(mla_config={"BLOCK_K": 16}).mla_config["P_SPLIT"] == 1
+    exact = AttentionKernels(mla_precision="exact", mla_config={"BLOCK_K": 16})
+    assert (exact.mla_config["P_SPLIT"], exact.mla_config["BLOCK_K"]) == (2, 16)
+
+
 @interp
 @pytest.mark.parametrize("few_rows", [0, 10**9])
 def test_indexer_either_kernel_at_any_row_count(ref: Any, monkeypatch: pytest.MonkeyPatch,
@@ -197,7 +208,8 @@ def test_conformance_interpreter_small_tiles(ref: Any, monkeypatch: pytest.Monke
     monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64), (5, 700, 2048)))
     impl = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32},
                             mla_config={"BLOCK_H": 16, "BLOCK_K": 16, "P_SPLIT": 3, "P_FP16": 0,
-                                        "P_CAT": 0, "HEADS_FAST": heads_fast})
+                                        "P_CAT": 0, "HEADS_FAST": heads_fast},
+                            mla_precision="exact")
     monkeypatch.setattr(conf, "FORMATS", {"small": conf.FORMATS["small"]})
     conf.check_op(impl, ref, "indexer_logits", device="cpu")
     monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64),))
@@ -239,7 +251,8 @@ def test_sparse_mla_head_blocks_in_either_grid_order(ref: Any) -> None:
     want = ref.sparse_mla(q.float(), kv.float(), idx, 0.2, 32)
     outs = []
     for hf in (0, 1):
-        impl = AttentionKernels(mla_config={"BLOCK_H": 16, "BLOCK_K": 16, "HEADS_FAST": hf})
+        impl = AttentionKernels(mla_config={"BLOCK_H": 16, "BLOCK_K": 16, "HEADS_FAST": hf},
+                                mla_precision="exact")
         outs.append(impl.sparse_mla(q, kv, idx, 0.2, 32))
         assert torch.allclose(outs[-1], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(outs[0], outs[1])
@@ -310,7 +323,8 @@ def _gpu(fn: Any) -> Any:
     ("sparse_mla", {"BLOCK_H": 32, "BLOCK_K": 32, "num_warps": 4}),
     ("sparse_mla", {"BLOCK_H": 32, "HEADS_FAST": 1})])
 def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
-    conf.check_op(AttentionKernels(mla_config=mla_config), ref, op, device="cuda")
+    conf.check_op(AttentionKernels(mla_config=mla_config, mla_precision="exact"), ref, op,
+                  device="cuda")
 
 
 @_gpu
@@ -358,7 +372,7 @@ def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int,
     # bf16 q/kv take the FlashMLA-precision path (one bf16 P): bf16 tolerance of the fp32 reference
     tol = conf.LOWP_MLA_REL
     assert torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))
-    exact = AttentionKernels(mla_config={}).sparse_mla(q, kv, idx, 576 ** -0.5, 512)
+    exact = AttentionKernels(mla_precision="exact").sparse_mla(q, kv, idx, 576 ** -0.5, 512)
     assert torch.allclose(exact, want, rtol=1e-5, atol=1e-5)  # the exact mode on request
 
 

@@ -2,87 +2,15 @@
 logits, top-k selection, and sparse MLA prefill (FlashMLA's sparse interface).
 
 Semantics are exactly :class:`cpkv.ops.api.KVOps`'s, checked against the torch reference by
-``cpkv.testing.conformance.check_op`` (rtol = atol = 1e-5 in fp32). Every op is shape-driven:
-no ``.item()``, no data-dependent shapes, no host tensors, any number of rows including 0.
-
-* :meth:`AttentionKernels.indexer_logits`: one fused kernel. A program owns ``BLOCK_M`` query rows
-  x ``BLOCK_N`` keys; it loads the key tile once and loops over the heads, ``s_h = q_h . k`` by
-  ``tl.dot`` (fp32 accumulation), ``acc += w[:, h] * relu(s_h)``. fp8 keys are converted to the
-  query's 16-bit type (exact for e4m3) and the per-key scale multiplies the head sum once at the
-  end (``relu(c s) = c relu(s)`` for the pool's positive scales). Causal skipping: the program
-  reads its rows' ``key_start`` / ``key_end`` on the device and skips the head loop when its key
-  tile lies outside every row's range (with rows sorted by position, all tiles right of the
-  tile's largest ``key_end`` and left of its smallest ``key_start``); it still writes its -inf.
-  At most ``FEW_ROWS`` rows (a decode step, an MTP check) take ``_indexer_few_rows_kernel``
-  instead: the heads of up to 128 / H rows stacked into one operand, one dot per key tile and
-  the weighted head sum a reduction, where the row-tile kernel would run H dependent dots on a
-  16-row tile holding one row.
-* :meth:`AttentionKernels.topk`: an exact select in five kernels, no host sync: the same set as
-  the torch reference (equal logits by ascending column), listed in the kernels' own order (the
-  chosen columns of each chunk in column order, then the candidates taken), not sorted by logit:
-  the op's contract leaves the order of a full row to the backend, and sorting 2048 int64
-  composites per row cost ~0.19 ms per 1024 x 64K call on the H200, a quarter of the op. Logits
-  (fp32, or bf16/fp16 converted exactly) map to order-preserving int32 keys (``b ^ ((b >> 31) &
-  0x7FFFFFFF)`` of the fp32 bits, -0.0 folded into 0.0, -inf the smallest); only the columns of
-  a row's ``[key_start, key_end)`` are read.
-
-  1. ``_topk_bracket_kernel``, one program per row: ``TOPK_SAMPLE`` columns spread evenly over
-     the range, sorted; the bracket runs between the sample keys a margin above and below the
-     k-th key's estimated place (a few standard deviations of that estimate).
-  2. ``_topk_hist_kernel``, program (row, chunk of ``CHUNK`` columns): a ``BINS``-bin histogram
-     (``tl.histogram``) of a monotone bin of the logit: bin 0 below the bracket, equal widths
-     inside it, the last bin open upwards. Monotone, so any bracket is exact; a good one leaves
-     ~100 keys in the k-th key's bin at 64K columns. Triton's histogram costs per key about one
-     ballot per bin bit plus bins / 32 popcounts per thread, so 64 bins cost ~1/4 of 256.
-  3. ``_topk_compact_kernel``, same grid: from the row's chunk histograms, the bin b of the K-th
-     largest key; the columns of keys in higher bins go straight to the output row, keys of bin
-     b are candidates (a scratch row of int64 composites ``key << 32 | (2^31 - 1 - column)``),
-     both in column order (chunk offsets from the histograms, one ``tl.cumsum`` of both flags).
-  4. ``_topk_exact_kernel``, one program per row whose bin b holds more than ``CAP`` candidates
-     (massive ties, a sample unlike its row): radix select over the row, 4 passes of 8 bits,
-     then the keys above the K-th plus the first ``need`` equal to it by column.
-  5. ``_topk_final_kernel``, one program per row: rows holding at most k keys list them
-     ascending (-1 padded); the others refine the candidates (4 histograms of 8 bits find the
-     exact K-th key; ties by column: the candidates are in column order) and append the ones
-     taken.
-
-  On the H200 (Triton 3.6) at 1024 x 65536, k = 2048, the last rows of a causal prefill:
-  ~0.49 ms against 1.28 ms for the previous radix kernel (coarse log-scale bins and a sort)
-  and 1.07 ms for the torch.topk path (docs/perf.md). ``topk_method="torch"`` (or
-  :data:`TOPK_METHOD`) selects that path: a masking kernel, ``torch.topk`` (sorted) and a
-  fix-up (ties at the k-th place may differ from the reference); float64 logits and
-  k > :data:`TOPK_RADIX_MAX_K` always take it.
-* :meth:`AttentionKernels.sparse_mla`: one program per (query row, block of ``BLOCK_H`` heads);
-  the heads of a block share each gathered kv tile ``[BLOCK_K, Dk]`` (split at ``dv`` into the
-  value part and the rope tail), ``scores = q @ kv^T`` by ``tl.dot``, online softmax in fp32
-  (``exp2`` with ``scale * log2(e)`` folded in), ``acc += p @ kv[:, :dv]``. With 16-bit inputs the
-  probabilities enter the second matmul as a sum of ``P_SPLIT`` 16-bit pieces, because one
-  bf16 P (FlashMLA's choice, ``P_SPLIT=1``) is about 4e-3 off the fp32 reference and the contract
-  asks 1e-5:
-
-  - default ``P_SPLIT=2, P_FP16=1, P_CAT=1``: ``p ~ hi + lo`` in fp16 (22 significant bits), the
-    kv tile converted to fp16 for this matmul, both pieces in ONE matmul over ``2 * BLOCK_K``
-    (``[hi | lo] @ [kv; kv]``). Conformant; the fp16 conversion of kv is exact for bf16 values of
-    magnitude in [2^-17, 65504] (smaller ones lose < 2^-25 absolute; larger ones overflow to
-    inf: latent values are RMS-normalised and never come near). Two chained dots instead of the
-    concatenation (``P_CAT=0``) spill heavily in Triton 3.9's sm_90 code (12-17 KB stack).
-  - ``P_SPLIT=3, P_FP16=0, P_CAT=0``: three bf16 pieces, fp32-exact for any bf16 kv, but the
-    chained dots spill (see above).
-  - ``P_SPLIT=2, P_FP16=0``: two bf16 pieces, about 1.5e-5 off: NOT within the contract.
-  - ``P_SPLIT=1``: FlashMLA's precision, fastest, NOT within the contract.
-
-Interpreter (``TRITON_INTERPRET=1``): the CPU interpreter of Triton 3.x computes 16-bit
-``tl.dot`` wrongly, so in interpreted mode every dot runs on operands converted to fp32 with
-``input_precision="ieee"``. This is exact for bf16/fp16/e4m3 inputs (their products are exact in
-fp32), and the ``P_SPLIT`` rounding of the probabilities is still applied, so the interpreter
-computes what the GPU computes up to fp32 summation order. fp32 inputs use fp32 ``ieee`` dots on
-the GPU as well (slow CUDA-core path; only tests use fp32).
+``cpkv.testing.conformance``. Every op is shape-driven: no ``.item()``, no data-dependent shapes,
+no host tensors, any number of rows including 0. How each kernel works, the measured choices
+behind the defaults and the precision modes of sparse MLA: docs/triton.md.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import triton
@@ -99,7 +27,13 @@ from cpkv.ops.api import (
     report_fallback,
 )
 
-__all__ = ["AttentionKernels"]
+if TYPE_CHECKING:
+    from cpkv.ops.api import KVPart
+
+__all__ = ["AttentionKernels", "MLAPrecision", "PageReader"]
+
+#: the precision of sparse MLA on 16-bit inputs (see :class:`AttentionKernels`)
+MLAPrecision = Literal["bf16", "exact"]
 
 _LOWP = (torch.bfloat16, torch.float16)
 
@@ -656,39 +590,65 @@ def _interpreted(kernel: Any) -> bool:
 
 
 # ---- the ops ---------------------------------------------------------------------------------
+class PageReader(Protocol):
+    """The two KV ops ``sparse_mla_paged`` reads the pool's pages with (a :class:`KVKernels`)."""
+
+    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
+
+    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 class AttentionKernels:
-    """The three sparse-attention ops (see the module docstring), on CUDA tensors (or CPU tensors
-    under ``TRITON_INTERPRET=1``).
+    """The sparse-attention ops (indexer_logits, topk, sparse_mla, sparse_mla_paged), on CUDA
+    tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
 
     Args:
         indexer_config: overrides of :data:`INDEXER_DEFAULT` (BLOCK_M, BLOCK_N, num_warps,
-            num_stages).
-        mla_config: overrides of :data:`MLA_DEFAULT` (BLOCK_H, BLOCK_K, num_warps, num_stages,
-            P_SPLIT).
+            num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps).
+        mla_config: overrides of the sparse-MLA launch and probability split (BLOCK_H,
+            BLOCK_K, num_warps, num_stages, P_SPLIT, P_FP16, P_CAT, HEADS_FAST), applied on top
+            of the configuration ``mla_precision`` picks.
+        mla_precision: the precision of ``sparse_mla`` on 16-bit (bf16 / fp16) q and kv.
+            ``"bf16"`` (default): one bf16 probability matrix, FlashMLA's precision
+            (:data:`MLA_LOWP_DEFAULT`), within bf16 tolerance of the fp32 reference and ~5x
+            faster. ``"exact"``: the probabilities as a sum of 16-bit pieces
+            (:data:`MLA_DEFAULT`), within 1e-5 of the fp32 reference. fp32 inputs always take
+            :data:`MLA_DEFAULT`.
         topk_method: ``"radix"`` (default, exact) or ``"torch"`` (torch.topk; ties may differ),
             see :data:`TOPK_METHOD`.
+        kv: the KV ops ``sparse_mla_paged`` reads pages with; None: a new :class:`KVKernels`.
+
+    Raises:
+        ValueError: an unknown ``topk_method`` or ``mla_precision``.
     """
 
-    # class-level defaults, so that a subclass mixing this in without calling __init__ works
-    indexer_config: dict[str, int] = INDEXER_DEFAULT
-    mla_config: dict[str, int] = MLA_DEFAULT
-    topk_method: str = TOPK_METHOD
-
     def __init__(self, indexer_config: dict[str, int] | None = None,
-                 mla_config: dict[str, int] | None = None, topk_method: str = TOPK_METHOD) -> None:
+                 mla_config: dict[str, int] | None = None, topk_method: str = TOPK_METHOD,
+                 mla_precision: MLAPrecision = "bf16", kv: PageReader | None = None) -> None:
         if topk_method not in ("radix", "torch"):
             raise ValueError(f"topk_method must be 'radix' or 'torch', got {topk_method!r}")
+        if mla_precision not in ("bf16", "exact"):
+            raise ValueError(f"mla_precision must be 'bf16' or 'exact', got {mla_precision!r}")
         self.topk_method = topk_method
+        self.mla_precision = mla_precision
         self.indexer_config = {**INDEXER_DEFAULT, **(indexer_config or {})}
-        self.mla_config = {**MLA_DEFAULT, **(mla_config or {})}
-        self._mla_user = mla_config is not None
+        base = MLA_LOWP_DEFAULT if mla_precision == "bf16" else MLA_DEFAULT
+        #: the sparse-MLA configuration of 16-bit inputs, and of fp32 inputs
+        self.mla_config = {**base, **(mla_config or {})}
+        self.mla_fp32_config = {**MLA_DEFAULT, **(mla_config or {})}
+        if kv is None:
+            from .kv import KVKernels
+
+            kv = KVKernels()
+        self.kv = kv
         # num_stages that compiled, per kernel specialisation (an out-of-resource compile retries
         # with fewer stages once, on the host, without touching device data)
         self._stages: dict[tuple[Any, ...], int] = {}
 
     def _launch(self, key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
                 consts: dict[str, Any], num_warps: int, num_stages: int) -> None:
-        cache = self.__dict__.setdefault("_stages", {})
+        cache = self._stages
         stages = cache.get(key, num_stages)
         while True:
             try:
@@ -841,8 +801,7 @@ class AttentionKernels:
             return torch.zeros(n, heads, dv, dtype=torch.float32, device=q.device)
         out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
         lowp = kv.dtype in _LOWP and q.dtype == kv.dtype  # 16-bit path
-        cfg = self.mla_config if getattr(self, "_mla_user", False) or not lowp \
-            else MLA_LOWP_DEFAULT
+        cfg = self.mla_config if lowp else self.mla_fp32_config
         bh = min(cfg["BLOCK_H"], _pow2(heads))
         bk = min(cfg["BLOCK_K"], _pow2(nk))
         interp = _interpreted(_sparse_mla_kernel)
@@ -871,6 +830,5 @@ class AttentionKernels:
         :meth:`sparse_mla`. See :class:`cpkv.ops.api.KVOps`."""
         check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
         dtype = q.dtype if q.dtype in _LOWP else torch.float32
-        lat, idx = paged_latent(pages, rows, fmt, dtype, self.fp8_unpack,  # type: ignore[attr-defined]
-                                self.page_gather)  # type: ignore[attr-defined]
+        lat, idx = paged_latent(pages, rows, fmt, dtype, self.kv.fp8_unpack, self.kv.page_gather)
         return self.sparse_mla(q, lat, idx, scale, dv)

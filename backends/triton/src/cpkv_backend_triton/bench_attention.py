@@ -206,7 +206,7 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
                   {"BLOCK_K": 16}, {"num_warps": 4}, {**exact, "BLOCK_H": 32, "num_warps": 4},
                   {"P_SPLIT": 1, "P_CAT": 0, "P_FP16": 0, "BLOCK_K": 64, "num_stages": 1}]
     for cfg in mcfgs:
-        kk = AttentionKernels(mla_config=cfg) if cfg else ker
+        kk = AttentionKernels(mla_config=cfg, mla_precision="exact") if cfg else ker
         try:
             got = kk.sparse_mla(qm, kv, idx, smscale, 512)
             ms = tm(lambda kk=kk: kk.sparse_mla(qm, kv, idx, smscale, 512))

@@ -1,5 +1,5 @@
 """Triton kernels of the KV ops (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack) and
-their thin wrappers, the :class:`KVKernels` mixin of :class:`cpkv_backend_triton.ops.TritonOps`.
+their thin wrappers, :class:`KVKernels` (a part of :class:`cpkv_backend_triton.ops.TritonOps`).
 
 Imports triton and torch: the plugin imports this module only when the backend is loaded.
 
@@ -380,7 +380,7 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class KVKernels:
-    """The KV ops as Triton kernels (mixin of ``TritonOps``). Same contract as
+    """The KV ops as Triton kernels (a part of ``TritonOps``). Same contract as
     :class:`cpkv.ops.api.KVOps`; results equal the torch reference bit for bit."""
 
     # ---- page movement ----------------------------------------------------------------------

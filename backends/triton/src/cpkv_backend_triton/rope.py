@@ -65,10 +65,14 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, P, H,
 
 
 class RopeKernels:
-    """The ``rope`` op of the Triton backend (mixed into ``TritonOps``); ``block``: (row, head)
-    pairs per program (the bench sweeps it)."""
+    """The ``rope`` op of the Triton backend (a part of ``TritonOps``).
 
-    block: int = ROPE_BLOCK
+    Args:
+        block: (row, head) pairs per program (the bench sweeps it).
+    """
+
+    def __init__(self, block: int = ROPE_BLOCK) -> None:
+        self.block = block
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
              out: torch.Tensor | None = None) -> torch.Tensor:
