@@ -390,7 +390,6 @@ def test_attention_ops_never_read_device_data() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 def test_attention_ops_do_not_sync_on_cuda() -> None:
     dev = "cuda"

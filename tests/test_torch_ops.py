@@ -32,8 +32,7 @@ DS = FORMATS["deepseek_v32"]
 SMALL = FORMATS["small"]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
+    pytest.mark.gpu])]
 
 
 # ---- the reference through the registry ------------------------------------------------------
@@ -245,7 +244,6 @@ def test_ops_never_read_device_data() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 def test_ops_do_not_sync_on_cuda(ref: Any) -> None:
     x = torch.randn(64, 576, device="cuda")
@@ -330,7 +328,6 @@ class _OnDevice:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_results_equal_cpu_results_bit_for_bit(ref: Any) -> None:
     """The reference gives the same bytes on CUDA as on the CPU (fp8 rounding included), so a
     CUDA backend checked on CUDA is also checked against the CPU definition (the attention ops

@@ -35,7 +35,6 @@ def _interpreter_env():  # type: ignore[no-untyped-def]
 
 interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
                                          "gpu tests cover them)")
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="no CUDA device")]
 
 #: a subset of the suite's sizes that the interpreter runs in seconds (0 rows, empty view, tiny,
 #: short ranges, k = 2048 with every row shorter than k)
@@ -310,13 +309,7 @@ def test_empty_calls_need_no_kernel() -> None:
 
 
 # ---- GPU --------------------------------------------------------------------------------------
-def _gpu(fn: Any) -> Any:
-    for m in reversed(gpu):
-        fn = m(fn)
-    return fn
-
-
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize(("op", "mla_config"), [
     ("indexer_logits", {}), ("topk", {}), ("sparse_mla", {}),
     ("sparse_mla", {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0, "BLOCK_K": 64}),
@@ -327,7 +320,7 @@ def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
                   device="cuda")
 
 
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize(("n", "t", "kind"), [(256, 8192, "bf16"), (256, 8192, "fp8"),
                                              (1000, 4099, "fp8"), (77, 20000, "bf16"),
                                              (1, 65536, "fp8"), (2, 65536, "bf16"),
@@ -352,7 +345,7 @@ def test_indexer_realistic_gpu(ref: Any, n: int, t: int, kind: str) -> None:
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize(("n", "heads", "t", "k"), [(64, 128, 16384, 2048), (33, 16, 5000, 2048),
                                                     (200, 128, 3000, 512)])
 def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int, k: int) -> None:
@@ -376,7 +369,7 @@ def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int,
     assert torch.allclose(exact, want, rtol=1e-5, atol=1e-5)  # the exact mode on request
 
 
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 def test_attention_kernels_do_not_sync_on_cuda() -> None:
     dev = "cuda"
