@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from cpkv.contracts import Op
+from cpkv.ops.api import Op
 
 if TYPE_CHECKING:
     import torch

@@ -7,7 +7,7 @@ registrar and :mod:`cpkv.contracts`' ``Availability`` / ``Op``). Anything else i
 without notice.
 
 The op protocol and the types in its signatures
-    :class:`KVOps` (one method per :class:`~cpkv.contracts.Op`: signatures, shapes, semantics),
+    :class:`KVOps` (one method per :class:`Op`: signatures, shapes, semantics), :class:`Op`,
     :class:`KVFormat` (bytes per token and page), :class:`KVDtype`, :class:`PageLayout`,
     :data:`KVPart` (``"latent"`` / ``"index_k"``), :data:`RopeStyle`.
 
@@ -46,6 +46,7 @@ from cpkv.contracts import (
     KVFormat,
     KVOps,
     KVPart,
+    Op,
     OpDeclined,
     PageLayout,
     RopeStyle,
@@ -72,6 +73,7 @@ __all__ = [
     "KVFormat",
     "KVOps",
     "KVPart",
+    "Op",
     "OpDeclined",
     "PageLayout",
     "RopeStyle",
