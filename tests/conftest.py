@@ -1,8 +1,10 @@
 """Fixtures shared by every test module.
 
 Markers (declared in pyproject.toml): ``gpu``, ``multiprocess`` (spawns rank processes or CLI
-subprocesses), ``mooncake`` and ``slow`` (over ~10 s). While developing, run the fast subset with
-``python -m pytest -m "not slow"``; CI runs everything.
+subprocesses), ``mooncake`` and ``slow`` (over ~10 s). ``gpu`` is the one GPU skip: a test marked
+``@pytest.mark.gpu`` is skipped ("no CUDA device") where torch sees none, and one marked
+``@pytest.mark.gpu(2)`` where fewer than 2 are present (:func:`pytest_runtest_setup`).
+While developing, run the fast subset with ``python -m pytest -m "not slow"``; CI runs everything.
 """
 
 from __future__ import annotations
@@ -11,6 +13,20 @@ import os
 from typing import Any
 
 import pytest
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a ``gpu``-marked test, with a reason, where fewer CUDA devices are present than its
+    marker asks for (``gpu``: 1, ``gpu(n)``: n)."""
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    import torch  # here, not at the top: only gpu-marked tests pay for it at setup
+
+    need = int(marker.args[0]) if marker.args else 1
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < need:
+        pytest.skip("no CUDA device" if have == 0 else f"needs {need} GPUs, {have} present")
 
 
 @pytest.fixture(autouse=True)

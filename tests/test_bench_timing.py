@@ -29,7 +29,7 @@ def test_timers_call_warmup_plus_iters_and_measure_the_call(timer) -> None:  # t
     assert 1.5 <= ms < 200  # the 2 ms sleep, not zero and not the whole loop
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.gpu
 def test_device_ms_hides_host_work_on_gpu() -> None:
     """A call whose host part (5 ms of sleep) dwarfs its GPU part: GPU time stays small."""
     x = torch.ones(1 << 20, device="cuda")
@@ -41,7 +41,7 @@ def test_device_ms_hides_host_work_on_gpu() -> None:
     assert device_ms(fn, iters=5, lead_ms=20) < 2.0 < median_ms(fn, "cuda", iters=5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.gpu
 def test_host_timeline_sees_host_work_before_the_first_kernel() -> None:
     """10 ms of host work, then two kernels with 10 ms of host work between them: the
     timeline puts the first 10 ms before the first kernel and the second in the gaps."""

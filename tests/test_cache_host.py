@@ -27,8 +27,7 @@ FMT = KVFormat(dtype=KVDtype.BF16, page_size=PS, kv_lora_rank=64, rope_dim=16, i
 
 
 DEVICES = [pytest.param("cpu"),
-           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-               not torch.cuda.is_available(), reason="no CUDA device")])]
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _pool(pages: int, host_pages: int | None, layers: int = 2,

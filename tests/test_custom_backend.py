@@ -21,7 +21,12 @@ from cpkv.contracts import FallbackReason, Op, PluginInfo
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.plugin import PluginHost
 from cpkv.settings import load_settings
-from cpkv.testing.conformance import check_backend, check_op, reference_backend
+from cpkv.testing.conformance import (
+    BasePageOpsTests,
+    check_backend,
+    check_op,
+    reference_backend,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "custom_backend"
@@ -182,6 +187,33 @@ def test_example_passes_the_conformance_suite(host: PluginHost) -> None:
     assert check_backend(impl, ref, ops=["rerange"]) == ["rerange"]
     with pytest.raises(AssertionError, match="has no method 'page_gather'"):
         check_op(impl, ref, "page_gather")
+
+
+def test_example_tests_subclass_the_conformance_classes(example: Path) -> None:
+    """The example's own tests (``examples/custom_backend/tests``) run cpkv's base test classes:
+    its op passes, the ops it does not provide are skipped."""
+    import os
+
+    path = os.pathsep.join([str(example), *filter(None, [os.environ.get("PYTHONPATH")])])
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                          str(EXAMPLE / "tests")], capture_output=True, text=True, check=False,
+                         timeout=300, env={**_env(), "PYTHONPATH": path}, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 passed, 4 skipped" in res.stdout, res.stdout
+    assert "does not provide page_gather" in res.stdout
+
+
+def test_conformance_classes_fail_a_wrong_op() -> None:
+    class Reversed:
+        def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+            return gathered[perm.flip(0)]
+
+    class Suite(BasePageOpsTests):  # not collected: the name does not start with Test
+        ops = Reversed()  # type: ignore[assignment]  # a one-op backend, not a whole KVOps
+        provides = frozenset({Op.RERANGE})
+
+    with pytest.raises(AssertionError, match="rerange"):
+        Suite().test_rerange()
 
 
 # ---- unavailable, broken ----------------------------------------------------------------------

@@ -6,8 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import random
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import KVFormat, cdiv
+from cpkv.contracts import cdiv
 from cpkv.disagg import (
     Ack,
     DecodeReceiver,
@@ -33,20 +31,26 @@ from cpkv.disagg import (
     link_features,
     manifest_for,
     pack_part,
-    page_checksums,
     part_nbytes,
     registered_buffers,
 )
-from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
+from cpkv.kv import PoolExhausted, RequestPages
 from cpkv.models import load_model, write_tiny_checkpoint
-from cpkv.ops import ALL_OPS
 from cpkv.runtime import RankFailed, run_ranks
 from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
-from cpkv.runtime.setup import resolve_ops
-from cpkv.settings import load_settings
-
-PAGE = 8
-
+from helpers import (
+    PAGE,
+    FakeRank,
+    check_landed,
+    deliver,
+    fake_source,
+    job_spec,
+    next_request_works,
+    pool_snapshot,
+    reference_tokens,
+    torch_pool,
+    transfer_pages,
+)
 
 # ---- transfer plans ----------------------------------------------------------------------------
 
@@ -101,89 +105,17 @@ def test_coalesce_merges_contiguous_runs() -> None:
 
 # ---- receiver ----------------------------------------------------------------------------------
 
-def _fmt() -> KVFormat:
-    return KVFormat(dtype="bf16", page_size=PAGE, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
-                    quant_block=8)
-
-
-def _pool(group: CPGroup, capacity: int = 32, layers: int = 2) -> ShardedKVPool:
-    s = load_settings(cp={"size": group.size}, backend={"preference": ["torch"]})
-    ops, _ = resolve_ops(s, group, ops=ALL_OPS)
-    return ShardedKVPool(_fmt(), layers, group, ops, pages_per_rank=capacity)
-
-
-class _FakeRank:
-    """A prefill rank's pool: a one-rank pool stands in for rank r's shard (random bytes)."""
-
-    def __init__(self, seed: int, like: ShardedKVPool | None = None) -> None:
-        if like is None:
-            self.pool = _pool(CPGroup.single())
-        else:
-            self.pool = ShardedKVPool(like.fmt, like.num_layers, CPGroup.single(), like.ops,
-                                      pages_per_rank=32)
-        gen = torch.Generator().manual_seed(seed)
-        for buf in (*self.pool.latent, *self.pool.index_k):
-            buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
-
-
-def _source(c: int, n_pages: int, seed: int = 0, like: ShardedKVPool | None = None,
-            ) -> tuple[list[_FakeRank], list[int], list[int]]:
-    rng = random.Random(seed)
-    ranks = [_FakeRank(seed * 10 + r, like) for r in range(c)]
-    owners = [rng.randrange(c) for _ in range(n_pages)]
-    nxt = [rng.randrange(3) for _ in range(c)]
-    slots = []
-    for o in owners:
-        slots.append(nxt[o])
-        nxt[o] += rng.choice([1, 1, 2])
-    return ranks, owners, slots
-
-
-def _snapshot(pool: ShardedKVPool) -> tuple[Any, ...]:
-    return (pool.allocator.snapshot(),
-            {k: (tuple(v.owners), tuple(v.slots), v.valid_len) for k, v in pool.table.items()})
-
-
-def _deliver(rx: DecodeReceiver, ranks: list[_FakeRank], m: TransferManifest,
-             skip: int | None = None) -> dict[int, list[int]]:
-    sums = {}
-    for part in m.parts:
-        src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
-        sums[part.rank] = page_checksums(ranks[part.rank].pool, src)
-        if part.rank != skip:
-            rx.place_packed(part, pack_part(ranks[part.rank].pool, part))
-    return sums
-
-
-def _transfer(rx: DecodeReceiver, ranks: list[_FakeRank], owners: list[int], slots: list[int],
-              rid: str, valid: int, **kw: Any) -> bool:
-    m = manifest_for(rid, RequestPages(owners, slots, valid), PAGE, len(ranks), **kw)
-    rx.reserve(m)
-    return rx.complete(m, _deliver(rx, ranks, m))
-
-
-def _check_landed(rx: DecodeReceiver, ranks: list[_FakeRank], rid: str, owners: list[int],
-                  slots: list[int]) -> None:
-    rp = rx.pool.table[rid]
-    assert rp.owners == [0] * len(rp.slots)
-    for k in range(len(rp.slots)):  # decode page k == owner's page k, every layer, both buffers
-        src, dst = ranks[owners[k]].pool, rx.pool
-        for layer in range(src.num_layers):
-            assert torch.equal(dst.latent[layer][rp.slots[k]], src.latent[layer][slots[k]])
-            assert torch.equal(dst.index_k[layer][rp.slots[k]], src.index_k[layer][slots[k]])
-
-
 @pytest.mark.parametrize("c", [1, 2, 4])
 def test_receiver_places_pages_at_logical_positions(c: int) -> None:
-    ranks, owners, slots = _source(c, 9, seed=c)
-    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
-    assert _transfer(rx, ranks, owners, slots, "a", 9 * PAGE - 3)
+    ranks, owners, slots = fake_source(c, 9, seed=c)
+    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
+    assert transfer_pages(rx, ranks, owners, slots, "a", 9 * PAGE - 3)
     assert rx.pool.table["a"].valid_len == 9 * PAGE - 3 and rx.in_flight() == []
-    _check_landed(rx, ranks, "a", owners, slots)
+    check_landed(rx, ranks, "a", owners, slots)
 
 
 def test_receiver_rejects_a_cp_pool() -> None:
-    pool = _pool(CPGroup.single())
+    pool = torch_pool(CPGroup.single())
     pool.group = CPGroup(rank=0, size=2, backend="gloo", device=torch.device("cpu"), timeout_s=1)
     with pytest.raises(ValueError, match="one-rank group"):
         DecodeReceiver(pool)
@@ -191,41 +123,35 @@ def test_receiver_rejects_a_cp_pool() -> None:
 
 def test_chunks_extend_the_published_entry() -> None:
     """Rule 26: whole pages after a non-final chunk, the tail page after the final one."""
-    ranks, owners, slots = _source(2, 7)
-    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
+    ranks, owners, slots = fake_source(2, 7)
+    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
     m1 = manifest_for("a", RequestPages(owners[:3], slots[:3], 21), PAGE, 2, final=False)  # 2 whole of 21
     assert (m1.num_pages, m1.valid_len) == (2, 16)
     rx.reserve(m1)
-    assert rx.complete(m1, _deliver(rx, ranks, m1))
+    assert rx.complete(m1, deliver(rx, ranks, m1))
     assert rx.pool.table["a"].valid_len == 16 and len(rx.pool.table["a"].slots) == 2
     m2 = manifest_for("a", RequestPages(owners, slots, 53), PAGE, 2, final=True, already_sent=2)
     assert (m2.first_page, m2.num_pages, m2.valid_len) == (2, 7, 53)
     rx.reserve(m2)
-    assert rx.complete(m2, _deliver(rx, ranks, m2))
+    assert rx.complete(m2, deliver(rx, ranks, m2))
     assert rx.pool.table["a"].valid_len == 53
-    _check_landed(rx, ranks, "a", owners, slots)
+    check_landed(rx, ranks, "a", owners, slots)
     bad = manifest_for("b", RequestPages(owners, slots, 53), PAGE, 2, already_sent=2)  # no earlier chunk
     with pytest.raises(TransferError, match="starts at page 2"):
         rx.reserve(bad)
 
 
-def _next_request_works(rx: DecodeReceiver) -> None:
-    ranks, owners, slots = _source(2, 5, seed=99, like=rx.pool)
-    assert _transfer(rx, ranks, owners, slots, "next", 37)
-    _check_landed(rx, ranks, "next", owners, slots)
-
-
 @pytest.mark.parametrize("fault", ["missing_part", "wrong_count", "checksum", "extra_rank"])
 def test_faulty_transfer_publishes_nothing(fault: str) -> None:
-    ranks, owners, slots = _source(2, 8, seed=5)
-    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
-    assert _transfer(rx, ranks, owners, slots, "before", 12)  # something already published
-    before = _snapshot(rx.pool)
+    ranks, owners, slots = fake_source(2, 8, seed=5)
+    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
+    assert transfer_pages(rx, ranks, owners, slots, "before", 12)  # something already published
+    before = pool_snapshot(rx.pool)
     m = manifest_for("a", RequestPages(owners, slots, 61), PAGE, 2)
     rx.reserve(m)
     sums: dict[int, list[int]]
     if fault == "missing_part":
-        sums = _deliver(rx, ranks, m, skip=1)
+        sums = deliver(rx, ranks, m, skip=1)
         why = "rank 1's part"
     elif fault == "wrong_count":
         part = m.parts[0]
@@ -235,46 +161,46 @@ def test_faulty_transfer_publishes_nothing(fault: str) -> None:
         short = RankTransfer(request="a", rank=0, runs=part.runs[:-1])
         with pytest.raises(TransferError, match="does not match the manifest"):
             rx.place_packed(short, pack_part(ranks[0].pool, short))
-        sums = _deliver(rx, ranks, m, skip=0)
+        sums = deliver(rx, ranks, m, skip=0)
         why = "rank 0's part"
     elif fault == "checksum":
-        sums = _deliver(rx, ranks, m)
+        sums = deliver(rx, ranks, m)
         rx.pool.latent[1][rx.dst_slots(m.parts[1])[0], 3, 5] ^= 1  # one bit flipped in flight
         why = "checksum mismatch in rank 1's pages"
     else:
-        sums = _deliver(rx, ranks, m)
+        sums = deliver(rx, ranks, m)
         with pytest.raises(TransferError, match="does not match"):
             rx.mark_written(RankTransfer(request="a", rank=3, runs=m.parts[0].runs))
         sums = {**sums, 1: sums[1][:-1]}
         why = "checksum"
     assert not rx.complete(m, sums)
     assert why in (rx.last_error or "") and "nothing published" in (rx.last_error or "")
-    assert _snapshot(rx.pool) == before and rx.in_flight() == []
-    _next_request_works(rx)
+    assert pool_snapshot(rx.pool) == before and rx.in_flight() == []
+    next_request_works(rx)
 
 
 def test_counts_are_checked_without_debug() -> None:
-    ranks, owners, slots = _source(2, 4, seed=2)
-    rx = DecodeReceiver(_pool(CPGroup.single()), debug=False)
-    before = _snapshot(rx.pool)
+    ranks, owners, slots = fake_source(2, 4, seed=2)
+    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=False)
+    before = pool_snapshot(rx.pool)
     m = manifest_for("a", RequestPages(owners, slots, 30), PAGE, 2)
     rx.reserve(m)
-    _deliver(rx, ranks, m, skip=0)
-    assert not rx.complete(m) and _snapshot(rx.pool) == before
-    _next_request_works(rx)
+    deliver(rx, ranks, m, skip=0)
+    assert not rx.complete(m) and pool_snapshot(rx.pool) == before
+    next_request_works(rx)
 
 
 def test_reserve_is_all_or_nothing() -> None:
-    ranks, owners, slots = _source(2, 6, seed=3)
-    rx = DecodeReceiver(_pool(CPGroup.single(), capacity=8))
-    assert _transfer(rx, ranks, owners, slots, "a", 6 * PAGE)
-    before = _snapshot(rx.pool)
+    ranks, owners, slots = fake_source(2, 6, seed=3)
+    rx = DecodeReceiver(torch_pool(CPGroup.single(), capacity=8))
+    assert transfer_pages(rx, ranks, owners, slots, "a", 6 * PAGE)
+    before = pool_snapshot(rx.pool)
     m = manifest_for("b", RequestPages(owners, slots, 6 * PAGE), PAGE, 2)
     with pytest.raises(PoolExhausted):
         rx.reserve(m)
-    assert _snapshot(rx.pool) == before and rx.in_flight() == []
+    assert pool_snapshot(rx.pool) == before and rx.in_flight() == []
     rx.free("a")
-    _next_request_works(rx)
+    next_request_works(rx)
 
 
 # ---- the protocol over a fake link: a transport error mid-way ---------------------------------
@@ -304,7 +230,7 @@ class _FailingLink:
     one_sided = False
     writes_receiver_layout = False
 
-    def __init__(self, channel: StoreSideChannel, ranks: list[_FakeRank], ok_parts: int) -> None:
+    def __init__(self, channel: StoreSideChannel, ranks: list[FakeRank], ok_parts: int) -> None:
         self.channel, self.ranks, self.left = channel, ranks, ok_parts
 
     def send_part(self, part: RankTransfer, dst: Any, **kw: Any) -> int:
@@ -324,9 +250,9 @@ class _FailingLink:
 
 @pytest.mark.parametrize("ok_parts", [0, 1])
 def test_transport_error_midway_publishes_nothing(ok_parts: int) -> None:
-    ranks, owners, slots = _source(2, 8, seed=7)
-    rx = DecodeReceiver(_pool(CPGroup.single()), debug=True)
-    before = _snapshot(rx.pool)
+    ranks, owners, slots = fake_source(2, 8, seed=7)
+    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
+    before = pool_snapshot(rx.pool)
     store = _Box()
     senders = [StoreSideChannel(store, r, 1.0) for r in range(2)]
     m = manifest_for("a", RequestPages(owners, slots, 60), PAGE, 2)
@@ -341,14 +267,14 @@ def test_transport_error_midway_publishes_nothing(ok_parts: int) -> None:
         assert isinstance(ch.recv(2), Grant)
         ack = ch.recv(2)
         assert isinstance(ack, Ack) and not ack.published and "peer went away" in ack.error
-    assert _snapshot(rx.pool) == before and rx.in_flight() == []
-    _next_request_works(rx)
+    assert pool_snapshot(rx.pool) == before and rx.in_flight() == []
+    next_request_works(rx)
 
 
 def test_mismatched_offers_are_refused() -> None:
-    ranks, owners, slots = _source(2, 8, seed=8)
-    rx = DecodeReceiver(_pool(CPGroup.single()))
-    before = _snapshot(rx.pool)
+    ranks, owners, slots = fake_source(2, 8, seed=8)
+    rx = DecodeReceiver(torch_pool(CPGroup.single()))
+    before = pool_snapshot(rx.pool)
     store = _Box()
     m = manifest_for("a", RequestPages(owners, slots, 60), PAGE, 2)
     StoreSideChannel(store, 0, 1.0).send(2, Offer(0, m, part_nbytes(rx.pool, m.parts[0].num_pages)))
@@ -356,7 +282,7 @@ def test_mismatched_offers_are_refused() -> None:
     link = _FailingLink(StoreSideChannel(store, 2, 1.0), ranks, 2)
     with pytest.raises(TransferRefused, match="rank 1 offers 12345 bytes"):
         DecodeTransfer(link, rx, 2).receive()
-    assert _snapshot(rx.pool) == before
+    assert pool_snapshot(rx.pool) == before
     for r in range(2):  # every rank hears the refusal (a grant without slots)
         grant = StoreSideChannel(store, r, 1.0).recv(2)
         assert isinstance(grant, Grant) and grant.dst_slots is None and "12345" in grant.error
@@ -389,12 +315,12 @@ def test_link_capabilities_are_resolved_once_from_declared_protocols() -> None:
             pass
 
     with pytest.raises(TypeError, match=r"NoLayout is not a cpkv\.disagg\.Link.*writes_receiver_layout"):
-        DecodeTransfer(NoLayout(), DecodeReceiver(_pool(CPGroup.single())), 2)  # type: ignore[arg-type]
+        DecodeTransfer(NoLayout(), DecodeReceiver(torch_pool(CPGroup.single())), 2)  # type: ignore[arg-type]
 
 
 def test_plugins_see_the_registered_buffers_not_the_pool() -> None:
     """The buffers view shares the pool's memory, and packs a part as the receiver unpacks it."""
-    src = _FakeRank(seed=3)
+    src = FakeRank(seed=3)
     bufs = registered_buffers(src.pool)
     assert (bufs.num_layers, bufs.num_pages, bufs.page_bytes) == (
         src.pool.num_layers, src.pool.capacity, src.pool.fmt.page_bytes)
@@ -404,11 +330,11 @@ def test_plugins_see_the_registered_buffers_not_the_pool() -> None:
     m = manifest_for("a", RequestPages([0] * 3, [5, 1, 2], 3 * PAGE), PAGE, 1)
     packed = bufs.pack(m.parts[0], range(1, 2))
     assert packed.numel() == bufs.nbytes(3, 1) == part_nbytes(src.pool, 3, 1)
-    rx = DecodeReceiver(_pool(CPGroup.single()))
+    rx = DecodeReceiver(torch_pool(CPGroup.single()))
     rx.reserve(m)
     rx.place_packed(m.parts[0], bufs.pack(m.parts[0]))
     assert rx.complete(m)
-    _check_landed(rx, [src], "a", [0] * 3, [5, 1, 2])
+    check_landed(rx, [src], "a", [0] * 3, [5, 1, 2])
 
 
 # ---- NCCL plugin over Gloo, C prefill ranks -> one decode rank ---------------------------------
@@ -432,24 +358,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
 
 
-def _spec(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...] = (), n: int = 4,
-          pipeline: str = "request") -> JobSpec:
-    rng = random.Random(cp)
-    prompts = tuple(tuple(rng.randrange(512) for _ in range(k)) for k in (90, 45, 7, 130))
-    s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp32"},
-                      backend={"preference": ["torch"]}, debug=True,
-                      transfer={"name": "nccl", "timeout_s": 60, "pipeline": pipeline})
-    return JobSpec(str(tiny), prompts, s, False, prefix, n)
-
-
-def _reference(spec: JobSpec) -> list[list[int]]:
-    from cpkv.fallback import recording
-    from cpkv.runtime.job import reference_rank
-
-    with recording():
-        return reference_rank(replace(spec, settings=spec.settings.with_cp_size(1)))[1]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
     (2, "zigzag", (20, 0, 3, 64), "request"),
@@ -457,7 +365,7 @@ def _reference(spec: JobSpec) -> list[list[int]]:
     pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
 def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
                                   pipeline: str) -> None:
-    spec = _spec(tiny, cp, mode, prefix, pipeline=pipeline)
+    spec = job_spec(tiny, cp, mode, prefix, pipeline=pipeline)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
     dec: DecodeReport = out[cp].value
@@ -491,7 +399,7 @@ def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[
         assert all(snd.overlap_seconds > 0 for snd in senders if snd.bytes_sent)
     else:
         assert all(snd.overlap_seconds == 0 for snd in senders)
-    assert dec.tokens == _reference(spec)
+    assert dec.tokens == reference_tokens(spec)
 
 
 def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
@@ -525,7 +433,7 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
         rec: dict[str, Any] = {"error": str(exc), "table": list(worker.pool.table),
                                "unchanged": worker.pool.allocator.snapshot() == fresh,
                                "in_flight": worker.receiver.in_flight()}
-        _next_request_works(worker.receiver)  # raises if the pool is not usable
+        next_request_works(worker.receiver)  # raises if the pool is not usable
         rec["next_ok"] = True
         Path(out).write_text(json.dumps(rec))
         raise
@@ -534,7 +442,7 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
 
 @pytest.mark.multiprocess
 def test_rank_killed_mid_transfer(tiny: Path, tmp_path: Path) -> None:
-    spec = _spec(tiny, 2, "zigzag")
+    spec = job_spec(tiny, 2, "zigzag")
     out = tmp_path / "decode.json"
     with pytest.raises(RankFailed) as info:
         run_ranks(_decode_then_record, 3, args=(spec, str(out)), timeout_s=120, settle_s=5.0)

@@ -16,7 +16,6 @@ from cpkv.settings import load_settings
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.multiprocess,  # every test spawns its ranks with run_ranks
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 
 
@@ -79,7 +78,7 @@ def _cp_logits(group: CPGroup, model_dir: str, materialize: str = "all_gather") 
     return session.prefill([("a", _prompts(120, 2))]).last_logits.float().cpu()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu(2)
 @pytest.mark.parametrize("materialize", ["all_gather", "p2p"])
 def test_nccl_cp2_equals_one_rank(tiny: Path, materialize: str) -> None:
     two = run_ranks(_cp_logits, 2, args=(str(tiny), materialize), backend="nccl", timeout_s=300)
@@ -90,7 +89,7 @@ def test_nccl_cp2_equals_one_rank(tiny: Path, materialize: str) -> None:
     assert rel < 1e-4, rel
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.gpu(2)
 def test_p2p_pool_views_equal_replica_on_two_gpus() -> None:
     """Symmetric memory over NVLink: every view read from the owners' buffers equals the
     replicated pool's and the truth, bit for bit, for bf16 and fp8 pools and both modes."""

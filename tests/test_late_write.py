@@ -37,7 +37,7 @@ from cpkv.kv import RequestPages
 from cpkv.runtime import run_ranks
 from cpkv.settings import PluginTable
 from cpkv_transfer_mooncake.plugin import probe
-from test_disagg import PAGE, _FakeRank, _pool
+from helpers import PAGE, FakeRank, torch_pool
 
 C, TIMEOUT, STALL, N = 2, 3.0, 5.0, 12
 _MOONCAKE = probe()
@@ -101,10 +101,10 @@ def _connect(world: CPGroup, plugin: str, pool: Any, stage: str = "auto") -> Any
 
 def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: str,
                stage: str = "auto") -> Any:
-    ranks = [_FakeRank(seed=40 + r) for r in range(C)]
+    ranks = [FakeRank(seed=40 + r) for r in range(C)]
     tables = _tables()
     if world.rank == C:
-        pool = _pool(CPGroup.single(), capacity=2 * N + 4)
+        pool = torch_pool(CPGroup.single(), capacity=2 * N + 4)
         link = _connect(world, plugin, pool, stage)
         rx = DecodeReceiver(pool, debug=False)
         if not quarantine:  # what the decode did before: give the slots back at once

@@ -27,15 +27,11 @@ from cpkv.testing.checkpoints import copy_checkpoint
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from helpers import hf_logits, hf_random_model  # noqa: E402
+
 SEQ = 40  # longer than index_topk=16: the indexer really drops keys
 
-HF_TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
-    q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
-    num_experts_per_tok=2, index_topk=16, index_head_dim=16, index_n_heads=4, first_k_dense_replace=1,
-    max_position_embeddings=4096, initializer_range=0.1,
-)
+
 
 
 # ---------------------------------------------------------------------------- reference forward
@@ -64,30 +60,8 @@ def reference_logits(m: DeepseekV32, ids: torch.Tensor) -> torch.Tensor:
     return m.final_logits(x)
 
 
-def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids[None]).logits[0].float()
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
-
-
-def hf_random_model(tmp: Path, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    cfg = transformers.DeepseekV32Config(**{**HF_TINY, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
-    with torch.no_grad():  # transformers initialises these to zero / one: make them matter
-        for name, t in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                t.add_(0.1 * torch.randn_like(t))
-            elif name.endswith("k_norm.bias"):
-                t.normal_(0, 0.1)
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.02)
-    model.save_pretrained(tmp)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +332,6 @@ def test_the_v32_attention_preset_has_deepseek_v32_attention_shapes(tmp_path: Pa
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_rms_norm_on_a_gpu_is_hfs_within_bf16_rounding() -> None:
     """The GPU path (torch's fused rms_norm, the weight inside: rounded once) against HF's op
     sequence (rounded before and after the weight), which the CPU keeps: at most two bf16 ulps
@@ -376,7 +349,6 @@ def test_rms_norm_on_a_gpu_is_hfs_within_bf16_rounding() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_index_weights_on_a_gpu_are_the_fp32_projection(tmp_path: Path) -> None:
     """On GPUs the indexer's head weights are one 16-bit GEMM over the fp32 weight's [hi; lo]
     halves: within ~1e-5 of the fp32 projection HF computes (the CPU computes that one)."""

@@ -41,15 +41,15 @@ from cpkv.runtime import RankFailed, run_ranks
 from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
 from cpkv.settings import PluginTable, SettingsError, TransferSettings, load_settings
 from cpkv_transfer_mooncake.plugin import probe
-from test_disagg import (
+from helpers import (
     PAGE,
-    _check_landed,
-    _next_request_works,
-    _pool,
-    _reference,
-    _snapshot,
-    _source,
-    _spec,
+    check_landed,
+    fake_source,
+    job_spec,
+    next_request_works,
+    pool_snapshot,
+    reference_tokens,
+    torch_pool,
 )
 
 _AVAIL = probe()
@@ -61,7 +61,7 @@ pytestmark = [pytest.mark.mooncake,
 
 def _buffers(n_pages: int) -> Any:
     """The registered buffers of a one-rank CPU pool of ``n_pages`` pages."""
-    return registered_buffers(_pool(CPGroup.single(), capacity=n_pages))
+    return registered_buffers(torch_pool(CPGroup.single(), capacity=n_pages))
 
 
 def _layout(n: int, base: int, layers: int = 2) -> Any:
@@ -129,7 +129,7 @@ def _bare_link(n_pages: int, max_batch: int, retries: int = 0, fail: int = 0) ->
     from cpkv_transfer_mooncake.transport import MooncakeLink
 
     link = object.__new__(MooncakeLink)
-    pool = _pool(CPGroup.single(), capacity=n_pages)
+    pool = torch_pool(CPGroup.single(), capacity=n_pages)
     link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(pool))
     link.max_batch, link.retries = max_batch, retries
     link.stage = link.relayout = None
@@ -307,8 +307,8 @@ def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any
 
     from cpkv_transfer_mooncake.transport import HostStaging, Layout, MooncakeLink
 
-    src, dec = _pool(CPGroup.single(), capacity=32, layers=3), _pool(CPGroup.single(), capacity=40,
-                                                                       layers=3)
+    src = torch_pool(CPGroup.single(), capacity=32, layers=3)
+    dec = torch_pool(CPGroup.single(), capacity=40, layers=3)
     gen = torch.Generator().manual_seed(5)
     for buf in src.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
@@ -407,7 +407,7 @@ def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tu
                                       pipeline: str, stage: str) -> None:
     from cpkv.models import load_model
 
-    base = _spec(tiny, cp, mode, prefix)
+    base = job_spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": TransferSettings.model_validate(
         {"name": "mooncake", "timeout_s": 60, "pipeline": pipeline,
          "mooncake": {"stage": stage, "stage_mb": 4480 / (1 << 20)}})})
@@ -428,7 +428,7 @@ def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tu
         assert crcs == [owner_crc[k] for k in range(len(crcs))], rid
     if pipeline == "layer":
         assert all(snd.overlap_seconds > 0 for snd in senders if snd.bytes_sent)
-    assert dec.tokens == _reference(spec)
+    assert dec.tokens == reference_tokens(spec)
 
 
 # ---- faults ------------------------------------------------------------------------------------
@@ -442,11 +442,11 @@ def _tables(big: bool) -> tuple[Any, ...]:
     owners over 2400 pages, so every page is its own piece: 1200 pieces x 2 layers = 2400
     entries per rank (> 2048)."""
     if big:
-        ranks, _, _ = _source(C, 1, seed=11)
+        ranks, _, _ = fake_source(C, 1, seed=11)
         for i, r in enumerate(ranks):
             r.pool = _big_pool(r, BIG // C, seed=i)
         return ranks, [k % C for k in range(BIG)], [k // C for k in range(BIG)], BIG * PAGE
-    ranks, owners, slots = _source(C, 12, seed=4)
+    ranks, owners, slots = fake_source(C, 12, seed=4)
     return ranks, owners, slots, 12 * PAGE - 5
 
 
@@ -476,14 +476,14 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
                  fault: str) -> dict[str, Any]:
     """Receive the faulty request, record, then receive the next one and check it landed."""
     rec: dict[str, Any] = {}
-    before = _snapshot(rx.pool)
+    before = pool_snapshot(rx.pool)
     t0 = time.perf_counter()
     try:
         DecodeTransfer(link, rx, C).receive()
         rec["error"] = None
         # only "over_limit" may go through, on an engine that takes the batch (the CUDA 13
         # wheel 0.3.14 takes 2400 entries): then the request must have arrived whole
-        _check_landed(rx, ranks, fault, owners, slots)
+        check_landed(rx, ranks, fault, owners, slots)
         rx.free(fault)
         rec["published_whole"] = True
     except TransferError as exc:
@@ -491,13 +491,13 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
     rec["seconds"] = time.perf_counter() - t0
     # a sender that has not said it is done may still write: its slots stay in quarantine
     rec["quarantined"] = [pending for _, _, pending in rx.quarantined().values()]
-    rec["unchanged"] = (_snapshot(rx.pool)[1] == before[1] and rx.in_flight() == []
-                        and (bool(rec["quarantined"]) or _snapshot(rx.pool) == before))
+    rec["unchanged"] = (pool_snapshot(rx.pool)[1] == before[1] and rx.in_flight() == []
+                        and (bool(rec["quarantined"]) or pool_snapshot(rx.pool) == before))
     if fault == "kill":  # rank 1 is gone: the next request is a local one
-        _next_request_works(rx)
+        next_request_works(rx)
     else:
         DecodeTransfer(link, rx, C).receive()
-        _check_landed(rx, ranks, f"next-{fault}", owners, slots)
+        check_landed(rx, ranks, f"next-{fault}", owners, slots)
         rx.free(f"next-{fault}")
         # the stalled sender's late notice came in during the next request: all slots back
         rec["released"] = (not rx.quarantined() and
@@ -545,7 +545,7 @@ def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str,
     kill = faults == ("kill",)
     ranks, owners, slots, valid = _tables(big=not kill)
     decode = world.rank == C
-    pool = (_pool(CPGroup.single(), capacity=len(owners) + 8) if decode
+    pool = (torch_pool(CPGroup.single(), capacity=len(owners) + 8) if decode
             else ranks[world.rank].pool)
     link = _connect(world, pool, 2 if kill else 1024)
     recs: dict[str, Any] = {}

@@ -349,6 +349,26 @@ def test_no_fallback_event_when_first_preference_serves(host: PluginHost) -> Non
     assert rec.events == []
 
 
+def test_a_preferred_backend_nobody_registered_is_plugin_not_found(host: PluginHost) -> None:
+    """A preference naming a backend that no installed plugin registers (a typo, a distribution
+    not installed): selection steps past it with one ``plugin_not_found`` event and its warning,
+    on the way through the op table too; with policy ``error`` the step is refused."""
+    from cpkv.ops import OpTable
+
+    with fallback.recording() as rec, structlog.testing.capture_logs() as logs:
+        table = OpTable.resolve(host.backends(), ["no-such-backend", "torch"], [Op.RERANGE])
+    assert table.chosen == {"rerange": "torch"}
+    assert [(e.op, e.requested, e.selected, e.reason) for e in rec.events] == [
+        ("backend_select", "no-such-backend", "torch", FallbackReason.PLUGIN_NOT_FOUND)]
+    assert "no-such-backend: not discovered" in rec.events[0].detail
+    warned = [e for e in logs if e["event"] == "cpkv.fallback"]
+    assert [(e["log_level"], e["reason"], e["requested"]) for e in warned] == [
+        ("warning", "plugin_not_found", "no-such-backend")]
+    with fallback.recording("error"), pytest.raises(fallback.FallbackError,
+                                                    match="plugin_not_found"):
+        host.backends().select(["no-such-backend", "torch"])
+
+
 def test_select_per_op_reports_op_not_provided() -> None:
     h = _hand_host(("p", _plugin("p", _backend("fast", {Op.TOPK}),
                                   _backend("ref", {Op.TOPK, Op.RERANGE}))))

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_models import hf_logits, hf_random_model  # noqa: E402
+from helpers import hf_logits, hf_random_model  # noqa: E402
 
 
 def _cpkv(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

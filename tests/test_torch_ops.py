@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cpkv.contracts import KVDtype, KVFormat, Op
 from cpkv.ops import ALL_OPS
+from cpkv.ops.api import FP8_AMAX_FLOOR
 from cpkv.plugin import PluginHost
 from cpkv.testing.conformance import (
     CHECKS,
@@ -25,14 +26,13 @@ from cpkv.testing.conformance import (
     check_fp8_round_trip,
     check_op,
 )
-from cpkv_backend_torch.ops import AMAX_FLOOR, TorchOps
+from cpkv_backend_torch.ops import TorchOps
 
 DS = FORMATS["deepseek_v32"]
 SMALL = FORMATS["small"]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
+    pytest.mark.gpu])]
 
 
 # ---- the reference through the registry ------------------------------------------------------
@@ -185,7 +185,7 @@ def test_fp8_all_zero_block_has_a_positive_scale_and_unpacks_to_zero() -> None:
     x[1, 128:256] = 1.0  # row 1: one non-zero block among zero blocks
     p = TorchOps().fp8_pack(x, DS, "latent")
     scales = p[:, 512:528].contiguous().view(torch.float32)
-    assert torch.equal(scales[0], torch.full((4,), AMAX_FLOOR / 448, dtype=torch.float32))
+    assert torch.equal(scales[0], torch.full((4,), FP8_AMAX_FLOOR / 448, dtype=torch.float32))
     assert scales[1, 1].item() == pytest.approx(1 / 448, rel=1e-7)
     out = TorchOps().fp8_unpack(p, DS, "latent", torch.float32)
     assert torch.equal(out, x)
@@ -244,7 +244,6 @@ def test_ops_never_read_device_data() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 def test_ops_do_not_sync_on_cuda(ref: Any) -> None:
     x = torch.randn(64, 576, device="cuda")
@@ -329,7 +328,6 @@ class _OnDevice:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_results_equal_cpu_results_bit_for_bit(ref: Any) -> None:
     """The reference gives the same bytes on CUDA as on the CPU (fp8 rounding included), so a
     CUDA backend checked on CUDA is also checked against the CPU definition (the attention ops

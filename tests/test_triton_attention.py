@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
+from cpkv.ops.api import quantize_fp8
 from triton_interp import CUDA, import_kernels, interpreter_env
 
 topk_mod = import_kernels("cpkv_backend_triton.topk", "_topk_filter_kernel")
@@ -35,7 +36,6 @@ def _interpreter_env():  # type: ignore[no-untyped-def]
 
 interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
                                          "gpu tests cover them)")
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="no CUDA device")]
 
 #: a subset of the suite's sizes that the interpreter runs in seconds (0 rows, empty view, tiny,
 #: short ranges, k = 2048 with every row shorter than k)
@@ -213,6 +213,17 @@ def test_topk_method_is_checked() -> None:
     assert AttentionKernels().topk_method == "radix"
 
 
+def test_mla_precision_is_explicit() -> None:
+    """The default is FlashMLA's precision on 16-bit inputs; "exact" is asked for by name (a
+    launch override alone no longer changes the precision); anything else is an error."""
+    with pytest.raises(ValueError, match="mla_precision"):
+        AttentionKernels(mla_precision="fp8")  # type: ignore[arg-type]
+    assert AttentionKernels().mla_config["P_SPLIT"] == 1
+    assert AttentionKernels(mla_config={"BLOCK_K": 16}).mla_config["P_SPLIT"] == 1
+    exact = AttentionKernels(mla_precision="exact", mla_config={"BLOCK_K": 16})
+    assert (exact.mla_config["P_SPLIT"], exact.mla_config["BLOCK_K"]) == (2, 16)
+
+
 @interp
 @pytest.mark.parametrize("few_rows", [0, 10**9])
 def test_indexer_either_kernel_at_any_row_count(ref: Any, monkeypatch: pytest.MonkeyPatch,
@@ -234,7 +245,8 @@ def test_conformance_interpreter_small_tiles(ref: Any, monkeypatch: pytest.Monke
     monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64), (5, 700, 2048)))
     impl = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32},
                             mla_config={"BLOCK_H": 16, "BLOCK_K": 16, "P_SPLIT": 3, "P_FP16": 0,
-                                        "P_CAT": 0, "HEADS_FAST": heads_fast})
+                                        "P_CAT": 0, "HEADS_FAST": heads_fast},
+                            mla_precision="exact")
     monkeypatch.setattr(conf, "FORMATS", {"small": conf.FORMATS["small"]})
     conf.check_op(impl, ref, "indexer_logits", device="cpu")
     monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64),))
@@ -255,8 +267,7 @@ def test_indexer_causal_rows_skip_tiles(ref: Any) -> None:
     ke = torch.where(pos < 20, 150 + pos + 1, 280 + pos - 20)
     ke[5] = ks[5]  # an empty row
     impl = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32})
-    sc = k.abs().amax(1) / 448
-    k8 = (k / sc[:, None]).to(torch.float8_e4m3fn)
+    k8, sc = quantize_fp8(k)
     for keys, scale in ((k.to(torch.bfloat16), None), (k8, sc)):
         got = impl.indexer_logits(q, w, keys, scale, ks, ke)
         want = ref.indexer_logits(q, w, keys, scale, ks, ke)
@@ -277,7 +288,8 @@ def test_sparse_mla_head_blocks_in_either_grid_order(ref: Any) -> None:
     want = ref.sparse_mla(q.float(), kv.float(), idx, 0.2, 32)
     outs = []
     for hf in (0, 1):
-        impl = AttentionKernels(mla_config={"BLOCK_H": 16, "BLOCK_K": 16, "HEADS_FAST": hf})
+        impl = AttentionKernels(mla_config={"BLOCK_H": 16, "BLOCK_K": 16, "HEADS_FAST": hf},
+                                mla_precision="exact")
         outs.append(impl.sparse_mla(q, kv, idx, 0.2, 32))
         assert torch.allclose(outs[-1], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(outs[0], outs[1])
@@ -335,23 +347,18 @@ def test_empty_calls_need_no_kernel() -> None:
 
 
 # ---- GPU --------------------------------------------------------------------------------------
-def _gpu(fn: Any) -> Any:
-    for m in reversed(gpu):
-        fn = m(fn)
-    return fn
-
-
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize(("op", "mla_config"), [
     ("indexer_logits", {}), ("topk", {}), ("sparse_mla", {}),
     ("sparse_mla", {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0, "BLOCK_K": 64}),
     ("sparse_mla", {"BLOCK_H": 32, "BLOCK_K": 32, "num_warps": 4}),
     ("sparse_mla", {"BLOCK_H": 32, "HEADS_FAST": 1})])
 def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
-    conf.check_op(AttentionKernels(mla_config=mla_config), ref, op, device="cuda")
+    conf.check_op(AttentionKernels(mla_config=mla_config, mla_precision="exact"), ref, op,
+                  device="cuda")
 
 
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize(("n", "t", "kind"), [(256, 8192, "bf16"), (256, 8192, "fp8"),
                                              (1000, 4099, "fp8"), (77, 20000, "bf16"),
                                              (1, 65536, "fp8"), (2, 65536, "bf16"),
@@ -363,8 +370,7 @@ def test_indexer_realistic_gpu(ref: Any, n: int, t: int, kind: str) -> None:
     k = torch.randn(t, 128, generator=g).cuda()
     scale = None
     if kind == "fp8":
-        scale = k.abs().amax(1).clamp_min(1e-12) / 448
-        k = (k / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        k, scale = quantize_fp8(k)
     else:
         k = k.to(torch.bfloat16)
     pos = torch.arange(t - n, t, dtype=torch.int64, device="cuda")
@@ -377,7 +383,7 @@ def test_indexer_realistic_gpu(ref: Any, n: int, t: int, kind: str) -> None:
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize(("n", "heads", "t", "k"), [(64, 128, 16384, 2048), (33, 16, 5000, 2048),
                                                     (200, 128, 3000, 512)])
 def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int, k: int) -> None:
@@ -397,11 +403,11 @@ def test_sparse_mla_and_topk_realistic_gpu(ref: Any, n: int, heads: int, t: int,
     # bf16 q/kv take the FlashMLA-precision path (one bf16 P): bf16 tolerance of the fp32 reference
     tol = conf.LOWP_MLA_REL
     assert torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))
-    exact = AttentionKernels(mla_config={}).sparse_mla(q, kv, idx, 576 ** -0.5, 512)
+    exact = AttentionKernels(mla_precision="exact").sparse_mla(q, kv, idx, 576 ** -0.5, 512)
     assert torch.allclose(exact, want, rtol=1e-5, atol=1e-5)  # the exact mode on request
 
 
-@_gpu
+@pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 def test_attention_kernels_do_not_sync_on_cuda() -> None:
     dev = "cuda"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from cpkv.contracts import KVDtype, KVFormat, Op
+from cpkv.contracts import KVDtype, KVFormat
 from cpkv.fallback import recording
 from cpkv.ops import KV_OPS
 from cpkv.plugin import PluginHost
@@ -78,18 +78,21 @@ def test_plugin_ops_are_the_ops_triton_ops_has() -> None:
     from cpkv_backend_triton.ops import IMPORT_ERRORS
 
     assert not IMPORT_ERRORS
-    present = frozenset(op for op in Op if callable(getattr(TritonOps, op.value, None)))
-    assert present == plugin.OPS
+    impl = TritonOps()
+    assert impl.provided == plugin.OPS
+    assert all(callable(getattr(impl, op.value)) for op in plugin.OPS)
 
 
 def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.MonkeyPatch) -> None:
     from cpkv_backend_triton import ops, plugin
 
-    class KVOnly(ops.KVKernels, ops.RopeKernels):  # as if attention.py had failed to import
-        pass
-
-    monkeypatch.setattr(ops, "TritonOps", KVOnly)
+    # as if attention.py had failed to import
+    monkeypatch.setattr(ops, "ATTENTION_KERNELS", None)
     monkeypatch.setattr(ops, "IMPORT_ERRORS", {"attention": "ImportError('no attention')"})
+    assert ops.TritonOps().provided == ops.KV_OPS | ops.ROPE_OPS
+    with pytest.raises(RuntimeError, match=r"no attention kernels: .*no attention"):
+        ops.TritonOps().topk(torch.zeros(1, 1), 1, torch.zeros(1, dtype=torch.int64),
+                             torch.ones(1, dtype=torch.int64))
     with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', 'sparse_mla', "
                                            r"'sparse_mla_paged', 'topk'\] "
                                            r"but does not have them: .*no attention"):
@@ -292,7 +295,6 @@ def test_bench_kv_smoke() -> None:
 
 # ---- GPU -------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_conformance_on_gpu(impl: TritonOps, ref: Any, seed: int) -> None:
     for op in KV_OPS:
@@ -300,7 +302,6 @@ def test_conformance_on_gpu(impl: TritonOps, ref: Any, seed: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("tokens", [1000, 4096 + 17, 65536])
 def test_large_sizes_on_gpu_bit_exact(impl: TritonOps, ref: Any, tokens: int) -> None:
     """DeepSeek rows at up to 64K tokens, against the reference on the GPU and on the CPU."""

@@ -23,7 +23,6 @@ rope_mod = import_kernels("cpkv_backend_triton.rope", "_rope_kernel")
 RopeKernels = rope_mod.RopeKernels
 interp = pytest.mark.skipif(CUDA, reason="CUDA present: the kernel is compiled for the GPU (the "
                                          "gpu tests cover it)")
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="no CUDA device")]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -85,18 +84,14 @@ def test_model_rotations_through_the_kernel(tmp_path: Path) -> None:
     _attention_inputs_agree("cpu", torch.float32, tmp_path, 1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_rotations_through_the_kernel_gpu(tmp_path: Path, dtype: torch.dtype) -> None:
-    if not CUDA:
-        pytest.skip("no CUDA device")
     _attention_inputs_agree("cuda", dtype, tmp_path, 1e-6 if dtype == torch.float32 else 1.6e-2)
 
 
-for _m in reversed(gpu):
-    test_model_rotations_through_the_kernel_gpu = _m(test_model_rotations_through_the_kernel_gpu)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="no CUDA device")
 def test_conformance_gpu(ref: Any) -> None:
     conf.check_op(RopeKernels(), ref, "rope", device="cuda")

@@ -19,8 +19,13 @@ from types import ModuleType
 
 import torch
 
-from cpkv.contracts import KVDtype, KVFormat, OpDeclined
-from cpkv.ops import check_sparse_mla_args, check_sparse_mla_paged_args
+from cpkv.ops.api import (
+    KVDtype,
+    KVFormat,
+    OpDeclined,
+    check_sparse_mla_args,
+    check_sparse_mla_paged_args,
+)
 
 __all__ = ["FlashMLAOps", "decline_reason", "decode_decline_reason"]
 
@@ -85,7 +90,7 @@ class FlashMLAOps:
 
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                    dv: int) -> torch.Tensor:
-        """Sparse MLA over the selected keys (see :class:`cpkv.ops.KVOps`), on FlashMLA.
+        """Sparse MLA over the selected keys (see :class:`cpkv.ops.api.KVOps`), on FlashMLA.
 
         Raises:
             ValueError: arguments that break the op's contract.

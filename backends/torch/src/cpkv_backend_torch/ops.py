@@ -4,14 +4,10 @@ Every other backend is checked against these (``cpkv.testing.conformance``), bit
 formulas here are the definition:
 
 * ``page_gather`` / ``rerange``: ``index_select`` along dim 0; ``page_scatter``: ``index_copy_``.
-* ``fp8_pack``, per quantisation block of one token (computed in fp32)::
-
-      amax  = max(|x_block|).clamp_min(AMAX_FLOOR)      # all-zero blocks get a finite scale
-      scale = amax / FP8_E4M3_MAX                       # fp32 IEEE division (not x * (1/448)),
-                                                        # stored as 4 little-endian bytes
-      q     = (x_block / scale).clamp(-448, 448) -> float8_e4m3fn (round to nearest even)
-
-  rope (latent only) is ``x[:, kv_lora_rank:]`` cast to bf16 and stored as 2 bytes per value.
+* ``fp8_pack``: :func:`cpkv.ops.api.quantize_fp8` per quantisation block of one token (fp32
+  ``scale = max(amax, FP8_AMAX_FLOOR) / FP8_E4M3_MAX`` by IEEE division, not x * (1/448),
+  stored as 4 little-endian bytes; ``q = e4m3(clamp(x_block / scale, +-448))``, round to
+  nearest even); rope (latent only) is ``x[:, kv_lora_rank:]`` cast to bf16 and stored as 2 bytes per value.
 * ``fp8_unpack``: ``(float32(q) * scale)`` then one cast to the requested dtype; rope is the stored
   bf16 cast to the requested dtype.
 
@@ -29,7 +25,7 @@ formulas here are the definition:
   so no row count is ever read on the host. Logits inside a range are expected to be finite (a
   -inf logit inside a range of more than k keys could lose to a masked column).
 * ``sparse_mla_paged``: the selected latent rows read from the part-major pages through
-  :func:`cpkv.ops.part_rows`, dequantized to float32, then ``sparse_mla``.
+  :func:`cpkv.ops.api.paged_latent`, dequantized to float32, then ``sparse_mla``.
 * ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
   -inf, a max-subtracted softmax over the valid slots, and ``p @ kv[:, :dv]``; a row without a
   valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Its temporaries are
@@ -46,9 +42,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.contracts import KVFormat
 from cpkv.models.rope import apply_rope
-from cpkv.ops import (
+from cpkv.ops.api import (
+    KVFormat,
     check_indexer_args,
     check_page_copy_args,
     check_peer_gather_args,
@@ -58,18 +54,13 @@ from cpkv.ops import (
     check_topk_args,
     fp8_layout,
     paged_latent,
+    quantize_fp8,
 )
 
 if TYPE_CHECKING:
-    from cpkv.contracts import RopeStyle
-    from cpkv.ops import KVPart
+    from cpkv.ops.api import KVPart, RopeStyle
 
-__all__ = ["AMAX_FLOOR", "FP8_E4M3_MAX", "TorchOps", "fp8_layout"]
-
-#: largest finite float8_e4m3fn value; a block's amax maps onto it
-FP8_E4M3_MAX = 448.0
-#: smallest amax used for a block's scale, so an all-zero block divides by a positive number
-AMAX_FLOOR = 1e-12
+__all__ = ["TorchOps"]
 
 _FP8 = torch.float8_e4m3fn
 #: sparse_mla takes rows in chunks whose gathered rows and scores stay under this many bytes
@@ -165,14 +156,8 @@ class TorchOps:
         if x.dim() != 2 or x.shape[1] != dims + rope:
             raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for {fmt!r}, "
                              f"got {tuple(x.shape)}")
-        n = x.shape[0]
-        vals = x[:, :dims].float().reshape(n, dims // block, block)
-        amax = vals.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
-        # a true division by a device tensor: torch divides by a Python scalar by multiplying with
-        # its reciprocal on CUDA (not on the CPU), which is 1 ulp off for some amax
-        scale = amax / amax.new_full((), FP8_E4M3_MAX)  # [N, blocks, 1] fp32
-        q = (vals / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8).reshape(n, dims)
-        parts = [q.view(torch.uint8), _bytes(scale.reshape(n, dims // block))]
+        q, scale = quantize_fp8(x[:, :dims], block)  # [N, dims] e4m3, [N, blocks] fp32
+        parts = [q.view(torch.uint8), _bytes(scale)]
         if rope:
             parts.append(_bytes(x[:, dims:].to(torch.bfloat16)))
         return torch.cat(parts, dim=1)
@@ -288,7 +273,7 @@ class TorchOps:
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
              out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rotary embedding of ``x`` rows (see :class:`cpkv.ops.KVOps`), transformers' op
+        """The rotary embedding of ``x`` rows (see :class:`cpkv.ops.api.KVOps`), transformers' op
         sequence (each product rounded to x's dtype): the models' own
         :func:`~cpkv.models.rope.apply_rope`.
 

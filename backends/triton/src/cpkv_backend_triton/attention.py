@@ -1,73 +1,41 @@
 """Triton kernels for the sparse-attention ops of one layer (rule 19): the lightning indexer's
 logits, top-k selection, and sparse MLA prefill (FlashMLA's sparse interface).
 
-Semantics are exactly :class:`cpkv.ops.KVOps`'s, checked against the torch reference by
-``cpkv.testing.conformance.check_op`` (rtol = atol = 1e-5 in fp32). Every op is shape-driven:
-no ``.item()``, no data-dependent shapes, no host tensors, any number of rows including 0.
-
-* :meth:`AttentionKernels.indexer_logits`: one fused kernel. A program owns ``BLOCK_M`` query rows
-  x ``BLOCK_N`` keys; it loads the key tile once and loops over the heads, ``s_h = q_h . k`` by
-  ``tl.dot`` (fp32 accumulation), ``acc += w[:, h] * relu(s_h)``. fp8 keys are converted to the
-  query's 16-bit type (exact for e4m3) and the per-key scale multiplies the head sum once at the
-  end (``relu(c s) = c relu(s)`` for the pool's positive scales). Causal skipping: the program
-  reads its rows' ``key_start`` / ``key_end`` on the device and skips the head loop when its key
-  tile lies outside every row's range (with rows sorted by position, all tiles right of the
-  tile's largest ``key_end`` and left of its smallest ``key_start``); it still writes its -inf.
-  At most ``FEW_ROWS`` rows (a decode step, an MTP check) take ``_indexer_few_rows_kernel``
-  instead: the heads of up to 128 / H rows stacked into one operand, one dot per key tile and
-  the weighted head sum a reduction, where the row-tile kernel would run H dependent dots on a
-  16-row tile holding one row.
-* :meth:`AttentionKernels.topk`: the exact select of :mod:`cpkv_backend_triton.topk` (the
-  reference's set, ties by ascending column; one read of each logit for long rows).
-* :meth:`AttentionKernels.sparse_mla`: one program per (query row, block of ``BLOCK_H`` heads);
-  the heads of a block share each gathered kv tile ``[BLOCK_K, Dk]`` (split at ``dv`` into the
-  value part and the rope tail), ``scores = q @ kv^T`` by ``tl.dot``, online softmax in fp32
-  (``exp2`` with ``scale * log2(e)`` folded in), ``acc += p @ kv[:, :dv]``. With 16-bit inputs the
-  probabilities enter the second matmul as a sum of ``P_SPLIT`` 16-bit pieces, because one
-  bf16 P (FlashMLA's choice, ``P_SPLIT=1``) is about 4e-3 off the fp32 reference and the contract
-  asks 1e-5:
-
-  - default ``P_SPLIT=2, P_FP16=1, P_CAT=1``: ``p ~ hi + lo`` in fp16 (22 significant bits), the
-    kv tile converted to fp16 for this matmul, both pieces in ONE matmul over ``2 * BLOCK_K``
-    (``[hi | lo] @ [kv; kv]``). Conformant; the fp16 conversion of kv is exact for bf16 values of
-    magnitude in [2^-17, 65504] (smaller ones lose < 2^-25 absolute; larger ones overflow to
-    inf: latent values are RMS-normalised and never come near). Two chained dots instead of the
-    concatenation (``P_CAT=0``) spill heavily in Triton 3.9's sm_90 code (12-17 KB stack).
-  - ``P_SPLIT=3, P_FP16=0, P_CAT=0``: three bf16 pieces, fp32-exact for any bf16 kv, but the
-    chained dots spill (see above).
-  - ``P_SPLIT=2, P_FP16=0``: two bf16 pieces, about 1.5e-5 off: NOT within the contract.
-  - ``P_SPLIT=1``: FlashMLA's precision, fastest, NOT within the contract.
-
-Interpreter (``TRITON_INTERPRET=1``): the CPU interpreter of Triton 3.x computes 16-bit
-``tl.dot`` wrongly, so in interpreted mode every dot runs on operands converted to fp32 with
-``input_precision="ieee"``. This is exact for bf16/fp16/e4m3 inputs (their products are exact in
-fp32), and the ``P_SPLIT`` rounding of the probabilities is still applied, so the interpreter
-computes what the GPU computes up to fp32 summation order. fp32 inputs use fp32 ``ieee`` dots on
-the GPU as well (slow CUDA-core path; only tests use fp32).
+Semantics are exactly :class:`cpkv.ops.api.KVOps`'s, checked against the torch reference by
+``cpkv.testing.conformance``. Every op is shape-driven: no ``.item()``, no data-dependent shapes,
+no host tensors, any number of rows including 0. How each kernel works, the measured choices
+behind the defaults and the precision modes of sparse MLA: docs/triton.md.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-from cpkv.contracts import FallbackReason, KVFormat
-from cpkv.fallback import report_fallback
-from cpkv.ops import (
+from cpkv.ops.api import (
+    FallbackReason,
+    KVFormat,
     check_indexer_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
     paged_latent,
+    report_fallback,
 )
 
 from .topk import TOPK_METHOD
 from .topk import topk as select_topk
 
-__all__ = ["AttentionKernels"]
+if TYPE_CHECKING:
+    from cpkv.ops.api import KVPart
+
+__all__ = ["AttentionKernels", "MLAPrecision", "PageReader"]
+
+#: the precision of sparse MLA on 16-bit inputs (see :class:`AttentionKernels`)
+MLAPrecision = Literal["bf16", "exact"]
 
 _LOWP = (torch.bfloat16, torch.float16)
 
@@ -316,39 +284,65 @@ def _interpreted(kernel: Any) -> bool:
 
 
 # ---- the ops ---------------------------------------------------------------------------------
+class PageReader(Protocol):
+    """The two KV ops ``sparse_mla_paged`` reads the pool's pages with (a :class:`KVKernels`)."""
+
+    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
+
+    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 class AttentionKernels:
-    """The three sparse-attention ops (see the module docstring), on CUDA tensors (or CPU tensors
-    under ``TRITON_INTERPRET=1``).
+    """The sparse-attention ops (indexer_logits, topk, sparse_mla, sparse_mla_paged), on CUDA
+    tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
 
     Args:
         indexer_config: overrides of :data:`INDEXER_DEFAULT` (BLOCK_M, BLOCK_N, num_warps,
-            num_stages).
-        mla_config: overrides of :data:`MLA_DEFAULT` (BLOCK_H, BLOCK_K, num_warps, num_stages,
-            P_SPLIT).
+            num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps).
+        mla_config: overrides of the sparse-MLA launch and probability split (BLOCK_H,
+            BLOCK_K, num_warps, num_stages, P_SPLIT, P_FP16, P_CAT, HEADS_FAST), applied on top
+            of the configuration ``mla_precision`` picks.
+        mla_precision: the precision of ``sparse_mla`` on 16-bit (bf16 / fp16) q and kv.
+            ``"bf16"`` (default): one bf16 probability matrix, FlashMLA's precision
+            (:data:`MLA_LOWP_DEFAULT`), within bf16 tolerance of the fp32 reference and ~5x
+            faster. ``"exact"``: the probabilities as a sum of 16-bit pieces
+            (:data:`MLA_DEFAULT`), within 1e-5 of the fp32 reference. fp32 inputs always take
+            :data:`MLA_DEFAULT`.
         topk_method: ``"radix"`` (default, exact) or ``"torch"`` (torch.topk; ties may differ),
             see :data:`TOPK_METHOD`.
+        kv: the KV ops ``sparse_mla_paged`` reads pages with; None: a new :class:`KVKernels`.
+
+    Raises:
+        ValueError: an unknown ``topk_method`` or ``mla_precision``.
     """
 
-    # class-level defaults, so that a subclass mixing this in without calling __init__ works
-    indexer_config: dict[str, int] = INDEXER_DEFAULT
-    mla_config: dict[str, int] = MLA_DEFAULT
-    topk_method: str = TOPK_METHOD
-
     def __init__(self, indexer_config: dict[str, int] | None = None,
-                 mla_config: dict[str, int] | None = None, topk_method: str = TOPK_METHOD) -> None:
+                 mla_config: dict[str, int] | None = None, topk_method: str = TOPK_METHOD,
+                 mla_precision: MLAPrecision = "bf16", kv: PageReader | None = None) -> None:
         if topk_method not in ("radix", "torch"):
             raise ValueError(f"topk_method must be 'radix' or 'torch', got {topk_method!r}")
+        if mla_precision not in ("bf16", "exact"):
+            raise ValueError(f"mla_precision must be 'bf16' or 'exact', got {mla_precision!r}")
         self.topk_method = topk_method
+        self.mla_precision = mla_precision
         self.indexer_config = {**INDEXER_DEFAULT, **(indexer_config or {})}
-        self.mla_config = {**MLA_DEFAULT, **(mla_config or {})}
-        self._mla_user = mla_config is not None
+        base = MLA_LOWP_DEFAULT if mla_precision == "bf16" else MLA_DEFAULT
+        #: the sparse-MLA configuration of 16-bit inputs, and of fp32 inputs
+        self.mla_config = {**base, **(mla_config or {})}
+        self.mla_fp32_config = {**MLA_DEFAULT, **(mla_config or {})}
+        if kv is None:
+            from .kv import KVKernels
+
+            kv = KVKernels()
+        self.kv = kv
         # num_stages that compiled, per kernel specialisation (an out-of-resource compile retries
         # with fewer stages once, on the host, without touching device data)
         self._stages: dict[tuple[Any, ...], int] = {}
 
     def _launch(self, key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
                 consts: dict[str, Any], num_warps: int, num_stages: int) -> None:
-        cache = self.__dict__.setdefault("_stages", {})
+        cache = self._stages
         stages = cache.get(key, num_stages)
         while True:
             try:
@@ -372,7 +366,7 @@ class AttentionKernels:
                        k_scale: torch.Tensor | None, key_start: torch.Tensor,
                        key_end: torch.Tensor) -> torch.Tensor:
         """``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` inside ``[key_start[i],
-        key_end[i])``, -inf elsewhere; float32 [N, T]. See :class:`cpkv.ops.KVOps`.
+        key_end[i])``, -inf elsewhere; float32 [N, T]. See :class:`cpkv.ops.api.KVOps`.
 
         fp8 keys: the scale multiplies the head sum (``k_scale`` must be >= 0, as the pool's are).
 
@@ -425,9 +419,9 @@ class AttentionKernels:
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:
         """Columns of the k largest logits in each row's range; int32 [N, k], -1 padded; rows
-        holding at most k keys list them all ascending. See :class:`cpkv.ops.KVOps`.
+        holding at most k keys list them all ascending. See :class:`cpkv.ops.api.KVOps`.
 
-        Default (``topk_method="radix"``): the exact select of the module docstring, the
+        Default (``topk_method="radix"``): the exact select of :mod:`cpkv_backend_triton.topk`, the
         reference's set (ties by ascending column) in the kernels' order. ``"torch"``: a Triton
         kernel masks the logits, ``torch.topk`` (sorted) selects, a Triton kernel fixes up short
         rows and padding; ties at the k-th place may then resolve differently from the
@@ -436,14 +430,13 @@ class AttentionKernels:
         Raises:
             ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
         """
-        return select_topk(logits, k, key_start, key_end,
-                           getattr(self, "topk_method", TOPK_METHOD))
+        return select_topk(logits, k, key_start, key_end, self.topk_method)
 
     # -- sparse MLA -----------------------------------------------------------------------------
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                    dv: int) -> torch.Tensor:
         """Sparse MLA prefill (absorbed form) over the selected latent rows; float32 [N, H, dv].
-        See :class:`cpkv.ops.KVOps`.
+        See :class:`cpkv.ops.api.KVOps`.
 
         Raises:
             ValueError: a shape or dtype does not match, or ``dv`` is out of range.
@@ -455,8 +448,7 @@ class AttentionKernels:
             return torch.zeros(n, heads, dv, dtype=torch.float32, device=q.device)
         out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
         lowp = kv.dtype in _LOWP and q.dtype == kv.dtype  # 16-bit path
-        cfg = self.mla_config if getattr(self, "_mla_user", False) or not lowp \
-            else MLA_LOWP_DEFAULT
+        cfg = self.mla_config if lowp else self.mla_fp32_config
         bh = min(cfg["BLOCK_H"], _pow2(heads))
         bk = min(cfg["BLOCK_K"], _pow2(nk))
         interp = _interpreted(_sparse_mla_kernel)
@@ -482,9 +474,8 @@ class AttentionKernels:
                          fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
         """Sparse MLA over latent rows read from part-major pages: the selected rows gathered
         and dequantized in one pass (``fp8_unpack`` through an index) into q's dtype, then
-        :meth:`sparse_mla`. See :class:`cpkv.ops.KVOps`."""
+        :meth:`sparse_mla`. See :class:`cpkv.ops.api.KVOps`."""
         check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
         dtype = q.dtype if q.dtype in _LOWP else torch.float32
-        lat, idx = paged_latent(pages, rows, fmt, dtype, self.fp8_unpack,  # type: ignore[attr-defined]
-                                self.page_gather)  # type: ignore[attr-defined]
+        lat, idx = paged_latent(pages, rows, fmt, dtype, self.kv.fp8_unpack, self.kv.page_gather)
         return self.sparse_mla(q, lat, idx, scale, dv)

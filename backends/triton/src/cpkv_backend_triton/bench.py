@@ -31,7 +31,7 @@ def bench_kv(device: str | torch.device = "cuda", *, small: bool = False,
     Returns:
         one dict per case (see the module docstring).
     """
-    from cpkv_backend_torch.ops import TorchOps
+    from cpkv.testing.conformance import reference_backend
 
     from .kv import KVKernels
 
@@ -43,7 +43,7 @@ def bench_kv(device: str | torch.device = "cuda", *, small: bool = False,
     iters = max(iters, 2 if small else 20)
     page = 64
     pages = tokens // page
-    tri, ref = KVKernels(), TorchOps()
+    tri, ref = KVKernels(), reference_backend()
     g = torch.Generator().manual_seed(seed)
 
     def rand_bytes(*shape: int) -> torch.Tensor:

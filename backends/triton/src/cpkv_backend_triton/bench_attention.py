@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from cpkv.bench.timing import device_ms, median_ms
+from cpkv.ops.api import quantize_fp8
 from cpkv_backend_triton import rope as rope_mod
 from cpkv_backend_triton.attention import AttentionKernels
 
@@ -86,8 +87,7 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
     q = (torch.randn(n, heads, d, generator=g)).to(dev, torch.bfloat16)
     w = (torch.randn(n, heads, generator=g) * (heads * d) ** -0.5).to(dev)
     kf = torch.randn(t, d, generator=g).to(dev)
-    sc = kf.abs().amax(1).clamp_min(1e-12) / 448.0
-    k8 = (kf / sc[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    k8, sc = quantize_fp8(kf)
     pos = torch.arange(t - n, t, device=dev, dtype=torch.int64)  # the prompt's last n rows
     ranges = {"causal": (torch.zeros_like(pos), pos + 1),
               "full": (torch.zeros_like(pos), torch.full_like(pos, t))}
@@ -143,8 +143,7 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
     # (f) the indexer at a few rows: both kernels
     ft = 700 if small else 65536
     kf2 = torch.randn(ft, d, generator=g).to(dev)
-    sc2 = kf2.abs().amax(1).clamp_min(1e-12) / 448.0
-    k82 = (kf2 / sc2[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    k82, sc2 = quantize_fp8(kf2)
     tile = AttentionKernels(indexer_config={"FEW_ROWS": 0})
     few = AttentionKernels(indexer_config={"FEW_ROWS": 1 << 30})
     for fn in (1, 2, 8) if small else (1, 2, 4, 8, 16, 32, 64):
@@ -207,7 +206,7 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
                   {"BLOCK_K": 16}, {"num_warps": 4}, {**exact, "BLOCK_H": 32, "num_warps": 4},
                   {"P_SPLIT": 1, "P_CAT": 0, "P_FP16": 0, "BLOCK_K": 64, "num_stages": 1}]
     for cfg in mcfgs:
-        kk = AttentionKernels(mla_config=cfg) if cfg else ker
+        kk = AttentionKernels(mla_config=cfg, mla_precision="exact") if cfg else ker
         try:
             got = kk.sparse_mla(qm, kv, idx, smscale, 512)
             ms = tm(lambda kk=kk: kk.sparse_mla(qm, kv, idx, smscale, 512))

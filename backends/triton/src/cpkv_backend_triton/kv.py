@@ -1,5 +1,5 @@
 """Triton kernels of the KV ops (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack) and
-their thin wrappers, the :class:`KVKernels` mixin of :class:`cpkv_backend_triton.ops.TritonOps`.
+their thin wrappers, :class:`KVKernels` (a part of :class:`cpkv_backend_triton.ops.TritonOps`).
 
 Imports triton and torch: the plugin imports this module only when the backend is loaded.
 
@@ -8,7 +8,7 @@ row is its bytes, moved in the widest unit (8, 4, 2 or 1 bytes) that the row byt
 pointers and the row strides allow, with a ``VEC``-unit (up to 16 B) alignment hint so that the
 compiler can issue 16-byte accesses. One program per (block of rows, block of columns).
 
-fp8 is bit-exact with the torch reference (``cpkv_backend_torch.ops``) by construction: every
+fp8 is bit-exact with the reference formula (:func:`cpkv.ops.api.quantize_fp8`) by construction: every
 rounding the reference does is done here with IEEE fp32 ops (``div_rn`` for both divisions) or
 with integer bit manipulation that copies c10's conversions (fp32 -> e4m3fn round-to-nearest-even
 with subnormals, fp32 -> bf16 round-to-nearest-even), so the result does not depend on how a
@@ -25,19 +25,22 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.contracts import FallbackReason
-from cpkv.fallback import report_fallback
-from cpkv.ops import check_page_copy_args, check_peer_gather_args, fp8_layout
+from cpkv.ops.api import (
+    FP8_AMAX_FLOOR,
+    FallbackReason,
+    check_page_copy_args,
+    check_peer_gather_args,
+    fp8_layout,
+    report_fallback,
+)
 
 if TYPE_CHECKING:
-    from cpkv.contracts import KVFormat
-    from cpkv.ops import KVPart
+    from cpkv.ops.api import KVFormat, KVPart
 
 __all__ = ["KVKernels"]
 
-FP8_E4M3_MAX = 448.0
-#: the reference's clamp_min(1e-12) on an fp32 tensor clamps at float32(1e-12)
-AMAX_FLOOR_F32 = float(torch.tensor(1e-12, dtype=torch.float32).item())
+#: the reference's clamp_min(FP8_AMAX_FLOOR) on an fp32 tensor clamps at its float32 value
+AMAX_FLOOR_F32 = float(torch.tensor(FP8_AMAX_FLOOR, dtype=torch.float32).item())
 
 
 # ---- row movement ----------------------------------------------------------------------------
@@ -377,8 +380,8 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class KVKernels:
-    """The KV ops as Triton kernels (mixin of ``TritonOps``). Same contract as
-    :class:`cpkv.ops.KVOps`; results equal the torch reference bit for bit."""
+    """The KV ops as Triton kernels (a part of ``TritonOps``). Same contract as
+    :class:`cpkv.ops.api.KVOps`; results equal the torch reference bit for bit."""
 
     # ---- page movement ----------------------------------------------------------------------
     def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

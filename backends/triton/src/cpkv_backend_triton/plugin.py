@@ -1,9 +1,9 @@
 """Declares the ``triton`` backend (entry point ``cpkv.backends: triton``).
 
 Importing this module imports neither triton nor torch. The ops are the static list :data:`OPS`,
-the ops the kernel modules (``kv.py``, ``attention.py``) implement as methods of their mixins;
-``load`` imports them (``ops.TritonOps``) and checks that every listed op is there
-(``tests/test_triton_kv.py`` checks that the list equals the ops ``TritonOps`` has).
+the ops of the kernel objects (``kv.py``, ``attention.py``, ``rope.py``) that ``ops.TritonOps``
+composes; ``load`` builds one and checks that every listed op is provided
+(``tests/test_triton_kv.py`` checks that the list equals the ops ``TritonOps`` provides).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "triton"
 #: the ops of ``kv.KVKernels``, ``attention.AttentionKernels`` and ``rope.RopeKernels``, the
-#: mixins of ``TritonOps``
+#: parts of ``TritonOps``
 OPS: frozenset[Op] = frozenset({
     Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK,
     Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,
@@ -72,7 +72,7 @@ def load() -> object:
     from .ops import IMPORT_ERRORS, TritonOps
 
     impl = TritonOps()
-    missing = sorted(o.value for o in OPS if not callable(getattr(impl, o.value, None)))
+    missing = sorted(o.value for o in OPS - impl.provided)
     if missing:
         raise RuntimeError(f"the triton backend lists {missing} but does not have them: kernel "
                            f"module import errors {IMPORT_ERRORS}")

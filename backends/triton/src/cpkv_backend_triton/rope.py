@@ -10,7 +10,7 @@ once, where the reference rounds each product: within the op's conformance bound
 (``out`` is ``x``) is safe: a program reads its pairs before writing them, and pairs are
 disjoint between programs.
 
-Semantics are :class:`cpkv.ops.KVOps`'s ``rope``, checked by ``cpkv.testing.conformance``.
+Semantics are :class:`cpkv.ops.api.KVOps`'s ``rope``, checked by ``cpkv.testing.conformance``.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.ops import check_rope_args
+from cpkv.ops.api import check_rope_args
 
 if TYPE_CHECKING:
-    from cpkv.contracts import RopeStyle
+    from cpkv.ops.api import RopeStyle
 
 __all__ = ["ROPE_BLOCK", "RopeKernels"]
 
@@ -65,14 +65,18 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, P, H,
 
 
 class RopeKernels:
-    """The ``rope`` op of the Triton backend (mixed into ``TritonOps``); ``block``: (row, head)
-    pairs per program (the bench sweeps it)."""
+    """The ``rope`` op of the Triton backend (a part of ``TritonOps``).
 
-    block: int = ROPE_BLOCK
+    Args:
+        block: (row, head) pairs per program (the bench sweeps it).
+    """
+
+    def __init__(self, block: int = ROPE_BLOCK) -> None:
+        self.block = block
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
              out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rotary embedding of ``x`` rows in one pass; see :class:`cpkv.ops.KVOps`.
+        """The rotary embedding of ``x`` rows in one pass; see :class:`cpkv.ops.api.KVOps`.
 
         Raises:
             ValueError: a shape, dtype or style does not fit (as the reference).

@@ -125,11 +125,9 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
                                     "topk_ms": t_topk}
     # the same with fp8 keys (an fp8 pool's) and fp8 queries (runtime.indexer_dtype = "fp8")
     # against bf16 queries on the same fp8 keys
-    from cpkv.ops import quantize_index_q
+    from cpkv.ops.api import quantize_fp8, quantize_index_q
 
-    k_amax = k.float().abs().amax(dim=1).clamp_min(1e-12)
-    k_scale = (k_amax / 448.0).float()
-    k8 = (k.float() / k_scale[:, None]).to(torch.float8_e4m3fn)
+    k8, k_scale = quantize_fp8(k)
     q8, w8 = quantize_index_q(q, w)
     t_bf16 = device_ms(lambda: impl.indexer_logits(q, w, k8, k_scale, ks, ke), iters=10)
     t_fp8 = device_ms(lambda: impl.indexer_logits(q8, w8, k8, k_scale, ks, ke), iters=10)

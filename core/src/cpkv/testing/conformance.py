@@ -1,6 +1,15 @@
 """Backend conformance suite: run a backend's ops against the torch reference backend.
 
-A backend author runs::
+A backend author subclasses the base test classes in the backend's own tests (pytest collects
+one test per op; :class:`BaseOpsTests` says how)::
+
+    from cpkv.testing.conformance import BaseAttentionOpsTests, BaseKVOpsTests
+
+    class TestMyBackendKV(BaseKVOpsTests):
+        ops = MyOps()
+        device = "cuda"
+
+or calls the functions directly::
 
     from cpkv.testing.conformance import check_backend, reference_backend
 
@@ -10,10 +19,10 @@ Every op is run on fresh random inputs (never all zeros) at several sizes: 0 row
 sizes, 64-token pages with the DeepSeek-V3.2 row sizes (656 B latent, 132 B index-K in fp8) and a
 small format. Results must match the reference **bit for bit**: ``page_gather``, ``page_scatter``
 and ``rerange`` move bytes; ``fp8_pack`` must produce the same bytes, which pins the formula
-(fp32 ``scale = max(amax, 1e-12) / 448`` per block, ``q = e4m3(clamp(x / scale, ±448))``
-rounded to nearest even, scales as fp32 and rope as bf16, little-endian); ``fp8_unpack`` must
-return the same values (``float32(q) * scale`` cast once to the requested dtype). A mismatch raises
-``AssertionError`` naming the op, the case and the largest difference.
+(:func:`cpkv.ops.api.quantize_fp8`: fp32 ``scale = max(amax, 1e-12) / 448`` per block,
+``q = e4m3(clamp(x / scale, ±448))`` rounded to nearest even, scales as fp32 and rope as bf16,
+little-endian); ``fp8_unpack`` must return the same values (``float32(q) * scale`` cast once to
+the requested dtype). A mismatch raises ``AssertionError`` naming the op, the case and the largest difference.
 
 The sparse-attention ops (rule 19) run on flat full views holding several requests, with per-row
 key ranges that are empty, shorter than k, exactly k, longer than k, and arbitrary (not starting
@@ -43,15 +52,16 @@ backend package: :func:`reference_backend` goes through the plugin registry.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from cpkv.contracts import KVDtype, KVFormat, Op
+from cpkv.contracts import KVDtype, KVFormat, KVOps, Op
 from cpkv.kv import pack_rows
-from cpkv.ops import quantize_index_q
+from cpkv.ops.api import quantize_fp8, quantize_index_q
 from cpkv.plugin import PluginHost
 
 __all__ = [
@@ -62,6 +72,13 @@ __all__ = [
     "FP8_ROUND_TRIP_ABS",
     "FP8_ROUND_TRIP_REL",
     "TOPK_TIE_REL",
+    "BaseAllOpsTests",
+    "BaseAttentionOpsTests",
+    "BaseFP8OpsTests",
+    "BaseKVOpsTests",
+    "BaseOpsTests",
+    "BasePageOpsTests",
+    "BaseRopeOpsTests",
     "check_backend",
     "check_fp8_round_trip",
     "check_op",
@@ -458,12 +475,6 @@ def _key_ranges(n: int, t: int, k: int, g: torch.Generator) -> tuple[torch.Tenso
     return torch.tensor(ks, dtype=torch.int64), torch.tensor(ke, dtype=torch.int64)
 
 
-def _quantise_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, D] float -> (float8_e4m3fn [T, D], fp32 [T] per-token scale), like the pool's index-K."""
-    scale = x.float().abs().amax(dim=1).clamp_min(1e-12) / 448.0
-    return (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
 def _assert_close(op: str, case: str, what: str, got: Any, want: torch.Tensor,
                   rtol: float = ATTN_RTOL, atol: float = ATTN_ATOL) -> None:
     """Same shape, dtype and device; the same +-inf positions; finite values within
@@ -502,7 +513,7 @@ def _indexer_keys(k: torch.Tensor, kind: str, fmt: KVFormat, ref: Any
     if kind == "fp32":
         return k, None
     if kind == "fp8":
-        return _quantise_keys(k)
+        return quantize_fp8(k)  # per-token scale, like the pool's index-K
     # "fp8 pool": e4m3 bytes and scale as slices of packed index-K rows (the e4m3 part is a
     # strided view, as the pool hands it out)
     packed = ref.fp8_pack(k, fmt, "index_k")
@@ -788,11 +799,11 @@ def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
     against 500 keys (``k`` float32, ``k8`` float8_e4m3fn with ``scale``), causal ranges
     ``ks``/``ke``, a 576-wide latent view ``kv`` and 16-head queries ``qm``."""
     k = torch.randn(500, 128, device=device)
-    scale = k.abs().amax(1) / 448
+    k8, scale = quantize_fp8(k)
     return {
         "q": torch.randn(64, 64, 128, device=device, dtype=torch.bfloat16),
         "w": torch.randn(64, 64, device=device),
-        "k": k, "scale": scale, "k8": (k / scale[:, None]).to(torch.float8_e4m3fn),
+        "k": k, "scale": scale, "k8": k8,
         "ks": torch.zeros(64, dtype=torch.int64, device=device),
         "ke": torch.arange(64, dtype=torch.int64, device=device) * 7,
         "kv": torch.randn(500, 576, device=device, dtype=torch.bfloat16),
@@ -920,3 +931,122 @@ def check_fp8_round_trip(impl: Any, x: torch.Tensor, fmt: KVFormat, part: str) -
         if not torch.equal(back[:, dims:], want):
             raise AssertionError(f"fp8 round trip ({part}): rope is not the bf16 of the input; max "
                                  f"difference {(back[:, dims:] - want).abs().max().item()}")
+
+
+# ---- base test classes a backend's own test module subclasses ---------------------------------
+class BaseOpsTests:
+    """Base of the conformance test classes (pandas' extension-array base tests are the model).
+
+    A backend's test module subclasses the classes of the ops it provides and names its object::
+
+        from cpkv.testing.conformance import BaseKVOpsTests
+
+        class TestMyBackendKV(BaseKVOpsTests):
+            ops = MyOps()
+            device = "cuda"
+
+    pytest collects every ``test_*`` method of the subclass (the ``Base*`` classes themselves are
+    not collected: their names do not start with ``Test``). Each method runs :func:`check_op` of
+    one op against the torch reference for every seed in :attr:`seeds`. A backend that provides
+    only some ops of a class lists them in :attr:`provides`: the others are skipped, with a
+    reason naming them. pytest is needed only to run the classes (it is not a cpkv dependency).
+    """
+
+    #: the backend object under test (one method per op it provides)
+    ops: ClassVar[KVOps]
+    #: where the inputs live
+    device: ClassVar[str] = "cpu"
+    #: the seeds each op is checked with (the same seed gives the same inputs on every device)
+    seeds: ClassVar[tuple[int, ...]] = (0,)
+    #: the ops the backend provides; None: every op of the class
+    provides: ClassVar[frozenset[Op] | None] = None
+
+    def check(self, op: Op) -> None:
+        """Check ``op`` of :attr:`ops` against the reference (skipped when not provided).
+
+        Raises:
+            AssertionError: the op disagrees with the reference (see :func:`check_op`).
+        """
+        if self.provides is not None and op not in self.provides:
+            import pytest
+
+            pytest.skip(f"{type(self).__name__} does not provide {op.value} (provides: "
+                        f"{sorted(o.value for o in self.provides)})")
+        for seed in self.seeds:
+            check_op(self.ops, _cached_reference(), op.value, device=self.device, seed=seed)
+
+
+class BasePageOpsTests(BaseOpsTests):
+    """The page-movement ops: page_gather, page_scatter, page_copy, rerange, peer_gather."""
+
+    def test_page_gather(self) -> None:
+        self.check(Op.PAGE_GATHER)
+
+    def test_page_scatter(self) -> None:
+        self.check(Op.PAGE_SCATTER)
+
+    def test_page_copy(self) -> None:
+        self.check(Op.PAGE_COPY)
+
+    def test_rerange(self) -> None:
+        self.check(Op.RERANGE)
+
+    def test_peer_gather(self) -> None:
+        self.check(Op.PEER_GATHER)
+
+
+class BaseFP8OpsTests(BaseOpsTests):
+    """fp8_pack and fp8_unpack against the reference (bit for bit), and the round-trip bound of
+    :func:`check_fp8_round_trip` on every format and part."""
+
+    def test_fp8_pack(self) -> None:
+        self.check(Op.FP8_PACK)
+
+    def test_fp8_unpack(self) -> None:
+        self.check(Op.FP8_UNPACK)
+
+    def test_fp8_round_trip(self) -> None:
+        if self.provides is not None and not {Op.FP8_PACK, Op.FP8_UNPACK} <= self.provides:
+            import pytest
+
+            pytest.skip(f"{type(self).__name__} does not provide fp8_pack and fp8_unpack")
+        for _name, fmt, part, n in _fp8_cases():
+            x = _fp8_input(fmt, part, n, torch.float32, _gen(self.seeds[0]))
+            check_fp8_round_trip(self.ops, x.to(self.device), fmt, part)
+
+
+class BaseKVOpsTests(BasePageOpsTests, BaseFP8OpsTests):
+    """Every op the sharded pool and the CP runtime need (``cpkv.ops.KV_OPS``)."""
+
+
+class BaseAttentionOpsTests(BaseOpsTests):
+    """The sparse-attention ops of one layer: indexer_logits, topk, sparse_mla, sparse_mla_paged."""
+
+    def test_indexer_logits(self) -> None:
+        self.check(Op.INDEXER_LOGITS)
+
+    def test_topk(self) -> None:
+        self.check(Op.TOPK)
+
+    def test_sparse_mla(self) -> None:
+        self.check(Op.SPARSE_MLA)
+
+    def test_sparse_mla_paged(self) -> None:
+        self.check(Op.SPARSE_MLA_PAGED)
+
+
+class BaseRopeOpsTests(BaseOpsTests):
+    """The rotary embedding op."""
+
+    def test_rope(self) -> None:
+        self.check(Op.ROPE)
+
+
+class BaseAllOpsTests(BaseKVOpsTests, BaseAttentionOpsTests, BaseRopeOpsTests):
+    """Every op the suite knows."""
+
+
+@functools.cache
+def _cached_reference() -> Any:
+    """:func:`reference_backend`, loaded once per process (the classes' tests share it)."""
+    return reference_backend()

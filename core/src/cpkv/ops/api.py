@@ -1,0 +1,96 @@
+"""The backend API: every cpkv name a backend's kernel modules may import, in one place.
+
+A backend (``cpkv_backend_torch``, ``cpkv_backend_triton``, ``cpkv_backend_cuda``, a third
+party's: see docs/writing-a-backend.md) implements :class:`KVOps` with its own kernels and takes
+from cpkv only what is listed here (its ``plugin`` module also uses :mod:`cpkv.plugin`'s
+registrar and :mod:`cpkv.contracts`' ``Availability`` / ``Op``). Anything else in cpkv may change
+without notice.
+
+The op protocol and the types in its signatures
+    :class:`KVOps` (one method per :class:`Op`: signatures, shapes, semantics), :class:`Op`,
+    :class:`KVFormat` (bytes per token and page), :class:`KVDtype`, :class:`PageLayout`,
+    :data:`KVPart` (``"latent"`` / ``"index_k"``), :data:`RopeStyle`.
+
+Declining and reporting
+    :class:`OpDeclined`: raise it from an op for a shape the kernel does not take; the call then
+    runs on the next backend of the preference, reported once as a fallback.
+    :func:`report_fallback` with a :class:`FallbackReason`: every other visible step away from
+    what was asked (e.g. a kernel variant that did not fit), through the one choke point.
+
+Argument checks (run them first: one wording of the errors in every backend; metadata only)
+    :func:`check_page_copy_args`, :func:`check_peer_gather_args`, :func:`check_indexer_args`,
+    :func:`check_topk_args`, :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`,
+    :func:`check_rope_args`.
+
+Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
+    :func:`fp8_layout` (dims, block, rope dims and bytes of a packed fp8 row), :func:`part_view`
+    / :func:`part_index` (one part's rows of a page buffer, in either layout),
+    :func:`page_blocks` (writable latent / index-K halves of page blocks), :func:`gather_latent`
+    / :func:`paged_latent` (``sparse_mla_paged`` composed from a backend's own
+    ``fp8_unpack`` / ``page_gather`` and ``sparse_mla``).
+
+fp8 numerics (:mod:`cpkv.ops.fp8`)
+    :func:`quantize_fp8` (the one quantization formula: what ``fp8_pack`` must match bit for
+    bit), :data:`FP8_E4M3_MAX`, :data:`FP8_AMAX_FLOOR`, :func:`quantize_index_q` (the indexer's
+    fp8 queries with their scales folded into the head weights).
+
+The reference formula of the ``rope`` op is :func:`cpkv.models.rope.apply_rope` (it imports torch
+and the model code, so it is not re-exported here: this module imports neither).
+"""
+
+from __future__ import annotations
+
+from cpkv.contracts import (
+    FallbackReason,
+    KVDtype,
+    KVFormat,
+    KVOps,
+    KVPart,
+    Op,
+    OpDeclined,
+    PageLayout,
+    RopeStyle,
+)
+from cpkv.fallback import report_fallback
+
+from .checks import (
+    check_indexer_args,
+    check_page_copy_args,
+    check_peer_gather_args,
+    check_rope_args,
+    check_sparse_mla_args,
+    check_sparse_mla_paged_args,
+    check_topk_args,
+)
+from .fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, quantize_fp8, quantize_index_q
+from .layout import fp8_layout, gather_latent, page_blocks, paged_latent, part_index, part_view
+
+__all__ = [
+    "FP8_AMAX_FLOOR",
+    "FP8_E4M3_MAX",
+    "FallbackReason",
+    "KVDtype",
+    "KVFormat",
+    "KVOps",
+    "KVPart",
+    "Op",
+    "OpDeclined",
+    "PageLayout",
+    "RopeStyle",
+    "check_indexer_args",
+    "check_page_copy_args",
+    "check_peer_gather_args",
+    "check_rope_args",
+    "check_sparse_mla_args",
+    "check_sparse_mla_paged_args",
+    "check_topk_args",
+    "fp8_layout",
+    "gather_latent",
+    "page_blocks",
+    "paged_latent",
+    "part_index",
+    "part_view",
+    "quantize_fp8",
+    "quantize_index_q",
+    "report_fallback",
+]

@@ -1,0 +1,220 @@
+"""The argument checks every backend runs before an op: one wording of the errors for all.
+
+Each reads host-side metadata only (shapes, dtypes, devices), never tensor values, so it costs no
+device sync. Each raises :class:`ValueError` naming the op, the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from cpkv.contracts import KVFormat, RopeStyle
+
+__all__ = ["check_indexer_args", "check_page_copy_args", "check_peer_gather_args",
+           "check_rope_args", "check_sparse_mla_args", "check_sparse_mla_paged_args",
+           "check_topk_args"]
+
+
+def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
+    import torch
+
+    for name, r in (("key_start", key_start), ("key_end", key_end)):
+        if r.shape != (n,) or r.dtype != torch.int64:
+            raise ValueError(f"{op}: expected {name} int64 [{n}], got {r.dtype} {tuple(r.shape)}")
+
+
+def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
+                    out: torch.Tensor | None) -> None:
+    """Validate ``rope`` arguments.
+
+    Raises:
+        ValueError: x is not [N, R] or [N, H, R] float with R even, cos / sin are not [N, R] of
+            x's dtype, ``style`` is unknown, or ``out`` has another shape or dtype.
+    """
+    if style not in ("interleave", "half"):
+        raise ValueError(f"rope: style must be 'interleave' or 'half', got {style!r}")
+    if x.dim() not in (2, 3) or not x.dtype.is_floating_point or x.shape[-1] % 2:
+        raise ValueError(f"rope: expected x float [N, R] or [N, H, R] with R even, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    want = (x.shape[0], x.shape[-1])
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want or t.dtype != x.dtype:
+            raise ValueError(f"rope: expected {name} {x.dtype} {list(want)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"rope: out must be {x.dtype} {tuple(x.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+
+
+def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                       key_end: torch.Tensor) -> bool:
+    """Validate ``indexer_logits`` arguments; returns whether the keys are fp8 (scaled).
+
+    Raises:
+        ValueError: a shape or dtype does not match, a float key comes with a scale or an fp8 key
+            without one.
+    """
+    import torch
+
+    if q.dim() != 3 or k.dim() != 2 or q.shape[2] != k.shape[1]:
+        raise ValueError(f"indexer_logits: expected q [N, Hi, D] and k [T, D], got q "
+                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
+    n, heads, _ = q.shape
+    t = k.shape[0]
+    fp8 = torch.float8_e4m3fn
+    if not q.dtype.is_floating_point or (q.dtype == fp8 and k.dtype != fp8):
+        raise ValueError(f"indexer_logits: q must be a float tensor (float8_e4m3fn only with "
+                         f"float8_e4m3fn keys), got q {q.dtype} with k {k.dtype}")
+    if w.shape != (n, heads) or w.dtype != torch.float32:
+        raise ValueError(f"indexer_logits: expected w float32 [{n}, {heads}], got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    _check_ranges("indexer_logits", n, key_start, key_end)
+    if k.dtype == torch.float8_e4m3fn:
+        if k_scale is None or k_scale.shape != (t,) or k_scale.dtype != torch.float32:
+            got = "None" if k_scale is None else f"{k_scale.dtype} {tuple(k_scale.shape)}"
+            raise ValueError(f"indexer_logits: float8_e4m3fn keys need k_scale float32 [{t}], "
+                             f"got {got}")
+        return True
+    if not k.dtype.is_floating_point:
+        raise ValueError(f"indexer_logits: k must be a float or float8_e4m3fn tensor, got {k.dtype}")
+    if k_scale is not None:
+        raise ValueError(f"indexer_logits: k_scale is only for float8_e4m3fn keys, got "
+                         f"{k.dtype} keys with a k_scale {tuple(k_scale.shape)}")
+    return False
+
+
+def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,
+                    key_end: torch.Tensor) -> None:
+    """Validate ``topk`` arguments.
+
+    Raises:
+        ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
+    """
+    import torch
+
+    if (logits.dim() != 2 or not logits.dtype.is_floating_point
+            or logits.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"topk: expected float logits [N, T], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    if k < 0:
+        raise ValueError(f"topk: k must be >= 0, got {k}")
+    _check_ranges("topk", logits.shape[0], key_start, key_end)
+
+
+def check_page_copy_args(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
+                         src_index: torch.Tensor) -> torch.device:
+    """Validate ``page_copy`` arguments (metadata only); returns the device that runs the copy
+    (where both indices live: the GPU when one side is host memory).
+
+    Raises:
+        ValueError: ``dst`` / ``src`` differ in dtype or trailing shape, the indices are not
+            1-D integer tensors of one length on one device, or the devices do not fit.
+    """
+    import torch
+
+    for name, t in (("dst", dst), ("src", src)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            raise ValueError(f"page_copy: {name} must be a tensor with a row dim 0")
+    if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+        raise ValueError(f"page_copy: dst {tuple(dst.shape)} {dst.dtype} and src "
+                         f"{tuple(src.shape)} {src.dtype} differ in dtype or row shape")
+    for name, t in (("dst_index", dst_index), ("src_index", src_index)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 1
+                or t.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"page_copy: {name} must be a 1-D int64 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if dst_index.shape != src_index.shape or dst_index.device != src_index.device:
+        raise ValueError(f"page_copy: dst_index {tuple(dst_index.shape)} on {dst_index.device} "
+                         f"and src_index {tuple(src_index.shape)} on {src_index.device} differ")
+    runs = dst_index.device
+    for name, t in (("dst", dst), ("src", src)):
+        if t.device != runs and not (t.device.type == "cpu" and runs.type == "cuda"):
+            raise ValueError(f"page_copy: {name} on {t.device}, indices on {runs}")
+    return runs
+
+
+def check_peer_gather_args(srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                           rows: torch.Tensor) -> None:
+    """Validate ``peer_gather`` arguments (metadata only: owner/row values are not read).
+
+    Raises:
+        ValueError: no source, sources differ in dtype / trailing shape / device, or owner and
+            rows are not int64 [n] on the sources' device.
+    """
+    import torch
+
+    if not srcs:
+        raise ValueError("peer_gather: need at least one source buffer")
+    first = srcs[0]
+    for r, s in enumerate(srcs):
+        if (not isinstance(s, torch.Tensor) or s.dim() < 1 or s.dtype != first.dtype
+                or s.shape[1:] != first.shape[1:] or s.device != first.device):
+            raise ValueError(f"peer_gather: source {r} is {getattr(s, 'dtype', type(s).__name__)} "
+                             f"{tuple(getattr(s, 'shape', ()))} on {getattr(s, 'device', '?')}; "
+                             f"every source must be [*, {', '.join(map(str, first.shape[1:]))}] "
+                             f"{first.dtype} on {first.device}")
+    for name, t in (("owner", owner), ("rows", rows)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64
+                or t.device != first.device):
+            raise ValueError(f"peer_gather: {name} must be int64 [n] on {first.device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if owner.shape != rows.shape:
+        raise ValueError(f"peer_gather: owner {tuple(owner.shape)} and rows {tuple(rows.shape)} "
+                         "differ in length")
+
+
+def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                          dv: int) -> None:
+    """Validate ``sparse_mla`` arguments (q/kv float, not fp8: the caller unpacks an fp8 pool).
+
+    Raises:
+        ValueError: a shape or dtype does not match, or ``dv`` is out of range.
+    """
+    import torch
+
+    if q.dim() != 3 or kv.dim() != 2 or q.shape[2] != kv.shape[1]:
+        raise ValueError(f"sparse_mla: expected q [N, H, Dk] and kv [T, Dk], got q "
+                         f"{tuple(q.shape)} and kv {tuple(kv.shape)}")
+    fp8 = torch.float8_e4m3fn
+    if not (q.dtype.is_floating_point and kv.dtype.is_floating_point) or fp8 in (q.dtype,
+                                                                                 kv.dtype):
+        raise ValueError(f"sparse_mla: q and kv must be float tensors, got {q.dtype} and "
+                         f"{kv.dtype}")
+    n, _, dk = q.shape
+    if indices.dim() != 2 or indices.shape[0] != n or indices.dtype != torch.int32:
+        raise ValueError(f"sparse_mla: expected indices int32 [{n}, k], got {indices.dtype} "
+                         f"{tuple(indices.shape)}")
+    if not 0 < dv <= dk:
+        raise ValueError(f"sparse_mla: dv must be in (0, {dk}], got {dv}")
+
+
+def check_sparse_mla_paged_args(q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                                fmt: KVFormat, dv: int) -> None:
+    """Validate ``sparse_mla_paged`` arguments.
+
+    Raises:
+        ValueError: a shape or dtype does not match, or ``dv`` is out of range.
+    """
+    import torch
+
+    if q.dim() != 3 or q.shape[2] != fmt.kv_lora_rank + fmt.rope_dim:
+        raise ValueError(f"sparse_mla_paged: expected q [N, H, {fmt.kv_lora_rank + fmt.rope_dim}]"
+                         f", got {tuple(q.shape)}")
+    want = (fmt.page_size, fmt.bytes_per_token)
+    if pages.dim() != 3 or tuple(pages.shape[1:]) != want or pages.dtype != torch.uint8 \
+            or not pages.is_contiguous():
+        raise ValueError(f"sparse_mla_paged: expected contiguous uint8 pages [P, {want[0]}, "
+                         f"{want[1]}], got {pages.dtype} {tuple(pages.shape)}")
+    n = q.shape[0]
+    if rows.dim() != 2 or rows.shape[0] != n or rows.dtype != torch.int32:
+        raise ValueError(f"sparse_mla_paged: expected rows int32 [{n}, k], got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    if not 0 < dv <= q.shape[2]:
+        raise ValueError(f"sparse_mla_paged: dv must be in (0, {q.shape[2]}], got {dv}")

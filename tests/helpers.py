@@ -1,0 +1,167 @@
+"""Helpers shared by several test modules (no test module imports another's names).
+
+* Transfer tests (test_disagg, test_late_write, test_mooncake): :data:`PAGE`, a small bf16
+  format, one-rank torch pools standing in for prefill ranks' shards (:class:`FakeRank`), a
+  random page source, delivery to a :class:`~cpkv.disagg.DecodeReceiver` and the checks that
+  pages landed at their logical positions; a job spec of the tiny model and its single-rank
+  reference tokens.
+* transformers comparisons (test_models, test_run_e2e): :data:`HF_TINY`, :func:`hf_random_model`,
+  :func:`hf_logits`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cpkv.comm import CPGroup
+from cpkv.contracts import KVFormat
+from cpkv.disagg import DecodeReceiver, TransferManifest, manifest_for, pack_part, page_checksums
+from cpkv.kv import RequestPages, ShardedKVPool
+from cpkv.ops import ALL_OPS
+from cpkv.runtime.job import JobSpec
+from cpkv.runtime.setup import resolve_ops
+from cpkv.settings import load_settings
+
+#: tokens per page of the transfer tests' pools
+PAGE = 8
+
+
+# ---- transfer: pools, sources, delivery --------------------------------------------------------
+def small_format() -> KVFormat:
+    return KVFormat(dtype="bf16", page_size=PAGE, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
+                    quant_block=8)
+
+
+def torch_pool(group: CPGroup, capacity: int = 32, layers: int = 2) -> ShardedKVPool:
+    s = load_settings(cp={"size": group.size}, backend={"preference": ["torch"]})
+    ops, _ = resolve_ops(s, group, ops=ALL_OPS)
+    return ShardedKVPool(small_format(), layers, group, ops, pages_per_rank=capacity)
+
+
+class FakeRank:
+    """A prefill rank's pool: a one-rank pool stands in for rank r's shard (random bytes)."""
+
+    def __init__(self, seed: int, like: ShardedKVPool | None = None) -> None:
+        if like is None:
+            self.pool = torch_pool(CPGroup.single())
+        else:
+            self.pool = ShardedKVPool(like.fmt, like.num_layers, CPGroup.single(), like.ops,
+                                      pages_per_rank=32)
+        gen = torch.Generator().manual_seed(seed)
+        for buf in (*self.pool.latent, *self.pool.index_k):
+            buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
+
+
+def fake_source(c: int, n_pages: int, seed: int = 0, like: ShardedKVPool | None = None,
+                ) -> tuple[list[FakeRank], list[int], list[int]]:
+    rng = random.Random(seed)
+    ranks = [FakeRank(seed * 10 + r, like) for r in range(c)]
+    owners = [rng.randrange(c) for _ in range(n_pages)]
+    nxt = [rng.randrange(3) for _ in range(c)]
+    slots = []
+    for o in owners:
+        slots.append(nxt[o])
+        nxt[o] += rng.choice([1, 1, 2])
+    return ranks, owners, slots
+
+
+def pool_snapshot(pool: ShardedKVPool) -> tuple[Any, ...]:
+    return (pool.allocator.snapshot(),
+            {k: (tuple(v.owners), tuple(v.slots), v.valid_len) for k, v in pool.table.items()})
+
+
+def deliver(rx: DecodeReceiver, ranks: list[FakeRank], m: TransferManifest,
+             skip: int | None = None) -> dict[int, list[int]]:
+    sums = {}
+    for part in m.parts:
+        src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
+        sums[part.rank] = page_checksums(ranks[part.rank].pool, src)
+        if part.rank != skip:
+            rx.place_packed(part, pack_part(ranks[part.rank].pool, part))
+    return sums
+
+
+def transfer_pages(rx: DecodeReceiver, ranks: list[FakeRank], owners: list[int],
+                   slots: list[int], rid: str, valid: int, **kw: Any) -> bool:
+    m = manifest_for(rid, RequestPages(owners, slots, valid), PAGE, len(ranks), **kw)
+    rx.reserve(m)
+    return rx.complete(m, deliver(rx, ranks, m))
+
+
+def check_landed(rx: DecodeReceiver, ranks: list[FakeRank], rid: str, owners: list[int],
+                  slots: list[int]) -> None:
+    rp = rx.pool.table[rid]
+    assert rp.owners == [0] * len(rp.slots)
+    for k in range(len(rp.slots)):  # decode page k == owner's page k, every layer, both buffers
+        src, dst = ranks[owners[k]].pool, rx.pool
+        for layer in range(src.num_layers):
+            assert torch.equal(dst.latent[layer][rp.slots[k]], src.latent[layer][slots[k]])
+            assert torch.equal(dst.index_k[layer][rp.slots[k]], src.index_k[layer][slots[k]])
+
+
+def next_request_works(rx: DecodeReceiver) -> None:
+    ranks, owners, slots = fake_source(2, 5, seed=99, like=rx.pool)
+    assert transfer_pages(rx, ranks, owners, slots, "next", 37)
+    check_landed(rx, ranks, "next", owners, slots)
+
+
+def job_spec(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...] = (), n: int = 4,
+             pipeline: str = "request") -> JobSpec:
+    rng = random.Random(cp)
+    prompts = tuple(tuple(rng.randrange(512) for _ in range(k)) for k in (90, 45, 7, 130))
+    s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp32"},
+                      backend={"preference": ["torch"]}, debug=True,
+                      transfer={"name": "nccl", "timeout_s": 60, "pipeline": pipeline})
+    return JobSpec(str(tiny), prompts, s, False, prefix, n)
+
+
+def reference_tokens(spec: JobSpec) -> list[list[int]]:
+    from cpkv.fallback import recording
+    from cpkv.runtime.job import reference_rank
+
+    with recording():
+        return reference_rank(replace(spec, settings=spec.settings.with_cp_size(1)))[1]
+
+
+
+# ---- transformers ------------------------------------------------------------------------------
+#: a tiny DeepSeek-V3.2 config for transformers (the cpkv-side tiny model matches its shapes)
+HF_TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
+    q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+    num_experts_per_tok=2, index_topk=16, index_head_dim=16, index_n_heads=4, first_k_dense_replace=1,
+    max_position_embeddings=4096, initializer_range=0.1,
+)
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 logits [T, vocab] of one request ``ids`` [T]."""
+    with torch.no_grad():
+        return model(input_ids=ids[None]).logits[0].float()
+
+
+def hf_random_model(tmp: Path, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A random transformers DeepSeek-V3.2 of :data:`HF_TINY`'s shape (norms and biases made to
+    matter), saved to ``tmp``; the caller skips without transformers (``importorskip``)."""
+    import transformers
+
+    cfg = transformers.DeepseekV32Config(**{**HF_TINY, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers initialises these to zero / one: make them matter
+        for name, t in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                t.add_(0.1 * torch.randn_like(t))
+            elif name.endswith("k_norm.bias"):
+                t.normal_(0, 0.1)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.02)
+    model.save_pretrained(tmp)
+    return model
