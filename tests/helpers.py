@@ -46,12 +46,12 @@ def torch_pool(group: CPGroup, capacity: int = 32, layers: int = 2) -> ShardedKV
 class FakeRank:
     """A prefill rank's pool: a one-rank pool stands in for rank r's shard (random bytes)."""
 
-    def __init__(self, seed: int, like: ShardedKVPool | None = None) -> None:
+    def __init__(self, seed: int, like: ShardedKVPool | None = None, capacity: int = 32) -> None:
         if like is None:
-            self.pool = torch_pool(CPGroup.single())
+            self.pool = torch_pool(CPGroup.single(), capacity=capacity)
         else:
             self.pool = ShardedKVPool(like.fmt, like.num_layers, CPGroup.single(), like.ops,
-                                      pages_per_rank=32)
+                                      pages_per_rank=capacity)
         gen = torch.Generator().manual_seed(seed)
         for buf in (*self.pool.latent, *self.pool.index_k):
             buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))

@@ -353,6 +353,76 @@ def test_nccl_plugin_loads_a_transport() -> None:
         h.close()
 
 
+#: non-contiguous page runs of the packed-send test: more than an NCCL group's op cap
+MANY_RUNS = 300
+
+
+def _packed_sends_rank(world: CPGroup, pipeline: str) -> dict[str, Any]:
+    """Endpoint 0 sends a part of MANY_RUNS one-page runs (every other slot) to endpoint 1 over
+    the nccl link (Gloo), per layer or per request; then MANY_RUNS late messages of a given-up
+    grant that the decode drains. Returns the link's op counts and (decode) whether the pages
+    landed byte for byte."""
+    from cpkv.disagg import LinkSpec
+    from cpkv_transfer_nccl.transport import NcclTransport
+
+    # both endpoints make the sender's pool (seeded): the decode checks the bytes against it
+    src = FakeRank(seed=11, like=torch_pool(CPGroup.single()), capacity=2 * MANY_RUNS)
+    slots = [2 * k + 1 for k in range(MANY_RUNS)]
+    m = manifest_for("many", RequestPages([0] * MANY_RUNS, slots, MANY_RUNS * PAGE), PAGE, 1)
+    part, late = m.parts[0], manifest_for("late", RequestPages([0], [0], PAGE), PAGE, 1).parts[0]
+    groups = ([range(k, k + 1) for k in range(src.pool.num_layers)] if pipeline == "layer"
+              else [range(src.pool.num_layers)])
+    pool = src.pool if world.rank == 0 else torch_pool(CPGroup.single(), capacity=MANY_RUNS + 4)
+    link = NcclTransport().connect(LinkSpec(endpoint=world.rank, cp_size=1,
+                                            buffers=registered_buffers(pool), timeout_s=60))
+    out: dict[str, Any] = {}
+    if world.rank == 0:
+        for g in groups:
+            link.send_part(part, list(range(MANY_RUNS)), layers=g, epoch=1)
+        for _ in range(MANY_RUNS):  # a given-up grant's messages, sent late
+            link.send_part(late, [0], layers=range(0, 1), epoch=2)
+    else:
+        rx = DecodeReceiver(pool)
+        rx.reserve(m)
+        for g in groups:
+            link.recv_part(part, rx, layers=g, epoch=1)
+        assert rx.complete(m), rx.last_error
+        check_landed(rx, [src], "many", [0] * MANY_RUNS, slots)
+        out["landed"] = True
+        link.abandon([(range(0, 1), late)] * MANY_RUNS, epoch=2)
+        for work, _ in link.abandoned:  # every late message was drained
+            work.wait()
+        out["groups"] = list(link.stats.groups)
+    kind = "send" if world.rank == 0 else "recv"
+    out["per_layer_peer"] = dict(link.stats.per_layer_and_peer(kind, 1))
+    out["totals"] = dict(link.stats.totals)
+    world.barrier()
+    link.close()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pipeline", ["layer", "request"])
+def test_nccl_sends_one_packed_buffer_per_layer_and_peer(pipeline: str) -> None:
+    """A part of MANY_RUNS non-contiguous page runs (more than an NCCL group may hold) moves as
+    one send and one receive per layer (per request: one for all layers), and lands byte for
+    byte; the drain receives of a given-up grant are posted in groups of at most
+    MAX_OPS_PER_GROUP."""
+    from cpkv_transfer_nccl.transport import MAX_OPS_PER_GROUP, op_groups
+
+    assert MANY_RUNS > MAX_OPS_PER_GROUP
+    snd, dec = (r.value for r in run_ranks(_packed_sends_rank, 2, args=(pipeline,),
+                                           timeout_s=120))
+    layers = torch_pool(CPGroup.single()).num_layers
+    assert snd["per_layer_peer"] == {(layer, 1): 1 for layer in range(layers)}
+    assert dec["per_layer_peer"] == {(layer, 0): 1 for layer in range(layers)}
+    n_data = layers if pipeline == "layer" else 1
+    assert snd["totals"] == {"send": n_data + MANY_RUNS}
+    assert dec["totals"] == {"recv": n_data, "drain": MANY_RUNS}
+    assert dec["landed"]
+    assert dec["groups"] == [len(g) for g in op_groups(MANY_RUNS)] == [256, MANY_RUNS - 256]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from cpkv.comm import CPGroup
     from cpkv.settings import Settings
 
-__all__ = ["MODES", "TransferBenchSpec", "bench_rank", "bench_settings", "run"]
+__all__ = ["MODES", "TransferBenchSpec", "bench_rank", "bench_settings", "run", "run_label"]
 
 MODES = ("alone", "request", "layer")
 WARMUP_TOKENS = 512
@@ -189,16 +189,24 @@ def bench_rank(world: CPGroup, spec: TransferBenchSpec) -> dict[str, Any]:
     return _decode_side(world, spec)
 
 
+def run_label(plugin: str, protocol: str = "tcp") -> str:
+    """The rows' name of a run: the plugin, with Mooncake's protocol (``mooncake_nvlink_intra``)."""
+    return f"{plugin}_{protocol}" if plugin == "mooncake" else plugin
+
+
 def run(model_dir: str | Path, settings: Settings, *, tokens: Sequence[int], repeats: int = 1,
         gpus: bool = False, progress: Callable[[str], None] = lambda s: None,
-        ) -> tuple[list[BenchRow], dict[str, Any]]:
+        label: str | None = None) -> tuple[list[BenchRow], dict[str, Any]]:
     """Run :func:`bench_rank` on ``cp.size + 1`` processes (NCCL on ``cuda:r`` with ``gpus``).
-    Returns the rows (per prompt length: ready time layer vs request, layer vs the prefill
-    alone; on GPUs the transfer's GB/s vs a raw copy of the same bytes) and the detail."""
+    Returns the rows named ``transfer_<label>_<tokens>_...`` (``label`` default: the plugin;
+    per prompt length: ready time layer vs request, layer vs the prefill alone, the prefill's
+    time while its layers are sent vs alone; on GPUs the transfer's GB/s vs a raw copy of the
+    same bytes) and the detail."""
     from cpkv.runtime import run_ranks
 
     c = settings.cp.size
     plugin = settings.transfer.name
+    name = label or plugin
     spec = TransferBenchSpec(str(model_dir), tuple(tokens), settings, repeats)
     progress(f"CP{c} -> 1 decode, {plugin}: {list(tokens)} tokens, {repeats} round(s) of "
              f"{', '.join(MODES)}")
@@ -208,7 +216,7 @@ def run(model_dir: str | Path, settings: Settings, *, tokens: Sequence[int], rep
     per_rank = [r["rows"] for r in res[:c]]
     dec = res[c]
     rows: list[BenchRow] = []
-    detail: dict[str, Any] = {"plugin": plugin, "cp": c, "tokens": list(tokens),
+    detail: dict[str, Any] = {"plugin": plugin, "label": name, "cp": c, "tokens": list(tokens),
                               "repeats": repeats, "requests": [], "raw_copy": dec["raw_copy"],
                               "settings": {"kv_dtype": settings.kv.dtype.value,
                                            "page_size": settings.kv.page_size,
@@ -238,22 +246,27 @@ def run(model_dir: str | Path, settings: Settings, *, tokens: Sequence[int], rep
         med = {m: med_of("ready_seconds", m) for m in MODES}
         exposed = {m: med_of("exposed_seconds", m) for m in ("request", "layer")}
         k = f"{n // 1024}k" if n % 1024 == 0 else str(n)
-        rows.append(BenchRow.of(f"transfer_{plugin}_{k}_ready_layer_vs_request", med["layer"], "s",
+        rows.append(BenchRow.of(f"transfer_{name}_{k}_ready_layer_vs_request", med["layer"], "s",
                                 "ready with the request pipeline, same run", med["request"]))
-        rows.append(BenchRow.of(f"transfer_{plugin}_{k}_ready_layer_vs_prefill", med["layer"], "s",
+        rows.append(BenchRow.of(f"transfer_{name}_{k}_ready_layer_vs_prefill", med["layer"], "s",
                                 "prefill alone (nothing sent), same run", med["alone"]))
         # ready - prefill of the same request: the prefills' run-to-run noise cancels
-        rows.append(BenchRow.of(f"transfer_{plugin}_{k}_exposed_layer_vs_request",
+        rows.append(BenchRow.of(f"transfer_{name}_{k}_exposed_layer_vs_request",
                                 max(exposed["layer"], 1e-6), "s after the prefill",
                                 "the request pipeline's, same run", max(exposed["request"], 1e-6)))
+        # the prefill's own time while its layers are sent (the layer pipeline) vs alone
+        prefill = {m: med_of("prefill_seconds", m) for m in ("alone", "layer")}
+        rows.append(BenchRow.of(f"transfer_{name}_{k}_prefill_while_sending", prefill["layer"],
+                                "s", "prefill alone (nothing sent), same run", prefill["alone"]))
         req = [r for r in timed if r["tokens"] == n and r["mode"] == "request"]
         gbps = statistics.median(r["bytes"] / r["send_seconds"] / 1e9 for r in req)
         raw = dec["raw_copy"].get(n) or {}
         if raw:
-            rows.append(BenchRow.of(f"transfer_{plugin}_{k}_gbps", gbps, "GB/s",
+            rows.append(BenchRow.of(f"transfer_{name}_{k}_gbps", gbps, "GB/s",
                                     f"raw cuda:0 -> cuda:1 copy of the same "
                                     f"{raw['bytes'] / 1e6:.0f} MB", raw["gbps"]))
         detail[f"median_{k}"] = {**med, "exposed": exposed, "request_send_gbps": gbps,
+                                 "prefill": prefill,
                                  "layer_overlap_seconds": statistics.median(
                                      r["overlap_seconds"] for r in timed
                                      if r["tokens"] == n and r["mode"] == "layer")}

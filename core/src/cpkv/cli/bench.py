@@ -114,7 +114,7 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
 @click.option("--plugins", default="nccl,mooncake", show_default=True,
               help="Transfer plugins, comma-separated (each its own run).")
 @click.option("--tokens", default="8192,32768", show_default=True,
-              help="Prompt lengths, comma-separated.")
+              help="Prompt lengths, comma-separated (e.g. 32768,131072).")
 @click.option("--cp", type=click.IntRange(min=1), default=2, show_default=True,
               help="Prefill CP ranks (plus one decode rank).")
 @click.option("--layers", type=click.IntRange(min=1), default=16, show_default=True,
@@ -125,7 +125,8 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
               help="Timed rounds per prompt length (the medians are reported).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--mooncake-protocol", default="tcp", show_default=True,
-              help="transfer.mooncake.protocol of the mooncake runs: tcp, rdma or nvlink.")
+              help="transfer.mooncake.protocol of the mooncake runs, comma-separated (one run "
+                   "each): tcp, rdma, nvlink (multi-node) or nvlink_intra (GPUs of one host).")
 @click.option("--mooncake-stage", type=click.Choice(["auto", "host", "none"]), default="auto",
               show_default=True,
               help="transfer.mooncake.stage of the mooncake runs: sender-side pinned host staging.")
@@ -146,6 +147,11 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
     err = Console(stderr=True)
     sizes = [int(t) for t in tokens.split(",") if t.strip()]
     names = [p.strip() for p in plugins.split(",") if p.strip()]
+    protocols = [p.strip() for p in mooncake_protocol.split(",") if p.strip()]
+    known = ("tcp", "rdma", "nvlink", "nvlink_intra")
+    if not protocols or any(p not in known for p in protocols):
+        raise click.BadParameter(f"{mooncake_protocol!r}: each of {', '.join(known)}",
+                                 param_hint="--mooncake-protocol")
     rows: list[BenchRow] = []
     detail: dict[str, Any] = {"layers": layers, "preset": preset,
                               "mooncake_protocol": mooncake_protocol,
@@ -157,13 +163,17 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
         if preset == "v32-attention":
             cfg["first_k_dense_replace"] = layers
         ckpt = write_tiny_checkpoint(Path(tmp) / "model", seed=0, **cfg)
-        for name in names:
+        runs = [(name, p) for name in names for p in (protocols if name == "mooncake"
+                                                       else ["tcp"])]
+        for name, proto in runs:
             settings = transfer.bench_settings(cp, name, sizes, kv_dtype=kv_dtype,
-                                               protocol=mooncake_protocol, stage=mooncake_stage)
+                                               protocol=proto, stage=mooncake_stage)
+            label = transfer.run_label(name, proto)
             r, d = transfer.run(ckpt, settings, tokens=sizes, repeats=repeats, gpus=gpus,
-                                progress=lambda s: err.print(f"[dim]{s}[/]"))
+                                progress=lambda s: err.print(f"[dim]{s}[/]"), label=label)
             rows += r
-            detail[name] = d
+            # one protocol: keyed by the plugin as before; several: by plugin_protocol
+            detail[name if len(protocols) == 1 or name != "mooncake" else label] = d
     _report("transfer", rows, out or ("benchmarks/results/transfer_h200.json" if gpus
                                       else "benchmarks/results/transfer_cpu.json"), detail)
 

@@ -33,6 +33,8 @@ class FallbackReason(StrEnum):
     KERNEL_VARIANT = "kernel_variant"
     #: a transfer batch failed and is retried (``transfer.mooncake.retries``) on a fresh engine
     TRANSFER_RETRY = "transfer_retry"
+    #: ``MC_FORCE_TCP`` overrides ``transfer.mooncake.protocol = "nvlink_intra"``: plain TCP
+    TRANSFER_FORCED_TCP = "transfer_forced_tcp"
     #: draft (MTP) layer without usable plan metadata embeds the full prompt (rule 32)
     DRAFT_PLAN_MISSING = "draft_plan_missing"
     #: ``kv.materialize = "p2p"`` but the ranks cannot map each other's memory: all-gather path

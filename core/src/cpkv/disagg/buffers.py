@@ -66,18 +66,22 @@ class PoolBuffers:
         """The pages of ``part`` (at its runs' source slots) as one contiguous uint8 buffer on
         :attr:`device`, in the *packed part layout*: for each layer of ``layers`` (default
         every layer) the latent bytes of the part's pages ``[n, ps, latent bytes]``, then their
-        index-K bytes ``[n, ps, index bytes]``; pages in the part's logical order."""
+        index-K bytes ``[n, ps, index bytes]``; pages in the part's logical order. Each byte is
+        copied once (``index_select`` into its place in the buffer), on the current stream."""
         src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
-        if not src:
-            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        lays = range(self.num_layers) if layers is None else layers
+        out = torch.empty(self.nbytes(len(src), len(lays)), dtype=torch.uint8, device=self.device)
+        if not src or not len(lays):
+            return out
         idx = torch.tensor(src, dtype=torch.int64, device=self.device)
-        chunks = []
-        for layer in range(self.num_layers) if layers is None else layers:
-            chunks.append(self.latent[layer].index_select(0, idx).reshape(-1))
-            chunks.append(self.index_k[layer].index_select(0, idx).reshape(-1))
-        if not chunks:
-            return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.cat(chunks)
+        n, off = len(src), 0
+        for layer in lays:  # gathered straight into the buffer: one copy of each byte, no cat
+            for part_view in (self.latent[layer], self.index_k[layer]):
+                size = n * int(part_view[0].numel())
+                torch.index_select(part_view, 0, idx,
+                                   out=out[off:off + size].view(n, *part_view.shape[1:]))
+                off += size
+        return out
 
 
 def registered_buffers(pool: ShardedKVPool) -> PoolBuffers:

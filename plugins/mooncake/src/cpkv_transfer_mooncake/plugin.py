@@ -3,9 +3,10 @@
 Importing this module imports neither torch nor mooncake. The probe looks the ``mooncake``
 package up and loads the system libraries its engine links (``libibverbs.so.1``, ...) without
 importing it: discovery stays light, and a missing library is a precise reason instead of a crash.
-``load()`` imports the engine (``MC_LOG_LEVEL=ERROR`` unless set: glog floods stderr otherwise)
-and then the transport (``transport.py``, the heavy implementation), handing it the engine class.
-Imports run one way: ``transport.py`` never imports this module.
+``load()`` checks the probe's reasons and returns the transport, which imports the engine
+(``import_engine``: ``MC_LOG_LEVEL=ERROR`` unless set, glog floods stderr otherwise) at its first
+connect, after the protocol's environment is set (``transport.py``, the heavy implementation,
+gets ``import_engine`` itself). Imports run one way: ``transport.py`` never imports this module.
 """
 
 from __future__ import annotations
@@ -100,15 +101,19 @@ def import_engine() -> type:
 
 
 def load() -> object:
-    """The transport (``cpkv.disagg.transport.Transport``).
+    """The transport (``cpkv.disagg.transport.Transport``); it imports the engine
+    (:func:`import_engine`) at its first ``connect``, once the protocol's environment is set
+    (``nvlink_intra`` needs ``MC_INTRANODE_NVLINK`` before the import).
 
     Raises:
-        RuntimeError: the engine cannot be imported here (the probe's reasons, or the import's).
+        RuntimeError: the probe's reasons (the engine cannot be imported here).
     """
-    engine_cls = import_engine()
+    reasons = _reasons()
+    if reasons:
+        raise RuntimeError(f"the mooncake transfer cannot be loaded: {'; '.join(reasons)}")
     from .transport import MooncakeTransport
 
-    return MooncakeTransport(engine_cls)
+    return MooncakeTransport(import_engine)
 
 
 @hookimpl

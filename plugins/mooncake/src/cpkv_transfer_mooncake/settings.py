@@ -37,8 +37,11 @@ class MooncakeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    protocol: str = Field("tcp", min_length=1,
-                          description="the engine's transport: 'tcp', 'rdma' or 'nvlink'")
+    protocol: Literal["tcp", "rdma", "nvlink", "nvlink_intra"] = Field(
+        "tcp", description="the engine's transport: 'tcp', 'rdma' (RDMA NIC), 'nvlink' "
+                           "(multi-node NVLink) or 'nvlink_intra' (GPUs of one host: CUDA IPC "
+                           "over NVLink; refused at connect where the wheel, the device or the "
+                           "memory cannot do it)")
     hostname: str = Field("127.0.0.1", min_length=1,
                           description="the address this host's engine (and the decode's side "
                                       "channel store) listens on")
@@ -52,7 +55,8 @@ class MooncakeSettings(BaseModel):
         "auto", description="sender side: 'host' gathers the pages it sends into a pinned host "
                             "buffer (on a side stream) and the engine writes from there; 'none' "
                             "lets the engine read the pool itself; 'auto': 'host' for CUDA pools "
-                            "unless the protocol reads device memory itself ('rdma', 'nvlink')")
+                            "unless the protocol reads device memory itself ('rdma', 'nvlink', "
+                            "'nvlink_intra')")
     stage_mb: float = Field(64.0, gt=0, le=STAGE_MAX_MB,
                             description="the sender's staging buffer (MiB, at least one page is "
                                         "used); a larger send is staged and written in pieces")

@@ -42,6 +42,14 @@ synchronizes, and the entries' sources are the staging buffer (runs merged where
 slots are consecutive: :func:`staged_entries`). The staging buffer is registered with every
 engine the link makes (retries included) and freed at ``close`` after its engine is gone.
 
+Between GPUs of one host (``mooncake.protocol = "nvlink_intra"``, :mod:`.nvlink`): the
+transport checks at connect, before any collective, that the wheel, the pool's device and its
+memory allow it (else :class:`~cpkv_transfer_mooncake.nvlink.ProtocolRefused` naming every
+reason), sets ``MC_INTRANODE_NVLINK=1`` before it imports the engine, and initializes it with
+protocol ``tcp`` (the engine picks the transport from the environment). The engine reads the
+pool's device memory itself: no host staging; a staging the decode's other page layout needs
+stays in device memory. ``MC_FORCE_TCP`` overrides: plain TCP (a reported fallback), staged.
+
 Engine facts this module relies on (``/work/shared/notes/mooncake.md``): positional arguments
 only; no method may be called before a successful ``initialize`` (segfault), so an engine whose
 ``initialize`` failed is kept, never touched; results are int codes; ``del`` releases an engine.
@@ -70,9 +78,11 @@ from cpkv.disagg import (
 from cpkv.fallback import report_fallback
 from cpkv.ops import page_blocks
 
+from .nvlink import ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
 from .settings import DIRECT_PROTOCOLS, MooncakeSettings
 
 __all__ = ["HostStaging", "Joined", "Layout", "MooncakeLink", "MooncakeTransport", "Session",
+           "link_protocol",
            "stage_pieces", "stage_reason", "staged_entries", "write_entries"]
 
 log = structlog.get_logger(__name__)
@@ -252,9 +262,11 @@ class HostStaging:
     The layer's KV write is complete before: the core's sender worker waits for the layer's
     CUDA event before it calls ``send_part``, and the gather is queued after that wait.
     CPU pools: ``index_select(out=)`` straight into the host buffer (pinned when CUDA is there).
+    ``on_device`` (a CUDA pool under ``nvlink_intra``, whose engine maps only GPU memory): the
+    device scratch is the buffer the engine writes from; no host buffer.
     """
 
-    def __init__(self, buffers: PoolBuffers, nbytes: int) -> None:
+    def __init__(self, buffers: PoolBuffers, nbytes: int, on_device: bool = False) -> None:
         import torch
 
         self.page_bytes = int(buffers.kv[0][0].nbytes)
@@ -263,10 +275,14 @@ class HostStaging:
         dev = buffers.kv[0].device
         self.device = dev
         pages = buffers.num_pages
+        if on_device and dev.type != "cuda":
+            raise ValueError(f"device staging for a pool on {dev}: it needs a CUDA pool")
+        self.on_device = on_device
         pin = dev.type == "cuda" or torch.cuda.is_available()
-        self.host: Any = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.host: Any = (None if on_device
+                          else torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin))
         self.idx_host: Any = torch.empty(pages, dtype=torch.int64, pin_memory=pin)
-        self.addr = int(self.host.data_ptr())
+        self.addr = 0 if on_device else int(self.host.data_ptr())
         self.stream: Any = None
         self.scratch: Any = None
         self.idx_dev: Any = None
@@ -275,11 +291,13 @@ class HostStaging:
             with torch.cuda.device(dev):
                 self.scratch = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
                 self.idx_dev = torch.empty(pages, dtype=torch.int64, device=dev)
+            if on_device:
+                self.addr = int(self.scratch.data_ptr())
 
     def fill(self, kv: Sequence[Any], layers: range, slots: Sequence[int],
              relayout: tuple[PageLayout, PageLayout, int] | None = None) -> None:
         """Stage the pages ``slots`` of ``layers`` (layer after layer) at :attr:`addr`; returns
-        once the bytes are in the host buffer. ``relayout`` = (the pool's layout, the one to
+        once the bytes are in the buffer the engine writes from. ``relayout`` = (the pool's layout, the one to
         stage in, latent bytes per token): each page's block is rewritten on the way."""
         import torch
 
@@ -304,7 +322,8 @@ class HostStaging:
             idx = self.idx_dev[:n]
             idx.copy_(self.idx_host[:n], non_blocking=True)
             gather(self.scratch, idx)
-            self.host[:size].copy_(self.scratch[:size], non_blocking=True)
+            if self.host is not None:
+                self.host[:size].copy_(self.scratch[:size], non_blocking=True)
         self.stream.synchronize()  # the side stream only: never the compute stream
 
     def close(self) -> None:
@@ -318,13 +337,16 @@ class _Engine:
     """One initialized TransferEngine with the pool's buffers registered."""
 
     def __init__(self, engine_cls: Any, opts: MooncakeSettings,
-                 buffers: Sequence[tuple[int, int]]) -> None:
+                 buffers: Sequence[tuple[int, int]], protocol: str | None = None) -> None:
+        """``protocol``: ``initialize``'s argument (default ``opts.protocol``; ``"tcp"`` for
+        ``nvlink_intra``, which the environment selects)."""
         eng = engine_cls()
-        rc = eng.initialize(opts.hostname, "P2PHANDSHAKE", opts.protocol, "")
+        proto = opts.protocol if protocol is None else protocol
+        rc = eng.initialize(opts.hostname, "P2PHANDSHAKE", proto, "")
         if rc != 0:
             _UNTOUCHABLE.append(eng)
             raise TransferError(f"Mooncake initialize({opts.hostname!r}, 'P2PHANDSHAKE', "
-                                f"{opts.protocol!r}) returned {rc}")
+                                f"{proto!r}) returned {rc}")
         self.eng: Any = eng
         self.address = f"{opts.hostname}:{eng.get_rpc_port()}"
         self.registered: list[int] = []
@@ -381,9 +403,11 @@ class MooncakeLink:
     writes_receiver_layout = True
 
     def __init__(self, spec: LinkSpec, engine_cls: Any) -> None:
-        """Raises: SettingsError (a bad ``[transfer.mooncake]``, before any collective),
-        TransferError (an engine failed on some endpoint)."""
+        """Raises: SettingsError (a bad ``[transfer.mooncake]``), ProtocolRefused (the protocol
+        cannot run here: both before any collective), TransferError (an engine failed on some
+        endpoint)."""
         self.opts = spec.options.parse(MooncakeSettings)
+        self.setup = link_protocol(self.opts, spec.buffers.device.type)
         self.spec = spec
         self.max_batch = self.opts.max_batch_entries
         self.retries = self.opts.retries
@@ -408,13 +432,14 @@ class MooncakeLink:
     def _connect_decode(self) -> None:
         spec, err = self.spec, None
         try:
-            self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers())
-            session = Session(self.engine.address, self.local, self.opts.protocol,
+            self.engine = _Engine(self._engine_cls, self.opts, self.local.buffers(),
+                                  self.setup.engine)
+            session = Session(self.engine.address, self.local, self.setup.effective,
                               page_layout=spec.buffers.layout.value)
             self.remote, self.remote_layout = self.engine.address, self.local
         except Exception as exc:
             err = exc
-            session = Session("", None, self.opts.protocol, _why(exc))
+            session = Session("", None, self.setup.effective, _why(exc))
         for r in range(spec.cp_size):
             self.channel.send(r, session)
         if err is not None:
@@ -440,14 +465,18 @@ class MooncakeLink:
         mine = bufs.layout
         self.relayout = None if mine is decode_layout else (
             mine, decode_layout, int(bufs.fmt.latent_bytes_per_token))
-        why = stage_reason(o.stage, bufs.device.type, o.protocol, relayout=self.relayout is not None)
-        if why is not None:
-            self.stage = HostStaging(bufs, int(float(o.stage_mb) * (1 << 20)))
+        proto = self.setup.effective
+        why = stage_reason(o.stage, bufs.device.type, proto, relayout=self.relayout is not None)
+        if why is not None:  # nvlink_intra maps GPU memory only: its staging stays there
+            self.stage = HostStaging(bufs, int(float(o.stage_mb) * (1 << 20)),
+                                     on_device=self.setup.intra_nvlink)
         log.info("cpkv.mooncake.stage", endpoint=self.spec.endpoint, stage=o.stage,
-                 protocol=o.protocol, pool_device=str(bufs.device),
+                 protocol=proto, pool_device=str(bufs.device),
                  staged=why is not None, reason=why or "the engine reads the pool itself",
                  buffer_bytes=self.stage.nbytes if self.stage is not None else 0,
-                 pinned=bool(self.stage is not None and self.stage.host.is_pinned()))
+                 on_device=bool(self.stage is not None and self.stage.on_device),
+                 pinned=bool(self.stage is not None and self.stage.host is not None
+                             and self.stage.host.is_pinned()))
 
     def _connect_prefill(self) -> None:
         spec, err = self.spec, None
@@ -458,9 +487,12 @@ class MooncakeLink:
                                 f"{session.error if isinstance(session, Session) else session}")
         try:
             self._make_stage(PageLayout(session.page_layout))
-            self.engine = _Engine(self._engine_cls, self.opts, self._buffers())
+            self.engine = _Engine(self._engine_cls, self.opts, self._buffers(), self.setup.engine)
         except Exception as exc:
             err = _why(exc)
+        if err is None and session.protocol != self.setup.effective:
+            err = (f"the decode endpoint runs protocol {session.protocol!r}, this one "
+                   f"{self.setup.effective!r} (set MC_FORCE_TCP alike on every endpoint)")
         if err is None and not self.local.same_pages_as(session.layout):
             err = (f"page layouts differ: this pool {len(self.local.kv)} layers x "
                    f"{self.local.page_bytes} bytes per page, the decode pool "
@@ -477,7 +509,7 @@ class MooncakeLink:
         if self.engine is not None:
             self.engine.close()
         self.engine = None
-        self.engine = _Engine(self._engine_cls, self.opts, self._buffers())
+        self.engine = _Engine(self._engine_cls, self.opts, self._buffers(), self.setup.engine)
 
     def _write(self, batch: Sequence[tuple[int, int, int]]) -> None:
         attempts = 1 + self.retries
@@ -585,14 +617,41 @@ class MooncakeLink:
         self._store = None
 
 
+def link_protocol(opts: MooncakeSettings, device_type: str) -> ProtocolSetup:
+    """How a link of these settings runs its protocol (:func:`.nvlink.plan_protocol`); an
+    ``MC_FORCE_TCP`` override of ``nvlink_intra`` is reported as a fallback.
+
+    Raises:
+        ProtocolRefused: the protocol cannot run here (every reason named).
+    """
+    setup = plan_protocol(opts.protocol, device_type)
+    if setup.intra_nvlink and opts.stage == "host":
+        raise ProtocolRefused("transfer.mooncake.protocol = 'nvlink_intra' refused: "
+                              "transfer.mooncake.stage = 'host' stages in host memory, which the "
+                              "transport cannot map (use stage = 'auto' or 'none')")
+    if setup.forced_tcp:
+        report_fallback(op="mooncake:protocol", requested=setup.configured, selected="tcp",
+                        reason=FallbackReason.TRANSFER_FORCED_TCP,
+                        detail="MC_FORCE_TCP is set: the engine moves the pages over TCP")
+    return setup
+
+
 class MooncakeTransport:
-    """What ``plugin.load()`` returns, holding the engine class it imported
-    (``mooncake.engine.TransferEngine``): this module never imports the plugin module."""
+    """What ``plugin.load()`` returns, holding the function that imports the engine class
+    (``mooncake.engine.TransferEngine``; this module never imports the plugin module). The
+    engine is imported at the first ``connect``, once the protocol's environment is set."""
 
     name = "mooncake"
 
-    def __init__(self, engine_cls: Any) -> None:
-        self.engine_cls = engine_cls
+    def __init__(self, load_engine: Callable[[], Any]) -> None:
+        self.load_engine = load_engine
+        self.engine_cls: Any = None
 
     def connect(self, spec: LinkSpec) -> MooncakeLink:
+        """Raises: SettingsError, ProtocolRefused (before the engine is imported and before any
+        collective), RuntimeError (the engine cannot be imported), TransferError."""
+        opts = spec.options.parse(MooncakeSettings)
+        prepare_environment(plan_protocol(opts.protocol, spec.buffers.device.type))
+        if self.engine_cls is None:
+            self.engine_cls = self.load_engine()
         return MooncakeLink(spec, self.engine_cls)
