@@ -27,7 +27,7 @@ from cpkv_transfer_mooncake.nvlink import (
     plan_protocol,
 )
 from cpkv_transfer_mooncake.settings import MooncakeSettings
-from test_disagg import _pool
+from helpers import torch_pool
 
 CUDA_WHEEL = [CUDA_WHEELS[1]]
 NON_CUDA = ["mooncake-transfer-engine-non-cuda"]
@@ -40,7 +40,7 @@ def _settings(**keys: Any) -> MooncakeSettings:
 
 def _spec(device: str = "cpu", **keys: Any) -> LinkSpec:
     """A prefill endpoint's spec whose buffers claim ``device`` (the checks read only that)."""
-    bufs = replace(registered_buffers(_pool(CPGroup.single(), capacity=4)),
+    bufs = replace(registered_buffers(torch_pool(CPGroup.single(), capacity=4)),
                    device=torch.device(device))
     table = load_settings(transfer={"mooncake": {"protocol": NVLINK_INTRA, **keys}}
                           ).transfer.table("mooncake")
