@@ -388,7 +388,8 @@ class AttentionKernels:
         both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
         upcast = interp or not (both_fp8 or (q.dtype in _LOWP and (fp8 or k.dtype == q.dtype)))
         ks, ke = key_start.contiguous(), key_end.contiguous()
-        scale = k_scale.contiguous() if fp8 else out  # unused pointer for float keys
+        # unused pointer for float keys (the check gives fp8 keys, and only them, a scale)
+        scale = k_scale.contiguous() if k_scale is not None else out
         dp = _pow2(d)
         if n <= cfg["FEW_ROWS"]:  # a decode step's rows: every head in one dot per key tile
             hp = _pow2(heads, 1)
