@@ -126,9 +126,9 @@ def _scenario(seed: int, vocab: int = 512) -> list[tuple[str, list[int]]]:
             ("g", list(a))]
 
 
-def _poison_unheld(session: Any) -> int:
-    """Write NaN bytes (0xFF) into every row of this rank's pool that no request and no cache node
-    holds as valid: if anything read past a valid length, logits would turn NaN. Returns rows."""
+def _held_rows(session: Any) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+    """The valid rows of each page a request or a cache node holds: per (owner, slot) of the
+    pool, and per slot of this rank's host tier (a queued load's pages whole)."""
     pool, ps = session.pool, PAGE
     valid: dict[tuple[int, int], int] = {}
 
@@ -138,7 +138,6 @@ def _poison_unheld(session: Any) -> int:
     for rp in pool.table.values():
         for k, (o, s) in enumerate(zip(rp.owners, rp.slots, strict=True)):
             hold(o, s, min(ps, rp.valid_len - k * ps))
-    host = session.cache.host
     host_valid: dict[int, int] = {}
     for n in session.cache.tree.nodes():
         for k, (o, s) in n.pages.items():
@@ -150,6 +149,14 @@ def _poison_unheld(session: Any) -> int:
         for o, s, _ in load.pages:
             if pool.alloc_rank(o) == pool.alloc_rank(pool.rank):
                 host_valid[s] = ps
+    return valid, host_valid
+
+
+def _poison_unheld(session: Any) -> int:
+    """Write NaN bytes (0xFF) into every row of this rank's pool that no request and no cache node
+    holds as valid: if anything read past a valid length, logits would turn NaN. Returns rows."""
+    pool, ps, host = session.pool, PAGE, session.cache.host
+    valid, host_valid = _held_rows(session)
     mine = pool.rank if pool.shared else None
     rows = 0
     for slot in range(pool.capacity):

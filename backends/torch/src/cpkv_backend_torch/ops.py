@@ -241,13 +241,14 @@ class TorchOps:
             ValueError: a shape or dtype does not match, a float key comes with a scale or an fp8
                 key without one.
         """
-        fp8 = check_indexer_args(q, w, k, k_scale, key_start, key_end)
+        check_indexer_args(q, w, k, k_scale, key_start, key_end)
         n, heads, d = q.shape
         t = k.shape[0]
         logits = torch.full((n, t), float("-inf"), dtype=torch.float32, device=q.device)
         if n == 0 or t == 0:
             return logits
-        kf = k.float() * k_scale[:, None] if fp8 else k.float()  # type: ignore[index]
+        # the check gives fp8 keys, and only them, a scale
+        kf = k.float() * k_scale[:, None] if k_scale is not None else k.float()
         qf, w32 = q.float(), w.float()
         # host tensors: reading a piece's key bounds costs no sync (tests of rule 22 turn this
         # off to check, on a CPU, the path a GPU takes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from cpkv.contracts import Availability, Op
+from cpkv.contracts import Availability, KVOps, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "torch"
@@ -26,7 +26,7 @@ def probe() -> Availability:
     return Availability.yes()
 
 
-def load() -> object:
+def load() -> KVOps:
     """Import the ops now (not at discovery) and return the backend object."""
     from .ops import TorchOps
 

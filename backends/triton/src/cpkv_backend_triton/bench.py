@@ -9,6 +9,7 @@ test. Each row: ``name``, ``bytes_moved`` (read + write), ``triton_ms``, ``torch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -74,16 +75,16 @@ def bench_kv(device: str | torch.device = "cuda", *, small: bool = False,
         src = rand_bytes(pages, page, row_bytes)
         nbytes = pages * page * row_bytes
         add(f"page_gather {label} ({pages} pages)", nbytes,
-            lambda p=pool_pages, i=index: tri.page_gather(p, i),
-            lambda p=pool_pages, i=index: ref.page_gather(p, i), src)
+            functools.partial(tri.page_gather, pool_pages, index),
+            functools.partial(ref.page_gather, pool_pages, index), src)
         add(f"page_scatter {label} ({pages} pages)", nbytes,
-            lambda p=pool_pages, i=index, s=src: tri.page_scatter(p, i, s),
-            lambda p=pool_pages, i=index, s=src: ref.page_scatter(p, i, s), src)
+            functools.partial(tri.page_scatter, pool_pages, index, src),
+            functools.partial(ref.page_scatter, pool_pages, index, src), src)
         gathered = rand_bytes(tokens + tokens // 8, row_bytes)  # padded rank-major rows
         perm = torch.randperm(gathered.shape[0], generator=g)[:tokens].to(dev)
         add(f"rerange {label} rows ({tokens} rows)", tokens * row_bytes,
-            lambda x=gathered, p=perm: tri.rerange(x, p),
-            lambda x=gathered, p=perm: ref.rerange(x, p), gathered[:tokens])
+            functools.partial(tri.rerange, gathered, perm),
+            functools.partial(ref.rerange, gathered, perm), gathered[:tokens])
     hid = torch.randn(tokens + tokens // 8, hidden, generator=g).to(torch.bfloat16).to(dev)
     perm = torch.randperm(hid.shape[0], generator=g)[:tokens].to(dev)
     add(f"rerange hidden {hidden} bf16 ({tokens} rows)", tokens * hidden * 2,

@@ -30,12 +30,14 @@ Run: ``python -m cpkv_backend_triton.bench_attention [--small] [--sweep] [--devi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from typing import Any
 
 import torch
 
 from cpkv.bench.timing import device_ms, median_ms
+from cpkv.contracts import RopeStyle
 from cpkv.ops.api import quantize_fp8
 from cpkv_backend_triton import rope as rope_mod
 from cpkv_backend_triton.attention import AttentionKernels
@@ -152,13 +154,12 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
         fpos = torch.arange(ft - fn, ft, device=dev, dtype=torch.int64)
         fks, fke = torch.zeros_like(fpos), fpos + 1
         want = ref.indexer_logits(qf, wf, k82, sc2, fks, fke)
-        row = {"bench": "indexer_few_rows", "rows": fn, "keys": ft}
+        row: dict[str, Any] = {"bench": "indexer_few_rows", "rows": fn, "keys": ft}
         for name, kk in (("row_tile", tile), ("few_rows", few)):
             got = kk.indexer_logits(qf, wf, k82, sc2, fks, fke)
             # GPU time (the host's launch work hidden: at a few rows it exceeds the kernel's)
             row[f"{name}_ms"] = (tm if small else device_ms)(
-                lambda kk=kk, qf=qf, wf=wf, fks=fks, fke=fke: kk.indexer_logits(
-                    qf, wf, k82, sc2, fks, fke))
+                functools.partial(kk.indexer_logits, qf, wf, k82, sc2, fks, fke))
             row[f"{name}_max_abs_diff"] = _diff(got, want)
         row["speedup"] = row["row_tile_ms"] / row["few_rows_ms"]
         rows.append(row)
@@ -173,14 +174,16 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
     qo = torch.empty(qp.shape[0], qp.shape[1], 576, device=dev, dtype=torch.bfloat16)
     iq = torch.randn(rn, 64 if not small else 4, 128, generator=g).to(dev, torch.bfloat16)
     blocks = [rk.block] + ([b for b in (4, 8, 32, 64) if b != rk.block] if sweep else [])
-    for what, x, out, style in (("mla_q", qp[..., 128:], qo[..., 512:], "interleave"),
-                                ("indexer_q", iq[..., :64], iq[..., :64], "half")):
+    rope_cases: tuple[tuple[str, torch.Tensor, torch.Tensor, RopeStyle], ...] = (
+        ("mla_q", qp[..., 128:], qo[..., 512:], "interleave"),
+        ("indexer_q", iq[..., :64], iq[..., :64], "half"))
+    for what, x, out, style in rope_cases:
         # values first: the timed in-place calls rotate x again and again
         want = ref.rope(x.clone(), cs, sn, style)
-        got = {}
+        by_block: dict[int, torch.Tensor] = {}
         for blk in blocks:
             rk.block = blk
-            got[blk] = rk.rope(x.clone(), cs, sn, style)
+            by_block[blk] = rk.rope(x.clone(), cs, sn, style)
         ref_ms = tm(lambda x=x, out=out, style=style: ref.rope(x, cs, sn, style, out))
         nbytes = 2 * x.numel() * x.element_size()
         for blk in blocks:
@@ -188,7 +191,7 @@ def bench_attention(device: str, small: bool = False, sweep: bool = False,
             ms = tm(lambda x=x, out=out, style=style: rk.rope(x, cs, sn, style, out))
             rows.append({"bench": "rope", "what": what, "shape": list(x.shape), "block": blk,
                          "ms": ms, "ref_ms": ref_ms, "speedup": ref_ms / ms,
-                         "gbps": nbytes / ms / 1e6, "max_abs_diff": _diff(got[blk], want)})
+                         "gbps": nbytes / ms / 1e6, "max_abs_diff": _diff(by_block[blk], want)})
 
     # (b) sparse MLA
     qm = torch.randn(mla_n, mla_h, 576, generator=g).to(dev, torch.bfloat16)

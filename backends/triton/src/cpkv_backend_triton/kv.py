@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import triton
@@ -119,12 +119,21 @@ def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n
 
 _UNIT_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
+
+class CopyTune(TypedDict):
+    """The copy kernels' launch knobs (see :data:`COPY_TUNE`)."""
+
+    program_bytes: int
+    col_bytes: int
+    num_warps: int | None
+
+
 #: bytes one program of ``_copy_rows`` moves, at most ``col_bytes`` of a row per column block,
 #: and its warps (None: 8 from 8 KB up, 4 from 4 KB, else 2). ``benchmarks/gpu_explore.py
 #: kvtune`` sweeps them; on the H200 8 KB / 4 KB / 8 warps was best over page gather, page
 #: scatter and 788-B row gather together (3319 / 3299 / 3106 GB/s, the 16 KB / 4 KB / 4-warp
 #: shape before it 3278 / 3255 / 2925, torch's index_select 3282, a same-size copy 3487)
-COPY_TUNE: dict[str, int | None] = {"program_bytes": 8192, "col_bytes": 4096, "num_warps": None}
+COPY_TUNE: CopyTune = {"program_bytes": 8192, "col_bytes": 4096, "num_warps": None}
 
 
 def _copy_warps(block_bytes: int) -> int:
@@ -143,6 +152,20 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
             return None
         expect *= size
     return t.as_strided((p, r), (t.stride(0) if p > 1 else r, 1))
+
+
+def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()`` [P, ...] as a [P, R] view (row stride R)."""
+    v = _dense_rows(t.contiguous())
+    assert v is not None  # a contiguous tensor's rows are dense
+    return v
+
+
+def _dense_rows_or_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [P, ...] as a [P, R] view (:func:`_dense_rows`), of a contiguous copy when its rows
+    are not dense in memory."""
+    v = _dense_rows(t)
+    return v if v is not None else _contiguous_rows(t)
 
 
 class _CopyShape:
@@ -233,11 +256,7 @@ def _gather(op: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, *src.shape[1:]), dtype=src.dtype, device=src.device)
     if n == 0 or out.numel() == 0:
         return out
-    s2 = _dense_rows(src)
-    if s2 is None:
-        s2 = _dense_rows(src.contiguous())
-    assert s2 is not None
-    _launch_copy(s2, out.view(n, -1), index, None, n)
+    _launch_copy(_dense_rows_or_copy(src), out.view(n, -1), index, None, n)
     return out
 
 
@@ -403,10 +422,7 @@ class KVKernels:
         if n == 0 or src.numel() == 0:
             return
         d2 = _dense_rows(dst)
-        s2 = _dense_rows(src)
-        if s2 is None:
-            s2 = _dense_rows(src.contiguous())
-        assert s2 is not None
+        s2 = _dense_rows_or_copy(src)
         if d2 is not None:
             _launch_copy(s2, d2, None, index, n)
             return
@@ -455,16 +471,15 @@ class KVKernels:
         out = torch.empty((n, *srcs[0].shape[1:]), dtype=srcs[0].dtype, device=owner.device)
         if n == 0 or out.numel() == 0:
             return out
-        views = [_dense_rows(s) for s in srcs]
-        if any(v is None for v in views) or len({v.stride(0) for v in views}) > 1:
+        views = [v for v in (_dense_rows(s) for s in srcs) if v is not None]
+        if len(views) < len(srcs) or len({v.stride(0) for v in views}) > 1:
             report_fallback(op="triton:peer_gather", requested="one pass over the sources",
                             selected="dense copies of the sources, then one pass",
                             reason=FallbackReason.KERNEL_VARIANT,
                             detail="source rows not dense or row strides differ: "
                                    f"{[tuple(s.stride()) for s in srcs]}")
-            views = [_dense_rows(s.contiguous()) for s in srcs]
-        _launch_peer_copy(views, out.view(n, -1), owner.contiguous(),  # type: ignore[arg-type]
-                          rows.contiguous(), n)
+            views = [_contiguous_rows(s) for s in srcs]
+        _launch_peer_copy(views, out.view(n, -1), owner.contiguous(), rows.contiguous(), n)
         return out
 
     # ---- fp8 ---------------------------------------------------------------------------------

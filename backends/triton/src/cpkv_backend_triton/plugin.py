@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from cpkv.contracts import Availability, Op
+from cpkv.contracts import Availability, KVOps, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "triton"
@@ -59,7 +59,7 @@ def probe() -> Availability:
     return Availability.no("; ".join(reasons)) if reasons else Availability.yes()
 
 
-def load() -> object:
+def load() -> KVOps:
     """The ``TritonOps`` object.
 
     Raises:

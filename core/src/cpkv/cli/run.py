@@ -188,6 +188,22 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
     return ok
 
 
+def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: str | None,
+               device: str | None, mtp: bool | None, draft_tokens: int | None,
+               chunk: int | None) -> dict[str, Any]:
+    """The settings overrides the command line gives (sections of the options set, None: unset)."""
+    over: dict[str, Any] = {}
+    if cp is not None or mode is not None:
+        over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
+    run_over = {k: v for k, v in {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
+                                  "draft_tokens": draft_tokens}.items() if v is not None}
+    if run_over:
+        over["run"] = run_over
+    if chunk is not None:
+        over["runtime"] = {"chunk_tokens": chunk}
+    return over
+
+
 @click.command("run")
 @click.option("--config", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Settings TOML file (CPKV_* environment variables override it; flags override both).")
@@ -243,15 +259,8 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
         if cp < 1:
             raise click.ClickException(f"torchrun started {launched[1]} process(es): the job needs "
                                        f"at least {2 if decode_tokens > 0 else 1}")
-    over: dict[str, Any] = {}
-    if cp is not None or mode is not None:
-        over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
-    run_over = {k: v for k, v in {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
-                                  "draft_tokens": draft_tokens}.items() if v is not None}
-    if run_over:
-        over["run"] = run_over
-    if chunk is not None:
-        over["runtime"] = {"chunk_tokens": chunk}
+    over = _overrides(cp=cp, mode=mode, model=model, prompts=prompts, device=device, mtp=mtp,
+                      draft_tokens=draft_tokens, chunk=chunk)
     try:
         settings = load_settings(config, **over)
         ckpt = resolve_checkpoint(settings.run.model)

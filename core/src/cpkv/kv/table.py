@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
-from cpkv.contracts import CPPlan, RequestSpec, cdiv
+from cpkv.contracts import CPPlan, RequestPlan, RequestSpec, cdiv
 
 from .allocator import PageAllocator, PageRefs
 from .pages import PageKey, RequestPages, Reservation
@@ -90,6 +90,22 @@ class PageTable:
                            prefix_owners=tuple(rp.owners[: cdiv(rp.valid_len, self.page_size)]))
 
     # ---- a batch -------------------------------------------------------------------------------
+    def _check_agrees(self, rid: Hashable, req: RequestPlan, rp: RequestPages | None) -> None:
+        """Raises ValueError when the plan's request ``req`` and the table's pages ``rp`` of
+        ``rid`` disagree (its prefix, its tail page's owner) or ``rid`` is in an uncommitted
+        batch."""
+        have = 0 if rp is None else rp.valid_len
+        if rp is not None and rp.pending:
+            raise ValueError(f"request {rid!r} is already in an uncommitted batch")
+        if req.prefix_len != have:
+            raise ValueError(f"request {rid!r}: the plan's prefix is {req.prefix_len} tokens, the "
+                             f"pool holds {have}")
+        existing = 0 if rp is None else len(rp.slots)
+        for k in range(req.prefix_len // self.page_size, existing):  # the tail page keeps its owner
+            if rp is not None and req.page_owners[k] != rp.owners[k]:
+                raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
+                                 f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
+
     def reserve(self, plan: CPPlan, rids: Sequence[Hashable]) -> Reservation:
         """Take the pages the batch ``plan`` of requests ``rids`` writes, all or nothing, and
         put them in the requests' tables (pending until :meth:`commit`).
@@ -105,17 +121,8 @@ class PageTable:
         cows: list[tuple[Hashable, int]] = []  # shared tail pages this batch writes into
         for rid, req in zip(rids, plan.requests, strict=True):
             rp = self._requests.get(rid)
-            have = 0 if rp is None else rp.valid_len
-            if rp is not None and rp.pending:
-                raise ValueError(f"request {rid!r} is already in an uncommitted batch")
-            if req.prefix_len != have:
-                raise ValueError(f"request {rid!r}: the plan's prefix is {req.prefix_len} tokens, the "
-                                 f"pool holds {have}")
+            self._check_agrees(rid, req, rp)
             existing = 0 if rp is None else len(rp.slots)
-            for k in range(req.prefix_len // ps, existing):  # the tail page keeps its owner
-                if rp is not None and req.page_owners[k] != rp.owners[k]:
-                    raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
-                                     f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
             if rp is not None and req.prefix_len % ps:
                 k = req.prefix_len // ps  # the head fragment writes into this page (rule 3)
                 if self._refs.count(self.key(rp.owners[k], rp.slots[k])) > 1:

@@ -479,7 +479,9 @@ def _oversubscribed_hint(size: int) -> str:
             f"use fewer ranks or raise runtime.startup_timeout_s")
 
 
-def _supervise(
+# C901: one event loop over the ranks' pipes, sentinels and stderr; every branch updates the
+# same state (ready, results, errors, deaths, deadline, phase): split, it would pass all of it
+def _supervise(  # noqa: C901
     procs: list[Any],
     conns: dict[int, Connection],
     size: int,

@@ -78,6 +78,21 @@ def kv_ops(group: CPGroup, preference: tuple[str, ...] = ("torch",)) -> OpTable:
         host.close()
 
 
+def _scenario_truth(sc: PoolScenario,
+                    device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per request of ``sc``, its true latent and index-K rows [layers, tokens, dim] on
+    ``device``, as long as all its batches together."""
+    fmt = sc.fmt
+    longest: dict[str, int] = {}
+    for b in sc.batches:
+        for rid, e in b:
+            longest[rid] = longest.get(rid, 0) + e
+    dl, di = fmt.kv_lora_rank + fmt.rope_dim, fmt.index_head_dim
+    return {rid: (truth_rows(sc.seed, rid, sc.num_layers, n, dl).to(device),
+                  truth_rows(sc.seed, rid, sc.num_layers, n, di).to(device))
+            for rid, n in longest.items()}
+
+
 def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
     """Run every batch on a sharded and a replicated pool; compare full views bit for bit."""
     ops = kv_ops(group, sc.preference)
@@ -90,15 +105,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                                    materialize=sc.materialize if shared else "all_gather")
              for shared in (True, False)}
     out = PoolOutcome(rank=group.rank, materialize_mode=pools[True].materialize_mode)
-    longest: dict[str, int] = {}
-    for b in sc.batches:
-        for rid, e in b:
-            longest[rid] = longest.get(rid, 0) + e
-    dl, di = fmt.kv_lora_rank + fmt.rope_dim, fmt.index_head_dim
-    dev = group.device
-    truth = {rid: (truth_rows(sc.seed, rid, sc.num_layers, n, dl).to(dev),
-                   truth_rows(sc.seed, rid, sc.num_layers, n, di).to(dev))
-             for rid, n in longest.items()}
+    truth = _scenario_truth(sc, group.device)
     for bi, batch_reqs in enumerate(sc.batches):
         rids = [r for r, _ in batch_reqs]
         views = {}

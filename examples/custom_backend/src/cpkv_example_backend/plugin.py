@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import cast
 
-from cpkv.contracts import Availability, Op
+from cpkv.contracts import Availability, KVOps, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 if os.environ.get("EXAMPLE_BACKEND_BROKEN") == "1":
@@ -38,11 +39,11 @@ def probe() -> Availability:
     return Availability.no("; ".join(reasons)) if reasons else Availability.yes()
 
 
-def load() -> object:
+def load() -> KVOps:
     """Import the op now (only when this backend is selected) and return the backend object."""
     from .ops import ExampleOps
 
-    return ExampleOps()
+    return cast(KVOps, ExampleOps())  # rerange only: only the ops in OPS are called
 
 
 @hookimpl

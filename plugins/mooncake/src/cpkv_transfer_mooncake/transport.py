@@ -279,10 +279,10 @@ class HostStaging:
             raise ValueError(f"device staging for a pool on {dev}: it needs a CUDA pool")
         self.on_device = on_device
         pin = dev.type == "cuda" or torch.cuda.is_available()
-        self.host: Any = (None if on_device
-                          else torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin))
+        host = None if on_device else torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.host: Any = host
         self.idx_host: Any = torch.empty(pages, dtype=torch.int64, pin_memory=pin)
-        self.addr = 0 if on_device else int(self.host.data_ptr())
+        self.addr = 0 if host is None else int(host.data_ptr())
         self.stream: Any = None
         self.scratch: Any = None
         self.idx_dev: Any = None

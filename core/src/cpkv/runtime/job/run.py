@@ -12,6 +12,7 @@ import structlog
 import torch.distributed as dist
 
 from cpkv.comm import CPGroup
+from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
 from cpkv.plugin import PluginHost
 from cpkv.settings import Settings, SettingsError
@@ -110,6 +111,18 @@ def job_device(device: str, processes: int) -> str:
                          f"(the CP ranks and the decode rank), {n} GPU(s) here; fewer CP ranks, "
                          f"--decode-tokens 0, or device 'cpu'")
     return device
+
+
+def _fallback_rows(pre: Sequence[tuple[int, object, Sequence[FallbackEvent]]],
+                   decode: Sequence[FallbackEvent],
+                   reference: Sequence[FallbackEvent]) -> list[dict[str, Any]]:
+    """The report's fallbacks: each prefill rank's (``pre``: rank, report, events), the decode
+    rank's, then the reference's, each tagged with its rank."""
+    rows: list[dict[str, Any]] = [{"rank": r, **e.model_dump(mode="json")}
+                                  for r, _, evs in pre for e in evs]
+    rows += [{"rank": "decode", **e.model_dump(mode="json")} for e in decode]
+    rows += [{"rank": "reference", **e.model_dump(mode="json")} for e in reference]
+    return rows
 
 
 def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,
@@ -225,11 +238,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
                                 [t[rows] for t in ref.topk_indices],
                                 [t[rows] for t in ref.topk_scores],
                                 rel_tie=TIE_TOLERANCE[device])
-    fallbacks: list[dict[str, Any]] = [{"rank": r, **e.model_dump(mode="json")}
-                                       for r, _, evs in pre for e in evs]
-    if decode is not None:
-        fallbacks += [{"rank": "decode", **e.model_dump(mode="json")} for e in results[c].fallbacks]
-    fallbacks += [{"rank": "reference", **e.model_dump(mode="json")} for e in ref_rec.events]
+    fallbacks = _fallback_rows(pre, results[c].fallbacks if decode is not None else (),
+                               ref_rec.events)
     phases = {k: max(v.seconds.get(k, 0.0) for _, v, _ in pre) for k in r0.seconds}
     # startup: from spawning a process to its model being loaded, the slowest process
     starts = [r.startup_seconds + (r.value.prefill if isinstance(r.value, SenderReport)
