@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from cpkv.bench.timing import device_ms, median_ms
-from cpkv.contracts import RopeStyle
-from cpkv.ops.api import quantize_fp8
+from cpkv.ops.api import RopeStyle, quantize_fp8
 from cpkv_backend_triton import rope as rope_mod
 from cpkv_backend_triton.attention import AttentionKernels
 
