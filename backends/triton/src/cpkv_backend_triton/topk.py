@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.ops import check_topk_args
+from cpkv.ops.api import check_topk_args
 
 __all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "topk"]
 
