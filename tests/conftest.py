@@ -15,6 +15,18 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _structlog_config_restored() -> Any:
+    """structlog's configuration as it was before each test: a test that runs the CLI in-process
+    (click's CliRunner) configures logging for the command (a filtering logger at warning level),
+    and later tests' ``capture_logs()`` would lose their info events."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip a ``gpu``-marked test, with a reason, where fewer CUDA devices are present than its
     marker asks for (``gpu``: 1, ``gpu(n)``: n)."""
