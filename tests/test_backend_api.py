@@ -11,8 +11,9 @@ import pytest
 import cpkv.ops.api as api
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = [*sorted((ROOT / "backends").glob("*/src/*")),
-            *sorted((ROOT / "examples").glob("*/src/*"))]
+# the packages (a fresh clone's editable install also leaves *.egg-info folders under src/)
+BACKENDS = [p.parent for p in (*sorted((ROOT / "backends").glob("*/src/*/__init__.py")),
+                               *sorted((ROOT / "examples").glob("*/src/*/__init__.py")))]
 #: what a backend's ``plugin`` module may import from cpkv (the registration API)
 PLUGIN_API = {"cpkv.contracts", "cpkv.plugin"}
 #: outside the op API, by design: the reference formula of rope (the torch reference calls it),
