@@ -20,6 +20,8 @@ from pathlib import Path
 from cpkv.contracts import Availability
 from cpkv.plugin import TransferRegistrar, TransferSpec, hookimpl
 
+from .nvlink import CUDA_WHEELS, installed_wheels
+
 NAME = "mooncake"
 NOT_INSTALLED = ("mooncake-transfer-engine not installed (pip install "
                  "mooncake-transfer-engine-non-cuda on CPU machines, mooncake-transfer-engine "
@@ -27,18 +29,6 @@ NOT_INSTALLED = ("mooncake-transfer-engine not installed (pip install "
 #: system libraries the engine links that are not in the wheel, and the Debian package of each
 SYSTEM_LIBS = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1",
                "libcurl.so.4": "libcurl4"}
-CUDA_WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
-
-
-def _installed_wheels() -> list[str]:
-    names = []
-    for dist in ("mooncake-transfer-engine-non-cuda", *CUDA_WHEELS):
-        try:
-            importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        names.append(dist)
-    return names
 
 
 def _can_load(lib: str) -> bool:
@@ -66,7 +56,7 @@ def _reasons() -> list[str]:
     if missing:
         reasons.append(f"the Mooncake engine needs system libraries that are missing: "
                        f"{', '.join(missing)}")
-    wheels = _installed_wheels()
+    wheels = installed_wheels()
     if len(wheels) > 1:
         reasons.append(f"several Mooncake wheels are installed ({', '.join(wheels)}); they share "
                        "the 'mooncake' package: keep exactly one")
