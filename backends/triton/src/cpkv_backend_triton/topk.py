@@ -170,6 +170,65 @@ def _row_range(ks_ptr, ke_ptr, row, T):
 
 
 @triton.jit
+def _sorted_sample(x_ptr, row, start, cnt, K, sx0, sx1, SAMPLE: tl.constexpr):
+    """SAMPLE keys spread evenly over a row's ``cnt`` columns from ``start``, sorted descending
+    (-0.0 folded into 0.0), their places ``i``; the k-th largest key's estimated place in them
+    (``est``: ~ sample keys at or above it) and the margin around it (4 standard deviations of
+    that estimate, plus 8)."""
+    i = tl.arange(0, SAMPLE)
+    cols = start + (i.to(tl.int64) * cnt) // SAMPLE
+    x = tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32)
+    x = tl.sort(tl.where(x == 0.0, 0.0, x), descending=True)
+    est = (K * SAMPLE) // cnt
+    margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
+    return i, x, est, margin
+
+
+@triton.jit
+def _list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
+    """A row holding at most K keys: its columns ascending, -1 padded."""
+    for s0 in range(0, K, KP):
+        slot = s0 + tl.arange(0, KP)
+        tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
+                 mask=slot < K)
+
+
+@triton.jit
+def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constexpr):
+    """Take ``need`` of a row's candidates (int64 ``key << 32 | (2^31 - 1 - column)``, in column
+    order across ``NS`` splits: split j's at ``crow0 + j * CAP``, its count at ``cnt0 + j``):
+    an exact radix select (4 histograms of 8 bits) finds the need-th largest key, then the keys
+    above it and the first ones equal to it by column are written from ``orow + wpos``."""
+    prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
+    for p in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        for j in range(0, NS):
+            nc = tl.load(cnt0 + j)
+            for c0 in range(0, nc, RB):
+                i = c0 + tl.arange(0, RB)
+                m = i < nc
+                s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
+                d, m = _radix_digit(s, m, prefix, p)
+                hist += tl.histogram(d, 256, mask=m)
+        need, prefix = _radix_step(hist, need, prefix, p)
+    eq_seen = tl.zeros([], tl.int32)
+    for j in range(0, NS):
+        nc = tl.load(cnt0 + j)
+        for c0 in range(0, nc, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < nc
+            comp = tl.load(crow0 + j * CAP + i, mask=m, other=0)
+            s = (comp >> 32).to(tl.int32)
+            eq = m & (s == prefix)
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
+            take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
+            tl.store(orow + wpos + tl.cumsum(take, 0) - 1, 2147483647 - comp.to(tl.int32),
+                     mask=take != 0)
+            wpos += tl.sum(take, axis=0)
+            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _topk_bracket_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, T, K, sx0, sx1, NB: tl.constexpr,
                          SAMPLE: tl.constexpr):
     """Top-k, kernel 1 of 5 (one program per row holding more than K keys): the bins' bracket
@@ -180,12 +239,7 @@ def _topk_bracket_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, T, K, sx0, sx1, NB: tl.c
     start, end = _row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
     if cnt > K:
-        i = tl.arange(0, SAMPLE)
-        cols = start + (i.to(tl.int64) * cnt) // SAMPLE
-        x = tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32)
-        x = tl.sort(tl.where(x == 0.0, 0.0, x), descending=True)
-        est = (K * SAMPLE) // cnt  # ~ sample keys at or above the k-th largest
-        margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
+        i, x, est, margin = _sorted_sample(x_ptr, row, start, cnt, K, sx0, sx1, SAMPLE)
         ih = tl.maximum(est - 1 - margin, 0)
         il = tl.minimum(est - 1 + margin, SAMPLE - 1)
         x = tl.maximum(x, -3.0e38)  # -inf keys: a finite bracket (they all fall below it)
@@ -328,49 +382,11 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
     start, end = _row_range(ks_ptr, ke_ptr, row, T)
     count = tl.maximum(end - start, 0)
     if count <= K:
-        for s0 in range(0, K, KP):
-            slot = s0 + tl.arange(0, KP)
-            tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
-                     mask=slot < K)
+        _list_short_row(out_ptr, row, start, count, K, KP)
     else:
-        crow = cand_ptr + row * CAP
-        above = tl.load(meta_ptr + row * 2)
-        ncand = tl.load(meta_ptr + row * 2 + 1)  # 0 for the rows the exact kernel took
-        need = K - above  # candidates to take
-        prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
-        for p in tl.static_range(4):
-            hist = tl.zeros([256], tl.int32)
-            for c0 in range(0, ncand, RB):
-                j = c0 + tl.arange(0, RB)
-                m = j < ncand
-                s = (tl.load(crow + j, mask=m, other=0) >> 32).to(tl.int32)
-                d, m = _radix_digit(s, m, prefix, p)
-                hist += tl.histogram(d, 256, mask=m)
-            need, prefix = _radix_step(hist, need, prefix, p)
-        wpos = above
-        eq_seen = tl.zeros([], tl.int32)
-        for c0 in range(0, ncand, RB):
-            j = c0 + tl.arange(0, RB)
-            m = j < ncand
-            comp = tl.load(crow + j, mask=m, other=0)
-            s = (comp >> 32).to(tl.int32)
-            eq = m & (s == prefix)
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-            take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-            tl.store(out_ptr + row * K + wpos + tl.cumsum(take, 0) - 1,
-                     2147483647 - comp.to(tl.int32), mask=take != 0)
-            wpos += tl.sum(take, axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-
-
-
-@triton.jit
-def _list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
-    """A row holding at most K keys: its columns ascending, -1 padded."""
-    for s0 in range(0, K, KP):
-        slot = s0 + tl.arange(0, KP)
-        tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
-                 mask=slot < K)
+        above = tl.load(meta_ptr + row * 2)  # ncand (next): 0 for the rows the exact kernel took
+        _refine(cand_ptr + row * CAP, meta_ptr + row * 2 + 1, 1, out_ptr + row * K, K - above,
+                above, CAP, RB)
 
 
 @triton.jit
@@ -384,12 +400,8 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
     start, end = _row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
     if cnt > K:
-        i = tl.arange(0, SAMPLE)
-        cols = start + (i.to(tl.int64) * cnt) // SAMPLE
-        x = tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32)
-        x = tl.sort(tl.where(x == 0.0, 0.0, x), descending=True)
-        est = (K * SAMPLE) // cnt
-        place = est + (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
+        i, x, est, margin = _sorted_sample(x_ptr, row, start, cnt, K, sx0, sx1, SAMPLE)
+        place = est + margin
         lo = tl.sum(tl.where(i == place, x, 0.0), axis=0)
         lo = tl.where(place < SAMPLE, lo, float("-inf"))
         tl.store(floor_ptr + row, lo)
@@ -446,37 +458,8 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
         if bad:
             tl.store(meta_ptr + row * 2, -1)
         else:
-            need = K + tl.zeros([], tl.int32)
-            prefix = tl.zeros([], tl.int32)
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], tl.int32)
-                for j in range(0, NS):
-                    crow = cand_ptr + (row * NS + j) * CAP
-                    nc = tl.load(count_ptr + row * NS + j)
-                    for c0 in range(0, nc, RB):
-                        i = c0 + tl.arange(0, RB)
-                        m = i < nc
-                        s = (tl.load(crow + i, mask=m, other=0) >> 32).to(tl.int32)
-                        d, m = _radix_digit(s, m, prefix, p)
-                        hist += tl.histogram(d, 256, mask=m)
-                need, prefix = _radix_step(hist, need, prefix, p)
-            wpos = tl.zeros([], tl.int32)
-            eq_seen = tl.zeros([], tl.int32)
-            for j in range(0, NS):
-                crow = cand_ptr + (row * NS + j) * CAP
-                nc = tl.load(count_ptr + row * NS + j)
-                for c0 in range(0, nc, RB):
-                    i = c0 + tl.arange(0, RB)
-                    m = i < nc
-                    comp = tl.load(crow + i, mask=m, other=0)
-                    s = (comp >> 32).to(tl.int32)
-                    eq = m & (s == prefix)
-                    eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equals
-                    take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-                    tl.store(out_ptr + row * K + wpos + tl.cumsum(take, 0) - 1,
-                             2147483647 - comp.to(tl.int32), mask=take != 0)
-                    wpos += tl.sum(take, axis=0)
-                    eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+            _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS, out_ptr + row * K,
+                    K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB)
             tl.store(meta_ptr + row * 2, K)
 
 
