@@ -12,7 +12,7 @@ pool holds, so the last chunk's logits equal the unchunked batch's (same keys, s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +82,12 @@ def _rows_of(res: PrefillResult, k: int) -> slice:
     return slice(off, off + res.plan.requests[k].extend_len)
 
 
+def _present(t: torch.Tensor | None) -> torch.Tensor:
+    """A per-round output every round has (the rounds share their options)."""
+    assert t is not None
+    return t
+
+
 def merge_results(rounds: list[list[ChunkPiece]], results: list[PrefillResult],
                   num_requests: int, chunk_seconds: Sequence[float]) -> PrefillResult:
     """One batch's result from its rounds' (``results[j]`` of ``rounds[j]``): each request's
@@ -97,16 +103,15 @@ def merge_results(rounds: list[list[ChunkPiece]], results: list[PrefillResult],
             if p.last:
                 last[p.index] = (j, k)
 
-    def pick(get: str) -> torch.Tensor | None:
-        first = getattr(results[last[0][0]], get)
-        if first is None:
+    def pick(get: Callable[[PrefillResult], torch.Tensor | None]) -> torch.Tensor | None:
+        if get(results[last[0][0]]) is None:
             return None
-        return torch.stack([getattr(results[j], get)[k] for j, k in last])
+        return torch.stack([_present(get(results[j]))[k] for j, k in last])
 
-    def per_row(get: str) -> torch.Tensor | None:
-        if getattr(results[0], get) is None:
+    def per_row(get: Callable[[PrefillResult], torch.Tensor | None]) -> torch.Tensor | None:
+        if get(results[0]) is None:
             return None
-        return _stitch([[getattr(results[j], get)[_rows_of(results[j], k)] for j, k in rows[i]]
+        return _stitch([[_present(get(results[j]))[_rows_of(results[j], k)] for j, k in rows[i]]
                         for i in range(num_requests)])
 
     topk = None
@@ -134,11 +139,13 @@ def merge_results(rounds: list[list[ChunkPiece]], results: list[PrefillResult],
     for r in results:
         for key, v in r.seconds.items():
             seconds[key] = seconds.get(key, 0.0) + v
-    out = PrefillResult(plan=results[-1].plan, last_logits=pick("last_logits"),  # type: ignore[arg-type]
-                        all_logits=per_row("all_logits"), seconds=seconds, topk=topk,
-                        draft_logits=pick("draft_logits"), draft_hidden=pick("draft_hidden"),
-                        all_draft_logits=per_row("all_draft_logits"),
-                        all_draft_hidden=per_row("all_draft_hidden"),
+    out = PrefillResult(plan=results[-1].plan,
+                        last_logits=torch.stack([results[j].last_logits[k] for j, k in last]),
+                        all_logits=per_row(lambda r: r.all_logits), seconds=seconds, topk=topk,
+                        draft_logits=pick(lambda r: r.draft_logits),
+                        draft_hidden=pick(lambda r: r.draft_hidden),
+                        all_draft_logits=per_row(lambda r: r.all_draft_logits),
+                        all_draft_hidden=per_row(lambda r: r.all_draft_hidden),
                         draft_embedding=results[-1].draft_embedding)
     out.chunk_seconds = tuple(chunk_seconds)
     return out
