@@ -28,7 +28,7 @@ from .timing import device_ms, median_ms
 if TYPE_CHECKING:
     from cpkv.kv import AllGatherViews, BatchKV, MaterializePlan, ShardedKVPool
 
-__all__ = ["ceilings", "cuda_ms", "kernel_rows", "layer_flops", "materialize_rank",
+__all__ = ["ceilings", "cuda_ms", "kernel_profile", "kernel_rows", "layer_flops", "materialize_rank",
            "prefill_rank"]
 
 PAGE = 64
@@ -303,8 +303,9 @@ def layer_flops(cfg: Any, n: int) -> dict[str, float]:
             "mlp": 2.0 * n * 3 * h * cfg.intermediate_size}
 
 
-def _kernel_profile(run: Callable[[], Any], top: int = 14) -> list[dict[str, Any]]:
-    """Device time per kernel name over one call of ``run`` (torch.profiler), largest first."""
+def kernel_profile(run: Callable[[], Any], top: int | None = 14) -> list[dict[str, Any]]:
+    """Device time per kernel name over one call of ``run`` (torch.profiler), largest first:
+    ``[{"total_ms"}, {"kernel", "ms", "calls"} x top]`` (``top=None``: every kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -426,7 +427,7 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
                            "phases": res.seconds,
                            "peak_gb": torch.cuda.max_memory_allocated(group.device) / 1e9}
         if n == spec.profile_tokens:
-            out["sizes"][n]["kernels"] = _kernel_profile(
+            out["sizes"][n]["kernels"] = kernel_profile(
                 partial(session.prefill, [(f"p{n}-prof", ids)]))
             session.release(f"p{n}-prof")
             gc.collect()
@@ -472,7 +473,7 @@ def decode_steps(dev: torch.device, model_dir: str, tokens: int, steps: int = 8,
         res = session.prefill([("d", [ids[tokens + i]])])
         res.last_logits.argmax().item()  # the next token is read back, as a decode loop does
         times.append(time.perf_counter() - t)
-    kernels = _kernel_profile(partial(session.prefill, [("d", [ids[-1]])]))
+    kernels = kernel_profile(partial(session.prefill, [("d", [ids[-1]])]))
     out = {"seconds": statistics.median(times[1:]), "all": times, "ops": dict(session.ops.chosen),
            "kernels": kernels}
     session.release("d")

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from .gpu import layer_flops
+from .gpu import kernel_profile, layer_flops
 
 __all__ = ["LongSpec", "RecallSpec", "fp8_recall_rank", "long_rank", "topk_share"]
 
@@ -57,21 +56,6 @@ def topk_share(kernels: list[dict[str, Any]]) -> dict[str, float]:
     return {"topk_ms": topk, "indexer_ms": idx}
 
 
-def _all_kernels(run: Callable[[], Any]) -> list[dict[str, Any]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0.0)
-        if us:
-            rows.append({"kernel": e.key[:90], "ms": us / 1e3, "calls": e.count})
-    rows.sort(key=lambda r: -r["ms"])
-    return rows
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -93,10 +77,10 @@ def _profile_last_chunk(session: Any, ids: torch.Tensor, c: int) -> dict[str, An
     for s in range(0, last, c):
         session.prefill([("prof", ids[s:s + c])])
     held: list[Any] = []
-    kern = _all_kernels(partial(_prefill_into, session, [("prof", ids[last:])], held))
+    kern = kernel_profile(partial(_prefill_into, session, [("prof", ids[last:])], held), top=None)
     session.release("prof")
     return {"tokens": n, "chunk": c, "rows": n - last, "keys": n, **topk_share(kern),
-            "kernels": kern[:16]}
+            "kernels": kern[1:17]}
 
 
 def _session(model: Any, group: Any, tokens: int, kv_dtype: str, indexer_dtype: str,
