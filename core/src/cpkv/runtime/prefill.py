@@ -489,25 +489,36 @@ class CPPrefill:
             keys = view.attention_keys(a.q.dtype, whole=not select)
             idx_k, idx_scale = keys.index_k, keys.index_scale
             t3 = time.perf_counter()
-            picks, scores = [], []
+            scores = []
             iq, iw = a.index_q, a.index_w
             if self.indexer_fp8 and idx_scale is not None:  # fp8 keys: fp8 queries too
                 iq, iw = quantize_index_q(iq, iw)
+            # each row block's choice written into one buffer (a list then a concatenation
+            # held both: 2 x 537 MB at 64K rows)
+            top = torch.empty(kv.rows.num_local, self.topk, dtype=torch.int32, device=self.device)
+            logits: torch.Tensor | None = None
             for s, e in chunks:
                 logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
-                top = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
-                picks.append(top)
+                top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
                 if cap is not None:
-                    scores.append(torch.where(top >= 0, logits.gather(1, top.clamp_min(0).long()),
+                    scores.append(torch.where(top[s:e] >= 0,
+                                              logits.gather(1, top[s:e].clamp_min(0).long()),
                                               float("-inf")))
-            top = torch.cat(picks) if picks else torch.zeros(0, self.topk, dtype=torch.int32,
-                                                              device=self.device)
+            del iq, iw, logits
             t4 = time.perf_counter()
             # row chunks bound the sparse-attention temporaries (latent outputs are fp32 [H, 512]
             # per row: 34 GB for 128K rows at DeepSeek sizes if taken at once)
             for s, e in mla_chunks:
-                o = keys.sparse_mla(a.q[s:e], top[s:e], m.softmax_scale, self.dv)
-                m.attention_values(layer, o, out=values[s:e])
+                m.attention_values(layer, keys.sparse_mla(a.q[s:e], top[s:e], m.softmax_scale,
+                                                          self.dv), out=values[s:e])
+            if cap is not None:
+                cap.indices.append(kv.gather(top))
+                cap.scores.append(kv.gather(torch.cat(scores) if scores else
+                                            torch.zeros(0, self.topk, device=self.device)))
+            # the layer's attention temporaries go before the MLP and the next layer's inputs
+            # (held, the query alone, [rows, H, 576] bf16, is 9.7 GB at 64K rows: it was alive
+            # while the next layer built its own)
+            del a, keys, view, top, idx_k, idx_scale, scores
             if kv.rows.num_local:  # a rank may hold no rows of a tiny batch
                 x = x + m.output_projection(layer, values)
             t5 = time.perf_counter()
@@ -516,10 +527,6 @@ class CPPrefill:
             for k, v in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
                             strict=True):
                 phase[k] += v
-            if cap is not None:
-                cap.indices.append(kv.gather(top))
-                cap.scores.append(kv.gather(torch.cat(scores) if scores else
-                                            torch.zeros(0, self.topk, device=self.device)))
         seconds.update(phase)
         return x, cap
 
