@@ -19,6 +19,9 @@ formulas here are the definition:
       logit[i, j] = -inf  unless  key_start[i] <= j < key_end[i]
 
   Chunking rows under the logits budget (rule 21) is the caller's job.
+* ``indexer_logits_paged``: one query row at a time (a loop over the row count, a shape), its
+  request's keys copied out of the pages in order (:func:`cpkv.ops.api.paged_index_keys`), then
+  ``indexer_logits`` with the range ``[0, key_end[i])``: equal to it by construction.
 * ``topk``: ``torch.topk`` (sorted, descending) over the logits with everything outside the
   row's range set to -inf; rows whose range holds at most k keys take ``key_start + arange(k)``
   instead (ascending), and every slot past the row's key count is -1. Selected by ``torch.where``,
@@ -46,6 +49,7 @@ from cpkv.models.rope import apply_rope
 from cpkv.ops.api import (
     KVFormat,
     check_indexer_args,
+    check_indexer_paged_args,
     check_page_copy_args,
     check_peer_gather_args,
     check_rope_args,
@@ -53,6 +57,8 @@ from cpkv.ops.api import (
     check_sparse_mla_paged_args,
     check_topk_args,
     fp8_layout,
+    paged_index_keys,
+    paged_index_tokens,
     paged_latent,
     quantize_fp8,
 )
@@ -271,6 +277,38 @@ class TorchOps:
             inside = _in_range(hi, key_start[s:e], key_end[s:e], lo)
             logits[s:e, lo:hi] = part.masked_fill_(~inside, float("-inf"))
         return logits
+
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor:
+        """The lightning indexer over keys read from part-major pages through a block table:
+        row i against request ``row_request[i]``'s keys ``[0, key_end[i])``, -inf after; float32
+        [N, M * S]. See :class:`cpkv.ops.api.KVOps`.
+
+        Each row's request keys are gathered (``page_gather``) and passed to
+        :meth:`indexer_logits`, one row at a time: O(M * S) key memory per row, never all
+        requests' keys at once.
+
+        Raises:
+            ValueError: a shape or dtype does not match (as every backend).
+        """
+        check_indexer_paged_args(q, w, pages, fmt, block_table, row_request, key_end)
+        n = q.shape[0]
+        cols = block_table.shape[1] * fmt.page_size
+        out = torch.full((n, cols), float("-inf"), dtype=torch.float32, device=q.device)
+        if cols == 0:
+            return out
+        tokens = paged_index_tokens(block_table, fmt.page_size)  # [R, M * S]
+        start = key_end.new_zeros(1)
+        request = row_request.long()
+        for i in range(n):  # a loop over a shape, not over data
+            keys, scale = paged_index_keys(
+                pages, fmt, tokens.index_select(0, request[i:i + 1]).view(-1),
+                lambda src, index: TorchOps.page_gather(self, src, index))
+            # the reference's own indexer (a subclass that overrides it changes that op alone)
+            out[i:i + 1] = TorchOps.indexer_logits(self, q[i:i + 1], w[i:i + 1], keys, scale,
+                                                   start, key_end[i:i + 1])
+        return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
              out: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,8 @@ NAME = "torch"
 #: the ops :class:`~cpkv_backend_torch.ops.TorchOps` implements (one method each)
 OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE,
                                 Op.FP8_PACK,
-                                Op.FP8_UNPACK, Op.PEER_GATHER, Op.INDEXER_LOGITS, Op.TOPK,
+                                Op.FP8_UNPACK, Op.PEER_GATHER, Op.INDEXER_LOGITS,
+                                Op.INDEXER_LOGITS_PAGED, Op.TOPK,
                                 Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE})
 
 

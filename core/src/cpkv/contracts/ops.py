@@ -73,6 +73,22 @@ class KVOps(Protocol):
         ``float8_e4m3fn`` too (its per-(row, head) scale folded into w:
         :func:`cpkv.ops.quantize_index_q`), for fp8 x fp8 tensor cores. key_start/key_end int64 [N].
         The caller chunks rows so that N x T x 4 B stays under the logits budget (rule 21).
+    indexer_logits_paged(q, w, pages, fmt, block_table, row_request, key_end) -> float32 [N, M * S]
+        ``indexer_logits`` reading the keys where they are stored (a decode step, captured in
+        CUDA graphs): ``pages`` is one pool layer in the part-major layout (uint8 [P, S, latent
+        + index bytes] contiguous, as for ``sparse_mla_paged``: each page's S latent rows, then
+        its S index-K rows), ``fmt`` its format, ``block_table`` int32 [R, M] (entry [r, p]: the
+        page slot holding request r's p-th page; entries past a request's pages hold any valid
+        slot), ``row_request`` int32 [N] (query row i reads request ``row_request[i]``'s keys),
+        ``key_end`` int64 [N]: row i reads the request-local keys [0, key_end[i]), key j being
+        token row ``block_table[r, j // S] * S + j % S`` of ``pages``. ``logit[i, j] = sum_h
+        w[i, h] * relu(q[i, h] . k_j)`` (fp8 pools: times k_j's stored scale, as
+        ``indexer_logits``) for ``j < key_end[i]``, ``-inf`` for ``j >= key_end[i]``. q / w as
+        ``indexer_logits`` takes them (q [N, Hi, index_head_dim] bf16 / fp32, or
+        ``float8_e4m3fn`` with the scales folded into w; w float32 [N, Hi]). Equal to gathering
+        each request's keys in order and calling ``indexer_logits`` with key_start 0 (the same
+        tolerances). Device work only: no host sync, no value-dependent Python branch; the
+        output is the only allocation a backend must make.
     topk(logits, k, key_start, key_end) -> int32 [N, k]
         Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside
         each row's [key_start, key_end); when the range holds at most k keys, all of them in
@@ -135,6 +151,10 @@ class KVOps(Protocol):
     def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                        k_scale: torch.Tensor | None, key_start: torch.Tensor,
                        key_end: torch.Tensor) -> torch.Tensor: ...
+
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor: ...
 
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor: ...

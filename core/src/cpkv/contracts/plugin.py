@@ -36,6 +36,7 @@ class Op(StrEnum):
     FP8_UNPACK = "fp8_unpack"
     PEER_GATHER = "peer_gather"
     INDEXER_LOGITS = "indexer_logits"
+    INDEXER_LOGITS_PAGED = "indexer_logits_paged"
     TOPK = "topk"
     SPARSE_MLA = "sparse_mla"
     SPARSE_MLA_PAGED = "sparse_mla_paged"

@@ -19,15 +19,17 @@ Declining and reporting
 
 Argument checks (run them first: one wording of the errors in every backend; metadata only)
     :func:`check_page_copy_args`, :func:`check_peer_gather_args`, :func:`check_indexer_args`,
-    :func:`check_topk_args`, :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`,
-    :func:`check_rope_args`.
+    :func:`check_indexer_paged_args`, :func:`check_topk_args`, :func:`check_sparse_mla_args`,
+    :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`.
 
 Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     :func:`fp8_layout` (dims, block, rope dims and bytes of a packed fp8 row), :func:`part_view`
     / :func:`part_index` (one part's rows of a page buffer, in either layout),
     :func:`page_blocks` (writable latent / index-K halves of page blocks), :func:`gather_latent`
     / :func:`paged_latent` (``sparse_mla_paged`` composed from a backend's own
-    ``fp8_unpack`` / ``page_gather`` and ``sparse_mla``).
+    ``fp8_unpack`` / ``page_gather`` and ``sparse_mla``), :func:`paged_index_tokens` /
+    :func:`paged_index_keys` (a request's index-K keys copied out of its pages: the
+    ``indexer_logits_paged`` composition through ``page_gather`` and ``indexer_logits``).
 
 fp8 numerics (:mod:`cpkv.ops.fp8`)
     :func:`quantize_fp8` (the one quantization formula: what ``fp8_pack`` must match bit for
@@ -55,6 +57,7 @@ from cpkv.fallback import report_fallback
 
 from .checks import (
     check_indexer_args,
+    check_indexer_paged_args,
     check_page_copy_args,
     check_peer_gather_args,
     check_rope_args,
@@ -63,7 +66,16 @@ from .checks import (
     check_topk_args,
 )
 from .fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, quantize_fp8, quantize_index_q
-from .layout import fp8_layout, gather_latent, page_blocks, paged_latent, part_index, part_view
+from .layout import (
+    fp8_layout,
+    gather_latent,
+    page_blocks,
+    paged_index_keys,
+    paged_index_tokens,
+    paged_latent,
+    part_index,
+    part_view,
+)
 
 __all__ = [
     "FP8_AMAX_FLOOR",
@@ -78,6 +90,7 @@ __all__ = [
     "PageLayout",
     "RopeStyle",
     "check_indexer_args",
+    "check_indexer_paged_args",
     "check_page_copy_args",
     "check_peer_gather_args",
     "check_rope_args",
@@ -87,6 +100,8 @@ __all__ = [
     "fp8_layout",
     "gather_latent",
     "page_blocks",
+    "paged_index_keys",
+    "paged_index_tokens",
     "paged_latent",
     "part_index",
     "part_view",

@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from cpkv.contracts import KVDtype
+
 if TYPE_CHECKING:
     import torch
 
     from cpkv.contracts import KVFormat, RopeStyle
 
-__all__ = ["check_indexer_args", "check_page_copy_args", "check_peer_gather_args",
+__all__ = ["check_indexer_args", "check_indexer_paged_args", "check_page_copy_args", "check_peer_gather_args",
            "check_rope_args", "check_sparse_mla_args", "check_sparse_mla_paged_args",
            "check_topk_args"]
 
@@ -86,6 +88,46 @@ def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
         raise ValueError(f"indexer_logits: k_scale is only for float8_e4m3fn keys, got "
                          f"{k.dtype} keys with a k_scale {tuple(k_scale.shape)}")
     return False
+
+
+def check_indexer_paged_args(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> bool:
+    """Validate ``indexer_logits_paged`` arguments; returns whether the keys are fp8 (scaled).
+
+    Raises:
+        ValueError: a shape or dtype does not match ``fmt`` or the other arguments, or q is
+            ``float8_e4m3fn`` while the pool's keys are not.
+    """
+    import torch
+
+    op = "indexer_logits_paged"
+    d = fmt.index_head_dim
+    if q.dim() != 3 or q.shape[2] != d:
+        raise ValueError(f"{op}: expected q [N, Hi, {d}], got {tuple(q.shape)}")
+    n, heads, _ = q.shape
+    fp8 = fmt.dtype is KVDtype.FP8
+    if not q.dtype.is_floating_point or (q.dtype == torch.float8_e4m3fn and not fp8):
+        raise ValueError(f"{op}: q must be a float tensor (float8_e4m3fn only with an fp8 pool), "
+                         f"got q {q.dtype} with a {fmt.dtype.value} pool")
+    if w.shape != (n, heads) or w.dtype != torch.float32:
+        raise ValueError(f"{op}: expected w float32 [{n}, {heads}], got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    want = (fmt.page_size, fmt.bytes_per_token)
+    if pages.dim() != 3 or tuple(pages.shape[1:]) != want or pages.dtype != torch.uint8 \
+            or not pages.is_contiguous():
+        raise ValueError(f"{op}: expected contiguous uint8 pages [P, {want[0]}, {want[1]}], got "
+                         f"{pages.dtype} {tuple(pages.shape)}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"{op}: expected block_table int32 [R, M], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    if row_request.shape != (n,) or row_request.dtype != torch.int32:
+        raise ValueError(f"{op}: expected row_request int32 [{n}], got {row_request.dtype} "
+                         f"{tuple(row_request.shape)}")
+    if key_end.shape != (n,) or key_end.dtype != torch.int64:
+        raise ValueError(f"{op}: expected key_end int64 [{n}], got {key_end.dtype} "
+                         f"{tuple(key_end.shape)}")
+    return fp8
 
 
 def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,

@@ -4,7 +4,8 @@ The byte counts are :class:`~cpkv.contracts.KVFormat`'s (the contract's formats 
 module turns them into offsets and tensor views in either :class:`~cpkv.contracts.PageLayout`:
 the packed fp8 row of one part (:func:`fp8_layout`), one part's rows of a page buffer
 (:func:`part_view`, :func:`part_index`), a page block's writable halves (:func:`page_blocks`),
-and the latent rows a sparse-attention op reads (:func:`gather_latent`, :func:`paged_latent`).
+the latent rows a sparse-attention op reads (:func:`gather_latent`, :func:`paged_latent`) and
+the index-K keys of a request's pages (:func:`paged_index_tokens`, :func:`paged_index_keys`).
 Views only: nothing here copies, syncs or allocates host tensors.
 """
 
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 
     from cpkv.contracts import KVFormat, KVPart
 
-__all__ = ["fp8_layout", "gather_latent", "page_blocks", "paged_latent", "part_index",
-           "part_view"]
+__all__ = ["fp8_layout", "gather_latent", "page_blocks", "paged_index_keys",
+           "paged_index_tokens", "paged_latent", "part_index", "part_view"]
 
 
 def fp8_layout(fmt: KVFormat, part: KVPart) -> tuple[int, int, int, int]:
@@ -126,3 +127,33 @@ def paged_latent(pages: torch.Tensor, rows: torch.Tensor, fmt: KVFormat, dtype: 
     return gather_latent(part_view(pages, fmt, PageLayout.PART_MAJOR, "latent"),
                          part_index(tokens, fmt, PageLayout.PART_MAJOR, "latent"), rows, fmt,
                          dtype, unpack, gather)
+
+
+def paged_index_tokens(block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int64 [R, M * S]: request r's keys in order as token rows of the pages (key j is token
+    ``block_table[r, j // S] * S + j % S``), from an int32 [R, M] block table: the columns
+    ``indexer_logits_paged`` reads."""
+    import torch
+
+    slot = torch.arange(page_size, dtype=torch.int64, device=block_table.device)
+    rows, pages = block_table.shape
+    return (block_table.long()[:, :, None] * page_size + slot).reshape(rows, pages * page_size)
+
+
+def paged_index_keys(pages: torch.Tensor, fmt: KVFormat, tokens: torch.Tensor,
+                     gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The index-K keys of ``tokens`` (int64 [T] token rows of part-major ``pages``), copied
+    out with a backend's ``page_gather`` as ``indexer_logits`` takes them: fp8 pools give
+    ``float8_e4m3fn`` [T, D] keys and their float32 [T] scales, bf16 / fp32 pools [T, D] keys of
+    that dtype and None. ``indexer_logits_paged`` composed from a backend's own ops is this,
+    then ``indexer_logits``."""
+    import torch
+
+    src = part_view(pages, fmt, PageLayout.PART_MAJOR, "index_k")
+    rows = gather(src, part_index(tokens, fmt, PageLayout.PART_MAJOR, "index_k"))
+    d = fmt.index_head_dim
+    if fmt.dtype is KVDtype.FP8:
+        scale = rows[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        return rows[:, :d].view(torch.float8_e4m3fn), scale[:, 0]
+    return rows.view(torch.float32 if fmt.dtype is KVDtype.FP32 else torch.bfloat16), None

@@ -33,6 +33,11 @@ at a request), for k both smaller and larger than the T keys, and compare as fol
   must be identical, the rest ``allclose(rtol=1e-5, atol=1e-5)`` (:data:`ATTN_RTOL`,
   :data:`ATTN_ATOL`); the inputs are scaled like the model's (``w`` carries ``Hi^-0.5 D^-0.5``)
   so the logits are O(1).
+* ``indexer_logits_paged``: part-major pools of fp8, bf16 and fp32 formats read through random
+  block tables (pages out of order, spare pages in the pool), several query rows per request,
+  key_end at 1, inside a page, on a page boundary and at M x S; the tolerances of
+  ``indexer_logits`` (fp8 queries: relative to the largest logit) and -inf exactly at the keys
+  at or past key_end.
 * ``topk``: int32 [N, k]; the -1 slots must be exactly the reference's; rows whose range holds
   at most k keys must equal the reference (all keys, ascending); longer rows must list distinct
   columns inside the range, in any order, forming the reference's index set.
@@ -561,6 +566,99 @@ def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
                                          f"positions outside [key_start, key_end)")
 
 
+#: ``indexer_logits_paged`` cases: (requests, pages per request M, query rows per request)
+PAGED_INDEXER_SIZES: tuple[tuple[int, int, int], ...] = ((0, 2, 1), (1, 1, 1), (2, 3, 2),
+                                                         (3, 4, 3))
+
+
+def _paged_pool(fmt: KVFormat, pages: int, ref: Any, g: torch.Generator) -> torch.Tensor:
+    """A part-major pool layer of ``pages`` pages of random latent and index-K rows, packed by
+    the reference (fp8) or stored as the format's floats: uint8 [pages, S, B]."""
+    ps, nl = fmt.page_size, fmt.latent_bytes_per_token
+    lat = pack_rows(torch.randn(pages * ps, fmt.kv_lora_rank + fmt.rope_dim, generator=g), fmt,
+                    "latent", ref)
+    idx = pack_rows(torch.randn(pages * ps, fmt.index_head_dim, generator=g), fmt, "index_k",
+                    ref)
+    buf = torch.cat([lat.reshape(pages, ps * nl), idx.reshape(pages, -1)], 1)
+    return buf.reshape(pages, ps, -1).contiguous()
+
+
+def _paged_rows(fmt: KVFormat, requests: int, m: int, per: int, g: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(block_table int32 [R, M], row_request int32 [N], key_end int64 [N], pool pages) of a
+    decode step: a request's M pages are random distinct slots of a pool holding spare pages
+    (not contiguous, not in order); its ``per`` rows (speculative tokens) end at consecutive
+    keys, the last one at a length that cycles through 1, mid-page, a page boundary, M * S and a
+    random one (the first rows of a length-1 request are empty)."""
+    ps = fmt.page_size
+    pool = requests * m + 3
+    table = torch.randperm(pool, generator=g)[:requests * m].reshape(requests, m)
+    lengths = []
+    for r in range(requests):
+        kind = r % 5
+        if kind == 0:
+            length = 1
+        elif kind == 1:
+            length = (m - 1) * ps + ps // 2 + 1  # inside the last page
+        elif kind == 2:
+            length = max(1, m - 1) * ps  # exactly a page boundary
+        elif kind == 3:
+            length = m * ps
+        else:
+            length = 1 + int(torch.randint(0, m * ps, (1,), generator=g))
+        lengths.append(length)
+    row_request = torch.arange(requests).repeat_interleave(per)
+    offset = torch.arange(per).repeat(requests) - (per - 1)  # the last row of each request: 0
+    key_end = (torch.tensor(lengths, dtype=torch.int64).repeat_interleave(per) + offset).clamp_min(0)
+    return table.to(torch.int32), row_request.to(torch.int32), key_end, pool
+
+
+def _check_indexer_logits_paged(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """Part-major pools of fp8 (DeepSeek-V3.2 and small), bf16 and fp32 formats; random block
+    tables over a pool with spare pages; several rows per request; bf16, fp32 and (fp8 pools)
+    fp8 queries; the same tolerances as ``indexer_logits``, -inf exactly at ``j >= key_end``,
+    inputs unchanged."""
+    op = "indexer_logits_paged"
+    j = 0
+    small = {"kv_lora_rank": 64, "rope_dim": 16, "index_head_dim": 32, "page_size": 16}
+    cases = [("deepseek_v32 fp8", FORMATS["deepseek_v32"], 8), ("small fp8", FORMATS["small"], 4),
+             ("small bf16", KVFormat(dtype=KVDtype.BF16, **small), 4),
+             ("small fp32", KVFormat(dtype=KVDtype.FP32, **small), 4)]
+    for label, fmt, heads in cases:
+        d = fmt.index_head_dim
+        kinds = ("bf16", "fp32", "fp8") if fmt.dtype is KVDtype.FP8 else ("bf16", "fp32")
+        for (requests, m, per), kind in itertools.product(PAGED_INDEXER_SIZES, kinds):
+            j += 1
+            g = _gen(seed * 1000 + 900 + j)
+            case = (f"{label}, {kind} q, {requests} requests x {m} pages x {per} rows")
+            table, row_request, key_end, pool = _paged_rows(fmt, requests, m, per, g)
+            pages = _paged_pool(fmt, pool, ref, g)
+            n = row_request.shape[0]
+            q = _nonzero((n, heads, d), torch.float32 if kind == "fp32" else torch.bfloat16, g)
+            w = _nonzero((n, heads), torch.float32, g) * (heads ** -0.5 * d ** -0.5)
+            if kind == "fp8":  # fp8 x fp8: q quantized, its scales folded into w
+                q, w = quantize_index_q(q, w)
+            args = _to(device, q, w, pages, table, row_request, key_end)
+            keep = [x.clone() for x in args]
+            q, w, pages, table, row_request, key_end = args
+            want = ref.indexer_logits_paged(q, w, pages, fmt, table, row_request, key_end)
+            got = _call(op, case, impl.indexer_logits_paged, q, w, pages, fmt, table,
+                        row_request, key_end)
+            if kind == "fp8":
+                fin = want[want.isfinite()]
+                big = float(fin.abs().max()) if fin.numel() else 0.0
+                _assert_close(op, case, "logits", got, want, FP8_DOT_REL,
+                              FP8_DOT_REL * big + ATTN_ATOL)
+            else:
+                _assert_close(op, case, "logits", got, want)
+            _unchanged(op, case, keep, args)
+            # independent of the reference: -inf exactly at the keys past each row's end
+            col = torch.arange(m * fmt.page_size)
+            if not torch.equal(got.cpu().isneginf(), col >= key_end.cpu()[:, None]):
+                raise AssertionError(f"{op} [{case}] logits: -inf is not exactly the keys at or "
+                                     f"past key_end")
+
+
 def _topk_logits(variant: str, n: int, t: int, topk: int, ref: Any, g: torch.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ks, ke = _key_ranges(n, t, topk, g)
@@ -821,6 +919,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.FP8_UNPACK.value: _check_fp8_unpack,
     Op.PEER_GATHER.value: _check_peer_gather,
     Op.INDEXER_LOGITS.value: _check_indexer_logits,
+    Op.INDEXER_LOGITS_PAGED.value: _check_indexer_logits_paged,
     Op.TOPK.value: _check_topk,
     Op.SPARSE_MLA.value: _check_sparse_mla,
     Op.SPARSE_MLA_PAGED.value: _check_sparse_mla_paged,
@@ -1020,10 +1119,14 @@ class BaseKVOpsTests(BasePageOpsTests, BaseFP8OpsTests):
 
 
 class BaseAttentionOpsTests(BaseOpsTests):
-    """The sparse-attention ops of one layer: indexer_logits, topk, sparse_mla, sparse_mla_paged."""
+    """The sparse-attention ops of one layer: indexer_logits, indexer_logits_paged, topk,
+    sparse_mla, sparse_mla_paged."""
 
     def test_indexer_logits(self) -> None:
         self.check(Op.INDEXER_LOGITS)
+
+    def test_indexer_logits_paged(self) -> None:
+        self.check(Op.INDEXER_LOGITS_PAGED)
 
     def test_topk(self) -> None:
         self.check(Op.TOPK)
