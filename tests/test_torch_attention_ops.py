@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpkv.ops import ATTN_OPS
-from cpkv.ops.api import quantize_fp8
+from cpkv.ops.api import KVFormat, quantize_fp8
 from cpkv.testing.conformance import (
     FORMATS,
     check_backend,
@@ -574,6 +574,27 @@ class IndexerInBf16(TorchOps):
         return out.bfloat16().float()
 
 
+class PagedIgnoresBlockTable(TorchOps):
+    """Reads each request's pages as if they were stored in order (page r * M + p)."""
+
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor:
+        r, m = block_table.shape
+        in_order = torch.arange(r * m, dtype=torch.int32).view(r, m)
+        return super().indexer_logits_paged(q, w, pages, fmt, in_order, row_request, key_end)
+
+
+class PagedOffByOneEnd(TorchOps):
+    """Reads one key past each row's key_end (where it exists)."""
+
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor:
+        end = (key_end + 1).clamp_max(block_table.shape[1] * fmt.page_size)
+        return super().indexer_logits_paged(q, w, pages, fmt, block_table, row_request, end)
+
+
 class MlaNoMask(TorchOps):
     """Treats -1 as column 0 (gathers kv[0] into the softmax)."""
 
@@ -618,6 +639,10 @@ class MlaWrongValueWidth(TorchOps):
     (IndexerIgnoresScale, "indexer_logits", r"indexer_logits \[.*fp8 (q )?keys.*\]"),
     (IndexerOffByOneRange, "indexer_logits", r"indexer_logits \[.*\] logits: -inf positions"),
     (IndexerInBf16, "indexer_logits", r"indexer_logits \[.*\] logits: differs.*rtol=1e-05"),
+    (PagedIgnoresBlockTable, "indexer_logits_paged",
+     r"indexer_logits_paged \[.*\] logits: differs from the reference"),
+    (PagedOffByOneEnd, "indexer_logits_paged", r"indexer_logits_paged \[.*\] logits: -inf "
+                                               r"positions"),
     (MlaNoMask, "sparse_mla", r"sparse_mla \[.*\] output: differs from the reference"),
     (MlaNaNOnEmptyRows, "sparse_mla", r"sparse_mla \[.*\] output: \d+ NaN value"),
     (MlaWrongValueWidth, "sparse_mla", r"sparse_mla \[.*\] output: differs"),

@@ -305,6 +305,12 @@ class _OnDevice:
                        key_end: torch.Tensor) -> torch.Tensor:
         return self._run("indexer_logits", q, w, k, k_scale, key_start, key_end)
 
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor:
+        return self._run("indexer_logits_paged", q, w, pages, fmt, block_table, row_request,
+                         key_end)
+
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:
         return self._run("topk", logits, k, key_start, key_end)

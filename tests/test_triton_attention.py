@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpkv.testing.conformance as conf
-from cpkv.contracts import Op
+from cpkv.contracts import KVDtype, KVFormat, Op, OpDeclined
 from cpkv.ops.api import quantize_fp8
 from triton_interp import CUDA, import_kernels, interpreter_env
 
@@ -51,7 +51,7 @@ def small_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_ops_declared() -> None:
     from cpkv_backend_triton.plugin import OPS
 
-    attn = frozenset({Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA})
+    attn = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.TOPK, Op.SPARSE_MLA})
     assert attn <= OPS
     for op in attn:
         assert callable(getattr(AttentionKernels(), op.value))
@@ -60,10 +60,41 @@ def test_ops_declared() -> None:
 # ---- interpreter (CPU) ------------------------------------------------------------------------
 @interp
 @pytest.mark.usefixtures("small_sizes")
-@pytest.mark.parametrize("op", ["indexer_logits", "topk",
+@pytest.mark.parametrize("op", ["indexer_logits", "indexer_logits_paged", "topk",
                                 pytest.param("sparse_mla", marks=pytest.mark.slow)])
 def test_conformance_interpreter(ref: Any, op: str) -> None:
     conf.check_op(AttentionKernels(), ref, op, device="cpu")
+
+
+@interp
+def test_indexer_paged_small_tiles_and_row_groups(ref: Any) -> None:
+    """Keys tiles smaller than a page and groups of 3 rows per program (a group's rows of
+    different requests, the last group partly past N)."""
+    impl = AttentionKernels(indexer_config={"PAGED_BLOCK_N": 16, "PAGED_ROWS": 3})
+    conf.check_op(impl, ref, "indexer_logits_paged", device="cpu")
+
+
+def _paged_inputs(fmt: KVFormat, pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    q = torch.randn(2, 4, fmt.index_head_dim, dtype=torch.bfloat16)
+    return (q, torch.ones(2, 4), pool, fmt, torch.zeros(1, 2, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32), torch.full((2,), 3, dtype=torch.int64))
+
+
+@interp
+def test_indexer_paged_declines_offsets_its_views_cannot_address() -> None:
+    """fp8 scales are read through a float32 view of the pool: an index_head_dim that leaves
+    them off 4-byte boundaries, or a pool view at an odd byte offset, is declined (the torch op
+    then runs), before any output is allocated."""
+    odd = KVFormat(dtype=KVDtype.FP8, kv_lora_rank=64, rope_dim=16, index_head_dim=30,
+                        quant_block=32, page_size=16)
+    pool = torch.zeros(2, odd.page_size, odd.bytes_per_token, dtype=torch.uint8)
+    with pytest.raises(OpDeclined, match="multiples of 4"):
+        AttentionKernels().indexer_logits_paged(*_paged_inputs(odd, pool))
+    fmt = conf.FORMATS["small"]
+    flat = torch.zeros(2 * fmt.page_bytes + 1, dtype=torch.uint8)
+    shifted = flat[1:].view(2, fmt.page_size, fmt.bytes_per_token)
+    with pytest.raises(OpDeclined, match="storage offset 1"):
+        AttentionKernels().indexer_logits_paged(*_paged_inputs(fmt, shifted))
 
 
 def _same_choice(got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor,
@@ -349,7 +380,7 @@ def test_empty_calls_need_no_kernel() -> None:
 # ---- GPU --------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize(("op", "mla_config"), [
-    ("indexer_logits", {}), ("topk", {}), ("sparse_mla", {}),
+    ("indexer_logits", {}), ("indexer_logits_paged", {}), ("topk", {}), ("sparse_mla", {}),
     ("sparse_mla", {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0, "BLOCK_K": 64}),
     ("sparse_mla", {"BLOCK_H": 32, "BLOCK_K": 32, "num_warps": 4}),
     ("sparse_mla", {"BLOCK_H": 32, "HEADS_FAST": 1})])

@@ -18,8 +18,11 @@ import triton.language as tl
 
 from cpkv.ops.api import (
     FallbackReason,
+    KVDtype,
     KVFormat,
+    OpDeclined,
     check_indexer_args,
+    check_indexer_paged_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
     paged_latent,
@@ -45,8 +48,12 @@ _LOWP = (torch.bfloat16, torch.float16)
 #: a decode step), with FEW_BLOCK_N keys per program and few_warps warps. On the H200 at 64K fp8
 #: keys x 64 heads (bf16 queries, times with launch work): 1-4 rows ~2x faster than the row-tile
 #: kernel, 8 rows 1.28x, 16 rows 0.72x (docs/perf.md); in a decode step 80 -> 9 us of GPU time
+#: PAGED_BLOCK_N keys per program of ``indexer_logits_paged`` (each key's page looked up in the
+#: block table), PAGED_ROWS query rows per program (one after the other, each against its own
+#: request's keys), paged_warps warps: not yet measured on a GPU
 INDEXER_DEFAULT: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
-                                   "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4}
+                                   "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
+                                   "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4}
 MLA_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2,
                                "P_SPLIT": 2, "P_FP16": 1, "P_CAT": 1}
 #: 16-bit q/kv (the production path): one bf16 P, FlashMLA's precision, within bf16 tolerance of
@@ -175,6 +182,57 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
     _store_in_range(out_ptr, acc, qr, qmask, cols, cmask, ks, ke, so0)
 
 
+@triton.jit
+def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_ptr, out_ptr,
+                          N, MS,
+                          sq0, sq1, sq2, sw0, sw1, sbt0, sbt1, so0,
+                          k_page, k_first, k_row, s_page, s_first, s_row,
+                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          S: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
+                          FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """The indexer of ``BQ`` query rows against ``BLOCK_N`` keys of each row's own request,
+    read in place from part-major pages: key column j of request r is slot ``j % S`` of page
+    ``bt[r, j // S]``, its index-K values at element ``page * k_page + k_first + slot * k_row``
+    of ``k_ptr`` (a typed view of the pool; the fp8 scale likewise in the float32 view
+    ``scale_ptr``). A row's heads are one ``[HP, D]`` operand, one dot per key tile; a tile at or
+    past the row's ``key_end`` loads nothing and stores -inf."""
+    n0 = tl.program_id(0) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < MS
+    head = tl.arange(0, HP)
+    hmask = head < H
+    d = tl.arange(0, DP)
+    dmask = d < D
+    for r in tl.static_range(BQ):
+        row = tl.program_id(1) * BQ + r
+        if row < N:
+            row64 = row.to(tl.int64)
+            ke = tl.load(ke_ptr + row64)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if n0 < ke:
+                inr = cmask & (cols < ke)
+                req = tl.load(req_ptr + row64).to(tl.int64)
+                page = tl.load(bt_ptr + req * sbt0 + (cols // S).to(tl.int64) * sbt1, mask=inr,
+                               other=0).to(tl.int64)
+                slot = (cols % S).to(tl.int64)
+                ktt = _key_tile(k_ptr, q_ptr, page * k_page + k_first + slot * k_row, inr, d,
+                                dmask, 1, 1, UPCAST)
+                qt = tl.load(q_ptr + row64 * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                             mask=hmask[:, None] & dmask[None, :], other=0.0)
+                if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+                    s = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee")
+                else:
+                    s = tl.dot(qt, ktt)
+                wv = tl.load(w_ptr + row64 * sw0 + head * sw1, mask=hmask, other=0.0)
+                acc = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
+                if FP8:
+                    c = tl.load(scale_ptr + page * s_page + s_first + slot * s_row, mask=inr,
+                                other=0.0)
+                    acc = acc * c
+            tl.store(out_ptr + row64 * so0 + cols, tl.where(cols < ke, acc, float("-inf")),
+                     mask=cmask)
+
+
 # C901: the branches are tl.constexpr variants (HAS_B, UPCAST, P_SPLIT, ...), resolved at
 # compile time; each compiled kernel is straight-line, and a Triton helper per variant would
 # only move the switch
@@ -286,6 +344,38 @@ def _interpreted(kernel: Any) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+def _paged_index_views(pages: torch.Tensor, fmt: KVFormat
+                       ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
+    """The pool layer ``pages`` as its index-K value type (float8_e4m3fn, bfloat16 or float32),
+    with ``(page, first, row)`` element steps: token row ``p * S + s``'s index-K values start at
+    element ``p * page + first + s * row``; and the fp8 scale's steps in a float32 view (zeros
+    for float pools). Views of the same storage, so the kernel reads the pool in place (and runs
+    in the Triton interpreter, which has no pointer casts).
+
+    Raises:
+        OpDeclined: a byte offset is not a multiple of its element size (an fp8 index_head_dim
+            not divisible by 4, or a pool view at an odd storage offset).
+    """
+    s, nl, ib, b = (fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token,
+                    fmt.bytes_per_token)
+    fp8 = fmt.dtype is KVDtype.FP8
+    kdt = torch.float8_e4m3fn if fp8 else (torch.float32 if fmt.dtype is KVDtype.FP32
+                                           else torch.bfloat16)
+    esz = 4 if fp8 else kdt.itemsize  # the widest view taken of the storage
+    steps = (s * b, s * nl, ib) + ((s * nl + fmt.index_head_dim,) if fp8 else ())
+    if any(x % esz for x in steps) or pages.storage_offset() % esz:
+        raise OpDeclined(f"indexer_logits_paged reads {fmt.dtype.value} index-K in place through "
+                         f"{esz}-byte views: the byte offsets (page {s * b}, index part {s * nl}, "
+                         f"row {ib}, storage offset {pages.storage_offset()}) must be multiples "
+                         f"of {esz}")
+    flat = pages.view(-1)
+    k = flat.view(kdt)
+    ksz = kdt.itemsize
+    kst = (s * b // ksz, s * nl // ksz, ib // ksz)
+    sst = (s * b // 4, (s * nl + fmt.index_head_dim) // 4, ib // 4) if fp8 else (0, 0, 0)
+    return k, kst, sst
+
+
 # ---- the ops ---------------------------------------------------------------------------------
 class PageReader(Protocol):
     """The two KV ops ``sparse_mla_paged`` reads the pool's pages with (a :class:`KVKernels`)."""
@@ -297,12 +387,14 @@ class PageReader(Protocol):
 
 
 class AttentionKernels:
-    """The sparse-attention ops (indexer_logits, topk, sparse_mla, sparse_mla_paged), on CUDA
+    """The sparse-attention ops (indexer_logits, indexer_logits_paged, topk, sparse_mla,
+    sparse_mla_paged), on CUDA
     tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
 
     Args:
         indexer_config: overrides of :data:`INDEXER_DEFAULT` (BLOCK_M, BLOCK_N, num_warps,
-            num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps).
+            num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps, PAGED_BLOCK_N, PAGED_ROWS,
+            paged_warps).
         mla_config: overrides of the sparse-MLA launch and probability split (BLOCK_H,
             BLOCK_K, num_warps, num_stages, P_SPLIT, P_FP16, P_CAT, HEADS_FAST), applied on top
             of the configuration ``mla_precision`` picks.
@@ -417,6 +509,46 @@ class AttentionKernels:
                      {"H": heads, "D": d, "DP": dp, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
                       "UPCAST": upcast},
                      cfg["num_warps"], cfg["num_stages"])
+        return out
+
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor:
+        """The lightning indexer over each row's request keys ``[0, key_end[i])`` read in place
+        from part-major pages through the block table; float32 [N, M * S], -inf past key_end.
+        See :class:`cpkv.ops.api.KVOps`. One launch, no host sync; the output is its only
+        allocation (capturable in a CUDA graph).
+
+        Raises:
+            ValueError: a shape or dtype does not match (as the reference).
+            OpDeclined: the index-K byte offsets do not fit typed views (see
+                :func:`_paged_index_views`).
+        """
+        fp8 = check_indexer_paged_args(q, w, pages, fmt, block_table, row_request, key_end)
+        n, heads, d = q.shape
+        ms = block_table.shape[1] * fmt.page_size
+        keys, kst, sst = _paged_index_views(pages, fmt)
+        out = torch.empty(n, ms, dtype=torch.float32, device=q.device)
+        if n == 0 or ms == 0:
+            return out
+        cfg = self.indexer_config
+        both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
+        upcast = _interpreted(_indexer_paged_kernel) or not (
+            both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
+        # the float32 view for the fp8 scales; float pools: an unused pointer
+        scales = pages.view(-1).view(torch.float32) if fp8 else out
+        bn = min(cfg["PAGED_BLOCK_N"], _pow2(ms))
+        bq = max(1, min(cfg["PAGED_ROWS"], n))
+        hp = _pow2(heads)  # a dot takes at least 16 rows
+        self._launch(("indexer_paged", q.dtype, keys.dtype, heads, d, fmt.page_size, bq, bn,
+                      upcast),
+                     _indexer_paged_kernel, (triton.cdiv(ms, bn), triton.cdiv(n, bq)),
+                     (q, w, keys, scales, block_table, row_request, key_end, out, n, ms,
+                      q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+                      block_table.stride(0), block_table.stride(1), out.stride(0), *kst, *sst),
+                     {"H": heads, "HP": hp, "D": d, "DP": _pow2(d), "S": fmt.page_size,
+                      "BQ": bq, "BLOCK_N": bn, "FP8": fp8, "UPCAST": upcast},
+                     cfg["paged_warps"], cfg["num_stages"])
         return out
 
     # -- top-k ----------------------------------------------------------------------------------

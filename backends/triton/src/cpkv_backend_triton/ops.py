@@ -29,8 +29,8 @@ IMPORT_ERRORS: dict[str, str] = {}
 #: the ops each part implements
 KV_OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE,
                                    Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK})
-ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.TOPK, Op.SPARSE_MLA,
-                                          Op.SPARSE_MLA_PAGED})
+ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.TOPK,
+                                          Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
 ROPE_OPS: frozenset[Op] = frozenset({Op.ROPE})
 
 KV_KERNELS: type[KVKernels] | None
@@ -139,6 +139,13 @@ class TritonOps:
         """See :class:`cpkv.ops.api.KVOps`."""
         return self._need(self.attention_kernels, "attention").indexer_logits(
             q, w, k, k_scale, key_start, key_end)
+
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor:
+        """See :class:`cpkv.ops.api.KVOps`."""
+        return self._need(self.attention_kernels, "attention").indexer_logits_paged(
+            q, w, pages, fmt, block_table, row_request, key_end)
 
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:
