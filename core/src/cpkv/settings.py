@@ -42,6 +42,7 @@ __all__ = [
     "BackendSettings",
     "CPSettings",
     "CacheSettings",
+    "DecodeSettings",
     "FallbackSettings",
     "KVSettings",
     "LogSettings",
@@ -271,6 +272,18 @@ class RuntimeSettings(_Section):
         return v
 
 
+class DecodeSettings(_Section):
+    """The decode rank's steps (:class:`~cpkv.runtime.decode.DecodeWorker`)."""
+
+    cuda_graphs: bool = Field(
+        True, description="on CUDA, capture each decode step shape (batch bucket x block-table "
+                          "width) once in a CUDA graph and replay it; false: eager steps "
+                          "(reported as fallback decode_eager). CPUs always run eagerly")
+    max_batch: int = Field(
+        128, ge=1, description="the largest batch bucket captured (buckets are the powers of two "
+                               "up to it); a larger batch runs eagerly")
+
+
 class LogSettings(_Section):
     """Logging of the ``cpkv`` command (the library itself never configures logging)."""
 
@@ -450,6 +463,7 @@ class Settings(BaseSettings):
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     run: RunSettings = Field(default_factory=RunSettings)
+    decode: DecodeSettings = Field(default_factory=DecodeSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     def __init__(self, **values: Any) -> None:

@@ -85,8 +85,10 @@ class FlashMLAOps:
 
     def __init__(self, flash_mla: ModuleType) -> None:
         self._fm = flash_mla
-        #: the decode kernel's tile-scheduler metadata (get_mla_metadata(), made once)
-        self._meta: object | None = None
+        #: the decode kernel's tile-scheduler metadata per call shape (rows, heads, picks, page
+        #: size): FlashMLA fixes a metadata object to the shape of its first call (it asserts
+        #: the same shape afterwards), and a CUDA graph replays the buffers it was captured with
+        self._metas: dict[tuple[int, int, int, int], object] = {}
 
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                    dv: int) -> torch.Tensor:
@@ -130,10 +132,12 @@ class FlashMLAOps:
         p, ps, b = pages.shape
         # the latent block of every page, as FlashMLA's k_cache [blocks, block_size, 1, 656]
         k_cache = pages.view(p, ps * b)[:, :ps * FP8_TOKEN_BYTES].view(p, ps, 1, FP8_TOKEN_BYTES)
-        if self._meta is None:
-            self._meta = self._fm.get_mla_metadata()[0]
+        key = (n, h, rows.shape[1], ps)
+        meta = self._metas.get(key)
+        if meta is None:
+            meta = self._metas[key] = self._fm.get_mla_metadata()[0]
         out, _lse = self._fm.flash_mla_with_kvcache(
             q.contiguous().view(n, 1, h, -1), k_cache.view(KCACHE_DTYPE), None, None, dv,
-            self._meta, None, scale, False, True, rows.contiguous().view(n, 1, -1),
+            meta, None, scale, False, True, rows.contiguous().view(n, 1, -1),
             use_legacy=True)
         return out.view(n, h, dv)

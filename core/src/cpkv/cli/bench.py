@@ -500,3 +500,46 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
                    f"token projected {longest['seconds'] / 8:.2f} s "
                    f"({longest['tokens'] // 8} rows a rank)")
     _report("long", rows, out, detail, summary)
+
+
+@command.command("decode")
+@click.option("--out", type=click.Path(dir_okay=False),
+              default="benchmarks/results/decode_h200.json", show_default=True)
+@click.option("--batches", default="1,8,64", show_default=True,
+              help="Requests per decode step (comma-separated).")
+@click.option("--contexts", default="4096,65536,131072", show_default=True,
+              help="Tokens of KV each request holds (comma-separated).")
+@click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True,
+              help="Timed steps per run (median).")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--mtp/--no-mtp", default=True, show_default=True,
+              help="Also speculative decoding (k = 1, 2) on the stack with an agreeing MTP layer.")
+def decode_cmd(out: str, batches: str, contexts: str, steps: int, layers: int, mtp: bool) -> None:
+    """Decode steps on one GPU: CUDA graphs vs eager, wall time over GPU time, tokens/s."""
+    import tempfile
+
+    import torch
+
+    from cpkv.bench import decode
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.models.tiny import PRESETS
+    from cpkv.runtime import run_ranks
+
+    if not torch.cuda.is_available():
+        raise click.ClickException("cpkv bench decode needs a CUDA device")
+    ctxs = _ints(contexts)
+    preset = PRESETS["v32-attention"]
+    stack = {**preset, "num_hidden_layers": layers, "first_k_dense_replace": layers,
+             "max_position_embeddings": max(preset["max_position_embeddings"], *ctxs) + 4096}
+    tmp = Path(tempfile.mkdtemp())
+    ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, num_nextn_predict_layers=0, **stack))
+    agree = None
+    if mtp:
+        agree = str(write_tiny_checkpoint(tmp / "agree", seed=0, draft="agree",
+                                          num_nextn_predict_layers=1, **stack))
+    spec = decode.DecodeBenchSpec(ckpt, _ints(batches), ctxs, steps, mtp_model_dir=agree)
+    Console(stderr=True).print(f"[dim]{layers}-layer stack: batches {spec.batches} at "
+                               f"contexts {spec.contexts}, graphs and eager[/]")
+    res = run_ranks(decode.decode_bench_rank, 1, args=(spec,), backend="nccl",
+                    timeout_s=3600)[0].value
+    _report("decode", decode.decode_rows(res), out, res)

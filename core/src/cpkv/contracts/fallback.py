@@ -48,6 +48,9 @@ class FallbackReason(StrEnum):
     #: the selected backend cannot take a call (shape, dtype, device: ``OpDeclined``); the next
     #: backend of the preference that provides the op runs it
     OP_DECLINED = "op_declined"
+    #: a decode step runs eagerly on a CUDA device instead of replaying a CUDA graph
+    #: (``decode.cuda_graphs = false``, a batch past ``decode.max_batch``, a capture that failed)
+    DECODE_EAGER = "decode_eager"
 
 
 class FallbackPolicy(StrEnum):

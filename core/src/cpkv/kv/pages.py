@@ -21,6 +21,9 @@ class RequestPages:
     valid_len: int = 0
     #: pages reserved by a batch that is not committed yet
     pending: list[int] = field(default_factory=list)
+    #: bumped by the page table whenever ``slots`` change (a copy of the table is current while
+    #: the request object and this number are the same)
+    version: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)

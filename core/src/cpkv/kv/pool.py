@@ -165,6 +165,12 @@ class ShardedKVPool:
         """
         self.store.write(layer, batch, latent, index_k)
 
+    def write_rows(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
+                   index_k: torch.Tensor) -> None:
+        """Store KV rows at token rows ``rows`` of ``layer`` outside a batch (the decode step;
+        see :meth:`KVStore.write_rows`): the caller holds the pages."""
+        self.store.write_rows(layer, rows, latent, index_k)
+
     def relayout(self, slots: Sequence[int], layout: PageLayout) -> None:
         """Pages at ``slots`` (every layer) hold blocks in ``layout`` (written by a one-sided
         transfer from pools of that layout): rewrite them in place in this pool's layout."""

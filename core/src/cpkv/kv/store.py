@@ -146,6 +146,21 @@ class KVStore:
         self.latent[layer].index_put_((page, off), latent)
         self.index_k[layer].index_put_((page, off), index_k)
 
+    def write_rows(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
+                   index_k: torch.Tensor) -> None:
+        """Store KV rows (compute dtype, [N, D]) at token rows ``rows`` (int64 [N], page slot x
+        ps + offset) of ``layer``, read from the device each call: the decode step's write
+        (device work only; ``rows`` is a persistent buffer whose values change between calls)."""
+        lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
+        idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
+        if self.layout is PageLayout.TOKEN_MAJOR:
+            self._store(layer, rows, lat_b, idx_b)
+            return
+        ps = self.fmt.page_size
+        page, off = rows // ps, rows % ps
+        self.latent[layer].index_put_((page, off), lat_b)
+        self.index_k[layer].index_put_((page, off), idx_b)
+
     def relayout(self, slots: Sequence[int], layout: PageLayout) -> None:
         """Pages at ``slots`` (every layer) hold blocks in ``layout``: rewrite them in place in
         this store's layout."""

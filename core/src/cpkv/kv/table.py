@@ -154,6 +154,7 @@ class PageTable:
                 continue
             fresh = take(rp.owners[k])
             rp.slots[k] = fresh
+            rp.version += 1
             self._refs.drop([self.key(rp.owners[k], old)])  # still held by the others
             copies.append((rid, k, old, fresh))
         for rid, _existing, owners in new:
@@ -162,6 +163,7 @@ class PageTable:
                 rp.owners.append(o)
                 rp.slots.append(take(o))
                 rp.pending.append(len(rp.slots) - 1)
+            rp.version += 1
         for a, got in enumerate(slots):  # copies that turned out unneeded: their pages go back
             self._refs.give_back(a, got[cursor[a]:])
         return Reservation(rids=tuple(rids), ends=tuple(r.end for r in plan.requests),
@@ -181,11 +183,13 @@ class PageTable:
             self.retain([(rp.owners[k], old)])
             self._refs.drop([self.key(rp.owners[k], fresh)])
             rp.slots[k] = old
+            rp.version += 1
         for rid, first_new in res.new_pages:
             rp = self._requests[rid]
             self._refs.drop(self.key(rp.owners[k], rp.slots[k])
                             for k in range(first_new, len(rp.slots)))
             del rp.owners[first_new:], rp.slots[first_new:]
+            rp.version += 1
             rp.pending.clear()
             if not rp.slots:
                 del self._requests[rid]
@@ -217,6 +221,7 @@ class PageTable:
         freed = self._refs.drop(self.key(o, s) for o, s in zip(rp.owners[keep:], rp.slots[keep:],
                                                                strict=True))
         del rp.owners[keep:], rp.slots[keep:]
+        rp.version += 1
         rp.valid_len = valid_len
         return freed
 
@@ -251,6 +256,8 @@ class PageTable:
         rp = self._requests.setdefault(rid, RequestPages())
         rp.owners.extend(o for o, _ in pages)
         rp.slots.extend(s for _, s in pages)
+        if pages:
+            rp.version += 1
         rp.valid_len = valid_len
 
     # ---- pages held outside requests (the prefix cache, transfers) ----------------------------

@@ -1,19 +1,20 @@
 """The decode worker (not CP): greedy decode steps over KV received from the prefill ranks.
 
 The decode pool is a one-rank, full-layout :class:`~cpkv.kv.ShardedKVPool` (``CPGroup.single()``)
-that a :class:`~cpkv.disagg.DecodeReceiver` fills. A decode step is a one-token extend of each
-request through the same driver as prefill (:class:`~cpkv.runtime.prefill.CPPrefill` on a
-one-rank group): it embeds the new token, computes its KV, appends it to the request's pages
-(finishing the tail page first), and runs the indexer, top-k and sparse attention over the full
-layout. :class:`DecodeSession` is what a decode process embeds: the worker plus the receiving
-side of a transfer (:meth:`DecodeSession.connect`, :meth:`DecodeSession.receive`).
-The job's reference (:func:`cpkv.runtime.job.reference_rank`) is the same greedy generation in
-one process, prefill included.
+that a :class:`~cpkv.disagg.DecodeReceiver` fills. A decode step (and speculative decoding's
+verify and draft steps) is a lean step of :class:`~cpkv.runtime.decoder.LeanDecoder`: the new
+tokens' KV appended to their request's pages, the indexer and sparse attention reading the pages
+in place through a block table; replayed from CUDA graphs on GPUs. :func:`decode_step` is the
+same step through the prefill driver (a one-token extend), the reference. :class:`DecodeSession`
+is what a decode process embeds: the worker plus the receiving side of a transfer
+(:meth:`DecodeSession.connect`, :meth:`DecodeSession.receive`).
+The job's reference (:func:`cpkv.runtime.job.reference_rank`) is greedy generation through the
+prefill driver in one process, prefill included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,7 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import MaterializeMode, PageLayout
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
+from .decoder import LeanDecoder
 from .session import PrefillSession
 from .speculative import SpeculationStats, speculative_generate
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from cpkv.plugin import PluginHost
     from cpkv.settings import Settings
 
-__all__ = ["DecodeSession", "DecodeWorker", "decode_step", "generate", "greedy"]
+__all__ = ["DecodeSession", "DecodeWorker", "decode_step", "generate", "generate_with", "greedy"]
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
@@ -46,10 +48,17 @@ def decode_step(session: PrefillSession, batch: Sequence[tuple[Hashable, int]]) 
 def generate(session: PrefillSession, first: Sequence[tuple[Hashable, int]],
              num_tokens: int) -> list[list[int]]:
     """``num_tokens`` greedy tokens per request: ``first`` then ``num_tokens - 1`` steps."""
+    return generate_with(lambda batch: decode_step(session, batch), first, num_tokens)
+
+
+def generate_with(step: Callable[[Sequence[tuple[Hashable, int]]], list[int]],
+                  first: Sequence[tuple[Hashable, int]], num_tokens: int) -> list[list[int]]:
+    """``num_tokens`` greedy tokens per request by ``step``: ``first`` then ``num_tokens - 1``
+    steps, every request in each."""
     out = [[tok] for _, tok in first]
     cur = list(first)
     for _ in range(num_tokens - 1):
-        nxt = decode_step(session, cur)
+        nxt = step(cur)
         for o, t in zip(out, nxt, strict=True):
             o.append(t)
         cur = [(rid, t) for (rid, _), t in zip(cur, nxt, strict=True)]
@@ -81,22 +90,28 @@ class DecodeWorker:
                                       host)
         self.pool = self.session.pool
         self.receiver = DecodeReceiver(self.pool, debug=settings.debug)
+        #: the lean steps (graphs on CUDA)
+        self.decoder = LeanDecoder(model, self.pool, self.session.ops,
+                                   cuda_graphs=settings.decode.cuda_graphs,
+                                   max_batch=settings.decode.max_batch,
+                                   indexer_fp8=settings.runtime.indexer_dtype == "fp8")
 
     def step(self, batch: Sequence[tuple[Hashable, int]]) -> list[int]:
         """One decode step: append each request's token, return the next greedy tokens."""
-        return decode_step(self.session, batch)
+        return self.decoder.step(batch)
 
     def generate(self, first: Sequence[tuple[Hashable, int]], num_tokens: int) -> list[list[int]]:
         """``num_tokens`` greedy tokens per request: the first one (from the prefill's logits)
         then ``num_tokens - 1`` decode steps, all requests batched together."""
-        return generate(self.session, first, num_tokens)
+        return generate_with(self.step, first, num_tokens)
 
     def speculate(self, first: Sequence[tuple[Hashable, int, int]], num_tokens: int,
                   draft_tokens: int = 1) -> tuple[list[list[int]], SpeculationStats]:
         """``num_tokens`` greedy tokens per request by speculative decoding with the MTP layer
         (``first``: request id, first token, the prefill's first draft); see
         :func:`~cpkv.runtime.speculative.speculative_generate`."""
-        return speculative_generate(self.session, first, num_tokens, draft_tokens)
+        return speculative_generate(self.session, first, num_tokens, draft_tokens,
+                                    steps=self.decoder)
 
     def release(self, rid: Hashable) -> None:
         self.pool.free(rid)

@@ -22,14 +22,55 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .decoder import Verified
+
 if TYPE_CHECKING:
+    from cpkv.kv import ShardedKVPool
+
     from .session import PrefillSession
 
-__all__ = ["SpeculationStats", "speculative_generate"]
+__all__ = ["DriverSteps", "SpeculationStats", "SpeculativeSteps", "speculative_generate"]
+
+
+class SpeculativeSteps(Protocol):
+    """The two steps speculative decoding takes (:class:`~cpkv.runtime.decoder.LeanDecoder`, or
+    the prefill driver through :class:`DriverSteps`)."""
+
+    def verify(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> Verified: ...
+
+    def draft(self, batch: Sequence[tuple[Hashable, int]], h: torch.Tensor
+              ) -> tuple[list[int], torch.Tensor]: ...
+
+
+class DriverSteps:
+    """:class:`SpeculativeSteps` through the prefill driver (a one-rank session): the verify
+    step is a batch with every row's logits and the draft layer fed the target's choices, the
+    draft step :meth:`~cpkv.runtime.prefill.CPPrefill.run_draft`."""
+
+    def __init__(self, session: PrefillSession) -> None:
+        self.session = session
+
+    def verify(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> Verified:
+        res = self.session.prefill(batch, all_logits=True, draft_next="greedy")
+        assert res.all_logits is not None and res.all_draft_logits is not None
+        assert res.all_draft_hidden is not None
+        choice = res.all_logits.argmax(dim=-1).tolist()  # one host sync per step
+        guess = res.all_draft_logits.argmax(dim=-1).tolist()
+        c, g, row = [], [], 0
+        for _, ids in batch:
+            c.append(choice[row:row + len(ids)])
+            g.append(guess[row:row + len(ids)])
+            row += len(ids)
+        return Verified(c, g, res.all_draft_hidden)
+
+    def draft(self, batch: Sequence[tuple[Hashable, int]], h: torch.Tensor
+              ) -> tuple[list[int], torch.Tensor]:
+        logits, hd = self.session.driver.run_draft(batch, h)
+        return logits.argmax(dim=-1).tolist(), hd
 
 
 @dataclass
@@ -73,11 +114,15 @@ class SpeculationStats:
 
 def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable, int, int]],
                          num_tokens: int, draft_tokens: int = 1,
+                         steps: SpeculativeSteps | None = None,
                          ) -> tuple[list[list[int]], SpeculationStats]:
     """``num_tokens`` greedy tokens per request by speculative decoding on a one-rank session
     whose model has its MTP layer: ``first`` is ``(request id, first token, first draft)`` per
     request (the prefill's greedy token and its MTP row's guess of the token after it).
     ``draft_tokens`` (k) drafts are verified per step (the first step verifies one).
+
+    ``steps``: how the verify and draft steps run (the decode worker's lean steps); the prefill
+    driver's (:class:`DriverSteps`) when None.
 
     Returns the tokens (the first one included) and the statistics.
 
@@ -90,6 +135,7 @@ def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable
         raise ValueError("speculative decoding needs the model's MTP layer (load it with mtp=True)")
     if session.group.size != 1:
         raise ValueError("speculative decoding runs on the (non-CP) decode rank")
+    run = steps if steps is not None else DriverSteps(session)
     pool = session.pool
     stats = SpeculationStats(draft_tokens=draft_tokens, plain_steps=max(0, num_tokens - 1))
     out = {rid: [tok] for rid, tok, _ in first}
@@ -101,49 +147,44 @@ def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable
     while active:
         batch = [(rid, [pending[rid], *drafts[rid]]) for rid in active]
         base = {rid: pool.table[rid].valid_len for rid in active}
-        res = session.prefill(batch, all_logits=True, draft_next="greedy")
-        assert res.all_logits is not None and res.all_draft_logits is not None
-        assert res.all_draft_hidden is not None
-        choice = res.all_logits.argmax(dim=-1).tolist()  # one host sync per step
-        guess = res.all_draft_logits.argmax(dim=-1).tolist()
+        res = run.verify(batch)
         stats.steps += 1
         chain: list[tuple[Hashable, int, int]] = []  # (rid, first new draft, its row)
         row = 0
-        for rid, ids in batch:
+        for (rid, ids), choice, guess in zip(batch, res.choice, res.guess, strict=True):
             d = ids[1:]
             a = 0
-            while a < len(d) and d[a] == choice[row + a]:
+            while a < len(d) and d[a] == choice[a]:
                 a += 1
             stats.proposed += len(d)
             stats.accepted += a
             stats.request_steps += 1
             stats.accepted_per_request[str(rid)].append(a)
-            out[rid].extend(choice[row:row + a + 1])
-            pending[rid] = choice[row + a]
+            out[rid].extend(choice[:a + 1])
+            pending[rid] = choice[a]
             pool.truncate(rid, base[rid] + a + 1)  # rows of rejected drafts go
-            chain.append((rid, guess[row + a], row + a))
+            chain.append((rid, guess[a], row + a))
             row += len(ids)
         active = [rid for rid in active if len(out[rid]) < num_tokens]
         chain = [c for c in chain if c[0] in active]
         for rid, d1, _ in chain:
             drafts[rid] = [d1]
         if draft_tokens > 1 and chain:
-            _chain(session, chain, res.all_draft_hidden, drafts, draft_tokens)
+            _chain(run, pool, chain, res.hidden, drafts, draft_tokens)
     return [out[rid][:num_tokens] for rid, _, _ in first], stats
 
 
-def _chain(session: PrefillSession, chain: Sequence[tuple[Hashable, int, int]],
+def _chain(run: SpeculativeSteps, pool: ShardedKVPool, chain: Sequence[tuple[Hashable, int, int]],
            hidden: torch.Tensor, drafts: dict[Hashable, list[int]], k: int) -> None:
     """Drafts 2..k: the MTP layer on its own output, one position further each time (its
     speculative KV rows are dropped once the chain is done)."""
-    pool, driver = session.pool, session.driver
     rids = [rid for rid, _, _ in chain]
     keep = {rid: pool.table[rid].valid_len for rid in rids}
     h = hidden[torch.tensor([r for _, _, r in chain], device=hidden.device)]
     try:
         for _ in range(k - 1):
-            logits, h = driver.run_draft([(rid, drafts[rid][-1]) for rid in rids], h)
-            for rid, t in zip(rids, logits.argmax(dim=-1).tolist(), strict=True):
+            guess, h = run.draft([(rid, drafts[rid][-1]) for rid in rids], h)
+            for rid, t in zip(rids, guess, strict=True):
                 drafts[rid].append(t)
     finally:
         for rid in rids:

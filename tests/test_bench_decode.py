@@ -1,0 +1,30 @@
+"""cpkv bench decode on a CPU (its GPU numbers are in docs/perf.md): every run measured, the rows
+built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cpkv.bench.decode import DecodeBenchSpec, decode_bench_rank, decode_rows
+from cpkv.comm import CPGroup
+from cpkv.models import write_tiny_checkpoint
+
+
+def test_decode_bench_runs_and_rows(tmp_path: Path) -> None:
+    ckpt = write_tiny_checkpoint(tmp_path / "m", seed=1, num_nextn_predict_layers=0)
+    agree = write_tiny_checkpoint(tmp_path / "a", seed=3, draft="agree")
+    spec = DecodeBenchSpec(str(ckpt), batches=(1, 3), contexts=(40,), steps=3, page_size=8,
+                           mtp_model_dir=str(agree), mtp_shapes=((2, 40),), mtp_tokens=6)
+    res = decode_bench_rank(CPGroup.single(), spec)
+    assert set(res["runs"]) == {"1x40/graphs", "1x40/eager", "3x40/graphs", "3x40/eager"}
+    for run in res["runs"].values():
+        assert run["wall_ms"] > 0 and run["gpu_ms"] > 0
+        assert run["graph"] is False  # a CPU steps eagerly
+    assert res["runs"]["3x40/eager"]["shape"] == [4, 16]  # 3 requests -> a bucket of 4
+    spec_runs = res["speculative"]
+    assert set(spec_runs) == {f"2x40/k{k}/{m}" for k in (1, 2) for m in ("graphs", "eager")}
+    assert all(r["equal_plain"] for r in spec_runs.values())  # speculation = plain greedy
+    names = [r.name for r in decode_rows(res)]
+    assert names == ["decode_1x40_wall_over_gpu", "decode_1x40_graph_speedup",
+                     "decode_3x40_wall_over_gpu", "decode_3x40_graph_speedup",
+                     "decode_mtp_k1_2x40_graph_speedup", "decode_mtp_k2_2x40_graph_speedup"]
