@@ -532,11 +532,12 @@ def decode_cmd(out: str, batches: str, contexts: str, steps: int, layers: int, m
     stack = {**preset, "num_hidden_layers": layers, "first_k_dense_replace": layers,
              "max_position_embeddings": max(preset["max_position_embeddings"], *ctxs) + 4096}
     tmp = Path(tempfile.mkdtemp())
-    ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, num_nextn_predict_layers=0, **stack))
+    ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0,
+                                     **{**stack, "num_nextn_predict_layers": 0}))
     agree = None
     if mtp:
         agree = str(write_tiny_checkpoint(tmp / "agree", seed=0, draft="agree",
-                                          num_nextn_predict_layers=1, **stack))
+                                          **{**stack, "num_nextn_predict_layers": 1}))
     spec = decode.DecodeBenchSpec(ckpt, _ints(batches), ctxs, steps, mtp_model_dir=agree)
     Console(stderr=True).print(f"[dim]{layers}-layer stack: batches {spec.batches} at "
                                f"contexts {spec.contexts}, graphs and eager[/]")
