@@ -13,14 +13,16 @@ import torch
 
 from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackReason, MaterializeMode, PageLayout
+from cpkv.disagg import manifest_for
 from cpkv.fallback import recording
-from cpkv.kv import PoolExhausted
+from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 from cpkv.models import DeepseekV32, write_tiny_checkpoint
-from cpkv.runtime.decode import DecodeWorker, decode_step, greedy
+from cpkv.runtime.decode import DecodeWorker, decode_step, generate, greedy
 from cpkv.runtime.decoder import DecodeShape, bucket_of
 from cpkv.runtime.session import PrefillSession
 from cpkv.runtime.speculative import speculative_generate
 from cpkv.settings import Settings, load_settings
+from helpers import deliver
 
 PAGE = 8
 
@@ -205,6 +207,34 @@ def test_lean_speculation_equals_plain_greedy(agree: Path, k: int) -> None:
             w.append(t)
         cur = [(rid, t) for (rid, _), t in zip(cur, nxt, strict=True)]
     assert runs[0][0] == want
+
+
+class _Source:
+    """A prefill rank as the transfer helpers see it (its pool)."""
+
+    def __init__(self, pool: ShardedKVPool) -> None:
+        self.pool = pool
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_transferred_request_decodes_the_same(ckpt: Path, device: str) -> None:
+    """A request prefilled on a (token-major) prefill pool and received by the decode worker
+    (reserve, pages placed, complete: the transfer protocol without a network) decodes the
+    tokens the prefill session's own driver decodes; on a GPU from CUDA-graph replays."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = DeepseekV32.load(ckpt, dtype=dtype, device=device)
+    s = _settings("fp8")
+    prefill = PrefillSession(model, s, CPGroup.single(device))
+    first = greedy(prefill.prefill([("a", _prompts(3)[2])]).last_logits)[0]
+    rp = prefill.pool.table["a"]
+    m = manifest_for("a", RequestPages(list(rp.owners), list(rp.slots), rp.valid_len), PAGE, 1)
+    worker = DecodeWorker(model, s, device)
+    worker.receiver.reserve(m)
+    assert worker.receiver.complete(m, deliver(worker.receiver, [_Source(prefill.pool)], m))
+    got = worker.generate([("a", first)], 20)
+    want = generate(prefill, [("a", first)], 20)
+    assert got == want
+    assert worker.decoder.last is not None and worker.decoder.last.graph is (device == "cuda")
 
 
 # ---- GPU: graphs --------------------------------------------------------------------------------

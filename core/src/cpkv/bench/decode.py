@@ -28,7 +28,7 @@ import torch
 
 from .timing import device_ms
 
-__all__ = ["DecodeBenchSpec", "decode_bench_rank", "decode_rows"]
+__all__ = ["DecodeBenchSpec", "decode_bench_rank", "decode_rows", "filled_worker"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def _measure(worker: Any, rids: list[Hashable], steps: int) -> dict[str, Any]:
             [dec.last.shape.batch, dec.last.shape.pages]}
 
 
-def _worker(model: Any, spec: DecodeBenchSpec, b: int, ctx: int, graphs: bool,
+def filled_worker(model: Any, spec: DecodeBenchSpec, b: int, ctx: int, graphs: bool,
             dev: torch.device) -> tuple[Any, list[Hashable]]:
     """A decode worker holding ``b`` requests of ``ctx`` tokens of KV each."""
     from cpkv.runtime.decode import DecodeWorker
@@ -127,7 +127,7 @@ def decode_bench_rank(group: Any, spec: DecodeBenchSpec) -> dict[str, Any]:
     for ctx in spec.contexts:
         for b in spec.batches:
             for graphs in (True, False):
-                worker, rids = _worker(model, spec, b, ctx, graphs, dev)
+                worker, rids = filled_worker(model, spec, b, ctx, graphs, dev)
                 run = _measure(worker, rids, spec.steps)
                 run["ops"] = dict(worker.session.ops.chosen)
                 out["runs"][f"{b}x{ctx}/{'graphs' if graphs else 'eager'}"] = run
@@ -149,13 +149,13 @@ def _speculation(spec: DecodeBenchSpec, dev: torch.device) -> dict[str, Any]:
     res: dict[str, Any] = {}
     n = spec.mtp_tokens
     for b, ctx in spec.mtp_shapes:
-        worker, rids = _worker(model, spec, b, ctx, True, dev)
+        worker, rids = filled_worker(model, spec, b, ctx, True, dev)
         plain = worker.generate([(rid, 1) for rid in rids], n)
         del worker
         _done()
         for k in spec.mtp_drafts:
             for graphs in (True, False):
-                worker, rids = _worker(model, spec, b, ctx, graphs, dev)
+                worker, rids = filled_worker(model, spec, b, ctx, graphs, dev)
                 first = [(rid, 1, 1) for rid in rids]
                 worker.speculate(first, 8, draft_tokens=k)  # compiles, captures
                 for rid in rids:  # the same requests again, from their context
