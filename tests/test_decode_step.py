@@ -220,7 +220,9 @@ class _Source:
 def test_transferred_request_decodes_the_same(ckpt: Path, device: str) -> None:
     """A request prefilled on a (token-major) prefill pool and received by the decode worker
     (reserve, pages placed, complete: the transfer protocol without a network) decodes the
-    tokens the prefill session's own driver decodes; on a GPU from CUDA-graph replays."""
+    tokens the prefill session's own driver decodes (CPU: the float32 reference ops); on a GPU,
+    from CUDA-graph replays, the tokens of eager steps on the same received pages (the driver's
+    kernels round differently there: FlashMLA's prefill kernel instead of its decode kernel)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = DeepseekV32.load(ckpt, dtype=dtype, device=device)
     s = _settings("fp8")
@@ -228,11 +230,21 @@ def test_transferred_request_decodes_the_same(ckpt: Path, device: str) -> None:
     first = greedy(prefill.prefill([("a", _prompts(3)[2])]).last_logits)[0]
     rp = prefill.pool.table["a"]
     m = manifest_for("a", RequestPages(list(rp.owners), list(rp.slots), rp.valid_len), PAGE, 1)
-    worker = DecodeWorker(model, s, device)
-    worker.receiver.reserve(m)
-    assert worker.receiver.complete(m, deliver(worker.receiver, [_Source(prefill.pool)], m))
+
+    def received(settings: Settings) -> DecodeWorker:
+        worker = DecodeWorker(model, settings, device)
+        worker.receiver.reserve(m)
+        assert worker.receiver.complete(m, deliver(worker.receiver, [_Source(prefill.pool)], m))
+        return worker
+
+    worker = received(s)
     got = worker.generate([("a", first)], 20)
-    want = generate(prefill, [("a", first)], 20)
+    if device == "cuda":
+        eager = received(s.model_copy(update={"decode": s.decode.model_copy(
+            update={"cuda_graphs": False})}))
+        want = eager.generate([("a", first)], 20)
+    else:
+        want = generate(prefill, [("a", first)], 20)
     assert got == want
     assert worker.decoder.last is not None and worker.decoder.last.graph is (device == "cuda")
 
