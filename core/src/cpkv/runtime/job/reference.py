@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import time
 
-from cpkv.comm import CPGroup
-
-from ..decode import generate, greedy
+from ..decode import DecodeWorker, greedy
 from ..prefill import PrefillResult
 from .report import RankReport, rank_report
-from .spec import JobSpec, open_session, prefill_batches
+from .spec import JobSpec, prefill_batches
 
 __all__ = ["reference_rank"]
 
@@ -17,10 +15,18 @@ __all__ = ["reference_rank"]
 def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
     """Prefill on one rank in the job's batches **without** a prefix cache (every prompt
     computed whole), then ``spec.decode_tokens`` greedy tokens per prompt with the same batched
-    steps as the decode rank. ``spec.settings.cp.size`` must be 1. The report's ``seconds``
-    has "load", "prefill" and "decode" (generation) wall times."""
-    group = CPGroup.single("cuda:0" if spec.device == "cuda" else "cpu")
-    session, load_s = open_session(group, spec)
+    steps as the decode rank: a :class:`DecodeWorker`'s (its one-rank session prefills, its lean
+    steps decode), so that the comparison isolates what CP prefill and the transfer do.
+    ``spec.settings.cp.size`` must be 1. The report's ``seconds`` has "load", "prefill" and
+    "decode" (generation) wall times."""
+    from cpkv.models import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(spec.model_dir, dtype=spec.dtype,
+                       device="cuda:0" if spec.device == "cuda" else "cpu", mtp=spec.mtp)
+    worker = DecodeWorker(model, spec.settings, model.device)
+    session, group = worker.session, worker.session.group
+    load_s = time.perf_counter() - t0
     first: dict[int, int] = {}
 
     def keep(batch: list[tuple[int, bool]], res: PrefillResult) -> None:
@@ -31,7 +37,7 @@ def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
     rep = rank_report(group, session, served, load_s)
     rids = spec.rids
     t0 = time.perf_counter()
-    tokens = (generate(session, [(rids[i], first[i]) for i in range(len(rids))], spec.decode_tokens)
+    tokens = (worker.generate([(rids[i], first[i]) for i in range(len(rids))], spec.decode_tokens)
               if spec.decode_tokens else [])
     rep.seconds["decode"] = time.perf_counter() - t0
     return rep, tokens
