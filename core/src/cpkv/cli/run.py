@@ -166,8 +166,11 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
                       soft_wrap=True)
         match = rep.decode["tokens_match_reference"]
         verdict = "[green]correct[/]" if match else "[red]MISMATCH[/]"
-        console.print(f"{verdict}: decode greedy tokens vs one-process generation: "
-                      f"{rep.decode['tokens']}", soft_wrap=True)
+        st = rep.decode.get("steps", {})
+        how = (f"CUDA graphs ({st.get('captured', 0)} step shapes captured)" if st.get("graphs")
+               else "eager")
+        console.print(f"{verdict}: decode greedy tokens vs one-process generation ({how} "
+                      f"steps): {rep.decode['tokens']}", soft_wrap=True)
         ok = ok and match
     if rep.draft is not None:
         d = rep.draft

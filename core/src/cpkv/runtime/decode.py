@@ -15,7 +15,7 @@ prefill driver in one process, prefill included.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -116,6 +116,12 @@ class DecodeWorker:
     def release(self, rid: Hashable) -> None:
         self.pool.free(rid)
 
+    def steps_info(self) -> dict[str, Any]:
+        """How the decode steps ran so far: whether the last one replayed a CUDA graph, and how
+        many step shapes were captured."""
+        last = self.decoder.last
+        return {"graphs": bool(last is not None and last.graph), "captured": self.decoder.captures}
+
 
 class DecodeSession:
     """A decode process's side of prefill -> decode transfer: a :class:`DecodeWorker` and the
@@ -174,3 +180,7 @@ class DecodeSession:
     def release(self, rid: Hashable) -> None:
         """Free a finished request's pages."""
         self.worker.release(rid)
+
+    def steps_info(self) -> dict[str, Any]:
+        """How the decode steps ran (see :meth:`DecodeWorker.steps_info`)."""
+        return self.worker.steps_info()

@@ -66,4 +66,4 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
                         seconds={"load": load_s, "receive": receive_s,
                                  "decode": time.perf_counter() - t0}, page_crcs=crcs,
                         valid_crcs=valid, speculation=speculation,
-                        kv_layers=decode.pool.num_layers)
+                        kv_layers=decode.pool.num_layers, steps=decode.steps_info())

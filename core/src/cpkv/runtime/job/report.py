@@ -88,6 +88,9 @@ class DecodeReport:
     speculation: dict[str, Any] | None = None
     #: layers of the decode pool (the MTP layer's included)
     kv_layers: int = 0
+    #: how the decode steps ran: {"graphs": the last step replayed a CUDA graph, "captured":
+    #: step shapes captured}
+    steps: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
