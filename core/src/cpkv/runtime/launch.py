@@ -481,7 +481,7 @@ def _oversubscribed_hint(size: int) -> str:
 
 # C901: one event loop over the ranks' pipes, sentinels and stderr; every branch updates the
 # same state (ready, results, errors, deaths, deadline, phase): split, it would pass all of it
-def _supervise(  # noqa: C901
+def _supervise(
     procs: list[Any],
     conns: dict[int, Connection],
     size: int,
@@ -492,108 +492,160 @@ def _supervise(  # noqa: C901
     logs: RankLogMerger | None = None,
     errs: dict[int, Connection] | None = None,
 ) -> list[RankResult]:
-    ready: set[int] = set()
-    results: dict[int, RankResult] = {}
-    errors: dict[int, tuple[str, str, str, float]] = {}  # rank -> (type, message, tb, when)
-    deaths: dict[int, tuple[int | None, float]] = {}  # rank -> (exitcode, observed when)
-    waiting: dict[int, str] = {}  # rank -> the collective it last said it waits in
-    open_conns = dict(conns)
-    errs = errs if errs is not None else {}
-    lines = StderrLines(logs) if logs is not None else None
-    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-    deadline = time.monotonic() + startup_timeout_s
-    phase = "startup"
-    failed_at: float | None = None
+    """Wait for every rank's result (see :class:`_Supervisor`); raise the first failure's root
+    cause, or :class:`RankTimeout`."""
+    sup = _Supervisor(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names, logs,
+                      errs if errs is not None else {})
+    return sup.run()
 
-    def done(rank: int) -> bool:
-        return rank in results or rank in errors or rank in deaths
 
-    while len(results) < size:
-        now = time.monotonic()
-        if failed_at is not None and (now >= failed_at + settle_s or all(map(done, range(size)))):
-            break
-        if now >= deadline:
-            if failed_at is not None:
+class _Supervisor:
+    """The parent's side of a rank launch: reads each rank's reports (log events, the collective
+    it waits in, ready, its result or error), its stderr and its exit, until every rank reported
+    a result; after a first failure it waits ``settle_s`` for the other ranks' reports, so that
+    the root cause (not a peer's broken pipe) is what gets raised."""
+
+    def __init__(self, procs: list[Any], conns: dict[int, Connection], size: int,
+                 timeout_s: float, startup_timeout_s: float, settle_s: float,
+                 names: Sequence[str] | None, logs: RankLogMerger | None,
+                 errs: dict[int, Connection]) -> None:
+        self.procs, self.size, self.names, self.logs, self.errs = procs, size, names, logs, errs
+        self.timeout_s, self.startup_timeout_s, self.settle_s = timeout_s, startup_timeout_s, settle_s
+        self.ready: set[int] = set()
+        self.results: dict[int, RankResult] = {}
+        self.errors: dict[int, tuple[str, str, str, float]] = {}  # rank -> (type, msg, tb, when)
+        self.deaths: dict[int, tuple[int | None, float]] = {}  # rank -> (exitcode, when)
+        self.waiting: dict[int, str] = {}  # rank -> the collective it last said it waits in
+        self.open_conns = dict(conns)
+        self.lines = StderrLines(logs) if logs is not None else None
+        self.sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+        self.deadline = time.monotonic() + startup_timeout_s
+        self.phase = "startup"
+        self.failed_at: float | None = None
+
+    def done(self, rank: int) -> bool:
+        return rank in self.results or rank in self.errors or rank in self.deaths
+
+    def run(self) -> list[RankResult]:
+        while len(self.results) < self.size:
+            now = time.monotonic()
+            if self._settled(now):
                 break
-            if phase == "startup":
-                missing = [r for r in range(size) if r not in ready]
-                raise RankTimeout(missing, size, phase, startup_timeout_s, names=names,
-                                  hint=_oversubscribed_hint(size))
-            raise RankTimeout([r for r in range(size) if not done(r)], size, phase, timeout_s,
-                              names=names, waiting=waiting)
-        limit = deadline if failed_at is None else min(deadline, failed_at + settle_s)
-        if logs is not None:
-            logs.flush()
-            due = logs.next_due()
+            if now >= self.deadline:
+                if self.failed_at is not None:
+                    break
+                raise self._timeout()
+            for obj in wait(self._waitables(), timeout=max(0.0, self._limit(now) - now)):
+                self._handle(obj)
+        if self.errors or self.deaths:
+            raise _root_cause(self.errors, self.deaths, self.procs, self.size, self.names)
+        self._let_exit()
+        return [self.results[r] for r in range(self.size)]
+
+    def _settled(self, now: float) -> bool:
+        """After a failure: the settle time is over, or every rank has ended."""
+        return self.failed_at is not None and (now >= self.failed_at + self.settle_s
+                                               or all(map(self.done, range(self.size))))
+
+    def _timeout(self) -> RankTimeout:
+        if self.phase == "startup":
+            missing = [r for r in range(self.size) if r not in self.ready]
+            return RankTimeout(missing, self.size, self.phase, self.startup_timeout_s,
+                               names=self.names, hint=_oversubscribed_hint(self.size))
+        return RankTimeout([r for r in range(self.size) if not self.done(r)], self.size,
+                           self.phase, self.timeout_s, names=self.names, waiting=self.waiting)
+
+    def _limit(self, now: float) -> float:
+        """When to wake up at the latest: the deadline, the settle time, the next log flush."""
+        limit = self.deadline if self.failed_at is None else min(self.deadline,
+                                                                 self.failed_at + self.settle_s)
+        if self.logs is not None:
+            self.logs.flush()
+            due = self.logs.next_due()
             if due is not None:
                 limit = min(limit, due)
-        waitables: list[Any] = list(open_conns.values())
-        waitables += [s for s, r in sentinels.items() if not done(r)]
-        waitables += list(errs.values())
-        for obj in wait(waitables, timeout=max(0.0, limit - now)):
-            err_rank = _rank_of(errs, obj) if isinstance(obj, Connection) else None
-            if err_rank is not None:
-                if lines is not None:
-                    _read_stderr(errs, err_rank, lines)
-                continue
-            rank = sentinels.get(obj) if not isinstance(obj, Connection) else _rank_of(open_conns, obj)
-            if rank is None:
-                continue
-            if isinstance(obj, Connection):
-                try:
-                    msg = pickle.loads(obj.recv_bytes())
-                except (EOFError, OSError):
-                    # The rank exited without (more) reports: watch its sentinel for the exit code.
-                    del open_conns[rank]
-                    continue
-                kind = msg[0]
-                if kind == "log":
-                    if logs is not None:
-                        logs.add(msg[1], msg[2])
-                elif kind == "waiting":
-                    if msg[2] is None:
-                        waiting.pop(msg[1], None)
-                    else:
-                        waiting[msg[1]] = msg[2]
-                elif kind == "ready":
-                    ready.add(rank)
-                    if phase == "startup" and len(ready) == size:
-                        phase = "run"
-                        if failed_at is None:
-                            deadline = time.monotonic() + timeout_s
-                elif kind == "ok":
-                    _, r, value, events, seconds, startup = msg
-                    results[r] = RankResult(rank=r, value=value, fallbacks=events, seconds=seconds,
-                                            startup_seconds=startup)
-                else:
-                    _, r, etype, emsg, tb, when = msg
-                    errors[r] = (etype, emsg, tb, when)
-                    failed_at = failed_at if failed_at is not None else time.monotonic()
-            else:
-                p = procs[rank]
-                # The sentinel closes a moment before the exit status is reapable.
-                p.join(timeout=_REAP_S)
-                if rank in open_conns and open_conns[rank].poll():
-                    continue  # a report is still in the pipe; read it first
-                open_conns.pop(rank, None)
-                if not done(rank):
-                    deaths[rank] = (p.exitcode, time.time())
-                    failed_at = failed_at if failed_at is not None else time.monotonic()
+        return limit
 
-    if errors or deaths:
-        raise _root_cause(errors, deaths, procs, size, names)
-    # Every rank reported a result; let them exit (destroy_process_group) within the deadline,
-    # reading their stderr meanwhile (a rank blocked on a full pipe would never exit)
-    exiting = {p.sentinel: p for p in procs}
-    while exiting and time.monotonic() < deadline:
-        for obj in wait([*exiting, *errs.values()], timeout=max(0.0, deadline - time.monotonic())):
-            if obj in exiting:
-                exiting.pop(obj).join(timeout=_REAP_S)
-            elif isinstance(obj, Connection) and lines is not None:
-                r = _rank_of(errs, obj)
-                if r is not None:
-                    _read_stderr(errs, r, lines)
-    return [results[r] for r in range(size)]
+    def _waitables(self) -> list[Any]:
+        objs: list[Any] = list(self.open_conns.values())
+        objs += [s for s, r in self.sentinels.items() if not self.done(r)]
+        return objs + list(self.errs.values())
+
+    def _handle(self, obj: Any) -> None:
+        if isinstance(obj, Connection):
+            err_rank = _rank_of(self.errs, obj)
+            if err_rank is not None:
+                if self.lines is not None:
+                    _read_stderr(self.errs, err_rank, self.lines)
+                return
+            rank = _rank_of(self.open_conns, obj)
+            if rank is not None:
+                self._read_report(rank, obj)
+            return
+        rank = self.sentinels.get(obj)
+        if rank is not None:
+            self._exited(rank)
+
+    def _read_report(self, rank: int, conn: Connection) -> None:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            # The rank exited without (more) reports: watch its sentinel for the exit code.
+            del self.open_conns[rank]
+            return
+        kind = msg[0]
+        if kind == "log":
+            if self.logs is not None:
+                self.logs.add(msg[1], msg[2])
+        elif kind == "waiting":
+            if msg[2] is None:
+                self.waiting.pop(msg[1], None)
+            else:
+                self.waiting[msg[1]] = msg[2]
+        elif kind == "ready":
+            self.ready.add(rank)
+            if self.phase == "startup" and len(self.ready) == self.size:
+                self.phase = "run"
+                if self.failed_at is None:
+                    self.deadline = time.monotonic() + self.timeout_s
+        elif kind == "ok":
+            _, r, value, events, seconds, startup = msg
+            self.results[r] = RankResult(rank=r, value=value, fallbacks=events, seconds=seconds,
+                                         startup_seconds=startup)
+        else:
+            _, r, etype, emsg, tb, when = msg
+            self.errors[r] = (etype, emsg, tb, when)
+            self._failed()
+
+    def _exited(self, rank: int) -> None:
+        p = self.procs[rank]
+        # The sentinel closes a moment before the exit status is reapable.
+        p.join(timeout=_REAP_S)
+        if rank in self.open_conns and self.open_conns[rank].poll():
+            return  # a report is still in the pipe; read it first
+        self.open_conns.pop(rank, None)
+        if not self.done(rank):
+            self.deaths[rank] = (p.exitcode, time.time())
+            self._failed()
+
+    def _failed(self) -> None:
+        if self.failed_at is None:
+            self.failed_at = time.monotonic()
+
+    def _let_exit(self) -> None:
+        """Every rank reported a result; let them exit (destroy_process_group) within the
+        deadline, reading their stderr meanwhile (a rank blocked on a full pipe would never
+        exit)."""
+        exiting = {p.sentinel: p for p in self.procs}
+        while exiting and time.monotonic() < self.deadline:
+            for obj in wait([*exiting, *self.errs.values()],
+                            timeout=max(0.0, self.deadline - time.monotonic())):
+                if obj in exiting:
+                    exiting.pop(obj).join(timeout=_REAP_S)
+                elif isinstance(obj, Connection) and self.lines is not None:
+                    r = _rank_of(self.errs, obj)
+                    if r is not None:
+                        _read_stderr(self.errs, r, self.lines)
 
 
 def _read_stderr(errs: dict[int, Connection], rank: int, lines: StderrLines) -> None:
