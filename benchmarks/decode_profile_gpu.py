@@ -30,16 +30,14 @@ def _rank(group: Any, ckpt: str, b: int, ctx: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    from cpkv.bench.gpu import v32_stack
     from cpkv.models import write_tiny_checkpoint
-    from cpkv.models.tiny import PRESETS
     from cpkv.runtime import run_ranks
 
     out = Path(sys.argv[1])
     b = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 131072
-    stack = {**PRESETS["v32-attention"], "num_hidden_layers": 2, "first_k_dense_replace": 2,
-             "max_position_embeddings": max(PRESETS["v32-attention"]["max_position_embeddings"],
-                                            ctx + 4096)}
+    stack = v32_stack(2, ctx + 4096)
     ckpt = str(write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "stack", seed=0, **stack))
     kern = run_ranks(_rank, 1, args=(ckpt, b, ctx), backend="nccl", timeout_s=900)[0].value
     out.write_text(json.dumps(kern, indent=1))

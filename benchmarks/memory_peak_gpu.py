@@ -83,17 +83,15 @@ def _rank(group: Any, tokens: int, chunk: int, budget: int, ckpt: str) -> dict[s
 
 
 def main() -> None:
+    from cpkv.bench.gpu import v32_stack
     from cpkv.models import write_tiny_checkpoint
-    from cpkv.models.tiny import PRESETS
     from cpkv.runtime import run_ranks
 
     out = Path(sys.argv[1])
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 20
     chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 65536
     budget = int(sys.argv[4]) if len(sys.argv) > 4 else 512
-    stack = {**PRESETS["v32-attention"], "num_hidden_layers": 2, "first_k_dense_replace": 2,
-             "max_position_embeddings": max(PRESETS["v32-attention"]["max_position_embeddings"],
-                                            tokens)}
+    stack = v32_stack(2, tokens)
     ckpt = str(write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "stack", seed=0, **stack))
     rep = run_ranks(_rank, 1, args=(tokens, chunk, budget, ckpt), backend="nccl",
                     timeout_s=1800)[0].value

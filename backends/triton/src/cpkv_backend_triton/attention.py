@@ -94,6 +94,17 @@ def _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST: tl.conste
 
 
 @triton.jit
+def _qk_dot(q, kt, UPCAST: tl.constexpr):
+    """``q @ kt`` of a query tile and a :func:`_key_tile`: fp32 IEEE (``UPCAST``), else on the
+    tensor cores in the operands' type."""
+    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+        s = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return s
+
+
+@triton.jit
 def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
     """``acc`` inside each row's key range, -inf outside, into the logits tile."""
     inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
@@ -128,10 +139,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
         for h in range(H):
             qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
             wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
-            if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-                s = tl.dot(qh.to(tl.float32), ktt, input_precision="ieee")
-            else:
-                s = tl.dot(qh, ktt)
+            s = _qk_dot(qh, ktt, UPCAST)
             acc += wh[:, None] * tl.maximum(s, 0.0)
         if FP8:
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
@@ -170,10 +178,7 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
         ktt = _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
         qt = tl.load(q_ptr + rows64[:, None] * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                      mask=rmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-            s = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee")
-        else:
-            s = tl.dot(qt, ktt)
+        s = _qk_dot(qt, ktt, UPCAST)
         wv = tl.load(w_ptr + rows64 * sw0 + head * sw1, mask=rmask, other=0.0)
         acc = tl.sum(tl.reshape(wv[:, None] * tl.maximum(s, 0.0), [BQ, HP, BLOCK_N]), axis=1)
         if FP8:
@@ -221,10 +226,7 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                 ktt = _key_tile(k_ptr, q_ptr, base, inr, d, dmask, 1, 1, UPCAST)
                 qt = tl.load(q_ptr + row64 * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                              mask=hmask[:, None] & dmask[None, :], other=0.0)
-                if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-                    s = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee")
-                else:
-                    s = tl.dot(qt, ktt)
+                s = _qk_dot(qt, ktt, UPCAST)
                 wv = tl.load(w_ptr + row64 * sw0 + head * sw1, mask=hmask, other=0.0)
                 acc = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
                 if FP8:

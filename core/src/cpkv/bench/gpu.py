@@ -28,11 +28,31 @@ from .timing import device_ms, median_ms
 if TYPE_CHECKING:
     from cpkv.kv import AllGatherViews, BatchKV, MaterializePlan, ShardedKVPool
 
-__all__ = ["ceilings", "cuda_ms", "kernel_profile", "kernel_rows", "layer_flops", "materialize_rank",
-           "prefill_rank"]
+__all__ = [
+    "ceilings",
+    "cuda_ms",
+    "kernel_profile",
+    "kernel_rows",
+    "layer_flops",
+    "materialize_rank",
+    "prefill_rank",
+    "v32_stack",
+]
 
 PAGE = 64
 TOKENS_64K = 64 * 1024
+
+
+def v32_stack(layers: int, positions: int = 0, **overrides: Any) -> dict[str, Any]:
+    """The checkpoint config of the GPU benchmarks' stack: the ``v32-attention`` preset with
+    ``layers`` dense layers, its max position raised to hold ``positions`` (``overrides`` last,
+    e.g. ``num_nextn_predict_layers``)."""
+    from cpkv.models.tiny import PRESETS
+
+    preset = PRESETS["v32-attention"]
+    return {**preset, "num_hidden_layers": layers, "first_k_dense_replace": layers,
+            "max_position_embeddings": max(preset["max_position_embeddings"], positions),
+            **overrides}
 
 
 def cuda_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:

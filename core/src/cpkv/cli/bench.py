@@ -335,14 +335,11 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                                             r0["gathered_bytes"] / raw / 1e6))
     if ngpu >= 1 and not skip_prefill:  # CP1 rows on one GPU, CP2 rows with two
         from cpkv.models import write_tiny_checkpoint
-        from cpkv.models.tiny import PRESETS
 
         lens = tuple(int(x) for x in sizes.split(","))
         ckpt = Path(tempfile.mkdtemp()) / "deepseek-stack"
         err.print(f"[dim]writing a {layers}-layer DeepSeek-V3.2-sized stack[/]")
-        stack = {**PRESETS["v32-attention"], "num_hidden_layers": layers,
-                 "first_k_dense_replace": layers}
-        write_tiny_checkpoint(ckpt, seed=0, **stack)
+        write_tiny_checkpoint(ckpt, seed=0, **gpu.v32_stack(layers))
         spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize,
                                backends=tuple(b for b in backends.split(",") if b),
                                profile_tokens=65536 if 65536 in lens else 0)
@@ -444,7 +441,6 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
 
     from cpkv.bench import gpu, long
     from cpkv.models import write_tiny_checkpoint
-    from cpkv.models.tiny import PRESETS
     from cpkv.runtime import run_ranks
 
     if not torch.cuda.is_available():
@@ -456,10 +452,7 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
     device_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9
     detail: dict[str, Any] = {"ceilings": ceil, "device_gb": device_gb}
     tmp = Path(tempfile.mkdtemp())
-    stack = {**PRESETS["v32-attention"], "num_hidden_layers": layers,
-             "first_k_dense_replace": layers,
-             "max_position_embeddings": max(PRESETS["v32-attention"]["max_position_embeddings"],
-                                            *lens, *rlens)}
+    stack = gpu.v32_stack(layers, max((*lens, *rlens), default=0))
     ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, **stack))
     rows: list[BenchRow] = []
     res: dict[str, Any] = {}
@@ -521,23 +514,22 @@ def decode_cmd(out: str, batches: str, contexts: str, steps: int, layers: int, m
     import torch
 
     from cpkv.bench import decode
+    from cpkv.bench.gpu import v32_stack
     from cpkv.models import write_tiny_checkpoint
-    from cpkv.models.tiny import PRESETS
     from cpkv.runtime import run_ranks
 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench decode needs a CUDA device")
     ctxs = _ints(contexts)
-    preset = PRESETS["v32-attention"]
-    stack = {**preset, "num_hidden_layers": layers, "first_k_dense_replace": layers,
-             "max_position_embeddings": max(preset["max_position_embeddings"], *ctxs) + 4096}
+    positions = max(ctxs) + 4096  # the steps' tokens past the context
     tmp = Path(tempfile.mkdtemp())
     ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0,
-                                     **{**stack, "num_nextn_predict_layers": 0}))
+                                     **v32_stack(layers, positions, num_nextn_predict_layers=0)))
     agree = None
     if mtp:
         agree = str(write_tiny_checkpoint(tmp / "agree", seed=0, draft="agree",
-                                          **{**stack, "num_nextn_predict_layers": 1}))
+                                          **v32_stack(layers, positions,
+                                                      num_nextn_predict_layers=1)))
     spec = decode.DecodeBenchSpec(ckpt, _ints(batches), ctxs, steps, mtp_model_dir=agree)
     Console(stderr=True).print(f"[dim]{layers}-layer stack: batches {spec.batches} at "
                                f"contexts {spec.contexts}, graphs and eager[/]")

@@ -143,6 +143,11 @@ class KVStore:
             ps = self.fmt.page_size
             self._addr = (rows, rows // ps, rows % ps)
         _, page, off = self._addr
+        self._put(layer, page, off, latent, index_k)
+
+    def _put(self, layer: int, page: torch.Tensor, off: torch.Tensor, latent: torch.Tensor,
+             index_k: torch.Tensor) -> None:
+        """Part-major writes: packed rows at (page slot, offset) of ``layer``'s two parts."""
         self.latent[layer].index_put_((page, off), latent)
         self.index_k[layer].index_put_((page, off), index_k)
 
@@ -157,9 +162,7 @@ class KVStore:
             self._store(layer, rows, lat_b, idx_b)
             return
         ps = self.fmt.page_size
-        page, off = rows // ps, rows % ps
-        self.latent[layer].index_put_((page, off), lat_b)
-        self.index_k[layer].index_put_((page, off), idx_b)
+        self._put(layer, rows // ps, rows % ps, lat_b, idx_b)
 
     def relayout(self, slots: Sequence[int], layout: PageLayout) -> None:
         """Pages at ``slots`` (every layer) hold blocks in ``layout``: rewrite them in place in

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.contracts import KVDtype, KVFormat, PageLayout
-from cpkv.ops import gather_latent, part_index, part_view
+from cpkv.ops import fp8_index_keys, gather_latent, part_index, part_view
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart, OpTable
@@ -122,10 +122,7 @@ class FullView:
         fmt = self.fmt
         if fmt.dtype is not KVDtype.FP8:
             return unpack_rows(self.index_k(), fmt, "index_k", self.ops, dtype), None
-        d = fmt.index_head_dim
-        ik = self.index_k()  # [T, D + 4]: natural order, one gather of the index bytes
-        return (ik[:, :d].contiguous().view(torch.float8_e4m3fn),
-                ik[:, d:d + 4].contiguous().view(torch.float32).reshape(-1))
+        return fp8_index_keys(self.index_k(), fmt)  # one gather of the index bytes
 
     def selected_latent(self, top: torch.Tensor,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

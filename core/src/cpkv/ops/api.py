@@ -29,7 +29,8 @@ Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     / :func:`paged_latent` (``sparse_mla_paged`` composed from a backend's own
     ``fp8_unpack`` / ``page_gather`` and ``sparse_mla``), :func:`paged_index_tokens` /
     :func:`paged_index_keys` (a request's index-K keys copied out of its pages: the
-    ``indexer_logits_paged`` composition through ``page_gather`` and ``indexer_logits``).
+    ``indexer_logits_paged`` composition through ``page_gather`` and ``indexer_logits``),
+    :func:`fp8_index_keys` (stored fp8 index-K rows as the indexer's keys and scales).
 
 fp8 numerics (:mod:`cpkv.ops.fp8`)
     :func:`quantize_fp8` (the one quantization formula: what ``fp8_pack`` must match bit for
@@ -67,6 +68,7 @@ from .checks import (
 )
 from .fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, quantize_fp8, quantize_index_q
 from .layout import (
+    fp8_index_keys,
     fp8_layout,
     gather_latent,
     page_blocks,
@@ -97,6 +99,7 @@ __all__ = [
     "check_sparse_mla_args",
     "check_sparse_mla_paged_args",
     "check_topk_args",
+    "fp8_index_keys",
     "fp8_layout",
     "gather_latent",
     "page_blocks",

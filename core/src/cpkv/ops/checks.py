@@ -29,6 +29,24 @@ def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tenso
             raise ValueError(f"{op}: expected {name} int64 [{n}], got {r.dtype} {tuple(r.shape)}")
 
 
+def _check_head_weights(op: str, w: torch.Tensor, n: int, heads: int) -> None:
+    import torch
+
+    if w.shape != (n, heads) or w.dtype != torch.float32:
+        raise ValueError(f"{op}: expected w float32 [{n}, {heads}], got {w.dtype} "
+                         f"{tuple(w.shape)}")
+
+
+def _check_pages(op: str, pages: torch.Tensor, fmt: KVFormat) -> None:
+    import torch
+
+    want = (fmt.page_size, fmt.bytes_per_token)
+    if pages.dim() != 3 or tuple(pages.shape[1:]) != want or pages.dtype != torch.uint8 \
+            or not pages.is_contiguous():
+        raise ValueError(f"{op}: expected contiguous uint8 pages [P, {want[0]}, {want[1]}], got "
+                         f"{pages.dtype} {tuple(pages.shape)}")
+
+
 def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
                     out: torch.Tensor | None) -> None:
     """Validate ``rope`` arguments.
@@ -72,9 +90,7 @@ def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
     if not q.dtype.is_floating_point or (q.dtype == fp8 and k.dtype != fp8):
         raise ValueError(f"indexer_logits: q must be a float tensor (float8_e4m3fn only with "
                          f"float8_e4m3fn keys), got q {q.dtype} with k {k.dtype}")
-    if w.shape != (n, heads) or w.dtype != torch.float32:
-        raise ValueError(f"indexer_logits: expected w float32 [{n}, {heads}], got {w.dtype} "
-                         f"{tuple(w.shape)}")
+    _check_head_weights("indexer_logits", w, n, heads)
     _check_ranges("indexer_logits", n, key_start, key_end)
     if k.dtype == torch.float8_e4m3fn:
         if k_scale is None or k_scale.shape != (t,) or k_scale.dtype != torch.float32:
@@ -110,14 +126,8 @@ def check_indexer_paged_args(q: torch.Tensor, w: torch.Tensor, pages: torch.Tens
     if not q.dtype.is_floating_point or (q.dtype == torch.float8_e4m3fn and not fp8):
         raise ValueError(f"{op}: q must be a float tensor (float8_e4m3fn only with an fp8 pool), "
                          f"got q {q.dtype} with a {fmt.dtype.value} pool")
-    if w.shape != (n, heads) or w.dtype != torch.float32:
-        raise ValueError(f"{op}: expected w float32 [{n}, {heads}], got {w.dtype} "
-                         f"{tuple(w.shape)}")
-    want = (fmt.page_size, fmt.bytes_per_token)
-    if pages.dim() != 3 or tuple(pages.shape[1:]) != want or pages.dtype != torch.uint8 \
-            or not pages.is_contiguous():
-        raise ValueError(f"{op}: expected contiguous uint8 pages [P, {want[0]}, {want[1]}], got "
-                         f"{pages.dtype} {tuple(pages.shape)}")
+    _check_head_weights(op, w, n, heads)
+    _check_pages(op, pages, fmt)
     if block_table.dim() != 2 or block_table.dtype != torch.int32:
         raise ValueError(f"{op}: expected block_table int32 [R, M], got {block_table.dtype} "
                          f"{tuple(block_table.shape)}")
@@ -249,11 +259,7 @@ def check_sparse_mla_paged_args(q: torch.Tensor, pages: torch.Tensor, rows: torc
     if q.dim() != 3 or q.shape[2] != fmt.kv_lora_rank + fmt.rope_dim:
         raise ValueError(f"sparse_mla_paged: expected q [N, H, {fmt.kv_lora_rank + fmt.rope_dim}]"
                          f", got {tuple(q.shape)}")
-    want = (fmt.page_size, fmt.bytes_per_token)
-    if pages.dim() != 3 or tuple(pages.shape[1:]) != want or pages.dtype != torch.uint8 \
-            or not pages.is_contiguous():
-        raise ValueError(f"sparse_mla_paged: expected contiguous uint8 pages [P, {want[0]}, "
-                         f"{want[1]}], got {pages.dtype} {tuple(pages.shape)}")
+    _check_pages("sparse_mla_paged", pages, fmt)
     n = q.shape[0]
     if rows.dim() != 2 or rows.shape[0] != n or rows.dtype != torch.int32:
         raise ValueError(f"sparse_mla_paged: expected rows int32 [{n}, k], got {rows.dtype} "

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from cpkv.contracts import KVFormat, KVPart
 
-__all__ = ["fp8_layout", "gather_latent", "page_blocks", "paged_index_keys",
+__all__ = ["fp8_index_keys", "fp8_layout", "gather_latent", "page_blocks", "paged_index_keys",
            "paged_index_tokens", "paged_latent", "part_index", "part_view"]
 
 
@@ -140,6 +140,16 @@ def paged_index_tokens(block_table: torch.Tensor, page_size: int) -> torch.Tenso
     return (block_table.long()[:, :, None] * page_size + slot).reshape(rows, pages * page_size)
 
 
+def fp8_index_keys(rows: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored fp8 index-K rows (uint8 [T, index bytes]) as ``indexer_logits`` takes them:
+    ``float8_e4m3fn`` [T, D] keys and their float32 [T] scales (contiguous copies)."""
+    import torch
+
+    d = fmt.index_head_dim
+    return (rows[:, :d].contiguous().view(torch.float8_e4m3fn),
+            rows[:, d:d + 4].contiguous().view(torch.float32).reshape(-1))
+
+
 def paged_index_keys(pages: torch.Tensor, fmt: KVFormat, tokens: torch.Tensor,
                      gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -152,8 +162,6 @@ def paged_index_keys(pages: torch.Tensor, fmt: KVFormat, tokens: torch.Tensor,
 
     src = part_view(pages, fmt, PageLayout.PART_MAJOR, "index_k")
     rows = gather(src, part_index(tokens, fmt, PageLayout.PART_MAJOR, "index_k"))
-    d = fmt.index_head_dim
     if fmt.dtype is KVDtype.FP8:
-        scale = rows[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
-        return rows[:, :d].view(torch.float8_e4m3fn), scale[:, 0]
+        return fp8_index_keys(rows, fmt)
     return rows.view(torch.float32 if fmt.dtype is KVDtype.FP32 else torch.bfloat16), None

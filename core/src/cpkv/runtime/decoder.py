@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from cpkv.models import DeepseekV32
     from cpkv.ops import OpTable
 
-__all__ = ["DecodeShape", "LeanDecoder", "StepTiming", "Verified", "bucket_of"]
+__all__ = ["DecodeShape", "LastStep", "LeanDecoder", "Verified", "bucket_of"]
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +78,7 @@ class DecodeShape:
 
 
 @dataclass(frozen=True)
-class StepTiming:
+class LastStep:
     """How the last step ran: its shape, and whether a CUDA graph replayed it."""
 
     shape: DecodeShape
@@ -158,7 +158,7 @@ class LeanDecoder:
         self._pool_handle: Any = None  # torch's graph memory pool handle (an opaque token)
         self._said: set[str] = set()
         #: the last step's shape and path
-        self.last: StepTiming | None = None
+        self.last: LastStep | None = None
         self.captures = 0
 
     # ---- the steps -----------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class LeanDecoder:
             for (rid, _), (pos, _) in zip(batch, grown, strict=True):
                 self.pool.truncate(rid, pos)
             raise
-        self.last = StepTiming(shape, graph)
+        self.last = LastStep(shape, graph)
         return buf
 
     def _shape(self, batch: Sequence[tuple[Hashable, Sequence[int]]], draft: bool) -> DecodeShape:
@@ -293,6 +293,7 @@ class LeanDecoder:
         why = self._eager_reason(shape)
         graph = None
         if why is None:
+            self._fit_rope(shape)
             graph = self._graphs.get(shape) or self._capture(shape, buf)
         else:
             self._say_eager(why)
@@ -312,13 +313,17 @@ class LeanDecoder:
             return f"a batch of more than decode.max_batch = {self.max_batch} requests"
         if shape in self._eager_shapes:
             return ""  # its capture failed: said then
+        return None
+
+    def _fit_rope(self, shape: DecodeShape) -> None:
+        """The model's rope table holds the shape's positions before a capture or a replay; when
+        it grows (a reallocation) the graphs captured before read the freed table: they go."""
         top = shape.pages * self.page_size - 1
-        if top > self._rope_top:  # the rope table may grow: graphs captured before go
+        if top > self._rope_top:
             self.model.rope_cos_sin(torch.zeros(1, dtype=torch.int64, device=self.device),
                                     self.model.dtype, top)
             self._rope_top = top
             self._graphs.clear()
-        return None
 
     def _say_eager(self, why: str) -> None:
         if not why or why in self._said:
@@ -366,28 +371,31 @@ class LeanDecoder:
         m = self.model
         ids, pos = buf.rows[0], buf.rows[1]
         rope = m.rope_cos_sin(pos, m.dtype, shape.pages * self.page_size - 1)
+        # each row's request's block table (int64 [rows, M]): the picks' token rows, every layer
+        row_pages = buf.table.long().index_select(0, buf.request.long())
         mtp = m.mtp_layer
         if shape.draft:  # the MTP layer alone, fed the draft tokens and the previous h'
             assert mtp is not None
             x = m.draft_input(m.draft_embed(ids), buf.h_in.repeat_interleave(shape.rows, 0))
-            x = self._layer(mtp, x, rope, buf)
+            x = self._layer(mtp, x, rope, row_pages, buf)
             hd = m.draft_hidden(x)
             buf.guess.copy_(m.draft_logits(hd).argmax(dim=-1))
             buf.hidden.copy_(hd)
             return
         x = m.embed(ids)
         for layer in range(m.num_layers):
-            x = self._layer(layer, x, rope, buf)
+            x = self._layer(layer, x, rope, row_pages, buf)
         buf.choice.copy_(m.final_logits(x).argmax(dim=-1))
         if mtp is not None:  # the MTP layer on the same rows, the target's choice next
             xd = m.draft_input(m.draft_embed(buf.choice), m.final_hidden(x))
-            hd = m.draft_hidden(self._layer(mtp, xd, rope, buf))
+            hd = m.draft_hidden(self._layer(mtp, xd, rope, row_pages, buf))
             buf.guess.copy_(m.draft_logits(hd).argmax(dim=-1))
             buf.hidden.copy_(hd)
 
     def _layer(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               buf: _Buffers) -> torch.Tensor:
-        """One decoder layer (pool layer ``layer``) on the step's rows."""
+               row_pages: torch.Tensor, buf: _Buffers) -> torch.Tensor:
+        """One decoder layer (pool layer ``layer``) on the step's rows (``rope`` and
+        ``row_pages`` computed once per step)."""
         m, ops, pool, s = self.model, self.ops, self.pool, self.page_size
         pos, dst, key_end = buf.rows[1], buf.rows[2], buf.rows[3]
         a = m.attention_inputs(layer, x, pos, rope, ops.rope)
@@ -398,10 +406,10 @@ class LeanDecoder:
             iq, iw = quantize_index_q(iq, iw)
         logits = ops.indexer_logits_paged(iq, iw, pages, pool.fmt, buf.table, buf.request, key_end)
         top = ops.topk(logits, self.topk, buf.key_start, key_end)
-        # request-local key j -> token row table[request, j // S] * S + j % S, -1 kept
+        # request-local key j -> token row row_pages[row, j // S] * S + j % S, -1 kept
         j = top.clamp_min(0).long()
-        table = buf.table.long().index_select(0, buf.request.long())
-        rows = torch.where(top >= 0, (table.gather(1, j // s) * s + j % s).to(torch.int32), top)
+        rows = torch.where(top >= 0, (row_pages.gather(1, j // s) * s + j % s).to(torch.int32),
+                           top)
         o = ops.sparse_mla_paged(a.q, pages, rows, pool.fmt, m.softmax_scale,
                                  m.config.kv_lora_rank)
         x = x + m.attention_output(layer, o)

@@ -550,13 +550,7 @@ def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
                 keep = [x.clone() for x in (q, w, keys, ks, ke)]
                 want = ref.indexer_logits(q, w, keys, scale, ks, ke)
                 got = _call(op, case, impl.indexer_logits, q, w, keys, scale, ks, ke)
-                if kind == "fp8 q":
-                    fin = want[want.isfinite()]
-                    big = float(fin.abs().max()) if fin.numel() else 0.0
-                    _assert_close(op, case, "logits", got, want, FP8_DOT_REL,
-                                  FP8_DOT_REL * big + ATTN_ATOL)
-                else:
-                    _assert_close(op, case, "logits", got, want)
+                _assert_logits(op, case, got, want, fp8_q=kind == "fp8 q")
                 _unchanged(op, case, keep, [q, w, keys, ks, ke])
                 # independent of the reference: -inf exactly outside each row's range
                 col = torch.arange(t)
@@ -564,6 +558,17 @@ def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
                 if not torch.equal(got.cpu().isneginf(), outside):
                     raise AssertionError(f"{op} [{case}] logits: -inf is not exactly the "
                                          f"positions outside [key_start, key_end)")
+
+
+def _assert_logits(op: str, case: str, got: Any, want: torch.Tensor, *, fp8_q: bool) -> None:
+    """Indexer logits against the reference: the attention tolerances, or with fp8 queries
+    (fp8 x fp8 dots) ``FP8_DOT_REL`` relative to the largest finite logit."""
+    if not fp8_q:
+        _assert_close(op, case, "logits", got, want)
+        return
+    fin = want[want.isfinite()]
+    big = float(fin.abs().max()) if fin.numel() else 0.0
+    _assert_close(op, case, "logits", got, want, FP8_DOT_REL, FP8_DOT_REL * big + ATTN_ATOL)
 
 
 #: ``indexer_logits_paged`` cases: (requests, pages per request M, query rows per request)
@@ -644,13 +649,7 @@ def _check_indexer_logits_paged(impl: Any, ref: Any, device: str, seed: int) -> 
             want = ref.indexer_logits_paged(q, w, pages, fmt, table, row_request, key_end)
             got = _call(op, case, impl.indexer_logits_paged, q, w, pages, fmt, table,
                         row_request, key_end)
-            if kind == "fp8":
-                fin = want[want.isfinite()]
-                big = float(fin.abs().max()) if fin.numel() else 0.0
-                _assert_close(op, case, "logits", got, want, FP8_DOT_REL,
-                              FP8_DOT_REL * big + ATTN_ATOL)
-            else:
-                _assert_close(op, case, "logits", got, want)
+            _assert_logits(op, case, got, want, fp8_q=kind == "fp8")
             _unchanged(op, case, keep, args)
             # independent of the reference: -inf exactly at the keys past each row's end
             col = torch.arange(m * fmt.page_size)

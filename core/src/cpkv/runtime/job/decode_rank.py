@@ -10,7 +10,7 @@ from cpkv.disagg import page_checksums, select_transport
 
 from ..decode import DecodeSession
 from .report import DecodeReport
-from .spec import JobSpec
+from .spec import JobSpec, job_model
 
 __all__ = ["decode_rank"]
 
@@ -21,13 +21,10 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     part, which carries its first token, arrived), then generate
     ``spec.decode_tokens`` greedy tokens per prompt, starting from the first tokens the prefill
     ranks sent along."""
-    from cpkv.models import load_model
-
     s, c = spec.settings, spec.settings.cp.size
     s = spec.holding_all(s, c)  # it keeps every prompt until it generates
     t0 = time.perf_counter()
-    decode = DecodeSession(load_model(spec.model_dir, dtype=spec.dtype, device=world.device,
-                                      mtp=spec.mtp), s, world.device)
+    decode = DecodeSession(job_model(spec, world.device), s, world.device)
     load_s = time.perf_counter() - t0
     decode.connect(select_transport(s, world.agree_all), cp_size=c)
     got, entries = [0] * c, 0

@@ -7,7 +7,7 @@ import time
 from ..decode import DecodeWorker, greedy
 from ..prefill import PrefillResult
 from .report import RankReport, rank_report
-from .spec import JobSpec, prefill_batches
+from .spec import JobSpec, job_model, prefill_batches
 
 __all__ = ["reference_rank"]
 
@@ -19,11 +19,8 @@ def reference_rank(spec: JobSpec) -> tuple[RankReport, list[list[int]]]:
     steps decode), so that the comparison isolates what CP prefill and the transfer do.
     ``spec.settings.cp.size`` must be 1. The report's ``seconds`` has "load", "prefill" and
     "decode" (generation) wall times."""
-    from cpkv.models import load_model
-
     t0 = time.perf_counter()
-    model = load_model(spec.model_dir, dtype=spec.dtype,
-                       device="cuda:0" if spec.device == "cuda" else "cpu", mtp=spec.mtp)
+    model = job_model(spec, "cuda:0" if spec.device == "cuda" else "cpu")
     worker = DecodeWorker(model, spec.settings, model.device)
     session, group = worker.session, worker.session.group
     load_s = time.perf_counter() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,7 +16,10 @@ from cpkv.settings import Settings
 from ..prefill import PrefillResult
 from ..session import PrefillSession
 
-__all__ = ["BatchDone", "JobSpec", "Served", "open_session", "prefill_batches"]
+if TYPE_CHECKING:
+    from cpkv.models import DeepseekV32
+
+__all__ = ["BatchDone", "JobSpec", "Served", "job_model", "open_session", "prefill_batches"]
 
 #: called after each prefill batch with ``[(prompt index, final chunk?)]`` and its result
 BatchDone = Callable[[list[tuple[int, bool]], PrefillResult], None]
@@ -78,13 +82,18 @@ class JobSpec:
                 for b in range(0, n, size)]
 
 
+def job_model(spec: JobSpec, device: torch.device | str) -> DeepseekV32:
+    """The job's model (its checkpoint, dtype and MTP layer) on ``device``."""
+    from cpkv.models import load_model
+
+    return load_model(spec.model_dir, dtype=spec.dtype, device=device, mtp=spec.mtp)
+
+
 def open_session(group: CPGroup, spec: JobSpec) -> tuple[PrefillSession, float]:
     """Load the job's model and open a prefill session on ``group``; returns it and the load
     time in seconds."""
-    from cpkv.models import load_model
-
     t0 = time.perf_counter()
-    model = load_model(spec.model_dir, dtype=spec.dtype, device=group.device, mtp=spec.mtp)
+    model = job_model(spec, group.device)
     return PrefillSession(model, spec.settings, group), time.perf_counter() - t0
 
 
