@@ -73,23 +73,39 @@ def test_run_rejects_bad_prompts(tmp_path: Path) -> None:
     assert out.returncode == 1 and "neither 'tiny' nor an existing checkpoint" in out.stderr
 
 
-def test_job_device_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """'auto' takes GPUs only when there is one per process; 'cuda' without them is an error
+def test_job_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' takes GPUs only when there is one per process; 'cuda' puts process r on GPU r
+    under NCCL when there are enough; with one GPU fewer the decode rank shares GPU 0 in a Gloo
+    world, refused for the nccl transfer with the fix; fewer GPUs than prefill ranks is an error
     that says how many were needed and found."""
     import torch
 
-    from cpkv.runtime.job import job_device
+    from cpkv.runtime.job import job_placement
 
-    for gpus, auto in ((0, "cpu"), (2, "cpu"), (3, "cuda"), (8, "cuda")):
+    for gpus in (0, 1, 2, 3, 8):
         monkeypatch.setattr(torch.cuda, "is_available", lambda g=gpus: g > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda g=gpus: g)
-        assert job_device("auto", 3) == auto
-        assert job_device("cpu", 3) == "cpu"
+        auto = job_placement("auto", 2, True, "mooncake")
+        assert (auto.device, auto.backend) == (("cuda", "nccl") if gpus >= 3 else ("cpu", "gloo"))
+        cpu = job_placement("cpu", 2, True)
+        assert (cpu.device, cpu.backend, cpu.gpus, cpu.shared) == ("cpu", "gloo", None, False)
         if gpus >= 3:
-            assert job_device("cuda", 3) == "cuda"
+            p = job_placement("cuda", 2, True)
+            assert (p.backend, p.gpus, p.shared) == ("nccl", (0, 1, 2), False)
+        elif gpus == 2:
+            p = job_placement("cuda", 2, True, "mooncake")
+            assert (p.device, p.backend, p.gpus, p.shared) == ("cuda", "gloo", (0, 1, 0), True)
+            with pytest.raises(ValueError, match=r"share GPU 0.*transfer\.name = 'mooncake'"):
+                job_placement("cuda", 2, True, "nccl")
+            p = job_placement("cuda", 2, False)  # no decode rank: a GPU per prefill rank
+            assert (p.backend, p.gpus) == ("nccl", (0, 1))
         else:
             with pytest.raises(ValueError, match=f"3 processes .*{gpus} GPU"):
-                job_device("cuda", 3)
+                job_placement("cuda", 2, True, "mooncake")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    one = job_placement("cuda", 1, True, "mooncake")  # one H200: CP1 and the decode rank on GPU 0
+    assert (one.backend, one.gpus, one.shared) == ("gloo", (0, 0), True)
 
 
 def test_compare_topk_counts_only_real_differences() -> None:

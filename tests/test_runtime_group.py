@@ -280,3 +280,46 @@ def test_rank_threads_share_the_cores() -> None:
     assert rank_threads("gloo", 8, cpus=2) == 1
     assert rank_threads("nccl", 2, cpus=32) == GPU_RANK_THREADS
     assert rank_threads("nccl", 8, cpus=16) == 2
+    assert rank_threads("gloo", 2, cpus=32, gpu=True) == GPU_RANK_THREADS  # Gloo ranks on GPUs
+
+
+def test_rank_gpus_place_and_check() -> None:
+    """NCCL: rank r on GPU r by default, one rank per GPU; Gloo: the CPU unless placed, and
+    then ranks may share a GPU; a placement of the wrong length or naming a missing GPU fails."""
+    from cpkv.runtime.launch import rank_gpus
+
+    assert rank_gpus("nccl", 2, None, 2) == [0, 1]
+    assert rank_gpus("gloo", 2, None, 0) == [None, None]
+    assert rank_gpus("gloo", 2, [0, 0], 1) == [0, 0]
+    assert rank_gpus("nccl", 2, [1, 0], 2) == [1, 0]
+    with pytest.raises(ValueError, match="needs 3 GPUs, found 2"):
+        rank_gpus("nccl", 3, None, 2)
+    with pytest.raises(ValueError, match=r"one rank on a GPU.*'gloo'"):
+        rank_gpus("nccl", 2, [0, 0], 1)
+    with pytest.raises(ValueError, match=r"names GPU\(s\) \[1\]; this host has 1"):
+        rank_gpus("gloo", 2, [0, 1], 1)
+    with pytest.raises(ValueError, match="place each of the 2 ranks, got 1"):
+        rank_gpus("gloo", 2, [0], 1)
+
+
+def _agree_off_host(group: CPGroup) -> tuple[dict[str, bool], str]:
+    # a Gloo group whose ranks compute elsewhere (here "meta": no data, no collectives)
+    g = CPGroup(rank=group.rank, size=group.size, backend="gloo", device=torch.device("meta"),
+                timeout_s=group.timeout_s)
+    agreed = g.agree_all({"a": True, "b": group.rank == 0})
+    try:
+        g.check_all(group.rank == 0, f"rank {group.rank} says no")
+        check = "ok"
+    except CollectiveCheckError as exc:
+        check = str(exc)
+    return agreed, check
+
+
+@pytest.mark.multiprocess
+def test_gloo_group_agrees_in_host_memory(no_leftover_ranks: None) -> None:
+    """A Gloo group's agreements run on host tensors whatever device its ranks compute on (ranks
+    sharing a GPU: the job's decode rank beside prefill rank 0)."""
+    for r in run_ranks(_agree_off_host, 2, timeout_s=60.0):
+        agreed, check = r.value
+        assert agreed == {"a": True, "b": False}
+        assert "rank 1 says no" in check

@@ -221,8 +221,9 @@ def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: 
                    "and decode phases).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default=None,
               help="cpu: Gloo ranks, float32 model; cuda: NCCL ranks (rank r on GPU r), bfloat16 "
-                   "model, the reference on GPU 0; auto: cuda when there is a GPU per process "
-                   "(run.device, default cpu).")
+                   "model, the reference on GPU 0 (with one GPU fewer than processes the decode "
+                   "rank shares GPU 0: transfer mooncake); auto: cuda when there is a GPU per "
+                   "process (run.device, default cpu).")
 @click.option("--mtp/--no-mtp", default=None,
               help="Run the checkpoint's MTP draft layer under CP prefill and decode "
                    "speculatively (run.mtp).")

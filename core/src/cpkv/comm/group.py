@@ -162,6 +162,13 @@ class CPGroup:
         return world
 
     @property
+    def host_device(self) -> torch.device:
+        """Where this group's small host-read collectives (agreements, checks) put their tensors:
+        ``device`` under NCCL, the CPU under Gloo (whose ranks may compute on GPUs, see
+        :func:`~cpkv.runtime.launch.run_ranks`'s ``gpus``)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def is_local(self) -> bool:
         """True for the size-1 group of :meth:`single` (no communication at all)."""
         return self.backend == "local"
@@ -251,7 +258,7 @@ class CPGroup:
         at most, never per layer)."""
         if self.is_local:
             return [int(v) for v in values]
-        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.host_device)
         with waiting_in(f"agree_min (all_reduce, group of {self.size})"):
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._pg)
             return [int(v) for v in t.tolist()]

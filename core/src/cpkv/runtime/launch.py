@@ -245,14 +245,40 @@ def _log_sink(conn: Connection, rank: int) -> Callable[[dict[str, Any]], None]:
 GPU_RANK_THREADS = 4
 
 
-def rank_threads(backend: str, size: int, cpus: int | None = None) -> int:
+def rank_threads(backend: str, size: int, cpus: int | None = None, *, gpu: bool = False) -> int:
     """torch CPU threads of one of ``size`` rank processes (unless ``OMP_NUM_THREADS`` is set;
-    torchrun sets 1): Gloo (CPU) ranks share the cores equally; NCCL ranks take at most
-    :data:`GPU_RANK_THREADS` of their share. C processes with a thread per core each
+    torchrun sets 1): CPU ranks share the cores equally; GPU ranks (NCCL, or ``gpu``) take at
+    most :data:`GPU_RANK_THREADS` of their share. C processes with a thread per core each
     oversubscribe the host: on 2x H200 CP2's per-batch host phase cost 5x CP1's with 32 threads
     per rank; 16 per rank still left CP1 4-16 % slower and CP2 noisier than 4 (docs/perf.md)."""
     share = max(1, (cpus or os.cpu_count() or 1) // size)
-    return min(share, GPU_RANK_THREADS) if backend == "nccl" else share
+    return min(share, GPU_RANK_THREADS) if gpu or backend == "nccl" else share
+
+
+def rank_gpus(backend: str, size: int, gpus: Sequence[int] | None,
+              found: int) -> list[int | None]:
+    """The GPU each of ``size`` ranks computes on (None: the CPU), checked against the ``found``
+    GPUs: see :func:`run_ranks`'s ``gpus``.
+
+    Raises:
+        ValueError: too few GPUs for NCCL; ``gpus`` of the wrong length, naming a GPU that is not
+            there, or (NCCL) one GPU twice.
+    """
+    if gpus is None:
+        if backend != "nccl":
+            return [None] * size
+        if found < size:
+            raise ValueError(f"backend 'nccl' with {size} ranks needs {size} GPUs, found {found}")
+        return list(range(size))
+    placed = [int(g) for g in gpus]
+    if len(placed) != size:
+        raise ValueError(f"gpus must place each of the {size} ranks, got {len(placed)}")
+    if bad := [g for g in placed if not 0 <= g < found]:
+        raise ValueError(f"gpus names GPU(s) {sorted(set(bad))}; this host has {found}")
+    if backend == "nccl" and len(set(placed)) != size:
+        raise ValueError(f"backend 'nccl' puts one rank on a GPU, got gpus {placed} (ranks that "
+                         f"share a GPU need the 'gloo' backend)")
+    return [g for g in placed]
 
 
 def _rank_main(
@@ -270,9 +296,11 @@ def _rank_main(
     started_at: float = 0.0,
     log_setup: LogSetup | None = None,
     stderr: Connection | None = None,
+    gpu: int | None = None,
 ) -> None:
     """Entry point of one rank process (top level, so ``spawn`` can pickle it). ``stderr``: the
-    write end of a pipe that becomes this process's file descriptor 2 (the parent reads it)."""
+    write end of a pipe that becomes this process's file descriptor 2 (the parent reads it).
+    ``gpu``: the CUDA device this rank computes on (None: the CPU)."""
     if stderr is not None:
         sys.stderr.flush()
         os.dup2(stderr.fileno(), 2)
@@ -290,7 +318,7 @@ def _rank_main(
         os.environ.setdefault(key, value)
     os.environ.update(env)
     if size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(rank_threads(backend, size))
+        torch.set_num_threads(rank_threads(backend, size, gpu=gpu is not None))
     timeout = timedelta(seconds=timeout_s)
     msg: tuple[Any, ...]
     try:
@@ -298,10 +326,11 @@ def _rank_main(
             store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
             device = torch.device("cpu")
             kwargs: dict[str, Any] = {}
-            if backend == "nccl":
-                device = torch.device("cuda", rank)
+            if gpu is not None:
+                device = torch.device("cuda", gpu)
                 torch.cuda.set_device(device)
-                kwargs["device_id"] = device
+                if backend == "nccl":  # Gloo ranks on GPUs: their collectives stay on the host
+                    kwargs["device_id"] = device
             dist.init_process_group(
                 backend, rank=rank, world_size=size, store=store, timeout=timeout, **kwargs
             )
@@ -354,6 +383,7 @@ def run_ranks(
     fallback_policy: str = "warn",
     names: Sequence[str] | None = None,
     log_setup: LogSetup | None = None,
+    gpus: Sequence[int] | None = None,
 ) -> list[RankResult]:
     """Run ``fn(group, *args)`` on ``size`` spawned rank processes; results in rank order.
 
@@ -388,7 +418,7 @@ def run_ranks(
         RankTimeout: ranks were still running at the deadline (named, with the collective each
             last waited in; all were killed).
         ValueError: bad ``size``/``backend``, ``names`` of the wrong length, or too few GPUs for
-            NCCL.
+            NCCL; ``gpus`` of the wrong length, naming a GPU that is not there, or (NCCL) twice.
     """
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
@@ -396,9 +426,7 @@ def run_ranks(
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if names is not None and len(names) != size:
         raise ValueError(f"names must name each of the {size} ranks, got {len(names)}")
-    if backend == "nccl" and torch.cuda.device_count() < size:
-        raise ValueError(f"backend 'nccl' with {size} ranks needs {size} GPUs, "
-                         f"found {torch.cuda.device_count()}")
+    placed = rank_gpus(backend, size, gpus, torch.cuda.device_count())
     ctx = mp.get_context("spawn")
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=startup_timeout_s + timeout_s))
@@ -419,7 +447,7 @@ def run_ranks(
                     target=_rank_main,
                     args=(fn, rank, size, backend, store.port, timeout_s, tuple(args),
                           dict(env or {}), send_end, str(fallback_policy), os.getpid(),
-                          time.time(), log_setup, err_write),
+                          time.time(), log_setup, err_write, placed[rank]),
                     name=f"cpkv-rank-{rank}",
                     daemon=False,  # fn may start processes of its own; _reap joins every rank
                 )

@@ -13,11 +13,12 @@ from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
 from .reference import reference_rank
 from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk
-from .run import disagg_rank, job_device, run_job
+from .run import JobPlacement, disagg_rank, job_placement, run_job
 from .spec import JobSpec
 
 __all__ = [
            "DecodeReport",
+           "JobPlacement",
            "JobReport",
            "JobSpec",
            "RankReport",
@@ -25,7 +26,7 @@ __all__ = [
            "compare_topk",
            "decode_rank",
            "disagg_rank",
-           "job_device",
+           "job_placement",
            "prefill_rank",
            "prefill_sender_rank",
            "reference_rank",

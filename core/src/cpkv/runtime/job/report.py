@@ -183,8 +183,11 @@ class JobReport:
     #: with ``run.mtp``: {draft_tokens, accept_rate, mean_accepted_length, steps, plain_steps,
     #: steps_saved, proposed, accepted, tokens_match_reference, prefill_max_rel_err_vs_reference}
     draft: dict[str, Any] | None = None
-    #: where the job ran: "cpu" (Gloo, float32 model) or "cuda" (NCCL, bfloat16 model)
+    #: where the job ran: "cpu" (Gloo, float32 model) or "cuda" (bfloat16 model)
     device: str = "cpu"
+    #: on GPUs, each process's GPU (the prefill ranks, then the decode rank; the decode rank
+    #: shares GPU 0 where there is one GPU fewer than processes); None on CPUs
+    gpus: list[int] | None = None
     #: {mb_per_rank, auto}: the indexer logits budget each prefill rank's session took
     logits_budget: dict[str, Any] | None = None
     #: with ``runtime.chunk_tokens``: {chunk_tokens, seconds_per_batch (per batch, each chunk's

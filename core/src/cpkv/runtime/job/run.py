@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -25,8 +26,15 @@ from .reference import reference_rank
 from .report import DecodeReport, JobReport, RankReport, SenderReport, compare_topk, tail_rows
 from .spec import JobSpec
 
-__all__ = ["BF16_COMPUTE_TOLERANCE", "TIE_TOLERANCE", "check_plugin_names", "disagg_rank",
-           "job_device", "run_job"]
+__all__ = [
+    "BF16_COMPUTE_TOLERANCE",
+    "TIE_TOLERANCE",
+    "JobPlacement",
+    "check_plugin_names",
+    "disagg_rank",
+    "job_placement",
+    "run_job",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -51,8 +59,10 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
     c = s.cp.size
     if world.size != c + 1:
         raise ValueError(f"the disaggregated job needs cp.size + 1 = {c + 1} processes, got {world.size}")
-    # a collective over the whole world, in the same order everywhere
-    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s))
+    # a collective over the whole world, in the same order everywhere; on GPUs NCCL (a Gloo
+    # world on GPUs: the decode rank shares a prefill rank's GPU, see job_placement)
+    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s),
+                           backend="nccl" if world.device.type == "cuda" else None)
     if world.rank < c:
         group = CPGroup.from_process_group(cp_pg, timeout_s=s.runtime.timeout_s, device=world.device)
         return prefill_sender_rank(world, group, spec)
@@ -95,22 +105,59 @@ def check_plugin_names(settings: Settings, *, transfer: bool = True) -> None:
         host.close()
 
 
-def job_device(device: str, processes: int) -> str:
-    """``settings.run.device`` resolved: "auto" is "cuda" when there is a GPU per process.
+@dataclass(frozen=True)
+class JobPlacement:
+    """Where the job's processes compute (:func:`job_placement`)."""
+
+    #: "cpu" (Gloo ranks, float32 model) or "cuda" (bfloat16 model)
+    device: str
+    #: the world's process-group backend: "gloo" or "nccl"
+    backend: str
+    #: the GPU of each process (the C prefill ranks, then the decode rank); None on CPUs
+    gpus: tuple[int, ...] | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Whether the decode rank shares a GPU with a prefill rank (a Gloo world on GPUs)."""
+        return self.gpus is not None and len(set(self.gpus)) < len(self.gpus)
+
+
+def job_placement(device: str, cp: int, decode: bool, transfer: str = "nccl") -> JobPlacement:
+    """``settings.run.device`` resolved for C = ``cp`` prefill ranks and, with ``decode``, the
+    decode rank. "auto" is "cuda" when there is a GPU per process. "cuda" takes a GPU per
+    process (NCCL world, process r on GPU r) when there are that many; with one GPU fewer (C
+    GPUs, C + 1 processes) the decode rank shares GPU 0 with prefill rank 0: the world is Gloo
+    (host-memory agreements), the prefill ranks' CP group NCCL, and the pages move with a
+    transfer that can reach a process on the same GPU (``mooncake``; not ``nccl``, which puts
+    one rank on a GPU).
 
     Raises:
-        ValueError: "cuda" without a GPU per process (NCCL needs one per rank).
+        ValueError: "cuda" with fewer GPUs than prefill ranks (or than processes, with the
+            ``nccl`` transfer or under torchrun), each with the fix.
     """
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = cp + 1 if decode else cp
     if device == "auto":
-        return "cuda" if n >= processes else "cpu"
-    if device == "cuda" and n < processes:
-        raise ValueError(f"run.device = 'cuda' needs a GPU per process: {processes} processes "
-                         f"(the CP ranks and the decode rank), {n} GPU(s) here; fewer CP ranks, "
-                         f"--decode-tokens 0, or device 'cpu'")
-    return device
+        device = "cuda" if n >= processes else "cpu"
+    if device == "cpu":
+        return JobPlacement("cpu", "gloo")
+    if n >= processes:
+        return JobPlacement("cuda", "nccl", tuple(range(processes)))
+    if decode and n >= cp and launched_world() is None:
+        if transfer == "nccl":
+            raise ValueError(f"run.device = 'cuda' with {n} GPU(s) for {processes} processes (the "
+                             f"CP ranks and the decode rank): the decode rank would share GPU 0, "
+                             f"which the nccl transfer cannot reach (NCCL puts one rank on a GPU); "
+                             f"use transfer.name = 'mooncake' (protocol 'nvlink_intra' moves the "
+                             f"pages by CUDA IPC), fewer CP ranks, or --decode-tokens 0")
+        return JobPlacement("cuda", "gloo", (*range(cp), 0))
+    share = (f" (with transfer.name = 'mooncake' the decode rank can share GPU 0: {cp} GPU(s))"
+             if decode and launched_world() is None else "")
+    raise ValueError(f"run.device = 'cuda' needs a GPU per process: {processes} processes "
+                     f"(the CP ranks{' and the decode rank' if decode else ''}), {n} GPU(s) "
+                     f"here{share}; fewer CP ranks, --decode-tokens 0, or device 'cpu'")
 
 
 def _fallback_rows(pre: Sequence[tuple[int, object, Sequence[FallbackEvent]]],
@@ -163,12 +210,13 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         SettingsError: ``backend.name`` or ``transfer.name`` names no installed plugin.
         RankFailed / RankTimeout: a rank failed (its own error) or hung.
         RuntimeError: the bytes the prefill ranks sent and the decode rank received differ.
-        ValueError: under torchrun, a world of the wrong size; ``run.device = "cuda"`` without a
-            GPU per process.
+        ValueError: under torchrun, a world of the wrong size; ``run.device = "cuda"`` without
+            enough GPUs (:func:`job_placement`).
     """
     c = settings.cp.size
     check_plugin_names(settings, transfer=decode_tokens > 0)
-    device = job_device(settings.run.device, c + 1 if decode_tokens > 0 else c)
+    place = job_placement(settings.run.device, c, decode_tokens > 0, settings.transfer.name)
+    device = place.device
     spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
                    settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
                    decode_tokens=decode_tokens, batch_size=batch_size, device=device, mtp=mtp,
@@ -198,11 +246,13 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         names = [f"rank {r}" for r in range(c)] + (["the decode rank"] if n > c else [])
         return run_ranks(fn, n, args=(spec,), timeout_s=settings.runtime.timeout_s,
                          startup_timeout_s=settings.runtime.startup_timeout_s,
-                         fallback_policy=policy, backend="nccl" if device == "cuda" else "gloo",
-                         names=names, log_setup=log_setup)
+                         fallback_policy=policy, backend=place.backend, names=names,
+                         log_setup=log_setup, gpus=place.gpus)
 
     if decode_tokens > 0:
-        progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes")
+        progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes"
+                 + (f" (the decode rank shares GPU 0 with rank 0: {c} GPU(s) here)"
+                    if place.shared else ""))
         results = ranks(disagg_rank, c + 1)
         decode = results[c].value
         senders = [r.value for r in results[:c]]
@@ -307,5 +357,6 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         max_rel_err_vs_reference=err, topk_rows_differing=topk_bad, fallbacks=fallbacks,
         seconds=seconds, logits=r0.last_logits, reference_logits=ref.last_logits,
         transfer=transfer, decode=dec, cache=cache, draft=draft, device=device,
+        gpus=list(place.gpus) if place.gpus is not None else None,
         logits_budget={"mb_per_rank": [v.logits_budget_mb for _, v, _ in pre],
                        "auto": r0.logits_budget_auto}, chunks=chunks)
