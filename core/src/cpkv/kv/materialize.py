@@ -270,9 +270,10 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
         raise ValueError("part-major pages are read by the replica and all_gather strategies; "
                          "p2p reads token rows from its peers")
     auto = mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
-    if auto and (group.device.type != "cuda" or group.is_local):
+    # one rank has no peers to map (its pool stays plain memory, which a transfer may export)
+    if auto and (group.device.type != "cuda" or group.size == 1):
         log.info("cpkv.kv.materialize_auto", selected="all_gather",
-                 why="one rank" if group.is_local else f"{group.device.type} ranks")
+                 why="one rank" if group.size == 1 else f"{group.device.type} ranks")
     elif mode is MaterializeMode.P2P or auto:
         total = num_layers * capacity * fmt.page_bytes
         try:

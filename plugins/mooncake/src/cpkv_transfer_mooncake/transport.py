@@ -78,7 +78,7 @@ from cpkv.disagg import (
 from cpkv.fallback import report_fallback
 from cpkv.ops import page_blocks
 
-from .nvlink import ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
+from .nvlink import NVLINK_INTRA, ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
 from .settings import DIRECT_PROTOCOLS, MooncakeSettings
 
 __all__ = ["HostStaging", "Joined", "Layout", "MooncakeLink", "MooncakeTransport", "Session",
@@ -356,8 +356,14 @@ class _Engine:
             rc = eng.register_memory(addr, n)
             if rc != 0:
                 self.close()
+                hint = ""
+                if opts.protocol == NVLINK_INTRA:  # its registration exports a CUDA IPC handle
+                    hint = (" (nvlink_intra exports the buffer's allocation with "
+                            "cudaIpcGetMemHandle: it must be plain cudaMalloc memory, not "
+                            "peer-mapped symmetric memory: set kv.materialize = 'all_gather' "
+                            "where 'auto' or 'p2p' maps the pool across CP ranks)")
                 raise TransferError(f"Mooncake register_memory of {n} bytes at {addr:#x} returned "
-                                    f"{rc}")
+                                    f"{rc}{hint}")
             self.registered.append(addr)
 
     def write(self, peer: str, entries: Sequence[tuple[int, int, int]]) -> int:
