@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-CONFIGS = [{"PAGED_BLOCK_N": bn, "paged_warps": w, "PAGED_ROWS": 1, "PAGED_PROGRAMS": p,
-            "paged_stages": st}
-           for bn in (128, 256) for w in (4, 8) for p in (0, 528, 1056, 2112) for st in (2, 3)]
+CONFIGS = [{"PAGED_BLOCK_N": bn, "paged_warps": w, "PAGED_ROWS": r}
+           for bn in (64, 128, 256, 512) for w in (4, 8) for r in (1, 2)]
 
 
 def _time(fn: Any, reps: int = 20) -> float:
@@ -91,8 +90,7 @@ def main() -> None:
     out.write_text(json.dumps(res, indent=1))
     print(f"{b} x {ctx}: q {res['q']}, {res['key_bytes'] / 1e9:.2f} GB of keys")
     for r in sorted(res["configs"], key=lambda r: r.get("ms", 1e9)):
-        cfg = (f"BN {r['PAGED_BLOCK_N']:3d} warps {r['paged_warps']} programs "
-               f"{r['PAGED_PROGRAMS']:4d} stages {r['paged_stages']}")
+        cfg = f"BN {r['PAGED_BLOCK_N']:3d} warps {r['paged_warps']} rows {r['PAGED_ROWS']}"
         if "ms" in r:
             print(f"{cfg}  {r['ms']:7.3f} ms  {r['GBps']:7.0f} GB/s  equal {r['equal']}")
         else:

@@ -67,24 +67,11 @@ def test_conformance_interpreter(ref: Any, op: str) -> None:
 
 
 @interp
-@pytest.mark.parametrize("programs", [0, 1, 5])
-def test_indexer_paged_small_tiles_and_row_groups(ref: Any, programs: int) -> None:
+def test_indexer_paged_small_tiles_and_row_groups(ref: Any) -> None:
     """Keys tiles smaller than a page and groups of 3 rows per program (a group's rows of
-    different requests, the last group partly past N); a tile per program (0), or runs of tiles
-    per program: a row group's every tile in one program (1), runs that end inside a row's keys
-    and past them (5)."""
-    impl = AttentionKernels(indexer_config={"PAGED_BLOCK_N": 16, "PAGED_ROWS": 3,
-                                            "PAGED_PROGRAMS": programs})
+    different requests, the last group partly past N)."""
+    impl = AttentionKernels(indexer_config={"PAGED_BLOCK_N": 16, "PAGED_ROWS": 3})
     conf.check_op(impl, ref, "indexer_logits_paged", device="cpu")
-
-
-def test_tiles_per_program() -> None:
-    from cpkv_backend_triton.attention import _tiles_per_program
-
-    assert _tiles_per_program(1024, 64, 0) == 1  # off: a tile a program
-    assert _tiles_per_program(1024, 64, 1024) == 64  # 64 x 128K keys: 1024 programs of 64 tiles
-    assert _tiles_per_program(32, 1, 1024) == 1  # fewer tiles than programs
-    assert _tiles_per_program(8, 4, 1) == 8  # at most a row group's tiles
 
 
 def _paged_inputs(fmt: KVFormat, pool: torch.Tensor) -> tuple[torch.Tensor, ...]:

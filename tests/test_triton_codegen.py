@@ -40,8 +40,6 @@ for label, ka in (("with_hint", kalign), ("without", 1)):
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
     out[label] = {w: len(re.findall(r"ld\.global\." + w + r"\b", ptx)) for w in ("b8", "b32")}
-    # a pipelined loop reads its tiles with asynchronous copies to shared memory (4-byte ones)
-    out[label]["cp4"] = len(re.findall(r"cp\.async\.\w+\.shared\.global [^;]*, 0x4\b", ptx))
 print(json.dumps(out))
 """
 
@@ -59,5 +57,4 @@ def test_paged_indexer_key_loads_are_vectorized() -> None:
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["kalign"] == 4  # the DeepSeek fp8 pool's key rows start on 4-byte boundaries
     assert res["without"]["b8"] >= 128  # the key tile byte by byte
-    hint = res["with_hint"]
-    assert hint["b8"] == 0 and hint["b32"] + hint["cp4"] >= 32
+    assert res["with_hint"]["b8"] == 0 and res["with_hint"]["b32"] >= 32

@@ -48,18 +48,16 @@ _LOWP = (torch.bfloat16, torch.float16)
 #: a decode step), with FEW_BLOCK_N keys per program and few_warps warps. On the H200 at 64K fp8
 #: keys x 64 heads (bf16 queries, times with launch work): 1-4 rows ~2x faster than the row-tile
 #: kernel, 8 rows 1.28x, 16 rows 0.72x (docs/perf.md); in a decode step 80 -> 9 us of GPU time
-#: PAGED_BLOCK_N keys per tile of ``indexer_logits_paged`` (each key's page looked up in the
+#: PAGED_BLOCK_N keys per program of ``indexer_logits_paged`` (each key's page looked up in the
 #: block table), PAGED_ROWS query rows per program (one after the other, each against its own
-#: request's keys), paged_warps warps, PAGED_PROGRAMS about how many programs share the tiles
-#: (each loads its rows' queries once for a run of tiles; 0: a tile each), paged_stages the
-#: software pipeline's stages over a run. On the H200 at 64
-#: requests x 128K fp8 keys, one tile a program: BLOCK_N 128 with 4 warps and one row best of
-#: BLOCK_N 64-512, 4/8 warps, 1/2 rows (1.02 ms a layer, 1.08 TB/s of keys;
-#: benchmarks/indexer_paged_sweep_gpu.py)
+#: request's keys), paged_warps warps. On the H200 at 64 requests x 128K fp8 keys: BLOCK_N 128
+#: with 4 warps and one row the best of BLOCK_N 64-512, 4/8 warps, 1/2 rows (1.02 ms a layer,
+#: 1.08 TB/s of keys; benchmarks/indexer_paged_sweep_gpu.py); a variant giving each program a
+#: software-pipelined run of tiles (queries loaded once) was slower at every run length tried
+#: (1.18-1.88 ms, docs/lessons.md)
 INDEXER_DEFAULT: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
                                    "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
-                                   "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4,
-                                   "PAGED_PROGRAMS": 0, "paged_stages": 3}
+                                   "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4}
 MLA_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2,
                                "P_SPLIT": 2, "P_FP16": 1, "P_CAT": 1}
 #: 16-bit q/kv (the production path): one bf16 P, FlashMLA's precision, within bf16 tolerance of
@@ -195,25 +193,23 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
 
 @triton.jit
 def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_ptr, out_ptr,
-                          N, MS, SPAN,
+                          N, MS,
                           sq0, sq1, sq2, sw0, sw1, sbt0, sbt1, so0,
                           k_page, k_first, k_row, s_page, s_first, s_row,
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                           S: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
                           FP8: tl.constexpr, UPCAST: tl.constexpr, KALIGN: tl.constexpr):
-    """The indexer of ``BQ`` query rows against key columns ``[pid0 * SPAN, pid0 * SPAN +
-    SPAN)`` of each row's own request (``SPAN``: a multiple of ``BLOCK_N``), one tile of
-    ``BLOCK_N`` keys after the other, read in place from part-major pages: key column j of
-    request r is slot ``j % S`` of page ``bt[r, j // S]``, its index-K values at element
-    ``page * k_page + k_first + slot * k_row`` of ``k_ptr`` (a typed view of the pool; the fp8
-    scale likewise in the float32 view ``scale_ptr``). A row's heads are one ``[HP, D]``
-    operand, loaded once per program, one dot per key tile; the tiles at or past the row's
-    ``key_end`` load nothing and store -inf. ``KALIGN``: every key row's first element is a
-    multiple of it (the host's gcd of the steps): without the hint the gathered rows' fp8 bytes
-    compile to one-byte loads (``ld.global.b8``), with it to 4-byte ones."""
-    start = tl.program_id(0) * SPAN
-    end = tl.minimum(start + SPAN, MS)
-    ar = tl.arange(0, BLOCK_N)
+    """The indexer of ``BQ`` query rows against ``BLOCK_N`` keys of each row's own request,
+    read in place from part-major pages: key column j of request r is slot ``j % S`` of page
+    ``bt[r, j // S]``, its index-K values at element ``page * k_page + k_first + slot * k_row``
+    of ``k_ptr`` (a typed view of the pool; the fp8 scale likewise in the float32 view
+    ``scale_ptr``). A row's heads are one ``[HP, D]`` operand, one dot per key tile; a tile at or
+    past the row's ``key_end`` loads nothing and stores -inf. ``KALIGN``: every key row's first
+    element is a multiple of it (the host's gcd of the steps): without the hint the gathered
+    rows' fp8 bytes compile to one-byte loads (``ld.global.b8``), with it to 4-byte ones."""
+    n0 = tl.program_id(0) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < MS
     head = tl.arange(0, HP)
     hmask = head < H
     d = tl.arange(0, DP)
@@ -223,33 +219,26 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
         if row < N:
             row64 = row.to(tl.int64)
             ke = tl.load(ke_ptr + row64)
-            hi = tl.minimum(end, ke)  # this program's keys of the row
-            req = tl.load(req_ptr + row64).to(tl.int64)
-            qt = tl.load(q_ptr + row64 * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
-                         mask=hmask[:, None] & dmask[None, :], other=0.0)
-            wv = tl.load(w_ptr + row64 * sw0 + head * sw1, mask=hmask, other=0.0)
-            for n0 in tl.range(start, hi, BLOCK_N):
-                cols = n0 + ar
-                inr = cols < hi
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if n0 < ke:
+                inr = cmask & (cols < ke)
+                req = tl.load(req_ptr + row64).to(tl.int64)
                 page = tl.load(bt_ptr + req * sbt0 + (cols // S).to(tl.int64) * sbt1, mask=inr,
                                other=0).to(tl.int64)
                 slot = (cols % S).to(tl.int64)
                 base = tl.multiple_of(page * k_page + k_first + slot * k_row, KALIGN)
                 ktt = _key_tile(k_ptr, q_ptr, base, inr, d, dmask, 1, 1, UPCAST)
+                qt = tl.load(q_ptr + row64 * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                             mask=hmask[:, None] & dmask[None, :], other=0.0)
                 s = _qk_dot(qt, ktt, UPCAST)
+                wv = tl.load(w_ptr + row64 * sw0 + head * sw1, mask=hmask, other=0.0)
                 acc = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
                 if FP8:
                     c = tl.load(scale_ptr + page * s_page + s_first + slot * s_row, mask=inr,
                                 other=0.0)
                     acc = acc * c
-                tl.store(out_ptr + row64 * so0 + cols, tl.where(cols < ke, acc, float("-inf")),
-                         mask=cols < end)
-            # the tiles past the row's keys: -inf only
-            for n0 in tl.range(start + tl.cdiv(tl.maximum(hi - start, 0), BLOCK_N) * BLOCK_N,
-                               end, BLOCK_N):
-                cols = n0 + ar
-                tl.store(out_ptr + row64 * so0 + cols,
-                         tl.full([BLOCK_N], float("-inf"), tl.float32), mask=cols < end)
+            tl.store(out_ptr + row64 * so0 + cols, tl.where(cols < ke, acc, float("-inf")),
+                     mask=cmask)
 
 
 # C901: the branches are tl.constexpr variants (HAS_B, UPCAST, P_SPLIT, ...), resolved at
@@ -363,15 +352,6 @@ def _interpreted(kernel: Any) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def _tiles_per_program(tiles: int, row_groups: int, programs: int) -> int:
-    """Key tiles a program of ``indexer_logits_paged`` takes (its queries loaded once for all of
-    them) so that about ``programs`` programs cover ``tiles`` tiles of ``row_groups`` row groups
-    (0: one tile each)."""
-    if programs <= 0:
-        return 1
-    return max(1, min(tiles, (tiles * row_groups) // programs))
-
-
 def _paged_index_views(pages: torch.Tensor, fmt: KVFormat
                        ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
     """The pool layer ``pages`` as its index-K value type (float8_e4m3fn, bfloat16 or float32),
@@ -432,7 +412,7 @@ class AttentionKernels:
     Args:
         indexer_config: overrides of :data:`INDEXER_DEFAULT` (BLOCK_M, BLOCK_N, num_warps,
             num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps, PAGED_BLOCK_N, PAGED_ROWS,
-            paged_warps, PAGED_PROGRAMS, paged_stages).
+            paged_warps).
         mla_config: overrides of the sparse-MLA launch and probability split (BLOCK_H,
             BLOCK_K, num_warps, num_stages, P_SPLIT, P_FP16, P_CAT, HEADS_FAST), applied on top
             of the configuration ``mla_precision`` picks.
@@ -577,19 +557,17 @@ class AttentionKernels:
         scales = pages.view(-1).view(torch.float32) if fp8 else out
         bn = min(cfg["PAGED_BLOCK_N"], _pow2(ms))
         bq = max(1, min(cfg["PAGED_ROWS"], n))
-        span = bn * _tiles_per_program(triton.cdiv(ms, bn), triton.cdiv(n, bq),
-                                       cfg["PAGED_PROGRAMS"])
         hp = _pow2(heads)  # a dot takes at least 16 rows
         self._launch(("indexer_paged", q.dtype, keys.dtype, heads, d, fmt.page_size, bq, bn,
                       upcast),
-                     _indexer_paged_kernel, (triton.cdiv(ms, span), triton.cdiv(n, bq)),
-                     (q, w, keys, scales, block_table, row_request, key_end, out, n, ms, span,
+                     _indexer_paged_kernel, (triton.cdiv(ms, bn), triton.cdiv(n, bq)),
+                     (q, w, keys, scales, block_table, row_request, key_end, out, n, ms,
                       q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                       block_table.stride(0), block_table.stride(1), out.stride(0), *kst, *sst),
                      {"H": heads, "HP": hp, "D": d, "DP": _pow2(d), "S": fmt.page_size,
                       "BQ": bq, "BLOCK_N": bn, "FP8": fp8, "UPCAST": upcast,
                       "KALIGN": _row_alignment(kst, keys.element_size())},
-                     cfg["paged_warps"], cfg["paged_stages"])
+                     cfg["paged_warps"], cfg["num_stages"])
         return out
 
     # -- top-k ----------------------------------------------------------------------------------
