@@ -8,7 +8,6 @@ Usage: python benchmarks/indexer_paged_sweep_gpu.py OUT.json [B] [CTX]
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -20,23 +19,9 @@ CONFIGS = [{"PAGED_BLOCK_N": bn, "paged_warps": w, "PAGED_ROWS": r}
            for bn in (64, 128, 256, 512) for w in (4, 8) for r in (1, 2)]
 
 
-def _time(fn: Any, reps: int = 20) -> float:
-    """Median milliseconds of ``fn`` (CUDA events, after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def _rank(group: Any, ckpt: str, b: int, ctx: int) -> dict[str, Any]:
     from cpkv.bench.decode import DecodeBenchSpec, filled_worker
+    from cpkv.bench.gpu import cuda_ms
     from cpkv.models import load_model
 
     model = load_model(ckpt, dtype=torch.bfloat16, device=group.device)
@@ -66,7 +51,7 @@ def _rank(group: Any, ckpt: str, b: int, ctx: int) -> dict[str, Any]:
         try:
             out = impl.indexer_logits_paged(*args)
             same = bool(torch.equal(out, ref))
-            ms = _time(lambda: impl.indexer_logits_paged(*args))
+            ms = cuda_ms(lambda: impl.indexer_logits_paged(*args))
             rows.append({**cfg, "ms": ms, "GBps": need / ms / 1e6, "equal": same})
         except Exception as exc:  # a configuration out of resources: say so, go on
             rows.append({**cfg, "error": repr(exc)[:200]})
