@@ -479,3 +479,17 @@ def test_bench_small_smoke() -> None:
             assert r["max_abs_diff"] < 0.07
         if r["bench"] == "indexer_few_rows":
             assert max(r["row_tile_max_abs_diff"], r["few_rows_max_abs_diff"]) < 1e-4
+
+
+def test_long_topk_splits_few_rows() -> None:
+    """The one-read path spreads a decode step's few long rows over programs (a row of 256K
+    logits alone once took one program: the scratch bound by the logits' bytes allowed one
+    split); many rows keep the scratch within an eighth of the logits' bytes."""
+    from cpkv_backend_triton.topk import TOPK_LONG, _splits
+
+    cap = TOPK_LONG["CAP"]
+    assert _splits(1, 262144, cap) == 262144 // TOPK_LONG["SPLIT_MIN"]
+    assert _splits(8, 262144, cap) == 262144 // TOPK_LONG["SPLIT_MIN"]
+    n, t = 1024, 1 << 19  # a long prompt's chunk: 1024 rows x 512K keys
+    ns = _splits(n, t, cap)
+    assert ns >= 1 and n * ns * cap * 8 <= max(n * t * 4 // 8, TOPK_LONG["SCRATCH_MB"] << 20)

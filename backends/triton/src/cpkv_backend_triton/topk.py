@@ -62,13 +62,14 @@ TOPK_SAMPLE = 512
 #: the one-read path for long rows: rows of at least MIN_T columns; SAMPLE columns place the
 #: floor; at most CAP candidates per split (more: the exact kernel); BLOCK columns per step of the
 #: filter; PROGRAMS: splits a row into enough (row, split) programs to fill the GPU when a call
-#: has few rows (splits of at least SPLIT_MIN columns); REFINE candidates per refinement step.
+#: has few rows (splits of at least SPLIT_MIN columns; their candidates' scratch within an eighth
+#: of the logits' bytes or SCRATCH_MB); REFINE candidates per refinement step.
 #: At 1M columns the floor keeps ~7K candidates (k = 2048: the k-th key ~8 sample places down,
 #: the floor 4 standard deviations plus 8 places below it). MIN_T: on the H200 at 1024 rows the
 #: one-read path took 0.84 ms at 64K columns (two-read 0.49), 1.07 at 128K (0.92), 2.16 at 512K
 #: (11.75: the two-read path's sample misses the k-th key there and rows take the exact kernel)
 TOPK_LONG: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "CAP": 16384, "BLOCK": 1024,
-                             "PROGRAMS": 2048, "SPLIT_MIN": 32768, "REFINE": 1024,
+                             "PROGRAMS": 2048, "SPLIT_MIN": 8192, "SCRATCH_MB": 64, "REFINE": 1024,
                              "num_warps": 4, "select_warps": 4}
 _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -468,10 +469,12 @@ def _splits(n: int, t: int, cap: int) -> int:
     """(row, split) programs for the filter: enough to fill the GPU when a call has few rows,
     splits of at least SPLIT_MIN columns, and the candidates' scratch (``cap`` int64 a split) at
     most an eighth of the logits' bytes (the caller's memory budget is sized by the logits: at
-    1M keys and a 512 MiB budget, 16 splits of 128 rows took 268 MB more than the budget)."""
+    1M keys and a 512 MiB budget, 16 splits of 128 rows took 268 MB more than the budget) or
+    SCRATCH_MB, whichever is larger (a decode step's few rows: one row of 256K logits alone
+    would allow one split, and one program streamed the row)."""
     cfg = TOPK_LONG
     want = triton.cdiv(cfg["PROGRAMS"], max(n, 1))
-    by_memory = (4 * t) // (8 * 8 * cap)
+    by_memory = max((4 * t) // (8 * 8 * cap), (cfg["SCRATCH_MB"] << 20) // (8 * cap * max(n, 1)))
     return max(1, min(want, triton.cdiv(t, cfg["SPLIT_MIN"]), by_memory))
 
 
