@@ -69,7 +69,7 @@ TOPK_SAMPLE = 512
 #: one-read path took 0.84 ms at 64K columns (two-read 0.49), 1.07 at 128K (0.92), 2.16 at 512K
 #: (11.75: the two-read path's sample misses the k-th key there and rows take the exact kernel)
 TOPK_LONG: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "CAP": 16384, "BLOCK": 1024,
-                             "PROGRAMS": 2048, "SPLIT_MIN": 8192, "SCRATCH_MB": 64, "REFINE": 1024,
+                             "PROGRAMS": 2048, "SPLIT_MIN": 32768, "SCRATCH_MB": 64, "REFINE": 1024,
                              "num_warps": 4, "select_warps": 4}
 _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
