@@ -38,7 +38,8 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
 def test_one_gpu_run_decodes_as_the_reference(tmp_path: Path) -> None:
     """CP1 and the decode rank on one GPU (Mooncake over CUDA IPC): the decode rank's greedy
     tokens, its steps replayed from CUDA graphs, equal the reference's."""
-    _, rep = _run(tmp_path, "--config", ONE_GPU, "--decode-tokens", "16")
+    out, rep = _run(tmp_path, "--config", ONE_GPU, "--decode-tokens", "16")
+    assert "the decode rank shares GPU 0" in " ".join(out.stdout.split())
     assert rep["device"] == "cuda" and rep["correct"]
     dec = rep["decode"]
     assert dec["tokens_match_reference"] and len(dec["tokens"][0]) == 16

@@ -95,8 +95,18 @@ PHASES = (("startup (spawn, imports, model load)", "cp_startup", "reference_star
           ("total (wall)", "cp_total", "reference_total"))
 
 
+def _where(rep: JobReport) -> str:
+    """The device, and on GPUs each process's GPU (the prefill ranks', then the decode rank's)."""
+    if rep.gpus is None:
+        return rep.device
+    where = f"{rep.device} (GPUs {', '.join(map(str, rep.gpus))}"
+    if len(rep.gpus) > rep.cp and rep.gpus[rep.cp] in rep.gpus[:rep.cp]:
+        where += f": the decode rank shares GPU {rep.gpus[rep.cp]}"
+    return where + ")"
+
+
 def _render(rep: JobReport, tol: float, console: Console) -> bool:
-    console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {rep.device}, {rep.kv_dtype} pool, "
+    console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {_where(rep)}, {rep.kv_dtype} pool, "
                   f"{rep.materialize} views (prompts of {', '.join(map(str, rep.prompt_lens))} "
                   f"tokens)")
     t = _table()
