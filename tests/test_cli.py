@@ -148,3 +148,18 @@ def test_run_under_a_launcher_checks_the_world_first(env: dict[str, str], args: 
                                                      message: str) -> None:
     out = cpkv("run", *args, env=env)
     assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_report_says_where_each_process_ran() -> None:
+    """The report's first line names each process's GPU, and says when the decode rank shares
+    one with a prefill rank (one GPU fewer than processes)."""
+    from types import SimpleNamespace
+
+    from cpkv.cli.run import _where
+
+    assert _where(SimpleNamespace(device="cpu", gpus=None, cp=2)) == "cpu"
+    shared = SimpleNamespace(device="cuda", gpus=[0, 0], cp=1)
+    assert _where(shared) == "cuda (GPUs 0, 0: the decode rank shares GPU 0)"
+    own = SimpleNamespace(device="cuda", gpus=[0, 1, 2], cp=2)
+    assert _where(own) == "cuda (GPUs 0, 1, 2)"
+    assert _where(SimpleNamespace(device="cuda", gpus=[0, 1], cp=2)) == "cuda (GPUs 0, 1)"
