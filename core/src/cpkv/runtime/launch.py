@@ -459,8 +459,8 @@ def run_ranks(
                     send_end.close()  # the parent keeps only the read end: EOF when the rank exits
                     if err_write is not None:
                         err_write.close()
-        return _supervise(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names, logs,
-                          errs)
+        return _Supervisor(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names,
+                           logs, errs).run()
     finally:
         _reap(procs)
         lines = StderrLines(logs)
@@ -507,26 +507,6 @@ def _oversubscribed_hint(size: int) -> str:
             f"use fewer ranks or raise runtime.startup_timeout_s")
 
 
-# C901: one event loop over the ranks' pipes, sentinels and stderr; every branch updates the
-# same state (ready, results, errors, deaths, deadline, phase): split, it would pass all of it
-def _supervise(
-    procs: list[Any],
-    conns: dict[int, Connection],
-    size: int,
-    timeout_s: float,
-    startup_timeout_s: float,
-    settle_s: float,
-    names: Sequence[str] | None = None,
-    logs: RankLogMerger | None = None,
-    errs: dict[int, Connection] | None = None,
-) -> list[RankResult]:
-    """Wait for every rank's result (see :class:`_Supervisor`); raise the first failure's root
-    cause, or :class:`RankTimeout`."""
-    sup = _Supervisor(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names, logs,
-                      errs if errs is not None else {})
-    return sup.run()
-
-
 class _Supervisor:
     """The parent's side of a rank launch: reads each rank's reports (log events, the collective
     it waits in, ready, its result or error), its stderr and its exit, until every rank reported
@@ -555,6 +535,8 @@ class _Supervisor:
         return rank in self.results or rank in self.errors or rank in self.deaths
 
     def run(self) -> list[RankResult]:
+        """Every rank's result, in rank order; raises the first failure's root cause, or
+        :class:`RankTimeout`."""
         while len(self.results) < self.size:
             now = time.monotonic()
             if self._settled(now):
