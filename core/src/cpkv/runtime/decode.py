@@ -15,6 +15,7 @@ prefill driver in one process, prefill included.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +33,21 @@ if TYPE_CHECKING:
     from cpkv.plugin import PluginHost
     from cpkv.settings import Settings
 
-__all__ = ["DecodeSession", "DecodeWorker", "decode_step", "generate", "generate_with", "greedy"]
+__all__ = ["DecodeSession", "DecodeSteps", "DecodeWorker", "decode_step", "generate",
+           "generate_with", "greedy"]
+
+
+@dataclass(frozen=True)
+class DecodeSteps:
+    """How a worker's decode steps ran so far."""
+
+    #: the last step replayed a CUDA graph
+    graphs: bool
+    #: step shapes captured in CUDA graphs
+    captured: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
@@ -116,11 +131,10 @@ class DecodeWorker:
     def release(self, rid: Hashable) -> None:
         self.pool.free(rid)
 
-    def steps_info(self) -> dict[str, Any]:
-        """How the decode steps ran so far: whether the last one replayed a CUDA graph, and how
-        many step shapes were captured."""
+    def steps_info(self) -> DecodeSteps:
+        """How the decode steps ran so far."""
         last = self.decoder.last
-        return {"graphs": bool(last is not None and last.graph), "captured": self.decoder.captures}
+        return DecodeSteps(graphs=last is not None and last.graph, captured=self.decoder.captures)
 
 
 class DecodeSession:
@@ -181,6 +195,6 @@ class DecodeSession:
         """Free a finished request's pages."""
         self.worker.release(rid)
 
-    def steps_info(self) -> dict[str, Any]:
+    def steps_info(self) -> DecodeSteps:
         """How the decode steps ran (see :meth:`DecodeWorker.steps_info`)."""
         return self.worker.steps_info()

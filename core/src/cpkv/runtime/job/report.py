@@ -10,6 +10,7 @@ import torch
 from cpkv.comm import CPGroup
 from cpkv.disagg import TransferManifest
 
+from ..decode import DecodeSteps
 from ..session import PrefillSession
 from .spec import Served
 
@@ -88,9 +89,8 @@ class DecodeReport:
     speculation: dict[str, Any] | None = None
     #: layers of the decode pool (the MTP layer's included)
     kv_layers: int = 0
-    #: how the decode steps ran: {"graphs": the last step replayed a CUDA graph, "captured":
-    #: step shapes captured}
-    steps: dict[str, Any] = field(default_factory=dict)
+    #: how the decode steps ran
+    steps: DecodeSteps | None = None
 
 
 @dataclass

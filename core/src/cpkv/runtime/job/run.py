@@ -320,7 +320,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
                                            - r.overlap_seconds).overlap_seconds,
                     "ready_seconds": sum(ready), "ready_seconds_per_request": ready}
         dec = {"tokens": decode.tokens, "reference_tokens": ref_tokens,
-               "tokens_match_reference": decode.tokens == ref_tokens, "steps": decode.steps}
+               "tokens_match_reference": decode.tokens == ref_tokens,
+               "steps": decode.steps.as_dict() if decode.steps else {}}
         seconds.update({f"decode_{k}": v for k, v in decode.seconds.items()})
     draft = None
     if mtp:
