@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import gc
 import statistics
+import tempfile
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from .timing import device_ms
 
-__all__ = ["DecodeBenchSpec", "decode_bench_rank", "decode_rows", "filled_worker"]
+__all__ = ["DecodeBenchSpec", "decode_bench_rank", "decode_rows", "filled_worker",
+           "probe_filled_worker"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,35 @@ def filled_worker(model: Any, spec: DecodeBenchSpec, b: int, ctx: int, graphs: b
     rids: list[Hashable] = [f"r{i}" for i in range(b)]
     _fill(worker, rids, ctx, seed=b + ctx)
     return worker, rids
+
+
+def _probe_rank(group: Any, ckpt: str, b: int, ctx: int,
+                probe: Callable[[Any, list[Hashable]], T]) -> T:
+    from cpkv.models import load_model
+
+    model = load_model(ckpt, dtype=torch.bfloat16, device=group.device)
+    worker, rids = filled_worker(model, DecodeBenchSpec(ckpt, (b,), (ctx,)), b, ctx, False,
+                                 group.device)
+    return probe(worker, rids)
+
+
+def probe_filled_worker(probe: Callable[[Any, list[Hashable]], T], b: int, ctx: int,
+                        layers: int = 2) -> T:
+    """``probe(worker, rids)`` in one GPU rank process, on an eager decode worker holding ``b``
+    requests of ``ctx`` tokens each (the ``layers``-layer ``v32-attention`` stack, fp8 pool):
+    the benchmark scripts' way to look inside a decode step. ``probe`` must pickle (a top-level
+    function) and return something that does."""
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.runtime import run_ranks
+
+    from .gpu import v32_stack
+
+    ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "stack", seed=0,
+                                 **v32_stack(layers, ctx + 4096))
+    res = run_ranks(_probe_rank, 1, args=(str(ckpt), b, ctx, probe), backend="nccl",
+                    timeout_s=900)
+    value: T = res[0].value
+    return value
 
 
 def _done() -> None:
