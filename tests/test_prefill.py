@@ -50,6 +50,12 @@ def _cases(cp: int) -> list[tuple[str, JobSpec]]:
                               backend={"preference": ["torch"]}, runtime={"logits_budget_mb": 1})
             out.append((f"{mode.value} p2p fp8 prefix", JobSpec("", prompts, s, True,
                                                                 (20, 0, 3, 64))))
+            # DeepSeek's fp8 indexer: rotated ue8m0 index-K, rotated fp8 queries
+            s = load_settings(cp={"size": cp, "mode": mode}, kv={"page_size": PAGE, "dtype": "fp8"},
+                              backend={"preference": ["torch"]},
+                              runtime={"logits_budget_mb": 1, "indexer_dtype": "fp8"})
+            out.append((f"{mode.value} fp8 indexer prefix", JobSpec("", prompts, s, True,
+                                                                    (20, 0, 3, 64))))
     return out
 
 
@@ -273,7 +279,9 @@ def test_fp8_indexer_queries_on_an_fp8_pool(tiny: Path) -> None:
 
     def dequantized(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q8, _ = quantize_index_q(q, w)
-        s = q.float().abs().amax(dim=-1).clamp_min(1e-12) / 448.0
+        # the indexer's ue8m0 scale: the power of two at or above amax / 448
+        s = torch.pow(2.0, torch.ceil(torch.log2(q.float().abs().amax(dim=-1).clamp_min(1e-4)
+                                                 / 448.0)))
         return q8.float() * s[..., None], w
 
     def run(pool: str, q_dtype: str, swap: bool = False) -> torch.Tensor:
@@ -312,3 +320,53 @@ def test_row_chunks_respect_the_budget() -> None:
     chunks = row_chunks(1000, 4 * 300, budget_bytes=300 * 4 * 64)
     assert chunks[0] == (0, 64) and chunks[-1][1] == 1000
     assert all(e - s <= 64 for s, e in chunks) and row_chunks(0, 10, 1) == []
+
+
+def _index_keys_made_and_written(model: Any, settings: Any, prompt: tuple[int, ...]
+                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The index keys the model made and those the driver wrote into the pool, per layer."""
+    from cpkv.runtime.session import PrefillSession
+
+    with recording():
+        session = PrefillSession(model, settings, CPGroup.single())
+    made: list[torch.Tensor] = []
+    written: list[torch.Tensor] = []
+    plain_inputs, plain_write = model.attention_inputs, session.pool.write
+
+    def inputs(*a: Any, **k: Any) -> Any:
+        out = plain_inputs(*a, **k)
+        made.append(out.index_k.clone())
+        return out
+
+    def write(layer: int, kv: Any, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        written.append(index_k.clone())
+        plain_write(layer, kv, latent, index_k)
+
+    model.attention_inputs = inputs
+    session.pool.write = write  # type: ignore[method-assign]
+    try:
+        session.prefill([("a", prompt)])
+    finally:
+        del model.attention_inputs
+    return made, written
+
+
+def test_fp8_pool_holds_rotated_index_keys(tiny: Path) -> None:
+    """An fp8 pool's index-K is DeepSeek's: the model's index keys rotated
+    (``hadamard_rotate``) before the ue8m0 pack; a bf16 pool gets the keys as the model made
+    them."""
+    from cpkv.models import load_model
+    from cpkv.ops import hadamard_rotate
+
+    model = load_model(str(tiny))
+    prompt = _prompts(11, [40])[0]
+    for dtype, rotated in (("fp8", True), ("bf16", False)):
+        s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": dtype},
+                          backend={"preference": ["torch"]},
+                          runtime={"indexer_dtype": "fp8" if dtype == "fp8" else "bf16"})
+        made, written = _index_keys_made_and_written(model, s, prompt)
+        assert len(made) == len(written) == model.kv_layers
+        for a, b in zip(made, written, strict=True):
+            assert torch.equal(b, hadamard_rotate(a) if rotated else a)
+            if rotated:
+                assert not torch.allclose(b, a)

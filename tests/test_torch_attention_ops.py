@@ -133,8 +133,9 @@ def test_indexer_dequantises_fp8_keys_by_their_scale() -> None:
     # and it is not the same as ignoring the scale
     unscaled = OPS.indexer_logits(q, w, k8.float(), None, _i64(ks), _i64(ke))
     assert not torch.allclose(got, unscaled)
-    # a per-token scale quantised by hand gives the same numbers as the packed bytes
-    s2 = k.abs().amax(1) / 448
+    # a per-token scale quantised by hand gives the same numbers as the packed bytes (the
+    # index-K's ue8m0 scale: the power of two at or above amax / 448)
+    s2 = torch.pow(2.0, torch.ceil(torch.log2(k.abs().amax(1) / 448)))
     k2 = (k / s2[:, None]).to(torch.float8_e4m3fn)
     torch.testing.assert_close(OPS.indexer_logits(q, w, k2, s2, _i64(ks), _i64(ke)), got)
 

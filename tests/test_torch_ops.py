@@ -4,6 +4,7 @@ must reject."""
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -154,9 +155,12 @@ def test_fp8_pack_layout_decodes_independently(fmt: KVFormat) -> None:
     assert pi.shape == (3, fmt.index_bytes_per_token)
     if fmt is DS:
         assert pi.shape[1] == 132
+    # the index-K's scale is DeepSeek's ue8m0: the power of two at or above amax / 448
     for row in range(3):
-        assert _f32(pi[row, d:]) == [(xi[row].abs().max() / 448).item()]
-    assert torch.equal(pi[:, d:].contiguous().view(torch.float32)[:, 0], xi.abs().amax(-1) / 448)
+        amax_i = float(xi[row].abs().max())
+        assert _f32(pi[row, d:]) == [2.0 ** math.ceil(math.log2(amax_i / 448))]
+    qi = pi[:, :d].view(torch.float8_e4m3fn).float()
+    assert (qi.abs().amax(-1) >= 224).all() and (qi.abs().amax(-1) <= 448).all()
 
 
 def test_fp8_unpack_is_e4m3_times_scale() -> None:

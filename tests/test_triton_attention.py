@@ -40,12 +40,15 @@ interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for
 #: a subset of the suite's sizes that the interpreter runs in seconds (0 rows, empty view, tiny,
 #: short ranges, k = 2048 with every row shorter than k)
 SMALL_SIZES = ((0, 0, 8), (0, 50, 8), (1, 1, 8), (3, 5, 8), (17, 40, 64), (5, 700, 2048))
+#: the fp8 indexer's end-to-end top-k cases at interpreter sizes (row ranges longer than k)
+SMALL_FP8_TOPK_SIZES = ((17, 40, 8), (24, 200, 16), (5, 300, 64))
 NEG_INF = float("-inf")
 
 
 @pytest.fixture
 def small_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(conf, "ATTN_SIZES", SMALL_SIZES)
+    monkeypatch.setattr(conf, "FP8_TOPK_SIZES", SMALL_FP8_TOPK_SIZES)
 
 
 def test_ops_declared() -> None:

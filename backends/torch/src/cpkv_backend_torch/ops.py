@@ -4,10 +4,13 @@ Every other backend is checked against these (``cpkv.testing.conformance``), bit
 formulas here are the definition:
 
 * ``page_gather`` / ``rerange``: ``index_select`` along dim 0; ``page_scatter``: ``index_copy_``.
-* ``fp8_pack``: :func:`cpkv.ops.api.quantize_fp8` per quantisation block of one token (fp32
-  ``scale = max(amax, FP8_AMAX_FLOOR) / FP8_E4M3_MAX`` by IEEE division, not x * (1/448),
+* ``fp8_pack``: :func:`cpkv.ops.api.quantize_fp8` per quantisation block of one token, in the
+  part's scale format (:func:`cpkv.ops.api.scale_format`): the latent's fp32
+  ``scale = max(amax, FP8_AMAX_FLOOR) / FP8_E4M3_MAX`` by IEEE division, not x * (1/448); the
+  index-K's DeepSeek ``ue8m0`` power of two ``2^ceil(log2(max(amax, 1e-4) * (1/448)))``;
   stored as 4 little-endian bytes; ``q = e4m3(clamp(x_block / scale, +-448))``, round to
-  nearest even); rope (latent only) is ``x[:, kv_lora_rank:]`` cast to bf16 and stored as 2 bytes per value.
+  nearest even); rope (latent only) is ``x[:, kv_lora_rank:]`` cast to bf16 and stored as 2
+  bytes per value. The index-K arrives rotated (the driver's :func:`cpkv.ops.api.hadamard_rotate`).
 * ``fp8_unpack``: ``(float32(q) * scale)`` then one cast to the requested dtype; rope is the stored
   bf16 cast to the requested dtype.
 
@@ -61,6 +64,7 @@ from cpkv.ops.api import (
     paged_index_tokens,
     paged_latent,
     quantize_fp8,
+    scale_format,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +166,8 @@ class TorchOps:
         if x.dim() != 2 or x.shape[1] != dims + rope:
             raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for {fmt!r}, "
                              f"got {tuple(x.shape)}")
-        q, scale = quantize_fp8(x[:, :dims], block)  # [N, dims] e4m3, [N, blocks] fp32
+        # [N, dims] e4m3, [N, blocks] fp32
+        q, scale = quantize_fp8(x[:, :dims], block, scale_format(part))
         parts = [q.view(torch.uint8), _bytes(scale)]
         if rope:
             parts.append(_bytes(x[:, dims:].to(torch.bfloat16)))

@@ -8,7 +8,9 @@ row is its bytes, moved in the widest unit (8, 4, 2 or 1 bytes) that the row byt
 pointers and the row strides allow, with a ``VEC``-unit (up to 16 B) alignment hint so that the
 compiler can issue 16-byte accesses. One program per (block of rows, block of columns).
 
-fp8 is bit-exact with the reference formula (:func:`cpkv.ops.api.quantize_fp8`) by construction: every
+fp8 is bit-exact with the reference formula (:func:`cpkv.ops.api.quantize_fp8`, in the part's scale
+format: "amax" for the latent, "ue8m0" powers of two for the index-K, taken from the fp32 bits
+as the reference does) by construction: every
 rounding the reference does is done here with IEEE fp32 ops (``div_rn`` for both divisions) or
 with integer bit manipulation that copies c10's conversions (fp32 -> e4m3fn round-to-nearest-even
 with subnormals, fp32 -> bf16 round-to-nearest-even), so the result does not depend on how a
@@ -27,11 +29,14 @@ import triton.language as tl
 
 from cpkv.ops.api import (
     FP8_AMAX_FLOOR,
+    FP8_E4M3_MAX,
+    UE8M0_AMAX_FLOOR,
     FallbackReason,
     check_page_copy_args,
     check_peer_gather_args,
     fp8_layout,
     report_fallback,
+    scale_format,
 )
 
 if TYPE_CHECKING:
@@ -41,6 +46,9 @@ __all__ = ["KVKernels"]
 
 #: the reference's clamp_min(FP8_AMAX_FLOOR) on an fp32 tensor clamps at its float32 value
 AMAX_FLOOR_F32 = float(torch.tensor(FP8_AMAX_FLOOR, dtype=torch.float32).item())
+UE8M0_FLOOR_F32 = float(torch.tensor(UE8M0_AMAX_FLOOR, dtype=torch.float32).item())
+#: the reference's ``amax * (1/448)`` multiplies by this fp32 value
+INV_E4M3_MAX_F32 = float(torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32).item())
 
 
 # ---- row movement ----------------------------------------------------------------------------
@@ -309,8 +317,10 @@ def _e4m3_value(c):
 def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
                      DIMS: tl.constexpr, QB: tl.constexpr, NBLK: tl.constexpr,
                      ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     BLOCK_RB: tl.constexpr, FLOOR: tl.constexpr):
-    """Program (i, b): rows [i * BLOCK_N, ...) x quant block b, or the rope when b == NBLK."""
+                     BLOCK_RB: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
+                     INV_MAX: tl.constexpr):
+    """Program (i, b): rows [i * BLOCK_N, ...) x quant block b, or the rope when b == NBLK.
+    ``POW2``: "ue8m0" scales (the smallest power of two >= amax * INV_MAX, from its bits)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -324,7 +334,11 @@ def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
         d = b * QB + cols
         v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # IEEE, as torch
+        if POW2:  # the exponent + 1 when any mantissa bit is set, as the reference
+            r = (amax * INV_MAX).to(tl.int32, bitcast=True)
+            scale = ((r + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        else:
+            scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # IEEE, as torch
         y = tl.math.div_rn(v, scale[:, None])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(o_row + d[None, :], _e4m3_bits(y).to(tl.uint8), mask=mask)
@@ -500,6 +514,7 @@ class KVKernels:
         if n == 0:
             return out
         nblk = dims // block
+        pow2 = scale_format(part) == "ue8m0"
         block_q = triton.next_power_of_2(block)
         block_n = max(1, min(32, 4096 // block_q, triton.next_power_of_2(n)))
         grid = (triton.cdiv(n, block_n), nblk + (1 if rope else 0))
@@ -507,7 +522,8 @@ class KVKernels:
                                DIMS=dims, QB=block, NBLK=nblk, ROPE=rope, BLOCK_N=block_n,
                                BLOCK_Q=block_q,
                                BLOCK_RB=triton.next_power_of_2(max(2 * rope, 1)),
-                               FLOOR=AMAX_FLOOR_F32, num_warps=4)
+                               FLOOR=UE8M0_FLOOR_F32 if pow2 else AMAX_FLOOR_F32, POW2=pow2,
+                               INV_MAX=INV_E4M3_MAX_F32, num_warps=4)
         if wide and rope:  # the reference casts float64 rope straight to bf16 (one rounding)
             out[:, nbytes - 2 * rope:] = x_in[:, dims:].to(torch.bfloat16).contiguous().view(
                 torch.uint8)

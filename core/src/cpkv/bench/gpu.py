@@ -61,15 +61,24 @@ def cuda_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
 
 
 def ceilings(dev: torch.device) -> dict[str, float]:
-    """Device copy bandwidth (read + write, GB/s) of 1 GiB and bf16 matmul rate (TFLOP/s), GPU
-    time, measured now."""
+    """Device copy bandwidth (read + write, GB/s) of 1 GiB, the bf16 matmul rate and (GPUs with
+    fp8 tensor cores) the fp8 e4m3 ``torch._scaled_mm`` rate at 8192^3 (TFLOP/s), GPU time,
+    measured now."""
     src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     ms = device_ms(lambda: dst.copy_(src))
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     mm = device_ms(lambda: a @ b, iters=10)
-    return {"copy_gbps": 2 * (1 << 30) / ms / 1e6, "matmul_tflops": 2 * 8192 ** 3 / mm / 1e9}
+    out = {"copy_gbps": 2 * (1 << 30) / ms / 1e6, "matmul_tflops": 2 * 8192 ** 3 / mm / 1e9}
+    if torch.cuda.get_device_capability(dev) >= (8, 9):  # fp8 tensor cores
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        mm8 = device_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                        iters=10)
+        out["fp8_matmul_tflops"] = 2 * 8192 ** 3 / mm8 / 1e9
+    return out
 
 
 def _backends() -> tuple[KVOps, KVOps | None, str]:
@@ -143,11 +152,12 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     t_topk = device_ms(lambda: impl.topk(logits, 2048, ks, ke), iters=10)
     detail["indexer_logits_32k"] = {"ms": t_fast, "torch_ms": t_ref, "causal_flops": flops,
                                     "topk_ms": t_topk}
-    # the same with fp8 keys (an fp8 pool's) and fp8 queries (runtime.indexer_dtype = "fp8")
-    # against bf16 queries on the same fp8 keys
-    from cpkv.ops.api import quantize_fp8, quantize_index_q
+    # the same with fp8 keys (an fp8 pool's: rotated, ue8m0) and fp8 queries (DeepSeek's
+    # indexer, runtime.indexer_dtype "fp8"/"auto") against bf16 queries on the same fp8 keys
+    from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
 
-    k8, k_scale = quantize_fp8(k)
+    k8, k_scale = quantize_fp8(hadamard_rotate(k), None, "ue8m0")
+    q = hadamard_rotate(q)
     q8, w8 = quantize_index_q(q, w)
     t_bf16 = device_ms(lambda: impl.indexer_logits(q, w, k8, k_scale, ks, ke), iters=10)
     t_fp8 = device_ms(lambda: impl.indexer_logits(q8, w8, k8, k_scale, ks, ke), iters=10)
@@ -156,6 +166,9 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
     fin = b.isfinite()
     rows.append(BenchRow.of("indexer_logits_32k_fp8_speedup", flops / t_fp8 / 1e9, "TFLOP/s",
                             "bf16 queries on the same fp8 keys (TFLOP/s)", flops / t_bf16 / 1e9))
+    if "fp8_matmul_tflops" in ceil:
+        rows.append(BenchRow.of("indexer_logits_32k_fp8_mfu", flops / t_fp8 / 1e9, "TFLOP/s",
+                                "fp8 matmul ceiling (same run)", ceil["fp8_matmul_tflops"]))
     detail["indexer_logits_32k_fp8"] = {
         "ms": t_fp8, "bf16_q_ms": t_bf16,
         "max_rel_err_vs_torch": float((a[:64][fin] - b[fin]).abs().max() / b[fin].abs().max())}

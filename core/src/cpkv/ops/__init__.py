@@ -14,6 +14,7 @@ from __future__ import annotations
 from .api import (
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,
+    UE8M0_AMAX_FLOOR,
     KVOps,
     KVPart,
     check_indexer_args,
@@ -27,6 +28,7 @@ from .api import (
     fp8_index_keys,
     fp8_layout,
     gather_latent,
+    hadamard_rotate,
     page_blocks,
     paged_index_keys,
     paged_index_tokens,
@@ -35,6 +37,7 @@ from .api import (
     part_view,
     quantize_fp8,
     quantize_index_q,
+    scale_format,
 )
 from .table import ALL_OPS, ATTN_OPS, KV_OPS, OpTable
 
@@ -44,6 +47,7 @@ __all__ = [
     "FP8_AMAX_FLOOR",
     "FP8_E4M3_MAX",
     "KV_OPS",
+    "UE8M0_AMAX_FLOOR",
     "KVOps",
     "KVPart",
     "OpTable",
@@ -58,6 +62,7 @@ __all__ = [
     "fp8_index_keys",
     "fp8_layout",
     "gather_latent",
+    "hadamard_rotate",
     "page_blocks",
     "paged_index_keys",
     "paged_index_tokens",
@@ -66,4 +71,5 @@ __all__ = [
     "part_view",
     "quantize_fp8",
     "quantize_index_q",
+    "scale_format",
 ]

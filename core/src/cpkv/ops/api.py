@@ -34,8 +34,11 @@ Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
 
 fp8 numerics (:mod:`cpkv.ops.fp8`)
     :func:`quantize_fp8` (the one quantization formula: what ``fp8_pack`` must match bit for
-    bit), :data:`FP8_E4M3_MAX`, :data:`FP8_AMAX_FLOOR`, :func:`quantize_index_q` (the indexer's
-    fp8 queries with their scales folded into the head weights).
+    bit; "amax" scales for the latent, DeepSeek's power-of-two "ue8m0" for the index-K:
+    :func:`scale_format`), :data:`FP8_E4M3_MAX`, :data:`FP8_AMAX_FLOOR`,
+    :data:`UE8M0_AMAX_FLOOR`, :func:`hadamard_rotate` (DeepSeek's ``rotate_activation``: an
+    fp8 pool's index-K and the queries that meet it are rotated), :func:`quantize_index_q` (the
+    indexer's fp8 queries with their scales folded into the head weights).
 
 The reference formula of the ``rope`` op is :func:`cpkv.models.rope.apply_rope` (it imports torch
 and the model code, so it is not re-exported here: this module imports neither).
@@ -66,7 +69,16 @@ from .checks import (
     check_sparse_mla_paged_args,
     check_topk_args,
 )
-from .fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, quantize_fp8, quantize_index_q
+from .fp8 import (
+    FP8_AMAX_FLOOR,
+    FP8_E4M3_MAX,
+    UE8M0_AMAX_FLOOR,
+    ScaleFormat,
+    hadamard_rotate,
+    quantize_fp8,
+    quantize_index_q,
+    scale_format,
+)
 from .layout import (
     fp8_index_keys,
     fp8_layout,
@@ -82,6 +94,7 @@ from .layout import (
 __all__ = [
     "FP8_AMAX_FLOOR",
     "FP8_E4M3_MAX",
+    "UE8M0_AMAX_FLOOR",
     "FallbackReason",
     "KVDtype",
     "KVFormat",
@@ -91,6 +104,7 @@ __all__ = [
     "OpDeclined",
     "PageLayout",
     "RopeStyle",
+    "ScaleFormat",
     "check_indexer_args",
     "check_indexer_paged_args",
     "check_page_copy_args",
@@ -102,6 +116,7 @@ __all__ = [
     "fp8_index_keys",
     "fp8_layout",
     "gather_latent",
+    "hadamard_rotate",
     "page_blocks",
     "paged_index_keys",
     "paged_index_tokens",
@@ -111,4 +126,5 @@ __all__ = [
     "quantize_fp8",
     "quantize_index_q",
     "report_fallback",
+    "scale_format",
 ]

@@ -46,7 +46,7 @@ import torch
 
 from cpkv.contracts import FallbackReason, KVDtype, PageLayout
 from cpkv.fallback import report_fallback
-from cpkv.ops import quantize_index_q
+from cpkv.ops import hadamard_rotate, quantize_index_q
 
 if TYPE_CHECKING:
     from cpkv.kv import RequestPages, ShardedKVPool
@@ -147,7 +147,9 @@ class LeanDecoder:
         self.device = pool.group.device
         self.page_size = pool.fmt.page_size
         self.topk = model.config.index_topk
-        self.indexer_fp8 = indexer_fp8 and pool.fmt.dtype is KVDtype.FP8
+        #: an fp8 pool's index-K is rotated (see :class:`~cpkv.runtime.prefill.CPPrefill`)
+        self.rotate_index = pool.fmt.dtype is KVDtype.FP8
+        self.indexer_fp8 = indexer_fp8 and self.rotate_index
         self.max_batch = bucket_of(max_batch)
         self.graphs = cuda_graphs and self.device.type == "cuda"
         #: the largest position the model's rope table was asked to hold (see the module docstring)
@@ -399,9 +401,12 @@ class LeanDecoder:
         m, ops, pool, s = self.model, self.ops, self.pool, self.page_size
         pos, dst, key_end = buf.rows[1], buf.rows[2], buf.rows[3]
         a = m.attention_inputs(layer, x, pos, rope, ops.rope)
-        pool.write_rows(layer, dst, a.latent, a.index_k)
+        rot = self.rotate_index
+        pool.write_rows(layer, dst, a.latent, hadamard_rotate(a.index_k) if rot else a.index_k)
         pages = pool.kv[layer]
         iq, iw = a.index_q, a.index_w
+        if rot:
+            iq = hadamard_rotate(iq)
         if self.indexer_fp8:
             iq, iw = quantize_index_q(iq, iw)
         logits = ops.indexer_logits_paged(iq, iw, pages, pool.fmt, buf.table, buf.request, key_end)

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import structlog
 import torch
 
-from cpkv.contracts import CPPlan, FallbackReason, Op, SplitMode
+from cpkv.contracts import CPPlan, FallbackReason, KVDtype, Op, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
-from cpkv.ops import quantize_index_q
+from cpkv.ops import hadamard_rotate, quantize_index_q
 from cpkv.planning import plan_batch
 
 if TYPE_CHECKING:
@@ -173,8 +173,11 @@ class CPPrefill:
         #: dequantize only the latent rows the top-k reads (None: when a batch's rows read fewer
         #: rows than its view holds, decided per batch from the plan: decode steps)
         self.select_latent = select_latent
+        #: an fp8 pool's index-K holds DeepSeek's rotated keys (``hadamard_rotate`` before the
+        #: ue8m0 pack), so the queries that meet them are rotated too (q . k is unchanged)
+        self.rotate_index = pool.fmt.dtype is KVDtype.FP8
         #: quantize the indexer's q to fp8 when its keys are fp8 (fp8 x fp8 tensor cores)
-        self.indexer_fp8 = indexer_fp8
+        self.indexer_fp8 = indexer_fp8 and self.rotate_index
         self.group: CPGroup = pool.group
         self.mode = SplitMode(mode)
         self.budget = logits_budget_bytes
@@ -478,7 +481,8 @@ class CPPrefill:
             t0 = time.perf_counter()
             a = m.attention_inputs(layer, x, pos, rope, rotate)
             t1 = time.perf_counter()
-            pool.write(layer, kv, a.latent, a.index_k)
+            rot = self.rotate_index
+            pool.write(layer, kv, a.latent, hadamard_rotate(a.index_k) if rot else a.index_k)
             if hook is not None:
                 hook.layer_written(layer)
             t2 = time.perf_counter()
@@ -491,7 +495,9 @@ class CPPrefill:
             t3 = time.perf_counter()
             scores = []
             iq, iw = a.index_q, a.index_w
-            if self.indexer_fp8 and idx_scale is not None:  # fp8 keys: fp8 queries too
+            if rot:  # an fp8 pool's rotated index-K: rotated queries (one GEMM pass)
+                iq = hadamard_rotate(iq)
+            if self.indexer_fp8:  # fp8 keys: fp8 queries too
                 iq, iw = quantize_index_q(iq, iw)
             # each row block's choice written into one buffer (a list then a concatenation
             # held both: 2 x 537 MB at 64K rows)

@@ -19,7 +19,8 @@ Every op is run on fresh random inputs (never all zeros) at several sizes: 0 row
 sizes, 64-token pages with the DeepSeek-V3.2 row sizes (656 B latent, 132 B index-K in fp8) and a
 small format. Results must match the reference **bit for bit**: ``page_gather``, ``page_scatter``
 and ``rerange`` move bytes; ``fp8_pack`` must produce the same bytes, which pins the formula
-(:func:`cpkv.ops.api.quantize_fp8`: fp32 ``scale = max(amax, 1e-12) / 448`` per block,
+(:func:`cpkv.ops.api.quantize_fp8`: the latent's fp32 ``scale = max(amax, 1e-12) / 448`` per block,
+the index-K's power of two ``2^ceil(log2(max(amax, 1e-4) * (1/448)))`` (DeepSeek's ue8m0),
 ``q = e4m3(clamp(x / scale, ±448))`` rounded to nearest even, scales as fp32 and rope as bf16,
 little-endian); ``fp8_unpack`` must return the same values (``float32(q) * scale`` cast once to
 the requested dtype). A mismatch raises ``AssertionError`` naming the op, the case and the largest difference.
@@ -46,7 +47,12 @@ at a request), for k both smaller and larger than the T keys, and compare as fol
   every column in the symmetric difference must have a logit within that tolerance of the k-th
   one. Logits come from the reference indexer (exact 0.0 ties from the relu), from random values
   that are finite outside the ranges (a backend must mask them itself), and from values rounded
-  to a coarse grid (many ties).
+  to a coarse grid (many ties), and from DeepSeek-V3.2's fp8 indexer (below).
+* the fp8 indexer's choice: rotated ue8m0 queries and keys from random bf16 values, and e4m3
+  integer grids whose dots are exact in any accumulator. ``indexer_logits``: the reference's
+  top-k of the backend's logits must choose the reference's keys (by the tie rule above);
+  ``topk``: the backend's top-k of the reference's logits likewise. Together the backend's
+  whole fp8 indexer chooses the reference's keys, and a broken op fails only its own check.
 * ``sparse_mla``: ``allclose(rtol=1e-5, atol=1e-5)``, no NaN; indices from the reference top-k
   (-1 padded suffixes, all -1 rows) and random ones with -1 anywhere and repeats.
 
@@ -66,7 +72,7 @@ import torch
 
 from cpkv.contracts import KVDtype, KVFormat, KVOps, Op
 from cpkv.kv import pack_rows
-from cpkv.ops.api import quantize_fp8, quantize_index_q
+from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
 from cpkv.plugin import PluginHost
 
 __all__ = [
@@ -518,7 +524,7 @@ def _indexer_keys(k: torch.Tensor, kind: str, fmt: KVFormat, ref: Any
     if kind == "fp32":
         return k, None
     if kind == "fp8":
-        return quantize_fp8(k)  # per-token scale, like the pool's index-K
+        return quantize_fp8(k, None, "ue8m0")  # per-token scale, like the pool's index-K
     # "fp8 pool": e4m3 bytes and scale as slices of packed index-K rows (the e4m3 part is a
     # strided view, as the pool hands it out)
     packed = ref.fp8_pack(k, fmt, "index_k")
@@ -558,6 +564,7 @@ def _check_indexer_logits(impl: Any, ref: Any, device: str, seed: int) -> None:
                 if not torch.equal(got.cpu().isneginf(), outside):
                     raise AssertionError(f"{op} [{case}] logits: -inf is not exactly the "
                                          f"positions outside [key_start, key_end)")
+    _check_fp8_indexer_topk(impl, ref, device, seed)
 
 
 def _assert_logits(op: str, case: str, got: Any, want: torch.Tensor, *, fp8_q: bool) -> None:
@@ -720,7 +727,74 @@ def _assert_topk(case: str, got: Any, want: torch.Tensor, logits: torch.Tensor,
                                      f"with the k-th logit {kth!r}")
 
 
+#: the fp8 indexer's top-k cases: (rows, keys, k), every row range longer than k possible
+FP8_TOPK_SIZES: tuple[tuple[int, int, int], ...] = ((17, 40, 8), (64, 200, 16), (131, 300, 64),
+                                                    (7, 2600, 2048))
+
+
+def _fp8_indexer_inputs(variant: str, n: int, t: int, ref: Any, g: torch.Generator
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q8, w', k8, k_scale) of DeepSeek-V3.2's fp8 indexer (64 heads x 128).
+
+    ``"deepseek"``: random bf16 queries and keys through the whole definition: both rotated
+    (:func:`hadamard_rotate`), the keys packed by the reference's ``fp8_pack`` (ue8m0 index-K,
+    taken as the pool hands it out), the queries by :func:`quantize_index_q` (ue8m0, scales
+    folded into the head weights). ``"grid"``: e4m3 integers in [-4, 4] with power-of-two key
+    scales: every per-head dot is a small integer, exact in any accumulator (Hopper's fp8 tensor
+    cores keep fewer than fp32's bits), so only the head sum's order can differ."""
+    fmt = FORMATS["deepseek_v32"]
+    heads, d = 64, fmt.index_head_dim
+    w = _nonzero((n, heads), torch.float32, g) * (heads ** -0.5 * d ** -0.5)
+    if variant == "grid":
+        q8 = torch.randint(-4, 5, (n, heads, d), generator=g).float().to(torch.float8_e4m3fn)
+        k8 = torch.randint(-4, 5, (t, d), generator=g).float().to(torch.float8_e4m3fn)
+        scale = torch.pow(2.0, torch.randint(-8, -3, (t,), generator=g).float())
+        return q8, w, k8, scale
+    q = hadamard_rotate(_nonzero((n, heads, d), torch.bfloat16, g))
+    k = hadamard_rotate(_nonzero((t, d), torch.float32, g).to(torch.bfloat16))
+    packed = ref.fp8_pack(k, fmt, "index_k")
+    k8 = packed[:, :d].view(torch.float8_e4m3fn)
+    scale = packed[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)[:, 0]
+    q8, w8 = quantize_index_q(q, w)
+    return q8, w8, k8, scale
+
+
+def _fp8_topk_cases(ref: Any, device: str, seed: int
+                    ) -> Iterator[tuple[str, int, list[torch.Tensor]]]:
+    """(case, k, [q8, w', k8, k_scale, key_start, key_end] on ``device``) of the fp8 indexer's
+    top-k cases (:data:`FP8_TOPK_SIZES`, both input variants)."""
+    j = 0
+    for variant in ("grid", "deepseek"):
+        for n, t, k in FP8_TOPK_SIZES:
+            j += 1
+            g = _gen(seed * 1000 + 900 + j)
+            q8, w8, k8, scale = _fp8_indexer_inputs(variant, n, t, ref, g)
+            ks, ke = _key_ranges(n, t, k, g)
+            yield (f"fp8 indexer ({variant}), {n} rows x {t} keys, k={k}", k,
+                   _to(device, q8, w8, k8, scale, ks, ke))
+
+
+def _check_fp8_indexer_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """The choice the fp8 indexer's logits make: the reference's top-k of ``impl``'s
+    ``indexer_logits`` against its top-k of the reference's logits, by the top-k rule (sets
+    equal up to ties within :data:`TOPK_TIE_REL` of the reference's logits). The ``topk``
+    check runs a backend's own top-k on the same logits: together the backend's whole fp8
+    indexer (logits, then top-k) chooses the reference's keys."""
+    for case, k, (q8, w8, k8, scale, ks, ke) in _fp8_topk_cases(ref, device, seed):
+        logits = ref.indexer_logits(q8, w8, k8, scale, ks, ke)
+        got_logits = _call("indexer_logits", case, impl.indexer_logits, q8, w8, k8, scale,
+                           ks, ke)
+        _assert_topk(case, ref.topk(got_logits, k, ks, ke), ref.topk(logits, k, ks, ke),
+                     logits, ks, ke, k)
+
+
 def _check_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """The op on the fp8 indexer's logits (:func:`_fp8_topk_cases`), reference indexer
+    logits, random and coarse logits."""
+    for case, k, (q8, w8, k8, scale, ks, ke) in _fp8_topk_cases(ref, device, seed):
+        logits = ref.indexer_logits(q8, w8, k8, scale, ks, ke)
+        _assert_topk(case, _call("topk", case, impl.topk, logits, k, ks, ke),
+                     ref.topk(logits, k, ks, ke), logits, ks, ke, k)
     op = "topk"
     j = 0
     for variant in ("indexer", "finite outside", "coarse"):
@@ -896,7 +970,7 @@ def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
     against 500 keys (``k`` float32, ``k8`` float8_e4m3fn with ``scale``), causal ranges
     ``ks``/``ke``, a 576-wide latent view ``kv`` and 16-head queries ``qm``."""
     k = torch.randn(500, 128, device=device)
-    k8, scale = quantize_fp8(k)
+    k8, scale = quantize_fp8(k, None, "ue8m0")
     return {
         "q": torch.randn(64, 64, 128, device=device, dtype=torch.bfloat16),
         "w": torch.randn(64, 64, device=device),
