@@ -54,10 +54,11 @@ def test_defaults_without_a_file() -> None:
     assert (s.cp.size, s.cp.mode) == (2, SplitMode.ZIGZAG)
     assert (s.kv.shared, s.kv.dtype, s.kv.page_size, s.kv.pages_per_rank) == (
         True,
-        KVDtype.BF16,
+        "auto",
         64,
         4096,
     )
+    assert s.runtime.indexer_dtype == "auto"
     assert s.backend.name == "auto"
     assert s.backend.preference == ["cuda", "triton", "torch"]
     assert (s.transfer.name, s.transfer.timeout_s) == ("nccl", 30.0)
@@ -367,3 +368,22 @@ def test_chunk_tokens_must_be_a_multiple_of_the_page_size(chunk: int, page: int,
 def test_negative_chunk_tokens_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=r"runtime\.chunk_tokens: .*\(got -64\)"):
         load_settings(_write(tmp_path, "[runtime]\nchunk_tokens = -64\n"))
+
+
+def test_auto_numerics_resolve_by_the_device() -> None:
+    """``kv.dtype`` / ``runtime.indexer_dtype`` "auto": fp8 pool and fp8 indexer where the device
+    has fp8 tensor cores; bf16 elsewhere (the CPU defaults of before); explicit values kept."""
+    auto = load_settings()
+    cpu, gpu = auto.resolved(False), auto.resolved(True)
+    assert (cpu.kv.pool_dtype(), cpu.runtime.indexer_dtype) == (KVDtype.BF16, "bf16")
+    assert (gpu.kv.pool_dtype(), gpu.runtime.indexer_dtype) == (KVDtype.FP8, "fp8")
+    assert auto.kv.dtype == "auto"  # a copy: the settings themselves are unchanged
+    with pytest.raises(ValueError, match=r"kv\.dtype is 'auto'"):
+        auto.kv.pool_dtype()
+    bf16 = load_settings(kv={"dtype": "bf16"}).resolved(True)
+    assert (bf16.kv.pool_dtype(), bf16.runtime.indexer_dtype) == (KVDtype.BF16, "bf16")
+    fp8_cpu = load_settings(kv={"dtype": "fp8"}).resolved(False)
+    assert (fp8_cpu.kv.pool_dtype(), fp8_cpu.runtime.indexer_dtype) == (KVDtype.FP8, "bf16")
+    pinned = load_settings(runtime={"indexer_dtype": "bf16"}).resolved(True)
+    assert (pinned.kv.pool_dtype(), pinned.runtime.indexer_dtype) == (KVDtype.FP8, "bf16")
+    assert gpu.resolved(True) is gpu  # resolving twice changes nothing

@@ -85,7 +85,33 @@ class KVSettings(_Section):
     shared: bool = Field(
         True, description="one owner per page; False keeps a full replica on every rank (baseline)"
     )
-    dtype: KVDtype = Field(KVDtype.BF16, description="pool storage format")
+    dtype: KVDtype | Literal["auto"] = Field(
+        "auto", description="pool storage format: 'bf16', 'fp8' (DeepSeek's deployed format: "
+                            "e4m3 latent with per-128 scales, Hadamard-rotated e4m3 index-K with "
+                            "a power-of-two scale), 'fp32', or 'auto': fp8 where the run's "
+                            "device has fp8 tensor cores (CUDA sm89+: Ada, Hopper and later), "
+                            "bf16 elsewhere (CPUs)")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v: Any) -> Any:
+        # one message for a bad value (the union reports one error per member)
+        if isinstance(v, str) and not isinstance(v, KVDtype):
+            v = v.strip().lower()
+            if v != "auto" and v not in {d.value for d in KVDtype}:
+                raise ValueError(f"must be 'auto' or one of {[d.value for d in KVDtype]}")
+        return v
+
+    def pool_dtype(self) -> KVDtype:
+        """``dtype`` once resolved (:meth:`Settings.resolved`).
+
+        Raises:
+            ValueError: ``dtype`` is still ``"auto"``.
+        """
+        if self.dtype == "auto":
+            raise ValueError("kv.dtype is 'auto': resolve it for the run's device first "
+                             "(Settings.resolved)")
+        return KVDtype(self.dtype)
     page_size: int = Field(64, ge=1, description="tokens per KV page")
     pages_per_rank: int = Field(4096, ge=1, description="pool capacity per rank, in pages")
     materialize: MaterializeMode = Field(
@@ -253,10 +279,13 @@ class RuntimeSettings(_Section):
     prefetch: bool = Field(
         True, description="gather the next layer's cached prefix pages while this layer computes"
     )
-    indexer_dtype: Literal["bf16", "fp8"] = Field(
-        "bf16", description="the indexer's queries: 'fp8' quantizes them per row and head (the "
-                            "scale folded into the head weights) when the pool's index keys are "
-                            "fp8, for fp8 x fp8 tensor cores; 'bf16' keeps the model dtype",
+    indexer_dtype: Literal["auto", "bf16", "fp8"] = Field(
+        "auto", description="the indexer's queries: 'fp8' quantizes them as DeepSeek-V3.2 does "
+                            "(rotated, e4m3 per row and head with a power-of-two scale folded "
+                            "into the head weights) when the pool's index keys are fp8, for fp8 "
+                            "x fp8 tensor cores; 'bf16' keeps the model dtype; 'auto': fp8 where "
+                            "the pool is fp8 and the device has fp8 tensor cores (CUDA sm89+), "
+                            "bf16 elsewhere",
     )
 
     @field_validator("logits_budget_mb", mode="before")
@@ -501,6 +530,23 @@ class Settings(BaseSettings):
             return (f"runtime.chunk_tokens: must be 0 (off) or a multiple of kv.page_size = {ps} "
                     f"(got {n})")
         return None
+
+    def resolved(self, fp8_tensor_cores: bool) -> Settings:
+        """These settings with every ``"auto"`` numeric format decided for a device that has
+        (or lacks) fp8 tensor cores: ``kv.dtype`` fp8 there, else bf16; then
+        ``runtime.indexer_dtype`` fp8 where the pool is fp8 and the device has them, else
+        bf16. Explicit values are kept. A pure function of the settings and the flag, so
+        every rank that resolves alike decides alike."""
+        kv, rt = self.kv, self.runtime
+        dtype = kv.dtype if kv.dtype != "auto" else (KVDtype.FP8 if fp8_tensor_cores
+                                                     else KVDtype.BF16)
+        idx = rt.indexer_dtype
+        if idx == "auto":
+            idx = "fp8" if fp8_tensor_cores and dtype == KVDtype.FP8 else "bf16"
+        if (dtype, idx) == (kv.dtype, rt.indexer_dtype):
+            return self
+        return self.model_copy(update={"kv": kv.model_copy(update={"dtype": dtype}),
+                                       "runtime": rt.model_copy(update={"indexer_dtype": idx})})
 
     def with_cp_size(self, size: int) -> Settings:
         """These settings for a CP group of ``size`` ranks (e.g. 1: a decode rank, the

@@ -199,7 +199,7 @@ def run(model_dir: str | Path, settings: Settings, *, requests: int, prefix: int
         "workload": {"requests": requests, "prefix": prefix, "suffix": suffix,
                      "batching": "one request per batch, in order; admit, prefill, finish"},
         "settings": {"cp": cp, "mode": settings.cp.mode.value, "backend": "gloo",
-                     "kv_dtype": settings.kv.dtype.value, "page_size": ps,
+                     "kv_dtype": str(settings.kv.dtype), "page_size": ps,
                      "pages_per_rank": settings.kv.pages_per_rank,
                      "ops": list(settings.backend.preference)},
         "seconds_no_cache": t_off,

@@ -218,7 +218,7 @@ def run(model_dir: str | Path, settings: Settings, *, tokens: Sequence[int], rep
     rows: list[BenchRow] = []
     detail: dict[str, Any] = {"plugin": plugin, "label": name, "cp": c, "tokens": list(tokens),
                               "repeats": repeats, "requests": [], "raw_copy": dec["raw_copy"],
-                              "settings": {"kv_dtype": settings.kv.dtype.value,
+                              "settings": {"kv_dtype": str(settings.kv.dtype),
                                            "page_size": settings.kv.page_size,
                                            "max_inflight_mb": settings.transfer.max_inflight_mb,
                                            # the plugin's own table, as set (its defaults

@@ -107,6 +107,7 @@ def _where(rep: JobReport) -> str:
 
 def _render(rep: JobReport, tol: float, console: Console) -> bool:
     console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {_where(rep)}, {rep.kv_dtype} pool, "
+                  f"{rep.indexer_dtype} indexer, "
                   f"{rep.materialize} views (prompts of {', '.join(map(str, rep.prompt_lens))} "
                   f"tokens)")
     t = _table()
@@ -303,7 +304,7 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
                                    f"{' + the decode rank' if decode_tokens > 0 else ''})")
     console = Console(quiet=launched is not None and launched[0] != 0)
     console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
-                  f"{settings.kv.dtype.value} pool, {len(token_lists)} prompts")
+                  f"kv.dtype {settings.kv.dtype}, {len(token_lists)} prompts")
     # the spinner goes to stderr with the log: stdout holds the report alone
     with Console(stderr=True, quiet=console.quiet).status("starting") as status:
         try:
@@ -316,7 +317,7 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
             raise click.ClickException(str(exc)) from exc
     if rep is None:  # a rank of a torchrun world other than 0: rank 0 reports
         return
-    tol = tolerance(settings.kv.dtype, rep.device)
+    tol = tolerance(KVDtype(rep.kv_dtype), rep.device)
     ok = _render(rep, tol, console)
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)

@@ -109,7 +109,8 @@ class DecodeWorker:
         self.decoder = LeanDecoder(model, self.pool, self.session.ops,
                                    cuda_graphs=settings.decode.cuda_graphs,
                                    max_batch=settings.decode.max_batch,
-                                   indexer_fp8=settings.runtime.indexer_dtype == "fp8")
+                                   indexer_fp8=self.session.settings.runtime.indexer_dtype
+                                   == "fp8")
 
     def step(self, batch: Sequence[tuple[Hashable, int]]) -> list[int]:
         """One decode step: append each request's token, return the next greedy tokens."""

@@ -20,7 +20,7 @@ from cpkv.plugin import PluginHost
 from .budget import logits_budget
 from .chunked import ChunkPiece, chunk_rounds, merge_results
 from .prefill import BATCH_PLAN, CPPrefill, DraftNext, PrefillResult
-from .setup import create_pool
+from .setup import create_pool, has_fp8_tensor_cores
 
 if TYPE_CHECKING:
     from cpkv.comm import CPGroup
@@ -83,8 +83,10 @@ class PrefillSession:
 
     def __init__(self, model: DeepseekV32, settings: Settings, group: CPGroup,
                  host: PluginHost | None = None) -> None:
+        # "auto" formats decided for this group's device (fp8 where it has fp8 tensor cores)
+        settings = settings.resolved(has_fp8_tensor_cores(group.device))
         self.model, self.settings, self.group = model, settings, group
-        fmt = model.kv_format(settings.kv.dtype, settings.kv.page_size)
+        fmt = model.kv_format(settings.kv.pool_dtype(), settings.kv.page_size)
         # a model loaded with its MTP layer: the draft layer's KV is one more layer of the pool
         self.pool = create_pool(settings, fmt, model.kv_layers, group, host, ops=ALL_OPS)
         self.ops = self.pool.ops

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from cpkv.comm import CPGroup
     from cpkv.settings import Settings
 
-__all__ = ["MATERIALIZE_PATHS", "StartupError", "check_startup", "create_pool", "resolve_ops"]
+__all__ = ["MATERIALIZE_PATHS", "StartupError", "check_startup", "create_pool",
+           "has_fp8_tensor_cores", "resolve_ops"]
 
 #: split modes whose pages have a materialization path (and a PD transfer) in this release
 MATERIALIZE_PATHS: frozenset[SplitMode] = frozenset({SplitMode.ZIGZAG, SplitMode.INTERLEAVE})
@@ -61,8 +62,10 @@ def check_startup(settings: Settings, fmt: KVFormat, group: CPGroup, ops: OpTabl
     if fmt.page_size != settings.kv.page_size:
         problems.append(f"kv.page_size={settings.kv.page_size} but the format has "
                         f"{fmt.page_size}-token pages")
-    if fmt.dtype != settings.kv.dtype:
-        problems.append(f"kv.dtype={settings.kv.dtype.value} but the format is {fmt.dtype.value}")
+    # "auto" as the group's device resolves it (a session passes resolved settings)
+    want = settings.resolved(has_fp8_tensor_cores(group.device)).kv.dtype
+    if fmt.dtype != want:
+        problems.append(f"kv.dtype={settings.kv.dtype} but the format is {fmt.dtype.value}")
     for op, name in sorted(ops.chosen.items()):
         sizes = getattr(registry.specs.get(name), "page_sizes", None)
         if sizes is not None and fmt.page_size not in sizes:
@@ -73,6 +76,16 @@ def check_startup(settings: Settings, fmt: KVFormat, group: CPGroup, ops: OpTabl
                         f"{torch.cuda.device_count()} visible")
     if problems:
         raise StartupError("cannot start: " + "; ".join(problems))
+
+
+def has_fp8_tensor_cores(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies fp8 (e4m3) on tensor cores: CUDA compute capability 8.9
+    (Ada) or later (Hopper, Blackwell); never a CPU. What ``"auto"`` numeric settings are
+    resolved by (:meth:`cpkv.settings.Settings.resolved`)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
 def create_pool(settings: Settings, fmt: KVFormat, num_layers: int, group: CPGroup,

@@ -188,6 +188,8 @@ class JobReport:
     #: on GPUs, each process's GPU (the prefill ranks, then the decode rank; the decode rank
     #: shares GPU 0 where there is one GPU fewer than processes); None on CPUs
     gpus: list[int] | None = None
+    #: the indexer's queries as run ("fp8" or "bf16": ``runtime.indexer_dtype`` resolved)
+    indexer_dtype: str = "bf16"
     #: {mb_per_rank, auto}: the indexer logits budget each prefill rank's session took
     logits_budget: dict[str, Any] | None = None
     #: with ``runtime.chunk_tokens``: {chunk_tokens, seconds_per_batch (per batch, each chunk's

@@ -19,6 +19,7 @@ from cpkv.plugin import PluginHost
 from cpkv.settings import Settings, SettingsError
 
 from ..launch import LogSetup, RankResult, run_ranks
+from ..setup import has_fp8_tensor_cores
 from ..world import launched_world, run_in_world
 from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
@@ -217,6 +218,10 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     check_plugin_names(settings, transfer=decode_tokens > 0)
     place = job_placement(settings.run.device, c, decode_tokens > 0, settings.transfer.name)
     device = place.device
+    # "auto" numeric formats decided once, here, for the processes' device (every rank and the
+    # reference then run the same formats; the report says which were taken)
+    gpu0 = place.gpus[0] if place.gpus else 0
+    settings = settings.resolved(device == "cuda" and has_fp8_tensor_cores(f"cuda:{gpu0}"))
     spec = JobSpec(model_dir=model_dir, prompts=tuple(tuple(p) for p in prompts),
                    settings=settings, capture_topk=capture_topk, prefix_lens=tuple(prefix_lens),
                    decode_tokens=decode_tokens, batch_size=batch_size, device=device, mtp=mtp,
@@ -350,7 +355,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
                   "seconds_per_batch": [[max(ts) for ts in zip(*per, strict=True)] for per in
                                         zip(*(v.chunk_seconds for _, v, _ in pre), strict=True)]}
     return JobReport(
-        cp=c, mode=settings.cp.mode.value, kv_dtype=settings.kv.dtype.value,
+        cp=c, mode=settings.cp.mode.value, kv_dtype=str(settings.kv.dtype),
+        indexer_dtype=settings.runtime.indexer_dtype,
         materialize=r0.materialize, backends=r0.backends,
         prompt_lens=[len(p) for p in prompts],
         kv_bytes_per_rank=[v.kv_bytes for _, v, _ in pre],
