@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpkv.bench.long import LongSpec, _recall, long_rank, long_rows, topk_share
+from cpkv.bench.long import LongSpec, _layer_choices, _recall, long_rank, long_rows, topk_share
 from cpkv.models import write_tiny_checkpoint
 from cpkv.runtime import run_ranks
 
@@ -35,9 +35,47 @@ def test_long_rank_chunkings_give_equal_logits(tmp_path: Path) -> None:
     res = run_ranks(long_rank, 1, args=(spec,), timeout_s=300)[0].value
     assert res["logits_equal"] == {200: True, 320: True}
     assert [len(r["chunk_seconds"]) for r in res["runs"].values()] == [4, 2, 1, 5, 3, 1]
-    rows = {r.name: r for r in long_rows(res, 100.0, 80.0)}
+    assert (res["kv_dtype"], res["indexer_dtype"]) == ("bf16", "bf16")  # "auto" on a CPU
+    rows = {r.name: r for r in long_rows(res, {"matmul_tflops": 100.0}, 80.0)}
     assert set(rows) == {"long_200_mfu", "long_200_c128_mfu", "long_200_c320_mfu", "long_320_mfu",
                          "long_320_c128_mfu", "long_320_c320_mfu", "long_320_peak_gb"}
     assert rows["long_320_mfu"].ratio == pytest.approx(res["runs"]["320/64"]["layer_tflops"] / 100)
     r = res["runs"]["320/64"]
     assert r["layer_tflops"] * r["seconds"] > 0
+
+
+def _run(tokens: int, chunk: int, seconds: float) -> dict[str, object]:
+    return {"tokens": tokens, "chunk": chunk, "seconds": seconds,
+            "layer_tflops": 1e3 / seconds, "peak_gb": 1.0}
+
+
+def test_default_fp8_rows_against_the_fp8_ceiling_and_the_bf16_run() -> None:
+    """Defaults that took the fp8 indexer: their MFU against the fp8 ceiling, the bf16 run's
+    against the bf16 ceiling, and the speedup = bf16 seconds / default seconds."""
+    ceil = {"matmul_tflops": 800.0, "fp8_matmul_tflops": 1500.0}
+    res = {"indexer_dtype": "fp8", "runs": {"1048576/65536": _run(1 << 20, 65536, 28.0)}}
+    bf16 = {"indexer_dtype": "bf16", "runs": {"1048576/65536": _run(1 << 20, 65536, 42.0)}}
+    rows = {r.name: r for r in long_rows(res, ceil, 150.0, None, bf16)}
+    assert set(rows) == {"long_1m_fp8_mfu", "long_1m_mfu", "long_1m_default_vs_bf16_speedup",
+                         "long_1m_peak_gb"}
+    assert rows["long_1m_default_vs_bf16_speedup"].ratio == pytest.approx(42.0 / 28.0)
+    assert rows["long_1m_fp8_mfu"].ratio == pytest.approx(1e3 / 28.0 / 1500.0)
+    assert rows["long_1m_mfu"].ratio == pytest.approx(1e3 / 42.0 / 800.0)
+
+
+def test_layer_choices_compare_both_indexers_on_the_same_inputs() -> None:
+    """bf16 vs DeepSeek's fp8 indexer on one layer's inputs: most of the top-k shared, every
+    swapped-in key at or below the bf16 k-th logit (gap >= 0)."""
+    from cpkv.testing.conformance import reference_backend
+
+    g = torch.Generator().manual_seed(0)
+    n, heads, d, k = 300, 8, 128, 32
+    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    w = torch.randn(n, heads, generator=g) * (heads ** -0.5 * d ** -0.5)
+    kk = torch.randn(n, d, generator=g).bfloat16()
+    res = _layer_choices(reference_backend(), q, w, kk, k, step=128)
+    assert res["rows"] == n - k + 1  # the rows holding at least k keys
+    assert 0.8 < res["recall_mean"] <= 1.0 and res["recall_min"] <= res["recall_mean"]
+    if res["swapped_keys"]:
+        assert res["swap_gap_rel_median"] >= 0
+    assert res["fp8_err_rel_at_kth_median"] is not None

@@ -413,7 +413,8 @@ class PrefillSpec:
     backends: tuple[str, ...] = ("cuda", "triton", "torch")
     #: one more prefill of this many tokens under torch.profiler (device time per kernel; 0: none)
     profile_tokens: int = 0
-    #: runtime.indexer_dtype of the runs
+    #: runtime.indexer_dtype of the runs ("auto": the defaults; ``cpkv bench gpu``'s CP rows
+    #: keep the bf16 indexer, its default-vs-bf16 rows run "auto")
     indexer_dtype: str = "bf16"
 
 
@@ -436,7 +437,9 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
                              runtime={"indexer_dtype": spec.indexer_dtype})
     session = PrefillSession(model, settings, group)
     out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {},
-                           "materialize": session.pool.materialize_mode}
+                           "materialize": session.pool.materialize_mode,
+                           "kv_dtype": str(session.settings.kv.dtype),
+                           "indexer_dtype": session.settings.runtime.indexer_dtype}
     g = torch.Generator().manual_seed(0)
     for n in spec.tokens:
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()

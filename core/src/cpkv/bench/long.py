@@ -24,7 +24,8 @@ import torch
 
 from .gpu import kernel_profile, layer_flops
 
-__all__ = ["LongSpec", "RecallSpec", "fp8_recall_rank", "long_rank", "topk_share"]
+__all__ = ["HFLogitsSpec", "LongSpec", "RecallSpec", "fp8_recall_rank", "hf_logits_rank", "long_rank",
+           "topk_share"]
 
 #: kernel-name fragments of the top-k's kernels and of the indexer's (Triton)
 _TOPK_KERNELS = ("_topk_", "_mask_kernel")
@@ -39,8 +40,10 @@ class LongSpec:
     model_dir: str
     tokens: tuple[int, ...]
     chunks: tuple[int, ...]
-    kv_dtype: str = "fp8"
-    indexer_dtype: str = "bf16"
+    #: kv.dtype / runtime.indexer_dtype of the session ("auto": the defaults, resolved for
+    #: the GPU: fp8 and DeepSeek's fp8 indexer where it has fp8 tensor cores)
+    kv_dtype: str = "auto"
+    indexer_dtype: str = "auto"
     #: runtime.logits_budget_mb: a number, or None for the settings' default ("auto")
     budget_mb: int | None = None
     profile: tuple[int, int] | None = None
@@ -107,6 +110,8 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
     session = _session(model, group, max(spec.tokens), spec.kv_dtype, spec.indexer_dtype,
                        spec.budget_mb)
     out: dict[str, Any] = {"ops": dict(session.ops.chosen), "layers": model.num_layers,
+                           "kv_dtype": str(session.settings.kv.dtype),
+                           "indexer_dtype": session.settings.runtime.indexer_dtype,
                            "budget_mb": session.logits_budget_mb,
                            "budget_auto": session.logits_budget_auto, "runs": {}}
     g = torch.Generator().manual_seed(0)
@@ -156,14 +161,16 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RecallSpec:
-    """``fp8_recall_rank``: prompts of each of ``tokens`` through a bf16-query and an
-    fp8-query indexer session on checkpoint ``model_dir``."""
+    """``fp8_recall_rank``: prompts of each of ``tokens`` on checkpoint ``model_dir``; the
+    indexer's inputs of every layer captured once, then scored both ways."""
 
     model_dir: str
     tokens: tuple[int, ...]
     label: str = "v32-attention"
-    #: runtime.logits_budget_mb of both sessions (None: the settings' default)
+    #: runtime.logits_budget_mb of the capturing session (None: the settings' default)
     budget_mb: int | None = None
+    #: rows scored per indexer call (bounds the [rows, keys] fp32 logits)
+    rows_per_call: int = 4096
 
 
 def _recall(a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[float, float, int]:
@@ -182,34 +189,172 @@ def _recall(a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[float, float, int
     return float(r.mean()), float(r.min()), int(a.shape[0])
 
 
+def _captured_inputs(model: Any, session: Any, ids: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(index_q, index_w, index_k) of every layer as the model made them while ``session``
+    prefilled ``ids`` (one request, one batch)."""
+    got: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    plain = model.attention_inputs
+
+    def spy(*a: Any, **k: Any) -> Any:
+        out = plain(*a, **k)
+        got.append((out.index_q.clone(), out.index_w.clone(), out.index_k.clone()))
+        return out
+
+    model.attention_inputs = spy
+    try:
+        session.prefill([("r", ids)])
+    finally:
+        del model.attention_inputs
+    session.release("r")
+    return got
+
+
+def _layer_choices(ops: Any, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, topk: int,
+                   step: int) -> dict[str, Any]:
+    """One layer's indexer both ways on the same inputs (causal rows: row i sees keys
+    [0, i + 1)): bf16 (transformers' definition: q . k in the model dtype, fp32 logits) and
+    DeepSeek's fp8 (both rotated, ue8m0 e4m3, scales folded). Overlap of the two top-k sets
+    per row with more than ``topk`` keys, and the near-tie evidence: for every key the fp8
+    choice swapped in, how far below the bf16 k-th logit its bf16 logit is, relative to the
+    k-th; and the fp8 logits' error at the bf16 k-th key, on the same scale."""
+    from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
+
+    n = q.shape[0]
+    dev = q.device
+    k8, ks8 = quantize_fp8(hadamard_rotate(k), None, "ue8m0")
+    recall_sum, recall_min, rows = 0.0, 1.0, 0
+    gaps: list[torch.Tensor] = []
+    errs: list[torch.Tensor] = []
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        start = torch.zeros(e - s, dtype=torch.int64, device=dev)
+        end = torch.arange(s + 1, e + 1, dtype=torch.int64, device=dev)
+        cols = int(e)  # keys [0, e) suffice for rows < e
+        lb = ops.indexer_logits(q[s:e], w[s:e], k[:cols], None, start, end)
+        tb = ops.topk(lb, topk, start, end)
+        q8, w8 = quantize_index_q(hadamard_rotate(q[s:e]), w[s:e])
+        l8 = ops.indexer_logits(q8, w8, k8[:cols], ks8[:cols], start, end)
+        t8 = ops.topk(l8, topk, start, end)
+        mean, low, r = _recall(tb, t8, topk)
+        if r:
+            recall_sum += mean * r
+            recall_min = min(recall_min, low)
+            rows += r
+            full = (tb >= 0).sum(1) == topk
+            lbf, l8f, tbf, t8f = lb[full], l8[full], tb[full].long(), t8[full].long()
+            picked = lbf.gather(1, tbf)
+            kth, pos = picked.min(1, keepdim=True)  # the bf16 k-th logit of each row, its slot
+            kth = kth.squeeze(1)
+            member = torch.zeros_like(lbf, dtype=torch.bool).scatter_(1, tbf, True)
+            swapped_in = ~member.gather(1, t8f)  # fp8 picks outside the bf16 set
+            v = lbf.gather(1, t8f)
+            gap = (kth[:, None] - v) / kth.abs().clamp_min(1e-30)[:, None]
+            gaps.append(gap[swapped_in].float())
+            at = tbf.gather(1, pos)  # the bf16 k-th key of each row
+            errs.append(((l8f.gather(1, at) - lbf.gather(1, at)).abs().squeeze(1)
+                         / kth.abs().clamp_min(1e-30)).float())
+        del lb, l8, tb, t8
+    gap = torch.cat(gaps) if gaps else torch.zeros(0, device=dev)
+    err = torch.cat(errs) if errs else torch.zeros(0, device=dev)
+
+    def q_(t: torch.Tensor, p: float) -> float | None:
+        return float(t.quantile(p)) if t.numel() else None
+
+    sub = err[torch.randperm(err.numel(), device=dev)[:1 << 20]] if err.numel() else err
+    gsub = gap[torch.randperm(gap.numel(), device=dev)[:1 << 20]] if gap.numel() else gap
+    return {"recall_mean": recall_sum / rows if rows else 1.0, "recall_min": recall_min,
+            "rows": rows, "swapped_keys": int(gap.numel()),
+            "swap_gap_rel_median": q_(gsub, 0.5), "swap_gap_rel_p99": q_(gsub, 0.99),
+            "fp8_err_rel_at_kth_median": q_(sub, 0.5), "fp8_err_rel_at_kth_p99": q_(sub, 0.99)}
+
+
 def fp8_recall_rank(group: Any, spec: RecallSpec) -> dict[str, Any]:
-    """Per prompt length and layer: the fp8 indexer's (fp8 queries and keys, per-token
-    scales) top-k recall of the bf16 indexer's (bf16 queries, the fp8 pool's keys) over the
-    rows holding more than k keys, and the last-token logits' relative difference."""
+    """Per prompt length and layer, on the SAME layer inputs (no compounding across layers):
+    the inputs of every layer's indexer are captured from one bf16 prefill (bf16 pool, bf16
+    indexer: the residual stream transformers computes), then each layer's top-k is chosen
+    by the bf16 indexer and by DeepSeek's fp8 indexer (:func:`_layer_choices`). Also the
+    last-token logits of full prefills with the bf16 pool + bf16 indexer, the fp8 pool + bf16
+    indexer and the defaults (fp8 pool + fp8 indexer where the GPU has fp8 tensor cores),
+    their relative difference to the first's."""
     from cpkv.models import load_model
 
     model = load_model(spec.model_dir, dtype=torch.bfloat16, device=group.device)
     k = model.config.index_topk
     g = torch.Generator().manual_seed(1)
-    out: dict[str, Any] = {"checkpoint": spec.label, "k": k, "tokens": {}}
+    out: dict[str, Any] = {"checkpoint": spec.label, "k": k, "same_layer_inputs": True,
+                           "tokens": {}}
     for n in spec.tokens:
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=g)
-        caps, last = {}, {}
-        for dt in ("bf16", "fp8"):
-            session = _session(model, group, n, "fp8", dt, spec.budget_mb)
-            res = session.prefill([("r", ids)], capture_topk=True)
-            caps[dt], last[dt] = list(res.topk.indices), res.last_logits[0].float()
-            session.release("r")
-            del session, res  # the captured scores and the session's buffers
+        session = _session(model, group, n, "bf16", "bf16", spec.budget_mb)
+        caps = _captured_inputs(model, session, ids)
+        ops = session.ops
+        layers = [_layer_choices(ops, q, w, kk, k, spec.rows_per_call) for q, w, kk in caps]
+        del caps, session
+        gc.collect()
+        torch.cuda.empty_cache()
+        last = {}
+        for label, kv, idx in (("bf16", "bf16", "bf16"), ("fp8_pool_bf16_indexer", "fp8", "bf16"),
+                               ("default", "auto", "auto")):
+            session = _session(model, group, n, kv, idx, spec.budget_mb)
+            last[label] = session.prefill([("l", ids)]).last_logits[0].float()
+            if label == "default":
+                out["default"] = {"kv_dtype": str(session.settings.kv.dtype),
+                                  "indexer_dtype": session.settings.runtime.indexer_dtype}
+            session.release("l")
+            del session
             gc.collect()
             torch.cuda.empty_cache()
-        layers = []
-        for a, b in zip(caps["bf16"], caps["fp8"], strict=True):
-            mean, low, rows = _recall(a, b, k)
-            layers.append({"recall_mean": mean, "recall_min": low, "rows": rows})
-        diff = (last["fp8"] - last["bf16"]).abs().max() / last["bf16"].abs().max()
-        out["tokens"][n] = {"layers": layers, "last_logits_rel_diff": float(diff)}
+        ref = last["bf16"]
+        out["tokens"][n] = {
+            "layers": layers,
+            "last_logits_rel_diff": {lab: float((v - ref).abs().max() / ref.abs().max())
+                                     for lab, v in last.items() if lab != "bf16"},
+            "argmax_equal": {lab: bool(v.argmax() == ref.argmax()) for lab, v in last.items()
+                             if lab != "bf16"}}
     return out
+
+
+@dataclass(frozen=True)
+class HFLogitsSpec:
+    """``hf_logits_rank``: last-token logits of a ``tokens``-token prompt on the checkpoint
+    written by transformers at ``model_dir``, cpkv (three numerics) vs transformers (fp32)."""
+
+    model_dir: str
+    tokens: int = 4096
+
+
+def hf_logits_rank(group: Any, spec: HFLogitsSpec) -> dict[str, Any]:
+    """transformers' own fp32 forward pass (eager attention, its sparse mask) against cpkv's
+    bf16 prefill with the bf16 pool + bf16 indexer, the fp8 pool + bf16 indexer and the
+    defaults: max relative error of the last-token logits and whether the argmax agrees."""
+    import transformers
+
+    from cpkv.models import load_model
+
+    g = torch.Generator().manual_seed(2)
+    hf = transformers.DeepseekV32ForCausalLM.from_pretrained(
+        spec.model_dir, attn_implementation="eager", torch_dtype=torch.float32).to(group.device)
+    hf.eval()
+    ids = torch.randint(0, hf.config.vocab_size, (spec.tokens,), generator=g)
+    with torch.no_grad():
+        want = hf(ids[None].to(group.device)).logits[0, -1].float()
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    model = load_model(spec.model_dir, dtype=torch.bfloat16, device=group.device)
+    res: dict[str, Any] = {"tokens": spec.tokens, "reference": "transformers fp32, eager"}
+    for label, kv, idx in (("bf16", "bf16", "bf16"), ("fp8_pool_bf16_indexer", "fp8", "bf16"),
+                           ("default", "auto", "auto")):
+        session = _session(model, group, spec.tokens, kv, idx, None)
+        got = session.prefill([("h", ids)]).last_logits[0].float()
+        res[label] = {"max_rel_err": float((got - want).abs().max() / want.abs().max()),
+                      "argmax_equal": bool(got.argmax() == want.argmax()),
+                      "kv_dtype": str(session.settings.kv.dtype),
+                      "indexer_dtype": session.settings.runtime.indexer_dtype}
+        session.release("h")
+        del session
+    return res
 
 
 def write_hf_checkpoint(path: str, **config: Any) -> str:
@@ -240,21 +385,52 @@ def _tag(n: int) -> str:
     return f"{n >> 10}k" if n % 1024 == 0 and n else str(n)
 
 
-def long_rows(res: dict[str, Any], matmul_tflops: float, device_gb: float,
-              fixed: dict[str, Any] | None = None) -> list[Any]:
-    """The bench rows of a :func:`long_rank` result: per prompt length ``long_<n>_mfu`` (64K
-    chunks, or the smallest chunk size run) and ``long_<n>_c<chunk>_mfu`` for the others,
-    against the same run's bf16 matmul ceiling; ``long_<n>_topk_share`` of the profiled chunk
-    (top-k kernels' device time over the indexer kernel's); the peak memory of the longest
-    prompt against the device's memory, also for the ``fixed``-budget run."""
+def long_rows(res: dict[str, Any], ceil: dict[str, float], device_gb: float,
+              fixed: dict[str, Any] | None = None,
+              bf16: dict[str, Any] | None = None) -> list[Any]:
+    """The bench rows of a :func:`long_rank` result ``res`` (the defaults) and, where the
+    defaults took the fp8 indexer, ``bf16`` (the same prompts with the bf16 indexer, same run).
+
+    Per prompt length (64K chunks, or the smallest chunk size run; ``_c<chunk>`` for the
+    others): ``long_<n>_mfu`` against the same run's bf16 matmul ceiling for the bf16-indexer
+    runs (``res`` itself when its indexer is bf16), ``long_<n>_fp8_mfu`` against the fp8 matmul
+    ceiling for fp8-indexer runs, and ``long_<n>_default_vs_bf16_speedup`` (tokens/s of the
+    defaults over the bf16 run's: bf16 seconds / default seconds). ``long_<n>_topk_share`` of
+    the profiled chunk (top-k kernels' device time over the indexer kernel's); the peak memory
+    of the longest prompt against the device's memory, also for the ``fixed``-budget run."""
     from .report import BenchRow
 
     rows = []
-    chunks = sorted({r["chunk"] for r in res["runs"].values()})
-    for r in res["runs"].values():
-        suffix = "" if r["chunk"] == chunks[0] else f"_c{_tag(r['chunk'])}"
-        rows.append(BenchRow.of(f"long_{_tag(r['tokens'])}{suffix}_mfu", r["layer_tflops"],
-                                "TFLOP/s", "bf16 matmul ceiling (same run)", matmul_tflops))
+
+    def mfu(run: dict[str, Any], fp8: bool) -> None:
+        chunks = sorted({r["chunk"] for r in run["runs"].values()})
+        for r in run["runs"].values():
+            suffix = "" if r["chunk"] == chunks[0] else f"_c{_tag(r['chunk'])}"
+            if fp8:
+                rows.append(BenchRow.of(f"long_{_tag(r['tokens'])}{suffix}_fp8_mfu",
+                                        r["layer_tflops"], "TFLOP/s",
+                                        "fp8 matmul ceiling (same run)",
+                                        ceil["fp8_matmul_tflops"]))
+            else:
+                rows.append(BenchRow.of(f"long_{_tag(r['tokens'])}{suffix}_mfu",
+                                        r["layer_tflops"], "TFLOP/s",
+                                        "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
+
+    fp8 = res.get("indexer_dtype") == "fp8" and "fp8_matmul_tflops" in ceil
+    mfu(res, fp8)
+    if bf16 is not None:
+        mfu(bf16, False)
+        for key, r in bf16["runs"].items():
+            d = res["runs"].get(key)
+            if d is None:
+                continue
+            suffix = "" if r["chunk"] == min(x["chunk"] for x in bf16["runs"].values()) \
+                else f"_c{_tag(r['chunk'])}"
+            rows.append(BenchRow.of(
+                f"long_{_tag(r['tokens'])}{suffix}_default_vs_bf16_speedup",
+                r["tokens"] / d["seconds"], "tokens/s",
+                f"the bf16 indexer, same prompt and pool (tokens/s; {r['seconds']:.1f} s vs "
+                f"{d['seconds']:.1f} s)", r["tokens"] / r["seconds"]))
     p = res.get("profile")
     if p and p["indexer_ms"] > 0:
         rows.append(BenchRow.of(f"long_{_tag(p['tokens'])}_topk_share", p["topk_ms"], "ms",
@@ -272,12 +448,12 @@ def long_rows(res: dict[str, Any], matmul_tflops: float, device_gb: float,
 
 
 def recall_rows(res: dict[str, Any]) -> list[Any]:
-    """``indexer_fp8_recall_<label>_<n>``: the fp8 indexer's worst layer's mean recall of the
-    bf16 indexer's top-k set, per prompt length."""
+    """``indexer_fp8_overlap_<label>_<n>``: per prompt length, the worst layer's mean overlap
+    of DeepSeek's fp8 indexer's top-k set with the bf16 indexer's, on the same layer inputs."""
     from .report import BenchRow
 
     label = res["checkpoint"].replace("-", "_")
-    return [BenchRow.of(f"indexer_fp8_recall_{label}_{_tag(int(n))}",
-                        min(x["recall_mean"] for x in v["layers"]), "recall",
-                        "the bf16 indexer's top-k set (same run)", 1.0)
+    return [BenchRow.of(f"indexer_fp8_overlap_{label}_{_tag(int(n))}",
+                        min(x["recall_mean"] for x in v["layers"]), "overlap",
+                        "the bf16 indexer's top-k set on the same layer inputs (same run)", 1.0)
             for n, v in res["tokens"].items()]

@@ -372,14 +372,23 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
             rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
                                     "CP1 (one rank holds every page)", b1))
     if ngpu >= 1 and not skip_prefill and 65536 in lens:
-        err.print("[dim]CP1 64K prefill with fp8 indexer queries (runtime.indexer_dtype)[/]")
-        fp8 = dataclasses.replace(spec, tokens=(65536,), indexer_dtype="fp8",
-                                  profile_tokens=65536)
-        one = run_ranks(gpu.prefill_rank, 1, args=(fp8,), backend="nccl", timeout_s=580)[0].value
-        detail["prefill_cp1_64k_fp8_indexer"] = one
+        err.print("[dim]CP1 64K prefill with the default numerics (kv.dtype and "
+                  "runtime.indexer_dtype 'auto')[/]")
+        dflt = dataclasses.replace(spec, tokens=(65536,), kv_dtype="auto", indexer_dtype="auto",
+                                   profile_tokens=65536)
+        one = run_ranks(gpu.prefill_rank, 1, args=(dflt,), backend="nccl",
+                        timeout_s=580)[0].value
+        detail["prefill_cp1_64k_default"] = one
         flops = one["layers"] * sum(one["layer_flops"][65536].values())
-        detail["cp1_layer_64k_mfu_fp8_indexer"] = (flops / one["sizes"][65536]["seconds"] / 1e12
-                                                   / ceil["matmul_tflops"])
+        t_d, t_b = one["sizes"][65536]["seconds"], per[1][0]["sizes"][65536]["seconds"]
+        err.print(f"[dim]defaults took a {one['kv_dtype']} pool and the {one['indexer_dtype']} "
+                  f"indexer[/]")
+        if one["indexer_dtype"] == "fp8" and "fp8_matmul_tflops" in ceil:
+            rows.append(BenchRow.of("cp1_layer_64k_fp8_mfu", flops / t_d / 1e12, "TFLOP/s",
+                                    "fp8 matmul ceiling (same run)", ceil["fp8_matmul_tflops"]))
+        rows.append(BenchRow.of("cp1_64k_default_vs_bf16_speedup", 65536 / t_d, "tokens/s",
+                                f"the bf16 indexer on the {per[1][0]['kv_dtype']} pool "
+                                f"(tokens/s, same run)", 65536 / t_b))
         err.print("[dim]decode steps over a 64K-token request: cuda vs triton[/]")
         dec = {name: gpu.decode_steps(dev, str(ckpt), 65536, backends=pref)
                for name, pref in (("cuda", ("cuda", "triton", "torch")),
@@ -429,12 +438,22 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Also the longest prompt in the smallest chunks at this fixed budget (peak "
                    "memory; 0 skips it).")
 @click.option("--recall-tokens", default="4096,16384,65536,131072", show_default=True,
-              help="Prompt lengths of the fp8-vs-bf16 indexer top-k recall (empty skips it).")
+              help="Prompt lengths of the fp8-vs-bf16 indexer top-k overlap on the same layer "
+                   "inputs (empty skips it).")
 @click.option("--hf/--no-hf", default=True, show_default=True,
-              help="The recall also on a checkpoint written by transformers.")
+              help="The overlap also on a checkpoint written by transformers.")
+@click.option("--hf-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
+              help="Prompt length of the last-token logits against transformers' own forward "
+                   "pass on that checkpoint (0 skips it).")
+@click.option("--bf16-compare/--no-bf16-compare", default=True, show_default=True,
+              help="Where the defaults take the fp8 indexer, the prompts again with the bf16 "
+                   "indexer (smallest chunks): the long_<n>_mfu and default_vs_bf16 rows.")
 def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | None,
-             fixed_budget_mb: int, recall_tokens: str, hf: bool) -> None:
-    """Long prompts in chunks on one GPU: MFU, the top-k's share, peak memory, fp8 indexer recall."""
+             fixed_budget_mb: int, recall_tokens: str, hf: bool, hf_tokens: int,
+             bf16_compare: bool) -> None:
+    """Long prompts in chunks on one GPU with the default numerics: MFU, the speedup over the
+    bf16 indexer, the top-k's share, peak memory, the fp8 indexer's top-k overlap with bf16's
+    on the same layer inputs, last-token logits against transformers."""
     import tempfile
 
     import torch
@@ -459,9 +478,21 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
     if lens:
         spec = long.LongSpec(ckpt, lens, sizes, budget_mb=budget_mb,
                              profile=(524288, min(sizes)) if 524288 in lens else None)
-        err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}[/]")
+        err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}, the "
+                  f"default numerics[/]")
         res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600)[0].value
         detail["long"] = res
+        err.print(f"[dim]defaults took a {res['kv_dtype']} pool and the {res['indexer_dtype']} "
+                  f"indexer[/]")
+        bf16 = None
+        if res["indexer_dtype"] != "bf16" and bf16_compare:  # same prompts, the bf16 indexer
+            err.print(f"[dim]{lens} tokens in chunks of {min(sizes)} with the bf16 indexer on "
+                      f"the same {res['kv_dtype']} pool[/]")
+            bspec = dataclasses.replace(spec, chunks=(min(sizes),), kv_dtype=res["kv_dtype"],
+                                        indexer_dtype="bf16", profile=None)
+            bf16 = run_ranks(long.long_rank, 1, args=(bspec,), backend="nccl",
+                             timeout_s=3600)[0].value
+            detail["long_bf16_indexer"] = bf16
         fixed = None
         if fixed_budget_mb:
             err.print(f"[dim]{max(lens)} tokens in chunks of {min(sizes)} at a "
@@ -471,24 +502,31 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
             fixed = run_ranks(long.long_rank, 1, args=(fspec,), backend="nccl",
                               timeout_s=3600)[0].value
             detail["fixed_budget"] = fixed
-        rows += long.long_rows(res, ceil["matmul_tflops"], device_gb, fixed)
+        rows += long.long_rows(res, ceil, device_gb, fixed, bf16)
     if rlens:
         ckpts = [("v32-attention", ckpt)]
         if hf:
             err.print("[dim]writing the stack with transformers[/]")
             ckpts.append(("hf", long.write_hf_checkpoint(str(tmp / "hf"), **stack)))
         for label, path in ckpts:
-            err.print(f"[dim]fp8 vs bf16 indexer top-k on {label} at {rlens}[/]")
+            err.print(f"[dim]fp8 vs bf16 indexer top-k on the same layer inputs, {label}, at "
+                      f"{rlens}[/]")
             rec = run_ranks(long.fp8_recall_rank, 1, args=(long.RecallSpec(path, rlens, label, budget_mb),),
                             backend="nccl", timeout_s=3600)[0].value
-            detail[f"fp8_recall_{label}"] = rec
+            detail[f"fp8_overlap_{label}"] = rec
             rows += long.recall_rows(rec)
+        if hf and hf_tokens:
+            err.print(f"[dim]last-token logits vs transformers at {hf_tokens} tokens[/]")
+            detail["vs_transformers"] = run_ranks(
+                long.hf_logits_rank, 1, args=(long.HFLogitsSpec(ckpts[1][1], hf_tokens),),
+                backend="nccl", timeout_s=1800)[0].value
     summary = ""
     if res:
         longest = max(res["runs"].values(),
                       key=lambda r: (r["tokens"], r["chunk"] == min(sizes)))
         auto = " (auto: from the free device memory)" if res["budget_auto"] else ""
-        summary = (f"logits budget {res['budget_mb']} MB{auto}; logits equal across chunkings: "
+        summary = (f"defaults: {res['kv_dtype']} pool, {res['indexer_dtype']} indexer; "
+                   f"logits budget {res['budget_mb']} MB{auto}; logits equal across chunkings: "
                    f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first "
                    f"token projected {longest['seconds'] / 8:.2f} s "
                    f"({longest['tokens'] // 8} rows a rank)")
