@@ -192,7 +192,7 @@ class CPPrefill:
     # ---- once per batch -------------------------------------------------------------------
     def plan(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> CPPlan:
         """The split plan of ``batch`` (request id, new token ids), continuing cached requests."""
-        specs = [self.pool.request_spec(rid, len(ids)) for rid, ids in batch]
+        specs = [self.pool.pages.request_spec(rid, len(ids)) for rid, ids in batch]
         return plan_batch(specs, self.group.size, self.pool.fmt.page_size, self.mode)
 
     def _rank_inputs(self, plan: CPPlan, kv: BatchKV,

@@ -146,7 +146,7 @@ def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable
     active = [rid for rid, _, _ in first if num_tokens > 1]
     while active:
         batch = [(rid, [pending[rid], *drafts[rid]]) for rid in active]
-        base = {rid: pool.table[rid].valid_len for rid in active}
+        base = {rid: pool.pages.requests[rid].valid_len for rid in active}
         res = run.verify(batch)
         stats.steps += 1
         chain: list[tuple[Hashable, int, int]] = []  # (rid, first new draft, its row)
@@ -162,7 +162,7 @@ def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable
             stats.accepted_per_request[str(rid)].append(a)
             out[rid].extend(choice[:a + 1])
             pending[rid] = choice[a]
-            pool.truncate(rid, base[rid] + a + 1)  # rows of rejected drafts go
+            pool.pages.truncate(rid, base[rid] + a + 1)  # rows of rejected drafts go
             chain.append((rid, guess[a], row + a))
             row += len(ids)
         active = [rid for rid in active if len(out[rid]) < num_tokens]
@@ -179,7 +179,7 @@ def _chain(run: SpeculativeSteps, pool: ShardedKVPool, chain: Sequence[tuple[Has
     """Drafts 2..k: the MTP layer on its own output, one position further each time (its
     speculative KV rows are dropped once the chain is done)."""
     rids = [rid for rid, _, _ in chain]
-    keep = {rid: pool.table[rid].valid_len for rid in rids}
+    keep = {rid: pool.pages.requests[rid].valid_len for rid in rids}
     h = hidden[torch.tensor([r for _, _, r in chain], device=hidden.device)]
     try:
         for _ in range(k - 1):
@@ -188,4 +188,4 @@ def _chain(run: SpeculativeSteps, pool: ShardedKVPool, chain: Sequence[tuple[Has
                 drafts[rid].append(t)
     finally:
         for rid in rids:
-            pool.truncate(rid, keep[rid])
+            pool.pages.truncate(rid, keep[rid])
