@@ -288,7 +288,7 @@ class CPPrefill:
         """One chained draft step on one rank: for each ``(request id, draft token)`` the MTP
         layer alone at the request's next position, fed the draft token and ``h`` (``[requests,
         hidden]``: the previous draft step's ``h'``). Its KV row is written like any other
-        (one more token of the request: call :meth:`ShardedKVPool.truncate` once the chain is
+        (one more token of the request: call :meth:`PageTable.truncate` once the chain is
         done). Returns ``(draft logits [requests, vocab] float32, h' [requests, hidden])``.
 
         Raises:

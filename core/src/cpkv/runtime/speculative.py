@@ -9,7 +9,7 @@ drafts (``d_j`` is accepted while ``d_j == g_{j-1}``, greedy acceptance), and th
 on the same rows with ``g_j`` as each row's next token. With ``a`` drafts accepted the step emits
 ``g_0..g_a``; rows ``m..m+a`` are exactly what plain greedy decoding would have computed, so their
 KV (both layers' kinds) stays and the rows of rejected drafts are dropped
-(:meth:`ShardedKVPool.truncate`). The MTP row ``m+a`` guesses the next draft ``d'_1``; with
+(:meth:`PageTable.truncate`). The MTP row ``m+a`` guesses the next draft ``d'_1``; with
 ``k > 1`` the MTP layer is chained on its own output (``h'`` and the previous guess, one position
 further, :meth:`CPPrefill.run_draft`) and those speculative rows are dropped again before the next
 step. The first step verifies the one draft the prefill's MTP row gave.
