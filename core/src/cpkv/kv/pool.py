@@ -85,7 +85,7 @@ class ShardedKVPool:
         if materialize not in modes:
             raise ValueError(f"materialize must be one of {modes}, got {materialize!r}")
         self.fmt, self.num_layers, self.group = fmt, num_layers, group
-        self._shared, self._debug = shared, debug
+        self._debug = debug
         #: the host-side page table (every rank's alike)
         self.pages = PageTable(fmt.page_size, group.size, pages_per_rank, shared=shared)
         mode = MaterializeMode(materialize) if shared else MaterializeMode.REPLICA
@@ -118,7 +118,7 @@ class ShardedKVPool:
                              f"for {len(plan.requests)} requests")
         if self._debug and not self.group.all_equal(plan.fingerprint()):
             raise RuntimeError("debug: CP ranks planned different batches (plan hashes differ)")
-        if self._shared and not plan.page_aligned:  # may raise (policy error): nothing taken yet
+        if self.store.shared and not plan.page_aligned:  # may raise (policy error): nothing taken yet
             bad = [f"{rid!r} (P={r.prefix_len}, E={r.extend_len})"
                    for rid, r in zip(rids, plan.requests, strict=True) if not r.page_aligned]
             report_fallback(op="kv_write", requested="direct write by the compute rank",
