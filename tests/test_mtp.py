@@ -208,7 +208,7 @@ def _draft_prefill(group, model_dir: str, cases) -> list[dict]:  # type: ignore[
         res = session.prefill([(rid, p[done[rid]:]) for rid, p in zip(rids, prompts, strict=True)],
                               all_logits=True)
         out.append({"draft": res.all_draft_logits, "logits": res.all_logits,
-                    "how": res.draft_embedding, "pages": session.pool.pages_held()})
+                    "how": res.draft_embedding, "pages": session.pool.footprint().pages_held})
     return out
 
 
@@ -262,7 +262,7 @@ def _embedding_shapes(group, model_dir: str, prompts) -> dict:  # type: ignore[n
 
     model.draft_embed = spy  # type: ignore[method-assign]
     session = PrefillSession(model, s, group)
-    stale = plan_batch([session.pool.request_spec("x", 50)], group.size, PAGE, s.cp.mode)
+    stale = plan_batch([session.pool.pages.request_spec("x", 50)], group.size, PAGE, s.cp.mode)
     out: dict = {"shapes": {}, "draft": {}, "events": {}}
     for how, plan in (("local", "batch"), ("withheld", None), ("stale", stale)):
         kw = {} if plan == "batch" else {"draft_plan": plan}
@@ -282,7 +282,7 @@ def _embedding_shapes(group, model_dir: str, prompts) -> dict:  # type: ignore[n
             out["refused"] = False
         except FallbackError as exc:
             out["refused"] = exc.event.reason.value == "draft_plan_missing"
-    out["err_left"] = "err" in session.pool.table
+    out["err_left"] = "err" in session.pool.pages.requests
     return out
 
 
@@ -333,10 +333,10 @@ def _decode_session(model: DeepseekV32):  # type: ignore[no-untyped-def]
 def _valid_rows(session, rid: str) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     """Every pool layer's stored bytes of the request's valid rows, as float32."""
     pool = session.pool
-    rp = pool.table[rid]
+    rp = pool.pages.requests[rid]
     out = []
     for layer in range(pool.num_layers):
-        rows = torch.cat([pool.kv[layer][s] for s in rp.slots])[: rp.valid_len]
+        rows = torch.cat([pool.store.kv[layer][s] for s in rp.slots])[: rp.valid_len]
         out.append(rows.contiguous().view(torch.float32))
     return out
 
@@ -374,7 +374,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
     assert stats.proposed > 0 and stats.steps <= stats.plain_steps == 11
     for rid, p in zip(rids, prompts, strict=True):
         n_emitted = len(p) + sum(1 + a for a in stats.accepted_per_request[rid])
-        rp = spec.pool.table[rid]
+        rp = spec.pool.pages.requests[rid]
         assert rp.valid_len == n_emitted  # the last emitted token is not in the KV yet
         assert len(rp.slots) == -(-rp.valid_len // PAGE)  # rejected rows' pages went back
         mine, ref = _valid_rows(spec, rid), _valid_rows(plain, rid)
@@ -382,7 +382,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
             rows = min(a.shape[0], b.shape[0])
             torch.testing.assert_close(a[:rows], b[:rows], rtol=1e-4, atol=1e-4,
                                        msg=f"{rid} layer {layer}")
-    assert spec.pool.pages_held() == sum(len(spec.pool.table[r].slots) for r in rids)
+    assert spec.pool.footprint().pages_held == sum(len(spec.pool.pages.requests[r].slots) for r in rids)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -588,7 +588,7 @@ def test_speculative_equals_plain_greedy_property(models: dict[str, DeepseekV32]
         assert got == want
         assert stats.steps <= stats.plain_steps == n - 1
         for rid, p in zip(rids, prompts, strict=True):
-            rp = spec.pool.table[rid]
+            rp = spec.pool.pages.requests[rid]
             assert rp.valid_len == len(p) + sum(1 + a for a in stats.accepted_per_request[rid])
             assert len(rp.slots) == -(-rp.valid_len // PAGE)
 

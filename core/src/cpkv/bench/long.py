@@ -148,7 +148,7 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
                 "tokens": n, "chunk": c, "seconds": seconds, "chunk_seconds": per_chunk,
                 "layer_tflops": flops / seconds / 1e12,
                 "peak_gb": _peak_gb(group.device),
-                "kv_bytes": session.pool.bytes_held()}
+                "kv_bytes": session.pool.footprint().bytes_held}
             session.release(rid)
             if spec.profile == (n, c) and group.device.type == "cuda":  # untimed, profiled
                 out["profile"] = _profile_last_chunk(session, ids, c)

@@ -104,9 +104,9 @@ class DecodeWorker:
         self.session = PrefillSession(model, one, CPGroup.single(device, settings.runtime.timeout_s),
                                       host)
         self.pool = self.session.pool
-        self.receiver = DecodeReceiver(self.pool, debug=settings.debug)
+        self.receiver = DecodeReceiver(self.pool.pages, self.pool.store, debug=settings.debug)
         #: the lean steps (graphs on CUDA)
-        self.decoder = LeanDecoder(model, self.pool, self.session.ops,
+        self.decoder = LeanDecoder(model, self.pool.pages, self.pool.store, self.session.ops,
                                    cuda_graphs=settings.decode.cuda_graphs,
                                    max_batch=settings.decode.max_batch,
                                    indexer_fp8=self.session.settings.runtime.indexer_dtype
@@ -130,7 +130,7 @@ class DecodeWorker:
                                     steps=self.decoder)
 
     def release(self, rid: Hashable) -> None:
-        self.pool.free(rid)
+        self.pool.pages.free(rid)
 
     def steps_info(self) -> DecodeSteps:
         """How the decode steps ran so far."""

@@ -195,7 +195,7 @@ class CPPrefill:
     # ---- once per batch -------------------------------------------------------------------
     def plan(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> CPPlan:
         """The split plan of ``batch`` (request id, new token ids), continuing cached requests."""
-        specs = [self.pool.request_spec(rid, len(ids)) for rid, ids in batch]
+        specs = [self.pool.pages.request_spec(rid, len(ids)) for rid, ids in batch]
         return plan_batch(specs, self.group.size, self.pool.fmt.page_size, self.mode)
 
     def _rank_inputs(self, plan: CPPlan, kv: BatchKV,
@@ -291,7 +291,7 @@ class CPPrefill:
         """One chained draft step on one rank: for each ``(request id, draft token)`` the MTP
         layer alone at the request's next position, fed the draft token and ``h`` (``[requests,
         hidden]``: the previous draft step's ``h'``). Its KV row is written like any other
-        (one more token of the request: call :meth:`ShardedKVPool.truncate` once the chain is
+        (one more token of the request: call :meth:`PageTable.truncate` once the chain is
         done). Returns ``(draft logits [requests, vocab] float32, h' [requests, hidden])``.
 
         Raises:
