@@ -50,7 +50,7 @@ protocol ``tcp`` (the engine picks the transport from the environment). The engi
 pool's device memory itself: no host staging; a staging the decode's other page layout needs
 stays in device memory. ``MC_FORCE_TCP`` overrides: plain TCP (a reported fallback), staged.
 
-Engine facts this module relies on (``/work/shared/notes/mooncake.md``): positional arguments
+Engine facts this module relies on (the wheel's Python bindings as observed): positional arguments
 only; no method may be called before a successful ``initialize`` (segfault), so an engine whose
 ``initialize`` failed is kept, never touched; results are int codes; ``del`` releases an engine.
 """
