@@ -95,3 +95,18 @@ def test_mypy_reports_a_call_of_an_undeclared_op(tmp_path: Path) -> None:
     assert len(errors) == 2, done.stdout + done.stderr
     assert 'use_ops.py:9: error: "OpTable" has no attribute "page_copy_twice"' in errors[0]
     assert 'use_ops.py:10: error: Argument 4 to "rope"' in errors[1] and "sideways" in errors[1]
+
+
+def test_op_methods_hand_out_the_given_callables() -> None:
+    from cpkv.ops.api import OpMethods
+
+    def rerange(gathered: object, perm: object) -> object:
+        return gathered
+
+    obj = OpMethods({Op.RERANGE: rerange})
+    assert obj.rerange is rerange and obj.provided == {Op.RERANGE}
+    assert not hasattr(obj, "rope")
+    with pytest.raises(AttributeError, match="has no op 'rope': not provided"):
+        _ = obj.rope
+    with pytest.raises(TypeError, match="topk is 3, not a callable"):
+        OpMethods({Op.TOPK: 3})
