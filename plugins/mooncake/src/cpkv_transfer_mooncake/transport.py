@@ -64,19 +64,20 @@ from typing import Any
 
 import structlog
 
-from cpkv.contracts import FallbackReason, PageLayout
-from cpkv.disagg import (
-    DecodeReceiver,
+from cpkv.disagg.api import (
+    FallbackReason,
     LinkSpec,
+    PageLayout,
+    PartSink,
     PoolBuffers,
     RankTransfer,
     SideChannel,
     TransferError,
     TransferFenced,
+    page_blocks,
+    report_fallback,
     store_side_channel,
 )
-from cpkv.fallback import report_fallback
-from cpkv.ops import page_blocks
 
 from .nvlink import NVLINK_INTRA, ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
 from .settings import DIRECT_PROTOCOLS, MooncakeSettings
@@ -605,7 +606,7 @@ class MooncakeLink:
             done += len(ents)
         return [e for _, ents in plan for e in ents]
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+    def recv_part(self, part: RankTransfer, sink: PartSink, *,
                   layers: range | None = None, epoch: int = 0) -> int:
         """One-sided: the bytes are in place when the sender's ``Done`` arrived (the core
         waits for it); nothing to receive here."""

@@ -5,8 +5,7 @@ Importing this module does not import torch; the probe does.
 
 from __future__ import annotations
 
-from cpkv.contracts import Availability
-from cpkv.plugin import TransferRegistrar, TransferSpec, hookimpl
+from cpkv.disagg.api import Availability, TransferRegistrar, TransferSpec, hookimpl
 
 NAME = "nccl"
 
