@@ -3,12 +3,10 @@
 A transfer plugin (``cpkv_transfer_nccl``, ``cpkv_transfer_mooncake``, a third party's: see
 docs/transfer.md) implements :class:`Transport` and its :class:`Link` with its own engine and
 takes from cpkv only what is listed here; anything else in cpkv may change without notice
-(``tests/test_backend_api.py`` checks that the plugins import nothing else).
-
-Registration (the plugin module)
-    :func:`hookimpl`, :class:`TransferSpec`, :class:`TransferRegistrar` (the
-    ``cpkv_register_transfers`` hook fills the registrar), :class:`Availability` (the probe's
-    answer, with the reason when not).
+(``tests/test_backend_api.py`` checks that the plugins import nothing else). Its ``plugin``
+module, the entry point, registers through :mod:`cpkv.plugin` (``hookimpl``, ``TransferSpec``,
+``TransferRegistrar``) and :class:`cpkv.contracts.Availability`, as a backend's does: discovery
+imports it, and this module imports torch (the transport modules need it anyway).
 
 What a plugin implements
     :class:`Transport` (what ``TransferSpec.load()`` returns; ``connect`` takes a
@@ -40,10 +38,9 @@ Page bytes
 
 from __future__ import annotations
 
-from cpkv.contracts import Availability, FallbackReason, KVFormat, PageLayout
+from cpkv.contracts import FallbackReason, KVFormat, PageLayout
 from cpkv.fallback import report_fallback
 from cpkv.ops import page_blocks
-from cpkv.plugin import TransferRegistrar, TransferSpec, hookimpl
 
 from .buffers import PoolBuffers
 from .errors import TransferError, TransferFenced
@@ -62,7 +59,6 @@ from .transport import (
 )
 
 __all__ = [
-    "Availability",
     "DistSideChannel",
     "DrainingLink",
     "FallbackReason",
@@ -79,10 +75,7 @@ __all__ = [
     "StoreSideChannel",
     "TransferError",
     "TransferFenced",
-    "TransferRegistrar",
-    "TransferSpec",
     "Transport",
-    "hookimpl",
     "page_blocks",
     "report_fallback",
     "store_side_channel",

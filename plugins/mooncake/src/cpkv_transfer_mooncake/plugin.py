@@ -17,7 +17,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from cpkv.disagg.api import Availability, TransferRegistrar, TransferSpec, hookimpl
+from cpkv.contracts import Availability
+from cpkv.plugin import TransferRegistrar, TransferSpec, hookimpl
 
 from .nvlink import CUDA_WHEELS, installed_wheels
 

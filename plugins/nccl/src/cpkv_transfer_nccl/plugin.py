@@ -5,7 +5,8 @@ Importing this module does not import torch; the probe does.
 
 from __future__ import annotations
 
-from cpkv.disagg.api import Availability, TransferRegistrar, TransferSpec, hookimpl
+from cpkv.contracts import Availability
+from cpkv.plugin import TransferRegistrar, TransferSpec, hookimpl
 
 NAME = "nccl"
 
