@@ -408,6 +408,7 @@ def test_attention_ops_do_not_sync_on_cuda() -> None:
 
 
 # ---- the conformance suite: runs, tolerates ties, catches broken backends ------------------------
+@pytest.mark.slow  # 7.5-18 s on 2 shared cores: the whole attention suite
 def test_suite_runs_the_attention_ops(ref: Any) -> None:
     names = [o.value for o in ATTN_OPS]
     assert check_backend(TorchOps(), ref, ops=names) == names
