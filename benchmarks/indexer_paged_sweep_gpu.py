@@ -43,7 +43,7 @@ def _inputs(worker: Any, rids: list[Hashable]) -> tuple[Any, ...]:
 def _sweep(worker: Any, rids: list[Hashable]) -> dict[str, Any]:
     from cpkv.bench.gpu import cuda_ms
 
-    impl = worker.session.ops.indexer_logits_paged.__self__.attention_kernels  # Triton's
+    impl = worker.session.ops.indexer_logits_paged.__self__  # Triton's AttentionKernels
     args = _inputs(worker, rids)
     q, _, _, fmt, table, _, key_end = args
     ref = impl.indexer_logits_paged(*args)

@@ -432,7 +432,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
     (2, "zigzag", (20, 0, 3, 64), "request"),
-    (2, "zigzag", (20, 0, 3, 64), "layer"),
+    pytest.param(2, "zigzag", (20, 0, 3, 64), "layer", marks=pytest.mark.slow),
     pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
 def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
                                   pipeline: str) -> None:
@@ -512,6 +512,7 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_rank_killed_mid_transfer(tiny: Path, tmp_path: Path) -> None:
     spec = job_spec(tiny, 2, "zigzag")
     out = tmp_path / "decode.json"

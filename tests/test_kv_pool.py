@@ -48,7 +48,8 @@ def _scenarios(cp: int, seed: int) -> list[PoolScenario]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
 def test_sharded_full_view_equals_replicated(cp: int) -> None:
     scenarios = _scenarios(cp, seed=cp)
     results = run_ranks(run_pool_scenarios, cp, args=(scenarios,), timeout_s=240)

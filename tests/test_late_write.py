@@ -212,6 +212,7 @@ def test_a_stalled_sender_checks_the_fence_and_writes_nothing(tmp_path: Path, st
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_nccl_late_send_never_reaches_the_pool(tmp_path: Path) -> None:
     """Two-sided: the decode reuses A's memory for B at once; A's late bytes land in the staging
     buffer of the receive the decode gave up (still posted, tagged with A's grant), and B's

@@ -220,8 +220,8 @@ def _check_draft(cp_out: dict, ref: dict, name: str) -> None:  # type: ignore[ty
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow),
-                                pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4, 8])
 def test_cp_draft_logits_equal_single_rank(cp: int, tiny: Path) -> None:
     """Rule 23 for the draft layer: every row's draft logits under CP (both modes, prefixes
     ending mid-page, a short extend taking the token-balanced split) equal one rank's; each rank
@@ -360,6 +360,7 @@ def _spec_vs_plain(ckpt: Path, prompts: list[list[int]], n: int, k: int):  # typ
     return plain, spec, rids, want, got, stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
     """A random draft (mostly rejected): the output is plain greedy's token for token; the pool
@@ -385,7 +386,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
     assert spec.pool.footprint().pages_held == sum(len(spec.pool.pages.requests[r].slots) for r in rids)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_an_agreeing_draft_is_accepted_and_saves_steps(agree: Path, k: int) -> None:
     """A checkpoint whose MTP layer is built to guess the target's next token: accept rate above
     0.8, and the decode steps fall accordingly; the output is still plain greedy's."""
@@ -406,6 +407,7 @@ def test_an_agreeing_draft_is_accepted_and_saves_steps(agree: Path, k: int) -> N
 
 # ---------------------------------------------------------------------------- the job
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_mtp_pages_move_with_the_rest_and_decode_speculates(agree: Path) -> None:
     """CP2 prefill with the draft layer, the nccl transfer (Gloo) and speculative decoding:
     every owner sends its own pages of every layer, the MTP layer's included (bytes and

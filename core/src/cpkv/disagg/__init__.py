@@ -1,4 +1,7 @@
-"""Prefill -> decode transfer of owned pages (contract rules 25-27)."""
+"""Prefill -> decode transfer of owned pages (contract rules 25-27).
+
+Transfer plugins import from :mod:`cpkv.disagg.api` only (the transfer SDK).
+"""
 
 from .buffers import PoolBuffers, registered_buffers
 from .connect import open_link, select_transport
@@ -18,6 +21,7 @@ from .transport import (
     LinkFeatures,
     LinkSpec,
     Offer,
+    PartSink,
     SideChannel,
     StoreSideChannel,
     Transport,
@@ -40,6 +44,7 @@ __all__ = [
     "LinkSpec",
     "Offer",
     "PageRun",
+    "PartSink",
     "PoolBuffers",
     "PrefillTransfer",
     "RankTransfer",

@@ -34,11 +34,11 @@ from .errors import TransferError
 from .plan import RankTransfer, TransferManifest
 
 if TYPE_CHECKING:
-    from .receiver import DecodeReceiver
+    import torch
 
 __all__ = ["Ack", "DistSideChannel", "Done", "DrainingLink", "FencingChannel", "Grant", "Link",
-           "LinkFeatures", "LinkSpec", "Offer", "SideChannel", "StoreSideChannel", "Transport",
-           "link_features", "store_side_channel"]
+           "LinkFeatures", "LinkSpec", "Offer", "PartSink", "SideChannel", "StoreSideChannel",
+           "Transport", "link_features", "store_side_channel"]
 
 
 # ---- what a plugin implements ---------------------------------------------------------------
@@ -118,6 +118,22 @@ class FencingChannel(SideChannel, Protocol):
         ...
 
 
+class PartSink(Protocol):
+    """Where a two-sided link puts the bytes of a part it received: the one method of the decode
+    side (:class:`~cpkv.disagg.receiver.DecodeReceiver`) a transport calls."""
+
+    def place_packed(self, part: RankTransfer, buf: torch.Tensor, *,
+                     layers: range | None = None) -> None:
+        """Copy ``buf`` (uint8, 1-D: for each layer of ``layers``, default every layer, the
+        part's latent bytes then its index-K bytes, page after page; :func:`cpkv.disagg.pack_part`)
+        into the part's reserved slots.
+
+        Raises:
+            TransferError: ``buf`` is not uint8 1-D of exactly the part's bytes for ``layers``.
+        """
+        ...
+
+
 @runtime_checkable
 class Link(Protocol):
     """One endpoint's connection, from :meth:`Transport.connect`.
@@ -154,10 +170,10 @@ class Link(Protocol):
         failed engine is torn down first)."""
         ...
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+    def recv_part(self, part: RankTransfer, sink: PartSink, *,
                   layers: range | None = None, epoch: int = 0) -> int:
         """Decode endpoint, two-sided links: return once the bytes of ``part``'s ``layers`` are
-        placed (``receiver.place_packed``), bounded by the link's timeout. Returns the bytes
+        placed (``sink.place_packed``), bounded by the link's timeout. Returns the bytes
         received. Raises on failure or timeout (a receive still pending keeps its own staging
         buffer: late bytes land there, never in the pool). One-sided links: the bytes are already
         in place when the sender's :class:`Done` arrived; returns 0."""

@@ -11,6 +11,10 @@ The op protocol and the types in its signatures
     :class:`KVFormat` (bytes per token and page), :class:`KVDtype`, :class:`PageLayout`,
     :data:`KVPart` (``"latent"`` / ``"index_k"``), :data:`RopeStyle`.
 
+Composing a backend object
+    :class:`OpMethods`: op -> bound method, for a backend whose ops are methods of several
+    kernel objects (no forwarding method per op; the op table calls them directly).
+
 Declining and reporting
     :class:`OpDeclined`: raise it from an op for a shape the kernel does not take; the call then
     runs on the next backend of the preference, reported once as a fallback.
@@ -90,6 +94,7 @@ from .layout import (
     part_index,
     part_view,
 )
+from .methods import OpMethods
 
 __all__ = [
     "FP8_AMAX_FLOOR",
@@ -102,6 +107,7 @@ __all__ = [
     "KVPart",
     "Op",
     "OpDeclined",
+    "OpMethods",
     "PageLayout",
     "RopeStyle",
     "ScaleFormat",

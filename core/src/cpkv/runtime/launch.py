@@ -54,7 +54,9 @@ __all__ = ["LogSetup", "RankFailed", "RankResult", "RankTimeout", "run_ranks"]
 
 HOST = "127.0.0.1"
 
-# Set (setdefault) in every rank: NVLink multicast off, it is not usable on the lent machines.
+# Set (setdefault) in every rank: NVLink multicast (NVLS, multimem) off. cpkv's collectives do not
+# need it, and on GPUs shared with other tenants (VMs, partitions) a program that uses it can put
+# the host's GPUs out of service; a caller who wants it sets these variables itself.
 CHILD_ENV_DEFAULTS: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -456,7 +456,7 @@ class CPPrefill:
         rope = m.rope_cos_sin(pos, m.dtype, inputs.max_position)  # once per batch
         # the rotations through the op table's ``rope`` when it has one (one Triton pass each
         # on GPUs), else the model's reference sequence
-        rotate = getattr(ops, Op.ROPE.value, None)
+        rotate = ops.rope if ops.has(Op.ROPE) else None
         chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, self.budget)
         # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
         # temporaries of its own, like the torch reference's gathered rows, bounds them itself;

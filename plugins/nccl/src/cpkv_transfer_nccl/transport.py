@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from cpkv.disagg import DecodeReceiver, LinkSpec, RankTransfer, TransferError, store_side_channel
+from cpkv.disagg.api import LinkSpec, PartSink, RankTransfer, TransferError, store_side_channel
 
 from .settings import NcclSettings
 
@@ -189,14 +189,14 @@ class NcclLink:
             raise box[0]
         return True
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+    def recv_part(self, part: RankTransfer, sink: PartSink, *,
                   layers: range | None = None, epoch: int = 0) -> int:
         work, buf = self._post(part, layers, epoch)
         if not self._wait(work):
             self.abandoned.append((work, buf))
             raise TransferError(f"rank {part.rank}'s part did not arrive within "
                                 f"{self.spec.timeout_s:g} s (transfer.timeout_s)")
-        receiver.place_packed(part, buf, layers=layers)
+        sink.place_packed(part, buf, layers=layers)
         return buf.numel()
 
     def abandon(self, rest: Sequence[tuple[range, RankTransfer]], epoch: int) -> None:
