@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import structlog
 import torch
 
+from cpkv.comm import note_progress
 from cpkv.contracts import CPPlan, FallbackReason, Op, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
@@ -500,6 +501,7 @@ class CPPrefill:
             for s, e in chunks:
                 logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
                 top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
+                note_progress()  # the launcher's and the transfer's bounds are on silence
                 if cap is not None:
                     scores.append(torch.where(top[s:e] >= 0,
                                               logits.gather(1, top[s:e].clamp_min(0).long()),
@@ -511,6 +513,7 @@ class CPPrefill:
             for s, e in mla_chunks:
                 m.attention_values(layer, keys.sparse_mla(a.q[s:e], top[s:e], m.softmax_scale,
                                                           self.dv), out=values[s:e])
+                note_progress()
             if cap is not None:
                 cap.indices.append(kv.gather(top))
                 cap.scores.append(kv.gather(torch.cat(scores) if scores else
@@ -524,6 +527,7 @@ class CPPrefill:
             t5 = time.perf_counter()
             x = x + m.mlp(layer, x)
             t6 = time.perf_counter()
+            note_progress()
             for k, v in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
                             strict=True):
                 phase[k] += v

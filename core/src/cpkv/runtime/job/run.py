@@ -61,10 +61,12 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
         raise ValueError(f"the disaggregated job needs cp.size + 1 = {c + 1} processes, got {world.size}")
     # a collective over the whole world, in the same order everywhere; on GPUs NCCL (a Gloo
     # world on GPUs: the decode rank shares a prefill rank's GPU, see job_placement)
-    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s),
+    # its collectives wait as long as the world's (under cpkv's launcher a backstop: the launcher
+    # bounds silence; under torchrun runtime.timeout_s)
+    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=world.timeout_s),
                            backend="nccl" if world.device.type == "cuda" else None)
     if world.rank < c:
-        group = CPGroup.from_process_group(cp_pg, timeout_s=s.runtime.timeout_s, device=world.device)
+        group = CPGroup.from_process_group(cp_pg, timeout_s=world.timeout_s, device=world.device)
         return prefill_sender_rank(world, group, spec)
     return decode_rank(world, spec)
 
