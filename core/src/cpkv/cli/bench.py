@@ -53,6 +53,32 @@ def bench_out(out: str) -> str:
     return str(default_cache_dir().parent / "bench" / Path(out).name)
 
 
+def _check_out(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--out`` (or, without it, the cache directory it defaults to) checked before the bench
+    runs: one line naming the option when it cannot take the report."""
+    from cpkv.models.tiny import default_cache_dir
+
+    from ._outputs import check_output
+
+    if ctx.get_parameter_source("out") is click.core.ParameterSource.DEFAULT or value is None:
+        name = Path(value).name if value else "report.json"
+        check_output(default_cache_dir().parent / "bench" / name, "--out (default)")
+    else:
+        check_output(value, "--out")
+    return value
+
+
+def _out_option(default: str | None, file: str = "") -> Any:
+    """The benches' ``--out``: ``default`` is the tracked file it names (None: chosen by the
+    machine, ``file`` says how), but without ``--out`` the report goes to the cache directory
+    (:func:`bench_out`), which the help says; checked before the bench runs."""
+    name = Path(default).name if default else file
+    return click.option(
+        "--out", type=click.Path(dir_okay=False), default=default, callback=_check_out,
+        help=f"Write the JSON report here [default: ~/.cache/cpkv/bench/{name}; "
+             f"benchmarks/results/{name} updates the tracked results].")
+
+
 @click.group("bench")
 def command() -> None:
     """Run benchmarks; each writes a JSON report: to --out (benchmarks/results/<name>.json to
@@ -60,8 +86,7 @@ def command() -> None:
 
 
 @command.command("plan")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/plan_cpu.json",
-              show_default=True)
+@_out_option("benchmarks/results/plan_cpu.json")
 @click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True)
 def plan_cmd(out: str, repeat: int) -> None:
     """Host time of the split planner on 256-request batches (both modes, CP2 and CP8)."""
@@ -73,8 +98,7 @@ def plan_cmd(out: str, repeat: int) -> None:
 
 
 @command.command("cache")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/cache_cpu.json",
-              show_default=True)
+@_out_option("benchmarks/results/cache_cpu.json")
 @click.option("--cp", type=click.IntRange(min=1), default=2, show_default=True,
               help="CP ranks (Gloo processes).")
 @click.option("--requests", type=click.IntRange(min=1), default=16, show_default=True)
@@ -109,8 +133,7 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
 
 
 @command.command("transfer")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Default: benchmarks/results/transfer_cpu.json (transfer_h200.json with --gpus).")
+@_out_option(None, "transfer_{cpu,h200}.json")
 @click.option("--plugins", default="nccl,mooncake", show_default=True,
               help="Transfer plugins, comma-separated (each its own run).")
 @click.option("--tokens", default="8192,32768", show_default=True,
@@ -179,8 +202,7 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
 
 
 @command.command("host")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Default: benchmarks/results/host_h200.json on a GPU, else host_cpu.json.")
+@_out_option(None, "host_{cpu,h200}.json")
 @click.option("--pages", type=click.IntRange(min=1), default=None,
               help="Pages per layer moved (default: 1024 on a GPU, 128 on a CPU).")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
@@ -217,8 +239,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
 
 
 @command.command("mtp")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Default: benchmarks/results/mtp_h200.json on GPUs, else mtp_cpu.json.")
+@_out_option(None, "mtp_{cpu,h200}.json")
 @click.option("--tokens", type=click.IntRange(min=8), default=None,
               help="Prompt of the CP2 draft prefill memory run (default: 65536 on GPUs, 2048 on "
                    "CPUs).")
@@ -281,8 +302,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
 
 
 @command.command("gpu")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/gpu_h200.json",
-              show_default=True)
+@_out_option("benchmarks/results/gpu_h200.json")
 @click.option("--sizes", default="16384,65536,131072", show_default=True,
               help="Prompt lengths for CP2 vs CP1 prefill.")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
@@ -416,8 +436,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 @command.command("long")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/long_h200.json",
-              show_default=True)
+@_out_option("benchmarks/results/long_h200.json")
 @click.option("--tokens", default="262144,524288,1048576", show_default=True,
               help="Prompt lengths (comma-separated; empty: the recall only).")
 @click.option("--chunks", default="65536,131072", show_default=True,
@@ -496,8 +515,7 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
 
 
 @command.command("decode")
-@click.option("--out", type=click.Path(dir_okay=False),
-              default="benchmarks/results/decode_h200.json", show_default=True)
+@_out_option("benchmarks/results/decode_h200.json")
 @click.option("--batches", default="1,8,64", show_default=True,
               help="Requests per decode step (comma-separated).")
 @click.option("--contexts", default="4096,65536,131072", show_default=True,

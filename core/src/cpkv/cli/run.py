@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE, check_plugin_names
 from cpkv.settings import SettingsError, load_settings
 
 from ._logging import RankLogging, configure_logging, level_from_flags
+from ._outputs import check_output, write_atomic
 from ._report import engine_log_env, report_context
 from ._state import CliState
 
@@ -76,6 +78,15 @@ def _prompts(path: str | None, vocab: int) -> list[list[int]]:
         raise click.BadParameter(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                                  param_hint="--prompts")
     return data
+
+
+def _write(option: str, path: Path, write: Callable[[Path], object]) -> None:
+    """:func:`write_atomic`, a failure as one line naming ``option`` (the report was shown)."""
+    try:
+        write_atomic(path, write)
+    except OSError as exc:
+        raise click.ClickException(f"{option} {path}: writing failed: {exc.strerror or exc}; "
+                                   f"nothing was written there") from exc
 
 
 def _table() -> Table:
@@ -292,6 +303,9 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     configure_logging(level, hide)
     engine_log_env(level)
     token_lists = _prompts(settings.run.prompts, vocab)
+    # before any rank starts: a run of minutes must not end in "cannot write there"
+    check_output(report, "--report")
+    check_output(save_logits, "--save-logits")
     try:  # before the heading: a misspelt plugin name is all the user sees
         check_plugin_names(settings, transfer=decode_tokens > 0)
     except SettingsError as exc:
@@ -319,12 +333,11 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     tol = tolerance(settings.kv.dtype, rep.device)
     ok = _render(rep, tol, console)
     if report:
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
-                                      "correct": ok, **report_context(settings)},
-                                     indent=2) + "\n")
+        text = json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
+                           "correct": ok, **report_context(settings)}, indent=2) + "\n"
+        _write("--report", report, lambda tmp: tmp.write_text(text))
     if save_logits:
-        save_logits.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(rep.logits.float().contiguous(), save_logits)
+        logits = rep.logits.float().contiguous()
+        _write("--save-logits", save_logits, lambda tmp: torch.save(logits, tmp))
     if not ok:
         raise SystemExit(1)
