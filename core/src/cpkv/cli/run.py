@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,17 @@ def _prompts(path: str | None, vocab: int) -> list[list[int]]:
         raise click.BadParameter(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                                  param_hint="--prompts")
     return data
+
+
+def _stop_at_once_on_signals() -> None:
+    """A rank of a torchrun world dies at once on SIGINT (Ctrl-C reaches every process of the
+    terminal's group) and SIGTERM (torchrun's agent stops its workers so): the default actions,
+    not Python's handlers, which run only between bytecodes and so wait for a collective or a
+    store wait in C++ to return (the decode rank ran on 30 s until the agent killed it). There is
+    no parent here to clean up after; the process group dies with its processes."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _write(option: str, path: Path, write: Callable[[Path], object]) -> None:
@@ -279,6 +292,8 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
         launched = launched_world()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    if launched is not None:
+        _stop_at_once_on_signals()
     if launched is not None and cp is None:
         cp = launched[1] - (1 if decode_tokens > 0 else 0)
         if cp < 1:
