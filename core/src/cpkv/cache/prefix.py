@@ -23,19 +23,18 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import structlog
-
 from cpkv.contracts import FallbackReason, cdiv
 from cpkv.fallback import report_fallback
 from cpkv.kv import PoolExhausted, ShardedKVPool
 from cpkv.kv.host import HostPages
 from cpkv.kv.stage import PageLoad
+from cpkv.logs import get_logger
 
 from .radix import PageRef, PrefixMatch, RadixTree, _Node
 
 __all__ = ["CacheStats", "PrefixCache"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass

@@ -53,6 +53,18 @@ def bench_out(out: str) -> str:
     return str(default_cache_dir().parent / "bench" / Path(out).name)
 
 
+def _progress_console() -> Console:
+    """Where a bench says what it is doing: stderr, on a terminal or with ``-v``; silent
+    otherwise (at default verbosity a piped bench prints its result and the report's path only),
+    and with ``-q``."""
+    from ._state import CliState
+
+    ctx = click.get_current_context(silent=True)
+    state = ctx.find_object(CliState) if ctx is not None else None
+    verbose, quiet = (state.verbose, state.quiet) if state is not None else (0, 0)
+    return Console(stderr=True, quiet=bool(quiet) or not (verbose or sys.stderr.isatty()))
+
+
 def _check_out(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``--out`` (or, without it, the cache directory it defaults to) checked before the bench
     runs: one line naming the option when it cannot take the report."""
@@ -80,9 +92,19 @@ def _out_option(default: str | None, file: str = "") -> Any:
 
 
 @click.group("bench")
-def command() -> None:
+@click.pass_context
+def command(ctx: click.Context) -> None:
     """Run benchmarks; each writes a JSON report: to --out (benchmarks/results/<name>.json to
     update the tracked results), else to ~/.cache/cpkv/bench/<name>.json."""
+    import logging
+
+    from ._logging import configure_logging, level_from_flags
+    from ._state import CliState
+
+    state = ctx.find_object(CliState) or CliState()
+    level = level_from_flags(state.verbose, state.quiet)
+    # a bench's fallbacks are part of what it measures (its JSON has the rows): logged from -v
+    configure_logging(level, frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset())
 
 
 @command.command("plan")
@@ -92,7 +114,7 @@ def plan_cmd(out: str, repeat: int) -> None:
     """Host time of the split planner on 256-request batches (both modes, CP2 and CP8)."""
     from cpkv.bench import plan
 
-    err = Console(stderr=True)
+    err = _progress_console()
     rows = plan.run(repeat=repeat, progress=lambda s: err.print(f"[dim]{s}[/]"))
     _report("plan", rows, out)
 
@@ -115,7 +137,7 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
     from cpkv.bench import cache
     from cpkv.models import write_tiny_checkpoint
 
-    err = Console(stderr=True)
+    err = _progress_console()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0,
                                      max_position_embeddings=max(4096, prefix + suffix))
@@ -167,7 +189,7 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
     from cpkv.models import write_tiny_checkpoint
     from cpkv.models.tiny import PRESETS
 
-    err = Console(stderr=True)
+    err = _progress_console()
     sizes = [int(t) for t in tokens.split(",") if t.strip()]
     names = [p.strip() for p in plugins.split(",") if p.strip()]
     protocols = [p.strip() for p in mooncake_protocol.split(",") if p.strip()]
@@ -224,7 +246,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
     pages = pages or (1024 if cuda else 128)
     layers = layers or (4 if cuda else 2)
     out = out or f"benchmarks/results/host_{'h200' if cuda else 'cpu'}.json"
-    err = Console(stderr=True)
+    err = _progress_console()
     try:
         rows, detail = host.run(dev, pages, layers, progress=lambda s: err.print(f"[dim]{s}[/]"))
     except host.RoundTripError as e:
@@ -283,7 +305,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
                  "num_nextn_predict_layers": 1, "max_position_embeddings": 163840}
     elif layers:
         over |= {"num_hidden_layers": layers}
-    err = Console(stderr=True)
+    err = _progress_console()
     with tempfile.TemporaryDirectory() as tmp:
         err.print("[dim]writing a checkpoint whose MTP layer agrees with its target[/]")
         ckpt = str(write_tiny_checkpoint(Path(tmp) / "agree", seed=0, draft="agree", **over))
@@ -325,7 +347,7 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench gpu needs a CUDA device")
-    err = Console(stderr=True)
+    err = _progress_console()
     dev = torch.device("cuda", 0)
     detail: dict[str, object] = {}
     err.print("[dim]ceilings[/]")
@@ -464,7 +486,7 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench long needs a CUDA device")
-    err = Console(stderr=True)
+    err = _progress_console()
     dev = torch.device("cuda", 0)
     lens, sizes, rlens = _ints(tokens), _ints(chunks), _ints(recall_tokens)
     ceil = gpu.ceilings(dev)

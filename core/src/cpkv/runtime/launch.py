@@ -52,6 +52,7 @@ from cpkv._lifetime import PARENT_ENV, die_with_parent
 from cpkv.comm import CPGroup, current_wait, last_progress
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
+from cpkv.logs import ForwardEvents, parent_level
 
 from .ranklog import LogSetup, RankLogMerger, StderrLines, rank_label
 
@@ -454,7 +455,9 @@ def run_ranks(
             libraries such as glog) comes to the parent through a pipe too, one event per line.
             The parent logs each event it receives through
             structlog with the rank in it (``rank=`` or ``ranks=``), identical events of several
-            ranks once. Without it the ranks log as their own structlog configuration says.
+            ranks once. Default: :class:`cpkv.logs.ForwardEvents` from this process's level:
+            the ranks' events are logged here as this process's own are (standard ``logging``
+            unless structlog is configured), nothing printed by the ranks themselves.
         on_progress: called in this process, from the supervising loop, with each progress
             note of a rank (at most one per rank every half second).
 
@@ -475,6 +478,8 @@ def run_ranks(
     if names is not None and len(names) != size:
         raise ValueError(f"names must name each of the {size} ranks, got {len(names)}")
     placed = rank_gpus(backend, size, gpus, torch.cuda.device_count())
+    if log_setup is None:  # quiet as a library: the ranks' events come here, logged as ours are
+        log_setup = ForwardEvents(parent_level())
     ctx = mp.get_context("spawn")
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=startup_timeout_s + timeout_s))

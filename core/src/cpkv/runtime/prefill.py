@@ -24,13 +24,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import structlog
 import torch
 
 from cpkv.comm import note_progress
 from cpkv.contracts import CPPlan, FallbackReason, Op, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
+from cpkv.logs import get_logger
 from cpkv.ops import quantize_index_q
 from cpkv.planning import plan_batch
 
@@ -50,7 +50,7 @@ BATCH_PLAN: Any = object()
 #: greedy choice at every row (a decode step verifying drafts)
 DraftNext = Literal["prompt", "greedy"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass

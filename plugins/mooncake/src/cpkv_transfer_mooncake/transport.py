@@ -62,8 +62,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from cpkv.contracts import FallbackReason, PageLayout
 from cpkv.disagg import (
     DecodeReceiver,
@@ -76,6 +74,7 @@ from cpkv.disagg import (
     store_side_channel,
 )
 from cpkv.fallback import report_fallback
+from cpkv.logs import get_logger
 from cpkv.ops import page_blocks
 
 from .nvlink import NVLINK_INTRA, ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
@@ -85,7 +84,7 @@ __all__ = ["HostStaging", "Joined", "Layout", "MooncakeLink", "MooncakeTransport
            "link_protocol",
            "stage_pieces", "stage_reason", "staged_entries", "write_entries"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # engines whose initialize failed: any call on them, the destructor included, may crash the
 # process, so they are kept alive and never touched

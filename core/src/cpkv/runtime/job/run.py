@@ -15,6 +15,7 @@ import torch.distributed as dist
 from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
+from cpkv.logs import get_logger
 from cpkv.plugin import PluginHost
 from cpkv.settings import Settings, SettingsError
 
@@ -36,7 +37,7 @@ __all__ = [
     "run_job",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: on GPUs the model computes in bfloat16 (8 mantissa bits), and a CP rank's matmuls over its
 #: rows round differently from one GPU's over all rows: logits and indexer scores agree to this
