@@ -32,6 +32,7 @@ from cpkv.settings import SettingsError, load_settings
 
 from ._logging import RankLogging, configure_logging, level_from_flags
 from ._outputs import check_output, write_atomic
+from ._progress import ProgressLine
 from ._report import engine_log_env, report_context
 from ._state import CliState
 
@@ -334,13 +335,18 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
                   f"{settings.kv.dtype.value} pool, {len(token_lists)} prompts")
     # the spinner goes to stderr with the log: stdout holds the report alone
-    with Console(stderr=True, quiet=console.quiet).status("starting") as status:
+    err = Console(stderr=True, quiet=console.quiet)
+    with err.status("starting") as status:
+        # per batch and chunk: a status line on a terminal, a line every 10 s otherwise
+        shown = ProgressLine(status.update if err.is_terminal else None,
+                             decode_rank=settings.cp.size if decode_tokens > 0 else None,
+                             quiet=level >= logging.ERROR)
         try:
             rep = run_job(settings, str(ckpt), token_lists, decode_tokens=decode_tokens,
                           batch_size=settings.run.batch_size, mtp=settings.run.mtp,
                           draft_tokens=settings.run.draft_tokens,
                           progress=lambda s: status.update(s),
-                          log_setup=RankLogging(level, hide))
+                          log_setup=RankLogging(level, hide), on_progress=shown)
         except ValueError as exc:  # SettingsError (a plugin name) included
             raise click.ClickException(str(exc)) from exc
     if rep is None:  # a rank of a torchrun world other than 0: rank 0 reports

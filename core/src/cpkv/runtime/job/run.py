@@ -19,7 +19,7 @@ from cpkv.logs import get_logger
 from cpkv.plugin import PluginHost
 from cpkv.settings import Settings, SettingsError
 
-from ..launch import LogSetup, RankResult, run_ranks
+from ..launch import LogSetup, ProgressSink, RankResult, run_ranks
 from ..world import launched_world, run_in_world
 from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
@@ -179,7 +179,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
             prefix_lens: Sequence[int] = (), capture_topk: bool = True, decode_tokens: int = 0,
             batch_size: int = 0, mtp: bool = False, draft_tokens: int = 1,
             progress: Callable[[str], None] = lambda s: None,
-            log_setup: LogSetup | None = None) -> JobReport | None:
+            log_setup: LogSetup | None = None,
+            on_progress: ProgressSink | None = None) -> JobReport | None:
     """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
 
     The prompts are served in order, ``batch_size`` per prefill batch (0: all in one); with the
@@ -200,7 +201,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     and whether the tokens equal the reference's plain greedy ones).
 
     ``log_setup`` is handed to the rank launcher (:func:`~cpkv.runtime.launch.run_ranks`): how
-    the rank processes log (the CLI sends their events to its own stream).
+    the rank processes log (the CLI sends their events to its own stream); so is
+    ``on_progress``, called with each rank's progress notes (tokens done of all per batch and
+    chunk; not under torchrun).
 
     The report's ``seconds``: ``cp_startup`` (spawning the processes, imports, joining the group
     and loading the model: the slowest process), ``cp_prefill`` (every batch, the slowest prefill
@@ -250,7 +253,7 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         return run_ranks(fn, n, args=(spec,), timeout_s=settings.runtime.timeout_s,
                          startup_timeout_s=settings.runtime.startup_timeout_s,
                          fallback_policy=policy, backend=place.backend, names=names,
-                         log_setup=log_setup, gpus=place.gpus)
+                         log_setup=log_setup, gpus=place.gpus, on_progress=on_progress)
 
     if decode_tokens > 0:
         progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes"
