@@ -130,7 +130,17 @@ def _where(rep: JobReport) -> str:
     return where + ")"
 
 
-def _render(rep: JobReport, tol: float, console: Console) -> bool:
+def sharding_line(rep: JobReport, pool_tokens: int) -> str:
+    """What sharding saved, in one line: the largest rank's KV against a replica, the group's
+    total against C replicas, and the tokens the pool holds per rank."""
+    rep_b = max(1, rep.kv_bytes_replicated)
+    most, total = max(rep.kv_bytes_per_rank), sum(rep.kv_bytes_per_rank)
+    return (f"sharding saved: the largest rank holds {most / rep_b:.1%} of a replica's KV "
+            f"({rep_b - most:,} bytes less), the group {total / (rep.cp * rep_b):.1%} of "
+            f"{rep.cp} replicas'; the pool holds {pool_tokens:,} tokens per rank")
+
+
+def _render(rep: JobReport, tol: float, console: Console, pool_tokens: int = 0) -> bool:
     console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {_where(rep)}, {rep.kv_dtype} pool, "
                   f"{rep.materialize} views (prompts of {', '.join(map(str, rep.prompt_lens))} "
                   f"tokens)")
@@ -141,6 +151,7 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
         t.add_row(str(r), f"{b:,}", f"{b / max(1, rep.kv_bytes_replicated):.1%}")
     t.add_row("replica", f"{rep.kv_bytes_replicated:,}", "100.0%")
     console.print(t)
+    console.print(sharding_line(rep, pool_tokens))
     sec = rep.seconds
     console.print(f"time per phase, seconds (CP{rep.cp}: the slowest rank; the reference: one "
                   f"rank in this process, so no spawn)")
@@ -352,7 +363,7 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     if rep is None:  # a rank of a torchrun world other than 0: rank 0 reports
         return
     tol = tolerance(settings.kv.dtype, rep.device)
-    ok = _render(rep, tol, console)
+    ok = _render(rep, tol, console, settings.kv.pages_per_rank * settings.kv.page_size)
     if report:
         text = json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
                            "correct": ok, **report_context(settings)}, indent=2) + "\n"

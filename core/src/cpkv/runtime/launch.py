@@ -174,6 +174,11 @@ class RankTimeout(RuntimeError):
             return ", ".join(rank_label(r, size, names) for r in rs)
 
         if phase == "startup":
+            if hint:  # the fix first, the ranks as ranges (64 labels made a 1,171-character line)
+                msg = (f"{hint}. {len(self.ranks)} of {size} ranks did not join the process group "
+                       f"within {timeout_s:g} s (ranks {_ranges(self.ranks)}); killed")
+                super().__init__(msg)
+                return
             msg = f"{who(self.ranks)} did not join the process group within {timeout_s:g} s; killed"
         else:
             hung = [r for r in self.ranks if r not in self.waiting]
@@ -189,6 +194,17 @@ class RankTimeout(RuntimeError):
             msg += " (" + "; ".join(f"{rank_label(r, size, names, short=True)} waited in {w}"
                                     for r, w in sorted(self.waiting.items())) + ")"
         super().__init__(msg + (f". {hint}" if hint else ""))
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -556,8 +572,8 @@ def _oversubscribed_hint(size: int) -> str:
     cpus = os.cpu_count() or 1
     if size <= cpus:
         return ""
-    return (f"{size} rank processes on {cpus} CPU core(s): starting them is slow when oversubscribed; "
-            f"use fewer ranks or raise runtime.startup_timeout_s")
+    return (f"use fewer ranks or raise runtime.startup_timeout_s: {size} rank processes on "
+            f"{cpus} CPU core(s) start slowly")
 
 
 class _Supervisor:
