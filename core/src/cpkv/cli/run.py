@@ -62,25 +62,49 @@ def tolerance(kv_dtype: KVDtype, device: str) -> float:
     return tol if device == "cpu" else max(tol, BF16_COMPUTE_TOLERANCE)
 
 
-def _prompts(path: str | None, vocab: int) -> list[list[int]]:
+def _prompts(path: str | None, vocab: int, source: str = "--prompts") -> list[list[int]]:
+    """The prompts file's token lists; a bad file is one line naming ``source`` (the option or
+    the settings key and where it was set), the file, the prompt index, and the fix."""
     if path is None:
         return _default_prompts(vocab)
+    where = f"{source} {path}"
+    fix = "a JSON list of prompts, each a non-empty list of token ids, e.g. [[1, 2, 3], [4, 5]]"
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise click.BadParameter(f"cannot read prompts from {path}: {exc}",
-                                 param_hint="--prompts") from None
-    if (not isinstance(data, list) or not data
-            or not all(isinstance(p, list) and p
-                       and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                       for p in data)):
-        raise click.BadParameter(f"{path} must hold a non-empty JSON list of non-empty lists of "
-                                 f"token ids", param_hint="--prompts")
-    bad = [t for p in data for t in p if not 0 <= t < vocab]
-    if bad:
-        raise click.BadParameter(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                                 param_hint="--prompts")
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise click.ClickException(f"{where}: cannot read it ({exc.strerror or exc}); name an "
+                                   f"existing file holding {fix}") from None
+    if not text.strip():
+        raise click.ClickException(f"{where}: the file is empty; it must hold {fix}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.ClickException(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column "
+                                   f"{exc.colno}); it must hold {fix}") from None
+    if not isinstance(data, list) or not data:
+        raise click.ClickException(f"{where}: holds {type(data).__name__ if data else 'nothing'}"
+                                   f"; it must hold {fix}")
+    for i, p in enumerate(data):
+        if not isinstance(p, list) or not p or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise click.ClickException(f"{where}: prompt {i} is not a non-empty list of token ids "
+                                       f"(got {json.dumps(p)[:60]}); the file must hold {fix}")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise click.ClickException(f"{where}: prompt {i} has token ids {bad[:5]} outside the "
+                                       f"vocabulary [0, {vocab}) of the model; use ids below {vocab}")
     return data
+
+
+def _prompts_source(option: str | None, config: Path | None) -> str:
+    """What set run.prompts, for messages: the option, or the settings key and its source."""
+    import os
+
+    if option is not None:
+        return "--prompts"
+    if "CPKV_RUN__PROMPTS" in os.environ:
+        return "run.prompts (CPKV_RUN__PROMPTS)"
+    return f"run.prompts (in {config})" if config is not None else "run.prompts"
 
 
 def _stop_at_once_on_signals() -> None:
@@ -329,7 +353,7 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     hide = frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset()
     configure_logging(level, hide)
     engine_log_env(level)
-    token_lists = _prompts(settings.run.prompts, vocab)
+    token_lists = _prompts(settings.run.prompts, vocab, _prompts_source(prompts, config))
     # before any rank starts: a run of minutes must not end in "cannot write there"
     check_output(report, "--report")
     check_output(save_logits, "--save-logits")
