@@ -501,7 +501,11 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
         spec = long.LongSpec(ckpt, lens, sizes, budget_mb=budget_mb,
                              profile=(524288, min(sizes)) if 524288 in lens else None)
         err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}[/]")
-        res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600)[0].value
+        from ._progress import ProgressLine
+
+        shown = ProgressLine(None, quiet=err.quiet)  # a line per chunk at most every 10 s
+        res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600,
+                        on_progress=shown)[0].value
         detail["long"] = res
         fixed = None
         if fixed_budget_mb:
