@@ -63,7 +63,8 @@ def test_ctrl_c_under_torchrun_stops_every_rank_within_2_s(tmp_path: Path) -> No
             if text.count("cpkv.kv.materialize_auto") >= 2:  # both CP ranks in their first batch
                 ready.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         assert ready.wait(240), "the ranks did not reach the job:\n" + "".join(seen[-30:])
         time.sleep(3.0)  # the decode rank in its wait for the offer, rank 0 in the collective
@@ -81,3 +82,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_within_2_s(tmp_path: Path) -> No
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        reader.join(timeout=10)
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
