@@ -24,20 +24,19 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import structlog
-
 from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackReason, cdiv
 from cpkv.fallback import report_fallback
 from cpkv.kv import PageTable, PoolExhausted
 from cpkv.kv.host import HostPages
 from cpkv.kv.stage import PageLoad
+from cpkv.logs import get_logger
 
 from .radix import PageRef, PrefixMatch, RadixTree, _Node
 
 __all__ = ["CacheStats", "HostLoads", "PrefixCache"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass

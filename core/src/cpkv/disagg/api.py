@@ -27,8 +27,12 @@ Side channels the core provides
 
 Errors and reporting
     :class:`TransferError` (any failure of a send or receive), :class:`TransferFenced` (a send
-    stopped by the decode's fence); :func:`report_fallback` with a :class:`FallbackReason` for
-    every visible step away from what was asked.
+    stopped by the decode's fence), :class:`TransferTimeout` (no part and no endpoint's progress
+    for ``transfer.timeout_s``: waits bound silence, with a :class:`SilenceClock` over the side
+    channel's progress beacons, polled every :data:`WAIT_SLICE_S` seconds); :func:`get_logger`
+    (cpkv's events through standard logging until structlog is configured);
+    :func:`report_fallback` with a :class:`FallbackReason` for every visible step away from what
+    was asked.
 
 Page bytes
     :class:`PageLayout` (token-major or part-major blocks), :func:`page_blocks` (writable latent
@@ -40,12 +44,14 @@ from __future__ import annotations
 
 from cpkv.contracts import FallbackReason, KVFormat, PageLayout
 from cpkv.fallback import report_fallback
+from cpkv.logs import get_logger
 from cpkv.ops import page_blocks
 
 from .buffers import PoolBuffers
 from .errors import TransferError, TransferFenced
 from .plan import PageRun, RankTransfer
 from .transport import (
+    WAIT_SLICE_S,
     DistSideChannel,
     DrainingLink,
     FencingChannel,
@@ -53,12 +59,15 @@ from .transport import (
     LinkSpec,
     PartSink,
     SideChannel,
+    SilenceClock,
     StoreSideChannel,
+    TransferTimeout,
     Transport,
     store_side_channel,
 )
 
 __all__ = [
+    "WAIT_SLICE_S",
     "DistSideChannel",
     "DrainingLink",
     "FallbackReason",
@@ -72,10 +81,13 @@ __all__ = [
     "PoolBuffers",
     "RankTransfer",
     "SideChannel",
+    "SilenceClock",
     "StoreSideChannel",
     "TransferError",
     "TransferFenced",
+    "TransferTimeout",
     "Transport",
+    "get_logger",
     "page_blocks",
     "report_fallback",
     "store_side_channel",

@@ -24,6 +24,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from cpkv.comm import note_progress
 from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 
 from .errors import TransferError, TransferRefused
@@ -351,7 +352,7 @@ class DecodeTransfer:
             msg = self._recv(rank, epoch)
         except Exception as exc:
             raise TransferError(f"no completion notice from rank {rank} (waited at most "
-                                f"{self.link.channel.timeout_s:g} s, transfer.timeout_s): "
+                                f"{self.link.channel.timeout_s:g} s of silence, transfer.timeout_s): "
                                 f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(msg, Done) or (msg.request, msg.rank) != (request, rank):
             raise TransferError(f"rank {rank} sent {msg!r}, expected the completion notice of "
@@ -433,6 +434,7 @@ class DecodeTransfer:
             g, part = run.todo[0]
             run.current = part.rank
             run.got[part.rank] += self.link.recv_part(part, rx, layers=g, epoch=run.epoch)
+            note_progress()  # the senders' waits are bounded by silence (their beacons)
             run.todo.pop(0)
         for r in range(self.cp_size):
             run.current = r

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cpkv.comm import CPGroup
+from cpkv.comm import CPGroup, note_progress
 from cpkv.contracts import MaterializeMode, PageLayout
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
@@ -72,8 +72,9 @@ def generate_with(step: Callable[[Sequence[tuple[Hashable, int]]], list[int]],
     steps, every request in each."""
     out = [[tok] for _, tok in first]
     cur = list(first)
-    for _ in range(num_tokens - 1):
+    for k in range(num_tokens - 1):
         nxt = step(cur)
+        note_progress("decode", (k + 2) * len(first), num_tokens * len(first))
         for o, t in zip(out, nxt, strict=True):
             o.append(t)
         cur = [(rid, t) for (rid, _), t in zip(cur, nxt, strict=True)]

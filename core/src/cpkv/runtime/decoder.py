@@ -41,11 +41,11 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import torch
 
 from cpkv.contracts import FallbackReason, KVDtype, PageLayout
 from cpkv.fallback import report_fallback
+from cpkv.logs import get_logger
 from cpkv.ops import hadamard_rotate, quantize_index_q
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DecodeShape", "LastStep", "LeanDecoder", "Verified", "bucket_of"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def bucket_of(n: int, smallest: int = 1) -> int:

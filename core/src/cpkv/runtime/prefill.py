@@ -24,12 +24,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import structlog
 import torch
 
+from cpkv.comm import note_progress
 from cpkv.contracts import CPPlan, FallbackReason, KVDtype, Op, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
+from cpkv.logs import get_logger
 from cpkv.ops import hadamard_rotate, quantize_index_q
 from cpkv.planning import plan_batch
 
@@ -49,7 +50,7 @@ BATCH_PLAN: Any = object()
 #: greedy choice at every row (a decode step verifying drafts)
 DraftNext = Literal["prompt", "greedy"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass
@@ -506,6 +507,7 @@ class CPPrefill:
             for s, e in chunks:
                 logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
                 top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
+                note_progress()  # the launcher's and the transfer's bounds are on silence
                 if cap is not None:
                     scores.append(torch.where(top[s:e] >= 0,
                                               logits.gather(1, top[s:e].clamp_min(0).long()),
@@ -517,6 +519,7 @@ class CPPrefill:
             for s, e in mla_chunks:
                 m.attention_values(layer, keys.sparse_mla(a.q[s:e], top[s:e], m.softmax_scale,
                                                           self.dv), out=values[s:e])
+                note_progress()
             if cap is not None:
                 cap.indices.append(kv.gather(top))
                 cap.scores.append(kv.gather(torch.cat(scores) if scores else
@@ -530,6 +533,7 @@ class CPPrefill:
             t5 = time.perf_counter()
             x = x + m.mlp(layer, x)
             t6 = time.perf_counter()
+            note_progress()
             for k, v in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
                             strict=True):
                 phase[k] += v

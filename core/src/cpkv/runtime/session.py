@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cpkv.cache import PrefixCache
-from cpkv.comm import CPGroup
+from cpkv.comm import CPGroup, last_progress, note_progress
 from cpkv.disagg import Link, PrefillTransfer, Sent, TransferRefused, Transport, open_link
 from cpkv.kv import RequestPages
 from cpkv.kv.host import HostPages
@@ -200,6 +200,8 @@ class PrefillSession:
             if self.group.device.type == "cuda":  # the chunk's time, not its launch time
                 torch.cuda.synchronize(self.group.device)
             seconds.append(time.perf_counter() - t)
+            # the progress display's tokens: this chunk's are done
+            note_progress(done=last_progress().done + sum(len(ids) for _, ids in sub))
             for rid in partial:  # whole pages only: the tail page is the next chunk's
                 self.chunk_sends += (self.send(rid, final=False),)
         return merge_results(rounds, results, len(batch), seconds)

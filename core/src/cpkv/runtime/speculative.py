@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from cpkv.comm import note_progress
+
 from .decoder import Verified
 
 if TYPE_CHECKING:
@@ -148,6 +150,7 @@ def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable
         batch = [(rid, [pending[rid], *drafts[rid]]) for rid in active]
         base = {rid: pool.pages.requests[rid].valid_len for rid in active}
         res = run.verify(batch)
+        note_progress("decode")  # the launcher's bound is on silence
         stats.steps += 1
         chain: list[tuple[Hashable, int, int]] = []  # (rid, first new draft, its row)
         row = 0

@@ -62,8 +62,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from cpkv.disagg.api import (
     FallbackReason,
     LinkSpec,
@@ -74,6 +72,7 @@ from cpkv.disagg.api import (
     SideChannel,
     TransferError,
     TransferFenced,
+    get_logger,
     page_blocks,
     report_fallback,
     store_side_channel,
@@ -86,7 +85,7 @@ __all__ = ["HostStaging", "Joined", "Layout", "MooncakeLink", "MooncakeTransport
            "link_protocol",
            "stage_pieces", "stage_reason", "staged_entries", "write_entries"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # engines whose initialize failed: any call on them, the destructor included, may crash the
 # process, so they are kept alive and never touched
