@@ -115,9 +115,9 @@ def per_batch(session: PrefillSession, context: int, steps: int) -> None:
     """Median and min of the per-batch host work of one-token extends after ``context`` tokens."""
     pool, driver = session.pool, session.driver
     n = -(-context // 64)
-    pages = [(0, s) for s in pool.take_pages([n], "the context")[0]]
-    pool.adopt("d", pages, context)
-    pool.release(pages)  # the request holds them now
+    pages = [(0, s) for s in pool.pages.take_pages([n], "the context")[0]]
+    pool.pages.adopt("d", pages, context)
+    pool.pages.release(pages)  # the request holds them now
     batch = [("d", [1])]
     parts: dict[str, list[float]] = {"plan": [], "prepare": [], "rank_inputs": [], "total": []}
     for _ in range(steps + 3):

@@ -25,7 +25,7 @@ def _inputs(worker: Any, rids: list[Hashable]) -> tuple[Any, ...]:
     pool's pages, each request's block table (padded to a power of two, as the decoder's)."""
     pool, cfg = worker.pool, worker.decoder.model.config
     dev, b = pool.group.device, len(rids)
-    slots = [pool.table[rid].slots for rid in rids]
+    slots = [pool.pages.requests[rid].slots for rid in rids]
     width = 1 << (max(map(len, slots)) - 1).bit_length()
     table = torch.zeros(b, width, dtype=torch.int32)
     for i, s in enumerate(slots):
@@ -34,16 +34,16 @@ def _inputs(worker: Any, rids: list[Hashable]) -> tuple[Any, ...]:
     q = torch.randn(b, cfg.index_n_heads, cfg.index_head_dim, generator=g, device=dev,
                     dtype=torch.bfloat16)
     w = torch.rand(b, cfg.index_n_heads, generator=g, device=dev)
-    key_end = torch.tensor([pool.table[rid].valid_len for rid in rids], dtype=torch.int64,
+    key_end = torch.tensor([pool.pages.requests[rid].valid_len for rid in rids], dtype=torch.int64,
                            device=dev)
-    return (q, w, pool.kv[0], pool.fmt, table.to(dev),
+    return (q, w, pool.store.kv[0], pool.fmt, table.to(dev),
             torch.arange(b, dtype=torch.int32, device=dev), key_end)
 
 
 def _sweep(worker: Any, rids: list[Hashable]) -> dict[str, Any]:
     from cpkv.bench.gpu import cuda_ms
 
-    impl = worker.session.ops.indexer_logits_paged.__self__.attention_kernels  # Triton's
+    impl = worker.session.ops.indexer_logits_paged.__self__  # Triton's AttentionKernels
     args = _inputs(worker, rids)
     q, _, _, fmt, table, _, key_end = args
     ref = impl.indexer_logits_paged(*args)

@@ -27,8 +27,8 @@ def rank_main(group: cpkv.CPGroup, settings: cpkv.Settings) -> dict:
         "head_fragment": second.plan.requests[0].segments[0],
         "logits_a": second.last_logits[0, :5].tolist(),
         "owners_a": pages.owners,
-        "kv_bytes": session.pool.bytes_held(),
-        "kv_bytes_replicated": session.pool.replicated_bytes(),
+        "kv_bytes": session.pool.footprint().bytes_held,
+        "kv_bytes_replicated": session.pool.footprint().replicated_bytes,
     }
 
 

@@ -5,14 +5,48 @@ subprocesses), ``mooncake`` and ``slow`` (over ~10 s). ``gpu`` is the one GPU sk
 ``@pytest.mark.gpu`` is skipped ("no CUDA device") where torch sees none, and one marked
 ``@pytest.mark.gpu(2)`` where fewer than 2 are present (:func:`pytest_runtest_setup`).
 While developing, run the fast subset with ``python -m pytest -m "not slow"``; CI runs everything.
+
+The duration check (:func:`pytest_runtest_makereport`): a test not marked ``slow`` (nor ``gpu``:
+GPU tests run on another machine, at its costs) whose call phase takes longer than the ini option
+``unmarked_test_limit_s`` (default :data:`UNMARKED_TEST_LIMIT_S`, 20 s: twice the ~10 s rule, a
+margin for a loaded CI machine; registered here, not set in pyproject.toml, because pytest runs
+that collect no module under tests/, like the example backend's own tests, would reject the
+unknown key under ``--strict-config``) fails with the duration, so the fast subset stays fast.
+Mark such a test ``slow`` or make it cheaper (smaller shapes, fewer hypothesis examples, a shared
+fixture). ``-o unmarked_test_limit_s=0`` turns the check off.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from typing import Any
 
 import pytest
+
+#: the default of ``unmarked_test_limit_s`` (seconds): twice the ~10 s rule for the ``slow`` mark
+UNMARKED_TEST_LIMIT_S = 20.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("unmarked_test_limit_s", "a test not marked slow (nor gpu) whose call takes "
+                  "longer than this many seconds fails (0: no check)",
+                  default=str(UNMARKED_TEST_LIMIT_S))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    """Fail a passing test's call that is too slow for the fast subset (see the module doc)."""
+    report = yield
+    limit = float(item.config.getini("unmarked_test_limit_s"))
+    if (call.when == "call" and report.passed and limit > 0 and call.duration > limit
+            and item.get_closest_marker("slow") is None and item.get_closest_marker("gpu") is None):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {call.duration:.1f} s, over the "
+                           f"{limit:g} s limit for a test not marked slow (unmarked_test_limit_s): "
+                           f"mark it @pytest.mark.slow or make it cheaper")
+    return report
 
 
 @pytest.fixture(autouse=True)

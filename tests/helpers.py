@@ -21,7 +21,7 @@ import torch
 from cpkv.comm import CPGroup
 from cpkv.contracts import KVFormat
 from cpkv.disagg import DecodeReceiver, TransferManifest, manifest_for, pack_part, page_checksums
-from cpkv.kv import RequestPages, ShardedKVPool
+from cpkv.kv import KVStore, PageTable, RequestPages, ShardedKVPool
 from cpkv.ops import ALL_OPS
 from cpkv.runtime.job import JobSpec
 from cpkv.runtime.setup import resolve_ops
@@ -43,21 +43,27 @@ def torch_pool(group: CPGroup, capacity: int = 32, layers: int = 2) -> ShardedKV
     return ShardedKVPool(small_format(), layers, group, ops, pages_per_rank=capacity)
 
 
-class FakeRank:
-    """A prefill rank's pool: a one-rank pool stands in for rank r's shard (random bytes)."""
+def receiver_of(pool: ShardedKVPool, *, debug: bool = False) -> DecodeReceiver:
+    """A receiver over ``pool``'s page table and store."""
+    return DecodeReceiver(pool.pages, pool.store, debug=debug)
 
-    def __init__(self, seed: int, like: ShardedKVPool | None = None, capacity: int = 32) -> None:
+
+class FakeRank:
+    """A prefill rank's pool: a one-rank pool stands in for rank r's shard (random bytes), of the
+    format, layers and ops of the store ``like`` when given."""
+
+    def __init__(self, seed: int, like: KVStore | None = None, capacity: int = 32) -> None:
         if like is None:
             self.pool = torch_pool(CPGroup.single(), capacity=capacity)
         else:
             self.pool = ShardedKVPool(like.fmt, like.num_layers, CPGroup.single(), like.ops,
                                       pages_per_rank=capacity)
         gen = torch.Generator().manual_seed(seed)
-        for buf in (*self.pool.latent, *self.pool.index_k):
+        for buf in (*self.pool.store.latent, *self.pool.store.index_k):
             buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
 
 
-def fake_source(c: int, n_pages: int, seed: int = 0, like: ShardedKVPool | None = None,
+def fake_source(c: int, n_pages: int, seed: int = 0, like: KVStore | None = None,
                 ) -> tuple[list[FakeRank], list[int], list[int]]:
     rng = random.Random(seed)
     ranks = [FakeRank(seed * 10 + r, like) for r in range(c)]
@@ -70,9 +76,9 @@ def fake_source(c: int, n_pages: int, seed: int = 0, like: ShardedKVPool | None 
     return ranks, owners, slots
 
 
-def pool_snapshot(pool: ShardedKVPool) -> tuple[Any, ...]:
-    return (pool.allocator.snapshot(),
-            {k: (tuple(v.owners), tuple(v.slots), v.valid_len) for k, v in pool.table.items()})
+def pool_snapshot(pages: PageTable) -> tuple[Any, ...]:
+    return (pages.allocator.snapshot(),
+            {k: (tuple(v.owners), tuple(v.slots), v.valid_len) for k, v in pages.requests.items()})
 
 
 def deliver(rx: DecodeReceiver, ranks: list[FakeRank], m: TransferManifest,
@@ -80,9 +86,9 @@ def deliver(rx: DecodeReceiver, ranks: list[FakeRank], m: TransferManifest,
     sums = {}
     for part in m.parts:
         src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
-        sums[part.rank] = page_checksums(ranks[part.rank].pool, src)
+        sums[part.rank] = page_checksums(ranks[part.rank].pool.store, src)
         if part.rank != skip:
-            rx.place_packed(part, pack_part(ranks[part.rank].pool, part))
+            rx.place_packed(part, pack_part(ranks[part.rank].pool.store, part))
     return sums
 
 
@@ -95,17 +101,17 @@ def transfer_pages(rx: DecodeReceiver, ranks: list[FakeRank], owners: list[int],
 
 def check_landed(rx: DecodeReceiver, ranks: list[FakeRank], rid: str, owners: list[int],
                   slots: list[int]) -> None:
-    rp = rx.pool.table[rid]
+    rp = rx.pages.requests[rid]
     assert rp.owners == [0] * len(rp.slots)
     for k in range(len(rp.slots)):  # decode page k == owner's page k, every layer, both buffers
-        src, dst = ranks[owners[k]].pool, rx.pool
+        src, dst = ranks[owners[k]].pool.store, rx.store
         for layer in range(src.num_layers):
             assert torch.equal(dst.latent[layer][rp.slots[k]], src.latent[layer][slots[k]])
             assert torch.equal(dst.index_k[layer][rp.slots[k]], src.index_k[layer][slots[k]])
 
 
 def next_request_works(rx: DecodeReceiver) -> None:
-    ranks, owners, slots = fake_source(2, 5, seed=99, like=rx.pool)
+    ranks, owners, slots = fake_source(2, 5, seed=99, like=rx.store)
     assert transfer_pages(rx, ranks, owners, slots, "next", 37)
     check_landed(rx, ranks, "next", owners, slots)
 

@@ -135,7 +135,7 @@ def _held_rows(session: Any) -> tuple[dict[tuple[int, int], int], dict[int, int]
     def hold(owner: int, slot: int, rows: int) -> None:
         valid[(owner, slot)] = max(valid.get((owner, slot), 0), rows)
 
-    for rp in pool.table.values():
+    for rp in pool.pages.requests.values():
         for k, (o, s) in enumerate(zip(rp.owners, rp.slots, strict=True)):
             hold(o, s, min(ps, rp.valid_len - k * ps))
     host_valid: dict[int, int] = {}
@@ -143,11 +143,11 @@ def _held_rows(session: Any) -> tuple[dict[tuple[int, int], int], dict[int, int]
         for k, (o, s) in n.pages.items():
             if not n.on_host:
                 hold(o, s, min(ps, n.end - k * ps))
-            elif pool.alloc_rank(o) == pool.alloc_rank(pool.rank):
+            elif pool.pages.alloc_rank(o) == pool.pages.alloc_rank(pool.group.rank):
                 host_valid[s] = max(host_valid.get(s, 0), min(ps, n.end - k * ps))
-    for load in pool.queued_loads():  # host pages still to be read by a queued load: whole pages
+    for load in pool.store.queued_loads():  # host pages still to be read by a queued load: whole pages
         for o, s, _ in load.pages:
-            if pool.alloc_rank(o) == pool.alloc_rank(pool.rank):
+            if pool.pages.alloc_rank(o) == pool.pages.alloc_rank(pool.group.rank):
                 host_valid[s] = ps
     return valid, host_valid
 
@@ -157,14 +157,14 @@ def _poison_unheld(session: Any) -> int:
     holds as valid: if anything read past a valid length, logits would turn NaN. Returns rows."""
     pool, ps, host = session.pool, PAGE, session.cache.host
     valid, host_valid = _held_rows(session)
-    mine = pool.rank if pool.shared else None
+    mine = pool.group.rank if pool.store.shared else None
     rows = 0
-    for slot in range(pool.capacity):
-        owner = pool.rank if mine is not None else 0
+    for slot in range(pool.store.capacity):
+        owner = pool.group.rank if mine is not None else 0
         keep = valid.get((owner, slot), 0) if mine is not None else max(
             (v for (o, s), v in valid.items() if s == slot), default=0)
         if keep < ps:
-            for buf in pool.kv:
+            for buf in pool.store.kv:
                 buf[slot, keep:] = 0xFF
             rows += ps - keep
     for slot in range(host.capacity if host is not None else 0):
@@ -198,9 +198,9 @@ def _serve(group: Any, model_dir: str, settings: Any, reqs: list[tuple[str, list
     out["signature"] = session.cache.tree.signature()
     out["problems"] = reference_problems(session.cache)
     session.cache.clear()
-    session.pool.flush_loads()
+    session.pool.store.flush_loads()
     out["all_free"] = all_free(session.cache)
-    out["refs_left"] = session.pool.logical_pages()
+    out["refs_left"] = session.pool.pages.logical_pages()
     return out
 
 
@@ -316,7 +316,7 @@ def _run_program(group: Any, model_dir: str, settings: Any,
 
     session = PrefillSession(load_model(model_dir), settings, group)
     assert session.cache is not None
-    start = [sorted(f) for f in session.pool.allocator.snapshot()]
+    start = [sorted(f) for f in session.pool.pages.allocator.snapshot()]
     logits: dict[str, Any] = {}
     hits: dict[str, int] = {}
     for kind, reqs in ops:
@@ -335,13 +335,13 @@ def _run_program(group: Any, model_dir: str, settings: Any,
         if kind != "keep":
             for rid, toks in reqs:
                 session.finish(rid, toks)
-    for rid in list(session.pool.table):  # kept and never released: dropped uncached
+    for rid in list(session.pool.pages.requests):  # kept and never released: dropped uncached
         session.finish(rid)
     signature = session.cache.tree.signature()
     session.cache.clear()
     return {"logits": logits, "hits": hits, "signature": signature,
-            "restored": [sorted(f) for f in session.pool.allocator.snapshot()] == start
-            and session.pool.logical_pages() == 0}
+            "restored": [sorted(f) for f in session.pool.pages.allocator.snapshot()] == start
+            and session.pool.pages.logical_pages() == 0}
 
 
 @pytest.mark.multiprocess
@@ -389,15 +389,15 @@ def _small_pool(pages: int) -> tuple[Any, Any]:
     fmt = KVFormat(dtype=KVDtype.BF16, page_size=4, kv_lora_rank=64, rope_dim=16,
                    index_head_dim=32, quant_block=32)
     pool = ShardedKVPool(fmt, 1, CPGroup.single(), ops, pages_per_rank=pages)
-    return pool, PrefixCache(pool)
+    return pool, PrefixCache(pool.pages, pool.store, pool.group)
 
 
 def _cached(pool: Any, cache: Any, rid: str, toks: list[int]) -> None:
     from cpkv.planning import plan_batch
 
-    pool.commit(pool.prepare(plan_batch([pool.request_spec(rid, len(toks))], 1, 4), [rid]))
+    pool.commit(pool.prepare(plan_batch([pool.pages.request_spec(rid, len(toks))], 1, 4), [rid]))
     cache.insert(rid, toks)
-    pool.free(rid)
+    pool.pages.free(rid)
 
 
 def test_a_batch_that_cannot_fit_leaves_the_cache_alone() -> None:
@@ -406,10 +406,10 @@ def test_a_batch_that_cannot_fit_leaves_the_cache_alone() -> None:
 
     pool, cache = _small_pool(5)
     _cached(pool, cache, "a", list(range(12)))
-    before = (cache.tree.signature(), pool.allocator.snapshot())
+    before = (cache.tree.signature(), pool.pages.allocator.snapshot())
     with pytest.raises(PoolExhausted, match="needs 10 pages, has 2 free"):
-        pool.prepare(plan_batch([pool.request_spec("z", 40)], 1, 4), ["z"])
-    assert (cache.tree.signature(), pool.allocator.snapshot()) == before
+        pool.prepare(plan_batch([pool.pages.request_spec("z", 40)], 1, 4), ["z"])
+    assert (cache.tree.signature(), pool.pages.allocator.snapshot()) == before
     assert cache.stats.evicted_nodes == 0
 
 
@@ -423,14 +423,14 @@ def test_abort_after_pressure_freed_the_shared_tail_page() -> None:
     _cached(pool, cache, "a", a)
     b = a[:5] + [100 + i for i in range(8)]
     hit = cache.attach("b", cache.match(b))
-    held = {rid: (list(rp.slots), rp.valid_len) for rid, rp in pool.table.items()}
-    batch = pool.prepare(plan_batch([pool.request_spec("b", len(b) - hit)], 1, 4), ["b"])
+    held = {rid: (list(rp.slots), rp.valid_len) for rid, rp in pool.pages.requests.items()}
+    batch = pool.prepare(plan_batch([pool.pages.request_spec("b", len(b) - hit)], 1, 4), ["b"])
     assert hit == 5 and cache.stats.pages_evicted > 0 and batch.copies == ()
     pool.abort(batch)
-    assert {rid: (list(rp.slots), rp.valid_len) for rid, rp in pool.table.items()} == held
-    pool.free("b")
+    assert {rid: (list(rp.slots), rp.valid_len) for rid, rp in pool.pages.requests.items()} == held
+    pool.pages.free("b")
     cache.clear()
-    assert pool.allocator.free_pages(0) == 5 and pool.logical_pages() == 0
+    assert pool.pages.allocator.free_pages(0) == 5 and pool.pages.logical_pages() == 0
 
 
 def test_a_split_keeps_the_unused_rest_older() -> None:

@@ -35,27 +35,27 @@ def _pool(pages: int, host_pages: int | None, layers: int = 2,
     group = CPGroup.single(torch.device(device))
     pool = ShardedKVPool(FMT, layers, group, kv_ops(group), pages_per_rank=pages)
     host = None if host_pages is None else HostPages(FMT, layers, host_pages, 1, pool.group.device)
-    return pool, PrefixCache(pool, host)
+    return pool, PrefixCache(pool.pages, pool.store, pool.group, host)
 
 
 def _fill(pool: ShardedKVPool, rid: str, toks: list[int], hit: int) -> None:
     """Prefill ``toks[hit:]`` for ``rid``: every layer's new rows get bytes that encode (layer,
     token id, position), so a page's content tells which tokens it holds."""
-    batch = pool.prepare(plan_batch([pool.request_spec(rid, len(toks) - hit)], 1, PS), [rid])
-    rp = pool.table[rid]
+    batch = pool.prepare(plan_batch([pool.pages.request_spec(rid, len(toks) - hit)], 1, PS), [rid])
+    rp = pool.pages.requests[rid]
     for layer in range(pool.num_layers):
         pool.prefetch(layer, batch)
         batch.stage.ready(layer)
         for p in range(hit, len(toks)):
-            pool.kv[layer][rp.slots[p // PS], p % PS] = (layer * 7 + toks[p] * 3 + p) % 251
+            pool.store.kv[layer][rp.slots[p // PS], p % PS] = (layer * 7 + toks[p] * 3 + p) % 251
     pool.commit(batch)
 
 
 def _expect_bytes(pool: ShardedKVPool, rid: str, toks: list[int]) -> None:
-    rp = pool.table[rid]
+    rp = pool.pages.requests[rid]
     for layer in range(pool.num_layers):
         for p in range(rp.valid_len):
-            got = pool.kv[layer][rp.slots[p // PS], p % PS]
+            got = pool.store.kv[layer][rp.slots[p // PS], p % PS]
             want = (layer * 7 + toks[p] * 3 + p) % 251
             assert bool((got == want).all()), f"layer {layer} position {p} of {rid} is wrong"
 
@@ -65,7 +65,7 @@ def _serve(pool: ShardedKVPool, cache: PrefixCache, rid: str, toks: list[int]) -
     _fill(pool, rid, toks, hit)
     _expect_bytes(pool, rid, toks)  # the hit's pages (some loaded from the host) hold its tokens
     cache.insert(rid, toks)
-    pool.free(rid)
+    pool.pages.free(rid)
     assert reference_problems(cache) == []
     return hit
 
@@ -78,16 +78,16 @@ def test_host_round_trip_is_bit_exact(device: str) -> None:
     host = HostPages(FMT, 3, 6, 1, pool.group.device)
     assert host.kv[0].is_pinned() == (device == "cuda")
     g = torch.Generator().manual_seed(0)
-    for buf in pool.kv:
+    for buf in pool.store.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
-    before = [buf.clone() for buf in pool.kv]
-    host.save(pool.kv, host.index([1, 2, 6]), host.index([5, 0, 1]), pool.ops)
+    before = [buf.clone() for buf in pool.store.kv]
+    host.save(pool.store.kv, host.index([1, 2, 6]), host.index([5, 0, 1]), pool.store.ops)
     dst = torch.tensor([7, 3, 0], device=device)
     for layer in range(3):
-        host.load(layer, pool.kv[layer], host.index([5, 0, 1]), dst, pool.ops)
+        host.load(layer, pool.store.kv[layer], host.index([5, 0, 1]), dst, pool.store.ops)
         for d, s in zip([7, 3, 0], [1, 2, 6], strict=True):
-            assert torch.equal(pool.kv[layer][d], before[layer][s])
-        assert torch.equal(pool.kv[layer][4], before[layer][4])  # nothing else moved
+            assert torch.equal(pool.store.kv[layer][d], before[layer][s])
+        assert torch.equal(pool.store.kv[layer][4], before[layer][4])  # nothing else moved
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,7 +111,7 @@ def test_an_evicted_prefix_comes_back_from_the_host(device: str) -> None:
     assert _serve(pool, cache, "a2", [*a, 7]) == 20
     assert cache.stats.pages_loaded_from_host > 3
     cache.clear()
-    pool.flush_loads()
+    pool.store.flush_loads()
     assert all_free(cache) and reference_problems(cache) == []
 
 
@@ -164,24 +164,24 @@ def test_a_lost_host_page_stops_the_hit_before_it() -> None:
     # b's insert replaced the host node by b's own device pages: the loss is healed
     assert _serve(pool, cache, "c", [*a, 2]) == 20
     cache.clear()
-    pool.flush_loads()
+    pool.store.flush_loads()
     assert all_free(cache)
 
 
 def test_eviction_none_keeps_cached_prefixes() -> None:
     pool = ShardedKVPool(FMT, 1, CPGroup.single(), kv_ops(CPGroup.single()), pages_per_rank=5)
-    cache = PrefixCache(pool, evict=False)
+    cache = PrefixCache(pool.pages, pool.store, pool.group, evict=False)
     _serve(pool, cache, "a", list(range(12)))
-    before = (cache.tree.signature(), pool.allocator.snapshot())
+    before = (cache.tree.signature(), pool.pages.allocator.snapshot())
     with pytest.raises(PoolExhausted):
-        pool.prepare(plan_batch([pool.request_spec("z", 12)], 1, PS), ["z"])
-    assert (cache.tree.signature(), pool.allocator.snapshot()) == before
+        pool.prepare(plan_batch([pool.pages.request_spec("z", 12)], 1, PS), ["z"])
+    assert (cache.tree.signature(), pool.pages.allocator.snapshot()) == before
 
 
 def test_host_tier_must_match_the_pool() -> None:
     pool, _ = _pool(4, None)
     with pytest.raises(ValueError, match="allocation ranks"):
-        PrefixCache(pool, HostPages(FMT, 2, 4, 2, pool.group.device))
+        PrefixCache(pool.pages, pool.store, pool.group, HostPages(FMT, 2, 4, 2, pool.group.device))
     with pytest.raises(ValueError, match=">= 1 page"):
         HostPages(FMT, 2, 0, 1, pool.group.device)
 
@@ -212,7 +212,7 @@ def _lose_and_serve(group: Any, model_dir: str, settings: Any,
     out["stats"] = dict(cache.stats.__dict__)
     out["problems"] = reference_problems(cache)
     cache.clear()
-    session.pool.flush_loads()
+    session.pool.store.flush_loads()
     out["all_free"] = all_free(cache)
     return out
 

@@ -136,7 +136,7 @@ def _machine(group: CPGroup, model_dir: str, cfg: Any, dtype: str, steps: int,  
         def lose_host_page(self, data: st.DataObject) -> None:
             held = sorted({r for n in cache.tree.nodes() if n.on_host for r in n.pages.values()})
             owner, slot = data.draw(st.sampled_from(held))
-            if group.rank == 1 and session.pool.alloc_rank(owner) == session.pool.alloc_rank(1):
+            if group.rank == 1 and session.pool.pages.alloc_rank(owner) == session.pool.pages.alloc_rank(1):
                 cache.host.lost.add(slot)  # type: ignore[union-attr]
             self.lost = True
             counts["lost"] += 1
@@ -152,9 +152,9 @@ def _machine(group: CPGroup, model_dir: str, cfg: Any, dtype: str, steps: int,  
                 session.finish(rid)
             counts["loaded"] += cache.stats.pages_loaded_from_host
             cache.clear()
-            session.pool.flush_loads()
+            session.pool.store.flush_loads()
             cache.host.lost.clear()  # type: ignore[union-attr]
-            assert all_free(cache) and session.pool.logical_pages() == 0
+            assert all_free(cache) and session.pool.pages.logical_pages() == 0
             assert reference_problems(cache) == []
 
     run_state_machine_as_test(CacheMachine, settings=settings(

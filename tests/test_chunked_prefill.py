@@ -108,7 +108,7 @@ def _chunkings(group: CPGroup, model_dir: str, mtp: bool = False) -> list[dict[s
                     "draft": None if res.draft_logits is None else res.draft_logits.cpu(),
                     "indices": [t.cpu() for t in res.topk.indices],
                     "scores": [t.cpu() for t in res.topk.scores],
-                    "held": session.pool.table["a"].valid_len})
+                    "held": session.pool.pages.requests["a"].valid_len})
     return out
 
 
@@ -164,7 +164,7 @@ def test_a_batch_of_several_requests_chunks_each_and_stitches_the_rows(tiny: Pat
                               capture_topk=True)
         assert res.all_logits is not None and res.topk is not None
         assert res.all_logits.shape[0] == 150 + 9 + 70
-        assert [session.pool.table[r].valid_len for r in "abc"] == [171, 9, 70]
+        assert [session.pool.pages.requests[r].valid_len for r in "abc"] == [171, 9, 70]
         out.append(res)
     whole, chunked = out
     # "a" (from 21): 27 + 3 x 32 + 27 tokens; "c": 32 + 32 + 6; "b" whole in the first round

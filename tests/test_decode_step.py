@@ -114,10 +114,10 @@ def test_step_pool_exhausted_changes_nothing(ckpt: Path) -> None:
     a = lean.prefill("a", list(range(1, PAGE + 1)))  # a full page
     b = lean.prefill("b", list(range(1, PAGE + 1)))  # the other
     pool = lean.worker.pool
-    before = {rid: (rp.valid_len, list(rp.slots)) for rid, rp in pool.table.items()}
+    before = {rid: (rp.valid_len, list(rp.slots)) for rid, rp in pool.pages.requests.items()}
     with pytest.raises(PoolExhausted):
         lean.step([("a", a), ("b", b)])  # both need a new page, none is free
-    assert {rid: (rp.valid_len, list(rp.slots)) for rid, rp in pool.table.items()} == before
+    assert {rid: (rp.valid_len, list(rp.slots)) for rid, rp in pool.pages.requests.items()} == before
     lean.release("b")
     assert len(lean.step([("a", a)])) == 1  # a's new page came free
 
@@ -132,7 +132,7 @@ def test_step_rejects_bad_batches(ckpt: Path) -> None:
         lean.step([("a", tok), ("a", tok)])
     with pytest.raises(KeyError):
         lean.step([("nope", 1)])
-    assert lean.worker.pool.table["a"].valid_len == 3
+    assert lean.worker.pool.pages.requests["a"].valid_len == 3
 
 
 def test_cpu_steps_are_eager_said_once(ckpt: Path) -> None:
@@ -228,7 +228,7 @@ def test_transferred_request_decodes_the_same(ckpt: Path, device: str) -> None:
     s = _settings("fp8")
     prefill = PrefillSession(model, s, CPGroup.single(device))
     first = greedy(prefill.prefill([("a", _prompts(3)[2])]).last_logits)[0]
-    rp = prefill.pool.table["a"]
+    rp = prefill.pool.pages.requests["a"]
     m = manifest_for("a", RequestPages(list(rp.owners), list(rp.slots), rp.valid_len), PAGE, 1)
 
     def received(settings: Settings) -> DecodeWorker:

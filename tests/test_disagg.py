@@ -47,6 +47,7 @@ from helpers import (
     job_spec,
     next_request_works,
     pool_snapshot,
+    receiver_of,
     reference_tokens,
     torch_pool,
     transfer_pages,
@@ -108,33 +109,33 @@ def test_coalesce_merges_contiguous_runs() -> None:
 @pytest.mark.parametrize("c", [1, 2, 4])
 def test_receiver_places_pages_at_logical_positions(c: int) -> None:
     ranks, owners, slots = fake_source(c, 9, seed=c)
-    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
+    rx = receiver_of(torch_pool(CPGroup.single()), debug=True)
     assert transfer_pages(rx, ranks, owners, slots, "a", 9 * PAGE - 3)
-    assert rx.pool.table["a"].valid_len == 9 * PAGE - 3 and rx.in_flight() == []
+    assert rx.pages.requests["a"].valid_len == 9 * PAGE - 3 and rx.in_flight() == []
     check_landed(rx, ranks, "a", owners, slots)
 
 
 def test_receiver_rejects_a_cp_pool() -> None:
     pool = torch_pool(CPGroup.single())
-    pool.group = CPGroup(rank=0, size=2, backend="gloo", device=torch.device("cpu"), timeout_s=1)
+    pool.store.group = CPGroup(rank=0, size=2, backend="gloo", device=torch.device("cpu"), timeout_s=1)
     with pytest.raises(ValueError, match="one-rank group"):
-        DecodeReceiver(pool)
+        receiver_of(pool)
 
 
 def test_chunks_extend_the_published_entry() -> None:
     """Rule 26: whole pages after a non-final chunk, the tail page after the final one."""
     ranks, owners, slots = fake_source(2, 7)
-    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
+    rx = receiver_of(torch_pool(CPGroup.single()), debug=True)
     m1 = manifest_for("a", RequestPages(owners[:3], slots[:3], 21), PAGE, 2, final=False)  # 2 whole of 21
     assert (m1.num_pages, m1.valid_len) == (2, 16)
     rx.reserve(m1)
     assert rx.complete(m1, deliver(rx, ranks, m1))
-    assert rx.pool.table["a"].valid_len == 16 and len(rx.pool.table["a"].slots) == 2
+    assert rx.pages.requests["a"].valid_len == 16 and len(rx.pages.requests["a"].slots) == 2
     m2 = manifest_for("a", RequestPages(owners, slots, 53), PAGE, 2, final=True, already_sent=2)
     assert (m2.first_page, m2.num_pages, m2.valid_len) == (2, 7, 53)
     rx.reserve(m2)
     assert rx.complete(m2, deliver(rx, ranks, m2))
-    assert rx.pool.table["a"].valid_len == 53
+    assert rx.pages.requests["a"].valid_len == 53
     check_landed(rx, ranks, "a", owners, slots)
     bad = manifest_for("b", RequestPages(owners, slots, 53), PAGE, 2, already_sent=2)  # no earlier chunk
     with pytest.raises(TransferError, match="starts at page 2"):
@@ -144,9 +145,9 @@ def test_chunks_extend_the_published_entry() -> None:
 @pytest.mark.parametrize("fault", ["missing_part", "wrong_count", "checksum", "extra_rank"])
 def test_faulty_transfer_publishes_nothing(fault: str) -> None:
     ranks, owners, slots = fake_source(2, 8, seed=5)
-    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
+    rx = receiver_of(torch_pool(CPGroup.single()), debug=True)
     assert transfer_pages(rx, ranks, owners, slots, "before", 12)  # something already published
-    before = pool_snapshot(rx.pool)
+    before = pool_snapshot(rx.pages)
     m = manifest_for("a", RequestPages(owners, slots, 61), PAGE, 2)
     rx.reserve(m)
     sums: dict[int, list[int]]
@@ -155,17 +156,17 @@ def test_faulty_transfer_publishes_nothing(fault: str) -> None:
         why = "rank 1's part"
     elif fault == "wrong_count":
         part = m.parts[0]
-        buf = pack_part(ranks[0].pool, part)
+        buf = pack_part(ranks[0].pool.store, part)
         with pytest.raises(TransferError, match="expected"):
-            rx.place_packed(part, buf[: -part_nbytes(rx.pool, 1)])  # one page short
+            rx.place_packed(part, buf[: -part_nbytes(rx.store, 1)])  # one page short
         short = RankTransfer(request="a", rank=0, runs=part.runs[:-1])
         with pytest.raises(TransferError, match="does not match the manifest"):
-            rx.place_packed(short, pack_part(ranks[0].pool, short))
+            rx.place_packed(short, pack_part(ranks[0].pool.store, short))
         sums = deliver(rx, ranks, m, skip=0)
         why = "rank 0's part"
     elif fault == "checksum":
         sums = deliver(rx, ranks, m)
-        rx.pool.latent[1][rx.dst_slots(m.parts[1])[0], 3, 5] ^= 1  # one bit flipped in flight
+        rx.store.latent[1][rx.dst_slots(m.parts[1])[0], 3, 5] ^= 1  # one bit flipped in flight
         why = "checksum mismatch in rank 1's pages"
     else:
         sums = deliver(rx, ranks, m)
@@ -175,30 +176,30 @@ def test_faulty_transfer_publishes_nothing(fault: str) -> None:
         why = "checksum"
     assert not rx.complete(m, sums)
     assert why in (rx.last_error or "") and "nothing published" in (rx.last_error or "")
-    assert pool_snapshot(rx.pool) == before and rx.in_flight() == []
+    assert pool_snapshot(rx.pages) == before and rx.in_flight() == []
     next_request_works(rx)
 
 
 def test_counts_are_checked_without_debug() -> None:
     ranks, owners, slots = fake_source(2, 4, seed=2)
-    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=False)
-    before = pool_snapshot(rx.pool)
+    rx = receiver_of(torch_pool(CPGroup.single()), debug=False)
+    before = pool_snapshot(rx.pages)
     m = manifest_for("a", RequestPages(owners, slots, 30), PAGE, 2)
     rx.reserve(m)
     deliver(rx, ranks, m, skip=0)
-    assert not rx.complete(m) and pool_snapshot(rx.pool) == before
+    assert not rx.complete(m) and pool_snapshot(rx.pages) == before
     next_request_works(rx)
 
 
 def test_reserve_is_all_or_nothing() -> None:
     ranks, owners, slots = fake_source(2, 6, seed=3)
-    rx = DecodeReceiver(torch_pool(CPGroup.single(), capacity=8))
+    rx = receiver_of(torch_pool(CPGroup.single(), capacity=8))
     assert transfer_pages(rx, ranks, owners, slots, "a", 6 * PAGE)
-    before = pool_snapshot(rx.pool)
+    before = pool_snapshot(rx.pages)
     m = manifest_for("b", RequestPages(owners, slots, 6 * PAGE), PAGE, 2)
     with pytest.raises(PoolExhausted):
         rx.reserve(m)
-    assert pool_snapshot(rx.pool) == before and rx.in_flight() == []
+    assert pool_snapshot(rx.pages) == before and rx.in_flight() == []
     rx.free("a")
     next_request_works(rx)
 
@@ -241,8 +242,8 @@ class _FailingLink:
         if self.left == 0:
             raise ConnectionError("peer went away")
         self.left -= 1
-        rx.place_packed(part, pack_part(self.ranks[part.rank].pool, part, layers), layers=layers)
-        return part_nbytes(rx.pool, part.num_pages)
+        rx.place_packed(part, pack_part(self.ranks[part.rank].pool.store, part, layers), layers=layers)
+        return part_nbytes(rx.store, part.num_pages)
 
     def close(self) -> None:
         pass
@@ -251,14 +252,14 @@ class _FailingLink:
 @pytest.mark.parametrize("ok_parts", [0, 1])
 def test_transport_error_midway_publishes_nothing(ok_parts: int) -> None:
     ranks, owners, slots = fake_source(2, 8, seed=7)
-    rx = DecodeReceiver(torch_pool(CPGroup.single()), debug=True)
-    before = pool_snapshot(rx.pool)
+    rx = receiver_of(torch_pool(CPGroup.single()), debug=True)
+    before = pool_snapshot(rx.pages)
     store = _Box()
     senders = [StoreSideChannel(store, r, 1.0) for r in range(2)]
     m = manifest_for("a", RequestPages(owners, slots, 60), PAGE, 2)
     for r, ch in enumerate(senders):
         part = next(p for p in m.parts if p.rank == r)
-        ch.send(2, Offer(r, m, part_nbytes(rx.pool, part.num_pages), None))
+        ch.send(2, Offer(r, m, part_nbytes(rx.store, part.num_pages), None))
     link = _FailingLink(StoreSideChannel(store, 2, 1.0), ranks, ok_parts)
     with pytest.raises(TransferError, match=r"receiving rank \d.s part: ConnectionError: peer went "
                                             r"away.*nothing published"):
@@ -267,22 +268,22 @@ def test_transport_error_midway_publishes_nothing(ok_parts: int) -> None:
         assert isinstance(ch.recv(2), Grant)
         ack = ch.recv(2)
         assert isinstance(ack, Ack) and not ack.published and "peer went away" in ack.error
-    assert pool_snapshot(rx.pool) == before and rx.in_flight() == []
+    assert pool_snapshot(rx.pages) == before and rx.in_flight() == []
     next_request_works(rx)
 
 
 def test_mismatched_offers_are_refused() -> None:
     ranks, owners, slots = fake_source(2, 8, seed=8)
-    rx = DecodeReceiver(torch_pool(CPGroup.single()))
-    before = pool_snapshot(rx.pool)
+    rx = receiver_of(torch_pool(CPGroup.single()))
+    before = pool_snapshot(rx.pages)
     store = _Box()
     m = manifest_for("a", RequestPages(owners, slots, 60), PAGE, 2)
-    StoreSideChannel(store, 0, 1.0).send(2, Offer(0, m, part_nbytes(rx.pool, m.parts[0].num_pages)))
+    StoreSideChannel(store, 0, 1.0).send(2, Offer(0, m, part_nbytes(rx.store, m.parts[0].num_pages)))
     StoreSideChannel(store, 1, 1.0).send(2, Offer(1, m, 12345))  # wrong byte count
     link = _FailingLink(StoreSideChannel(store, 2, 1.0), ranks, 2)
     with pytest.raises(TransferRefused, match="rank 1 offers 12345 bytes"):
         DecodeTransfer(link, rx, 2).receive()
-    assert pool_snapshot(rx.pool) == before
+    assert pool_snapshot(rx.pages) == before
     for r in range(2):  # every rank hears the refusal (a grant without slots)
         grant = StoreSideChannel(store, r, 1.0).recv(2)
         assert isinstance(grant, Grant) and grant.dst_slots is None and "12345" in grant.error
@@ -315,22 +316,22 @@ def test_link_capabilities_are_resolved_once_from_declared_protocols() -> None:
             pass
 
     with pytest.raises(TypeError, match=r"NoLayout is not a cpkv\.disagg\.Link.*writes_receiver_layout"):
-        DecodeTransfer(NoLayout(), DecodeReceiver(torch_pool(CPGroup.single())), 2)  # type: ignore[arg-type]
+        DecodeTransfer(NoLayout(), receiver_of(torch_pool(CPGroup.single())), 2)  # type: ignore[arg-type]
 
 
 def test_plugins_see_the_registered_buffers_not_the_pool() -> None:
     """The buffers view shares the pool's memory, and packs a part as the receiver unpacks it."""
     src = FakeRank(seed=3)
-    bufs = registered_buffers(src.pool)
+    bufs = registered_buffers(src.pool.store)
     assert (bufs.num_layers, bufs.num_pages, bufs.page_bytes) == (
-        src.pool.num_layers, src.pool.capacity, src.pool.fmt.page_bytes)
-    assert all(b.data_ptr() == k.data_ptr() for b, k in zip(bufs.kv, src.pool.kv, strict=True))
+        src.pool.num_layers, src.pool.store.capacity, src.pool.fmt.page_bytes)
+    assert all(b.data_ptr() == k.data_ptr() for b, k in zip(bufs.kv, src.pool.store.kv, strict=True))
     bufs.kv[1][5].fill_(7)  # a write through the view lands in the pool
-    assert bool((src.pool.latent[1][5] == 7).all()) and bool((src.pool.index_k[1][5] == 7).all())
+    assert bool((src.pool.store.latent[1][5] == 7).all()) and bool((src.pool.store.index_k[1][5] == 7).all())
     m = manifest_for("a", RequestPages([0] * 3, [5, 1, 2], 3 * PAGE), PAGE, 1)
     packed = bufs.pack(m.parts[0], range(1, 2))
     assert packed.numel() == bufs.nbytes(3, 1) == part_nbytes(src.pool, 3, 1)
-    rx = DecodeReceiver(torch_pool(CPGroup.single()))
+    rx = receiver_of(torch_pool(CPGroup.single()))
     rx.reserve(m)
     rx.place_packed(m.parts[0], bufs.pack(m.parts[0]))
     assert rx.complete(m)
@@ -366,7 +367,7 @@ def _packed_sends_rank(world: CPGroup, pipeline: str) -> dict[str, Any]:
     from cpkv_transfer_nccl.transport import NcclTransport
 
     # both endpoints make the sender's pool (seeded): the decode checks the bytes against it
-    src = FakeRank(seed=11, like=torch_pool(CPGroup.single()), capacity=2 * MANY_RUNS)
+    src = FakeRank(seed=11, like=torch_pool(CPGroup.single()).store, capacity=2 * MANY_RUNS)
     slots = [2 * k + 1 for k in range(MANY_RUNS)]
     m = manifest_for("many", RequestPages([0] * MANY_RUNS, slots, MANY_RUNS * PAGE), PAGE, 1)
     part, late = m.parts[0], manifest_for("late", RequestPages([0], [0], PAGE), PAGE, 1).parts[0]
@@ -374,7 +375,7 @@ def _packed_sends_rank(world: CPGroup, pipeline: str) -> dict[str, Any]:
               else [range(src.pool.num_layers)])
     pool = src.pool if world.rank == 0 else torch_pool(CPGroup.single(), capacity=MANY_RUNS + 4)
     link = NcclTransport().connect(LinkSpec(endpoint=world.rank, cp_size=1,
-                                            buffers=registered_buffers(pool), timeout_s=60))
+                                            buffers=registered_buffers(pool.store), timeout_s=60))
     out: dict[str, Any] = {}
     if world.rank == 0:
         for g in groups:
@@ -382,7 +383,7 @@ def _packed_sends_rank(world: CPGroup, pipeline: str) -> dict[str, Any]:
         for _ in range(MANY_RUNS):  # a given-up grant's messages, sent late
             link.send_part(late, [0], layers=range(0, 1), epoch=2)
     else:
-        rx = DecodeReceiver(pool)
+        rx = receiver_of(pool)
         rx.reserve(m)
         for g in groups:
             link.recv_part(part, rx, layers=g, epoch=1)
@@ -431,7 +432,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
     (2, "zigzag", (20, 0, 3, 64), "request"),
-    (2, "zigzag", (20, 0, 3, 64), "layer"),
+    pytest.param(2, "zigzag", (20, 0, 3, 64), "layer", marks=pytest.mark.slow),
     pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
 def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
                                   pipeline: str) -> None:
@@ -496,12 +497,12 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
     decode = DecodeSession(load_model(spec.model_dir), s)  # debug: checksums compared
     decode.connect(select_transport(s, world.agree_all), cp_size=c)
     worker = decode.worker
-    fresh = worker.pool.allocator.snapshot()
+    fresh = worker.pool.pages.allocator.snapshot()
     try:
         decode.receive()
     except TransferError as exc:
-        rec: dict[str, Any] = {"error": str(exc), "table": list(worker.pool.table),
-                               "unchanged": worker.pool.allocator.snapshot() == fresh,
+        rec: dict[str, Any] = {"error": str(exc), "table": list(worker.pool.pages.requests),
+                               "unchanged": worker.pool.pages.allocator.snapshot() == fresh,
                                "in_flight": worker.receiver.in_flight()}
         next_request_works(worker.receiver)  # raises if the pool is not usable
         rec["next_ok"] = True
@@ -511,6 +512,7 @@ def _decode_then_record(world: CPGroup, spec: JobSpec, out: str) -> Any:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_rank_killed_mid_transfer(tiny: Path, tmp_path: Path) -> None:
     spec = job_spec(tiny, 2, "zigzag")
     out = tmp_path / "decode.json"

@@ -48,7 +48,7 @@ def _layers_under_sync_debug(group: CPGroup, model_dir: str,
     session = PrefillSession(load_model(model_dir, device=group.device), s, group)
     session.prefill([("a", _prompts(700)), ("b", _prompts(300, 1))])
     out = session.prefill([("a", _prompts(200, 2))])  # prefix of 700: mid-page, prefetch path
-    return session.pool.materialize_mode, out.last_logits[0, :4].float().cpu().tolist()
+    return session.pool.store.views.mode, out.last_logits[0, :4].float().cpu().tolist()
 
 
 @pytest.fixture(scope="module")

@@ -252,7 +252,7 @@ def test_json_true_is_not_a_token_id(tmp_path: Path) -> None:
     p = tmp_path / "prompts.json"
     p.write_text("[[1, 2, true]]")
     out = cpkv("run", "--prompts", str(p))
-    assert out.returncode == 2 and "token ids" in out.stderr
+    assert out.returncode == 1 and "token ids" in out.stderr
 
 
 @pytest.mark.slow

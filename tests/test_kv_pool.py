@@ -48,7 +48,8 @@ def _scenarios(cp: int, seed: int) -> list[PoolScenario]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
 def test_sharded_full_view_equals_replicated(cp: int) -> None:
     scenarios = _scenarios(cp, seed=cp)
     results = run_ranks(run_pool_scenarios, cp, args=(scenarios,), timeout_s=240)
@@ -126,7 +127,7 @@ def test_single_rank_views_read_the_pool_in_place(layout: str) -> None:
         idx = [torch.randn(n, fmt.index_head_dim, generator=g) for _ in range(2)]
         got = {}
         for shared, pool in pools.items():
-            plan = plan_batch([pool.request_spec(r, e) for r, e in batch], 1, fmt.page_size)
+            plan = plan_batch([pool.pages.request_spec(r, e) for r, e in batch], 1, fmt.page_size)
             kv = pool.prepare(plan, [r for r, _ in batch])
             assert kv.materialize_split is None
             x = torch.randn(n, 3)
@@ -136,7 +137,7 @@ def test_single_rank_views_read_the_pool_in_place(layout: str) -> None:
                 assert pool.prefetch(layer, kv) is None
                 pool.write(layer, kv, lat[layer], idx[layer])
                 v = pool.materialize(layer, kv)
-                assert v.pages.data_ptr() == pool.kv[layer].data_ptr()  # read in place
+                assert v.pages.data_ptr() == pool.store.kv[layer].data_ptr()  # read in place
                 views.append((v.latent(), v.index_k()))
             got[shared] = views
             pool.commit(kv)
@@ -169,21 +170,21 @@ def test_prepare_rejects_a_plan_that_disagrees_with_the_pool() -> None:
 
 def test_abort_and_free_return_every_page() -> None:
     pool, _ = _pool(pages_per_rank=8)
-    empty = pool.allocator.snapshot()
-    batch = pool.prepare(plan_batch([pool.request_spec("a", 10)], 1, 4), ["a"])
-    assert pool.pages_held() == 3
+    empty = pool.pages.allocator.snapshot()
+    batch = pool.prepare(plan_batch([pool.pages.request_spec("a", 10)], 1, 4), ["a"])
+    assert pool.footprint().pages_held == 3
     pool.abort(batch)
-    assert pool.allocator.snapshot() == empty and pool.table == {}
-    pool.commit(pool.prepare(plan_batch([pool.request_spec("a", 10)], 1, 4), ["a"]))
-    pool.free("a")
-    assert pool.allocator.snapshot() == empty and pool.bytes_held() == 0
+    assert pool.pages.allocator.snapshot() == empty and pool.pages.requests == {}
+    pool.commit(pool.prepare(plan_batch([pool.pages.request_spec("a", 10)], 1, 4), ["a"]))
+    pool.pages.free("a")
+    assert pool.pages.allocator.snapshot() == empty and pool.footprint().bytes_held == 0
 
 
 def test_exhaustion_error_names_the_rank_and_counts() -> None:
     pool, _ = _pool(pages_per_rank=2)
     with pytest.raises(PoolExhausted, match="rank 0 needs 3 pages, has 2 free"):
         pool.prepare(plan_batch([(0, 10)], 1, 4), ["a"])
-    assert pool.table == {} and pool.pages_held() == 0
+    assert pool.pages.requests == {} and pool.footprint().pages_held == 0
 
 
 class _TwoRanks:
@@ -199,10 +200,10 @@ def test_owner_write_refused_by_error_policy_leaves_pool_unchanged() -> None:
     pool = ShardedKVPool(_fmt(KVDtype.BF16), 1, _TwoRanks(), ops, pages_per_rank=8)  # type: ignore[arg-type]
     with recording():
         plan = plan_batch([(0, 5)], 2, 4)  # short extend: not page-aligned
-    before = pool.allocator.snapshot()
+    before = pool.pages.allocator.snapshot()
     with recording("error"), pytest.raises(Exception, match="owner_write"):
         pool.prepare(plan, ["a"])
-    assert pool.allocator.snapshot() == before and pool.table == {}
+    assert pool.pages.allocator.snapshot() == before and pool.pages.requests == {}
 
 
 def _ranks_plan_differently(group: CPGroup) -> None:
@@ -230,7 +231,7 @@ def test_paged_translation_points_at_the_rows_the_view_holds() -> None:  # rule 
     for shared in (True, False):
         pool, _ = _pool(shared=shared, pages_per_rank=32)
         for extend in ([("a", 13), ("b", 6)], [("a", 9)]):
-            plan = plan_batch([pool.request_spec(r, e) for r, e in extend], 1, 4)
+            plan = plan_batch([pool.pages.request_spec(r, e) for r, e in extend], 1, 4)
             batch = pool.prepare(plan, [r for r, _ in extend])
             n = batch.rows.num_local
             pool.write(0, batch, torch.randn(n, 80), torch.randn(n, 32))
@@ -239,7 +240,7 @@ def test_paged_translation_points_at_the_rows_the_view_holds() -> None:  # rule 
             ragged = torch.tensor([[0, t - 1, -1], [t // 2, -1, -1]], dtype=torch.int32)
             owner, phys = ragged_to_paged(ragged, batch)
             assert torch.equal(owner < 0, ragged < 0) and torch.equal(phys < 0, ragged < 0)
-            rows = pool.latent[0].view(-1, view.latent().shape[1])
+            rows = pool.store.latent[0].view(-1, view.latent().shape[1])
             for r, p in zip(ragged.flatten().tolist(), phys.flatten().tolist(), strict=True):
                 if r >= 0:
                     assert torch.equal(rows[p], view.latent()[r])
@@ -277,7 +278,7 @@ def _p2p_reuse(group: CPGroup) -> list[str]:
     for step in range(6):
         rid = f"r{step}"
         n = 40 + 7 * step
-        plan = plan_batch([pool.request_spec(rid, n)], group.size, fmt.page_size)
+        plan = plan_batch([pool.pages.request_spec(rid, n)], group.size, fmt.page_size)
         kv = pool.prepare(plan, [rid])
         for layer in range(2):
             lat = torch.randn(n, fmt.kv_lora_rank + fmt.rope_dim, generator=g)
@@ -288,7 +289,7 @@ def _p2p_reuse(group: CPGroup) -> list[str]:
                     and torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", ops))):
                 bad.append(f"step {step} layer {layer}")
         pool.commit(kv)
-        pool.free(rid)  # the next request reuses these pages
+        pool.pages.free(rid)  # the next request reuses these pages
     return bad
 
 
@@ -305,13 +306,13 @@ def _p2p_unavailable_on_rank_1(group: CPGroup) -> tuple[str, bool]:
         peer._shm_dir = lambda need: None
     fmt = _fmt(KVDtype.BF16, 4)
     pool = ShardedKVPool(fmt, 1, group, kv_ops(group), pages_per_rank=8, materialize="p2p")
-    plan = plan_batch([pool.request_spec("a", 20)], group.size, fmt.page_size)
+    plan = plan_batch([pool.pages.request_spec("a", 20)], group.size, fmt.page_size)
     kv = pool.prepare(plan, ["a"])
     lat = torch.randn(20, fmt.kv_lora_rank + fmt.rope_dim)
     idx = torch.randn(20, fmt.index_head_dim)
-    pool.write(0, kv, kv.rows.split(lat, pool.ops), kv.rows.split(idx, pool.ops))
+    pool.write(0, kv, kv.rows.split(lat, pool.store.ops), kv.rows.split(idx, pool.store.ops))
     view = pool.materialize(0, kv)
-    return pool.materialize_mode, view.latent().shape == (20, fmt.latent_bytes_per_token)
+    return pool.store.views.mode, view.latent().shape == (20, fmt.latent_bytes_per_token)
 
 
 @pytest.mark.multiprocess
@@ -331,7 +332,7 @@ def _auto_mode(group: CPGroup) -> tuple[str, list[str]]:
     fmt = _fmt(KVDtype.FP8, 4)
     with capture_logs() as logs:
         pool = ShardedKVPool(fmt, 1, group, kv_ops(group), pages_per_rank=8, materialize="auto")
-    return pool.materialize_mode.value, [e["event"] for e in logs]
+    return pool.store.views.mode.value, [e["event"] for e in logs]
 
 
 @pytest.mark.multiprocess
@@ -348,17 +349,17 @@ def test_p2p_single_rank_pool_reads_its_own_buffer() -> None:
     group = CPGroup.single()
     fmt = _fmt(KVDtype.FP8, 4)
     pool = ShardedKVPool(fmt, 1, group, kv_ops(group), pages_per_rank=8, materialize="p2p")
-    assert pool.materialize_mode == "p2p"
-    plan = plan_batch([pool.request_spec("a", 13)], 1, fmt.page_size)
+    assert pool.store.views.mode == "p2p"
+    plan = plan_batch([pool.pages.request_spec("a", 13)], 1, fmt.page_size)
     kv = pool.prepare(plan, ["a"])
     lat = torch.randn(13, fmt.kv_lora_rank + fmt.rope_dim)
     idx = torch.randn(13, fmt.index_head_dim)
     pool.write(0, kv, lat, idx)
     view = pool.materialize(0, kv)
-    assert torch.equal(view.latent(), pack_rows(lat, fmt, "latent", pool.ops))
-    assert torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", pool.ops))
+    assert torch.equal(view.latent(), pack_rows(lat, fmt, "latent", pool.store.ops))
+    assert torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", pool.store.ops))
     with pytest.raises(ValueError, match="materialize must be"):
-        ShardedKVPool(fmt, 1, group, pool.ops, materialize="nvlink")
+        ShardedKVPool(fmt, 1, group, pool.store.ops, materialize="nvlink")
 
 
 def _send_starts(group: CPGroup) -> list[tuple[int | None, ...]]:
@@ -368,18 +369,18 @@ def _send_starts(group: CPGroup) -> list[tuple[int | None, ...]]:
     out = []
     g = torch.Generator().manual_seed(2)  # the same rows on every rank
     for rid, n, free in (("a", 24, None), ("b", 8, None), ("c", 8, "a"), ("d", 40, None)):
-        plan = plan_batch([pool.request_spec(rid, n)], group.size, fmt.page_size)
+        plan = plan_batch([pool.pages.request_spec(rid, n)], group.size, fmt.page_size)
         kv = pool.prepare(plan, [rid])
         lat = torch.randn(n, fmt.kv_lora_rank + fmt.rope_dim, generator=g)
         idx = torch.randn(n, fmt.index_head_dim, generator=g)
-        pool.write(0, kv, kv.rows.split(lat, pool.ops), kv.rows.split(idx, pool.ops))
+        pool.write(0, kv, kv.rows.split(lat, pool.store.ops), kv.rows.split(idx, pool.store.ops))
         view = pool.materialize(0, kv)
-        assert torch.equal(view.latent(), pack_rows(lat, fmt, "latent", pool.ops))
-        assert torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", pool.ops))
+        assert torch.equal(view.latent(), pack_rows(lat, fmt, "latent", pool.store.ops))
+        assert torch.equal(view.index_k(), pack_rows(idx, fmt, "index_k", pool.store.ops))
         out.append(kv.materialize.send_start)
         pool.commit(kv)
         if free:
-            pool.free(free)
+            pool.pages.free(free)
     return out
 
 
@@ -416,7 +417,7 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
                for ly in range(2)}
         got = {}
         for lay, pool in pools.items():
-            plan = plan_batch([pool.request_spec(r, n) for r, n in batch], 1, ps)
+            plan = plan_batch([pool.pages.request_spec(r, n) for r, n in batch], 1, ps)
             kv = pool.prepare(plan, [r for r, _ in batch])
             views = []
             for layer in range(2):
@@ -432,9 +433,9 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
     # the bytes of a part-major page: latent rows first, then index-K rows
     tok, part = pools[PageLayout.TOKEN_MAJOR], pools[PageLayout.PART_MAJOR]
     for layer in range(2):
-        for s_tok, s_part in zip(tok.table["a"].slots, part.table["a"].slots, strict=True):
-            rows = tok.kv[layer][s_tok]  # [ps, nl + ni]
-            block = part.kv[layer][s_part].reshape(-1)
+        for s_tok, s_part in zip(tok.pages.requests["a"].slots, part.pages.requests["a"].slots, strict=True):
+            rows = tok.store.kv[layer][s_tok]  # [ps, nl + ni]
+            block = part.store.kv[layer][s_part].reshape(-1)
             assert torch.equal(block[:ps * nl].view(ps, nl), rows[:, :nl])
             assert torch.equal(block[ps * nl:].view(ps, ni), rows[:, nl:])
 
@@ -449,16 +450,16 @@ def test_relayout_turns_token_major_blocks_into_part_major_pages() -> None:
     fmt = _fmt(KVDtype.FP8, 8)
     src = ShardedKVPool(fmt, 2, group, ops, pages_per_rank=6)
     dst = ShardedKVPool(fmt, 2, group, ops, pages_per_rank=6, layout=PageLayout.PART_MAJOR)
-    for b in src.kv:
+    for b in src.store.kv:
         b.random_(0, 255, generator=torch.Generator().manual_seed(5))
     pairs = [(0, 4), (3, 1), (5, 2)]  # (source slot, destination slot)
     for layer in range(2):
         for s, d in pairs:
-            dst.kv[layer][d] = src.kv[layer][s]  # raw block copy, as Mooncake writes it
-    untouched = dst.kv[0][0].clone()  # slot 0 is not among the relaid pages
-    dst.relayout([d for _, d in pairs], PageLayout.TOKEN_MAJOR)
+            dst.store.kv[layer][d] = src.store.kv[layer][s]  # raw block copy, as Mooncake writes it
+    untouched = dst.store.kv[0][0].clone()  # slot 0 is not among the relaid pages
+    dst.store.relayout([d for _, d in pairs], PageLayout.TOKEN_MAJOR)
     for layer in range(2):
         for s, d in pairs:
-            assert torch.equal(dst.latent[layer][d], src.latent[layer][s])
-            assert torch.equal(dst.index_k[layer][d], src.index_k[layer][s])
-    assert torch.equal(dst.kv[0][0], untouched)
+            assert torch.equal(dst.store.latent[layer][d], src.store.latent[layer][s])
+            assert torch.equal(dst.store.index_k[layer][d], src.store.index_k[layer][s])
+    assert torch.equal(dst.store.kv[0][0], untouched)

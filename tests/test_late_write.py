@@ -37,7 +37,7 @@ from cpkv.kv import RequestPages
 from cpkv.runtime import run_ranks
 from cpkv.settings import PluginTable
 from cpkv_transfer_mooncake.plugin import probe
-from helpers import PAGE, FakeRank, torch_pool
+from helpers import PAGE, FakeRank, receiver_of, torch_pool
 
 C, TIMEOUT, STALL, N = 2, 3.0, 5.0, 12
 _MOONCAKE = probe()
@@ -51,7 +51,7 @@ def _tables() -> dict[str, RequestPages]:
 
 
 def _page_crc(pool: Any, slot: int) -> int:
-    raw = b"".join(pool.kv[layer][slot].numpy().tobytes() for layer in range(pool.num_layers))
+    raw = b"".join(pool.store.kv[layer][slot].numpy().tobytes() for layer in range(pool.num_layers))
     return zlib.crc32(raw)
 
 
@@ -95,7 +95,7 @@ def _connect(world: CPGroup, plugin: str, pool: Any, stage: str = "auto") -> Any
     finally:
         host.close()
     return transport.connect(LinkSpec(endpoint=world.rank, cp_size=C,
-                                      buffers=registered_buffers(pool), timeout_s=TIMEOUT,
+                                      buffers=registered_buffers(pool.store), timeout_s=TIMEOUT,
                                       debug=False, options=PluginTable(("transfer", plugin), opts)))
 
 
@@ -106,7 +106,7 @@ def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: s
     if world.rank == C:
         pool = torch_pool(CPGroup.single(), capacity=2 * N + 4)
         link = _connect(world, plugin, pool, stage)
-        rx = DecodeReceiver(pool, debug=False)
+        rx = receiver_of(pool, debug=False)
         if not quarantine:  # what the decode did before: give the slots back at once
             rx.abort = lambda m, hold=(), epoch=0: DecodeReceiver.abort(rx, m)  # type: ignore[method-assign]
         dt = DecodeTransfer(link, rx, C)
@@ -127,7 +127,7 @@ def _late_rank(world: CPGroup, plugin: str, where: str, quarantine: bool, out: s
                               in rx.quarantined().values()]
         a_slots = rec["quarantined"][0][1] if rec["quarantined"] else []
         got = dt.receive()  # B, while rank 1 still stalls in A
-        rp = pool.table["B"]
+        rp = pool.pages.requests["B"]
         want = [_page_crc(ranks[o].pool, s) for o, s in zip(tables["B"].owners,
                                                              tables["B"].slots, strict=True)]
         rec["b_slots"] = list(rp.slots)
@@ -212,6 +212,7 @@ def test_a_stalled_sender_checks_the_fence_and_writes_nothing(tmp_path: Path, st
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_nccl_late_send_never_reaches_the_pool(tmp_path: Path) -> None:
     """Two-sided: the decode reuses A's memory for B at once; A's late bytes land in the staging
     buffer of the receive the decode gave up (still posted, tagged with A's grant), and B's

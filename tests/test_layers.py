@@ -19,7 +19,9 @@ CORE = ROOT / "core" / "src"
 
 #: bottom up; a module may import its own layer (other packages of it too) and the ones below
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("cpkv.contracts", "cpkv._lifetime"),  # _lifetime: rank processes' first import (stdlib only)
+    # _lifetime: rank processes' first import (stdlib only); logs: the logger every layer uses
+    # (stdlib logging and structlog); _faults: the test-only fault hooks (stdlib only)
+    ("cpkv.contracts", "cpkv._lifetime", "cpkv.logs", "cpkv._faults"),
     ("cpkv.comm",),
     ("cpkv.settings", "cpkv.fallback", "cpkv.models"),
     ("cpkv.plugin", "cpkv.planning"),

@@ -48,6 +48,7 @@ from helpers import (
     job_spec,
     next_request_works,
     pool_snapshot,
+    receiver_of,
     reference_tokens,
     torch_pool,
 )
@@ -61,7 +62,7 @@ pytestmark = [pytest.mark.mooncake,
 
 def _buffers(n_pages: int) -> Any:
     """The registered buffers of a one-rank CPU pool of ``n_pages`` pages."""
-    return registered_buffers(torch_pool(CPGroup.single(), capacity=n_pages))
+    return registered_buffers(torch_pool(CPGroup.single(), capacity=n_pages).store)
 
 
 def _layout(n: int, base: int, layers: int = 2) -> Any:
@@ -130,7 +131,7 @@ def _bare_link(n_pages: int, max_batch: int, retries: int = 0, fail: int = 0) ->
 
     link = object.__new__(MooncakeLink)
     pool = torch_pool(CPGroup.single(), capacity=n_pages)
-    link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(pool))
+    link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(pool.store))
     link.max_batch, link.retries = max_batch, retries
     link.stage = link.relayout = None
     link.local = link.remote_layout = _layout(n_pages, 0)
@@ -313,10 +314,10 @@ def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any
     for buf in src.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     link = object.__new__(MooncakeLink)
-    link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(src))
+    link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(src.store))
     link.max_batch, link.retries = max_batch, 0
     link.relayout = None
-    link.local, link.remote_layout = Layout.of(link.spec.buffers), Layout.of(registered_buffers(dec))
+    link.local, link.remote_layout = Layout.of(link.spec.buffers), Layout.of(registered_buffers(dec.store))
     link.remote = "127.0.0.1:1"
     link.engine = _CopyEngine()
     link.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0, "staged_pieces": 0}
@@ -455,10 +456,10 @@ def _big_pool(r: Any, n: int, seed: int) -> Any:
 
     from cpkv.kv import ShardedKVPool
 
-    pool = ShardedKVPool(r.pool.fmt, r.pool.num_layers, CPGroup.single(), r.pool.ops,
+    pool = ShardedKVPool(r.pool.fmt, r.pool.num_layers, CPGroup.single(), r.pool.store.ops,
                          pages_per_rank=n)
     gen = torch.Generator().manual_seed(seed)
-    for buf in pool.kv:
+    for buf in pool.store.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     return pool
 
@@ -467,7 +468,7 @@ def _connect(world: CPGroup, pool: Any, max_batch: int) -> Any:
     from cpkv_transfer_mooncake import plugin
 
     return plugin.load().connect(LinkSpec(
-        endpoint=world.rank, cp_size=C, buffers=registered_buffers(pool), timeout_s=TIMEOUT,
+        endpoint=world.rank, cp_size=C, buffers=registered_buffers(pool.store), timeout_s=TIMEOUT,
         debug=True, options=PluginTable(("transfer", "mooncake"), {
             "max_batch_entries": max_batch, "hostname": "127.0.0.1", "protocol": "tcp"})))
 
@@ -476,7 +477,7 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
                  fault: str) -> dict[str, Any]:
     """Receive the faulty request, record, then receive the next one and check it landed."""
     rec: dict[str, Any] = {}
-    before = pool_snapshot(rx.pool)
+    before = pool_snapshot(rx.pages)
     t0 = time.perf_counter()
     try:
         DecodeTransfer(link, rx, C).receive()
@@ -491,8 +492,8 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
     rec["seconds"] = time.perf_counter() - t0
     # a sender that has not said it is done may still write: its slots stay in quarantine
     rec["quarantined"] = [pending for _, _, pending in rx.quarantined().values()]
-    rec["unchanged"] = (pool_snapshot(rx.pool)[1] == before[1] and rx.in_flight() == []
-                        and (bool(rec["quarantined"]) or pool_snapshot(rx.pool) == before))
+    rec["unchanged"] = (pool_snapshot(rx.pages)[1] == before[1] and rx.in_flight() == []
+                        and (bool(rec["quarantined"]) or pool_snapshot(rx.pages) == before))
     if fault == "kill":  # rank 1 is gone: the next request is a local one
         next_request_works(rx)
     else:
@@ -501,7 +502,7 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
         rx.free(f"next-{fault}")
         # the stalled sender's late notice came in during the next request: all slots back
         rec["released"] = (not rx.quarantined() and
-                           [sorted(f) for f in rx.pool.allocator.snapshot()] ==
+                           [sorted(f) for f in rx.pages.allocator.snapshot()] ==
                            [sorted(f) for f in before[0]])
     rec["next_ok"] = True
     return rec
@@ -550,7 +551,7 @@ def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str,
     link = _connect(world, pool, 2 if kill else 1024)
     recs: dict[str, Any] = {}
     if decode:
-        rx = DecodeReceiver(pool, debug=True)
+        rx = receiver_of(pool, debug=True)
         for fault in faults:
             recs[fault] = _decode_side(link, rx, ranks, owners, slots, fault)
             Path(out).write_text(json.dumps(recs))

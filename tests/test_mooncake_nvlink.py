@@ -40,7 +40,7 @@ def _settings(**keys: Any) -> MooncakeSettings:
 
 def _spec(device: str = "cpu", **keys: Any) -> LinkSpec:
     """A prefill endpoint's spec whose buffers claim ``device`` (the checks read only that)."""
-    bufs = replace(registered_buffers(torch_pool(CPGroup.single(), capacity=4)),
+    bufs = replace(registered_buffers(torch_pool(CPGroup.single(), capacity=4).store),
                    device=torch.device(device))
     table = load_settings(transfer={"mooncake": {"protocol": NVLINK_INTRA, **keys}}
                           ).transfer.table("mooncake")

@@ -208,7 +208,7 @@ def _draft_prefill(group, model_dir: str, cases) -> list[dict]:  # type: ignore[
         res = session.prefill([(rid, p[done[rid]:]) for rid, p in zip(rids, prompts, strict=True)],
                               all_logits=True)
         out.append({"draft": res.all_draft_logits, "logits": res.all_logits,
-                    "how": res.draft_embedding, "pages": session.pool.pages_held()})
+                    "how": res.draft_embedding, "pages": session.pool.footprint().pages_held})
     return out
 
 
@@ -220,8 +220,8 @@ def _check_draft(cp_out: dict, ref: dict, name: str) -> None:  # type: ignore[ty
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow),
-                                pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4, 8])
 def test_cp_draft_logits_equal_single_rank(cp: int, tiny: Path) -> None:
     """Rule 23 for the draft layer: every row's draft logits under CP (both modes, prefixes
     ending mid-page, a short extend taking the token-balanced split) equal one rank's; each rank
@@ -262,7 +262,7 @@ def _embedding_shapes(group, model_dir: str, prompts) -> dict:  # type: ignore[n
 
     model.draft_embed = spy  # type: ignore[method-assign]
     session = PrefillSession(model, s, group)
-    stale = plan_batch([session.pool.request_spec("x", 50)], group.size, PAGE, s.cp.mode)
+    stale = plan_batch([session.pool.pages.request_spec("x", 50)], group.size, PAGE, s.cp.mode)
     out: dict = {"shapes": {}, "draft": {}, "events": {}}
     for how, plan in (("local", "batch"), ("withheld", None), ("stale", stale)):
         kw = {} if plan == "batch" else {"draft_plan": plan}
@@ -282,7 +282,7 @@ def _embedding_shapes(group, model_dir: str, prompts) -> dict:  # type: ignore[n
             out["refused"] = False
         except FallbackError as exc:
             out["refused"] = exc.event.reason.value == "draft_plan_missing"
-    out["err_left"] = "err" in session.pool.table
+    out["err_left"] = "err" in session.pool.pages.requests
     return out
 
 
@@ -333,10 +333,10 @@ def _decode_session(model: DeepseekV32):  # type: ignore[no-untyped-def]
 def _valid_rows(session, rid: str) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     """Every pool layer's stored bytes of the request's valid rows, as float32."""
     pool = session.pool
-    rp = pool.table[rid]
+    rp = pool.pages.requests[rid]
     out = []
     for layer in range(pool.num_layers):
-        rows = torch.cat([pool.kv[layer][s] for s in rp.slots])[: rp.valid_len]
+        rows = torch.cat([pool.store.kv[layer][s] for s in rp.slots])[: rp.valid_len]
         out.append(rows.contiguous().view(torch.float32))
     return out
 
@@ -360,6 +360,7 @@ def _spec_vs_plain(ckpt: Path, prompts: list[list[int]], n: int, k: int):  # typ
     return plain, spec, rids, want, got, stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
     """A random draft (mostly rejected): the output is plain greedy's token for token; the pool
@@ -374,7 +375,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
     assert stats.proposed > 0 and stats.steps <= stats.plain_steps == 11
     for rid, p in zip(rids, prompts, strict=True):
         n_emitted = len(p) + sum(1 + a for a in stats.accepted_per_request[rid])
-        rp = spec.pool.table[rid]
+        rp = spec.pool.pages.requests[rid]
         assert rp.valid_len == n_emitted  # the last emitted token is not in the KV yet
         assert len(rp.slots) == -(-rp.valid_len // PAGE)  # rejected rows' pages went back
         mine, ref = _valid_rows(spec, rid), _valid_rows(plain, rid)
@@ -382,10 +383,10 @@ def test_speculative_greedy_equals_plain_greedy(tiny: Path, k: int) -> None:
             rows = min(a.shape[0], b.shape[0])
             torch.testing.assert_close(a[:rows], b[:rows], rtol=1e-4, atol=1e-4,
                                        msg=f"{rid} layer {layer}")
-    assert spec.pool.pages_held() == sum(len(spec.pool.table[r].slots) for r in rids)
+    assert spec.pool.footprint().pages_held == sum(len(spec.pool.pages.requests[r].slots) for r in rids)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_an_agreeing_draft_is_accepted_and_saves_steps(agree: Path, k: int) -> None:
     """A checkpoint whose MTP layer is built to guess the target's next token: accept rate above
     0.8, and the decode steps fall accordingly; the output is still plain greedy's."""
@@ -406,6 +407,7 @@ def test_an_agreeing_draft_is_accepted_and_saves_steps(agree: Path, k: int) -> N
 
 # ---------------------------------------------------------------------------- the job
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_mtp_pages_move_with_the_rest_and_decode_speculates(agree: Path) -> None:
     """CP2 prefill with the draft layer, the nccl transfer (Gloo) and speculative decoding:
     every owner sends its own pages of every layer, the MTP layer's included (bytes and
@@ -588,7 +590,7 @@ def test_speculative_equals_plain_greedy_property(models: dict[str, DeepseekV32]
         assert got == want
         assert stats.steps <= stats.plain_steps == n - 1
         for rid, p in zip(rids, prompts, strict=True):
-            rp = spec.pool.table[rid]
+            rp = spec.pool.pages.requests[rid]
             assert rp.valid_len == len(p) + sum(1 + a for a in stats.accepted_per_request[rid])
             assert len(rp.slots) == -(-rp.valid_len // PAGE)
 

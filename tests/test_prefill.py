@@ -298,7 +298,8 @@ def test_fp8_indexer_queries_on_an_fp8_pool(tiny: Path) -> None:
             return plain(q, w, *rest)
 
         session.driver.ops = types.SimpleNamespace(**{
-            **{k: getattr(session.ops, k) for k in session.ops.chosen}, "indexer_logits": spy})
+            **{k: getattr(session.ops, k) for k in session.ops.chosen}, "indexer_logits": spy},
+            has=session.ops.has)
         return session.prefill([("a", prompt)], capture_topk=True)
 
     fp8_q = run("fp8", "fp8")

@@ -68,7 +68,7 @@ def test_run_rejects_bad_prompts(tmp_path: Path) -> None:
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps([[1, 2, 99999]]))
     out = _cpkv("run", "--prompts", str(bad), env={})
-    assert out.returncode == 2 and "outside the vocabulary" in out.stderr
+    assert out.returncode == 1 and "outside the vocabulary" in out.stderr
     out = _cpkv("run", "--model", str(tmp_path / "nope"), env={})
     assert out.returncode == 1 and "neither 'tiny' nor an existing checkpoint" in out.stderr
 

@@ -50,10 +50,10 @@ def test_default_settings_create_a_sharded_pool() -> None:
     fmt = KVFormat(page_size=64)
     with recording():
         pool = create_pool(settings, fmt, 2, CPGroup.single())
-    assert pool.shared and pool.capacity == settings.kv.pages_per_rank
+    assert pool.store.shared and pool.store.capacity == settings.kv.pages_per_rank
     off = load_settings(cp={"size": 1}, kv={"shared": False, "pages_per_rank": 8})
     with recording():
-        assert not create_pool(off, fmt, 1, CPGroup.single()).shared
+        assert not create_pool(off, fmt, 1, CPGroup.single()).store.shared
 
 
 class _Picky:

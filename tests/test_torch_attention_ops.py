@@ -409,6 +409,7 @@ def test_attention_ops_do_not_sync_on_cuda() -> None:
 
 
 # ---- the conformance suite: runs, tolerates ties, catches broken backends ------------------------
+@pytest.mark.slow  # 7.5-18 s on 2 shared cores: the whole attention suite
 def test_suite_runs_the_attention_ops(ref: Any) -> None:
     names = [o.value for o in ATTN_OPS]
     assert check_backend(TorchOps(), ref, ops=names) == names
@@ -629,24 +630,34 @@ class MlaWrongValueWidth(TorchOps):
         return out
 
 
+#: cases that take 10 s or more on 2 CPU cores (the suite's sizes until the broken op is caught)
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(("broken", "op", "match"), [
     (TopkNoPadding, "topk", r"topk \[.*\] indices: the -1 slots differ"),
     (TopkAlwaysByLogit, "topk", r"topk \[.*\] indices: row \d+ holds \d+ <= k=\d+ keys"),
-    (TopkSkipsLargest, "topk", r"topk \[.*\] indices: row \d+ (picks a different index set|: "
-                               r"column \d+ .* is not tied)"),
-    (TopkIgnoresRange, "topk", r"topk \[finite outside.*\] indices: row \d+ repeats a column or "
-                               r"leaves its range"),
-    (IndexerNoRelu, "indexer_logits", r"indexer_logits \[.*\] logits: differs from the reference"),
-    (IndexerIgnoresScale, "indexer_logits", r"indexer_logits \[.*fp8 (q )?keys.*\]"),
-    (IndexerOffByOneRange, "indexer_logits", r"indexer_logits \[.*\] logits: -inf positions"),
-    (IndexerInBf16, "indexer_logits", r"indexer_logits \[.*\] logits: differs.*rtol=1e-05"),
-    (PagedIgnoresBlockTable, "indexer_logits_paged",
-     r"indexer_logits_paged \[.*\] logits: differs from the reference"),
-    (PagedOffByOneEnd, "indexer_logits_paged", r"indexer_logits_paged \[.*\] logits: -inf "
-                                               r"positions"),
+    pytest.param(TopkSkipsLargest, "topk", r"topk \[.*\] indices: row \d+ (picks a different index "
+                 r"set|: column \d+ .* is not tied)", marks=_SLOW),
+    pytest.param(TopkIgnoresRange, "topk", r"topk \[finite outside.*\] indices: row \d+ repeats a "
+                 r"column or leaves its range", marks=_SLOW),
+    pytest.param(IndexerNoRelu, "indexer_logits",
+                 r"indexer_logits \[.*\] logits: differs from the reference", marks=_SLOW),
+    pytest.param(IndexerIgnoresScale, "indexer_logits", r"indexer_logits \[.*fp8 (q )?keys.*\]",
+                 marks=_SLOW),
+    pytest.param(IndexerOffByOneRange, "indexer_logits",
+                 r"indexer_logits \[.*\] logits: -inf positions", marks=_SLOW),
+    pytest.param(IndexerInBf16, "indexer_logits",
+                 r"indexer_logits \[.*\] logits: differs.*rtol=1e-05", marks=_SLOW),
+    pytest.param(PagedIgnoresBlockTable, "indexer_logits_paged",
+                 r"indexer_logits_paged \[.*\] logits: differs from the reference", marks=_SLOW),
+    pytest.param(PagedOffByOneEnd, "indexer_logits_paged",
+                 r"indexer_logits_paged \[.*\] logits: -inf positions", marks=_SLOW),
     (MlaNoMask, "sparse_mla", r"sparse_mla \[.*\] output: differs from the reference"),
-    (MlaNaNOnEmptyRows, "sparse_mla", r"sparse_mla \[.*\] output: \d+ NaN value"),
-    (MlaWrongValueWidth, "sparse_mla", r"sparse_mla \[.*\] output: differs"),
+    pytest.param(MlaNaNOnEmptyRows, "sparse_mla", r"sparse_mla \[.*\] output: \d+ NaN value",
+                 marks=_SLOW),
+    pytest.param(MlaWrongValueWidth, "sparse_mla", r"sparse_mla \[.*\] output: differs",
+                 marks=_SLOW),
 ])
 def test_a_broken_attention_backend_fails_the_suite(ref: Any, broken: type, op: str,
                                                     match: str) -> None:

@@ -50,6 +50,7 @@ def test_reference_backend_comes_from_the_registry(ref: Any) -> None:
     assert set(CHECKS) == {o.value for o in ALL_OPS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_conformance_suite_runs_every_op(ref: Any, device: str) -> None:
     assert check_backend(TorchOps(), ref, device=device) == [o.value for o in ALL_OPS]

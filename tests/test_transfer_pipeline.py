@@ -76,7 +76,7 @@ class _Decode:
         src = torch.tensor([r.src_slot + i for r in part.runs for i in range(r.num_pages)])
         n = 0
         for layer in layers:
-            self.copies[layer] = self.pool.kv[layer].index_select(0, src).clone()
+            self.copies[layer] = self.pool.store.kv[layer].index_select(0, src).clone()
             n += self.copies[layer].numel()
         self.sends.append((layers[0], time.perf_counter(), n))
         return n
@@ -150,10 +150,10 @@ def test_each_layer_moves_after_its_write_without_a_host_sync(
     for layer, t, _ in dec.sends:
         assert t >= written[layer]  # never before that layer's KV was written
     rp = session.pages("a")
-    page_bytes = session.pool.kv[0][0].numel()
+    page_bytes = session.pool.store.kv[0][0].numel()
     assert sent.nbytes == len(rp.slots) * page_bytes * layers == sum(s[2] for s in dec.sends)
     for layer in range(layers):  # the pages as they are at the end: nothing sent early
-        assert torch.equal(dec.copies[layer], session.pool.kv[layer][torch.tensor(rp.slots)])
+        assert torch.equal(dec.copies[layer], session.pool.store.kv[layer][torch.tensor(rp.slots)])
     done = [m for m in dec.messages if isinstance(m, Done)]
     assert done[0].meta == {"first_token": 5} and done[0].nbytes == sent.nbytes
     offer = next(m for m in dec.messages if isinstance(m, Offer))

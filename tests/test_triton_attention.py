@@ -180,7 +180,7 @@ def _topk_case(g: torch.Generator, n: int, t: int, kind: str) -> torch.Tensor:
 
 @interp
 @pytest.mark.parametrize("kind", ["randn", "ties", "neg_inf", "equal", "zeros"])
-@pytest.mark.parametrize("config", ["default", "small", "long"])
+@pytest.mark.parametrize("config", [pytest.param("default", marks=pytest.mark.slow), "small", "long"])
 def test_topk_exact_edge_cases(ref: Any, monkeypatch: pytest.MonkeyPatch, kind: str,
                                config: str) -> None:
     """Exact equality with the reference: ranges empty, shorter / longer than k, clipped, not
@@ -259,6 +259,7 @@ def test_mla_precision_is_explicit() -> None:
 
 
 @interp
+@pytest.mark.slow
 @pytest.mark.parametrize("few_rows", [0, 10**9])
 def test_indexer_either_kernel_at_any_row_count(ref: Any, monkeypatch: pytest.MonkeyPatch,
                                                 few_rows: int) -> None:
@@ -463,6 +464,7 @@ def test_attention_kernels_do_not_sync_on_cuda() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.slow
 def test_bench_small_smoke() -> None:
     """The benchmark's tiny run (CPU interpreter without CUDA)."""
     from cpkv_backend_triton.bench_attention import bench_attention

@@ -81,6 +81,10 @@ def test_plugin_ops_are_the_ops_triton_ops_has() -> None:
     impl = TritonOps()
     assert impl.provided == plugin.OPS
     assert all(callable(getattr(impl, op.value)) for op in plugin.OPS)
+    # the parts' own bound methods, no forwarding layer between the op table and the kernels
+    assert impl.page_copy.__self__ is impl.kv_kernels
+    assert impl.sparse_mla_paged.__self__ is impl.attention_kernels
+    assert impl.rope.__self__ is impl.rope_kernels
 
 
 def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +94,8 @@ def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.Mon
     monkeypatch.setattr(ops, "ATTENTION_KERNELS", None)
     monkeypatch.setattr(ops, "IMPORT_ERRORS", {"attention": "ImportError('no attention')"})
     assert ops.TritonOps().provided == ops.KV_OPS | ops.ROPE_OPS
-    with pytest.raises(RuntimeError, match=r"no attention kernels: .*no attention"):
+    assert not hasattr(ops.TritonOps(), "topk")
+    with pytest.raises(AttributeError, match=r"no attention kernels: .*no attention"):
         ops.TritonOps().topk(torch.zeros(1, 1), 1, torch.zeros(1, dtype=torch.int64),
                              torch.ones(1, dtype=torch.int64))
     with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', 'indexer_logits_paged', "

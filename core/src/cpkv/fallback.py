@@ -15,9 +15,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
-import structlog
-
 from cpkv.contracts import FallbackEvent, FallbackPolicy, FallbackReason
+from cpkv.logs import get_logger
 
 __all__ = [
     "FallbackError",
@@ -28,7 +27,7 @@ __all__ = [
     "report_fallback",
 ]
 
-log = structlog.get_logger("cpkv.fallback")
+log = get_logger("cpkv.fallback")
 
 
 class FallbackError(RuntimeError):

@@ -211,7 +211,11 @@ class TransferSettings(_Section):
     model_config = ConfigDict(extra="allow")
 
     name: str = Field("nccl", min_length=1, description="a transfer entry-point name")
-    timeout_s: float = Field(30.0, gt=0, description="bound on one transfer, seconds")
+    timeout_s: float = Field(
+        30.0, gt=0, description="bound on the silence of a transfer wait, seconds: a wait for a "
+                                "message or part fails (TransferTimeout, naming what each rank "
+                                "does) when no other rank made progress for this long; a prefill "
+                                "of any length does not count against it")
     pipeline: Literal["request", "layer"] = Field(
         "request", description="'request': each rank sends a request's pages after its prefill; "
                                "'layer': it sends layer l's pages as soon as layer l's KV is "
@@ -263,7 +267,11 @@ class FallbackSettings(_Section):
 class RuntimeSettings(_Section):
     """Runtime bounds."""
 
-    timeout_s: float = Field(120.0, gt=0, description="bound on every cross-rank wait, seconds")
+    timeout_s: float = Field(
+        120.0, gt=0, description="bound on silence, seconds: when no rank makes progress (a layer, "
+                                 "a row chunk, a decode step) for this long the job is stopped and "
+                                 "the ranks that made none are named; a job that makes progress "
+                                 "is never stopped. Under torchrun also each collective's bound")
     startup_timeout_s: float = Field(
         60.0, gt=0, description="bound on starting the rank processes (interpreter, imports) and "
                                 "joining the process group, seconds; raise it when the machine "

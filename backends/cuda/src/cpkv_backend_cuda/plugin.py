@@ -8,7 +8,7 @@ CUDA device, a compute capability other than SM90 (the legacy sparse kernels are
 the import error of ``flash_mla``. A call its kernel cannot take (heads, head dims, dtype, top-k)
 is declined and runs on the next backend of the preference.
 
-On a machine whose torch is older than the wheel's metadata asks (the GPU machine: torch 2.11,
+On a machine whose torch is older than the wheel's metadata asks (e.g. torch 2.11 where
 the wheel says >= 2.14.1) install it with ``pip install --no-deps sgl-flash-mla``: it loads
 through torch's stable ABI.
 """

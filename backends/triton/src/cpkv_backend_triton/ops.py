@@ -1,8 +1,9 @@
 """``TritonOps``: the object the ``triton`` backend loads, three kernel objects composed.
 
 ``TritonOps(kv=KVKernels(), attention=AttentionKernels(kv=...), rope=RopeKernels())``: each op is
-a method that calls the part implementing it. Each kernel module is imported on its own: one
-that cannot be imported (``ImportError``) leaves its class None here (:data:`KV_KERNELS`,
+the bound method of the part implementing it (an :class:`~cpkv.ops.api.OpMethods`). Each kernel
+module is imported on its own: one that cannot be imported (``ImportError``) leaves its class
+None here (:data:`KV_KERNELS`,
 :data:`ATTENTION_KERNELS`, :data:`ROPE_KERNELS`) and its error in :data:`IMPORT_ERRORS`, so the
 KV, attention and rope kernels land independently. :attr:`TritonOps.provided` names the ops of
 the parts present; ``plugin.load`` checks it against the plugin's static list.
@@ -10,15 +11,10 @@ the parts present; ``plugin.load`` checks it against the plugin's static list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import Any
 
-from cpkv.ops.api import Op
-
-if TYPE_CHECKING:
-    import torch
-
-    from cpkv.ops.api import KVFormat, KVPart, RopeStyle
+from cpkv.ops.api import Op, OpMethods
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_OPS", "IMPORT_ERRORS", "KV_KERNELS", "KV_OPS",
            "ROPE_KERNELS", "ROPE_OPS", "TritonOps"]
@@ -58,11 +54,9 @@ except ImportError as exc:
 else:
     ROPE_KERNELS = RopeKernels
 
-_P = TypeVar("_P")
-
-
-class TritonOps:
-    """cpkv's compute ops as Triton kernels: one method per op, each calling its part.
+class TritonOps(OpMethods):
+    """cpkv's compute ops as Triton kernels: the bound methods of its parts, one per op (no
+    forwarding layer: the op table calls the kernel object's method itself).
 
     Args:
         kv: the KV kernels; None: a default :class:`~cpkv_backend_triton.kv.KVKernels` when its
@@ -73,7 +67,7 @@ class TritonOps:
         rope: the rope kernel; None: a default :class:`~cpkv_backend_triton.rope.RopeKernels`.
 
     A part whose module did not import stays None: its ops are not in :attr:`provided`, and
-    calling one raises RuntimeError naming the import error.
+    looking one up raises AttributeError naming the import error.
     """
 
     def __init__(self, kv: KVKernels | None = None, attention: AttentionKernels | None = None,
@@ -85,88 +79,24 @@ class TritonOps:
         if rope is None and ROPE_KERNELS is not None:
             rope = ROPE_KERNELS()
         self.kv_kernels, self.attention_kernels, self.rope_kernels = kv, attention, rope
+        methods: dict[Op, Callable[..., Any]] = {}
+        if kv is not None:
+            methods |= {Op.PAGE_GATHER: kv.page_gather, Op.PAGE_SCATTER: kv.page_scatter,
+                        Op.PAGE_COPY: kv.page_copy, Op.RERANGE: kv.rerange,
+                        Op.PEER_GATHER: kv.peer_gather, Op.FP8_PACK: kv.fp8_pack,
+                        Op.FP8_UNPACK: kv.fp8_unpack}
+        if attention is not None:
+            methods |= {Op.INDEXER_LOGITS: attention.indexer_logits,
+                        Op.INDEXER_LOGITS_PAGED: attention.indexer_logits_paged,
+                        Op.TOPK: attention.topk, Op.SPARSE_MLA: attention.sparse_mla,
+                        Op.SPARSE_MLA_PAGED: attention.sparse_mla_paged}
+        if rope is not None:
+            methods[Op.ROPE] = rope.rope
+        super().__init__(methods)
 
-    @property
-    def provided(self) -> frozenset[Op]:
-        """The ops of the parts present."""
-        parts = ((self.kv_kernels, KV_OPS), (self.attention_kernels, ATTENTION_OPS),
-                 (self.rope_kernels, ROPE_OPS))
-        return frozenset().union(*(ops for part, ops in parts if part is not None))
-
-    @staticmethod
-    def _need(part: _P | None, name: str) -> _P:
-        if part is None:
-            why = IMPORT_ERRORS.get(name, "its module did not import (or kv did not)")
-            raise RuntimeError(f"the triton backend has no {name} kernels: {why}")
-        return part
-
-    # ---- KV ops: KVKernels ---------------------------------------------------------------
-    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.kv_kernels, "kv").page_gather(src, index)
-
-    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        self._need(self.kv_kernels, "kv").page_scatter(dst, index, src)
-
-    def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
-                  src_index: torch.Tensor) -> None:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        self._need(self.kv_kernels, "kv").page_copy(dst, dst_index, src, src_index)
-
-    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.kv_kernels, "kv").rerange(gathered, perm)
-
-    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.kv_kernels, "kv").peer_gather(srcs, owner, rows)
-
-    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.kv_kernels, "kv").fp8_pack(x, fmt, part)
-
-    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.kv_kernels, "kv").fp8_unpack(packed, fmt, part, dtype, index)
-
-    # ---- sparse attention: AttentionKernels ----------------------------------------------
-    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
-                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
-                       key_end: torch.Tensor) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.attention_kernels, "attention").indexer_logits(
-            q, w, k, k_scale, key_start, key_end)
-
-    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
-                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
-                             key_end: torch.Tensor) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.attention_kernels, "attention").indexer_logits_paged(
-            q, w, pages, fmt, block_table, row_request, key_end)
-
-    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
-             key_end: torch.Tensor) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.attention_kernels, "attention").topk(logits, k, key_start,
-                                                                     key_end)
-
-    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
-                   dv: int) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.attention_kernels, "attention").sparse_mla(q, kv, indices, scale,
-                                                                           dv)
-
-    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.attention_kernels, "attention").sparse_mla_paged(
-            q, pages, rows, fmt, scale, dv)
-
-    # ---- rope: RopeKernels ---------------------------------------------------------------
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-        """See :class:`cpkv.ops.api.KVOps`."""
-        return self._need(self.rope_kernels, "rope").rope(x, cos, sin, style, out)
+    def missing_reason(self, op: str) -> str:
+        """The import error of the part that implements ``op``."""
+        part = next(name for name, ops in (("kv", KV_OPS), ("attention", ATTENTION_OPS),
+                                           ("rope", ROPE_OPS)) if Op(op) in ops)
+        why = IMPORT_ERRORS.get(part, "its module did not import (or kv did not)")
+        return f"the triton backend has no {part} kernels: {why}"

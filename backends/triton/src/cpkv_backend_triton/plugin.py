@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import cast
 
 from cpkv.contracts import Availability, KVOps, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
@@ -77,7 +78,7 @@ def load() -> KVOps:
     if missing:
         raise RuntimeError(f"the triton backend lists {missing} but does not have them: kernel "
                            f"module import errors {IMPORT_ERRORS}")
-    return impl
+    return cast(KVOps, impl)  # its ops are bound methods (OpMethods), checked just above
 
 
 @hookimpl

@@ -60,8 +60,8 @@ def _fill(worker: Any, rids: list[Hashable], context: int, seed: int) -> None:
     g = torch.Generator(device=dev).manual_seed(seed)
     npages = -(-context // s)
     for rid in rids:
-        slots = pool.allocate_pages(0, npages, "bench pages")
-        pool.extend(rid, [(0, x) for x in slots], context)
+        slots = pool.pages.allocate_pages(0, npages, "bench pages")
+        pool.pages.extend(rid, [(0, x) for x in slots], context)
         base = torch.tensor(slots, dtype=torch.int64, device=dev)[:, None] * s
         rows = (base + torch.arange(s, device=dev)).reshape(-1)[:context]
         for start in range(0, context, 65536):
@@ -71,7 +71,7 @@ def _fill(worker: Any, rids: list[Hashable], context: int, seed: int) -> None:
                                   generator=g, device=dev, dtype=model.dtype)
                 idx = torch.randn(r.numel(), cfg.index_head_dim, generator=g, device=dev,
                                   dtype=model.dtype)
-                pool.write_rows(layer, r, lat, idx)
+                pool.store.write_rows(layer, r, lat, idx)
 
 
 def _measure(worker: Any, rids: list[Hashable], steps: int) -> dict[str, Any]:
@@ -193,7 +193,7 @@ def _speculation(spec: DecodeBenchSpec, dev: torch.device) -> dict[str, Any]:
                 first = [(rid, 1, 1) for rid in rids]
                 worker.speculate(first, 8, draft_tokens=k)  # compiles, captures
                 for rid in rids:  # the same requests again, from their context
-                    worker.pool.truncate(rid, ctx)
+                    worker.pool.pages.truncate(rid, ctx)
                 t = time.perf_counter()  # (speculate reads its tokens back: synced at both ends)
                 tokens, stats = worker.speculate(first, n, draft_tokens=k)
                 wall = time.perf_counter() - t

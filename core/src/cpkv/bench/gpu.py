@@ -225,9 +225,9 @@ def _all_gather_views(pool: ShardedKVPool) -> AllGatherViews:
     """The all-gather strategy of ``pool`` (its send buffers are timed on their own)."""
     from cpkv.kv import AllGatherViews
 
-    if not isinstance(pool.views, AllGatherViews):
-        raise RuntimeError(f"expected an all_gather pool, got materialize={pool.materialize_mode}")
-    return pool.views
+    if not isinstance(pool.store.views, AllGatherViews):
+        raise RuntimeError(f"expected an all_gather pool, got materialize={pool.store.views.mode}")
+    return pool.store.views
 
 
 def _all_gather_part(views: AllGatherViews, m: MaterializePlan, part: int) -> torch.Tensor:
@@ -276,10 +276,10 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
         pool = ShardedKVPool(fmt, spec.layers, group, ops, pages_per_rank=pages,
                              materialize=mode)
         kv = pool.prepare(plan, ["r"])
-        for b in pool.kv:
+        for b in pool.store.kv:
             b.random_(0, 255, generator=torch.Generator(group.device).manual_seed(group.rank))
         torch.cuda.synchronize()
-        out[f"mode_{mode}"] = pool.materialize_mode
+        out[f"mode_{mode}"] = pool.store.views.mode
         out[f"materialize_{mode}_ms"] = device_ms(partial(pool.materialize, 0, kv), iters=20,
                                                   align=align)
         out["eager"][mode] = cuda_ms(partial(pool.materialize, 0, kv), iters=20)
@@ -437,7 +437,7 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
                              runtime={"indexer_dtype": spec.indexer_dtype})
     session = PrefillSession(model, settings, group)
     out: dict[str, Any] = {"ops": dict(session.ops.chosen), "sizes": {},
-                           "materialize": session.pool.materialize_mode,
+                           "materialize": session.pool.store.views.mode,
                            "kv_dtype": str(session.settings.kv.dtype),
                            "indexer_dtype": session.settings.runtime.indexer_dtype}
     g = torch.Generator().manual_seed(0)
@@ -455,7 +455,7 @@ def prefill_rank(group: Any, spec: PrefillSpec) -> dict[str, Any]:
             res = session.prefill([(f"p{n}-{r}", ids)])
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
-            held = session.pool.bytes_held()
+            held = session.pool.footprint().bytes_held
             session.release(f"p{n}-{r}")
         out["sizes"][n] = {"seconds": statistics.median(times[1:] or times), "all": times,
                            "kv_bytes": held,

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from cpkv.comm import note_progress
+
 from .gpu import kernel_profile, layer_flops
 
 __all__ = ["HFLogitsSpec", "LongSpec", "RecallSpec", "fp8_recall_rank", "hf_logits_rank", "long_rank",
@@ -140,6 +142,8 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
                 res = session.prefill([(rid, ids[s:s + c])])
                 _sync(group.device)
                 per_chunk.append(time.perf_counter() - t)
+                # per chunk: the parent's progress lines (and the launcher's bound on silence)
+                note_progress(f"prefill of {n:,} tokens in chunks of {c:,}", min(n, s + c), n)
             seconds = time.perf_counter() - start
             if res is not None:
                 logits[c] = res.last_logits[0].float().cpu()
@@ -148,7 +152,7 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
                 "tokens": n, "chunk": c, "seconds": seconds, "chunk_seconds": per_chunk,
                 "layer_tflops": flops / seconds / 1e12,
                 "peak_gb": _peak_gb(group.device),
-                "kv_bytes": session.pool.bytes_held()}
+                "kv_bytes": session.pool.footprint().bytes_held}
             session.release(rid)
             if spec.profile == (n, c) and group.device.type == "cuda":  # untimed, profiled
                 out["profile"] = _profile_last_chunk(session, ids, c)

@@ -181,9 +181,9 @@ def bench_rank(world: CPGroup, spec: TransferBenchSpec) -> dict[str, Any]:
 
     s = spec.settings
     c = s.cp.size
-    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s))
+    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=world.timeout_s))
     if world.rank < c:
-        group = CPGroup.from_process_group(cp_pg, timeout_s=s.runtime.timeout_s,
+        group = CPGroup.from_process_group(cp_pg, timeout_s=world.timeout_s,
                                            device=world.device)
         return _prefill_side(world, group, spec)
     return _decode_side(world, spec)

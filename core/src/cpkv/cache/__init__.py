@@ -1,6 +1,6 @@
 """Prefix cache over the sharded pool: token-valid hits over page-aligned extents (rules 28-29)."""
 
-from .prefix import CacheStats, PrefixCache
+from .prefix import CacheStats, HostLoads, PrefixCache
 from .radix import PageRef, PrefixMatch, RadixTree
 
-__all__ = ["CacheStats", "PageRef", "PrefixCache", "PrefixMatch", "RadixTree"]
+__all__ = ["CacheStats", "HostLoads", "PageRef", "PrefixCache", "PrefixMatch", "RadixTree"]

@@ -1,7 +1,7 @@
 """The CP-aware prefix cache: a radix tree of token ids over the sharded pool's pages (rule 28).
 
-Every rank keeps one :class:`PrefixCache` over its pool and feeds it the same calls, so every
-rank holds the same tree and makes the same decisions (hits, evictions) without communication.
+Every rank keeps one :class:`PrefixCache` over its pool's page table and feeds it the same calls,
+so every rank holds the same tree and makes the same decisions (hits, evictions) without communication.
 The pages themselves stay where they are: on their owner rank, in its pool (rule 11). A hit
 hands the new request the cached pages (shared, reference counted by the pool); when the hit
 ends inside a page, the new request's head fragment would write into a page other requests
@@ -22,20 +22,21 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-import structlog
-
+from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackReason, cdiv
 from cpkv.fallback import report_fallback
-from cpkv.kv import PoolExhausted, ShardedKVPool
+from cpkv.kv import PageTable, PoolExhausted
 from cpkv.kv.host import HostPages
 from cpkv.kv.stage import PageLoad
+from cpkv.logs import get_logger
 
 from .radix import PageRef, PrefixMatch, RadixTree, _Node
 
-__all__ = ["CacheStats", "PrefixCache"]
+__all__ = ["CacheStats", "HostLoads", "PrefixCache"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass
@@ -62,33 +63,62 @@ class CacheStats:
     nodes_dropped: int = 0
 
 
+class HostLoads(Protocol):
+    """What the cache's host tier needs of the device bytes (a :class:`~cpkv.kv.KVStore` is
+    one): back pages up into host memory, and queue their loads back into device slots."""
+
+    @property
+    def loads_pending(self) -> bool:
+        """Queued or in-flight host loads (or copies) whose bytes are not all in place yet."""
+        ...
+
+    def queue_load(self, load: PageLoad) -> None:
+        """Load host pages into reserved device slots with the next batch's staged work."""
+        ...
+
+    def flush_loads(self) -> None:
+        """Finish every queued host load and in-flight staged work now."""
+        ...
+
+    def queued_loads(self) -> tuple[PageLoad, ...]:
+        """Host loads queued and not yet handed to a batch (read by consistency checks)."""
+        ...
+
+    def save_to_host(self, host: HostPages, dev_slots: Sequence[int],
+                     host_slots: Sequence[int]) -> None:
+        """Copy this rank's device pages ``dev_slots`` into ``host``'s pages ``host_slots``."""
+        ...
+
+
 class PrefixCache:
-    """Radix prefix cache over ``pool`` (see the module docstring).
+    """Radix prefix cache over one rank's page table (see the module docstring).
 
     Args:
-        pool: this rank's pool; the cache registers itself as the pool's page reclaimer, so a
-            batch that does not fit evicts least recently used cached prefixes, then allocates
-            (unless ``evict`` is False: then a batch that does not fit raises).
+        pages: this rank's page table (``pool.pages``); the cache registers itself as its page
+            reclaimer, so a batch that does not fit evicts least recently used cached prefixes,
+            then allocates (unless ``evict`` is False: then a batch that does not fit raises).
+        loads: the device bytes' host loads (``pool.store``): used only with a host tier.
+        group: the CP group (this rank, and the collectives of :meth:`agree`).
         host: the host tier (evicted pages are backed up there first), or None (they are gone).
         evict: whether pool pressure evicts cached prefixes.
     """
 
-    def __init__(self, pool: ShardedKVPool, host: HostPages | None = None, *,
-                 evict: bool = True) -> None:
-        if host is not None and host.allocator.num_ranks != pool.allocator.num_ranks:
+    def __init__(self, pages: PageTable, loads: HostLoads, group: CPGroup,
+                 host: HostPages | None = None, *, evict: bool = True) -> None:
+        if host is not None and host.allocator.num_ranks != pages.allocator.num_ranks:
             raise ValueError(f"host tier has {host.allocator.num_ranks} allocation ranks, the pool "
-                             f"{pool.allocator.num_ranks}")
-        self.pool, self.host = pool, host
-        self.tree = RadixTree(pool.fmt.page_size)
+                             f"{pages.allocator.num_ranks}")
+        self.pages, self.loads, self.group, self.host = pages, loads, group, host
+        self.tree = RadixTree(pages.page_size)
         self.stats = CacheStats()
         #: nodes no eviction may take right now (a hit being attached)
         self._keep: set[_Node] = set()
         if evict:
-            pool.pages.reclaim = self.evict_for
+            pages.reclaim = self.evict_for
 
     @property
     def page_size(self) -> int:
-        return self.pool.fmt.page_size
+        return self.pages.page_size
 
     def match(self, tokens: Sequence[int]) -> PrefixMatch:
         """The longest cached prefix of ``tokens``, in tokens, leaving at least the last token to
@@ -106,11 +136,11 @@ class PrefixCache:
         then shorten their hit to this one's in :meth:`agree`)."""
         if self.host is None or not self.host.lost:
             return m
-        me, hit = self.pool.alloc_rank(self.pool.rank), m.hit_tokens
+        me, hit = self.pages.alloc_rank(self.group.rank), m.hit_tokens
         ps, cut = self.page_size, None
         while True:
             for k, (node, (owner, slot)) in enumerate(self.tree.page_sources(m.path, hit)):
-                if node.on_host and self.pool.alloc_rank(owner) == me and slot in self.host.lost:
+                if node.on_host and self.pages.alloc_rank(owner) == me and slot in self.host.lost:
                     cut = (k, slot)
                     hit = max(node.start, k * ps)  # below it, page k comes from the parent
                     break
@@ -121,7 +151,7 @@ class PrefixCache:
         report_fallback(op="prefix_cache", requested=f"cached prefix of {m.hit_tokens} tokens",
                         selected=f"{hit} tokens, the rest recomputed",
                         reason=FallbackReason.HOST_PAGE_MISSING,
-                        detail=f"rank {self.pool.rank} lost host page {cut[1]} (logical page "
+                        detail=f"rank {self.group.rank} lost host page {cut[1]} (logical page "
                                f"{cut[0]})")
         return self.tree.prefix(m.path, hit)
 
@@ -130,7 +160,7 @@ class PrefixCache:
         sync per request). Ranks fed the same calls agree already; a rank that has less (it lost
         a cached page) shortens every rank's hit, reported on every rank as fallback
         ``cache_hit_shortened``, and the rest is recomputed."""
-        hit, neg_most = self.pool.group.agree_min([match.hit_tokens, -match.hit_tokens])
+        hit, neg_most = self.group.agree_min([match.hit_tokens, -match.hit_tokens])
         if hit == -neg_most:  # every rank has the same hit
             return match
         report_fallback(op="prefix_cache", requested=f"cached prefix of up to {-neg_most} tokens",
@@ -157,13 +187,13 @@ class PrefixCache:
         Raises:
             ValueError: ``rid`` is already in the pool.
         """
-        if rid in self.pool.table:
+        if rid in self.pages.requests:
             raise ValueError(f"request {rid!r} is already in the pool")
         if match.on_host:
             match = self._bring_back(match)
         if match.hit_tokens == 0:
             return 0
-        self.pool.adopt(rid, match.pages, match.hit_tokens)
+        self.pages.adopt(rid, match.pages, match.hit_tokens)
         self.tree.touch(match)
         return match.hit_tokens
 
@@ -178,12 +208,12 @@ class PrefixCache:
             match = self.tree.prefix((*match.path[:-1], last.parent), hit)
         nodes = match.on_host
         refs = [(n, k, r) for n in nodes for k, r in sorted(n.pages.items())]
-        needs = [0] * self.pool.allocator.num_ranks
+        needs = [0] * self.pages.allocator.num_ranks
         for _, _, (owner, _) in refs:
-            needs[self.pool.alloc_rank(owner)] += 1
+            needs[self.pages.alloc_rank(owner)] += 1
         self._keep = set(match.path)
         try:
-            slots = self.pool.take_pages(needs, f"{len(refs)} host pages of a cached prefix")
+            slots = self.pages.take_pages(needs, f"{len(refs)} host pages of a cached prefix")
         except PoolExhausted as exc:
             short = nodes[0].start
             report_fallback(op="prefix_cache", requested=f"cached prefix of {hit} tokens",
@@ -199,17 +229,17 @@ class PrefixCache:
         for node in nodes:
             dev: dict[int, PageRef] = {}
             for k, (owner, hslot) in sorted(node.pages.items()):
-                a = self.pool.alloc_rank(owner)
+                a = self.pages.alloc_rank(owner)
                 dev[k] = (owner, slots[a][cursor[a]])
                 cursor[a] += 1
                 moves.append((owner, hslot, dev[k][1]))
             node.pages, node.on_host = dev, False  # the load holds the host references now
-        self.pool.queue_load(PageLoad(host, tuple(moves)))
+        self.loads.queue_load(PageLoad(host, tuple(moves)))
         self.stats.pages_loaded_from_host += len(moves)
         return self.tree.prefix(match.path, hit)
 
     def _hkey(self, ref: PageRef) -> tuple[int, int]:
-        return self.pool.alloc_rank(ref[0]), ref[1]
+        return self.pages.alloc_rank(ref[0]), ref[1]
 
     def insert(self, rid: Hashable, tokens: Sequence[int]) -> int:
         """Cache request ``rid``'s tokens: ``tokens`` are its token ids from position 0 (at least
@@ -220,7 +250,7 @@ class PrefixCache:
             ValueError: fewer tokens than the request's valid length, or it has an uncommitted
                 batch.
         """
-        rp = self.pool.table[rid]
+        rp = self.pages.requests[rid]
         if rp.pending:
             raise ValueError(f"request {rid!r} has an uncommitted batch; insert after commit")
         n = rp.valid_len
@@ -228,13 +258,13 @@ class PrefixCache:
             raise ValueError(f"request {rid!r} holds {n} tokens, {len(tokens)} token ids given")
         pages: list[PageRef] = [(rp.owners[k], rp.slots[k]) for k in range(cdiv(n, self.page_size))]
         added = self.tree.insert(tokens[:n], pages)
-        self.pool.retain(added.device)
+        self.pages.retain(added.device)
         if added.host:
             assert self.host is not None
             self.host.retain(self._hkey(r) for r in added.host)
         for node in self.tree.match(tokens[:n]).on_host:  # the request holds these tokens now
             dev = {k: pages[k] for k in node.pages}
-            self.pool.retain(dev.values())
+            self.pages.retain(dev.values())
             self._release_host(node)  # the device copy replaces it
             node.pages, node.on_host = dev, False
         self.stats.inserted_tokens += n
@@ -250,10 +280,10 @@ class PrefixCache:
         held: Counter[PageRef] = Counter(p for n in self.tree.nodes()
                                          if not n.on_host and n not in self._keep
                                          for p in n.pages.values())
-        out = [0] * self.pool.allocator.num_ranks
+        out = [0] * self.pages.allocator.num_ranks
         for (owner, slot), n in held.items():
-            if self.pool.refcount(owner, slot) == n:
-                out[self.pool.alloc_rank(owner)] += 1
+            if self.pages.refcount(owner, slot) == n:
+                out[self.pages.alloc_rank(owner)] += 1
         return out
 
     def _evict_one(self) -> int | None:
@@ -266,7 +296,7 @@ class PrefixCache:
         dev = list(node.pages.values())
         if not self._save(node):
             self.stats.host_pages_dropped += self._remove(node)
-        freed = self.pool.release(dev)
+        freed = self.pages.release(dev)
         self.stats.evicted_nodes += 1
         self.stats.pages_evicted += freed
         return freed
@@ -280,7 +310,7 @@ class PrefixCache:
             return False
         needs = [0] * host.allocator.num_ranks
         for owner, _ in node.pages.values():
-            needs[self.pool.alloc_rank(owner)] += 1
+            needs[self.pages.alloc_rank(owner)] += 1
         if any(n > host.capacity for n in needs):
             return False
         while any(host.free_pages(a) < n for a, n in enumerate(needs)):
@@ -288,23 +318,23 @@ class PrefixCache:
             if victim is None:
                 return False
             self.stats.host_pages_dropped += self._remove(victim)
-        if self.pool.loads_pending:
-            self.pool.flush_loads()  # a page saved now may still be waiting for its load
+        if self.loads.loads_pending:
+            self.loads.flush_loads()  # a page saved now may still be waiting for its load
         slots = host.take(needs)
-        me = self.pool.alloc_rank(self.pool.rank)
+        me = self.pages.alloc_rank(self.group.rank)
         cursor = [0] * len(slots)
         saved: dict[int, PageRef] = {}
         dev_mine: list[int] = []
         host_mine: list[int] = []
         for k, (owner, dslot) in sorted(node.pages.items()):
-            a = self.pool.alloc_rank(owner)
+            a = self.pages.alloc_rank(owner)
             saved[k] = (owner, slots[a][cursor[a]])
             cursor[a] += 1
             if a == me:
                 dev_mine.append(dslot)
                 host_mine.append(saved[k][1])
         if dev_mine:
-            host.save(self.pool.kv, host.index(dev_mine), host.index(host_mine), self.pool.ops)
+            self.loads.save_to_host(host, dev_mine, host_mine)
         node.pages, node.on_host = saved, True
         self.stats.pages_saved_to_host += len(saved)
         return True
@@ -319,7 +349,7 @@ class PrefixCache:
             if n.on_host:
                 dropped += self._release_host(n)
             elif n is not node:
-                self.stats.pages_evicted += self.pool.release(n.pages.values())
+                self.stats.pages_evicted += self.pages.release(n.pages.values())
         return dropped
 
     def evict_for(self, needs: Sequence[int]) -> bool:
@@ -327,7 +357,7 @@ class PrefixCache:
         pages. Returns whether it got there (all ranks decide alike: the tree is the same). When
         even evicting everything would not make room, evicts nothing and returns False: the
         caller's error then leaves the cache as it was."""
-        alloc = self.pool.allocator
+        alloc = self.pages.allocator
         room = self._evictable()
         if any(alloc.free_pages(a) + room[a] < n for a, n in enumerate(needs)):
             return False
@@ -354,7 +384,7 @@ class PrefixCache:
                 if n.on_host:
                     self.stats.host_pages_dropped += self._release_host(n)
                 else:
-                    self.stats.pages_evicted += self.pool.release(n.pages.values())
+                    self.stats.pages_evicted += self.pages.release(n.pages.values())
                 self.stats.evicted_nodes += 1
 
     def check_agreement(self) -> None:
@@ -363,5 +393,5 @@ class PrefixCache:
         Raises:
             RuntimeError: on every rank, when the trees differ.
         """
-        if not self.pool.group.all_equal(self.tree.signature()):
+        if not self.group.all_equal(self.tree.signature()):
             raise RuntimeError("debug: CP ranks' prefix caches disagree")

@@ -29,6 +29,10 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
+        except click.BadParameter as exc:
+            # a value the user gave (--cp 0, a bad --extend) is one line, exit 1; click's usage
+            # block stays for malformed command lines (an unknown option, a missing argument)
+            raise click.ClickException(_bad_value(exc)) from None
         except KeyboardInterrupt:
             click.echo("cpkv: interrupted", err=True)
             raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
@@ -47,6 +51,15 @@ class _Group(click.Group):
             elif isinstance(exc, RankFailed):
                 line += " (-v shows the traceback)"
             raise click.ClickException(line) from exc
+
+
+def _bad_value(exc: click.BadParameter) -> str:
+    """``--cp 0: 0 is not in the range x>=1 (cpkv run --help lists the options)``."""
+    hint = exc.param_hint if isinstance(exc.param_hint, str) else None
+    if hint is None and exc.param is not None:
+        hint = "/".join(getattr(exc.param, "opts", None) or [str(exc.param.name)])
+    cmd = exc.ctx.command_path if exc.ctx is not None else "cpkv"
+    return f"{hint or 'a value'}: {exc.message} ({cmd} --help lists the options)"
 
 
 def _terminated(signum: int, frame: FrameType | None) -> None:

@@ -53,28 +53,74 @@ def bench_out(out: str) -> str:
     return str(default_cache_dir().parent / "bench" / Path(out).name)
 
 
+def _progress_console() -> Console:
+    """Where a bench says what it is doing: stderr, on a terminal or with ``-v``; silent
+    otherwise (at default verbosity a piped bench prints its result and the report's path only),
+    and with ``-q``."""
+    from ._state import CliState
+
+    ctx = click.get_current_context(silent=True)
+    state = ctx.find_object(CliState) if ctx is not None else None
+    verbose, quiet = (state.verbose, state.quiet) if state is not None else (0, 0)
+    return Console(stderr=True, quiet=bool(quiet) or not (verbose or sys.stderr.isatty()))
+
+
+def _check_out(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--out`` (or, without it, the cache directory it defaults to) checked before the bench
+    runs: one line naming the option when it cannot take the report."""
+    from cpkv.models.tiny import default_cache_dir
+
+    from ._outputs import check_output
+
+    if ctx.get_parameter_source("out") is click.core.ParameterSource.DEFAULT or value is None:
+        name = Path(value).name if value else "report.json"
+        check_output(default_cache_dir().parent / "bench" / name, "--out (default)")
+    else:
+        check_output(value, "--out")
+    return value
+
+
+def _out_option(default: str | None, file: str = "") -> Any:
+    """The benches' ``--out``: ``default`` is the tracked file it names (None: chosen by the
+    machine, ``file`` says how), but without ``--out`` the report goes to the cache directory
+    (:func:`bench_out`), which the help says; checked before the bench runs."""
+    name = Path(default).name if default else file
+    return click.option(
+        "--out", type=click.Path(dir_okay=False), default=default, callback=_check_out,
+        help=f"Write the JSON report here [default: ~/.cache/cpkv/bench/{name}; "
+             f"benchmarks/results/{name} updates the tracked results].")
+
+
 @click.group("bench")
-def command() -> None:
+@click.pass_context
+def command(ctx: click.Context) -> None:
     """Run benchmarks; each writes a JSON report: to --out (benchmarks/results/<name>.json to
     update the tracked results), else to ~/.cache/cpkv/bench/<name>.json."""
+    import logging
+
+    from ._logging import configure_logging, level_from_flags
+    from ._state import CliState
+
+    state = ctx.find_object(CliState) or CliState()
+    level = level_from_flags(state.verbose, state.quiet)
+    # a bench's fallbacks are part of what it measures (its JSON has the rows): logged from -v
+    configure_logging(level, frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset())
 
 
 @command.command("plan")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/plan_cpu.json",
-              show_default=True)
+@_out_option("benchmarks/results/plan_cpu.json")
 @click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True)
 def plan_cmd(out: str, repeat: int) -> None:
     """Host time of the split planner on 256-request batches (both modes, CP2 and CP8)."""
     from cpkv.bench import plan
 
-    err = Console(stderr=True)
+    err = _progress_console()
     rows = plan.run(repeat=repeat, progress=lambda s: err.print(f"[dim]{s}[/]"))
     _report("plan", rows, out)
 
 
 @command.command("cache")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/cache_cpu.json",
-              show_default=True)
+@_out_option("benchmarks/results/cache_cpu.json")
 @click.option("--cp", type=click.IntRange(min=1), default=2, show_default=True,
               help="CP ranks (Gloo processes).")
 @click.option("--requests", type=click.IntRange(min=1), default=16, show_default=True)
@@ -91,7 +137,7 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
     from cpkv.bench import cache
     from cpkv.models import write_tiny_checkpoint
 
-    err = Console(stderr=True)
+    err = _progress_console()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0,
                                      max_position_embeddings=max(4096, prefix + suffix))
@@ -109,8 +155,7 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
 
 
 @command.command("transfer")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Default: benchmarks/results/transfer_cpu.json (transfer_h200.json with --gpus).")
+@_out_option(None, "transfer_{cpu,h200}.json")
 @click.option("--plugins", default="nccl,mooncake", show_default=True,
               help="Transfer plugins, comma-separated (each its own run).")
 @click.option("--tokens", default="8192,32768", show_default=True,
@@ -144,7 +189,7 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
     from cpkv.models import write_tiny_checkpoint
     from cpkv.models.tiny import PRESETS
 
-    err = Console(stderr=True)
+    err = _progress_console()
     sizes = [int(t) for t in tokens.split(",") if t.strip()]
     names = [p.strip() for p in plugins.split(",") if p.strip()]
     protocols = [p.strip() for p in mooncake_protocol.split(",") if p.strip()]
@@ -179,8 +224,7 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
 
 
 @command.command("host")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Default: benchmarks/results/host_h200.json on a GPU, else host_cpu.json.")
+@_out_option(None, "host_{cpu,h200}.json")
 @click.option("--pages", type=click.IntRange(min=1), default=None,
               help="Pages per layer moved (default: 1024 on a GPU, 128 on a CPU).")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
@@ -202,7 +246,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
     pages = pages or (1024 if cuda else 128)
     layers = layers or (4 if cuda else 2)
     out = out or f"benchmarks/results/host_{'h200' if cuda else 'cpu'}.json"
-    err = Console(stderr=True)
+    err = _progress_console()
     try:
         rows, detail = host.run(dev, pages, layers, progress=lambda s: err.print(f"[dim]{s}[/]"))
     except host.RoundTripError as e:
@@ -217,8 +261,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
 
 
 @command.command("mtp")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Default: benchmarks/results/mtp_h200.json on GPUs, else mtp_cpu.json.")
+@_out_option(None, "mtp_{cpu,h200}.json")
 @click.option("--tokens", type=click.IntRange(min=8), default=None,
               help="Prompt of the CP2 draft prefill memory run (default: 65536 on GPUs, 2048 on "
                    "CPUs).")
@@ -262,7 +305,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
                  "num_nextn_predict_layers": 1, "max_position_embeddings": 163840}
     elif layers:
         over |= {"num_hidden_layers": layers}
-    err = Console(stderr=True)
+    err = _progress_console()
     with tempfile.TemporaryDirectory() as tmp:
         err.print("[dim]writing a checkpoint whose MTP layer agrees with its target[/]")
         ckpt = str(write_tiny_checkpoint(Path(tmp) / "agree", seed=0, draft="agree", **over))
@@ -281,8 +324,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
 
 
 @command.command("gpu")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/gpu_h200.json",
-              show_default=True)
+@_out_option("benchmarks/results/gpu_h200.json")
 @click.option("--sizes", default="16384,65536,131072", show_default=True,
               help="Prompt lengths for CP2 vs CP1 prefill.")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
@@ -305,7 +347,7 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench gpu needs a CUDA device")
-    err = Console(stderr=True)
+    err = _progress_console()
     dev = torch.device("cuda", 0)
     detail: dict[str, object] = {}
     err.print("[dim]ceilings[/]")
@@ -425,8 +467,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 @command.command("long")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/long_h200.json",
-              show_default=True)
+@_out_option("benchmarks/results/long_h200.json")
 @click.option("--tokens", default="262144,524288,1048576", show_default=True,
               help="Prompt lengths (comma-separated; empty: the recall only).")
 @click.option("--chunks", default="65536,131072", show_default=True,
@@ -464,7 +505,7 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench long needs a CUDA device")
-    err = Console(stderr=True)
+    err = _progress_console()
     dev = torch.device("cuda", 0)
     lens, sizes, rlens = _ints(tokens), _ints(chunks), _ints(recall_tokens)
     ceil = gpu.ceilings(dev)
@@ -480,7 +521,11 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
                              profile=(524288, min(sizes)) if 524288 in lens else None)
         err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}, the "
                   f"default numerics[/]")
-        res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600)[0].value
+        from ._progress import ProgressLine
+
+        shown = ProgressLine(None, quiet=err.quiet)  # a line per chunk at most every 10 s
+        res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600,
+                        on_progress=shown)[0].value
         detail["long"] = res
         err.print(f"[dim]defaults took a {res['kv_dtype']} pool and the {res['indexer_dtype']} "
                   f"indexer[/]")
@@ -491,7 +536,7 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
             bspec = dataclasses.replace(spec, chunks=(min(sizes),), kv_dtype=res["kv_dtype"],
                                         indexer_dtype="bf16", profile=None)
             bf16 = run_ranks(long.long_rank, 1, args=(bspec,), backend="nccl",
-                             timeout_s=3600)[0].value
+                             timeout_s=3600, on_progress=shown)[0].value
             detail["long_bf16_indexer"] = bf16
         fixed = None
         if fixed_budget_mb:
@@ -534,8 +579,7 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
 
 
 @command.command("decode")
-@click.option("--out", type=click.Path(dir_okay=False),
-              default="benchmarks/results/decode_h200.json", show_default=True)
+@_out_option("benchmarks/results/decode_h200.json")
 @click.option("--batches", default="1,8,64", show_default=True,
               help="Requests per decode step (comma-separated).")
 @click.option("--contexts", default="4096,65536,131072", show_default=True,

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,8 @@ from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE, check_plugin_names
 from cpkv.settings import SettingsError, load_settings
 
 from ._logging import RankLogging, configure_logging, level_from_flags
+from ._outputs import check_output, write_atomic
+from ._progress import ProgressLine
 from ._report import engine_log_env, report_context
 from ._state import CliState
 
@@ -57,25 +62,69 @@ def tolerance(kv_dtype: KVDtype, device: str) -> float:
     return tol if device == "cpu" else max(tol, BF16_COMPUTE_TOLERANCE)
 
 
-def _prompts(path: str | None, vocab: int) -> list[list[int]]:
+def _prompts(path: str | None, vocab: int, source: str = "--prompts") -> list[list[int]]:
+    """The prompts file's token lists; a bad file is one line naming ``source`` (the option or
+    the settings key and where it was set), the file, the prompt index, and the fix."""
     if path is None:
         return _default_prompts(vocab)
+    where = f"{source} {path}"
+    fix = "a JSON list of prompts, each a non-empty list of token ids, e.g. [[1, 2, 3], [4, 5]]"
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise click.BadParameter(f"cannot read prompts from {path}: {exc}",
-                                 param_hint="--prompts") from None
-    if (not isinstance(data, list) or not data
-            or not all(isinstance(p, list) and p
-                       and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                       for p in data)):
-        raise click.BadParameter(f"{path} must hold a non-empty JSON list of non-empty lists of "
-                                 f"token ids", param_hint="--prompts")
-    bad = [t for p in data for t in p if not 0 <= t < vocab]
-    if bad:
-        raise click.BadParameter(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                                 param_hint="--prompts")
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise click.ClickException(f"{where}: cannot read it ({exc.strerror or exc}); name an "
+                                   f"existing file holding {fix}") from None
+    if not text.strip():
+        raise click.ClickException(f"{where}: the file is empty; it must hold {fix}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.ClickException(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column "
+                                   f"{exc.colno}); it must hold {fix}") from None
+    if not isinstance(data, list) or not data:
+        raise click.ClickException(f"{where}: holds {type(data).__name__ if data else 'nothing'}"
+                                   f"; it must hold {fix}")
+    for i, p in enumerate(data):
+        if not isinstance(p, list) or not p or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise click.ClickException(f"{where}: prompt {i} is not a non-empty list of token ids "
+                                       f"(got {json.dumps(p)[:60]}); the file must hold {fix}")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise click.ClickException(f"{where}: prompt {i} has token ids {bad[:5]} outside the "
+                                       f"vocabulary [0, {vocab}) of the model; use ids below {vocab}")
     return data
+
+
+def _prompts_source(option: str | None, config: Path | None) -> str:
+    """What set run.prompts, for messages: the option, or the settings key and its source."""
+    import os
+
+    if option is not None:
+        return "--prompts"
+    if "CPKV_RUN__PROMPTS" in os.environ:
+        return "run.prompts (CPKV_RUN__PROMPTS)"
+    return f"run.prompts (in {config})" if config is not None else "run.prompts"
+
+
+def _stop_at_once_on_signals() -> None:
+    """A rank of a torchrun world dies at once on SIGINT (Ctrl-C reaches every process of the
+    terminal's group) and SIGTERM (torchrun's agent stops its workers so): the default actions,
+    not Python's handlers, which run only between bytecodes and so wait for a collective or a
+    store wait in C++ to return (the decode rank ran on 30 s until the agent killed it). There is
+    no parent here to clean up after; the process group dies with its processes."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _write(option: str, path: Path, write: Callable[[Path], object]) -> None:
+    """:func:`write_atomic`, a failure as one line naming ``option`` (the report was shown)."""
+    try:
+        write_atomic(path, write)
+    except OSError as exc:
+        raise click.ClickException(f"{option} {path}: writing failed: {exc.strerror or exc}; "
+                                   f"nothing was written there") from exc
 
 
 def _table() -> Table:
@@ -105,7 +154,17 @@ def _where(rep: JobReport) -> str:
     return where + ")"
 
 
-def _render(rep: JobReport, tol: float, console: Console) -> bool:
+def sharding_line(rep: JobReport, pool_tokens: int) -> str:
+    """What sharding saved, in one line: the largest rank's KV against a replica, the group's
+    total against C replicas, and the tokens the pool holds per rank."""
+    rep_b = max(1, rep.kv_bytes_replicated)
+    most, total = max(rep.kv_bytes_per_rank), sum(rep.kv_bytes_per_rank)
+    return (f"sharding saved: the largest rank holds {most / rep_b:.1%} of a replica's KV "
+            f"({rep_b - most:,} bytes less), the group {total / (rep.cp * rep_b):.1%} of "
+            f"{rep.cp} replicas'; the pool holds {pool_tokens:,} tokens per rank")
+
+
+def _render(rep: JobReport, tol: float, console: Console, pool_tokens: int = 0) -> bool:
     console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {_where(rep)}, {rep.kv_dtype} pool, "
                   f"{rep.indexer_dtype} indexer, "
                   f"{rep.materialize} views (prompts of {', '.join(map(str, rep.prompt_lens))} "
@@ -117,6 +176,7 @@ def _render(rep: JobReport, tol: float, console: Console) -> bool:
         t.add_row(str(r), f"{b:,}", f"{b / max(1, rep.kv_bytes_replicated):.1%}")
     t.add_row("replica", f"{rep.kv_bytes_replicated:,}", "100.0%")
     console.print(t)
+    console.print(sharding_line(rep, pool_tokens))
     sec = rep.seconds
     console.print(f"time per phase, seconds (CP{rep.cp}: the slowest rank; the reference: one "
                   f"rank in this process, so no spawn)")
@@ -269,6 +329,8 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
         launched = launched_world()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    if launched is not None:
+        _stop_at_once_on_signals()
     if launched is not None and cp is None:
         cp = launched[1] - (1 if decode_tokens > 0 else 0)
         if cp < 1:
@@ -292,7 +354,10 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     hide = frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset()
     configure_logging(level, hide)
     engine_log_env(level)
-    token_lists = _prompts(settings.run.prompts, vocab)
+    token_lists = _prompts(settings.run.prompts, vocab, _prompts_source(prompts, config))
+    # before any rank starts: a run of minutes must not end in "cannot write there"
+    check_output(report, "--report")
+    check_output(save_logits, "--save-logits")
     try:  # before the heading: a misspelt plugin name is all the user sees
         check_plugin_names(settings, transfer=decode_tokens > 0)
     except SettingsError as exc:
@@ -306,26 +371,30 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
                   f"kv.dtype {settings.kv.dtype}, {len(token_lists)} prompts")
     # the spinner goes to stderr with the log: stdout holds the report alone
-    with Console(stderr=True, quiet=console.quiet).status("starting") as status:
+    err = Console(stderr=True, quiet=console.quiet)
+    with err.status("starting") as status:
+        # per batch and chunk: a status line on a terminal, a line every 10 s otherwise
+        shown = ProgressLine(status.update if err.is_terminal else None,
+                             decode_rank=settings.cp.size if decode_tokens > 0 else None,
+                             quiet=level >= logging.ERROR)
         try:
             rep = run_job(settings, str(ckpt), token_lists, decode_tokens=decode_tokens,
                           batch_size=settings.run.batch_size, mtp=settings.run.mtp,
                           draft_tokens=settings.run.draft_tokens,
                           progress=lambda s: status.update(s),
-                          log_setup=RankLogging(level, hide))
+                          log_setup=RankLogging(level, hide), on_progress=shown)
         except ValueError as exc:  # SettingsError (a plugin name) included
             raise click.ClickException(str(exc)) from exc
     if rep is None:  # a rank of a torchrun world other than 0: rank 0 reports
         return
     tol = tolerance(KVDtype(rep.kv_dtype), rep.device)
-    ok = _render(rep, tol, console)
+    ok = _render(rep, tol, console, settings.kv.pages_per_rank * settings.kv.page_size)
     if report:
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
-                                      "correct": ok, **report_context(settings)},
-                                     indent=2) + "\n")
+        text = json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
+                           "correct": ok, **report_context(settings)}, indent=2) + "\n"
+        _write("--report", report, lambda tmp: tmp.write_text(text))
     if save_logits:
-        save_logits.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(rep.logits.float().contiguous(), save_logits)
+        logits = rep.logits.float().contiguous()
+        _write("--save-logits", save_logits, lambda tmp: torch.save(logits, tmp))
     if not ok:
         raise SystemExit(1)

@@ -1,9 +1,10 @@
 """Communication inside one CP group: the group wrapper over ``torch.distributed`` (agreement,
 collectives, bounded waits) and peer-mapped buffers. Imports no pool, runtime or plugin."""
 
-from ._waits import current_wait, waiting_in
+from ._waits import Progress, current_wait, last_progress, note_progress, waiting_in
 from .group import Backend, CollectiveCheckError, CPGroup
 from .peer import PeerAccessUnavailable, PeerBuffers, open_peer_buffers
 
 __all__ = ["Backend", "CPGroup", "CollectiveCheckError", "PeerAccessUnavailable", "PeerBuffers",
-           "current_wait", "open_peer_buffers", "waiting_in"]
+           "Progress", "current_wait", "last_progress", "note_progress", "open_peer_buffers",
+           "waiting_in"]

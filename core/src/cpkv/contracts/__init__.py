@@ -7,7 +7,7 @@ The backend op Protocol (:class:`KVOps`) lives here too, its tensor types for ty
 from ._base import Contract, Count, CPSize, PageIndex, PageSize, Position, Rank
 from .fallback import FallbackEvent, FallbackPolicy, FallbackReason
 from .formats import KVDtype, KVFormat, MaterializeMode, PageLayout
-from .ops import KVOps, KVPart, RopeStyle
+from .ops import KVOps, KVPart, Op, OpDeclined, RopeStyle
 from .plan import (
     CPPlan,
     OwnerMap,
@@ -19,7 +19,7 @@ from .plan import (
     SplitMode,
     cdiv,
 )
-from .plugin import Availability, Op, OpDeclined, PluginInfo, PluginKind
+from .plugin import Availability, PluginInfo, PluginKind
 
 __all__ = [
     "Availability",

@@ -1,5 +1,7 @@
-"""The compute-op Protocol every backend implements (any subset of it, one method per
-:class:`~cpkv.contracts.Op`), and the names of the pool parts the fp8 ops pack.
+"""The compute ops: :class:`Op` (their names) and the :class:`KVOps` Protocol (one method per
+op: signature, shapes, dtypes and errors in its docstring), written once, side by side
+(``tests/test_op_list.py`` checks that the two name the same ops). A backend implements any
+subset of them; :class:`OpDeclined` is how one of its ops passes a call on.
 
 Typing only: torch is imported for type checkers, never at runtime (contracts hold no tensors).
 The per-run table that binds each op to a backend is :class:`cpkv.ops.OpTable`.
@@ -8,6 +10,7 @@ The per-run table that binds each op to a backend is :class:`cpkv.ops.OpTable`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -15,7 +18,7 @@ if TYPE_CHECKING:
 
     from .formats import KVFormat
 
-__all__ = ["KVOps", "KVPart", "RopeStyle"]
+__all__ = ["KVOps", "KVPart", "Op", "OpDeclined", "RopeStyle"]
 
 #: which pool buffer a row belongs to: the MLA latent (nope + rope) or the indexer key
 KVPart = Literal["latent", "index_k"]
@@ -24,62 +27,171 @@ KVPart = Literal["latent", "index_k"]
 RopeStyle = Literal["interleave", "half"]
 
 
-class KVOps(Protocol):
-    """Signatures of the KV ops. Shapes: N rows (tokens) or pages along dim 0; B bytes per token.
+class Op(StrEnum):
+    """The compute ops, one per method of :class:`KVOps` (the value is the method's name). A
+    backend lists the ops it implements."""
 
-    page_gather(src, index) -> out
-        ``out[i] = src[index[i]]`` along dim 0; ``src`` is [P, ...] (pages or token rows), ``index``
-        int64 [n] on ``src.device``; returns a new contiguous [n, ...] tensor.
-    page_scatter(dst, index, src) -> None
-        ``dst[index[i]] = src[i]`` in place along dim 0; ``index`` entries are unique.
-    page_copy(dst, dst_index, src, src_index) -> None
-        ``dst[dst_index[i]] = src[src_index[i]]`` in place along dim 0, in one pass (no
-        intermediate); ``dst_index`` entries are unique; ``dst`` and ``src`` have one dtype and
-        trailing shape and may be the same tensor (rows not overlapping). One of them may be
-        pinned host memory while the other is on a GPU (the prefix cache's host tier): both
-        indices then live on the GPU, which runs the copy and reads or writes host memory
-        directly. Otherwise everything is on one device.
-    rerange(gathered, perm) -> natural
-        rank-major padded rows back to natural order in one pass: ``natural[n] = gathered[perm[n]]``.
-    fp8_pack(x, fmt, part) -> uint8 [N, B]
-        ``part="latent"``: x [N, kv_lora_rank + rope_dim] -> per token ``kv_lora_rank`` e4m3 bytes,
-        ``kv_lora_rank // quant_block`` fp32 scales, ``rope_dim`` bf16 values (656 B for
+    PAGE_GATHER = "page_gather"
+    PAGE_SCATTER = "page_scatter"
+    PAGE_COPY = "page_copy"
+    RERANGE = "rerange"
+    FP8_PACK = "fp8_pack"
+    FP8_UNPACK = "fp8_unpack"
+    PEER_GATHER = "peer_gather"
+    INDEXER_LOGITS = "indexer_logits"
+    INDEXER_LOGITS_PAGED = "indexer_logits_paged"
+    TOPK = "topk"
+    SPARSE_MLA = "sparse_mla"
+    SPARSE_MLA_PAGED = "sparse_mla_paged"
+    ROPE = "rope"
+
+
+class OpDeclined(Exception):
+    """Raised by a backend's op, before it touches anything, when it cannot take this call
+    (a shape, dtype or device its kernel does not support): the next backend of the preference
+    that provides the op runs it instead, reported once per reason as fallback ``op_declined``.
+    The message says why (it is the event's detail). The decision must depend only on what is
+    the same on every rank (shapes, dtypes, settings)."""
+
+
+class KVOps(Protocol):
+    """Signatures of the compute ops, one method per :class:`Op`. Shapes: N rows (tokens) or
+    pages along dim 0; B bytes per token.
+
+    Wrong shapes or dtypes raise ValueError naming them (each method's ``Raises`` says what is
+    checked: metadata only, the checks of :mod:`cpkv.ops.api`); any op may raise
+    :class:`OpDeclined` before touching anything when its kernel does not take the call (the next
+    backend of the preference runs it).
+    Ops never sync the host and never allocate per-call host tensors.
+    """
+
+    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``out[i] = src[index[i]]`` along dim 0.
+
+        ``src`` is [P, ...] (pages or token rows), ``index`` int64 [n] on ``src.device``;
+        returns a new contiguous [n, ...] tensor of ``src``'s dtype. Entries may repeat. Nothing
+        is checked (the hottest op): an index out of range fails as the device's indexing does.
+        """
+        ...
+
+    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[index[i]] = src[i]`` in place along dim 0; ``index`` entries are unique.
+
+        ``dst`` [P, ...], ``src`` [n, ...] of ``dst``'s dtype and trailing shape, ``index`` int64
+        [n] on ``dst.device``.
+
+        Raises:
+            ValueError: ``src`` does not have the shape [len(index), *dst.shape[1:]] or the dtype
+                of ``dst``.
+        """
+        ...
+
+    def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
+                  src_index: torch.Tensor) -> None:
+        """``dst[dst_index[i]] = src[src_index[i]]`` in place along dim 0, in one pass (no
+        intermediate).
+
+        ``dst_index`` entries are unique; ``dst`` and ``src`` have one dtype and trailing shape
+        and may be the same tensor (rows not overlapping). One of them may be pinned host memory
+        while the other is on a GPU (the prefix cache's host tier): both indices then live on the
+        GPU, which runs the copy and reads or writes host memory directly. Otherwise everything
+        is on one device. ``dst_index`` / ``src_index`` int64 [n].
+
+        Raises:
+            ValueError: dtypes or trailing shapes differ, an index is not 1-D int64 or the two
+                differ in length, or the devices do not fit the rule above
+                (:func:`cpkv.ops.check_page_copy_args`).
+        """
+        ...
+
+    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """Rank-major padded rows back to natural order in one pass: ``natural[n] =
+        gathered[perm[n]]``.
+
+        ``gathered`` [G, ...], ``perm`` int64 [N] on its device; returns a new contiguous
+        [N, ...] tensor of ``gathered``'s dtype (padded rows unused). Nothing is checked, as for
+        :meth:`page_gather`.
+        """
+        ...
+
+    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
+        """Quantize rows to the pool's fp8 bytes: uint8 [N, B].
+
+        ``part="latent"``: x [N, kv_lora_rank + rope_dim] -> per token ``kv_lora_rank`` e4m3
+        bytes, ``kv_lora_rank // quant_block`` fp32 scales, ``rope_dim`` bf16 values (656 B for
         DeepSeek-V3.2). ``part="index_k"``: x [N, index_head_dim] -> e4m3 bytes and one fp32
         scale for the whole key (132 B); ``quant_block`` applies to the latent only. Native
         (little-endian) byte order, in that order. Bit-exact across backends: in fp32,
         ``scale = max(amax, 1e-12) / 448`` as a true division (not a multiply by 1/448, which
         rounds differently), ``q = e4m3(clamp(x / scale, -448, 448))`` rounded to nearest even.
-    fp8_unpack(packed, fmt, part, dtype, index=None) -> [N, D] ``dtype``
-        the inverse: ``float32(q) * scale``, cast once to ``dtype``; rope as stored. With
-        ``index`` (int64 [n] on ``packed``'s device) row i of the result is the unpacking of
-        ``packed[index[i]]``: the gather fused into the same pass (a full view read where the
-        materialization left its rows, no natural-order copy first). ``packed`` may have any row
-        stride (a column slice of the pool's token rows).
 
-    peer_gather(srcs, owner, rows) -> [n, ...]
-        ``out[i] = srcs[owner[i]][rows[i]]``: one pass that reads each row from the buffer of the
-        rank owning it (``srcs[r]``: rank r's buffer as mapped into this process, e.g. over
-        NVLink; every ``srcs[r]`` has the same dtype and trailing shape). owner / rows int64 [n];
-        a new contiguous tensor on this device. The P2P materialization (``kv.materialize =
-        "p2p"``) builds the full view with it, no collective and no send buffer.
+        Raises:
+            ValueError: ``x`` is not 2-D or its last dim does not match ``fmt`` and ``part``.
+        """
+        ...
 
-    indexer_logits(q, w, k, k_scale, key_start, key_end) -> float32 [N, T]
-        The lightning indexer (rule 19) for N query rows against the T keys of the flat full view:
+    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
+                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of :meth:`fp8_pack`: [N, D] ``dtype``, ``float32(q) * scale`` cast once to
+        ``dtype``; rope as stored.
+
+        ``packed`` uint8 [N, B] may have any row stride (a column slice of the pool's token
+        rows). With ``index`` (int64 [n] on ``packed``'s device) row i of the result is the
+        unpacking of ``packed[index[i]]``: the gather fused into the same pass (a full view read
+        where the materialization left its rows, no natural-order copy first).
+
+        Raises:
+            ValueError: ``packed`` is not 2-D uint8 with B bytes per row.
+        """
+        ...
+
+    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """``out[i] = srcs[owner[i]][rows[i]]``: [n, ...], one pass that reads each row from the
+        buffer of the rank owning it.
+
+        ``srcs[r]``: rank r's buffer as mapped into this process, e.g. over NVLink; every
+        ``srcs[r]`` has the same dtype and trailing shape. ``owner`` / ``rows`` int64 [n]; a new
+        contiguous tensor on this device. The P2P materialization (``kv.materialize = "p2p"``)
+        builds the full view with it, no collective and no send buffer.
+
+        Raises:
+            ValueError: no source, sources of different dtypes or trailing shapes, or ``owner``
+                / ``rows`` not int64 [n] of one length (:func:`cpkv.ops.check_peer_gather_args`).
+        """
+        ...
+
+    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                       key_end: torch.Tensor) -> torch.Tensor:
+        """The lightning indexer (rule 19) for N query rows against the T keys of the flat full
+        view: float32 [N, T].
+
         ``logit[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` for ``key_start[i] <= j <
         key_end[i]``, ``-inf`` elsewhere; computed in float32. q [N, Hi, D] (any float dtype),
         w [N, Hi] float32 (every scale already folded in), k [T, D] float/bf16, or
         ``float8_e4m3fn`` with ``k_scale`` [T] float32 (k dequantised as ``k.float() *
         k_scale[:, None]``; ``k_scale`` is None for float keys). With fp8 keys q may be
         ``float8_e4m3fn`` too (its per-(row, head) scale folded into w:
-        :func:`cpkv.ops.quantize_index_q`), for fp8 x fp8 tensor cores. key_start/key_end int64 [N].
-        The caller chunks rows so that N x T x 4 B stays under the logits budget (rule 21).
-    indexer_logits_paged(q, w, pages, fmt, block_table, row_request, key_end) -> float32 [N, M * S]
-        ``indexer_logits`` reading the keys where they are stored (a decode step, captured in
-        CUDA graphs): ``pages`` is one pool layer in the part-major layout (uint8 [P, S, latent
-        + index bytes] contiguous, as for ``sparse_mla_paged``: each page's S latent rows, then
-        its S index-K rows), ``fmt`` its format, ``block_table`` int32 [R, M] (entry [r, p]: the
-        page slot holding request r's p-th page; entries past a request's pages hold any valid
-        slot), ``row_request`` int32 [N] (query row i reads request ``row_request[i]``'s keys),
+        :func:`cpkv.ops.quantize_index_q`), for fp8 x fp8 tensor cores. key_start/key_end int64
+        [N]. The caller chunks rows so that N x T x 4 B stays under the logits budget (rule 21).
+
+        Raises:
+            ValueError: shapes or dtypes other than these (:func:`cpkv.ops.check_indexer_args`).
+        """
+        ...
+
+    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
+                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
+                             key_end: torch.Tensor) -> torch.Tensor:
+        """:meth:`indexer_logits` reading the keys where they are stored (a decode step, captured
+        in CUDA graphs): float32 [N, M * S].
+
+        ``pages`` is one pool layer in the part-major layout (uint8 [P, S, latent + index bytes]
+        contiguous, as for ``sparse_mla_paged``: each page's S latent rows, then its S index-K
+        rows), ``fmt`` its format, ``block_table`` int32 [R, M] (entry [r, p]: the page slot
+        holding request r's p-th page; entries past a request's pages hold any valid slot),
+        ``row_request`` int32 [N] (query row i reads request ``row_request[i]``'s keys),
         ``key_end`` int64 [N]: row i reads the request-local keys [0, key_end[i]), key j being
         token row ``block_table[r, j // S] * S + j % S`` of ``pages``. ``logit[i, j] = sum_h
         w[i, h] * relu(q[i, h] . k_j)`` (fp8 pools: times k_j's stored scale, as
@@ -89,17 +201,37 @@ class KVOps(Protocol):
         each request's keys in order and calling ``indexer_logits`` with key_start 0 (the same
         tolerances). Device work only: no host sync, no value-dependent Python branch; the
         output is the only allocation a backend must make.
-    topk(logits, k, key_start, key_end) -> int32 [N, k]
-        Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside
-        each row's [key_start, key_end); when the range holds at most k keys, all of them in
-        ascending order; the remaining slots are -1, the only invalid value (rule 19). Rows with
-        more than k keys list their choice in an order the backend chooses, the same for the
-        same input (the reference: descending logit order; Triton: the order its kernels pick
-        them in, which saves a sort per row). The reference breaks ties by the lower column so
-        that the choice never depends on the batch's shape; conformance accepts any tie order.
-        Logits inside a range are finite; values outside it are ignored.
-    sparse_mla(q, kv, indices, scale, dv) -> float32 (or q's dtype) [N, H, dv]
-        Sparse MLA over the selected keys (absorbed form, FlashMLA's sparse prefill interface):
+
+        Raises:
+            ValueError: shapes or dtypes other than these
+                (:func:`cpkv.ops.check_indexer_paged_args`).
+        """
+        ...
+
+    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
+             key_end: torch.Tensor) -> torch.Tensor:
+        """Column indices (RAGGED: offsets into the flat full view) of the k largest logits inside
+        each row's [key_start, key_end): int32 [N, k].
+
+        ``logits`` float [N, T], key_start / key_end int64 [N]. When the range holds at most k
+        keys, all of them in ascending order; the remaining slots are -1, the only invalid value
+        (rule 19). Rows with more than k keys list their choice in an order the backend chooses,
+        the same for the same input (the reference: descending logit order; Triton: the order
+        its kernels pick them in, which saves a sort per row). The reference breaks ties by the
+        lower column so that the choice never depends on the batch's shape; conformance accepts
+        any tie order. Logits inside a range are finite; values outside it are ignored.
+
+        Raises:
+            ValueError: ``logits`` not float [N, T], ``k < 0``, or the ranges not int64 [N]
+                (:func:`cpkv.ops.check_topk_args`).
+        """
+        ...
+
+    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
+                   dv: int) -> torch.Tensor:
+        """Sparse MLA over the selected keys (absorbed form, FlashMLA's sparse prefill interface):
+        float32 (or q's dtype) [N, H, dv].
+
         q [N, H, Dk], kv [T, Dk] (the latent full view, nope + rope), indices int32 [N, k] with
         -1 masked. ``s_j = scale * q[i, h] . kv[j]``, ``p = softmax_j(s)`` over valid j,
         ``out[i, h] = sum_j p_j * kv[j, :dv]``, accumulated in float32 and returned as float32,
@@ -107,63 +239,49 @@ class KVOps(Protocol):
         (FlashMLA: bf16; widening would cost a pass over the output, and the caller casts to
         the model dtype anyway). A row with no valid index gives zeros.
 
-    sparse_mla_paged(q, pages, rows, fmt, scale, dv) -> float32 (or q's dtype) [N, H, dv]
-        ``sparse_mla`` reading the selected latent rows where they are stored: ``pages`` is a
-        part-major page buffer (uint8 [P, S, latent + index bytes], :class:`PageLayout`
-        ``PART_MAJOR``: each page's S latent rows, then its S index-K rows), ``rows`` int32
-        [N, k] token rows of it (page x S + slot, -1 empty), ``fmt`` its format. Equal to
-        dequantizing those latent rows (``fp8_unpack`` / the float view) and calling
+        Raises:
+            ValueError: shapes or dtypes other than these, or ``dv`` outside (0, Dk]
+                (:func:`cpkv.ops.check_sparse_mla_args`).
+        """
+        ...
+
+    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
+        """:meth:`sparse_mla` reading the selected latent rows where they are stored: float32
+        (or q's dtype) [N, H, dv].
+
+        ``pages`` is a part-major page buffer (uint8 [P, S, latent + index bytes],
+        :class:`PageLayout` ``PART_MAJOR``: each page's S latent rows, then its S index-K rows),
+        ``rows`` int32 [N, k] token rows of it (page x S + slot, -1 empty), ``fmt`` its format.
+        Equal to dequantizing those latent rows (``fp8_unpack`` / the float view) and calling
         ``sparse_mla`` with them: a decode step reads its 2048 picks in place (FlashMLA's fp8
         sparse decode on Hopper) instead of dequantizing a copy.
 
-    rope(x, cos, sin, style, out=None) -> [N, ..., R] x's dtype
-        The rotary embedding of a layer's query and key rows (model math, but the layer's
-        largest elementwise pass: ~13 ms per 64K prefill of the DeepSeek-V3.2 stack as six
-        strided torch ops per rotation). x [N, R] or [N, H, R] float (any strides), cos / sin
-        [N, R] of x's dtype in ``cat(f, f)`` form (both halves equal), one row per x row. With
-        ``h = R / 2``: ``style="interleave"`` rotates the pairs ``(x[2j], x[2j+1])`` and writes
-        them de-interleaved, ``out[j] = x[2j] c_j - x[2j+1] s_j``, ``out[h+j] = x[2j+1] c_j +
-        x[2j] s_j`` (transformers' ``apply_rotary_pos_emb_interleave``); ``style="half"``:
-        ``out[j] = x[j] c_j - x[h+j] s_j``, ``out[h+j] = x[h+j] c_j + x[j] s_j``
-        (``rotate_half``). ``out``: a tensor of x's shape and dtype to write (may be x itself:
-        in place; no other overlap), else a new one; returned. The reference rounds each
-        product to x's dtype as transformers does; a backend may round once (fp32 inside):
-        conformance allows ``4 u (|x_a c| + |x_b s|)`` per element, u the unit roundoff of
-        x's dtype (2^-8 for bf16).
-
-    Wrong shapes or dtypes raise ValueError naming them.
-    """
-
-    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
-
-    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None: ...
-
-    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor: ...
-
-    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor: ...
-
-    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor: ...
-
-    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
-                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
-                       key_end: torch.Tensor) -> torch.Tensor: ...
-
-    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
-                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
-                             key_end: torch.Tensor) -> torch.Tensor: ...
-
-    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
-             key_end: torch.Tensor) -> torch.Tensor: ...
-
-    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
-                   dv: int) -> torch.Tensor: ...
-
-    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor: ...
+        Raises:
+            ValueError: shapes or dtypes other than these, or ``dv`` outside (0, Dk]
+                (:func:`cpkv.ops.check_sparse_mla_paged_args`).
+        """
+        ...
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle,
-             out: torch.Tensor | None = None) -> torch.Tensor: ...
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rotary embedding of a layer's query and key rows: [N, ..., R] of x's dtype.
+
+        Model math, but the layer's largest elementwise pass: ~13 ms per 64K prefill of the
+        DeepSeek-V3.2 stack as six strided torch ops per rotation. x [N, R] or [N, H, R] float
+        (any strides), cos / sin [N, R] of x's dtype in ``cat(f, f)`` form (both halves equal),
+        one row per x row. With ``h = R / 2``: ``style="interleave"`` rotates the pairs
+        ``(x[2j], x[2j+1])`` and writes them de-interleaved, ``out[j] = x[2j] c_j - x[2j+1]
+        s_j``, ``out[h+j] = x[2j+1] c_j + x[2j] s_j`` (transformers'
+        ``apply_rotary_pos_emb_interleave``); ``style="half"``: ``out[j] = x[j] c_j - x[h+j]
+        s_j``, ``out[h+j] = x[h+j] c_j + x[j] s_j`` (``rotate_half``). ``out``: a tensor of x's
+        shape and dtype to write (may be x itself: in place; no other overlap), else a new one;
+        returned. The reference rounds each product to x's dtype as transformers does; a backend
+        may round once (fp32 inside): conformance allows ``4 u (|x_a c| + |x_b s|)`` per
+        element, u the unit roundoff of x's dtype (2^-8 for bf16).
+
+        Raises:
+            ValueError: ``style`` unknown, x not [N, R] / [N, H, R] with R even, cos / sin /
+                out not of x's dtype and shape (:func:`cpkv.ops.check_rope_args`).
+        """
+        ...

@@ -1,4 +1,7 @@
-"""Prefill -> decode transfer of owned pages (contract rules 25-27)."""
+"""Prefill -> decode transfer of owned pages (contract rules 25-27).
+
+Transfer plugins import from :mod:`cpkv.disagg.api` only (the transfer SDK).
+"""
 
 from .buffers import PoolBuffers, registered_buffers
 from .connect import open_link, select_transport
@@ -18,8 +21,11 @@ from .transport import (
     LinkFeatures,
     LinkSpec,
     Offer,
+    PartSink,
     SideChannel,
+    SilenceClock,
     StoreSideChannel,
+    TransferTimeout,
     Transport,
     link_features,
     store_side_channel,
@@ -40,6 +46,7 @@ __all__ = [
     "LinkSpec",
     "Offer",
     "PageRun",
+    "PartSink",
     "PoolBuffers",
     "PrefillTransfer",
     "RankTransfer",
@@ -47,12 +54,14 @@ __all__ = [
     "SendWorker",
     "Sent",
     "SideChannel",
+    "SilenceClock",
     "StoreSideChannel",
     "Stream",
     "TransferError",
     "TransferFenced",
     "TransferManifest",
     "TransferRefused",
+    "TransferTimeout",
     "Transport",
     "coalesce",
     "link_features",

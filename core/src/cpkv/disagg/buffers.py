@@ -1,7 +1,8 @@
 """What a transfer plugin sees of an endpoint's KV: its registered buffers, not the pool.
 
 A plugin moves page bytes; it has no business with page tables, reference counts or the
-materializer. :func:`registered_buffers` is the one place this view is built from a pool.
+materializer. :func:`registered_buffers` is the one place this view is built from a pool's
+store (``pool.store``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from cpkv.contracts import KVFormat, PageLayout
 from .plan import RankTransfer
 
 if TYPE_CHECKING:
-    from cpkv.kv import ShardedKVPool
+    from cpkv.kv import KVStore
 
 __all__ = ["PoolBuffers", "registered_buffers"]
 
@@ -84,8 +85,9 @@ class PoolBuffers:
         return out
 
 
-def registered_buffers(pool: ShardedKVPool) -> PoolBuffers:
-    """The buffers view of ``pool`` (its public ``kv`` / ``latent`` / ``index_k``, ``layout``,
-    ``fmt`` and device): the one place a :class:`PoolBuffers` is made from a pool."""
-    return PoolBuffers(kv=tuple(pool.kv), latent=tuple(pool.latent), index_k=tuple(pool.index_k),
-                       layout=PageLayout(pool.layout), fmt=pool.fmt, device=pool.group.device)
+def registered_buffers(store: KVStore) -> PoolBuffers:
+    """The buffers view of a pool's ``store`` (its ``kv`` / ``latent`` / ``index_k``,
+    ``layout``, ``fmt`` and device): the one place a :class:`PoolBuffers` is made."""
+    return PoolBuffers(kv=tuple(store.kv), latent=tuple(store.latent),
+                       index_k=tuple(store.index_k), layout=PageLayout(store.layout), fmt=store.fmt,
+                       device=store.group.device)

@@ -48,6 +48,6 @@ def open_link(transport: Transport, settings: Settings, *, endpoint: int, cp_siz
         SettingsError: the plugin's table fails its validation (naming the key and its source).
     """
     return transport.connect(LinkSpec(
-        endpoint=endpoint, cp_size=cp_size, buffers=registered_buffers(pool),
+        endpoint=endpoint, cp_size=cp_size, buffers=registered_buffers(pool.store),
         timeout_s=settings.transfer.timeout_s, debug=settings.debug, world_ranks=world_ranks,
         options=settings.transfer_table()))

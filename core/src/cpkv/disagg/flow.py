@@ -24,6 +24,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from cpkv.comm import note_progress
 from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 
 from .errors import TransferError, TransferRefused
@@ -126,7 +127,7 @@ class PrefillTransfer:
         """The manifest of the pages of ``request`` not sent before (see :meth:`send_request`)."""
         rid = str(request)
         return manifest_for(rid, pages, self.pool.fmt.page_size, self.cp_size, final=final,
-                            already_sent=self.sent_pages.get(rid, 0), layout=self.pool.layout)
+                            already_sent=self.sent_pages.get(rid, 0), layout=self.pool.store.layout)
 
     def _sent(self, rid: str, m: TransferManifest, final: bool) -> None:
         if final:
@@ -150,8 +151,8 @@ class PrefillTransfer:
             TransferError: the decode rank refused or did not publish the request.
         """
         end = time.time()
-        if self.pool.loads_pending:  # pages a cache hit brought back from the host, in place first
-            self.pool.flush_loads()
+        if self.pool.store.loads_pending:  # pages a cache hit brought back from the host, in place first
+            self.pool.store.flush_loads()
         s = self._offer(manifest, "request", end if started is None else started, meta)
         ready = None
         if self.pool.group.device.type == "cuda":  # the prefill's last writes may still run
@@ -225,7 +226,7 @@ class PrefillTransfer:
             self.worker.submit(s, range(s.layers_queued, self.pool.num_layers))
         sums = None
         if self.debug:  # every layer is written by now; the checksums cover every layer
-            sums = page_checksums(self.pool, _src_slots(s.part))
+            sums = page_checksums(self.pool.store, _src_slots(s.part))
         try:
             return self._conclude(s, meta, prefill_end if prefill_end is not None else time.time(),
                                   sums)
@@ -237,11 +238,11 @@ class PrefillTransfer:
     def _offer(self, manifest: TransferManifest, pipeline: str, started: float,
                meta: Mapping[str, Any] | None) -> Stream:
         part = _part_of(manifest, self.rank)
-        sums = (page_checksums(self.pool, _src_slots(part))
+        sums = (page_checksums(self.pool.store, _src_slots(part))
                 if self.debug and pipeline == "request" else None)
         decode = self.cp_size
         self.link.channel.send(decode, Offer(self.rank, manifest,
-                                             part_nbytes(self.pool, part.num_pages), sums,
+                                             part_nbytes(self.pool.store, part.num_pages), sums,
                                              dict(meta or {}), pipeline))
         grant: Grant = self.link.channel.recv(decode)
         if grant.error is not None or grant.dst_slots is None:
@@ -351,7 +352,7 @@ class DecodeTransfer:
             msg = self._recv(rank, epoch)
         except Exception as exc:
             raise TransferError(f"no completion notice from rank {rank} (waited at most "
-                                f"{self.link.channel.timeout_s:g} s, transfer.timeout_s): "
+                                f"{self.link.channel.timeout_s:g} s of silence, transfer.timeout_s): "
                                 f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(msg, Done) or (msg.request, msg.rank) != (request, rank):
             raise TransferError(f"rank {rank} sent {msg!r}, expected the completion notice of "
@@ -382,13 +383,13 @@ class DecodeTransfer:
     # ---- the steps of receive ------------------------------------------------------------------
     def _offer_problem(self, offers: list[Offer]) -> str | None:
         """Why the offers of one request do not agree (None: they do)."""
-        m, pool, problem = offers[0].manifest, self.receiver.pool, None
+        m, store, problem = offers[0].manifest, self.receiver.store, None
         for r, o in enumerate(offers):
             if not isinstance(o, Offer):
                 problem = f"rank {r} sent {type(o).__name__}, expected an offer"
             elif o.rank != r or o.manifest != m:
                 problem = f"rank {r}'s offer does not match rank 0's manifest"
-            elif o.nbytes != part_nbytes(pool, _part_of(m, r).num_pages):
+            elif o.nbytes != part_nbytes(store, _part_of(m, r).num_pages):
                 problem = (f"rank {r} offers {o.nbytes} bytes, its part has "
                            f"{_part_of(m, r).num_pages} pages")
             elif o.pipeline != offers[0].pipeline:
@@ -418,7 +419,7 @@ class DecodeTransfer:
             part = _part_of(m, r)
             self.link.channel.send(r, Grant(m.request, [slots[p] for p in part.logical_pages()],
                                             epoch=epoch))
-        n_layers = self.receiver.pool.num_layers
+        n_layers = self.receiver.store.num_layers
         groups = ([range(k, k + 1) for k in range(n_layers)] if offers[0].pipeline == "layer"
                   else [range(n_layers)])
         todo = [] if self.features.one_sided else [(g, part) for g in groups for part in m.parts]
@@ -433,6 +434,7 @@ class DecodeTransfer:
             g, part = run.todo[0]
             run.current = part.rank
             run.got[part.rank] += self.link.recv_part(part, rx, layers=g, epoch=run.epoch)
+            note_progress()  # the senders' waits are bounded by silence (their beacons)
             run.todo.pop(0)
         for r in range(self.cp_size):
             run.current = r
@@ -444,7 +446,7 @@ class DecodeTransfer:
                 run.got[r] = d.nbytes
                 if part.runs:
                     # a link that writes in the receiver's layout leaves nothing to re-lay
-                    rx.mark_written(part, rx.pool.layout if self.features.writes_receiver_layout
+                    rx.mark_written(part, rx.store.layout if self.features.writes_receiver_layout
                                     else m.layout)
             if run.got[r] != run.offers[r].nbytes:
                 raise TransferError(f"rank {r}: {run.got[r]} bytes arrived, {run.offers[r].nbytes} "

@@ -2,9 +2,11 @@
 full-layout decode pool; a request is published only when every rank's part arrived and checks out.
 
 The decode pool is a :class:`~cpkv.kv.ShardedKVPool` of one rank (``CPGroup.single()``): every
-page of a published request is owned by rank 0. The receiver keeps its reservations to itself:
-the pool's page table changes only in :meth:`DecodeReceiver.complete`, so a failed or partial
-transfer never shows up in it, and :meth:`DecodeReceiver.abort` gives the reserved slots back.
+page of a published request is owned by rank 0. The receiver works on the pool's two units, its
+page table and its store (``pool.pages``, ``pool.store``), not the pool, and keeps its
+reservations to itself: the page table changes only in :meth:`DecodeReceiver.complete`, so a
+failed or partial transfer never shows up in it, and :meth:`DecodeReceiver.abort` gives the
+reserved slots back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpkv.contracts import PageLayout
-from cpkv.kv import ShardedKVPool
+from cpkv.kv import KVStore, PageTable
 
 from .buffers import registered_buffers
 from .errors import TransferError
@@ -25,34 +27,35 @@ from .plan import RankTransfer, TransferManifest
 __all__ = ["DecodeReceiver", "pack_part", "page_checksums", "part_nbytes"]
 
 
-def part_nbytes(pool: ShardedKVPool, num_pages: int, num_layers: int | None = None) -> int:
+def part_nbytes(store: KVStore, num_pages: int, num_layers: int | None = None) -> int:
     """Bytes of ``num_pages`` pages of every layer (or of ``num_layers`` layers), latent and
     index-K: what a part moves."""
-    return num_pages * pool.fmt.page_bytes * (pool.num_layers if num_layers is None else num_layers)
+    return num_pages * store.fmt.page_bytes * (store.num_layers if num_layers is None
+                                               else num_layers)
 
 
 def _slots_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(slots), dtype=torch.int64, device=device)
 
 
-def pack_part(pool: ShardedKVPool, part: RankTransfer, layers: range | None = None) -> torch.Tensor:
-    """The sender's pages of ``part`` as one contiguous uint8 buffer (on the pool's device), in
+def pack_part(store: KVStore, part: RankTransfer, layers: range | None = None) -> torch.Tensor:
+    """The sender's pages of ``part`` as one contiguous uint8 buffer (on the store's device), in
     the packed part layout (:meth:`~cpkv.disagg.buffers.PoolBuffers.pack`)."""
-    return registered_buffers(pool).pack(part, layers)
+    return registered_buffers(store).pack(part, layers)
 
 
-def page_checksums(pool: ShardedKVPool, slots: Sequence[int],
+def page_checksums(store: KVStore, slots: Sequence[int],
                    valid_rows: Sequence[int] | None = None) -> list[int]:
     """CRC32 of each page's bytes (latent of every layer, then index-K of every layer), for the
-    pages at physical ``slots`` of ``pool``, in that order; with ``valid_rows``, only the first
+    pages at physical ``slots`` of ``store``, in that order; with ``valid_rows``, only the first
     ``valid_rows[i]`` token rows of page i (the valid part of a request's tail page). Syncs the
     device: debug only."""
     if not slots:
         return []
-    idx = _slots_tensor(slots, pool.group.device)
+    idx = _slots_tensor(slots, store.group.device)
     n = len(slots)
-    lat = torch.stack([pool.latent[k].index_select(0, idx) for k in range(pool.num_layers)], 2)
-    ixk = torch.stack([pool.index_k[k].index_select(0, idx) for k in range(pool.num_layers)], 2)
+    lat = torch.stack([store.latent[k].index_select(0, idx) for k in range(store.num_layers)], 2)
+    ixk = torch.stack([store.index_k[k].index_select(0, idx) for k in range(store.num_layers)], 2)
     if valid_rows is not None:  # [n, ps, layers, bytes]: zero the rows past each page's valid part
         keep = torch.arange(lat.shape[1], device=lat.device)[None, :] < torch.tensor(
             list(valid_rows), device=lat.device)[:, None]
@@ -84,22 +87,24 @@ class DecodeReceiver:
 
     Per request (manifest): :meth:`reserve` -> :meth:`place` / :meth:`place_packed` /
     :meth:`mark_written` once per rank part -> :meth:`complete` (publish or reject); or
-    :meth:`abort`. The pool's page table is keyed by ``manifest.request``.
+    :meth:`abort`. The page table is keyed by ``manifest.request``.
 
     Args:
-        pool: a one-rank pool (``CPGroup.single()``): owner 0 holds every page.
+        pages: the page table of a one-rank pool (``CPGroup.single()``): owner 0 holds every
+            page (``pool.pages``).
+        store: that pool's bytes (``pool.store``).
         debug: require per-page checksums in :meth:`complete` and compare them (contract rule 31).
 
     Attributes:
         last_error: why the last :meth:`complete` returned False (None after a publish).
     """
 
-    def __init__(self, pool: ShardedKVPool, *, debug: bool | None = None) -> None:
-        if pool.group.size != 1:
+    def __init__(self, pages: PageTable, store: KVStore, *, debug: bool = False) -> None:
+        if store.group.size != 1:
             raise ValueError(f"the decode pool is not CP: it needs a one-rank group, got "
-                             f"{pool.group.size} ranks")
-        self.pool = pool
-        self.debug = pool.debug if debug is None else debug
+                             f"{store.group.size} ranks")
+        self.pages, self.store = pages, store
+        self.debug = debug
         self._res: dict[str, _Reservation] = {}
         #: epoch -> slots held back from the allocator until every pending sender is done
         self._quarantine: dict[int, _Quarantine] = {}
@@ -127,20 +132,20 @@ class DecodeReceiver:
                 the request's published entry (``first_page`` must equal its page count and its
                 valid length ``first_page * page_size``).
         """
-        rid, ps = manifest.request, self.pool.fmt.page_size
+        rid, ps = manifest.request, self.store.fmt.page_size
         if manifest.page_size != ps:
             raise TransferError(f"request {rid!r}: manifest pages of {manifest.page_size} tokens, "
                                 f"the decode pool has {ps}")
         if rid in self._res:
             raise TransferError(f"request {rid!r} already has a transfer in flight")
-        rp = self.pool.table.get(rid)
+        rp = self.pages.requests.get(rid)
         have_pages = 0 if rp is None else len(rp.slots)
         have_len = 0 if rp is None else rp.valid_len
         if manifest.first_page != have_pages or have_len != manifest.first_page * ps:
             raise TransferError(f"request {rid!r}: the manifest starts at page {manifest.first_page}"
                                 f", the decode pool holds {have_pages} pages / {have_len} tokens")
         pages = list(range(manifest.first_page, manifest.num_pages))
-        got = self.pool.allocate_pages(0, len(pages), what=f"transfer of {rid!r}")
+        got = self.pages.allocate_pages(0, len(pages), what=f"transfer of {rid!r}")
         slots = dict(zip(pages, got, strict=True))
         self._res[rid] = _Reservation(manifest, slots)
         return dict(slots)
@@ -166,7 +171,7 @@ class DecodeReceiver:
             raise TransferError(f"request {part.request!r}: rank {part.rank}'s layers "
                                 f"{sorted(again)[:8]} arrived twice")
         got.update(layers)
-        if len(got) == self.pool.num_layers:
+        if len(got) == self.store.num_layers:
             res.arrived[part.rank] = part.num_pages
 
     def dst_slots(self, part: RankTransfer) -> list[int]:
@@ -188,14 +193,15 @@ class DecodeReceiver:
                 arrived, wrong shapes (nothing was written then).
         """
         res = self._take(part)
-        pool, n = self.pool, part.num_pages
-        layers = range(pool.num_layers) if layers is None else layers
-        ps, lb, ib = pool.fmt.page_size, pool.fmt.latent_bytes_per_token, pool.fmt.index_bytes_per_token
+        store, n = self.store, part.num_pages
+        layers = range(store.num_layers) if layers is None else layers
+        fmt = store.fmt
+        ps, lb, ib = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
         if len(latent) != len(layers) or len(index_k) != len(layers) or \
-                (len(layers) and not 0 <= layers[0] <= layers[-1] < pool.num_layers):
+                (len(layers) and not 0 <= layers[0] <= layers[-1] < store.num_layers):
             raise TransferError(f"request {part.request!r} rank {part.rank}: {len(latent)}/"
                                 f"{len(index_k)} layers received for layers {layers}, the pool "
-                                f"has {pool.num_layers}")
+                                f"has {store.num_layers}")
         for a, b in zip(latent, index_k, strict=True):
             if tuple(a.shape) != (n, ps, lb) or tuple(b.shape) != (n, ps, ib) or \
                     a.dtype != torch.uint8 or b.dtype != torch.uint8:
@@ -204,23 +210,24 @@ class DecodeReceiver:
                                     f"{(n, ps, ib)} uint8")
         if set(layers) & res.layers.get(part.rank, set()):
             self._arrive(res, part, layers)  # raises: arrived twice
-        idx = _slots_tensor(self.dst_slots(part), pool.group.device)
+        idx = _slots_tensor(self.dst_slots(part), store.group.device)
         for i, layer in enumerate(layers):
-            pool.latent[layer].index_copy_(0, idx, latent[i].to(pool.group.device))
-            pool.index_k[layer].index_copy_(0, idx, index_k[i].to(pool.group.device))
+            store.latent[layer].index_copy_(0, idx, latent[i].to(store.group.device))
+            store.index_k[layer].index_copy_(0, idx, index_k[i].to(store.group.device))
         self._arrive(res, part, layers)
 
     def place_packed(self, part: RankTransfer, buf: torch.Tensor, *,
                      layers: range | None = None) -> None:
         """:meth:`place` from one buffer in the packed part layout (see :func:`pack_part`),
         holding ``layers`` (default: every layer)."""
-        pool, n = self.pool, part.num_pages
-        layers = range(pool.num_layers) if layers is None else layers
-        want = part_nbytes(pool, n, len(layers))
+        store, n = self.store, part.num_pages
+        layers = range(store.num_layers) if layers is None else layers
+        want = part_nbytes(store, n, len(layers))
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != want:
             raise TransferError(f"request {part.request!r} rank {part.rank}: received "
                                 f"{buf.numel()} bytes ({buf.dtype}), expected {want} for {n} pages")
-        ps, lb, ib = pool.fmt.page_size, pool.fmt.latent_bytes_per_token, pool.fmt.index_bytes_per_token
+        fmt = store.fmt
+        ps, lb, ib = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
         lat, idx, off = [], [], 0
         for _ in layers:
             lat.append(buf[off:off + n * ps * lb].view(n, ps, lb))
@@ -236,8 +243,8 @@ class DecodeReceiver:
         another layout than the decode pool's are re-laid out in place here. Call only once the
         bytes are in place."""
         res = self._take(part)
-        if layout is not self.pool.layout:
-            self.pool.relayout(self.dst_slots(part), layout)
+        if layout is not self.store.layout:
+            self.store.relayout(self.dst_slots(part), layout)
         res.arrived[part.rank] = part.num_pages
 
     # ---- publish / abort -------------------------------------------------------------------
@@ -260,7 +267,7 @@ class DecodeReceiver:
                 return "debug: no checksums were sent"
             for part in m.parts:
                 sent = list(checksums.get(part.rank, ()))
-                got = page_checksums(self.pool, self.dst_slots(part))
+                got = page_checksums(self.store, self.dst_slots(part))
                 if sent != got:
                     bad = [p for p, a, b in zip(part.logical_pages(), sent, got, strict=False)
                            if a != b] or part.logical_pages()
@@ -290,7 +297,7 @@ class DecodeReceiver:
             self.abort(manifest)
             return False
         del self._res[manifest.request]
-        self.pool.extend(manifest.request, [(0, res.slots[p]) for p in
+        self.pages.extend(manifest.request, [(0, res.slots[p]) for p in
                                             range(manifest.first_page, manifest.num_pages)],
                          manifest.valid_len)
         self.last_error = None
@@ -312,7 +319,7 @@ class DecodeReceiver:
         if pending:
             self._quarantine[epoch] = _Quarantine(rid, list(res.slots.values()), pending)
         else:
-            self.pool.release((0, s) for s in res.slots.values())
+            self.pages.release((0, s) for s in res.slots.values())
 
     def sender_done(self, epoch: int, rank: int) -> bool:
         """Sender ``rank`` of quarantined grant ``epoch`` writes nothing more (its :class:`Done`
@@ -324,7 +331,7 @@ class DecodeReceiver:
         q.pending.discard(rank)
         if not q.pending:
             del self._quarantine[epoch]
-            self.pool.release((0, s) for s in q.slots)
+            self.pages.release((0, s) for s in q.slots)
         return True
 
     def quarantined(self) -> dict[int, tuple[str, list[int], list[int]]]:
@@ -336,8 +343,8 @@ class DecodeReceiver:
         quarantined slot back."""
         for e in list(self._quarantine):
             q = self._quarantine.pop(e)
-            self.pool.release((0, s) for s in q.slots)
+            self.pages.release((0, s) for s in q.slots)
 
     def free(self, rid: Hashable) -> None:
         """Release a published request (after decoding it)."""
-        self.pool.free(rid)
+        self.pages.free(rid)

@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import pickle
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from cpkv.comm import current_wait, last_progress
 from cpkv.settings import PluginTable
 
 from .buffers import PoolBuffers
@@ -34,11 +36,29 @@ from .errors import TransferError
 from .plan import RankTransfer, TransferManifest
 
 if TYPE_CHECKING:
-    from .receiver import DecodeReceiver
+    import torch
 
-__all__ = ["Ack", "DistSideChannel", "Done", "DrainingLink", "FencingChannel", "Grant", "Link",
-           "LinkFeatures", "LinkSpec", "Offer", "SideChannel", "StoreSideChannel", "Transport",
-           "link_features", "store_side_channel"]
+__all__ = [
+    "WAIT_SLICE_S",
+    "Ack",
+    "DistSideChannel",
+    "Done",
+    "DrainingLink",
+    "FencingChannel",
+    "Grant",
+    "Link",
+    "LinkFeatures",
+    "LinkSpec",
+    "Offer",
+    "PartSink",
+    "SideChannel",
+    "SilenceClock",
+    "StoreSideChannel",
+    "TransferTimeout",
+    "Transport",
+    "link_features",
+    "store_side_channel",
+]
 
 
 # ---- what a plugin implements ---------------------------------------------------------------
@@ -54,7 +74,8 @@ class LinkSpec:
             layer a contiguous uint8 ``[pages, ps, latent + index bytes]`` tensor, what a
             one-sided transport registers, and its latent / index-K column views): the prefill
             rank's shard, or the decode rank's one-rank full-layout pool. Never the pool.
-        timeout_s: bound on every wait of one transfer (``transfer.timeout_s``).
+        timeout_s: bound on the silence of every wait of the transfer (``transfer.timeout_s``:
+            a wait fails when no other endpoint made progress for this long).
         debug: the debug switch (checksums are computed and compared).
         world_ranks: for transports over ``torch.distributed``: the global rank of each endpoint
             (default ``range(C + 1)``). Others ignore it.
@@ -118,6 +139,22 @@ class FencingChannel(SideChannel, Protocol):
         ...
 
 
+class PartSink(Protocol):
+    """Where a two-sided link puts the bytes of a part it received: the one method of the decode
+    side (:class:`~cpkv.disagg.receiver.DecodeReceiver`) a transport calls."""
+
+    def place_packed(self, part: RankTransfer, buf: torch.Tensor, *,
+                     layers: range | None = None) -> None:
+        """Copy ``buf`` (uint8, 1-D: for each layer of ``layers``, default every layer, the
+        part's latent bytes then its index-K bytes, page after page; :func:`cpkv.disagg.pack_part`)
+        into the part's reserved slots.
+
+        Raises:
+            TransferError: ``buf`` is not uint8 1-D of exactly the part's bytes for ``layers``.
+        """
+        ...
+
+
 @runtime_checkable
 class Link(Protocol):
     """One endpoint's connection, from :meth:`Transport.connect`.
@@ -154,10 +191,10 @@ class Link(Protocol):
         failed engine is torn down first)."""
         ...
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+    def recv_part(self, part: RankTransfer, sink: PartSink, *,
                   layers: range | None = None, epoch: int = 0) -> int:
         """Decode endpoint, two-sided links: return once the bytes of ``part``'s ``layers`` are
-        placed (``receiver.place_packed``), bounded by the link's timeout. Returns the bytes
+        placed (``sink.place_packed``), bounded by the link's timeout. Returns the bytes
         received. Raises on failure or timeout (a receive still pending keeps its own staging
         buffer: late bytes land there, never in the pool). One-sided links: the bytes are already
         in place when the sender's :class:`Done` arrived; returns 0."""
@@ -304,6 +341,16 @@ class DistSideChannel:
         return box[0]
 
 
+#: a wait on the side-channel store runs in slices this long; between them the endpoints'
+#: progress beacons are read (the bound is on silence, not on wall time)
+WAIT_SLICE_S = 0.5
+
+
+class TransferTimeout(TransferError):
+    """A wait of the transfer saw no progress on any other endpoint for ``timeout_s``
+    (``transfer.timeout_s``; the message names the setting and what was awaited)."""
+
+
 class StoreSideChannel:
     """Messages over a key-value store (``torch.distributed.TCPStore`` or any object with
     ``set(key, bytes)``, ``get(key)``, ``wait([key], timedelta)``, ``delete_key(key)``): a plain
@@ -311,18 +358,86 @@ class StoreSideChannel:
 
     Sends (and :meth:`fenced`) go through a second connection when the store can ``clone()``:
     one thread may wait in :meth:`recv` while another sends (a store client serves one call at
-    a time)."""
+    a time).
 
-    def __init__(self, store: Any, endpoint: int, timeout_s: float, prefix: str = "cpkv-xfer") -> None:
+    Bound: with ``endpoints`` (C + 1) every endpoint publishes its progress
+    (:func:`cpkv.comm.note_progress`: the prefill notes it per layer and row chunk) under
+    ``{prefix}/progress/{endpoint}`` from a beacon thread (on a third connection), and a wait in
+    :meth:`recv` fails only after ``timeout_s`` in which no other endpoint made progress: the
+    decode may wait for a request's first message through a prefill of any length, and a hung
+    sender still fails it within ``timeout_s``. Without ``endpoints`` (or a store that cannot
+    ``clone``) a wait is bounded by ``timeout_s`` of wall time.
+    """
+
+    def __init__(self, store: Any, endpoint: int, timeout_s: float, prefix: str = "cpkv-xfer",
+                 endpoints: int = 0) -> None:
         self.store, self.endpoint, self.timeout_s, self.prefix = store, endpoint, timeout_s, prefix
         self._sent: dict[int, int] = {}
         self._got: dict[int, int] = {}
         self._lock = threading.Lock()  # the protocol's thread and the sender worker both send
         clone = getattr(store, "clone", None)
         self._out = clone() if callable(clone) else store
+        self.endpoints = endpoints if callable(clone) else 0
+        self._stop = threading.Event()
+        if self.endpoints and callable(clone):
+            threading.Thread(target=self._beacon, args=(clone(),), daemon=True,
+                             name="cpkv-xfer-beacon").start()
 
     def _key(self, src: int, dst: int, seq: int) -> str:
         return f"{self.prefix}/{src}->{dst}/{seq}"
+
+    def _beacon(self, store: Any) -> None:
+        """Publish this endpoint's progress count, and the collective it waits in, whenever
+        either changed (every slice)."""
+        told = ""
+        key = f"{self.prefix}/progress/{self.endpoint}"
+        while not self._stop.is_set():
+            wait = current_wait()
+            now = f"{last_progress().seq}|{wait[1] if wait is not None else ''}"
+            if now != told:
+                try:
+                    store.set(key, now.encode())
+                except Exception:  # the store's host is gone: the waits say so
+                    return
+                told = now
+            self._stop.wait(WAIT_SLICE_S)
+
+    def beacons(self) -> dict[int, tuple[int, str]]:
+        """The other endpoints' published (progress count, collective waited in or "");
+        endpoints that published nothing yet are missing; {} without beacons."""
+        out: dict[int, tuple[int, str]] = {}
+        for e in range(self.endpoints):
+            key = f"{self.prefix}/progress/{e}"
+            if e == self.endpoint:
+                continue
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    seq, _, what = self.store.get(key).decode().partition("|")
+                    out[e] = (int(seq), what)
+        return out
+
+    def progress(self) -> tuple[int, ...]:
+        """The other endpoints' published progress counts (-1: none yet); () without beacons.
+        A change between two calls means some endpoint made progress."""
+        got = self.beacons()
+        return tuple(got[e][0] if e in got else -1 for e in range(self.endpoints)
+                     if e != self.endpoint)
+
+    def silence(self) -> str:
+        """For messages: what each other endpoint does, e.g. ``"rank 0 waits in
+        all_gather_rows; rank 1 waits in no collective"`` (the one that hung)."""
+        got = self.beacons()
+        return "; ".join(f"{self._name(e)} " + (f"waits in {got[e][1]}" if got[e][1]
+                                                else "waits in no collective")
+                         for e in sorted(got))
+
+    def _name(self, endpoint: int) -> str:
+        """How messages call an endpoint: prefill ``rank r``, or the decode rank (the last)."""
+        return "the decode rank" if endpoint == self.endpoints - 1 else f"rank {endpoint}"
+
+    def close(self) -> None:
+        """Stop the progress beacon."""
+        self._stop.set()
 
     def send(self, peer: int, msg: Any) -> None:
         data = pickle.dumps(msg)
@@ -343,14 +458,61 @@ class StoreSideChannel:
             return bool(self._out.check([f"{self.prefix}/fence/{epoch}"]))
 
     def recv(self, peer: int) -> Any:
+        """The next message from ``peer``.
+
+        Raises:
+            TransferTimeout: none came, and no other endpoint made progress, for ``timeout_s``.
+        """
         seq = self._got.get(peer, 0)
         key = self._key(peer, self.endpoint, seq)
-        self.store.wait([key], timedelta(seconds=self.timeout_s))
+        if not self.endpoints:
+            self.store.wait([key], timedelta(seconds=self.timeout_s))
+        else:
+            self._wait_quietly(key, peer)
         msg = pickle.loads(self.store.get(key))
         self._got[peer] = seq + 1
         with contextlib.suppress(Exception):  # stores without delete keep the key; harmless
             self.store.delete_key(key)
         return msg
+
+    def _wait_quietly(self, key: str, peer: int) -> None:
+        clock = SilenceClock(self)
+        while True:
+            left = self.timeout_s - clock.quiet_s()
+            if left <= 0:
+                raise TransferTimeout(
+                    f"{self._name(self.endpoint)} waited for message {key.rsplit('/', 1)[-1]} "
+                    f"from {self._name(peer)}, and no endpoint made progress, for "
+                    f"{self.timeout_s:g} s "
+                    f"(transfer.timeout_s bounds this silence: raise it if one step of the "
+                    f"prefill, e.g. a layer's row chunk, takes longer): {self.silence()}")
+            try:
+                self.store.wait([key], timedelta(seconds=min(WAIT_SLICE_S, left)))
+                return
+            except Exception as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+
+
+class SilenceClock:
+    """Seconds since another endpoint of ``channel`` last made progress (as its beacon shows;
+    wall time since the clock started where the channel has none)."""
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self.seen = self._read()
+        self.since = time.monotonic()
+
+    def _read(self) -> tuple[int, ...]:
+        progress = getattr(self.channel, "progress", None)
+        return progress() if callable(progress) else ()
+
+    def quiet_s(self) -> float:
+        """Seconds of silence so far (reads the beacons)."""
+        now = self._read()
+        if now != self.seen:
+            self.seen, self.since = now, time.monotonic()
+        return time.monotonic() - self.since
 
 
 def store_side_channel(spec: LinkSpec, hostname: str, prefix: str) -> tuple[StoreSideChannel, Any]:
@@ -359,17 +521,19 @@ def store_side_channel(spec: LinkSpec, hostname: str, prefix: str) -> tuple[Stor
     closes: a stalled sender must not break the link for the next request), or on
     ``spec.store``. The store's port reaches the prefill endpoints over a Gloo group
     of the endpoints' ``torch.distributed`` world (``new_group``: collective over the world).
-    The decode waits at most ``timeout_s`` per message; a prefill endpoint at most
-    (C + 1) x ``timeout_s`` (it hears the decode's verdict on a stalled peer instead of timing
-    out first). Returns (channel, the store when made here).
+    Every endpoint publishes its progress; the decode waits for a message until no other endpoint
+    made progress for ``timeout_s``, a prefill endpoint for (C + 1) x ``timeout_s`` (it hears the
+    decode's verdict on a stalled peer instead of timing out first). Returns (channel, the store
+    when made here).
 
     Raises:
         RuntimeError: no store given and no initialized ``torch.distributed`` world.
         TransferError: the decode endpoint could not host the store.
     """
     wait_s = spec.timeout_s if spec.is_decode else (spec.cp_size + 1) * spec.timeout_s
+    n = spec.cp_size + 1
     if spec.store is not None:
-        return StoreSideChannel(spec.store, spec.endpoint, wait_s, prefix), None
+        return StoreSideChannel(spec.store, spec.endpoint, wait_s, prefix, n), None
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -393,4 +557,4 @@ def store_side_channel(spec: LinkSpec, hostname: str, prefix: str) -> tuple[Stor
                             f"failed: {box[0]}")
     if store is None:
         store = dist.TCPStore(hostname, box[0], None, False, timeout)
-    return StoreSideChannel(store, spec.endpoint, wait_s, prefix), store
+    return StoreSideChannel(store, spec.endpoint, wait_s, prefix, n), store

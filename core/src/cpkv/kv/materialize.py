@@ -31,12 +31,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import structlog
 import torch
 
 from cpkv.comm import CPGroup, PeerAccessUnavailable, PeerBuffers, open_peer_buffers
 from cpkv.contracts import FallbackReason, KVFormat, MaterializeMode, PageLayout
 from cpkv.fallback import report_fallback
+from cpkv.logs import get_logger
 from cpkv.ops import part_index
 
 from .batch import BatchKV, MaterializePlan
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["AllGatherViews", "Materializer", "PeerViews", "Prefetch", "ReplicaViews",
            "open_materializer"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
     from cpkv.ops import OpTable
 
+    from .host import HostPages
+
 __all__ = ["KVStore"]
 
 
@@ -202,6 +204,12 @@ class KVStore:
     def loads_pending(self) -> bool:
         """Queued or in-flight host loads (or copies) whose bytes are not all in place yet."""
         return bool(self._loads) or any(not s.empty for s in self._staging)
+
+    def save_to_host(self, host: HostPages, dev_slots: Sequence[int],
+                     host_slots: Sequence[int]) -> None:
+        """Copy this rank's device pages ``dev_slots`` (every layer) into ``host``'s pages
+        ``host_slots`` (same order), queued on the current stream (see :meth:`HostPages.save`)."""
+        host.save(self.kv, host.index(dev_slots), host.index(host_slots), self.ops)
 
     def flush_loads(self) -> None:
         """Finish every queued host load and every in-flight batch's staged work now."""

@@ -282,3 +282,14 @@ class PageTable:
             PoolExhausted: not enough free pages (nothing taken).
         """
         return self._refs.take(list(needs), what)
+
+    def allocate_pages(self, owner: int, n: int, what: str = "pages") -> list[int]:
+        """``n`` new pages on ``owner``, one reference each (the caller's), the reclaimer asked
+        first under pressure (:meth:`take_pages` for one owner).
+
+        Raises:
+            PoolExhausted: not enough free pages (nothing taken).
+        """
+        needs = [0] * self.allocator.num_ranks
+        needs[self.alloc_rank(owner)] = n
+        return self.take_pages(needs, what)[self.alloc_rank(owner)]

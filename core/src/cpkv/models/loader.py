@@ -19,16 +19,17 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 from pydantic import ValidationError
+
+from cpkv.logs import get_logger
 
 from .config import MODEL_TYPE, DeepseekV32Config
 from .errors import ModelLoadError
 
 __all__ = ["CheckpointReader", "expected_shapes", "mtp_shapes", "read_config"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _SCALE_SUFFIX = "_scale_inv"

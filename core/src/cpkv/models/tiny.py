@@ -181,14 +181,21 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, overwrite: bool = 
         raise FileExistsError(f"{path} exists and is not empty")
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    _remove_stale_temporaries(path)
+    # the writer's pid in the name: a later write removes what a killed one left (SIGKILL runs
+    # no cleanup)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix(path)}{os.getpid()}-", dir=path.parent))
     try:
         _write_files(tmp, cfg, seed, draft)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():  # as any new file: safetensors writes 0600
+            os.chmod(f, 0o666 & ~umask)
         if non_empty:
             os.replace(tmp / "model.safetensors", path / "model.safetensors")
             os.replace(tmp / "config.json", path / "config.json")
         else:
-            os.chmod(tmp, 0o755)
+            os.chmod(tmp, 0o777 & ~umask)
             try:
                 os.replace(tmp, path)  # replaces an empty directory; fails if another writer won the race
             except OSError:
@@ -197,6 +204,24 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, overwrite: bool = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _tmp_prefix(path: Path) -> str:
+    return f".{path.name}.tmp-"
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary directories of writes of ``path`` whose writer process is gone."""
+    for d in path.parent.glob(f"{_tmp_prefix(path)}*"):
+        pid = d.name[len(_tmp_prefix(path)):].split("-", 1)[0]
+        if not pid.isdigit() or not d.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def checkpoint_num_parameters(path: str | Path) -> int:

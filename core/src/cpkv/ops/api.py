@@ -11,6 +11,10 @@ The op protocol and the types in its signatures
     :class:`KVFormat` (bytes per token and page), :class:`KVDtype`, :class:`PageLayout`,
     :data:`KVPart` (``"latent"`` / ``"index_k"``), :data:`RopeStyle`.
 
+Composing a backend object
+    :class:`OpMethods`: op -> bound method, for a backend whose ops are methods of several
+    kernel objects (no forwarding method per op; the op table calls them directly).
+
 Declining and reporting
     :class:`OpDeclined`: raise it from an op for a shape the kernel does not take; the call then
     runs on the next backend of the preference, reported once as a fallback.
@@ -35,7 +39,7 @@ Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
 fp8 numerics (:mod:`cpkv.ops.fp8`)
     :func:`quantize_fp8` (the one quantization formula: what ``fp8_pack`` must match bit for
     bit; "amax" scales for the latent, DeepSeek's power-of-two "ue8m0" for the index-K:
-    :func:`scale_format`), :data:`FP8_E4M3_MAX`, :data:`FP8_AMAX_FLOOR`,
+    :func:`scale_format`, a :class:`ScaleFormat`), :data:`FP8_E4M3_MAX`, :data:`FP8_AMAX_FLOOR`,
     :data:`UE8M0_AMAX_FLOOR`, :func:`hadamard_rotate` (DeepSeek's ``rotate_activation``: an
     fp8 pool's index-K and the queries that meet it are rotated), :func:`quantize_index_q` (the
     indexer's fp8 queries with their scales folded into the head weights).
@@ -90,6 +94,7 @@ from .layout import (
     part_index,
     part_view,
 )
+from .methods import OpMethods
 
 __all__ = [
     "FP8_AMAX_FLOOR",
@@ -102,6 +107,7 @@ __all__ = [
     "KVPart",
     "Op",
     "OpDeclined",
+    "OpMethods",
     "PageLayout",
     "RopeStyle",
     "ScaleFormat",

@@ -18,8 +18,9 @@ from cpkv.fallback import report_fallback
 from cpkv.plugin import AgreeFn, BackendRegistry
 
 if TYPE_CHECKING:
-    # for type checkers the table IS a KVOps (each op typed as the Protocol says); at runtime it
-    # is a plain object whose __getattr__ hands out the bound callable chosen per op
+    # for type checkers the table IS a KVOps (each op typed as the Protocol says, and an op the
+    # Protocol does not declare is an error: __getattr__ below exists at runtime only); at
+    # runtime it is a plain object whose __getattr__ hands out the bound callable chosen per op
     _OpsBase = KVOps
 else:
     _OpsBase = object
@@ -69,8 +70,10 @@ class OpTable(_OpsBase):
     """Op -> bound callable of the backend chosen for it. Resolved once per run (at plan time).
 
     Attribute access (``table.rerange(...)``) calls the chosen backend; ``table.chosen`` maps each
-    op name to the backend name, for reports. Type checkers see a :class:`KVOps` (only the ops it
-    was resolved for are there at runtime: another raises AttributeError naming the resolved ones).
+    op name to the backend name, for reports. Type checkers see a :class:`KVOps`: a call of an op
+    the Protocol does not declare is a type error. At runtime only the ops it was resolved for are
+    there (another raises AttributeError naming the resolved ones): code that can run without an
+    op asks :meth:`has` first (``ops.rope if ops.has(Op.ROPE) else None``).
     """
 
     def __init__(self, impls: dict[str, Callable[..., Any]], chosen: dict[str, str]) -> None:
@@ -99,10 +102,16 @@ class OpTable(_OpsBase):
         table.skipped = sorted({d for s in sel.values() for d in s.skipped})
         return table
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        impls: dict[str, Callable[..., Any]] = self.__dict__.get("_impls", {})
-        try:
-            return impls[name]
-        except KeyError:
-            raise AttributeError(f"no backend was selected for op {name!r}; resolved ops: "
-                                 f"{sorted(impls)}") from None
+    def has(self, op: Op) -> bool:
+        """Whether the table was resolved for ``op`` (an optional op: its attribute exists)."""
+        return op.value in self._impls
+
+    if not TYPE_CHECKING:  # type checkers see KVOps' methods only, so a missing op is an error
+
+        def __getattr__(self, name: str) -> Callable[..., Any]:
+            impls: dict[str, Callable[..., Any]] = self.__dict__.get("_impls", {})
+            try:
+                return impls[name]
+            except KeyError:
+                raise AttributeError(f"no backend was selected for op {name!r}; resolved ops: "
+                                     f"{sorted(impls)}") from None

@@ -13,10 +13,10 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TypeVar
 
 import pluggy
-import structlog
 
 from cpkv import fallback
 from cpkv.contracts import Availability, FallbackEvent, FallbackReason, PluginInfo, PluginKind
+from cpkv.logs import get_logger
 
 from . import spec
 from .registry import (
@@ -31,7 +31,7 @@ from .registry import (
 
 __all__ = ["GROUPS", "Discovered", "PluginHost"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _SpecT = TypeVar("_SpecT", BackendSpec, TransferSpec)
 

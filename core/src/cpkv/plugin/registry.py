@@ -7,10 +7,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeAlias, TypeVar, cast
 
-import structlog
-
 from cpkv.contracts import Availability, FallbackReason, KVOps, Op, PluginKind
 from cpkv.fallback import report_fallback
+from cpkv.logs import get_logger
 
 __all__ = [
     "AgreeFn",
@@ -24,7 +23,7 @@ __all__ = [
     "TransferSpec",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: combines this rank's availability with every other rank's (all ranks must get the same answer)
 AgreeFn = Callable[[dict[str, bool]], dict[str, bool]]

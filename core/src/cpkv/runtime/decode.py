@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cpkv.comm import CPGroup
+from cpkv.comm import CPGroup, note_progress
 from cpkv.contracts import MaterializeMode, PageLayout
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
@@ -72,8 +72,9 @@ def generate_with(step: Callable[[Sequence[tuple[Hashable, int]]], list[int]],
     steps, every request in each."""
     out = [[tok] for _, tok in first]
     cur = list(first)
-    for _ in range(num_tokens - 1):
+    for k in range(num_tokens - 1):
         nxt = step(cur)
+        note_progress("decode", (k + 2) * len(first), num_tokens * len(first))
         for o, t in zip(out, nxt, strict=True):
             o.append(t)
         cur = [(rid, t) for (rid, _), t in zip(cur, nxt, strict=True)]
@@ -104,9 +105,9 @@ class DecodeWorker:
         self.session = PrefillSession(model, one, CPGroup.single(device, settings.runtime.timeout_s),
                                       host)
         self.pool = self.session.pool
-        self.receiver = DecodeReceiver(self.pool, debug=settings.debug)
+        self.receiver = DecodeReceiver(self.pool.pages, self.pool.store, debug=settings.debug)
         #: the lean steps (graphs on CUDA)
-        self.decoder = LeanDecoder(model, self.pool, self.session.ops,
+        self.decoder = LeanDecoder(model, self.pool.pages, self.pool.store, self.session.ops,
                                    cuda_graphs=settings.decode.cuda_graphs,
                                    max_batch=settings.decode.max_batch,
                                    indexer_fp8=self.session.settings.runtime.indexer_dtype
@@ -130,7 +131,7 @@ class DecodeWorker:
                                     steps=self.decoder)
 
     def release(self, rid: Hashable) -> None:
-        self.pool.free(rid)
+        self.pool.pages.free(rid)
 
     def steps_info(self) -> DecodeSteps:
         """How the decode steps ran so far."""

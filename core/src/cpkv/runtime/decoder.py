@@ -41,21 +41,21 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import torch
 
 from cpkv.contracts import FallbackReason, KVDtype, PageLayout
 from cpkv.fallback import report_fallback
+from cpkv.logs import get_logger
 from cpkv.ops import hadamard_rotate, quantize_index_q
 
 if TYPE_CHECKING:
-    from cpkv.kv import RequestPages, ShardedKVPool
+    from cpkv.kv import KVStore, PageTable, RequestPages
     from cpkv.models import DeepseekV32
     from cpkv.ops import OpTable
 
 __all__ = ["DecodeShape", "LastStep", "LeanDecoder", "Verified", "bucket_of"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def bucket_of(n: int, smallest: int = 1) -> int:
@@ -131,24 +131,25 @@ class LeanDecoder:
     Args:
         model: the loaded model (its MTP layer, when loaded, runs in every step but
             :meth:`draft`'s, which runs it alone).
-        pool: the decode rank's pool (one rank, ``PageLayout.PART_MAJOR``, no prefix cache).
+        pages: the decode rank's page table (``pool.pages`` of a one-rank pool, no prefix cache).
+        store: that pool's bytes (``pool.store``, ``PageLayout.PART_MAJOR``).
         ops: the pool's op table (``indexer_logits_paged``, ``topk``, ``sparse_mla_paged``).
         cuda_graphs: capture and replay CUDA graphs on a CUDA device.
         max_batch: the largest bucket captured.
         indexer_fp8: fp8 indexer queries when the index keys are fp8 (``runtime.indexer_dtype``).
     """
 
-    def __init__(self, model: DeepseekV32, pool: ShardedKVPool, ops: OpTable, *,
+    def __init__(self, model: DeepseekV32, pages: PageTable, store: KVStore, ops: OpTable, *,
                  cuda_graphs: bool = True, max_batch: int = 128,
                  indexer_fp8: bool = False) -> None:
-        if pool.group.size != 1 or pool.layout is not PageLayout.PART_MAJOR:
+        if store.group.size != 1 or store.layout is not PageLayout.PART_MAJOR:
             raise ValueError("the lean decode step needs a one-rank pool in the part-major layout")
-        self.model, self.pool, self.ops = model, pool, ops
-        self.device = pool.group.device
-        self.page_size = pool.fmt.page_size
+        self.model, self.pages, self.store, self.ops = model, pages, store, ops
+        self.device = store.group.device
+        self.page_size = store.fmt.page_size
         self.topk = model.config.index_topk
         #: an fp8 pool's index-K is rotated (see :class:`~cpkv.runtime.prefill.CPPrefill`)
-        self.rotate_index = pool.fmt.dtype is KVDtype.FP8
+        self.rotate_index = store.fmt.dtype is KVDtype.FP8
         self.indexer_fp8 = indexer_fp8 and self.rotate_index
         self.max_batch = bucket_of(max_batch)
         self.graphs = cuda_graphs and self.device.type == "cuda"
@@ -179,7 +180,7 @@ class LeanDecoder:
         """Append each request's tokens (every request the same number ``R``: the last emitted
         token and ``R - 1`` drafts) and return, per row, the target's greedy token and the MTP
         layer's guess after it, and the MTP layer's ``h'`` (see :class:`Verified`). Rows of
-        rejected drafts stay in the pool: truncate them (``pool.truncate``).
+        rejected drafts stay in the pool: truncate them (``pages.truncate``).
 
         Raises:
             ValueError: no MTP layer, an empty batch, a request twice, or unequal token counts.
@@ -234,13 +235,13 @@ class LeanDecoder:
             # reading the outputs is the step's one host sync (the callers' tolist)
         except BaseException:
             for (rid, _), (pos, _) in zip(batch, grown, strict=True):
-                self.pool.truncate(rid, pos)
+                self.pages.truncate(rid, pos)
             raise
         self.last = LastStep(shape, graph)
         return buf
 
     def _shape(self, batch: Sequence[tuple[Hashable, Sequence[int]]], draft: bool) -> DecodeShape:
-        table, s = self.pool.table, self.page_size
+        table, s = self.pages.requests, self.page_size
         r = len(batch[0][1])
         longest = max(table[rid].valid_len for rid, _ in batch) + r
         return DecodeShape(bucket_of(len(batch)), bucket_of(-(-longest // s), 16), r, draft)
@@ -249,16 +250,16 @@ class LeanDecoder:
               ) -> list[tuple[int, RequestPages]]:
         """Each request its new tokens longer in the page table, new pages where its tail page
         fills (taken all or nothing): per request (its first new position, its page table)."""
-        table, s = self.pool.table, self.page_size
+        table, s = self.pages.requests, self.page_size
         reqs = [table[rid] for rid, _ in batch]
         need = [-(-(rp.valid_len + len(ids)) // s) - len(rp.slots)
                 for rp, (_, ids) in zip(reqs, batch, strict=True)]
         total = sum(need)
-        fresh = iter(self.pool.allocate_pages(0, total, "decode pages") if total else [])
+        fresh = iter(self.pages.allocate_pages(0, total, "decode pages") if total else [])
         out: list[tuple[int, RequestPages]] = []
         for (rid, ids), rp, k in zip(batch, reqs, need, strict=True):
             n = rp.valid_len
-            self.pool.extend(rid, [(0, next(fresh)) for _ in range(k)], n + len(ids))
+            self.pages.extend(rid, [(0, next(fresh)) for _ in range(k)], n + len(ids))
             out.append((n, table[rid]))
         return out
 
@@ -398,24 +399,24 @@ class LeanDecoder:
                row_pages: torch.Tensor, buf: _Buffers) -> torch.Tensor:
         """One decoder layer (pool layer ``layer``) on the step's rows (``rope`` and
         ``row_pages`` computed once per step)."""
-        m, ops, pool, s = self.model, self.ops, self.pool, self.page_size
+        m, ops, store, s = self.model, self.ops, self.store, self.page_size
         pos, dst, key_end = buf.rows[1], buf.rows[2], buf.rows[3]
         a = m.attention_inputs(layer, x, pos, rope, ops.rope)
         rot = self.rotate_index
-        pool.write_rows(layer, dst, a.latent, hadamard_rotate(a.index_k) if rot else a.index_k)
-        pages = pool.kv[layer]
+        store.write_rows(layer, dst, a.latent, hadamard_rotate(a.index_k) if rot else a.index_k)
+        pages = store.kv[layer]
         iq, iw = a.index_q, a.index_w
         if rot:
             iq = hadamard_rotate(iq)
         if self.indexer_fp8:
             iq, iw = quantize_index_q(iq, iw)
-        logits = ops.indexer_logits_paged(iq, iw, pages, pool.fmt, buf.table, buf.request, key_end)
+        logits = ops.indexer_logits_paged(iq, iw, pages, store.fmt, buf.table, buf.request, key_end)
         top = ops.topk(logits, self.topk, buf.key_start, key_end)
         # request-local key j -> token row row_pages[row, j // S] * S + j % S, -1 kept
         j = top.clamp_min(0).long()
         rows = torch.where(top >= 0, (row_pages.gather(1, j // s) * s + j % s).to(torch.int32),
                            top)
-        o = ops.sparse_mla_paged(a.q, pages, rows, pool.fmt, m.softmax_scale,
+        o = ops.sparse_mla_paged(a.q, pages, rows, store.fmt, m.softmax_scale,
                                  m.config.kv_lora_rank)
         x = x + m.attention_output(layer, o)
         return x + m.mlp(layer, x)

@@ -10,10 +10,15 @@ port that stays bound for the whole run; the ranks connect to it as clients. The
 between choosing a port and binding it, hence no race with other processes and nothing to retry.
 
 Bounds: startup (interpreter, imports, rendezvous) is bounded by ``startup_timeout_s``; once every
-rank has joined the group, ``fn`` is bounded by ``timeout_s`` (also the process group's timeout,
-so a collective waits no longer). A rank that raises sends its traceback; the parent waits
-``settle_s`` for other reports (to tell the cause from its echoes, e.g. a peer's "connection
-closed"), then terminates every other rank and raises :class:`RankFailed`. See docs/runtime.md.
+rank has joined the group, the bound is on silence: when no rank made progress
+(:func:`cpkv.comm.note_progress`, which the prefill notes per layer and row chunk and the decode
+per step) for ``timeout_s``, every rank is killed and the ones that made none are named. A run
+that makes progress is never killed, however long it takes, and a collective waits as long as
+that (the process group's timeout is a day's backstop, :data:`SUPERVISED_COLLECTIVE_TIMEOUT_S`:
+the group's ``timeout_s``). A rank that raises sends its
+traceback; the parent waits ``settle_s`` for other reports (to tell the cause from its echoes,
+e.g. a peer's "connection closed"), then terminates every other rank and raises
+:class:`RankFailed`. See docs/runtime.md.
 
 Lifetime: every rank dies with the parent, whatever kills it (Linux ``PR_SET_PDEATHSIG``, and a
 watchdog thread that sees the parent change); ranks ignore SIGINT (Ctrl-C reaches the whole
@@ -44,17 +49,24 @@ import torch
 import torch.distributed as dist
 
 from cpkv._lifetime import PARENT_ENV, die_with_parent
-from cpkv.comm import CPGroup, current_wait
+from cpkv.comm import CPGroup, current_wait, last_progress
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
+from cpkv.logs import ForwardEvents, parent_level
 
 from .ranklog import LogSetup, RankLogMerger, StderrLines, rank_label
 
-__all__ = ["LogSetup", "RankFailed", "RankResult", "RankTimeout", "run_ranks"]
+__all__ = ["LogSetup", "ProgressSink", "RankFailed", "RankResult", "RankTimeout", "run_ranks"]
+
+#: called in the parent with (rank, what, done, total) when a rank notes progress
+#: (:func:`cpkv.comm.note_progress`; ``total`` 0: unknown)
+ProgressSink = Callable[[int, str, int, int], None]
 
 HOST = "127.0.0.1"
 
-# Set (setdefault) in every rank: NVLink multicast off, it is not usable on the lent machines.
+# Set (setdefault) in every rank: NVLink multicast (NVLS, multimem) off. cpkv's collectives do not
+# need it, and on GPUs shared with other tenants (VMs, partitions) a program that uses it can put
+# the host's GPUs out of service; a caller who wants it sets these variables itself.
 CHILD_ENV_DEFAULTS: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -65,6 +77,12 @@ _TERM_GRACE_S = 1.0  # SIGTERM -> SIGKILL
 _REAP_S = 1.0  # sentinel closed -> exit status available
 #: a rank reports the collective it waits in once it has waited this long (seconds)
 _WAIT_REPORT_S = 2.0
+#: how often a rank's watchdog looks for new progress to report (seconds)
+_PROGRESS_EVERY_S = 0.5
+#: the process group's timeout (one collective's bound) of supervised ranks: the launcher bounds
+#: silence itself, so a rank waiting for a peer that works is never failed, and one waiting for a
+#: hung peer outlives the launcher's bound, which names the rank that hung (a backstop only)
+SUPERVISED_COLLECTIVE_TIMEOUT_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -133,30 +151,62 @@ class RankFailed(RuntimeError):
 
 
 class RankTimeout(RuntimeError):
-    """Ranks were still running at the deadline; they were killed.
+    """Ranks did not join the group in time (``phase == "startup"``), or no rank made progress
+    for ``timeout_s`` (``phase == "run"``: the bound is on silence, not on the run's length);
+    they were killed.
 
     Attributes: ``ranks`` (those that did not finish), ``phase`` (``"startup"`` or ``"run"``),
     ``timeout_s`` (the bound of that phase), ``waiting`` (rank -> the collective it last reported
-    waiting in, for ranks that did).
+    waiting in, for ranks that did), ``setting`` (the settings key of the bound, for messages).
+    The ranks that wait in no collective are the ones that hung (the others wait for them).
     """
 
     def __init__(self, ranks: Sequence[int], size: int, phase: str, timeout_s: float, *,
                  names: Sequence[str] | None = None, waiting: Mapping[int, str] | None = None,
-                 hint: str = "") -> None:
+                 hint: str = "", last: Mapping[int, str] | None = None) -> None:
         self.ranks = list(ranks)
         self.phase = phase
         self.timeout_s = timeout_s
         self.waiting = {r: w for r, w in (waiting or {}).items() if r in self.ranks}
-        what = "did not join the process group" if phase == "startup" else "did not finish"
+        self.setting = "runtime.startup_timeout_s" if phase == "startup" else "runtime.timeout_s"
         if names is None:
-            who = f"rank(s) {', '.join(map(str, self.ranks))} of {size}"
+            names = [f"rank {r}" for r in range(size)]
+
+        def who(rs: Sequence[int]) -> str:
+            return ", ".join(rank_label(r, size, names) for r in rs)
+
+        if phase == "startup":
+            if hint:  # the fix first, the ranks as ranges (64 labels made a 1,171-character line)
+                msg = (f"{hint}. {len(self.ranks)} of {size} ranks did not join the process group "
+                       f"within {timeout_s:g} s (ranks {_ranges(self.ranks)}); killed")
+                super().__init__(msg)
+                return
+            msg = f"{who(self.ranks)} did not join the process group within {timeout_s:g} s; killed"
         else:
-            who = ", ".join(rank_label(r, size, names) for r in self.ranks)
-        msg = f"{who} {what} within {timeout_s:g} s; killed"
+            hung = [r for r in self.ranks if r not in self.waiting]
+            msg = (f"no rank made progress for {timeout_s:g} s ({self.setting}; raise it if one "
+                   f"step, e.g. a layer of the longest prompt, takes longer): "
+                   f"{who(hung or self.ranks)} made none")
+            done = (last or {})
+            if hung and any(r in done for r in hung):
+                msg += " (last: " + "; ".join(f"{rank_label(r, size, names, short=True)} {done[r]}"
+                                              for r in hung if r in done) + ")"
+            msg += "; killed"
         if self.waiting:
             msg += " (" + "; ".join(f"{rank_label(r, size, names, short=True)} waited in {w}"
                                     for r, w in sorted(self.waiting.items())) + ")"
         super().__init__(msg + (f". {hint}" if hint else ""))
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -210,13 +260,20 @@ def _send_quietly(conn: Connection, msg: tuple[Any, ...]) -> bool:
 
 def _watchdog(parent_pid: int, rank: int, conn: Connection) -> None:
     """Daemon thread of a rank: exit when the parent is gone (where there is no parent-death
-    signal), and tell the parent the collective the rank has been waiting in for a while (so a
-    timeout can name it; collectives release the GIL while they wait)."""
+    signal), tell the parent when the rank made progress (:func:`cpkv.comm.note_progress`: the
+    run's bound is on silence, not wall time) and the collective the rank has been waiting in
+    for a while (so a timeout can name it; collectives release the GIL while they wait)."""
     told: tuple[int, str] | None = None
+    seen = 0
     while True:
-        time.sleep(0.5)
+        time.sleep(_PROGRESS_EVERY_S)
         if os.getppid() != parent_pid:
             os._exit(1)
+        p = last_progress()
+        if p.seq != seen:
+            seen = p.seq
+            if not _send_quietly(conn, ("progress", rank, p.what, p.done, p.total)):
+                os._exit(1)
         wait = current_wait()
         msg: tuple[Any, ...] | None = None
         if wait is None:
@@ -319,7 +376,10 @@ def _rank_main(
     os.environ.update(env)
     if size > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(rank_threads(backend, size, gpu=gpu is not None))
-    timeout = timedelta(seconds=timeout_s)
+    # the launcher bounds silence (timeout_s); a collective waits longer, so that a rank waiting
+    # for a hung peer does not fail first and hide which rank hung
+    collective_s = max(timeout_s, SUPERVISED_COLLECTIVE_TIMEOUT_S)
+    timeout = timedelta(seconds=collective_s)
     msg: tuple[Any, ...]
     try:
         try:
@@ -335,7 +395,7 @@ def _rank_main(
                 backend, rank=rank, world_size=size, store=store, timeout=timeout, **kwargs
             )
             group = CPGroup(rank=rank, size=size, backend=backend,  # type: ignore[arg-type]
-                            device=device, timeout_s=timeout_s)
+                            device=device, timeout_s=collective_s)
             _send(conn, ("ready", rank))
             startup = time.time() - started_at if started_at else 0.0
             t0 = time.perf_counter()
@@ -384,6 +444,7 @@ def run_ranks(
     names: Sequence[str] | None = None,
     log_setup: LogSetup | None = None,
     gpus: Sequence[int] | None = None,
+    on_progress: ProgressSink | None = None,
 ) -> list[RankResult]:
     """Run ``fn(group, *args)`` on ``size`` spawned rank processes; results in rank order.
 
@@ -393,8 +454,12 @@ def run_ranks(
         size: number of ranks C (>= 1).
         args: extra positional arguments, pickled to every rank.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r uses ``cuda:r``).
-        timeout_s: bound on ``fn`` (from the moment every rank joined the group) and the process
-            group's timeout for every collective.
+        timeout_s: bound on silence once every rank joined the group: when no rank noted
+            progress (:func:`cpkv.comm.note_progress`, e.g. per layer) or finished for this long,
+            every rank is killed and :class:`RankTimeout` names the ranks that made none. A
+            rank that works is never killed. A collective has a day's backstop
+            (:data:`SUPERVISED_COLLECTIVE_TIMEOUT_S`, the group's ``timeout_s``): ranks waiting
+            for a hung peer outlast this bound, so the hung one is what gets named.
         env: environment variables set in every rank before the process group is created
             (after ``torch`` is imported; variables read at import time do not see them).
         startup_timeout_s: bound on spawning the ranks and joining the process group.
@@ -408,7 +473,11 @@ def run_ranks(
             libraries such as glog) comes to the parent through a pipe too, one event per line.
             The parent logs each event it receives through
             structlog with the rank in it (``rank=`` or ``ranks=``), identical events of several
-            ranks once. Without it the ranks log as their own structlog configuration says.
+            ranks once. Default: :class:`cpkv.logs.ForwardEvents` from this process's level:
+            the ranks' events are logged here as this process's own are (standard ``logging``
+            unless structlog is configured), nothing printed by the ranks themselves.
+        on_progress: called in this process, from the supervising loop, with each progress
+            note of a rank (at most one per rank every half second).
 
     Returns:
         One :class:`RankResult` per rank, in rank order, each with the rank's fallback events.
@@ -427,6 +496,8 @@ def run_ranks(
     if names is not None and len(names) != size:
         raise ValueError(f"names must name each of the {size} ranks, got {len(names)}")
     placed = rank_gpus(backend, size, gpus, torch.cuda.device_count())
+    if log_setup is None:  # quiet as a library: the ranks' events come here, logged as ours are
+        log_setup = ForwardEvents(parent_level())
     ctx = mp.get_context("spawn")
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=startup_timeout_s + timeout_s))
@@ -460,7 +531,7 @@ def run_ranks(
                     if err_write is not None:
                         err_write.close()
         return _Supervisor(procs, conns, size, timeout_s, startup_timeout_s, settle_s, names,
-                           logs, errs).run()
+                           logs, errs, on_progress).run()
     finally:
         _reap(procs)
         lines = StderrLines(logs)
@@ -503,8 +574,8 @@ def _oversubscribed_hint(size: int) -> str:
     cpus = os.cpu_count() or 1
     if size <= cpus:
         return ""
-    return (f"{size} rank processes on {cpus} CPU core(s): starting them is slow when oversubscribed; "
-            f"use fewer ranks or raise runtime.startup_timeout_s")
+    return (f"use fewer ranks or raise runtime.startup_timeout_s: {size} rank processes on "
+            f"{cpus} CPU core(s) start slowly")
 
 
 class _Supervisor:
@@ -516,8 +587,12 @@ class _Supervisor:
     def __init__(self, procs: list[Any], conns: dict[int, Connection], size: int,
                  timeout_s: float, startup_timeout_s: float, settle_s: float,
                  names: Sequence[str] | None, logs: RankLogMerger | None,
-                 errs: dict[int, Connection]) -> None:
+                 errs: dict[int, Connection],
+                 on_progress: ProgressSink | None = None) -> None:
         self.procs, self.size, self.names, self.logs, self.errs = procs, size, names, logs, errs
+        self.on_progress = on_progress
+        #: rank -> its last progress note (what, done, total), for messages
+        self.last: dict[int, str] = {}
         self.timeout_s, self.startup_timeout_s, self.settle_s = timeout_s, startup_timeout_s, settle_s
         self.ready: set[int] = set()
         self.results: dict[int, RankResult] = {}
@@ -563,7 +638,8 @@ class _Supervisor:
             return RankTimeout(missing, self.size, self.phase, self.startup_timeout_s,
                                names=self.names, hint=_oversubscribed_hint(self.size))
         return RankTimeout([r for r in range(self.size) if not self.done(r)], self.size,
-                           self.phase, self.timeout_s, names=self.names, waiting=self.waiting)
+                           self.phase, self.timeout_s, names=self.names, waiting=self.waiting,
+                           last=self.last)
 
     def _limit(self, now: float) -> float:
         """When to wake up at the latest: the deadline, the settle time, the next log flush."""
@@ -607,6 +683,12 @@ class _Supervisor:
         if kind == "log":
             if self.logs is not None:
                 self.logs.add(msg[1], msg[2])
+        elif kind == "progress":
+            _, r, what, done, total = msg
+            self.last[r] = what + (f" ({done:,} of {total:,} tokens)" if total else "")
+            self._progressed()
+            if self.on_progress is not None:
+                self.on_progress(r, what, done, total)
         elif kind == "waiting":
             if msg[2] is None:
                 self.waiting.pop(msg[1], None)
@@ -620,12 +702,18 @@ class _Supervisor:
                     self.deadline = time.monotonic() + self.timeout_s
         elif kind == "ok":
             _, r, value, events, seconds, startup = msg
+            self._progressed()
             self.results[r] = RankResult(rank=r, value=value, fallbacks=events, seconds=seconds,
                                          startup_seconds=startup)
         else:
             _, r, etype, emsg, tb, when = msg
             self.errors[r] = (etype, emsg, tb, when)
             self._failed()
+
+    def _progressed(self) -> None:
+        """A rank made progress: the run's bound (on silence) starts again."""
+        if self.phase == "run" and self.failed_at is None:
+            self.deadline = time.monotonic() + self.timeout_s
 
     def _exited(self, rank: int) -> None:
         p = self.procs[rank]

@@ -24,12 +24,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import structlog
 import torch
 
+from cpkv.comm import note_progress
 from cpkv.contracts import CPPlan, FallbackReason, KVDtype, Op, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
+from cpkv.logs import get_logger
 from cpkv.ops import hadamard_rotate, quantize_index_q
 from cpkv.planning import plan_batch
 
@@ -49,7 +50,7 @@ BATCH_PLAN: Any = object()
 #: greedy choice at every row (a decode step verifying drafts)
 DraftNext = Literal["prompt", "greedy"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass
@@ -195,7 +196,7 @@ class CPPrefill:
     # ---- once per batch -------------------------------------------------------------------
     def plan(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> CPPlan:
         """The split plan of ``batch`` (request id, new token ids), continuing cached requests."""
-        specs = [self.pool.request_spec(rid, len(ids)) for rid, ids in batch]
+        specs = [self.pool.pages.request_spec(rid, len(ids)) for rid, ids in batch]
         return plan_batch(specs, self.group.size, self.pool.fmt.page_size, self.mode)
 
     def _rank_inputs(self, plan: CPPlan, kv: BatchKV,
@@ -291,7 +292,7 @@ class CPPrefill:
         """One chained draft step on one rank: for each ``(request id, draft token)`` the MTP
         layer alone at the request's next position, fed the draft token and ``h`` (``[requests,
         hidden]``: the previous draft step's ``h'``). Its KV row is written like any other
-        (one more token of the request: call :meth:`ShardedKVPool.truncate` once the chain is
+        (one more token of the request: call :meth:`PageTable.truncate` once the chain is
         done). Returns ``(draft logits [requests, vocab] float32, h' [requests, hidden])``.
 
         Raises:
@@ -456,7 +457,7 @@ class CPPrefill:
         rope = m.rope_cos_sin(pos, m.dtype, inputs.max_position)  # once per batch
         # the rotations through the op table's ``rope`` when it has one (one Triton pass each
         # on GPUs), else the model's reference sequence
-        rotate = getattr(ops, Op.ROPE.value, None)
+        rotate = ops.rope if ops.has(Op.ROPE) else None
         chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, self.budget)
         # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
         # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
@@ -506,6 +507,7 @@ class CPPrefill:
             for s, e in chunks:
                 logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
                 top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
+                note_progress()  # the launcher's and the transfer's bounds are on silence
                 if cap is not None:
                     scores.append(torch.where(top[s:e] >= 0,
                                               logits.gather(1, top[s:e].clamp_min(0).long()),
@@ -517,6 +519,7 @@ class CPPrefill:
             for s, e in mla_chunks:
                 m.attention_values(layer, keys.sparse_mla(a.q[s:e], top[s:e], m.softmax_scale,
                                                           self.dv), out=values[s:e])
+                note_progress()
             if cap is not None:
                 cap.indices.append(kv.gather(top))
                 cap.scores.append(kv.gather(torch.cat(scores) if scores else
@@ -530,6 +533,7 @@ class CPPrefill:
             t5 = time.perf_counter()
             x = x + m.mlp(layer, x)
             t6 = time.perf_counter()
+            note_progress()
             for k, v in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
                             strict=True):
                 phase[k] += v

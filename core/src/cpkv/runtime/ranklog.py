@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import structlog
+from cpkv.logs import get_logger
 
 __all__ = ["LogSetup", "RankLogMerger", "StderrLines", "rank_label"]
 
@@ -26,7 +26,7 @@ LogSetup = Callable[[Callable[[dict[str, Any]], None]], None]
 #: how long an event waits for the same event from the other ranks before it is logged
 MERGE_WINDOW_S = 0.5
 
-log = structlog.get_logger("cpkv.rank")
+log = get_logger("cpkv.rank")
 
 
 def rank_label(rank: int, size: int, names: Sequence[str] | None = None, *,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cpkv.cache import PrefixCache
-from cpkv.comm import CPGroup
+from cpkv.comm import CPGroup, last_progress, note_progress
 from cpkv.disagg import Link, PrefillTransfer, Sent, TransferRefused, Transport, open_link
 from cpkv.kv import RequestPages
 from cpkv.kv.host import HostPages
@@ -47,7 +47,7 @@ class _LayerSends:
     def batch_ready(self, plan: CPPlan, rids: Sequence[Hashable]) -> None:
         for rid, req in zip(rids, plan.requests, strict=True):
             if rid in self.finals:
-                rp = self.session.pool.table[rid]  # reserved, written during the layer loop
+                rp = self.session.pool.pages.requests[rid]  # reserved, written during the layer loop
                 pages = RequestPages(list(rp.owners), list(rp.slots), req.end)
                 # refused (e.g. the decode pool is full): the prefill goes on, and send() offers
                 # the request again after it, whole
@@ -89,7 +89,7 @@ class PrefillSession:
         fmt = model.kv_format(settings.kv.pool_dtype(), settings.kv.page_size)
         # a model loaded with its MTP layer: the draft layer's KV is one more layer of the pool
         self.pool = create_pool(settings, fmt, model.kv_layers, group, host, ops=ALL_OPS)
-        self.ops = self.pool.ops
+        self.ops = self.pool.store.ops
         problem = settings.cross_section_problem()  # settings built by model_copy skip it
         if problem is not None:
             raise ValueError(problem)
@@ -114,8 +114,9 @@ class PrefillSession:
             c, tier = settings.cache, None
             if c.host_pages:
                 tier = HostPages(fmt, model.kv_layers, c.host_pages,
-                                 self.pool.allocator.num_ranks, group.device)
-            self.cache = PrefixCache(self.pool, tier, evict=c.eviction == "lru")
+                                 self.pool.pages.allocator.num_ranks, group.device)
+            self.cache = PrefixCache(self.pool.pages, self.pool.store, group, tier,
+                                     evict=c.eviction == "lru")
 
     @property
     def draft(self) -> bool:
@@ -156,7 +157,7 @@ class PrefillSession:
         """
         self.chunk_sends = ()
         n = self.settings.runtime.chunk_tokens if chunk_tokens is None else chunk_tokens
-        rounds = chunk_rounds([(self.pool.request_spec(rid, len(ids)).prefix_len, len(ids))
+        rounds = chunk_rounds([(self.pool.pages.request_spec(rid, len(ids)).prefix_len, len(ids))
                                for rid, ids in batch], n, self.pool.fmt.page_size)
         if len(rounds) > 1:
             return self._prefill_chunks(batch, rounds, all_logits=all_logits,
@@ -199,6 +200,8 @@ class PrefillSession:
             if self.group.device.type == "cuda":  # the chunk's time, not its launch time
                 torch.cuda.synchronize(self.group.device)
             seconds.append(time.perf_counter() - t)
+            # the progress display's tokens: this chunk's are done
+            note_progress(done=last_progress().done + sum(len(ids) for _, ids in sub))
             for rid in partial:  # whole pages only: the tail page is the next chunk's
                 self.chunk_sends += (self.send(rid, final=False),)
         return merge_results(rounds, results, len(batch), seconds)
@@ -234,7 +237,7 @@ class PrefillSession:
         Raises:
             ValueError: ``rid`` is already in the pool.
         """
-        if rid in self.pool.table:
+        if rid in self.pool.pages.requests:
             raise ValueError(f"request {rid!r} is already in the pool")
         if self.cache is None or len(tokens) < 2:
             return 0
@@ -256,11 +259,11 @@ class PrefillSession:
         references go (pages no one else holds are free again). Call on every rank."""
         if tokens is not None and self.cache is not None:
             self.cache.insert(rid, tokens)
-        self.pool.free(rid)
+        self.pool.pages.free(rid)
 
     def pages(self, rid: Hashable) -> RequestPages:
         """The request's logical page table: owner rank and physical slot of each page."""
-        return self.pool.table[rid]
+        return self.pool.pages.requests[rid]
 
     def close(self) -> None:
         """Stop the transfer's sender thread (after what it has queued); the link stays."""
@@ -269,7 +272,7 @@ class PrefillSession:
 
     def release(self, rid: Hashable) -> None:
         """Free a finished request's pages on every rank (call on every rank)."""
-        self.pool.free(rid)
+        self.pool.pages.free(rid)
 
     # ---- prefill -> decode transfer ------------------------------------------------------------
     def connect(self, transport: Transport, *,

@@ -9,7 +9,7 @@ drafts (``d_j`` is accepted while ``d_j == g_{j-1}``, greedy acceptance), and th
 on the same rows with ``g_j`` as each row's next token. With ``a`` drafts accepted the step emits
 ``g_0..g_a``; rows ``m..m+a`` are exactly what plain greedy decoding would have computed, so their
 KV (both layers' kinds) stays and the rows of rejected drafts are dropped
-(:meth:`ShardedKVPool.truncate`). The MTP row ``m+a`` guesses the next draft ``d'_1``; with
+(:meth:`PageTable.truncate`). The MTP row ``m+a`` guesses the next draft ``d'_1``; with
 ``k > 1`` the MTP layer is chained on its own output (``h'`` and the previous guess, one position
 further, :meth:`CPPrefill.run_draft`) and those speculative rows are dropped again before the next
 step. The first step verifies the one draft the prefill's MTP row gave.
@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from cpkv.comm import note_progress
 
 from .decoder import Verified
 
@@ -146,8 +148,9 @@ def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable
     active = [rid for rid, _, _ in first if num_tokens > 1]
     while active:
         batch = [(rid, [pending[rid], *drafts[rid]]) for rid in active]
-        base = {rid: pool.table[rid].valid_len for rid in active}
+        base = {rid: pool.pages.requests[rid].valid_len for rid in active}
         res = run.verify(batch)
+        note_progress("decode")  # the launcher's bound is on silence
         stats.steps += 1
         chain: list[tuple[Hashable, int, int]] = []  # (rid, first new draft, its row)
         row = 0
@@ -162,7 +165,7 @@ def speculative_generate(session: PrefillSession, first: Sequence[tuple[Hashable
             stats.accepted_per_request[str(rid)].append(a)
             out[rid].extend(choice[:a + 1])
             pending[rid] = choice[a]
-            pool.truncate(rid, base[rid] + a + 1)  # rows of rejected drafts go
+            pool.pages.truncate(rid, base[rid] + a + 1)  # rows of rejected drafts go
             chain.append((rid, guess[a], row + a))
             row += len(ids)
         active = [rid for rid in active if len(out[rid]) < num_tokens]
@@ -179,7 +182,7 @@ def _chain(run: SpeculativeSteps, pool: ShardedKVPool, chain: Sequence[tuple[Has
     """Drafts 2..k: the MTP layer on its own output, one position further each time (its
     speculative KV rows are dropped once the chain is done)."""
     rids = [rid for rid, _, _ in chain]
-    keep = {rid: pool.table[rid].valid_len for rid in rids}
+    keep = {rid: pool.pages.requests[rid].valid_len for rid in rids}
     h = hidden[torch.tensor([r for _, _, r in chain], device=hidden.device)]
     try:
         for _ in range(k - 1):
@@ -188,4 +191,4 @@ def _chain(run: SpeculativeSteps, pool: ShardedKVPool, chain: Sequence[tuple[Has
                 drafts[rid].append(t)
     finally:
         for rid in rids:
-            pool.truncate(rid, keep[rid])
+            pool.pages.truncate(rid, keep[rid])

@@ -59,34 +59,34 @@ def no_cache_logits(model_dir: str, settings: Settings,
 
 def reference_problems(cache: PrefixCache) -> list[str]:
     """What is wrong with ``cache``'s reference counts (empty when nothing)."""
-    pool, host = cache.pool, cache.host
+    pages, loads, host = cache.pages, cache.loads, cache.host
     dev: Counter[tuple[int, int]] = Counter()
     hst: Counter[tuple[int, int]] = Counter()
-    for rp in pool.table.values():
-        dev.update((pool.alloc_rank(o), s) for o, s in zip(rp.owners, rp.slots, strict=True))
+    for rp in pages.requests.values():
+        dev.update((pages.alloc_rank(o), s) for o, s in zip(rp.owners, rp.slots, strict=True))
     problems: list[str] = []
     for n in cache.tree.nodes():
-        refs = [(pool.alloc_rank(o), s) for o, s in n.pages.values()]
+        refs = [(pages.alloc_rank(o), s) for o, s in n.pages.values()]
         (hst if n.on_host else dev).update(refs)
         if n.on_host and any(not c.on_host for c in n.children.values()):
             problems.append(f"host node [{n.start}, {n.end}) has a device child")
-    for load in pool.queued_loads():
-        hst.update((pool.alloc_rank(o), h) for o, h, _ in load.pages)
-    held_refs = pool.pages.references()
+    for load in loads.queued_loads():
+        hst.update((pages.alloc_rank(o), h) for o, h, _ in load.pages)
+    held_refs = pages.references()
     if dict(dev) != held_refs:
         problems.append(f"device references {held_refs} != holders {dict(dev)}")
     if host is not None and dict(hst) != host.references():
         problems.append(f"host references {host.references()} != holders {dict(hst)}")
     if host is None and hst:
         problems.append("host nodes without a host tier")
-    for a in range(pool.allocator.num_ranks):
-        free = set(pool.allocator.snapshot()[a])
+    for a in range(pages.allocator.num_ranks):
+        free = set(pages.allocator.snapshot()[a])
         held = {s for (r, s) in dev if r == a}
         if free & held:
             problems.append(f"rank {a}: held device slots on the free list: {sorted(free & held)}")
-        if len(free) + len(held) != pool.allocator.capacity:
+        if len(free) + len(held) != pages.allocator.capacity:
             problems.append(f"rank {a}: {len(free)} free + {len(held)} held != "
-                            f"{pool.allocator.capacity} device slots")
+                            f"{pages.allocator.capacity} device slots")
         if host is not None:
             hfree = set(host.allocator.snapshot()[a])
             hheld = {s for (r, s) in hst if r == a}
@@ -98,5 +98,5 @@ def reference_problems(cache: PrefixCache) -> list[str]:
 def all_free(cache: PrefixCache) -> bool:
     """Every device and host slot is free (after every request was released and the cache
     cleared)."""
-    pools = [cache.pool.allocator] + ([cache.host.allocator] if cache.host is not None else [])
+    pools = [cache.pages.allocator] + ([cache.host.allocator] if cache.host is not None else [])
     return all(p.free_pages(a) == p.capacity for p in pools for a in range(p.num_ranks))

@@ -104,17 +104,17 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                                    debug=sc.debug,
                                    materialize=sc.materialize if shared else "all_gather")
              for shared in (True, False)}
-    out = PoolOutcome(rank=group.rank, materialize_mode=pools[True].materialize_mode)
+    out = PoolOutcome(rank=group.rank, materialize_mode=pools[True].store.views.mode)
     truth = _scenario_truth(sc, group.device)
     for bi, batch_reqs in enumerate(sc.batches):
         rids = [r for r, _ in batch_reqs]
         views = {}
-        before = {s: (p.allocator.snapshot(), copy.deepcopy(dict(p.table)))
+        before = {s: (p.pages.allocator.snapshot(), copy.deepcopy(dict(p.pages.requests)))
                   for s, p in pools.items()}
         batches = {}
         try:
             # one plan for both pools: the replica's page table has the same owners
-            specs = [pools[True].request_spec(r, e) for r, e in batch_reqs]
+            specs = [pools[True].pages.request_spec(r, e) for r, e in batch_reqs]
             plan = plan_batch(specs, group.size, ps, sc.mode)
             for shared, pool in pools.items():
                 batches[shared] = pool.prepare(plan, rids)
@@ -123,7 +123,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
             for shared, bk in batches.items():
                 pools[shared].abort(bk)
             for s, p in pools.items():
-                if (p.allocator.snapshot(), dict(p.table)) != before[s]:
+                if (p.pages.allocator.snapshot(), dict(p.pages.requests)) != before[s]:
                     out.unchanged_after_exhaustion = False
             continue
         for layer in range(sc.num_layers):
@@ -160,10 +160,11 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
         for shared, pool in pools.items():
             pool.commit(batches[shared])
     sharded = pools[True]
-    out.bytes_held = sharded.bytes_held()
-    out.replica_bytes_held = pools[False].bytes_held()
-    out.logical_bytes = sharded.replicated_bytes()
-    for key, rp in sharded.table.items():
+    foot = sharded.footprint()
+    out.bytes_held = foot.bytes_held
+    out.replica_bytes_held = pools[False].footprint().bytes_held
+    out.logical_bytes = foot.replicated_bytes
+    for key, rp in sharded.pages.requests.items():
         # the scenario's request ids are strings (the pool keys any hashable)
         out.pages[str(key)] = (sum(1 for o in rp.owners if o == group.rank), len(rp.owners))
     return out

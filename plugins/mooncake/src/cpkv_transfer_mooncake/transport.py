@@ -50,7 +50,7 @@ protocol ``tcp`` (the engine picks the transport from the environment). The engi
 pool's device memory itself: no host staging; a staging the decode's other page layout needs
 stays in device memory. ``MC_FORCE_TCP`` overrides: plain TCP (a reported fallback), staged.
 
-Engine facts this module relies on (``/work/shared/notes/mooncake.md``): positional arguments
+Engine facts this module relies on (the wheel's Python bindings as observed): positional arguments
 only; no method may be called before a successful ``initialize`` (segfault), so an engine whose
 ``initialize`` failed is kept, never touched; results are int codes; ``del`` releases an engine.
 """
@@ -62,21 +62,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
-from cpkv.contracts import FallbackReason, PageLayout
-from cpkv.disagg import (
-    DecodeReceiver,
+from cpkv.disagg.api import (
+    FallbackReason,
     LinkSpec,
+    PageLayout,
+    PartSink,
     PoolBuffers,
     RankTransfer,
     SideChannel,
     TransferError,
     TransferFenced,
+    get_logger,
+    page_blocks,
+    report_fallback,
     store_side_channel,
 )
-from cpkv.fallback import report_fallback
-from cpkv.ops import page_blocks
 
 from .nvlink import NVLINK_INTRA, ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
 from .settings import DIRECT_PROTOCOLS, MooncakeSettings
@@ -85,7 +85,7 @@ __all__ = ["HostStaging", "Joined", "Layout", "MooncakeLink", "MooncakeTransport
            "link_protocol",
            "stage_pieces", "stage_reason", "staged_entries", "write_entries"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # engines whose initialize failed: any call on them, the destructor included, may crash the
 # process, so they are kept alive and never touched
@@ -605,7 +605,7 @@ class MooncakeLink:
             done += len(ents)
         return [e for _, ents in plan for e in ents]
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+    def recv_part(self, part: RankTransfer, sink: PartSink, *,
                   layers: range | None = None, epoch: int = 0) -> int:
         """One-sided: the bytes are in place when the sender's ``Done`` arrived (the core
         waits for it); nothing to receive here."""

@@ -26,6 +26,7 @@ of a given-up request: layers x parts) they go in groups of at most :data:`MAX_O
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,15 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from cpkv.disagg import DecodeReceiver, LinkSpec, RankTransfer, TransferError, store_side_channel
+from cpkv.disagg.api import (
+    WAIT_SLICE_S,
+    LinkSpec,
+    PartSink,
+    RankTransfer,
+    SilenceClock,
+    TransferTimeout,
+    store_side_channel,
+)
 
 from .settings import NcclSettings
 
@@ -161,15 +170,18 @@ class NcclLink:
         return work, buf
 
     def _wait(self, work: Any) -> bool:
-        """Wait at most ``timeout_s`` for ``work`` without ever timing the group out."""
+        """Wait for ``work`` without ever timing the group out, until no other endpoint made
+        progress for ``timeout_s`` (the channel's beacons: a part may take a layer's compute to
+        come, however long that is)."""
         limit = self.spec.timeout_s
+        clock = SilenceClock(self.channel)
         if self.device.type == "cuda":  # NCCL: completion can be polled
-            import time
-
-            end = time.monotonic() + limit
+            checked = time.monotonic()
             while not work.is_completed():
-                if time.monotonic() > end:
-                    return False
+                if time.monotonic() - checked > WAIT_SLICE_S:
+                    checked = time.monotonic()
+                    if clock.quiet_s() > limit:
+                        return False
                 time.sleep(0.001)
             return True
         box: list[BaseException | None] = [None]
@@ -183,20 +195,23 @@ class NcclLink:
             ended.set()
 
         threading.Thread(target=wait, daemon=True, name="cpkv-nccl-recv").start()
-        if not ended.wait(limit):
-            return False
+        while not ended.wait(min(WAIT_SLICE_S, max(0.0, limit - clock.quiet_s()))):
+            if clock.quiet_s() > limit:
+                return False
         if box[0] is not None:
             raise box[0]
         return True
 
-    def recv_part(self, part: RankTransfer, receiver: DecodeReceiver, *,
+    def recv_part(self, part: RankTransfer, sink: PartSink, *,
                   layers: range | None = None, epoch: int = 0) -> int:
         work, buf = self._post(part, layers, epoch)
         if not self._wait(work):
             self.abandoned.append((work, buf))
-            raise TransferError(f"rank {part.rank}'s part did not arrive within "
-                                f"{self.spec.timeout_s:g} s (transfer.timeout_s)")
-        receiver.place_packed(part, buf, layers=layers)
+            raise TransferTimeout(f"rank {part.rank}'s part did not arrive, and no endpoint made "
+                                  f"progress, for {self.spec.timeout_s:g} s (transfer.timeout_s "
+                                  f"bounds this silence: raise it if one prefill step takes "
+                                  f"longer)")
+        sink.place_packed(part, buf, layers=layers)
         return buf.numel()
 
     def abandon(self, rest: Sequence[tuple[range, RankTransfer]], epoch: int) -> None:
@@ -222,6 +237,7 @@ class NcclLink:
 
     def close(self) -> None:
         """Groups are torn down with the world (``destroy_process_group``)."""
+        self.channel.close()
         self._store = None
 
 

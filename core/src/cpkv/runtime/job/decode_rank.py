@@ -39,10 +39,10 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
         r = decode.receive()
         rid = r.manifest.request
         if s.debug:
-            rp = decode.pool.table[rid]
-            crcs[rid] = page_checksums(decode.pool, rp.slots)
+            rp = decode.pool.pages.requests[rid]
+            crcs[rid] = page_checksums(decode.pool.store, rp.slots)
             ps = decode.pool.fmt.page_size
-            valid[rid] = page_checksums(decode.pool, rp.slots, [
+            valid[rid] = page_checksums(decode.pool.store, rp.slots, [
                 min(ps, rp.valid_len - k * ps) for k in range(len(rp.slots))])
         got = [a + b for a, b in zip(got, r.bytes_per_rank, strict=True)]
         entries += r.entries

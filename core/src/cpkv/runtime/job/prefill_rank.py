@@ -44,7 +44,7 @@ def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> Sender
             if s.debug and final:  # before the request is finished into the cache
                 rp = session.pages(rids[i])
                 mine = [k for k, o in enumerate(rp.owners) if o == group.rank]
-                sums = page_checksums(session.pool, [rp.slots[k] for k in mine])
+                sums = page_checksums(session.pool.store, [rp.slots[k] for k in mine])
                 crcs[rids[i]] = dict(zip(mine, sums, strict=True))
 
     served = prefill_batches(session, spec, send, sending=True)

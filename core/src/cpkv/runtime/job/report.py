@@ -52,15 +52,15 @@ def rank_report(group: CPGroup, session: PrefillSession, served: Served,
                 load_s: float) -> RankReport:
     """The report of a rank after the job's batches."""
     res = served.last
-    cap = res.topk
+    cap, foot = res.topk, session.pool.footprint()
     return RankReport(
         rank=group.rank,
         last_logits=served.last_logits.cpu(),
-        kv_bytes=session.pool.bytes_held(),
-        kv_bytes_replicated=session.pool.replicated_bytes(),
+        kv_bytes=foot.bytes_held,
+        kv_bytes_replicated=foot.replicated_bytes,
         # "load": the model; "prefill": every batch (wall); the rest: the last batch's phases
         seconds={**res.seconds, "load": load_s, "prefill": served.seconds},
-        materialize=session.pool.materialize_mode.value,
+        materialize=session.pool.store.views.mode.value,
         topk_indices=[t.cpu() for t in cap.indices] if cap else [],
         topk_scores=[t.cpu() for t in cap.scores] if cap else [],
         topk_extends=served.last_extends,

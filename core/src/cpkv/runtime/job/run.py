@@ -15,10 +15,11 @@ import torch.distributed as dist
 from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackEvent
 from cpkv.fallback import recording
+from cpkv.logs import get_logger
 from cpkv.plugin import PluginHost
 from cpkv.settings import Settings, SettingsError
 
-from ..launch import LogSetup, RankResult, run_ranks
+from ..launch import LogSetup, ProgressSink, RankResult, run_ranks
 from ..setup import has_fp8_tensor_cores
 from ..world import launched_world, run_in_world
 from .decode_rank import decode_rank
@@ -37,7 +38,7 @@ __all__ = [
     "run_job",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: on GPUs the model computes in bfloat16 (8 mantissa bits), and a CP rank's matmuls over its
 #: rows round differently from one GPU's over all rows: logits and indexer scores agree to this
@@ -62,10 +63,12 @@ def disagg_rank(world: CPGroup, spec: JobSpec) -> SenderReport | DecodeReport:
         raise ValueError(f"the disaggregated job needs cp.size + 1 = {c + 1} processes, got {world.size}")
     # a collective over the whole world, in the same order everywhere; on GPUs NCCL (a Gloo
     # world on GPUs: the decode rank shares a prefill rank's GPU, see job_placement)
-    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=s.runtime.timeout_s),
+    # its collectives wait as long as the world's (under cpkv's launcher a backstop: the launcher
+    # bounds silence; under torchrun runtime.timeout_s)
+    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=world.timeout_s),
                            backend="nccl" if world.device.type == "cuda" else None)
     if world.rank < c:
-        group = CPGroup.from_process_group(cp_pg, timeout_s=s.runtime.timeout_s, device=world.device)
+        group = CPGroup.from_process_group(cp_pg, timeout_s=world.timeout_s, device=world.device)
         return prefill_sender_rank(world, group, spec)
     return decode_rank(world, spec)
 
@@ -177,7 +180,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
             prefix_lens: Sequence[int] = (), capture_topk: bool = True, decode_tokens: int = 0,
             batch_size: int = 0, mtp: bool = False, draft_tokens: int = 1,
             progress: Callable[[str], None] = lambda s: None,
-            log_setup: LogSetup | None = None) -> JobReport | None:
+            log_setup: LogSetup | None = None,
+            on_progress: ProgressSink | None = None) -> JobReport | None:
     """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
 
     The prompts are served in order, ``batch_size`` per prefill batch (0: all in one); with the
@@ -198,7 +202,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     and whether the tokens equal the reference's plain greedy ones).
 
     ``log_setup`` is handed to the rank launcher (:func:`~cpkv.runtime.launch.run_ranks`): how
-    the rank processes log (the CLI sends their events to its own stream).
+    the rank processes log (the CLI sends their events to its own stream); so is
+    ``on_progress``, called with each rank's progress notes (tokens done of all per batch and
+    chunk; not under torchrun).
 
     The report's ``seconds``: ``cp_startup`` (spawning the processes, imports, joining the group
     and loading the model: the slowest process), ``cp_prefill`` (every batch, the slowest prefill
@@ -252,7 +258,7 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
         return run_ranks(fn, n, args=(spec,), timeout_s=settings.runtime.timeout_s,
                          startup_timeout_s=settings.runtime.startup_timeout_s,
                          fallback_policy=policy, backend=place.backend, names=names,
-                         log_setup=log_setup, gpus=place.gpus)
+                         log_setup=log_setup, gpus=place.gpus, on_progress=on_progress)
 
     if decode_tokens > 0:
         progress(f"CP{c} prefill, {settings.transfer.name} transfer and decode on {c + 1} processes"

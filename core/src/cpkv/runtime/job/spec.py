@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.comm import CPGroup
+from cpkv._faults import hang_if_asked
+from cpkv.comm import CPGroup, note_progress
 from cpkv.contracts import cdiv
 from cpkv.settings import Settings
 
@@ -143,6 +144,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
     extends: list[int] = []
     chunk_seconds: list[list[float]] = []
     cache = use_cache and session.cache is not None
+    total = sum(len(p) for p in spec.prompts)
     for b, counts in enumerate(batches):
         idx = [i for i, n in enumerate(counts) if n > 0]
         ends = [done[i] + counts[i] for i in idx]
@@ -152,6 +154,9 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
                     hits[i] = done[i] = session.admit(rids[i], spec.prompts[i])
         extends = [e - done[i] for i, e in zip(idx, ends, strict=True)]
         last = b == len(batches) - 1
+        # tokens done (cache hits included) of all: what the progress display shows
+        note_progress("prefill", sum(done), total)
+        hang_if_asked("prefill", session.group.rank)
         # the draft layer's last row of a non-final chunk takes the prompt's next token
         nxt = [spec.prompts[i][e] if e < len(spec.prompts[i]) else None
                for i, e in zip(idx, ends, strict=True)]
@@ -167,6 +172,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
             if res.draft_logits is not None:
                 draft_logits[i] = res.draft_logits[j].float()
         finished = [(i, done[i] == len(spec.prompts[i])) for i in idx]
+        note_progress("prefill", sum(done), total)
         after(finished, res)
         if cache:
             for i, final in finished:
