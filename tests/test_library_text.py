@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [p for d in ("core", "backends", "plugins") for p in sorted((ROOT / d).rglob("*.py"))]
+#: the distributions' sources (``*/src``: not a wheel build's ``build/lib`` copies)
+SOURCES = [p for d in ("core", "backends", "plugins") for p in sorted((ROOT / d).rglob("*.py"))
+           if "src" in p.relative_to(ROOT).parts]
 #: a machine named by who lent it, or a path that exists only where the code was written
 PLACES = re.compile(r"lent machine|/work/|shared/notes|the GPU machine", re.IGNORECASE)
 
