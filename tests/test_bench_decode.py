@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cpkv.bench.decode import DecodeBenchSpec, decode_bench_rank, decode_rows
 from cpkv.comm import CPGroup
 from cpkv.models import write_tiny_checkpoint
 
 
+@pytest.mark.slow
 def test_decode_bench_runs_and_rows(tmp_path: Path) -> None:
     ckpt = write_tiny_checkpoint(tmp_path / "m", seed=1, num_nextn_predict_layers=0)
     agree = write_tiny_checkpoint(tmp_path / "a", seed=3, draft="agree")

@@ -63,7 +63,8 @@ def test_ops_declared() -> None:
 # ---- interpreter (CPU) ------------------------------------------------------------------------
 @interp
 @pytest.mark.usefixtures("small_sizes")
-@pytest.mark.parametrize("op", ["indexer_logits", "indexer_logits_paged", "topk",
+@pytest.mark.parametrize("op", ["indexer_logits", "indexer_logits_paged",
+                                pytest.param("topk", marks=pytest.mark.slow),
                                 pytest.param("sparse_mla", marks=pytest.mark.slow)])
 def test_conformance_interpreter(ref: Any, op: str) -> None:
     conf.check_op(AttentionKernels(), ref, op, device="cpu")
@@ -155,7 +156,8 @@ def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
 
 @interp
 @pytest.mark.usefixtures("small_sizes")
-@pytest.mark.parametrize("config", ["default", "small", "long"])
+@pytest.mark.parametrize("config", [pytest.param("default", marks=pytest.mark.slow), "small",
+                                    "long"])
 def test_topk_conformance_exact(ref: Any, monkeypatch: pytest.MonkeyPatch,
                                 config: str) -> None:
     """The suite's top-k inputs (indexer logits with relu ties, coarse-grid ties, finite logits
@@ -283,6 +285,7 @@ def test_conformance_interpreter_small_tiles(ref: Any, monkeypatch: pytest.Monke
                                         "P_CAT": 0, "HEADS_FAST": heads_fast},
                             mla_precision="exact")
     monkeypatch.setattr(conf, "FORMATS", {"small": conf.FORMATS["small"]})
+    monkeypatch.setattr(conf, "FP8_TOPK_SIZES", ((17, 40, 8),))  # the fp8 choice, tiled small
     conf.check_op(impl, ref, "indexer_logits", device="cpu")
     monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64),))
     conf.check_op(impl, ref, "sparse_mla", device="cpu")

@@ -742,7 +742,7 @@ def _fp8_indexer_inputs(variant: str, n: int, t: int, ref: Any, g: torch.Generat
     folded into the head weights). ``"grid"``: e4m3 integers in [-4, 4] with power-of-two key
     scales: every per-head dot is a small integer, exact in any accumulator (Hopper's fp8 tensor
     cores keep fewer than fp32's bits), so only the head sum's order can differ."""
-    fmt = FORMATS["deepseek_v32"]
+    fmt = KVFormat.deepseek_v32(KVDtype.FP8)  # this indexer's own shape, whatever FORMATS holds
     heads, d = 64, fmt.index_head_dim
     w = _nonzero((n, heads), torch.float32, g) * (heads ** -0.5 * d ** -0.5)
     if variant == "grid":
