@@ -70,6 +70,13 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
 
 
+def _dot_width(d: int, fp8: bool, upcast: bool) -> int:
+    """The padded head dim (``DP``) of an indexer dot: a tensor-core dot of fp8 operands needs
+    K >= 32 (16-bit ones K >= 16), so a small head dim is padded (the pad lanes load as zero);
+    the fp32 (``UPCAST``) dot takes the power of two at or above 16."""
+    return _pow2(d, 32 if fp8 and not upcast else 16)
+
+
 # ---- kernels ---------------------------------------------------------------------------------
 @triton.jit
 def _key_span(ks_ptr, ke_ptr, rows, rmask):
@@ -503,7 +510,7 @@ class AttentionKernels:
         ks, ke = key_start.contiguous(), key_end.contiguous()
         # unused pointer for float keys (the check gives fp8 keys, and only them, a scale)
         scale = k_scale.contiguous() if k_scale is not None else out
-        dp = _pow2(d)
+        dp = _dot_width(d, both_fp8, upcast)
         if n <= cfg["FEW_ROWS"]:  # a decode step's rows: every head in one dot per key tile
             hp = _pow2(heads, 1)
             bq = min(_pow2(n, 1), max(1, 128 // hp))  # at most 128 stacked (row, head) pairs
@@ -564,7 +571,8 @@ class AttentionKernels:
                      (q, w, keys, scales, block_table, row_request, key_end, out, n, ms,
                       q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                       block_table.stride(0), block_table.stride(1), out.stride(0), *kst, *sst),
-                     {"H": heads, "HP": hp, "D": d, "DP": _pow2(d), "S": fmt.page_size,
+                     {"H": heads, "HP": hp, "D": d, "DP": _dot_width(d, both_fp8, upcast),
+                      "S": fmt.page_size,
                       "BQ": bq, "BLOCK_N": bn, "FP8": fp8, "UPCAST": upcast,
                       "KALIGN": _row_alignment(kst, keys.element_size())},
                      cfg["paged_warps"], cfg["num_stages"])

@@ -103,16 +103,20 @@ _SIGNS: dict[tuple[str, int | None, str], torch.Tensor] = {}
 
 def _hadamard_signs(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The n x n Sylvester Hadamard matrix of +-1 (symmetric; exact in any float dtype), cached
-    per device and dtype (built once, on the host, then moved: no sync per call)."""
+    per device and dtype. Built on ``device`` from index arithmetic (``H[i, j] = (-1)^popcount(i
+    & j)``): no host tensor is copied over, so even the first call inside a layer loop does not
+    sync the device."""
     import torch
 
     key = (device.type, device.index, f"{dtype}:{n}")
     h = _SIGNS.get(key)
     if h is None:
-        m = torch.ones(1, 1)
-        while m.shape[0] < n:
-            m = torch.cat([torch.cat([m, m], 1), torch.cat([m, -m], 1)], 0)
-        h = _SIGNS[key] = m.to(device=device, dtype=dtype)
+        i = torch.arange(n, device=device)
+        both = i[:, None] & i[None, :]
+        parity = torch.zeros_like(both)
+        for b in range(max(1, n.bit_length())):
+            parity ^= (both >> b) & 1
+        h = _SIGNS[key] = (1 - 2 * parity).to(dtype)
     return h
 
 
