@@ -311,7 +311,7 @@ def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any
     src = torch_pool(CPGroup.single(), capacity=32, layers=3)
     dec = torch_pool(CPGroup.single(), capacity=40, layers=3)
     gen = torch.Generator().manual_seed(5)
-    for buf in src.kv:
+    for buf in src.store.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     link = object.__new__(MooncakeLink)
     link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(src.store))
@@ -339,7 +339,7 @@ def test_staged_send_lands_every_page_bit_exact(stage_pages: int, layers: range 
                                                    PageRun(first_page=6, num_pages=5, src_slot=20)))
     dst = [10, 11, 12, 30, 31, 32, 33, 0, 1]  # gaps and continuations
     link, src, dec = _staged_link(stage_pages * 512)
-    before = [b.clone() for b in dec.kv]
+    before = [b.clone() for b in dec.store.kv]
     n = link.send_part(part, dst, layers=layers)
     lays = range(3) if layers is None else layers
     assert n == part_nbytes_of(src, 9, len(lays))
@@ -347,10 +347,10 @@ def test_staged_send_lands_every_page_bit_exact(stage_pages: int, layers: range 
     srcs = [3, 4, 5, 6, 20, 21, 22, 23, 24]
     for layer in range(3):
         for s_, d in zip(srcs, dst, strict=True):
-            want = src.kv[layer][s_] if layer in lays else before[layer][d]
-            assert torch.equal(dec.kv[layer][d], want), (layer, s_, d)
+            want = src.store.kv[layer][s_] if layer in lays else before[layer][d]
+            assert torch.equal(dec.store.kv[layer][d], want), (layer, s_, d)
         untouched = sorted(set(range(40)) - set(dst))
-        assert torch.equal(dec.kv[layer][untouched], before[layer][untouched])
+        assert torch.equal(dec.store.kv[layer][untouched], before[layer][untouched])
     # the sources are the staging buffer, never the pool; runs merged where destinations continue
     lo, hi = link.stage.addr, link.stage.addr + link.stage.nbytes
     assert all(lo <= e[0] and e[0] + e[2] <= hi for b in link.engine.batches for e in b)
@@ -590,7 +590,7 @@ def fault_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], 
     ("port", r"rank 1's writes failed: .*batch_transfer_sync_write of \d+ entries .* to "
              r"127\.0\.0\.1:1 returned -1"),
     ("address", r"rank 1's writes failed: .*batch_transfer_sync_write .* returned -1"),
-    ("stall", r"no completion notice from rank 1 \(waited at most 4 s, transfer\.timeout_s\)"),
+    ("stall", r"no completion notice from rank 1 \(waited at most 4 s of silence, transfer\.timeout_s\)"),
     ("over_limit", r"rank 1's writes failed: .*batch_transfer_sync_write of 2400 entries .* "
                    r"returned -1"),
 ])
