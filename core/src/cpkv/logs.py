@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["ForwardEvents", "get_logger", "parent_level"]
+__all__ = ["ForwardEvents", "ToSink", "get_logger", "parent_level"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "warn": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL,
@@ -76,7 +76,7 @@ class _Logger:
         self._log(name if name in _LEVELS else "info", event, kw)
 
 
-class _ToSink:
+class ToSink:
     """The last processor in a rank: hand the event dict to the parent, print nothing here."""
 
     def __init__(self, sink: Callable[[dict[str, Any]], None]) -> None:
@@ -98,7 +98,7 @@ class ForwardEvents:
     def __call__(self, sink: Callable[[dict[str, Any]], None]) -> None:
         structlog.configure(
             processors=[structlog.contextvars.merge_contextvars,
-                        structlog.processors.add_log_level, _ToSink(sink)],
+                        structlog.processors.add_log_level, ToSink(sink)],
             wrapper_class=structlog.make_filtering_bound_logger(self.level),
             cache_logger_on_first_use=False,
         )

@@ -16,6 +16,8 @@ from typing import Any
 
 import structlog
 
+from cpkv.logs import ToSink
+
 __all__ = ["LEVELS", "RankLogging", "configure_logging", "level_from_flags"]
 
 #: the settings' names of the levels (log.level)
@@ -74,17 +76,6 @@ def configure_logging(level: int = logging.WARNING, hide: frozenset[str] = froze
     )
 
 
-class _ToSink:
-    """The last processor in a rank: hand the event dict to the parent, print nothing here."""
-
-    def __init__(self, sink: Callable[[dict[str, Any]], None]) -> None:
-        self.sink = sink
-
-    def __call__(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
-        self.sink(dict(event))
-        raise structlog.DropEvent
-
-
 @dataclass(frozen=True)
 class RankLogging:
     """The ranks' logging setup (picklable; the launcher calls it first in each rank with a sink
@@ -96,7 +87,7 @@ class RankLogging:
 
     def __call__(self, sink: Callable[[dict[str, Any]], None]) -> None:
         structlog.configure(
-            processors=[structlog.processors.add_log_level, _Hide(self.hide), _ToSink(sink)],
+            processors=[structlog.processors.add_log_level, _Hide(self.hide), ToSink(sink)],
             wrapper_class=structlog.make_filtering_bound_logger(self.level),
             logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
             cache_logger_on_first_use=False,
