@@ -1,32 +1,86 @@
 """Declares the ``cuda`` backend (entry point ``cpkv.backends: cuda``): the field's CUDA kernels.
 
-Today that is FlashMLA's sparse MLA prefill and its fp8 sparse decode over part-major pages
-(``sgl-flash-mla``, the ``cpkv[cuda]`` extra; :mod:`cpkv_backend_cuda.flashmla`). Importing
-this module imports no torch and no kernel
-library; the probe imports them (lazily, once) and says exactly why the backend cannot run: no
-CUDA device, a compute capability other than SM90 (the legacy sparse kernels are Hopper's), or
-the import error of ``flash_mla``. A call its kernel cannot take (heads, head dims, dtype, top-k)
-is declined and runs on the next backend of the preference.
+Two kernel libraries, each optional, each imported lazily:
+
+- FlashMLA (``sgl-flash-mla``, the ``cpkv[cuda]`` extra; :mod:`cpkv_backend_cuda.flashmla`):
+  sparse MLA prefill and the fp8 sparse decode over part-major pages.
+- DeepGEMM (``deep_gemm``, built from source against the machine's torch: docs/backends.md;
+  :mod:`cpkv_backend_cuda.deepgemm`): the fp8 lightning indexer, prefill and paged.
+
+The backend provides the ops of the libraries that are installed (found without importing
+them), less those a measurement put on another backend (:data:`MEASURED`); a library that is
+not installed is passed over quietly (its ops go to the next backend of the preference).
+Importing this module imports no torch and no kernel library; the probe imports the installed
+ones (once) and says exactly why the backend cannot run: no CUDA device, a compute capability
+other than SM90 (the legacy sparse kernels and DeepGEMM's SM90 indexer are Hopper's), neither
+library installed, or the import error of one that is. A call a kernel cannot take (heads, head
+dims, dtype, top-k) is declined and runs on the next backend of the preference.
 
 On a machine whose torch is older than the wheel's metadata asks (e.g. torch 2.11 where
-the wheel says >= 2.14.1) install it with ``pip install --no-deps sgl-flash-mla``: it loads
-through torch's stable ABI.
+the wheel says >= 2.14.1) install FlashMLA with ``pip install --no-deps sgl-flash-mla``: it
+loads through torch's stable ABI.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from cpkv.contracts import Availability, KVOps, Op
+from cpkv.ops.api import OpMethods
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
+if TYPE_CHECKING:
+    from .deepgemm import DeepGEMMOps
+
 NAME = "cuda"
-OPS: frozenset[Op] = frozenset({Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
-#: compute capabilities whose FlashMLA sparse prefill kernels the wheel ships (legacy SM90 path)
+#: compute capabilities whose kernels the libraries ship for (FlashMLA's legacy SM90 sparse
+#: path, DeepGEMM's SM90 indexer)
 CAPABILITIES = ((9, 0),)
+
+
+@dataclass(frozen=True)
+class Library:
+    """A kernel library the backend uses: its module, the ops it serves, how to install it."""
+
+    module: str
+    ops: frozenset[Op]
+    install: str
+    #: an attribute the module must have (a build without the kernels lacks it)
+    needs: str
+
+
+FLASH_MLA = Library("flash_mla", frozenset({Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED}),
+                    "install sgl-flash-mla (pip install 'cpkv[cuda]', or --no-deps for an older "
+                    "torch)", "flash_mla_sparse_fwd")
+DEEP_GEMM = Library("deep_gemm", frozenset({Op.INDEXER_LOGITS}),
+                    "build DeepGEMM against this torch (docs/backends.md)", "fp8_fp4_mqa_logits")
+LIBRARIES = (FLASH_MLA, DEEP_GEMM)
+
+#: ops a library provides that a measurement on the GPU put on another backend (the op table
+#: takes the first backend of the preference that lists an op): op -> the measurement. Empty:
+#: every op of an installed library is chosen. DeepGEMM's paged indexer is not an op of the
+#: pool's layout (:mod:`cpkv_backend_cuda.deepgemm`), so it is not listed at all.
+MEASURED: dict[Op, str] = {}
+
+
+def _installed(lib: Library) -> bool:
+    """Whether the library's module can be found (without importing it)."""
+    try:
+        return importlib.util.find_spec(lib.module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def provided_ops(installed: Callable[[Library], bool] = _installed) -> frozenset[Op]:
+    """The ops this backend lists: those of the installed libraries, less :data:`MEASURED`."""
+    ops = frozenset().union(*(lib.ops for lib in LIBRARIES if installed(lib)))
+    return frozenset(o for o in ops if o not in MEASURED)
 
 
 def _cuda_device_missing() -> str | None:
@@ -38,21 +92,21 @@ def _cuda_device_missing() -> str | None:
         return "no CUDA device (torch.cuda.is_available() is False)"
     cap = torch.cuda.get_device_capability()
     if cap not in CAPABILITIES:
-        return (f"compute capability {cap[0]}.{cap[1]}: FlashMLA's sparse prefill kernels here "
-                f"are for {', '.join(f'{a}.{b}' for a, b in CAPABILITIES)} (Hopper)")
+        return (f"compute capability {cap[0]}.{cap[1]}: the kernels here (FlashMLA's sparse "
+                f"MLA, DeepGEMM's indexer) are for "
+                f"{', '.join(f'{a}.{b}' for a, b in CAPABILITIES)} (Hopper)")
     return None
 
 
 @functools.cache
-def _flash_mla() -> ModuleType | str:
-    """The imported ``flash_mla`` module, or why it cannot be used."""
+def _module(lib: Library) -> ModuleType | str:
+    """The imported module of ``lib``, or why it cannot be used."""
     try:
-        mod = importlib.import_module("flash_mla")
+        mod = importlib.import_module(lib.module)
     except Exception as exc:
-        return (f"flash_mla cannot be imported ({type(exc).__name__}: {exc}); install "
-                "sgl-flash-mla (pip install 'cpkv[cuda]', or --no-deps for an older torch)")
-    if not hasattr(mod, "flash_mla_sparse_fwd"):
-        return "flash_mla has no flash_mla_sparse_fwd (a FlashMLA without the sparse kernels)"
+        return f"{lib.module} cannot be imported ({type(exc).__name__}: {exc}); {lib.install}"
+    if not hasattr(mod, lib.needs):
+        return f"{lib.module} has no {lib.needs} (a build without the kernels cpkv calls)"
     return mod
 
 
@@ -60,12 +114,16 @@ def _reasons() -> list[str]:
     why = _cuda_device_missing()
     if why is not None:
         return [why]
-    mod = _flash_mla()
-    return [mod] if isinstance(mod, str) else []
+    libs = [lib for lib in LIBRARIES if _installed(lib)]
+    if not libs:
+        return ["neither flash_mla nor deep_gemm is installed; "
+                + "; ".join(lib.install for lib in LIBRARIES)]
+    return [m for m in (_module(lib) for lib in libs) if isinstance(m, str)]
 
 
 def probe() -> Availability:
-    """Available on a Hopper GPU where ``flash_mla`` imports; otherwise the reason."""
+    """Available on a Hopper GPU where every installed kernel library imports; otherwise the
+    reason."""
     reasons = _reasons()
     return Availability.no("; ".join(reasons)) if reasons else Availability.yes()
 
@@ -77,16 +135,47 @@ def load() -> KVOps:
     reasons = _reasons()
     if reasons:
         raise RuntimeError(f"the cuda backend cannot be loaded: {'; '.join(reasons)}")
-    from .flashmla import FlashMLAOps
+    ops = provided_ops()
+    methods: dict[Op, Callable[..., object]] = {}
+    if _installed(FLASH_MLA):
+        from .flashmla import FlashMLAOps
 
-    mod = _flash_mla()
-    assert isinstance(mod, ModuleType)
-    return cast(KVOps, FlashMLAOps(mod))  # two ops of KVOps: only those are called
+        fm = _module(FLASH_MLA)
+        assert isinstance(fm, ModuleType)
+        kernels = FlashMLAOps(fm)
+        methods.update({Op.SPARSE_MLA: kernels.sparse_mla,
+                        Op.SPARSE_MLA_PAGED: kernels.sparse_mla_paged})
+    if _installed(DEEP_GEMM):
+        from .deepgemm import DeepGEMMOps
+
+        dg = _module(DEEP_GEMM)
+        assert isinstance(dg, ModuleType)
+        methods[Op.INDEXER_LOGITS] = DeepGEMMOps(dg).indexer_logits
+    return cast(KVOps, OpMethods({o: f for o, f in methods.items() if o in ops}))
+
+
+def deepgemm_ops() -> DeepGEMMOps:
+    """The DeepGEMM kernels object (:class:`cpkv_backend_cuda.deepgemm.DeepGEMMOps`), for its
+    calls that are not ops of the pool's layout (the paged indexer over DeepGEMM's index-K
+    pages) and for measurements.
+
+    Raises:
+        RuntimeError: the backend cannot run here, or DeepGEMM is not installed.
+    """
+    reasons = _reasons() or ([] if _installed(DEEP_GEMM) else
+                             [f"deep_gemm is not installed; {DEEP_GEMM.install}"])
+    if reasons:
+        raise RuntimeError(f"DeepGEMM cannot be used: {'; '.join(reasons)}")
+    from .deepgemm import DeepGEMMOps as Ops
+
+    dg = _module(DEEP_GEMM)
+    assert isinstance(dg, ModuleType)
+    return Ops(dg)
 
 
 @hookimpl
 def cpkv_register_backends(registrar: BackendRegistrar) -> None:
-    registrar.add(BackendSpec(name=NAME, ops=OPS, probe=probe, load=load,
+    registrar.add(BackendSpec(name=NAME, ops=provided_ops(), probe=probe, load=load,
                               device_types=lambda: frozenset({"cuda"}),
-                              description="the field's CUDA kernels (FlashMLA sparse prefill), "
-                                          "imported lazily"))
+                              description="the field's CUDA kernels (FlashMLA sparse MLA, "
+                                          "DeepGEMM's fp8 indexer), imported lazily"))
