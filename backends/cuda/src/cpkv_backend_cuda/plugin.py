@@ -63,10 +63,14 @@ DEEP_GEMM = Library("deep_gemm", frozenset({Op.INDEXER_LOGITS}),
 LIBRARIES = (FLASH_MLA, DEEP_GEMM)
 
 #: ops a library provides that a measurement on the GPU put on another backend (the op table
-#: takes the first backend of the preference that lists an op): op -> the measurement. Empty:
-#: every op of an installed library is chosen. DeepGEMM's paged indexer is not an op of the
-#: pool's layout (:mod:`cpkv_backend_cuda.deepgemm`), so it is not listed at all.
-MEASURED: dict[Op, str] = {}
+#: takes the first backend of the preference that lists an op): op -> the measurement
+#: (docs/perf.md, benchmarks/results/deepgemm_h200.json). DeepGEMM's paged indexer is not an
+#: op of the pool's layout (:mod:`cpkv_backend_cuda.deepgemm`), so it is not listed at all.
+MEASURED: dict[Op, str] = {
+    Op.INDEXER_LOGITS: "H200 2026-12-03: DeepGEMM's fp8_fp4_mqa_logits 1.4-7.3 % slower than "
+                       "the Triton fp8 indexer at 1Kx32K / 4Kx128K / 8Kx64K / 2Kx512K (the kernel "
+                       "alone 0.4-6.6 %)",
+}
 
 
 def _installed(lib: Library) -> bool:

@@ -31,7 +31,7 @@ import torch
 from .timing import device_ms
 
 __all__ = ["DecodeBenchSpec", "decode_bench_rank", "decode_rows", "filled_worker",
-           "probe_filled_worker"]
+           "probe_filled_worker", "step_bytes"]
 
 T = TypeVar("T")
 
@@ -156,8 +156,20 @@ def decode_bench_rank(group: Any, spec: DecodeBenchSpec) -> dict[str, Any]:
     from cpkv.models import load_model
 
     dev = group.device
+    gpu = dev.type == "cuda"
+    before = torch.cuda.memory_allocated(dev) if gpu else 0
     model = load_model(spec.model_dir, dtype=torch.bfloat16, device=dev)
-    out: dict[str, Any] = {"layers": model.num_layers, "runs": {}, "speculative": {}}
+    cfg = model.config
+    out: dict[str, Any] = {"layers": model.num_layers, "runs": {}, "speculative": {},
+                           "index_topk": cfg.index_topk}
+    if gpu:  # the bytes a step must read and the copy bandwidth to read them at
+        # the weights a step reads: all but the embedding table (b rows of it)
+        out["weight_bytes"] = (torch.cuda.memory_allocated(dev) - before
+                               - cfg.vocab_size * cfg.hidden_size * 2)
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=dev).random_(0, 255)
+        dst = torch.empty_like(src)
+        out["copy_gbps"] = 2 * (1 << 30) / device_ms(lambda: dst.copy_(src)) / 1e6
+        del src, dst
     for ctx in spec.contexts:
         for b in spec.batches:
             for graphs in (True, False):
@@ -209,9 +221,18 @@ def _tag(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def step_bytes(res: dict[str, Any], b: int, ctx: int) -> float:
+    """The fewest bytes a decode step of ``b`` requests at ``ctx`` tokens reads: the weights
+    once, and per request and layer its index-K (132 B a token: the indexer scores every key)
+    and its top-k latent rows (656 B each)."""
+    per_layer = ctx * 132 + min(res["index_topk"], ctx) * 656
+    return float(res["weight_bytes"] + b * res["layers"] * per_layer)
+
+
 def decode_rows(res: dict[str, Any]) -> list[Any]:
     """Per (batch, context): ``decode_{b}x{ctx}_wall_over_gpu`` (the graph step's wall time over
-    its GPU time) and ``decode_{b}x{ctx}_graph_speedup`` (tokens/s with graphs over eager); per
+    its GPU time), ``decode_{b}x{ctx}_gpu_vs_bytes`` (its GPU time over reading
+    :func:`step_bytes` once at the run's copy bandwidth) and ``decode_{b}x{ctx}_graph_speedup`` (tokens/s with graphs over eager); per
     speculative run ``decode_mtp_k{k}_{b}x{ctx}_graph_speedup``."""
     from .report import BenchRow
 
@@ -224,6 +245,10 @@ def decode_rows(res: dict[str, Any]) -> list[Any]:
         name = f"decode_{b}x{_tag(ctx)}"
         rows.append(BenchRow.of(f"{name}_wall_over_gpu", run["wall_ms"], "ms",
                                 "GPU time of the same step (same run)", run["gpu_ms"]))
+        if "copy_gbps" in res:
+            rows.append(BenchRow.of(f"{name}_gpu_vs_bytes", run["gpu_ms"], "ms",
+                                    "reading its bytes once at the same run's copy bandwidth "
+                                    "(ms)", step_bytes(res, b, ctx) / res["copy_gbps"] / 1e6))
         eager = res["runs"].get(f"{shape}/eager")
         if eager is not None:
             rows.append(BenchRow.of(f"{name}_graph_speedup", run["tokens_per_s"], "tok/s",
