@@ -4,7 +4,7 @@ Two kernel libraries, each optional, each imported lazily:
 
 - FlashMLA (``sgl-flash-mla``, the ``cpkv[cuda]`` extra; :mod:`cpkv_backend_cuda.flashmla`):
   sparse MLA prefill and the fp8 sparse decode over part-major pages.
-- DeepGEMM (``deep_gemm``, built from source against the machine's torch: docs/backends.md;
+- DeepGEMM (``deep_gemm``, built from source against the machine's torch: docs/plugins.md;
   :mod:`cpkv_backend_cuda.deepgemm`): the fp8 lightning indexer, prefill and paged.
 
 The backend provides the ops of the libraries that are installed (found without importing
@@ -59,7 +59,7 @@ FLASH_MLA = Library("flash_mla", frozenset({Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
                     "install sgl-flash-mla (pip install 'cpkv[cuda]', or --no-deps for an older "
                     "torch)", "flash_mla_sparse_fwd")
 DEEP_GEMM = Library("deep_gemm", frozenset({Op.INDEXER_LOGITS}),
-                    "build DeepGEMM against this torch (docs/backends.md)", "fp8_fp4_mqa_logits")
+                    "build DeepGEMM against this torch (docs/plugins.md)", "fp8_fp4_mqa_logits")
 LIBRARIES = (FLASH_MLA, DEEP_GEMM)
 
 #: ops a library provides that a measurement on the GPU put on another backend (the op table
