@@ -73,7 +73,7 @@ MEASURED: dict[Op, str] = {
 }
 
 
-def _installed(lib: Library) -> bool:
+def installed(lib: Library) -> bool:
     """Whether the library's module can be found (without importing it)."""
     try:
         return importlib.util.find_spec(lib.module) is not None
@@ -81,9 +81,9 @@ def _installed(lib: Library) -> bool:
         return False
 
 
-def provided_ops(installed: Callable[[Library], bool] = _installed) -> frozenset[Op]:
+def provided_ops(found: Callable[[Library], bool] = installed) -> frozenset[Op]:
     """The ops this backend lists: those of the installed libraries, less :data:`MEASURED`."""
-    ops = frozenset().union(*(lib.ops for lib in LIBRARIES if installed(lib)))
+    ops = frozenset().union(*(lib.ops for lib in LIBRARIES if found(lib)))
     return frozenset(o for o in ops if o not in MEASURED)
 
 
@@ -118,7 +118,7 @@ def _reasons() -> list[str]:
     why = _cuda_device_missing()
     if why is not None:
         return [why]
-    libs = [lib for lib in LIBRARIES if _installed(lib)]
+    libs = [lib for lib in LIBRARIES if installed(lib)]
     if not libs:
         return ["neither flash_mla nor deep_gemm is installed; "
                 + "; ".join(lib.install for lib in LIBRARIES)]
@@ -141,7 +141,7 @@ def load() -> KVOps:
         raise RuntimeError(f"the cuda backend cannot be loaded: {'; '.join(reasons)}")
     ops = provided_ops()
     methods: dict[Op, Callable[..., object]] = {}
-    if _installed(FLASH_MLA):
+    if installed(FLASH_MLA):
         from .flashmla import FlashMLAOps
 
         fm = _module(FLASH_MLA)
@@ -149,7 +149,7 @@ def load() -> KVOps:
         kernels = FlashMLAOps(fm)
         methods.update({Op.SPARSE_MLA: kernels.sparse_mla,
                         Op.SPARSE_MLA_PAGED: kernels.sparse_mla_paged})
-    if _installed(DEEP_GEMM):
+    if installed(DEEP_GEMM):
         from .deepgemm import DeepGEMMOps
 
         dg = _module(DEEP_GEMM)
@@ -166,7 +166,7 @@ def deepgemm_ops() -> DeepGEMMOps:
     Raises:
         RuntimeError: the backend cannot run here, or DeepGEMM is not installed.
     """
-    reasons = _reasons() or ([] if _installed(DEEP_GEMM) else
+    reasons = _reasons() or ([] if installed(DEEP_GEMM) else
                              [f"deep_gemm is not installed; {DEEP_GEMM.install}"])
     if reasons:
         raise RuntimeError(f"DeepGEMM cannot be used: {'; '.join(reasons)}")

@@ -232,8 +232,9 @@ def step_bytes(res: dict[str, Any], b: int, ctx: int) -> float:
 def decode_rows(res: dict[str, Any]) -> list[Any]:
     """Per (batch, context): ``decode_{b}x{ctx}_wall_over_gpu`` (the graph step's wall time over
     its GPU time), ``decode_{b}x{ctx}_gpu_vs_bytes`` (its GPU time over reading
-    :func:`step_bytes` once at the run's copy bandwidth) and ``decode_{b}x{ctx}_graph_speedup`` (tokens/s with graphs over eager); per
-    speculative run ``decode_mtp_k{k}_{b}x{ctx}_graph_speedup``."""
+    :func:`step_bytes` once at the run's copy bandwidth; GPU runs) and
+    ``decode_{b}x{ctx}_graph_speedup`` (tokens/s with graphs over eager); per speculative run
+    ``decode_mtp_k{k}_{b}x{ctx}_graph_speedup``."""
     from .report import BenchRow
 
     rows = []
