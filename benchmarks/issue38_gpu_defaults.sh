@@ -13,7 +13,7 @@ mkdir -p "$out"
 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
-timeout 170 "$py" -m cpkv.bench.first_pass --out "$out/first_pass_fresh_defaults.json" \
-  --cache-dir "$(mktemp -d)" --tokens 1048576 --chunk 65536 2>&1 | tail -4
-timeout 120 "$py" -m cpkv.cli bench decode --out "$out/decode_64x128k.json" --batches 64 \
+timeout 70 "$py" -m cpkv.cli bench decode --out "$out/decode_64x128k.json" --batches 64 \
   --contexts 131072 --no-mtp 2>&1 | tail -12
+timeout 155 "$py" -m cpkv.bench.first_pass --out "$out/first_pass_fresh_defaults.json" \
+  --cache-dir "$(mktemp -d)" --tokens 1048576 --chunk 65536 2>&1 | tail -4
