@@ -25,6 +25,10 @@ PLUGIN_API = {"cpkv.contracts", "cpkv.plugin"}
 #: outside the op API, by design: the reference formula of rope (the torch reference calls it),
 #: and the benches' timing and reference loading (bench modules are tools, not ops)
 ALSO = {"cpkv.models.rope", "cpkv.bench.timing", "cpkv.testing.conformance"}
+#: a backend's ``bench`` module (``python -m <backend>.bench``) is a tool beside the ops: it
+#: writes cpkv's bench rows and builds op tables to compare, so it may use the bench and
+#: registration APIs too; no op module imports it (checked below)
+BENCH_TOOL = {"cpkv.bench.gpu", "cpkv.bench.report", *PLUGIN_API}
 
 
 def _cpkv_imports(path: Path) -> set[str]:
@@ -52,9 +56,15 @@ def test_every_name_in_all_exists_and_is_documented(mod: object) -> None:
 def test_backends_import_cpkv_only_through_the_api(pkg: Path) -> None:
     assert list(pkg.glob("*.py")), pkg
     for path in sorted(pkg.glob("*.py")):
-        allowed = {"cpkv.ops.api", *ALSO} | (PLUGIN_API if path.stem == "plugin" else set())
+        allowed = {"cpkv.ops.api", *ALSO} | (PLUGIN_API if path.stem == "plugin" else set()) \
+            | (BENCH_TOOL if path.stem == "bench" else set())
         extra = _cpkv_imports(path) - allowed
         assert not extra, f"{path.relative_to(ROOT)} imports {sorted(extra)} (not the backend API)"
+        if path.stem != "bench":
+            tree = ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            assert not any(isinstance(n, ast.ImportFrom) and (
+                n.module == f"{pkg.name}.bench" or (n.level and n.module == "bench"))
+                for n in tree), f"{path.relative_to(ROOT)} imports the bench tool"
 
 
 def test_backends_names_from_the_api_are_in_all() -> None:

@@ -327,6 +327,23 @@ def test_rank_events_merge_across_ranks_and_stderr_lines_become_events() -> None
     assert stray["log_level"] == "warning" and stray["rank"] == "1"
 
 
+def test_torch_distributed_rank_prefixed_cpp_lines_are_detail_not_warnings() -> None:
+    """torch.distributed prefixes a rank's C++ lines with ``[rankN]:`` and some builds leave
+    the thread out of c10's prefix: the peers' TCPStore lines after a rank dies stay detail."""
+    merger = RankLogMerger(2, ["rank 0", "rank 1"], window_s=60.0)
+    lines = StderrLines(merger)
+    with capture_logs() as logs:
+        for r in range(2):
+            lines.feed(r, f"[rank{r}]:[W1203 21:16:45.051615123 TCPStore.cpp:125] [c10d] "
+                          f"recvValue failed on SocketImpl(fd=26): Connection reset by peer\n"
+                          f"[rank{r}]:<omitting python frames>\n".encode())
+        merger.flush(force=True)
+    tcp = [e for e in logs if e.get("source") == "TCPStore.cpp:125"]
+    assert len(tcp) == 1 and tcp[0]["ranks"] == "0,1" and tcp[0]["log_level"] == "info"
+    assert tcp[0]["line"].startswith("[c10d] recvValue failed")
+    assert all(e["log_level"] != "warning" for e in logs), logs
+
+
 def _seen_in_barrier(group: CPGroup) -> str | None:
     seen: list[str | None] = []
 

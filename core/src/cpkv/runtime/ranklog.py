@@ -102,10 +102,13 @@ class RankLogMerger:
 
 
 # glog's line prefix: severity, date, time, thread, source] message (Mooncake's engine; torch's
-# c10 logging writes the same in brackets: "[W1201 12:00:00.1 123 TCPStore.cpp:1] ...")
-_GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ +\d+ ([^\]]+)\] ?(.*)$")
+# c10 logging writes the same in brackets: "[W1201 12:00:00.1 123 TCPStore.cpp:1] ...", the
+# thread left out by some builds)
+_GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ +(?:\d+ +)?([^\]\s]+)\] ?(.*)$")
+# torch.distributed's prefix of a rank's C++ lines: "[rank0]:"
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
 # the C++ stack frames torch appends to its errors: detail, not one warning per frame
-_FRAME = re.compile(r"^(frame #\d+:|Exception raised from |\s+(at|from) )")
+_FRAME = re.compile(r"^(frame #\d+:|Exception raised from |<omitting python frames>|\s+(at|from) )")
 #: glog severities as cpkv levels: the engine's own lines are detail (-v); its failures reach
 #: the user as the plugin's errors, so an "E" line of a run that succeeds is no warning
 _GLOG_LEVEL = {"I": "debug", "W": "info", "E": "info", "F": "error"}
@@ -137,6 +140,7 @@ class StderrLines:
 
 
 def _event(line: str) -> dict[str, Any]:
+    line = _RANK_PREFIX.sub("", line)
     if _FRAME.match(line):
         return {"event": "rank.stderr", "level": "debug", "line": line}
     m = _GLOG.match(line)
