@@ -16,7 +16,6 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 import torch
@@ -263,13 +262,14 @@ def _render(rep: JobReport, verdict: Verdict, console: Console, pool_tokens: int
 
 def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: str | None,
                device: str | None, mtp: bool | None, draft_tokens: int | None,
-               chunk: int | None) -> dict[str, Any]:
+               chunk: int | None) -> dict[str, dict[str, object]]:
     """The settings overrides the command line gives (sections of the options set, None: unset)."""
-    over: dict[str, Any] = {}
+    over: dict[str, dict[str, object]] = {}
     if cp is not None or mode is not None:
         over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
-    run_over = {k: v for k, v in {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
-                                  "draft_tokens": draft_tokens}.items() if v is not None}
+    given: dict[str, object] = {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
+                                "draft_tokens": draft_tokens}
+    run_over = {k: v for k, v in given.items() if v is not None}
     if run_over:
         over["run"] = run_over
     if chunk is not None:
