@@ -26,10 +26,9 @@ from .reference import reference_rank
 from .report import JobReport
 from .results import CPRun, DecodeReport, PrefillResult, ReferenceRun, SenderReport
 from .spec import JobSpec
-from .tolerances import BF16_COMPUTE_TOLERANCE, DEFAULT_TOLERANCES, Tolerances
+from .tolerances import DEFAULT_TOLERANCES, Tolerances
 
 __all__ = [
-    "BF16_COMPUTE_TOLERANCE",
     "JobPlacement",
     "check_plugin_names",
     "cp_run",
