@@ -448,7 +448,7 @@ def test_mtp_pages_move_with_the_rest_and_decode_speculates(agree: Path) -> None
     assert ((a - b).abs().amax() / b.abs().amax()).item() < 1e-4
     sp = dec.speculation
     # (test_an_agreeing_draft_is_accepted_and_saves_steps holds the 0.8 bar on longer outputs)
-    assert sp["accept_rate"] > 0.6 and sp["steps_saved"] > 0 and sp["draft_tokens"] == 2, sp
+    assert sp is not None and sp.accept_rate > 0.6 and sp.steps_saved > 0 and sp.draft_tokens == 2, sp
 
 
 def test_run_mtp_needs_a_checkpoint_with_an_mtp_layer(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ USES: dict[str, frozenset[str]] = {
     "core/src/cpkv/runtime/session.py": frozenset({"pages", "store", "fmt"}),
     "core/src/cpkv/runtime/decode.py": frozenset({"pages", "store"}),
     "core/src/cpkv/runtime/speculative.py": frozenset({"pages"}),
-    "core/src/cpkv/runtime/job/report.py": frozenset({"footprint", "store"}),
+    "core/src/cpkv/runtime/job/results.py": frozenset({"footprint", "store"}),
     "core/src/cpkv/runtime/job/prefill_rank.py": frozenset({"store"}),
     "core/src/cpkv/runtime/job/decode_rank.py": frozenset({"fmt", "num_layers", "pages", "store"}),
     "core/src/cpkv/disagg/flow.py": frozenset({"fmt", "group", "num_layers", "store"}),

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from cpkv.kv import AllGatherViews, BatchKV, MaterializePlan, ShardedKVPool
 
 __all__ = [
+    "GpuBenchOptions",
     "ceilings",
     "cuda_ms",
     "kernel_profile",
@@ -36,6 +37,7 @@ __all__ = [
     "layer_flops",
     "materialize_rank",
     "prefill_rank",
+    "run",
     "v32_stack",
 ]
 
@@ -579,3 +581,180 @@ def prefetch_rank(group: Any, spec: PrefetchSpec) -> dict[str, Any]:
                 partial(_all_gather_part, _all_gather_views(pool), split, 1), iters=10)
             pool.abort(kv)
     return out
+
+
+# -- cpkv bench gpu ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuBenchOptions:
+    """What ``cpkv bench gpu`` measures (its options)."""
+
+    #: prompt lengths of CP2 vs CP1 prefill
+    sizes: tuple[int, ...] = (16384, 65536, 131072)
+    layers: int = 2
+    #: kernels and materialization only
+    skip_prefill: bool = False
+    #: cached prefix of the prefetch measurement (0 skips it)
+    prefetch_prefix: int = 65536
+    #: kv.materialize of the CP2 vs CP1 prefill runs
+    materialize: str = "auto"
+    #: backend.preference of the CP2 vs CP1 prefill runs
+    backends: tuple[str, ...] = ("cuda", "triton", "torch")
+
+
+def run(opts: GpuBenchOptions, progress: Callable[[str], None] = lambda s: None
+        ) -> tuple[list[BenchRow], dict[str, Any]]:
+    """``cpkv bench gpu`` on this host's GPUs (at least one): kernels against the ceilings,
+    materialization against a raw all-gather (two GPUs), CP2 against CP1 prefill (CP1 rows with
+    one GPU), the default numerics and decode steps at 64K, prefetch (two GPUs). Returns the
+    rows and the detail."""
+    dev = torch.device("cuda", 0)
+    detail: dict[str, Any] = {}
+    progress("ceilings")
+    ceil = ceilings(dev)
+    detail["ceilings"] = ceil
+    progress(f"kernels (copy {ceil['copy_gbps']:.0f} GB/s, bf16 mm "
+             f"{ceil['matmul_tflops']:.0f} TFLOP/s)")
+    rows = kernel_rows(dev, ceil, detail)
+    torch.cuda.empty_cache()
+    ngpu = torch.cuda.device_count()
+    if ngpu >= 2:
+        progress("materialization on 2 GPUs")
+        rows += _materialize_rows(detail)
+    if ngpu >= 1 and not opts.skip_prefill:  # CP1 rows on one GPU, CP2 rows with two
+        rows += _prefill_rows(dev, opts, ngpu, ceil, detail, progress)
+    return rows, detail
+
+
+def _materialize_rows(detail: dict[str, Any]) -> list[BenchRow]:
+    from cpkv.runtime import run_ranks
+
+    rows: list[BenchRow] = []
+    for dtype in ("fp8", "bf16"):
+        res = run_ranks(materialize_rank, 2, args=(MaterializeSpec(65536, dtype),),
+                        backend="nccl", timeout_s=300)
+        r0 = res[0].value
+        detail[f"materialize_64k_{dtype}"] = [r.value for r in res]
+        if dtype == "fp8":
+            raw = max(r.value["raw_all_gather_ms"] for r in res)
+            for mode, name in (("p2p", "materialize_64k_bw"),
+                               ("all_gather", "materialize_64k_bw_all_gather")):
+                if any(r.value[f"mode_{mode}"] != mode for r in res):
+                    continue  # p2p fell back (the fallback event says why): no row
+                mat = max(r.value[f"materialize_{mode}_ms"] for r in res)
+                rows.append(BenchRow.of(name, r0["gathered_bytes"] / mat / 1e6, "GB/s",
+                                        "raw all_gather_into_tensor of the same bytes",
+                                        r0["gathered_bytes"] / raw / 1e6))
+    return rows
+
+
+def _prefill_rows(dev: torch.device, opts: GpuBenchOptions, ngpu: int, ceil: dict[str, float],
+                  detail: dict[str, Any], progress: Callable[[str], None]) -> list[BenchRow]:
+    """CP1 (and with two GPUs CP2) prefill at ``opts.sizes``; at 64K the default numerics and
+    decode steps; with two GPUs prefetch."""
+    import tempfile
+    from pathlib import Path
+
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.runtime import run_ranks
+
+    rows: list[BenchRow] = []
+    lens = opts.sizes
+    ckpt = Path(tempfile.mkdtemp()) / "deepseek-stack"
+    progress(f"writing a {opts.layers}-layer DeepSeek-V3.2-sized stack")
+    write_tiny_checkpoint(ckpt, seed=0, **v32_stack(opts.layers))
+    spec = PrefillSpec(str(ckpt), lens, materialize=opts.materialize, backends=opts.backends,
+                       profile_tokens=65536 if 65536 in lens else 0)
+    per: dict[int, list[dict[str, Any]]] = {}
+    for c in (1, 2)[:ngpu]:
+        progress(f"CP{c} prefill at {lens}")
+        res = run_ranks(prefill_rank, c, args=(spec,), backend="nccl", timeout_s=580)
+        per[c] = [r.value for r in res]
+    detail["prefill"] = {f"cp{c}": v for c, v in per.items()}
+    for n in lens:
+        t1 = per[1][0]["sizes"][n]["seconds"]
+        if n == 65536:  # a whole prefill's layer FLOPs over its wall time: a lower bound of
+            # the layers' rate (embedding, planning and the last logits count as time)
+            one = per[1][0]
+            flops = one["layers"] * sum(one["layer_flops"][n].values())
+            rows.append(BenchRow.of("cp1_layer_64k_mfu", flops / t1 / 1e12, "TFLOP/s",
+                                    "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
+        if 2 not in per:
+            continue
+        # a CP batch ends when its slowest rank does: per repeat the slower rank, then the
+        # median (the ranks started each repeat together: a barrier)
+        each = [max(ts) for ts in zip(*(r["sizes"][n]["all"] for r in per[2]), strict=True)]
+        t2 = statistics.median(each[1:] or each)
+        tag = f"{n // 1024}k"
+        rows.append(BenchRow.of(f"cp2_vs_cp1_{tag}_speedup", n / t2, "tokens/s",
+                                "CP1 prefill tokens/s (same run)", n / t1))
+        b1 = per[1][0]["sizes"][n]["kv_bytes"]
+        b2 = max(r["sizes"][n]["kv_bytes"] for r in per[2])
+        rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
+                                "CP1 (one rank holds every page)", b1))
+    if 65536 in lens:
+        rows += _default_numerics_rows(dev, spec, per[1][0], ceil, detail, progress)
+    if ngpu >= 2 and opts.prefetch_prefix:
+        rows.append(_prefetch_row(spec.model_dir, opts.prefetch_prefix, detail, progress))
+    return rows
+
+
+def _default_numerics_rows(dev: torch.device, spec: PrefillSpec, bf16: dict[str, Any],
+                           ceil: dict[str, float], detail: dict[str, Any],
+                           progress: Callable[[str], None]) -> list[BenchRow]:
+    """CP1 64K prefill with the default numerics against ``bf16`` (the CP1 run of
+    :func:`_prefill_rows`), and decode steps over a 64K-token request."""
+    import dataclasses
+
+    from cpkv.runtime import run_ranks
+
+    rows: list[BenchRow] = []
+    progress("CP1 64K prefill with the default numerics (kv.dtype and runtime.indexer_dtype "
+             "'auto')")
+    dflt = dataclasses.replace(spec, tokens=(65536,), kv_dtype="auto", indexer_dtype="auto",
+                               profile_tokens=65536)
+    one = run_ranks(prefill_rank, 1, args=(dflt,), backend="nccl", timeout_s=580)[0].value
+    detail["prefill_cp1_64k_default"] = one
+    flops = one["layers"] * sum(one["layer_flops"][65536].values())
+    t_d, t_b = one["sizes"][65536]["seconds"], bf16["sizes"][65536]["seconds"]
+    progress(f"defaults took a {one['kv_dtype']} pool and the {one['indexer_dtype']} indexer")
+    if one["indexer_dtype"] == "fp8" and "fp8_matmul_tflops" in ceil:
+        rows.append(BenchRow.of("cp1_layer_64k_fp8_mfu", flops / t_d / 1e12, "TFLOP/s",
+                                "fp8 matmul ceiling (same run)", ceil["fp8_matmul_tflops"]))
+    rows.append(BenchRow.of("cp1_64k_default_vs_bf16_speedup", 65536 / t_d, "tokens/s",
+                            f"the bf16 indexer on the {bf16['kv_dtype']} pool "
+                            f"(tokens/s, same run)", 65536 / t_b))
+    progress("decode steps over a 64K-token request: cuda vs triton")
+    ckpt = spec.model_dir
+    dec = {name: decode_steps(dev, ckpt, 65536, backends=pref)
+           for name, pref in (("cuda", ("cuda", "triton", "torch")),
+                              ("triton", ("triton", "torch")))}
+    # token-major pages: the picked rows dequantized into a copy, then FlashMLA's prefill
+    # kernel; and the whole view dequantized (what a step did before either)
+    dec["cuda_selected_rows"] = decode_steps(dev, ckpt, 65536, layout="token_major")
+    dec["cuda_whole_view"] = decode_steps(dev, ckpt, 65536, select_latent=False,
+                                          layout="token_major")
+    detail["decode_64k"] = dec
+    # GPU time (the profiled step's kernels): a step's wall time is ~10 ms of host work
+    # in the driver either way, and its jitter drowns the kernels' difference
+    gpu_ms = {k: v["kernels"][0]["total_ms"] for k, v in dec.items()}
+    rows.append(BenchRow.of("decode_step_64k_speedup", 1e3 / gpu_ms["cuda"], "steps/s (GPU)",
+                            "the Triton backend, same step (steps/s of GPU time)",
+                            1e3 / gpu_ms["triton"]))
+    return rows
+
+
+def _prefetch_row(ckpt: str, prefix: int, detail: dict[str, Any],
+                  progress: Callable[[str], None]) -> BenchRow:
+    from cpkv.runtime import run_ranks
+
+    progress(f"prefetch: {prefix}-token cached prefix + 4096-token extend")
+    res = run_ranks(prefetch_rank, 2, args=(PrefetchSpec(ckpt, prefix, 4096),), backend="nccl",
+                    timeout_s=580)
+    vals = [r.value for r in res]
+    detail["prefetch"] = vals
+    off = max(v["extend_s_no_prefetch"] for v in vals)
+    on = max(v["extend_s_prefetch"] for v in vals)
+    return BenchRow.of(f"prefetch_{prefix // 1024}k_prefix_extend_speedup", 1 / on, "batches/s",
+                       "the same extend without prefetch", 1 / off)

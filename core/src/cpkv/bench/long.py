@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,8 +27,13 @@ from cpkv.comm import note_progress
 
 from .gpu import kernel_profile, layer_flops
 
-__all__ = ["HFLogitsSpec", "LongSpec", "RecallSpec", "fp8_recall_rank", "hf_logits_rank", "long_rank",
-           "topk_share"]
+if TYPE_CHECKING:
+    from cpkv.runtime.launch import ProgressSink
+
+    from .report import BenchRow
+
+__all__ = ["HFLogitsSpec", "LongBenchOptions", "LongSpec", "RecallSpec", "fp8_recall_rank",
+           "hf_logits_rank", "long_rank", "run", "summary_line", "topk_share"]
 
 #: kernel-name fragments of the top-k's kernels and of the indexer's (Triton)
 _TOPK_KERNELS = ("_topk_", "_mask_kernel")
@@ -461,3 +467,112 @@ def recall_rows(res: dict[str, Any]) -> list[Any]:
                         min(x["recall_mean"] for x in v["layers"]), "overlap",
                         "the bf16 indexer's top-k set on the same layer inputs (same run)", 1.0)
             for n, v in res["tokens"].items()]
+
+
+# -- cpkv bench long --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LongBenchOptions:
+    """What ``cpkv bench long`` measures (its options)."""
+
+    #: prompt lengths (empty: the recall only)
+    tokens: tuple[int, ...] = (262144, 524288, 1048576)
+    #: chunk sizes each prompt is prefilled in
+    chunks: tuple[int, ...] = (65536, 131072)
+    layers: int = 2
+    #: runtime.logits_budget_mb of the runs (None: the settings' default)
+    budget_mb: int | None = None
+    #: also the longest prompt in the smallest chunks at this fixed budget (0 skips it)
+    fixed_budget_mb: int = 512
+    #: prompt lengths of the fp8-vs-bf16 indexer top-k overlap (empty skips it)
+    recall_tokens: tuple[int, ...] = (4096, 16384, 65536, 131072)
+    #: the overlap also on a checkpoint written by transformers
+    hf: bool = True
+    #: prompt length of the last-token logits against transformers (0 skips it)
+    hf_tokens: int = 4096
+    #: where the defaults take the fp8 indexer, the prompts again with the bf16 one
+    bf16_compare: bool = True
+
+
+def run(opts: LongBenchOptions, progress: Callable[[str], None] = lambda s: None,
+        on_progress: ProgressSink | None = None) -> tuple[list[BenchRow], dict[str, Any], str]:
+    """``cpkv bench long`` on GPU 0: returns the rows, the detail and a summary line (empty
+    without ``opts.tokens``). ``on_progress``: the long runs' per-chunk progress notes."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.runtime import run_ranks
+
+    from .gpu import ceilings, v32_stack
+
+    dev = torch.device("cuda", 0)
+    lens, sizes, rlens = opts.tokens, opts.chunks, opts.recall_tokens
+    ceil = ceilings(dev)
+    device_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9
+    detail: dict[str, Any] = {"ceilings": ceil, "device_gb": device_gb}
+    tmp = Path(tempfile.mkdtemp())
+    stack = v32_stack(opts.layers, max((*lens, *rlens), default=0))
+    ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, **stack))
+    rows: list[BenchRow] = []
+    res: dict[str, Any] = {}
+    if lens:
+        spec = LongSpec(ckpt, lens, sizes, budget_mb=opts.budget_mb,
+                        profile=(524288, min(sizes)) if 524288 in lens else None)
+        progress(f"{opts.layers}-layer stack: {lens} tokens in chunks of {sizes}, the default "
+                 f"numerics")
+        res = run_ranks(long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600,
+                        on_progress=on_progress)[0].value
+        detail["long"] = res
+        progress(f"defaults took a {res['kv_dtype']} pool and the {res['indexer_dtype']} indexer")
+        bf16 = None
+        if res["indexer_dtype"] != "bf16" and opts.bf16_compare:  # same prompts, bf16 indexer
+            progress(f"{lens} tokens in chunks of {min(sizes)} with the bf16 indexer on the same "
+                     f"{res['kv_dtype']} pool")
+            bspec = dataclasses.replace(spec, chunks=(min(sizes),), kv_dtype=res["kv_dtype"],
+                                        indexer_dtype="bf16", profile=None)
+            bf16 = run_ranks(long_rank, 1, args=(bspec,), backend="nccl", timeout_s=3600,
+                             on_progress=on_progress)[0].value
+            detail["long_bf16_indexer"] = bf16
+        fixed = None
+        if opts.fixed_budget_mb:
+            progress(f"{max(lens)} tokens in chunks of {min(sizes)} at a "
+                     f"{opts.fixed_budget_mb} MB logits budget")
+            fspec = dataclasses.replace(spec, tokens=(max(lens),), chunks=(min(sizes),),
+                                        budget_mb=opts.fixed_budget_mb, profile=None)
+            fixed = run_ranks(long_rank, 1, args=(fspec,), backend="nccl",
+                              timeout_s=3600)[0].value
+            detail["fixed_budget"] = fixed
+        rows += long_rows(res, ceil, device_gb, fixed, bf16)
+    if rlens:
+        ckpts = [("v32-attention", ckpt)]
+        if opts.hf:
+            progress("writing the stack with transformers")
+            ckpts.append(("hf", write_hf_checkpoint(str(tmp / "hf"), **stack)))
+        for label, path in ckpts:
+            progress(f"fp8 vs bf16 indexer top-k on the same layer inputs, {label}, at {rlens}")
+            rec = run_ranks(fp8_recall_rank, 1,
+                            args=(RecallSpec(path, rlens, label, opts.budget_mb),),
+                            backend="nccl", timeout_s=3600)[0].value
+            detail[f"fp8_overlap_{label}"] = rec
+            rows += recall_rows(rec)
+        if opts.hf and opts.hf_tokens:
+            progress(f"last-token logits vs transformers at {opts.hf_tokens} tokens")
+            detail["vs_transformers"] = run_ranks(
+                hf_logits_rank, 1, args=(HFLogitsSpec(ckpts[1][1], opts.hf_tokens),),
+                backend="nccl", timeout_s=1800)[0].value
+    return rows, detail, summary_line(res, sizes) if res else ""
+
+
+def summary_line(res: dict[str, Any], chunks: tuple[int, ...]) -> str:
+    """One line of a long run's result (:func:`long_rank`'s): the defaults it took, its logits
+    budget, whether the chunkings agreed, the projected CP8 time to first token."""
+    longest = max(res["runs"].values(), key=lambda r: (r["tokens"], r["chunk"] == min(chunks)))
+    auto = " (auto: from the free device memory)" if res["budget_auto"] else ""
+    return (f"defaults: {res['kv_dtype']} pool, {res['indexer_dtype']} indexer; "
+            f"logits budget {res['budget_mb']} MB{auto}; logits equal across chunkings: "
+            f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first "
+            f"token projected {longest['seconds'] / 8:.2f} s "
+            f"({longest['tokens'] // 8} rows a rank)")

@@ -30,7 +30,7 @@ from .report import BenchRow
 if TYPE_CHECKING:
     from cpkv.comm import CPGroup
 
-__all__ = ["DecodeSpec", "MemorySpec", "decode_rank", "memory_rank", "rows"]
+__all__ = ["DecodeSpec", "MemorySpec", "agree_config", "decode_rank", "memory_rank", "rows"]
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,24 @@ def decode_rank(group: CPGroup, spec: DecodeSpec) -> dict[str, Any]:
     for name in ("plain", "speculative"):
         out[name]["tokens_per_s"] = made / out[name]["seconds"]
     return out
+
+
+def agree_config(tokens: int, layers: int | None, gpu: bool) -> dict[str, Any]:
+    """The config overrides of ``cpkv bench mtp``'s checkpoint (an MTP layer, positions for a
+    ``tokens``-token prompt): on GPUs ``layers`` (default 2) at DeepSeek-V3.2's attention sizes,
+    the MTP layer dense too; on CPUs the tiny model (``layers`` of it, when given)."""
+    from cpkv.models.tiny import PRESETS
+
+    over: dict[str, Any] = {"num_nextn_predict_layers": 1,
+                            "max_position_embeddings": max(4096, 2 * tokens)}
+    if gpu:
+        n = layers or 2
+        over |= {**PRESETS["v32-attention"], "num_hidden_layers": n,
+                 "first_k_dense_replace": n + 1,  # the MTP layer dense too
+                 "num_nextn_predict_layers": 1, "max_position_embeddings": 163840}
+    elif layers:
+        over |= {"num_hidden_layers": layers}
+    return over
 
 
 def rows(memory: list[dict[str, Any]] | None, decode: dict[str, Any] | None,

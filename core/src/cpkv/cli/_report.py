@@ -24,7 +24,7 @@ def _without_secrets(data: Any) -> Any:
     return data
 
 
-def report_context(settings: Settings) -> dict[str, Any]:
+def report_context(settings: Settings) -> dict[str, object]:
     """``settings`` (the effective values, JSON; keys that could hold secrets left out),
     ``version`` (cpkv-core's) and ``machine`` (CPU, cores, Python, torch, GPUs)."""
     try:

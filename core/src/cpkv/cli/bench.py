@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
-import statistics
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ def _show(rows: list[BenchRow]) -> None:
     Console().print(t)
 
 
-def _report(name: str, rows: list[BenchRow], out: str, detail: dict[str, Any] | None = None,
+def _report(name: str, rows: list[BenchRow], out: str, detail: Mapping[str, object] | None = None,
             summary: str = "") -> None:
     """Show ``rows`` (and a summary line), write the JSON report of ``cpkv bench NAME`` to
     ``out`` with the machine and the command line, and say where. Without ``--out`` the report
@@ -35,7 +34,7 @@ def _report(name: str, rows: list[BenchRow], out: str, detail: dict[str, Any] | 
     out = bench_out(out)
     report = BenchReport(machine=machine_description(),
                          command=f"cpkv bench {name} " + shlex.join(sys.argv[3:]),
-                         results=tuple(rows), detail=detail or {})
+                         results=tuple(rows), detail=dict(detail or {}))
     _show(rows)
     if summary:
         click.echo(summary)
@@ -198,9 +197,9 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
         raise click.BadParameter(f"{mooncake_protocol!r}: each of {', '.join(known)}",
                                  param_hint="--mooncake-protocol")
     rows: list[BenchRow] = []
-    detail: dict[str, Any] = {"layers": layers, "preset": preset,
-                              "mooncake_protocol": mooncake_protocol,
-                              "mooncake_stage": mooncake_stage}
+    detail: dict[str, object] = {"layers": layers, "preset": preset,
+                                 "mooncake_protocol": mooncake_protocol,
+                                 "mooncake_stage": mooncake_stage}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {**PRESETS[preset], "num_hidden_layers": layers}
         cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings", 4096)),
@@ -288,7 +287,6 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
 
     from cpkv.bench import mtp
     from cpkv.models import write_tiny_checkpoint
-    from cpkv.models.tiny import PRESETS
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     tokens = tokens or (65536 if gpu else 2048)
@@ -296,15 +294,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
         (1024,) * 4 if gpu else (96, 96))
     decode_tokens = decode_tokens or (64 if gpu else 16)
     out = out or f"benchmarks/results/mtp_{'h200' if gpu else 'cpu'}.json"
-    over: dict[str, Any] = {"num_nextn_predict_layers": 1,
-                            "max_position_embeddings": max(4096, 2 * tokens)}
-    if gpu:
-        n = layers or 2
-        over |= {**PRESETS["v32-attention"], "num_hidden_layers": n,
-                 "first_k_dense_replace": n + 1,  # the MTP layer dense too
-                 "num_nextn_predict_layers": 1, "max_position_embeddings": 163840}
-    elif layers:
-        over |= {"num_hidden_layers": layers}
+    over = mtp.agree_config(tokens, layers, gpu)
     err = _progress_console()
     with tempfile.TemporaryDirectory() as tmp:
         err.print("[dim]writing a checkpoint whose MTP layer agrees with its target[/]")
@@ -338,127 +328,17 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
 def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_prefix: int,
             materialize: str, backends: str) -> None:
     """Kernels vs ceilings, materialization vs raw all-gather, CP2 vs CP1 prefill (needs GPUs)."""
-    import tempfile
-
     import torch
 
     from cpkv.bench import gpu
-    from cpkv.runtime import run_ranks
 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench gpu needs a CUDA device")
     err = _progress_console()
-    dev = torch.device("cuda", 0)
-    detail: dict[str, object] = {}
-    err.print("[dim]ceilings[/]")
-    ceil = gpu.ceilings(dev)
-    detail["ceilings"] = ceil
-    err.print(f"[dim]kernels (copy {ceil['copy_gbps']:.0f} GB/s, bf16 mm "
-              f"{ceil['matmul_tflops']:.0f} TFLOP/s)[/]")
-    rows = gpu.kernel_rows(dev, ceil, detail)
-    torch.cuda.empty_cache()
-    ngpu = torch.cuda.device_count()
-    if ngpu >= 2:
-        err.print("[dim]materialization on 2 GPUs[/]")
-        for dtype in ("fp8", "bf16"):
-            res = run_ranks(gpu.materialize_rank, 2, args=(gpu.MaterializeSpec(65536, dtype),),
-                            backend="nccl", timeout_s=300)
-            r0 = res[0].value
-            detail[f"materialize_64k_{dtype}"] = [r.value for r in res]
-            if dtype == "fp8":
-                raw = max(r.value["raw_all_gather_ms"] for r in res)
-                for mode, name in (("p2p", "materialize_64k_bw"),
-                                   ("all_gather", "materialize_64k_bw_all_gather")):
-                    if any(r.value[f"mode_{mode}"] != mode for r in res):
-                        continue  # p2p fell back (the fallback event says why): no row
-                    mat = max(r.value[f"materialize_{mode}_ms"] for r in res)
-                    rows.append(BenchRow.of(name, r0["gathered_bytes"] / mat / 1e6, "GB/s",
-                                            "raw all_gather_into_tensor of the same bytes",
-                                            r0["gathered_bytes"] / raw / 1e6))
-    if ngpu >= 1 and not skip_prefill:  # CP1 rows on one GPU, CP2 rows with two
-        from cpkv.models import write_tiny_checkpoint
-
-        lens = tuple(int(x) for x in sizes.split(","))
-        ckpt = Path(tempfile.mkdtemp()) / "deepseek-stack"
-        err.print(f"[dim]writing a {layers}-layer DeepSeek-V3.2-sized stack[/]")
-        write_tiny_checkpoint(ckpt, seed=0, **gpu.v32_stack(layers))
-        spec = gpu.PrefillSpec(str(ckpt), lens, materialize=materialize,
-                               backends=tuple(b for b in backends.split(",") if b),
-                               profile_tokens=65536 if 65536 in lens else 0)
-        per: dict[int, list[dict[str, Any]]] = {}
-        for c in (1, 2)[:ngpu]:
-            err.print(f"[dim]CP{c} prefill at {lens}[/]")
-            res = run_ranks(gpu.prefill_rank, c, args=(spec,), backend="nccl", timeout_s=580)
-            per[c] = [r.value for r in res]
-        detail["prefill"] = {f"cp{c}": v for c, v in per.items()}
-        for n in lens:
-            t1 = per[1][0]["sizes"][n]["seconds"]
-            if n == 65536:  # a whole prefill's layer FLOPs over its wall time: a lower bound of
-                # the layers' rate (embedding, planning and the last logits count as time)
-                one = per[1][0]
-                flops = one["layers"] * sum(one["layer_flops"][n].values())
-                rows.append(BenchRow.of("cp1_layer_64k_mfu", flops / t1 / 1e12, "TFLOP/s",
-                                        "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
-            if 2 not in per:
-                continue
-            # a CP batch ends when its slowest rank does: per repeat the slower rank, then the
-            # median (the ranks started each repeat together: a barrier)
-            each = [max(ts) for ts in zip(*(r["sizes"][n]["all"] for r in per[2]),
-                                          strict=True)]
-            t2 = statistics.median(each[1:] or each)
-            tag = f"{n // 1024}k"
-            rows.append(BenchRow.of(f"cp2_vs_cp1_{tag}_speedup", n / t2, "tokens/s",
-                                    "CP1 prefill tokens/s (same run)", n / t1))
-            b1 = per[1][0]["sizes"][n]["kv_bytes"]
-            b2 = max(r["sizes"][n]["kv_bytes"] for r in per[2])
-            rows.append(BenchRow.of(f"cp2_kv_bytes_per_rank_{tag}", b2, "bytes",
-                                    "CP1 (one rank holds every page)", b1))
-    if ngpu >= 1 and not skip_prefill and 65536 in lens:
-        err.print("[dim]CP1 64K prefill with the default numerics (kv.dtype and "
-                  "runtime.indexer_dtype 'auto')[/]")
-        dflt = dataclasses.replace(spec, tokens=(65536,), kv_dtype="auto", indexer_dtype="auto",
-                                   profile_tokens=65536)
-        one = run_ranks(gpu.prefill_rank, 1, args=(dflt,), backend="nccl",
-                        timeout_s=580)[0].value
-        detail["prefill_cp1_64k_default"] = one
-        flops = one["layers"] * sum(one["layer_flops"][65536].values())
-        t_d, t_b = one["sizes"][65536]["seconds"], per[1][0]["sizes"][65536]["seconds"]
-        err.print(f"[dim]defaults took a {one['kv_dtype']} pool and the {one['indexer_dtype']} "
-                  f"indexer[/]")
-        if one["indexer_dtype"] == "fp8" and "fp8_matmul_tflops" in ceil:
-            rows.append(BenchRow.of("cp1_layer_64k_fp8_mfu", flops / t_d / 1e12, "TFLOP/s",
-                                    "fp8 matmul ceiling (same run)", ceil["fp8_matmul_tflops"]))
-        rows.append(BenchRow.of("cp1_64k_default_vs_bf16_speedup", 65536 / t_d, "tokens/s",
-                                f"the bf16 indexer on the {per[1][0]['kv_dtype']} pool "
-                                f"(tokens/s, same run)", 65536 / t_b))
-        err.print("[dim]decode steps over a 64K-token request: cuda vs triton[/]")
-        dec = {name: gpu.decode_steps(dev, str(ckpt), 65536, backends=pref)
-               for name, pref in (("cuda", ("cuda", "triton", "torch")),
-                                  ("triton", ("triton", "torch")))}
-        # token-major pages: the picked rows dequantized into a copy, then FlashMLA's prefill
-        # kernel; and the whole view dequantized (what a step did before either)
-        dec["cuda_selected_rows"] = gpu.decode_steps(dev, str(ckpt), 65536, layout="token_major")
-        dec["cuda_whole_view"] = gpu.decode_steps(dev, str(ckpt), 65536, select_latent=False,
-                                                  layout="token_major")
-        detail["decode_64k"] = dec
-        # GPU time (the profiled step's kernels): a step's wall time is ~10 ms of host work
-        # in the driver either way, and its jitter drowns the kernels' difference
-        gpu_ms = {k: v["kernels"][0]["total_ms"] for k, v in dec.items()}
-        rows.append(BenchRow.of("decode_step_64k_speedup", 1e3 / gpu_ms["cuda"], "steps/s (GPU)",
-                                "the Triton backend, same step (steps/s of GPU time)",
-                                1e3 / gpu_ms["triton"]))
-    if ngpu >= 2 and not skip_prefill and prefetch_prefix:
-        err.print(f"[dim]prefetch: {prefetch_prefix}-token cached prefix + 4096-token extend[/]")
-        res = run_ranks(gpu.prefetch_rank, 2,
-                        args=(gpu.PrefetchSpec(str(ckpt), prefetch_prefix, 4096),),
-                        backend="nccl", timeout_s=580)
-        vals = [r.value for r in res]
-        detail["prefetch"] = vals
-        off = max(v["extend_s_no_prefetch"] for v in vals)
-        on = max(v["extend_s_prefetch"] for v in vals)
-        rows.append(BenchRow.of(f"prefetch_{prefetch_prefix // 1024}k_prefix_extend_speedup",
-                                1 / on, "batches/s", "the same extend without prefetch",
-                                1 / off))
+    opts = gpu.GpuBenchOptions(sizes=_ints(sizes), layers=layers, skip_prefill=skip_prefill,
+                               prefetch_prefix=prefetch_prefix, materialize=materialize,
+                               backends=tuple(b for b in backends.split(",") if b))
+    rows, detail = gpu.run(opts, progress=lambda s: err.print(f"[dim]{s}[/]"))
     _report("gpu", rows, out, detail)
 
 
@@ -495,86 +375,22 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
     """Long prompts in chunks on one GPU with the default numerics: MFU, the speedup over the
     bf16 indexer, the top-k's share, peak memory, the fp8 indexer's top-k overlap with bf16's
     on the same layer inputs, last-token logits against transformers."""
-    import tempfile
-
     import torch
 
-    from cpkv.bench import gpu, long
-    from cpkv.models import write_tiny_checkpoint
-    from cpkv.runtime import run_ranks
+    from cpkv.bench import long
+
+    from ._progress import ProgressLine
 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench long needs a CUDA device")
     err = _progress_console()
-    dev = torch.device("cuda", 0)
-    lens, sizes, rlens = _ints(tokens), _ints(chunks), _ints(recall_tokens)
-    ceil = gpu.ceilings(dev)
-    device_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9
-    detail: dict[str, Any] = {"ceilings": ceil, "device_gb": device_gb}
-    tmp = Path(tempfile.mkdtemp())
-    stack = gpu.v32_stack(layers, max((*lens, *rlens), default=0))
-    ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, **stack))
-    rows: list[BenchRow] = []
-    res: dict[str, Any] = {}
-    if lens:
-        spec = long.LongSpec(ckpt, lens, sizes, budget_mb=budget_mb,
-                             profile=(524288, min(sizes)) if 524288 in lens else None)
-        err.print(f"[dim]{layers}-layer stack: {lens} tokens in chunks of {sizes}, the "
-                  f"default numerics[/]")
-        from ._progress import ProgressLine
-
-        shown = ProgressLine(None, quiet=err.quiet)  # a line per chunk at most every 10 s
-        res = run_ranks(long.long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600,
-                        on_progress=shown)[0].value
-        detail["long"] = res
-        err.print(f"[dim]defaults took a {res['kv_dtype']} pool and the {res['indexer_dtype']} "
-                  f"indexer[/]")
-        bf16 = None
-        if res["indexer_dtype"] != "bf16" and bf16_compare:  # same prompts, the bf16 indexer
-            err.print(f"[dim]{lens} tokens in chunks of {min(sizes)} with the bf16 indexer on "
-                      f"the same {res['kv_dtype']} pool[/]")
-            bspec = dataclasses.replace(spec, chunks=(min(sizes),), kv_dtype=res["kv_dtype"],
-                                        indexer_dtype="bf16", profile=None)
-            bf16 = run_ranks(long.long_rank, 1, args=(bspec,), backend="nccl",
-                             timeout_s=3600, on_progress=shown)[0].value
-            detail["long_bf16_indexer"] = bf16
-        fixed = None
-        if fixed_budget_mb:
-            err.print(f"[dim]{max(lens)} tokens in chunks of {min(sizes)} at a "
-                      f"{fixed_budget_mb} MB logits budget[/]")
-            fspec = dataclasses.replace(spec, tokens=(max(lens),), chunks=(min(sizes),),
-                                        budget_mb=fixed_budget_mb, profile=None)
-            fixed = run_ranks(long.long_rank, 1, args=(fspec,), backend="nccl",
-                              timeout_s=3600)[0].value
-            detail["fixed_budget"] = fixed
-        rows += long.long_rows(res, ceil, device_gb, fixed, bf16)
-    if rlens:
-        ckpts = [("v32-attention", ckpt)]
-        if hf:
-            err.print("[dim]writing the stack with transformers[/]")
-            ckpts.append(("hf", long.write_hf_checkpoint(str(tmp / "hf"), **stack)))
-        for label, path in ckpts:
-            err.print(f"[dim]fp8 vs bf16 indexer top-k on the same layer inputs, {label}, at "
-                      f"{rlens}[/]")
-            rec = run_ranks(long.fp8_recall_rank, 1, args=(long.RecallSpec(path, rlens, label, budget_mb),),
-                            backend="nccl", timeout_s=3600)[0].value
-            detail[f"fp8_overlap_{label}"] = rec
-            rows += long.recall_rows(rec)
-        if hf and hf_tokens:
-            err.print(f"[dim]last-token logits vs transformers at {hf_tokens} tokens[/]")
-            detail["vs_transformers"] = run_ranks(
-                long.hf_logits_rank, 1, args=(long.HFLogitsSpec(ckpts[1][1], hf_tokens),),
-                backend="nccl", timeout_s=1800)[0].value
-    summary = ""
-    if res:
-        longest = max(res["runs"].values(),
-                      key=lambda r: (r["tokens"], r["chunk"] == min(sizes)))
-        auto = " (auto: from the free device memory)" if res["budget_auto"] else ""
-        summary = (f"defaults: {res['kv_dtype']} pool, {res['indexer_dtype']} indexer; "
-                   f"logits budget {res['budget_mb']} MB{auto}; logits equal across chunkings: "
-                   f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first "
-                   f"token projected {longest['seconds'] / 8:.2f} s "
-                   f"({longest['tokens'] // 8} rows a rank)")
+    opts = long.LongBenchOptions(tokens=_ints(tokens), chunks=_ints(chunks), layers=layers,
+                                 budget_mb=budget_mb, fixed_budget_mb=fixed_budget_mb,
+                                 recall_tokens=_ints(recall_tokens), hf=hf, hf_tokens=hf_tokens,
+                                 bf16_compare=bf16_compare)
+    shown = ProgressLine(None, quiet=err.quiet)  # a line per chunk at most every 10 s
+    rows, detail, summary = long.run(opts, progress=lambda s: err.print(f"[dim]{s}[/]"),
+                                     on_progress=shown)
     _report("long", rows, out, detail, summary)
 
 

@@ -16,18 +16,17 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from cpkv.contracts import KVDtype, SplitMode
+from cpkv.contracts import SplitMode
 from cpkv.models import ModelLoadError, resolve_checkpoint
 from cpkv.models.loader import read_config
-from cpkv.runtime.job import JobReport, run_job
-from cpkv.runtime.job.run import BF16_COMPUTE_TOLERANCE, check_plugin_names
+from cpkv.runtime.job import Check, JobReport, Verdict, run_job
+from cpkv.runtime.job.run import check_plugin_names
 from cpkv.settings import SettingsError, load_settings
 
 from ._logging import RankLogging, configure_logging, level_from_flags
@@ -51,15 +50,6 @@ def _default_prompts(vocab: int) -> list[list[int]]:
     first = toks(DEFAULT_LENGTHS[0])
     return [first, first[:100] + toks(DEFAULT_LENGTHS[1] - 100), toks(DEFAULT_LENGTHS[2]),
             first + toks(DEFAULT_LENGTHS[3] - len(first))]
-#: CP vs one rank: the same model and pool format, so only row-batching rounding differs; an fp8
-#: pool can turn an ulp into one quantisation step
-TOLERANCE = {KVDtype.FP32: 1e-4, KVDtype.BF16: 1e-3, KVDtype.FP8: 2e-2}
-
-
-def tolerance(kv_dtype: KVDtype, device: str) -> float:
-    """Largest accepted relative logit error of CP vs the one-rank reference."""
-    tol = TOLERANCE[kv_dtype]
-    return tol if device == "cpu" else max(tol, BF16_COMPUTE_TOLERANCE)
 
 
 def _prompts(path: str | None, vocab: int, source: str = "--prompts") -> list[list[int]]:
@@ -164,20 +154,13 @@ def sharding_line(rep: JobReport, pool_tokens: int) -> str:
             f"{rep.cp} replicas'; the pool holds {pool_tokens:,} tokens per rank")
 
 
-def _render(rep: JobReport, tol: float, console: Console, pool_tokens: int = 0) -> bool:
-    console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {_where(rep)}, {rep.kv_dtype} pool, "
-                  f"{rep.indexer_dtype} indexer, "
-                  f"{rep.materialize} views (prompts of {', '.join(map(str, rep.prompt_lens))} "
-                  f"tokens)")
-    t = _table()
-    for col in ("rank", "KV bytes", "vs replicated"):
-        _column(t, col)
-    for r, b in enumerate(rep.kv_bytes_per_rank):
-        t.add_row(str(r), f"{b:,}", f"{b / max(1, rep.kv_bytes_replicated):.1%}")
-    t.add_row("replica", f"{rep.kv_bytes_replicated:,}", "100.0%")
-    console.print(t)
-    console.print(sharding_line(rep, pool_tokens))
-    sec = rep.seconds
+def _mark(good: bool) -> str:
+    return "[green]correct[/]" if good else "[red]MISMATCH[/]"
+
+
+def _render_phases(rep: JobReport, console: Console) -> None:
+    """The time per phase table."""
+    sec = rep.seconds.to_json()
     console.print(f"time per phase, seconds (CP{rep.cp}: the slowest rank; the reference: one "
                   f"rank in this process, so no spawn)")
     pt = _table()
@@ -192,85 +175,101 @@ def _render(rep: JobReport, tol: float, console: Console, pool_tokens: int = 0) 
     for detail in details:
         pt.add_row(f"  {detail}", f"{sec[detail]:.3f}", "")
     console.print(pt)
+
+
+def _render(rep: JobReport, verdict: Verdict, console: Console, pool_tokens: int = 0) -> None:
+    """The report as tables and lines, each check marked as the verdict decided it; the
+    verdict's failures last."""
+    tol, failed = verdict.tolerance, verdict.failed
+    console.print(f"KV per rank: CP{rep.cp} {rep.mode} on {_where(rep)}, {rep.kv_dtype} pool, "
+                  f"{rep.indexer_dtype} indexer, "
+                  f"{rep.materialize} views (prompts of {', '.join(map(str, rep.prompt_lens))} "
+                  f"tokens)")
+    t = _table()
+    for col in ("rank", "KV bytes", "vs replicated"):
+        _column(t, col)
+    for r, b in enumerate(rep.kv_bytes_per_rank):
+        t.add_row(str(r), f"{b:,}", f"{b / max(1, rep.kv_bytes_replicated):.1%}")
+    t.add_row("replica", f"{rep.kv_bytes_replicated:,}", "100.0%")
+    console.print(t)
+    console.print(sharding_line(rep, pool_tokens))
+    _render_phases(rep, console)
     seen = set()
-    for f in rep.fallbacks:
-        key = (f["op"], f["reason"], f["detail"])
+    for row in rep.fallbacks:
+        f = row.event
+        key = (f.op, f.reason, f.detail)
         if key not in seen:
             seen.add(key)
-            console.print(f"[yellow]fallback[/] {f['op']}: {f['requested']} -> {f['selected']} "
-                          f"({f['reason']}): {f['detail']}", soft_wrap=True)
-    ok = rep.max_rel_err_vs_reference <= tol and not rep.topk_rows_differing
-    verdict = "[green]correct[/]" if ok else "[red]MISMATCH[/]"
-    console.print(f"{verdict}: CP logits vs one rank: max relative error "
+            console.print(f"[yellow]fallback[/] {f.op}: {f.requested} -> {f.selected} "
+                          f"({f.reason.value}): {f.detail}", soft_wrap=True)
+    ok = not failed & {Check.LOGITS, Check.TOPK}
+    console.print(f"{_mark(ok)}: CP logits vs one rank: max relative error "
                   f"{rep.max_rel_err_vs_reference:.2e} (tolerance {tol:.0e}); rows with different "
                   f"top-k sets: {rep.topk_rows_differing}")
     by: dict[str, list[str]] = {}
-    for op, name in rep.backends.get("chosen", {}).items():
+    for op, name in rep.backends.chosen.items():
         by.setdefault(name, []).append(op)
     console.print("backends: " + "; ".join(f"{n} ({', '.join(ops)})" for n, ops in by.items())
-                  + "".join(f"\n  passed over: {why}" for why in rep.backends.get("skipped", [])),
+                  + "".join(f"\n  passed over: {why}" for why in rep.backends.skipped),
                   soft_wrap=True)
     if rep.logits_budget is not None:
         lb = rep.logits_budget
-        console.print(f"indexer logits budget: {', '.join(map(str, lb['mb_per_rank']))} MiB per "
-                      f"rank{' (auto)' if lb['auto'] else ''}")
+        console.print(f"indexer logits budget: {', '.join(map(str, lb.mb_per_rank))} MiB per "
+                      f"rank{' (auto)' if lb.auto else ''}")
     if rep.chunks is not None:
-        console.print(f"chunked prefill ({rep.chunks['chunk_tokens']} tokens), seconds per chunk: "
+        per = rep.chunks.seconds_per_batch
+        console.print(f"chunked prefill ({rep.chunks.chunk_tokens} tokens), seconds per chunk: "
                       + "; ".join(f"batch {i}: {', '.join(f'{x:.3f}' for x in ts)}"
-                                  for i, ts in enumerate(rep.chunks["seconds_per_batch"]) if ts)
-                      + (" (no prompt was longer)" if not any(rep.chunks["seconds_per_batch"])
-                         else ""), soft_wrap=True)
+                                  for i, ts in enumerate(per) if ts)
+                      + (" (no prompt was longer)" if not any(per) else ""), soft_wrap=True)
     if rep.cache is not None:
         c = rep.cache
-        console.print(f"prefix cache: hit tokens per prompt {c['hit_tokens']} "
-                      f"({c['hit_fraction']:.1%} of all prompt tokens), pages evicted "
-                      f"{c['pages_evicted']}, saved to / loaded from the host tier "
-                      f"{c['pages_saved_to_host']} / {c['pages_loaded_from_host']}",
+        console.print(f"prefix cache: hit tokens per prompt {c.hit_tokens} "
+                      f"({c.hit_fraction:.1%} of all prompt tokens), pages evicted "
+                      f"{c.pages_evicted}, saved to / loaded from the host tier "
+                      f"{c.pages_saved_to_host} / {c.pages_loaded_from_host}",
                       soft_wrap=True)
     if rep.transfer is not None and rep.decode is not None:
         tr = rep.transfer
-        console.print(f"transfer ({tr['plugin']}): pipelined by {tr['pipeline']}, bytes per "
-                      f"prefill rank {', '.join(f'{b:,}' for b in tr['bytes_per_rank'])}; "
-                      f"{tr['entries']} coalesced runs; {tr['seconds']:.3f} s; ready "
-                      f"{tr['ready_seconds']:.3f} s after the prefills started, "
-                      f"{tr['overlap_seconds']:.3f} s of sending hidden behind them",
+        console.print(f"transfer ({tr.plugin}): pipelined by {tr.pipeline}, bytes per "
+                      f"prefill rank {', '.join(f'{b:,}' for b in tr.bytes_per_rank)}; "
+                      f"{tr.entries} coalesced runs; {tr.seconds:.3f} s; ready "
+                      f"{tr.ready_seconds:.3f} s after the prefills started, "
+                      f"{tr.overlap_seconds:.3f} s of sending hidden behind them",
                       soft_wrap=True)
-        match = rep.decode["tokens_match_reference"]
-        verdict = "[green]correct[/]" if match else "[red]MISMATCH[/]"
-        st = rep.decode.get("steps", {})
-        how = (f"CUDA graphs ({st.get('captured', 0)} step shapes captured)" if st.get("graphs")
+        st = rep.decode.steps
+        how = (f"CUDA graphs ({st.captured} step shapes captured)" if st is not None and st.graphs
                else "eager")
-        console.print(f"{verdict}: decode greedy tokens vs one-process generation ({how} "
-                      f"steps): {rep.decode['tokens']}", soft_wrap=True)
-        ok = ok and match
+        console.print(f"{_mark(Check.DECODE_TOKENS not in failed)}: decode greedy tokens vs "
+                      f"one-process generation ({how} steps): {rep.decode.tokens}",
+                      soft_wrap=True)
     if rep.draft is not None:
         d = rep.draft
-        good = d["prefill_max_rel_err_vs_reference"] <= tol
-        verdict = "[green]correct[/]" if good else "[red]MISMATCH[/]"
-        console.print(f"{verdict}: MTP draft logits (CP prefill) vs one rank: max relative error "
-                      f"{d['prefill_max_rel_err_vs_reference']:.2e}")
-        ok = ok and good
-        if "accept_rate" in d:
-            match = d["tokens_match_reference"]
-            verdict = "[green]correct[/]" if match else "[red]MISMATCH[/]"
-            console.print(f"{verdict}: speculative decoding (k = {d['draft_tokens']}): accept rate "
-                          f"{d['accept_rate']:.1%}, mean accepted length "
-                          f"{d['mean_accepted_length']:.2f}, {d['steps']} decode steps instead of "
-                          f"{d['plain_steps']} ({d['steps_saved']} saved); tokens equal plain "
-                          f"greedy on one rank: {match}", soft_wrap=True)
-            ok = ok and match
-    return ok
+        console.print(f"{_mark(Check.DRAFT_LOGITS not in failed)}: MTP draft logits (CP prefill) "
+                      f"vs one rank: max relative error "
+                      f"{d.prefill_max_rel_err_vs_reference:.2e}")
+        sp = d.speculation
+        if sp is not None:
+            console.print(f"{_mark(Check.SPECULATIVE_TOKENS not in failed)}: speculative decoding "
+                          f"(k = {sp.draft_tokens}): accept rate "
+                          f"{sp.accept_rate:.1%}, mean accepted length "
+                          f"{sp.mean_accepted_length:.2f}, {sp.steps} decode steps instead of "
+                          f"{sp.plain_steps} ({sp.steps_saved} saved); tokens equal plain "
+                          f"greedy on one rank: {d.tokens_match_reference}", soft_wrap=True)
+    for why in verdict.failures:
+        console.print(f"[red]failed[/]: {why}", soft_wrap=True)
 
 
 def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: str | None,
                device: str | None, mtp: bool | None, draft_tokens: int | None,
-               chunk: int | None) -> dict[str, Any]:
+               chunk: int | None) -> dict[str, dict[str, object]]:
     """The settings overrides the command line gives (sections of the options set, None: unset)."""
-    over: dict[str, Any] = {}
+    over: dict[str, dict[str, object]] = {}
     if cp is not None or mode is not None:
         over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
-    run_over = {k: v for k, v in {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
-                                  "draft_tokens": draft_tokens}.items() if v is not None}
+    given: dict[str, object] = {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
+                                "draft_tokens": draft_tokens}
+    run_over = {k: v for k, v in given.items() if v is not None}
     if run_over:
         over["run"] = run_over
     if chunk is not None:
@@ -387,14 +386,15 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
             raise click.ClickException(str(exc)) from exc
     if rep is None:  # a rank of a torchrun world other than 0: rank 0 reports
         return
-    tol = tolerance(KVDtype(rep.kv_dtype), rep.device)
-    ok = _render(rep, tol, console, settings.kv.pages_per_rank * settings.kv.page_size)
+    verdict = rep.verdict()
+    _render(rep, verdict, console, settings.kv.pages_per_rank * settings.kv.page_size)
     if report:
-        text = json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": tol,
-                           "correct": ok, **report_context(settings)}, indent=2) + "\n"
+        text = json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": verdict.tolerance,
+                           "correct": verdict.passed, **report_context(settings)},
+                          indent=2) + "\n"
         _write("--report", report, lambda tmp: tmp.write_text(text))
     if save_logits:
         logits = rep.logits.float().contiguous()
         _write("--save-logits", save_logits, lambda tmp: torch.save(logits, tmp))
-    if not ok:
+    if not verdict.passed:
         raise SystemExit(1)

@@ -55,6 +55,7 @@ from cpkv.fallback import recording
 from cpkv.logs import ForwardEvents, parent_level
 
 from .ranklog import LogSetup, RankLogMerger, StderrLines, rank_label
+from .rankmsg import Failed, Finished, LogEvent, Progressed, RankMessage, Ready, Waiting
 
 __all__ = ["LogSetup", "ProgressSink", "RankFailed", "RankResult", "RankTimeout", "run_ranks"]
 
@@ -240,7 +241,7 @@ def _is_transport_error(type_name: str, message: str) -> bool:
 _send_lock = threading.Lock()  # the rank's main thread, its watchdog and its log sink share the pipe
 
 
-def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
+def _send(conn: Connection, msg: RankMessage) -> None:
     """Plain pickle, by value: tensors in a result must not travel as shared-memory handles
     (torch's multiprocessing reducers), which die with the rank process that made them."""
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -248,7 +249,7 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
         conn.send_bytes(data)
 
 
-def _send_quietly(conn: Connection, msg: tuple[Any, ...]) -> bool:
+def _send_quietly(conn: Connection, msg: RankMessage) -> bool:
     """:func:`_send` that returns False instead of raising when the parent is gone (no
     ``BrokenPipeError`` tracebacks from ranks whose parent died)."""
     try:
@@ -272,17 +273,17 @@ def _watchdog(parent_pid: int, rank: int, conn: Connection) -> None:
         p = last_progress()
         if p.seq != seen:
             seen = p.seq
-            if not _send_quietly(conn, ("progress", rank, p.what, p.done, p.total)):
+            if not _send_quietly(conn, Progressed(rank, p.what, p.done, p.total)):
                 os._exit(1)
         wait = current_wait()
-        msg: tuple[Any, ...] | None = None
+        msg: Waiting | None = None
         if wait is None:
             if told is not None:  # it moved on: the parent forgets the stale wait
-                told, msg = None, ("waiting", rank, None)
+                told, msg = None, Waiting(rank, None)
         else:
             seq, what, since = wait
             if (seq, what) != told and time.monotonic() - since >= _WAIT_REPORT_S:
-                told, msg = (seq, what), ("waiting", rank, what)
+                told, msg = (seq, what), Waiting(rank, what)
         if msg is not None and not _send_quietly(conn, msg):
             os._exit(1)
 
@@ -294,7 +295,7 @@ def _log_sink(conn: Connection, rank: int) -> Callable[[dict[str, Any]], None]:
         except Exception:  # values that do not pickle travel as their repr
             event = {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
                      for k, v in event.items()}
-        _send_quietly(conn, ("log", rank, event))
+        _send_quietly(conn, LogEvent(rank, event))
     return sink
 
 
@@ -380,7 +381,7 @@ def _rank_main(
     # for a hung peer does not fail first and hide which rank hung
     collective_s = max(timeout_s, SUPERVISED_COLLECTIVE_TIMEOUT_S)
     timeout = timedelta(seconds=collective_s)
-    msg: tuple[Any, ...]
+    msg: Finished | Failed
     try:
         try:
             store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
@@ -396,22 +397,22 @@ def _rank_main(
             )
             group = CPGroup(rank=rank, size=size, backend=backend,  # type: ignore[arg-type]
                             device=device, timeout_s=collective_s)
-            _send(conn, ("ready", rank))
+            _send(conn, Ready(rank))
             startup = time.time() - started_at if started_at else 0.0
             t0 = time.perf_counter()
             with recording(fallback_policy) as rec:
                 value = fn(group, *args)
-            msg = ("ok", rank, value, list(rec.events), time.perf_counter() - t0, startup)
+            msg = Finished(rank, value, list(rec.events), time.perf_counter() - t0, startup)
         except BaseException as exc:
-            msg = ("error", rank, _qualname(type(exc)), str(exc), traceback.format_exc(), time.time())
+            msg = Failed(rank, _qualname(type(exc)), str(exc), traceback.format_exc(), time.time())
         try:
             _send(conn, msg)
         except (OSError, EOFError):
             pass  # the parent is gone: nothing to tell
         except Exception as exc:  # e.g. the return value does not pickle
-            _send_quietly(conn, ("error", rank, _qualname(type(exc)),
-                                 f"could not send the result of rank {rank} to the parent: {exc}",
-                                 traceback.format_exc(), time.time()))
+            _send_quietly(conn, Failed(rank, _qualname(type(exc)),
+                                       f"could not send the result of rank {rank} to the parent: "
+                                       f"{exc}", traceback.format_exc(), time.time()))
     finally:
         # After the report, so a peer that sees this rank's sockets close (and fails on that)
         # reports later than this rank did.
@@ -679,36 +680,35 @@ class _Supervisor:
             # The rank exited without (more) reports: watch its sentinel for the exit code.
             del self.open_conns[rank]
             return
-        kind = msg[0]
-        if kind == "log":
-            if self.logs is not None:
-                self.logs.add(msg[1], msg[2])
-        elif kind == "progress":
-            _, r, what, done, total = msg
-            self.last[r] = what + (f" ({done:,} of {total:,} tokens)" if total else "")
-            self._progressed()
-            if self.on_progress is not None:
-                self.on_progress(r, what, done, total)
-        elif kind == "waiting":
-            if msg[2] is None:
-                self.waiting.pop(msg[1], None)
-            else:
-                self.waiting[msg[1]] = msg[2]
-        elif kind == "ready":
-            self.ready.add(rank)
-            if self.phase == "startup" and len(self.ready) == self.size:
-                self.phase = "run"
-                if self.failed_at is None:
-                    self.deadline = time.monotonic() + self.timeout_s
-        elif kind == "ok":
-            _, r, value, events, seconds, startup = msg
-            self._progressed()
-            self.results[r] = RankResult(rank=r, value=value, fallbacks=events, seconds=seconds,
-                                         startup_seconds=startup)
-        else:
-            _, r, etype, emsg, tb, when = msg
-            self.errors[r] = (etype, emsg, tb, when)
-            self._failed()
+        match msg:
+            case LogEvent(rank=r, event=event):
+                if self.logs is not None:
+                    self.logs.add(r, dict(event))
+            case Progressed(rank=r, what=what, done=done, total=total):
+                self.last[r] = what + (f" ({done:,} of {total:,} tokens)" if total else "")
+                self._progressed()
+                if self.on_progress is not None:
+                    self.on_progress(r, what, done, total)
+            case Waiting(rank=r, what=None):
+                self.waiting.pop(r, None)
+            case Waiting(rank=r, what=str() as what):
+                self.waiting[r] = what
+            case Ready():
+                self.ready.add(rank)
+                if self.phase == "startup" and len(self.ready) == self.size:
+                    self.phase = "run"
+                    if self.failed_at is None:
+                        self.deadline = time.monotonic() + self.timeout_s
+            case Finished(rank=r):
+                self._progressed()
+                self.results[r] = RankResult(rank=r, value=msg.value, fallbacks=msg.fallbacks,
+                                             seconds=msg.seconds,
+                                             startup_seconds=msg.startup_seconds)
+            case Failed(rank=r):
+                self.errors[r] = (msg.error_type, msg.message, msg.traceback, msg.when)
+                self._failed()
+            case _:
+                raise TypeError(f"rank {rank} sent {type(msg).__name__}, not a RankMessage")
 
     def _progressed(self) -> None:
         """A rank made progress: the run's bound (on silence) starts again."""

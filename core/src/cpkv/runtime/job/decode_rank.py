@@ -9,7 +9,7 @@ from cpkv.comm import CPGroup
 from cpkv.disagg import page_checksums, select_transport
 
 from ..decode import DecodeSession
-from .report import DecodeReport
+from .results import DecodeReport
 from .spec import JobSpec, job_model
 
 __all__ = ["decode_rank"]
@@ -56,7 +56,7 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
     if spec.mtp:
         tokens, stats = decode.speculate([(rid, first[rid], drafts[rid]) for rid in spec.rids],
                                          spec.decode_tokens, spec.draft_tokens)
-        speculation = stats.as_dict()
+        speculation = stats
     else:
         tokens = decode.generate([(rid, first[rid]) for rid in spec.rids], spec.decode_tokens)
     return DecodeReport(tokens=tokens, bytes_per_rank=got, entries=entries,

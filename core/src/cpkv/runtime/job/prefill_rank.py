@@ -8,7 +8,7 @@ from cpkv.disagg import Sent, page_checksums, select_transport
 
 from ..decode import greedy
 from ..prefill import PrefillResult
-from .report import RankReport, SenderReport, rank_report
+from .results import RankReport, SenderReport, rank_report
 from .spec import JobSpec, open_session, prefill_batches
 
 __all__ = ["prefill_rank", "prefill_sender_rank"]

@@ -6,7 +6,7 @@ import time
 
 from ..decode import DecodeWorker, greedy
 from ..prefill import PrefillResult
-from .report import RankReport, rank_report
+from .results import RankReport, rank_report
 from .spec import JobSpec, job_model, prefill_batches
 
 __all__ = ["reference_rank"]

@@ -1,160 +1,54 @@
-"""What the job's processes hand back, and the job's report."""
+"""The job's report (``cpkv run``; ``to_json`` for ``--report``) and its verdict: whether the CP
+run agreed with the one-rank reference, and if not, how it did not."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
-from cpkv.comm import CPGroup
-from cpkv.disagg import TransferManifest
+from cpkv.settings import Settings
 
-from ..decode import DecodeSteps
-from ..session import PrefillSession
-from .spec import Served
+from .results import Backends, CPRun, ReferenceRun, compare_topk, tail_rows
+from .sections import Cache, Chunks, Decode, Draft, FallbackRow, LogitsBudget, Seconds, Transfer, max_rel_err
+from .tolerances import DEFAULT_TOLERANCES, Tolerances
 
-__all__ = ["DecodeReport", "JobReport", "RankReport", "SenderReport", "compare_topk",
-           "rank_report", "tail_rows"]
+__all__ = ["Check", "JobReport", "Verdict"]
 
 
-@dataclass
-class RankReport:
-    """What one prefill rank (or the reference) hands back."""
+class Check(StrEnum):
+    """What the verdict compares of the CP run with the reference."""
 
-    rank: int
-    last_logits: torch.Tensor
-    kv_bytes: int
-    kv_bytes_replicated: int
-    seconds: dict[str, float]
-    #: how the pool built its full views: "all_gather", "p2p" or "replica"
-    materialize: str = "all_gather"
-    topk_indices: list[torch.Tensor] = field(default_factory=list)
-    topk_scores: list[torch.Tensor] = field(default_factory=list)
-    #: extend tokens of each request of the captured (last) batch, in batch order
-    topk_extends: list[int] = field(default_factory=list)
-    #: per prompt: tokens taken from the prefix cache
-    hits: list[int] = field(default_factory=list)
-    #: cache counters (PrefixCache.stats) after the run; empty without a cache
-    cache: dict[str, int] = field(default_factory=dict)
-    #: {"chosen": op -> backend, "skipped": why backends of the preference were passed over}
-    backends: dict[str, Any] = field(default_factory=dict)
-    #: with the draft layer: float32 [prompts, vocab] draft logits of each prompt's last row
-    draft_logits: torch.Tensor | None = None
-    #: the session's effective indexer logits budget (MiB) and whether "auto" chose it
-    logits_budget_mb: int = 0
-    logits_budget_auto: bool = False
-    #: per batch, the wall seconds of each chunk (empty: the batch ran in one piece)
-    chunk_seconds: list[list[float]] = field(default_factory=list)
+    #: last-token logits
+    LOGITS = "logits"
+    #: the indexer's top-k sets (up to ties)
+    TOPK = "topk"
+    #: the decode rank's greedy tokens
+    DECODE_TOKENS = "decode_tokens"
+    #: the MTP draft layer's logits under CP prefill
+    DRAFT_LOGITS = "draft_logits"
+    #: speculative decoding's tokens against plain greedy
+    SPECULATIVE_TOKENS = "speculative_tokens"
 
 
-def rank_report(group: CPGroup, session: PrefillSession, served: Served,
-                load_s: float) -> RankReport:
-    """The report of a rank after the job's batches."""
-    res = served.last
-    cap, foot = res.topk, session.pool.footprint()
-    return RankReport(
-        rank=group.rank,
-        last_logits=served.last_logits.cpu(),
-        kv_bytes=foot.bytes_held,
-        kv_bytes_replicated=foot.replicated_bytes,
-        # "load": the model; "prefill": every batch (wall); the rest: the last batch's phases
-        seconds={**res.seconds, "load": load_s, "prefill": served.seconds},
-        materialize=session.pool.store.views.mode.value,
-        topk_indices=[t.cpu() for t in cap.indices] if cap else [],
-        topk_scores=[t.cpu() for t in cap.scores] if cap else [],
-        topk_extends=served.last_extends,
-        hits=served.hits,
-        cache=dict(vars(session.cache.stats)) if session.cache is not None else {},
-        backends={"chosen": dict(session.ops.chosen), "skipped": list(session.ops.skipped)},
-        draft_logits=served.draft_logits.cpu() if served.draft_logits is not None else None,
-        logits_budget_mb=session.logits_budget_mb, logits_budget_auto=session.logits_budget_auto,
-        chunk_seconds=served.chunk_seconds,
-    )
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the job's CP run agreed with the reference (:meth:`JobReport.verdict`)."""
+
+    passed: bool
+    #: one line per failed check, saying what differed and by how much
+    failures: tuple[str, ...] = ()
+    #: the checks that failed
+    failed: frozenset[Check] = frozenset()
+    #: the relative logit tolerance the verdict took (:meth:`Tolerances.logits`)
+    tolerance: float = 0.0
 
 
-@dataclass
-class DecodeReport:
-    """What the decode rank hands back."""
-
-    tokens: list[list[int]]
-    bytes_per_rank: list[int]
-    entries: int
-    seconds: dict[str, float]
-    #: debug only: request -> CRC32 of each logical page as published (before decoding)
-    page_crcs: dict[str, list[int]] = field(default_factory=dict)
-    #: debug only: the same over each page's valid rows only (what decoding may read)
-    valid_crcs: dict[str, list[int]] = field(default_factory=dict)
-    #: speculative decoding's statistics (SpeculationStats.as_dict); None without it
-    speculation: dict[str, Any] | None = None
-    #: layers of the decode pool (the MTP layer's included)
-    kv_layers: int = 0
-    #: how the decode steps ran
-    steps: DecodeSteps | None = None
-
-
-@dataclass
-class SenderReport:
-    """What a prefill rank of the disaggregated job hands back."""
-
-    prefill: RankReport
-    bytes_sent: int
-    entries: int
-    seconds: float
-    #: the manifests it sent, in order (chunks of one request continue each other)
-    manifests: list[TransferManifest] = field(default_factory=list)
-    #: debug only: request -> {logical page: CRC32} of the pages this rank owns
-    page_crcs: dict[str, dict[int, int]] = field(default_factory=dict)
-    #: transfer.pipeline: "request" or "layer"
-    pipeline: str = "request"
-    #: per request sent: its batch's prefill start -> the decode published it (seconds)
-    ready_seconds: list[float] = field(default_factory=list)
-    #: seconds of this rank's sends that ran while its prefill still computed
-    overlap_seconds: float = 0.0
-    #: seconds this rank's sends took in all
-    send_seconds: float = 0.0
-
-
-def tail_rows(have: list[int], want: list[int]) -> torch.Tensor:
-    """Rows of a capture whose requests extended ``have`` tokens each (batch order) that are the
-    last ``want`` tokens of each: a cached run's rows inside an uncached run's capture."""
-    rows: list[int] = []
-    off = 0
-    for h, w in zip(have, want, strict=True):
-        if w > h:
-            raise ValueError(f"cannot take the last {w} rows of a request that extended {h}")
-        rows.extend(range(off + h - w, off + h))
-        off += h
-    return torch.tensor(rows, dtype=torch.int64)
-
-
-def compare_topk(a: list[torch.Tensor], sa: list[torch.Tensor], b: list[torch.Tensor],
-                 sb: list[torch.Tensor], rel_tie: float = 1e-6) -> int:
-    """Rows whose top-k sets differ, ignoring keys whose score ties the k-th within ``rel_tie``
-    of the row's score scale (its largest selected |score|, at least 1).
-
-    a/b: per layer int32 [rows, k] indices; sa/sb: their scores. Returns the count of rows with a
-    real difference (0 means the sets are identical up to ties).
-    """
-    bad = 0
-    for ia, xa, ib, xb in zip(a, sa, b, sb, strict=True):
-        for r in range(ia.shape[0]):
-            pa = {int(i): float(s) for i, s in zip(ia[r], xa[r], strict=True) if i >= 0}
-            pb = {int(i): float(s) for i, s in zip(ib[r], xb[r], strict=True) if i >= 0}
-            if pa.keys() == pb.keys():
-                continue
-            both = [*pa.values(), *pb.values()]
-            floor = min(both)
-            tol = rel_tie * max(1.0, max(abs(v) for v in both))
-            diff = [pa.get(i, pb.get(i)) for i in pa.keys() ^ pb.keys()]
-            if any(abs(s - floor) > tol for s in diff if s is not None):
-                bad += 1
-    return bad
-
-
-@dataclass
+@dataclass(frozen=True)
 class JobReport:
-    """The main job's report (``cpkv run``; ``to_json`` for ``--report``)."""
+    """The main job's report."""
 
     cp: int
     mode: str
@@ -162,27 +56,25 @@ class JobReport:
     #: how the sharded pool built its full views ("all_gather" or "p2p", after any fallback)
     materialize: str
     prompt_lens: list[int]
-    #: rank 0's {"chosen": op -> backend, "skipped": [why a backend was passed over]}
-    backends: dict[str, Any]
+    #: rank 0's
+    backends: Backends
     kv_bytes_per_rank: list[int]
     kv_bytes_replicated: int
     max_rel_err_vs_reference: float
+    #: None: the top-k sets were not captured
     topk_rows_differing: int | None
-    fallbacks: list[dict[str, Any]]
-    seconds: dict[str, float]
+    fallbacks: tuple[FallbackRow, ...]
+    seconds: Seconds
     logits: torch.Tensor  # float32 [prompts, vocab], CP run, input order
     reference_logits: torch.Tensor
-    #: {plugin, pipeline, bytes_per_rank, entries, seconds, overlap_seconds, ready_seconds};
     #: None without the transfer phase
-    transfer: dict[str, Any] | None = None
-    #: {tokens, reference_tokens, tokens_match_reference}; None without the decode phase
-    decode: dict[str, Any] | None = None
-    #: {enabled, hit_tokens (per prompt), hit_fraction, pages_evicted, host_pages,
-    #: pages_saved_to_host, pages_loaded_from_host, recomputed_tokens}; None without a cache
-    cache: dict[str, Any] | None = None
-    #: with ``run.mtp``: {draft_tokens, accept_rate, mean_accepted_length, steps, plain_steps,
-    #: steps_saved, proposed, accepted, tokens_match_reference, prefill_max_rel_err_vs_reference}
-    draft: dict[str, Any] | None = None
+    transfer: Transfer | None = None
+    #: None without the decode phase
+    decode: Decode | None = None
+    #: None without a cache
+    cache: Cache | None = None
+    #: with ``run.mtp``
+    draft: Draft | None = None
     #: where the job ran: "cpu" (Gloo, float32 model) or "cuda" (bfloat16 model)
     device: str = "cpu"
     #: on GPUs, each process's GPU (the prefill ranks, then the decode rank; the decode rank
@@ -190,11 +82,85 @@ class JobReport:
     gpus: list[int] | None = None
     #: the indexer's queries as run ("fp8" or "bf16": ``runtime.indexer_dtype`` resolved)
     indexer_dtype: str = "bf16"
-    #: {mb_per_rank, auto}: the indexer logits budget each prefill rank's session took
-    logits_budget: dict[str, Any] | None = None
-    #: with ``runtime.chunk_tokens``: {chunk_tokens, seconds_per_batch (per batch, each chunk's
-    #: wall seconds on the slowest rank; empty for a batch that ran in one piece)}
-    chunks: dict[str, Any] | None = None
+    logits_budget: LogitsBudget | None = None
+    #: with ``runtime.chunk_tokens``
+    chunks: Chunks | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)}
+    @classmethod
+    def of(cls, settings: Settings, prompts: Sequence[Sequence[int]], cp: CPRun,
+           ref: ReferenceRun, *, capture_topk: bool, mtp: bool, draft_tokens: int, device: str,
+           gpus: Sequence[int] | None, tolerances: Tolerances = DEFAULT_TOLERANCES) -> JobReport:
+        """The report of a CP run against its reference (``settings``: the job's, resolved).
+
+        Raises:
+            RuntimeError: the bytes the prefill ranks sent and the decode rank received differ.
+        """
+        r0, rr = cp.rank0, ref.report
+        topk_bad = None
+        if capture_topk:  # the reference computed whole prompts: compare the rows both computed
+            rows = tail_rows(rr.topk_extends, r0.topk_extends)
+            topk_bad = compare_topk(r0.topk_indices, r0.topk_scores,
+                                    [t[rows] for t in rr.topk_indices],
+                                    [t[rows] for t in rr.topk_scores],
+                                    rel_tie=tolerances.tie(device))
+        return cls(
+            cp=settings.cp.size, mode=settings.cp.mode.value, kv_dtype=str(settings.kv.dtype),
+            indexer_dtype=settings.runtime.indexer_dtype, materialize=r0.materialize,
+            backends=r0.backends, prompt_lens=[len(p) for p in prompts],
+            kv_bytes_per_rank=[p.report.kv_bytes for p in cp.prefill],
+            kv_bytes_replicated=r0.kv_bytes_replicated,
+            max_rel_err_vs_reference=max_rel_err(r0.last_logits, rr.last_logits),
+            topk_rows_differing=topk_bad, fallbacks=FallbackRow.rows(cp, ref),
+            seconds=Seconds.of(cp, ref), logits=r0.last_logits, reference_logits=rr.last_logits,
+            transfer=Transfer.of(settings, cp), decode=Decode.of(cp, ref),
+            cache=Cache.of(settings, cp, prompts),
+            draft=Draft.of(draft_tokens, cp, ref) if mtp else None, device=device,
+            gpus=list(gpus) if gpus is not None else None,
+            logits_budget=LogitsBudget.of(cp), chunks=Chunks.of(settings, cp))
+
+    def verdict(self, tolerances: Tolerances = DEFAULT_TOLERANCES) -> Verdict:
+        """Pass or fail, with one line per failure: the CP logits (and the MTP draft layer's)
+        within :meth:`Tolerances.logits` of the reference's, no real top-k difference, and
+        the decode rank's tokens (plain or speculative) equal to the reference's greedy ones."""
+        tol = tolerances.logits(self.kv_dtype, self.device)
+        failed: list[tuple[Check, str]] = []
+        if not self.max_rel_err_vs_reference <= tol:  # NaN fails too
+            failed.append((Check.LOGITS, f"CP logits vs one rank: max relative error "
+                                         f"{self.max_rel_err_vs_reference:.2e} > tolerance "
+                                         f"{tol:.0e}"))
+        if self.topk_rows_differing:
+            failed.append((Check.TOPK, f"{self.topk_rows_differing} rows have different "
+                                       f"indexer top-k sets than one rank's"))
+        if (self.transfer is not None and self.decode is not None
+                and not self.decode.tokens_match_reference):
+            failed.append((Check.DECODE_TOKENS, "decode greedy tokens differ from one-process "
+                                                "generation's"))
+        if self.draft is not None:
+            err = self.draft.prefill_max_rel_err_vs_reference
+            if not err <= tol:
+                failed.append((Check.DRAFT_LOGITS, f"MTP draft logits (CP prefill) vs one rank: "
+                                                   f"max relative error {err:.2e} > tolerance "
+                                                   f"{tol:.0e}"))
+            if self.draft.speculation is not None and not self.draft.tokens_match_reference:
+                failed.append((Check.SPECULATIVE_TOKENS, "speculative decoding's tokens differ "
+                                                         "from plain greedy on one rank"))
+        return Verdict(passed=not failed, failures=tuple(m for _, m in failed),
+                       failed=frozenset(c for c, _ in failed), tolerance=tol)
+
+    def to_json(self) -> dict[str, object]:
+        """The report as ``--report`` writes it (the logits left out)."""
+        def opt(section: Transfer | Decode | Cache | Draft | LogitsBudget | Chunks | None
+                ) -> object:
+            return section.to_json() if section is not None else None
+
+        return {"cp": self.cp, "mode": self.mode, "kv_dtype": self.kv_dtype,
+                "materialize": self.materialize, "prompt_lens": self.prompt_lens,
+                "backends": self.backends.to_json(), "kv_bytes_per_rank": self.kv_bytes_per_rank,
+                "kv_bytes_replicated": self.kv_bytes_replicated,
+                "max_rel_err_vs_reference": self.max_rel_err_vs_reference,
+                "topk_rows_differing": self.topk_rows_differing,
+                "fallbacks": [f.to_json() for f in self.fallbacks],
+                "seconds": self.seconds.to_json(), "transfer": opt(self.transfer),
+                "decode": opt(self.decode), "cache": opt(self.cache), "draft": opt(self.draft),
+                "device": self.device, "gpus": self.gpus, "indexer_dtype": self.indexer_dtype,
+                "logits_budget": opt(self.logits_budget), "chunks": opt(self.chunks)}
