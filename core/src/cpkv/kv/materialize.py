@@ -251,11 +251,16 @@ class PeerViews:
 def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, capacity: int,
                       group: CPGroup, ops: OpTable,
                       side: torch.cuda.Stream | None = None,
-                      layout: PageLayout = PageLayout.TOKEN_MAJOR) -> Materializer:
+                      layout: PageLayout = PageLayout.TOKEN_MAJOR,
+                      storage: list[torch.Tensor] | None = None) -> Materializer:
     """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer);
     ``side`` is the pool's side stream (work a layer ahead: the prefetch runs on it). A
     part-major ``layout`` (the decode pool's) is read by the replica and all-gather strategies;
     ``P2P`` (and ``AUTO``'s p2p) keep token-major pages.
+
+    ``storage``: the caller's page tensors (one uint8 [capacity, ps, B] per layer, used in
+    place, never copied) instead of new ones; ``P2P`` cannot take them (its pages live in
+    peer-mapped memory it allocates).
 
     ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
     rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
@@ -263,13 +268,20 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
     ``cpkv.kv.materialize_auto``) when it cannot map; on CPU it is ``ALL_GATHER`` (shared files
     stand in for peer memory in tests there; nothing says they beat a CPU all-gather).
     """
+    def plain() -> list[torch.Tensor]:
+        return storage if storage is not None else _plain_storage(fmt, num_layers, capacity,
+                                                                  group.device)
+
     if mode is MaterializeMode.REPLICA:
-        return ReplicaViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, ops,
-                            layout)
+        return ReplicaViews(plain(), fmt, ops, layout)
+    if storage is not None and mode is MaterializeMode.P2P:
+        raise ValueError("p2p pages live in peer-mapped memory it allocates: caller-given "
+                         "storage is read by the replica and all_gather strategies")
     if layout is PageLayout.PART_MAJOR and mode is MaterializeMode.P2P:
         raise ValueError("part-major pages are read by the replica and all_gather strategies; "
                          "p2p reads token rows from its peers")
-    auto = mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
+    auto = (mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
+            and storage is None)
     # one rank has no peers to map (its pool stays plain memory, which a transfer may export)
     if auto and (group.device.type != "cuda" or group.size == 1):
         log.info("cpkv.kv.materialize_auto", selected="all_gather",
@@ -288,5 +300,4 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
         else:
             log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=group.size)
             return PeerViews(peers, fmt, num_layers, capacity, ops)
-    return AllGatherViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, group, ops,
-                          side, layout)
+    return AllGatherViews(plain(), fmt, group, ops, side, layout)

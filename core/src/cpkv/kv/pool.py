@@ -27,6 +27,7 @@ from cpkv.fallback import report_fallback
 
 from .allocator import PoolExhausted
 from .batch import BatchKV
+from .buffers import KVBufferSpec
 from .materialize import Prefetch
 from .store import KVStore
 from .table import PageTable
@@ -69,21 +70,38 @@ class ShardedKVPool:
         materialize: how a sharded pool builds full views (``"all_gather"``, ``"p2p"`` or
             ``"auto"``, see :mod:`cpkv.kv.materialize`); a replica always reads its own pages.
         layout: how a page's bytes are ordered (:class:`PageLayout`).
+        storage: the caller's page tensors (:class:`~cpkv.kv.buffers.KVBufferSpec` in a
+            one-tensor layout: token_major or part_major), wrapped in place, never copied; its
+            capacity and layout are the pool's. The engines' two-part layout is driven through
+            :class:`cpkv.embed.EngineKV`.
 
     Raises:
-        ValueError: ``num_layers < 1``, or an unknown ``materialize`` mode.
+        ValueError: ``num_layers < 1``, an unknown ``materialize`` mode, or ``storage`` that
+            does not fit (format, layers, a two-part layout).
     """
 
     def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable, *,
                  shared: bool = True, pages_per_rank: int = 4096, debug: bool = False,
                  materialize: MaterializeMode | str = MaterializeMode.ALL_GATHER,
-                 layout: PageLayout | str = PageLayout.TOKEN_MAJOR) -> None:
+                 layout: PageLayout | str = PageLayout.TOKEN_MAJOR,
+                 storage: KVBufferSpec | None = None) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         modes = (MaterializeMode.ALL_GATHER.value, MaterializeMode.P2P.value,
                  MaterializeMode.AUTO.value)
         if materialize not in modes:
             raise ValueError(f"materialize must be one of {modes}, got {materialize!r}")
+        tensors = None
+        if storage is not None:
+            lay = storage.layout.page_layout
+            if lay is None:
+                raise ValueError("a pool wraps one-tensor layouts (token_major, part_major); the "
+                                 "two_part layout is driven through cpkv.embed.EngineKV")
+            if storage.fmt != fmt or storage.num_layers != num_layers:
+                raise ValueError(f"storage holds {storage.num_layers} layers of {storage.fmt}, the "
+                                 f"pool needs {num_layers} of {fmt}")
+            layout, pages_per_rank = lay, storage.capacity
+            tensors = [lb.kv for lb in storage.layers if lb.kv is not None]
         self.fmt, self.num_layers, self.group = fmt, num_layers, group
         self._debug = debug
         #: the host-side page table (every rank's alike)
@@ -91,7 +109,7 @@ class ShardedKVPool:
         mode = MaterializeMode(materialize) if shared else MaterializeMode.REPLICA
         #: this rank's bytes
         self.store = KVStore(fmt, num_layers, group, ops, mode, pages_per_rank,
-                             PageLayout(layout), self.pages.alloc_rank)
+                             PageLayout(layout), self.pages.alloc_rank, tensors)
 
     def footprint(self) -> KVFootprint:
         """What this rank stores and what a replica would (reports, benchmarks)."""

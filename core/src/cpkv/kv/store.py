@@ -49,11 +49,13 @@ class KVStore:
         capacity: pages per buffer.
         layout: how a page's bytes are ordered.
         alloc_rank: the page table's owner -> allocation rank map.
+        storage: the caller's page tensors (one per layer, used in place), or None.
     """
 
     def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable,
                  mode: MaterializeMode, capacity: int, layout: PageLayout,
-                 alloc_rank: Callable[[int], int]) -> None:
+                 alloc_rank: Callable[[int], int],
+                 storage: list[torch.Tensor] | None = None) -> None:
         self.fmt, self.num_layers, self.group, self.ops = fmt, num_layers, group, ops
         self.capacity, self.layout, self.alloc_rank = capacity, layout, alloc_rank
         #: the side stream of work done a layer ahead (prefix pages, host loads); None on CPU
@@ -61,7 +63,7 @@ class KVStore:
         if group.device.type == "cuda":
             self.side = torch.cuda.Stream(device=group.device)  # type: ignore[no-untyped-call]
         self.views: Materializer = open_materializer(mode, fmt, num_layers, capacity, group,
-                                                     ops, self.side, layout)
+                                                     ops, self.side, layout, storage)
         #: per layer: uint8 [pages, ps, latent + index bytes] (the strategy's storage)
         self.kv = self.views.kv
         nl, ps = fmt.latent_bytes_per_token, fmt.page_size

@@ -1,0 +1,231 @@
+"""Issue 37: cpkv embedded in an engine (cpkv.embed): the pool over caller-given storage, the
+per-layer custom ops under torch.compile(fullgraph=True), the engines' two-part layout through
+materialization, transfer and the host tier (bit-exact against cpkv's own pool), the
+fixed-capacity decode metadata and the prefix-cache rules as pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpkv.comm import CPGroup
+from cpkv.contracts import KVFormat, RequestSpec, SplitMode
+from cpkv.embed import (
+    DecodeMetadata,
+    EngineKV,
+    KVBufferSpec,
+    backend_ops,
+    hit_pages,
+    key_ranges,
+    pack_rows,
+    read_pages,
+    read_rows,
+    tail_copy,
+    token_valid_hit,
+    write_pages,
+)
+from cpkv.kv import ShardedKVPool
+from cpkv.planning import plan_batch
+from cpkv.runtime.launch import run_ranks
+
+FP8 = KVFormat(dtype="fp8", page_size=8, kv_lora_rank=32, rope_dim=8, index_head_dim=16,
+               quant_block=16)
+
+
+def _compute_rows(n: int, seed: int, fmt: KVFormat = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, fmt.kv_lora_rank + fmt.rope_dim, generator=g),
+            torch.randn(n, fmt.index_head_dim, generator=g))
+
+
+def _interleaved_pages(plan_owners: Sequence[int | None], start: int, base: int
+                       ) -> list[tuple[int, int]]:
+    """An engine's allocator: page k on its plan owner at slot ``base + k`` (one slot id
+    shared by every rank, vLLM's and SGLang's pattern)."""
+    return [(o, base + k) for k, o in enumerate(plan_owners) if k >= start and o is not None]
+
+
+# ---- the pool over given storage ---------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["token_major", "part_major"])
+def test_pool_wraps_the_callers_tensors_in_place(layout: str) -> None:
+    g = CPGroup.single()
+    spec = KVBufferSpec.allocate(FP8, 2, 6, layout)
+    pool = ShardedKVPool(FP8, 2, g, backend_ops(g), storage=spec)
+    assert [t.data_ptr() for t in pool.store.kv] == [lb.parts()[0].data_ptr() for lb in spec.layers]
+    plan = plan_batch([(0, 20)], 1, FP8.page_size)
+    batch = pool.prepare(plan, ["a"])
+    lat, idx = _compute_rows(20, 1)
+    pool.write(1, batch, lat, idx)
+    pool.commit(batch)
+    rows = torch.tensor([s * 8 + o for s in pool.pages.requests["a"].slots for o in range(8)])[:20]
+    got_l, got_i = read_rows(spec, 1, rows)  # the pool wrote into the caller's tensors
+    assert torch.equal(got_l, pack_rows(lat, FP8, "latent", pool.store.ops))
+    assert got_i is not None and torch.equal(got_i, pack_rows(idx, FP8, "index_k", pool.store.ops))
+    with pytest.raises(ValueError, match=r"two_part layout is driven through cpkv\.embed"):
+        ShardedKVPool(FP8, 2, g, backend_ops(g), storage=KVBufferSpec.allocate(FP8, 2, 6,
+                                                                                "two_part"))
+
+
+# ---- the custom ops under torch.compile -------------------------------------------------------
+def _forward(kv: EngineKV, batch: object, lat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    from cpkv.embed import EngineBatch
+
+    assert isinstance(batch, EngineBatch)
+    kv.put_bytes(0, batch, lat, idx)
+    rows = kv.view_rows(0, batch)
+    back, _ = kv.take_bytes(0, batch.kv.direct_dst)
+    return rows.float().sum(1) + back.float().mean()
+
+
+def _compiled_equals_eager(backend: str) -> None:
+    g = CPGroup.single()
+    spec = KVBufferSpec.allocate(FP8, 1, 8, "two_part")
+    kv = EngineKV(spec, g, backend_ops(g))
+    plan = kv.plan([("a", 20)])
+    batch = kv.prepare(plan, ["a"], given={"a": [(0, 5), (0, 2), (0, 7)]})
+    ops = kv.ops
+    lat, idx = (pack_rows(x, FP8, p, ops) for x, p in zip(_compute_rows(20, 3),
+                                                          ("latent", "index_k"), strict=True))
+    eager = _forward(kv, batch, lat, idx)
+    written = [t.clone() for t in spec.layers[0].parts()]
+    for t in spec.layers[0].parts():
+        t.zero_()
+    compiled = torch.compile(_forward, fullgraph=True, backend=backend)(kv, batch, lat, idx)
+    assert torch.equal(compiled, eager)
+    assert all(torch.equal(a, b) for a, b in zip(spec.layers[0].parts(), written, strict=True))
+    kv.close()
+
+
+def test_per_layer_ops_compile_fullgraph_and_equal_eager() -> None:
+    """fullgraph tracing through the custom ops (fake kernels, the writes' mutation), run by
+    aot_eager: no graph break, the eager result and the same bytes written."""
+    _compiled_equals_eager("aot_eager")
+
+
+@pytest.mark.slow
+def test_per_layer_ops_compile_with_inductor() -> None:
+    """The default backend (inductor: ~17 s to compile on a loaded CPU)."""
+    _compiled_equals_eager("inductor")
+
+
+# ---- two_part against cpkv's own pool on CP ranks ---------------------------------------------
+def _two_part_vs_pool(group: CPGroup, mode: str) -> dict[str, object]:
+    """The same rows through cpkv's pool (token-major) and through EngineKV over two-part
+    tensors: equal full views per layer; a transfer of each rank's manifest pages and a host
+    round trip give the pool's bytes."""
+    ops = backend_ops(group)
+    pool = ShardedKVPool(FP8, 2, group, ops, pages_per_rank=16)
+    spec = KVBufferSpec.allocate(FP8, 2, 16, "two_part", index_k_layers=[True, True])
+    kv = EngineKV(spec, group, ops, mode=mode)
+    ptrs = [t.data_ptr() for lb in spec.layers for t in lb.parts()]
+    out: dict[str, object] = {}
+    # batch 1: a page-aligned long request and a short one (owner writes); batch 2 continues
+    # "a" from a prefix ending mid-page (the head fragment on the tail page's owner)
+    for step, batch_spec in enumerate(([("a", 45), ("b", 5)], [("a", 30)])):
+        plan = plan_batch([pool.pages.request_spec(r, n) for r, n in batch_spec], group.size,
+                          FP8.page_size, SplitMode(mode))
+        eplan = kv.plan(batch_spec)
+        assert eplan == plan
+        rids = [r for r, _ in batch_spec]
+        pb = pool.prepare(plan, rids)
+        given = {rid: _interleaved_pages(req.page_owners,
+                                         len(kv.pages.requests[rid].slots)
+                                         if rid in kv.pages.requests else 0,
+                                         12 * i)
+                 for i, (rid, req) in enumerate(zip(rids, plan.requests, strict=True))}
+        eb = kv.prepare(plan, rids, given=given)
+        n = eb.kv.rows.num_local
+        assert n == len(eb.ranges.position) and eb.positions.tolist() == list(eb.ranges.position)
+        for layer in range(2):
+            lat, idx = _compute_rows(pb.rows.num_local, 10 * step + layer + group.rank)
+            pool.write(layer, pb, lat, idx)
+            kv.put_bytes(layer, eb, pack_rows(lat, FP8, "latent", ops),
+                         pack_rows(idx, FP8, "index_k", ops))
+            want = pool.materialize(layer, pb)
+            got = kv.view(layer, eb)
+            out[f"view{step}{layer}"] = (torch.equal(got.latent(), want.latent())
+                                         and torch.equal(got.index_k(), want.index_k()))
+        pool.commit(pb)
+        kv.commit(eb)
+    # transfer: each rank sends its manifest pages; a decode side (one rank, part-major) lands
+    # them at their logical positions; compare with the pool's own pages, page by page
+    m = kv.manifest("a")
+    sent = kv.send_pages(m)
+    rp = pool.pages.requests["a"]
+    ok = True
+    for logical, blocks in sent:
+        slots = torch.tensor([rp.slots[k] for k in logical])
+        for layer in range(2):
+            ok &= torch.equal(blocks[layer], pool.store.kv[layer].index_select(0, slots))
+            host = blocks[layer].cpu().clone()  # the host tier: out and back to other slots
+            dst = torch.tensor(logical) + 3
+            write_pages(spec, layer, dst, host)
+            ok &= torch.equal(read_pages(spec, layer, dst), blocks[layer])
+    out["transfer"] = ok and sum(len(lg) for lg, _ in sent) == sum(
+        1 for o in rp.owners if o == group.rank)
+    out["no_copy"] = ptrs == [t.data_ptr() for lb in spec.layers for t in lb.parts()]
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["zigzag", "interleave"])
+def test_two_part_views_transfer_and_host_tier_equal_cpkv_pool_cp2(mode: str) -> None:
+    results = run_ranks(_two_part_vs_pool, 2, args=(mode,), timeout_s=120)
+    for r in results:
+        assert r.value and all(r.value.values()), (r.rank, r.value)
+
+
+# ---- decode metadata ---------------------------------------------------------------------------
+def test_decode_metadata_is_filled_in_place() -> None:
+    md = DecodeMetadata(max_requests=3, max_pages=4, page_size=8)
+    ptrs = (md.block_table.data_ptr(), md.seq_lens.data_ptr(), md.write_rows.data_ptr())
+    md.fill([[5, 2], [7]], [9, 8])
+    assert md.block_table.tolist() == [[5, 2, -1, -1], [7, -1, -1, -1], [-1] * 4]
+    assert md.seq_lens.tolist() == [9, 8, 0] and md.write_rows.tolist() == [2 * 8 + 0, 7 * 8 + 7, -1]
+    md.fill([[1]], [3])
+    assert md.block_table[1].tolist() == [-1] * 4 and md.write_rows.tolist() == [10, -1, -1]
+    assert (md.block_table.data_ptr(), md.seq_lens.data_ptr(), md.write_rows.data_ptr()) == ptrs
+    with pytest.raises(ValueError, match="capacity of 3"):
+        md.fill([[1]] * 4, [1] * 4)
+    with pytest.raises(ValueError, match=r"2 pages for 17 keys \(capacity"):
+        md.fill([[1, 2]], [17])
+
+
+# ---- the rules ---------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 90)), min_size=1, max_size=3),
+       c=st.integers(1, 4), mode=st.sampled_from(list(SplitMode)))
+def test_key_ranges_cover_each_row_causally(lens: list[tuple[int, int]], c: int,
+                                            mode: SplitMode) -> None:
+    specs = [RequestSpec(prefix_len=p, extend_len=e,
+                         prefix_owners=tuple(k % c for k in range(-(-p // 8))))
+             for p, e in lens]
+    plan = plan_batch(specs, c, 8, mode)
+    seen = []
+    for r in range(c):
+        kr = key_ranges(plan, r)
+        assert len(kr.position) == plan.rank_counts[r]
+        first = [sum(p + e for p, e in lens[:i]) for i in range(len(lens))]
+        for q, pos, ks, ke in zip(kr.request, kr.position, kr.key_start, kr.key_end, strict=True):
+            assert ks == first[q] and ke - ks == pos + 1 and ke <= kr.num_keys
+            seen.append((q, pos))
+    assert sorted(seen) == sorted((i, p) for i, (pr, e) in enumerate(lens)
+                                  for p in range(pr, pr + e))
+
+
+def test_prefix_rules() -> None:
+    assert token_valid_hit(100, 90, 200) == 90  # only valid tokens are a hit
+    assert token_valid_hit(100, 130, 100) == 99  # the prompt's last token is computed
+    assert token_valid_hit(100, 130, 200, other_ranks=[64]) == 64  # every rank the same
+    pages = hit_pages(90, [0, 1, 0, 1], [4, 4, 9, 2], 64)
+    assert pages == ((0, 4), (1, 4))  # the tail page (ends mid-page) with its owner
+    tc = tail_copy(90, pages, 64)
+    assert tc is not None and (tc.page, tc.owner, tc.src_slot) == (1, 1, 4)
+    assert tail_copy(128, hit_pages(128, [0, 1], [4, 4], 64), 64) is None  # page-aligned hit
+    assert tail_copy(90, pages, 64, shared=False) is None
+    with pytest.raises(ValueError, match="covers 3 pages"):
+        hit_pages(129, [0, 1], [4, 4], 64)
