@@ -119,7 +119,7 @@ def _two_part_vs_pool(group: CPGroup, mode: str) -> dict[str, object]:
     round trip give the pool's bytes."""
     ops = backend_ops(group)
     pool = ShardedKVPool(FP8, 2, group, ops, pages_per_rank=16)
-    spec = KVBufferSpec.allocate(FP8, 2, 16, "two_part", index_k_layers=[True, True])
+    spec = KVBufferSpec.allocate(FP8, 2, 16, "two_part")
     kv = EngineKV(spec, group, ops, mode=mode)
     ptrs = [t.data_ptr() for lb in spec.layers for t in lb.parts()]
     out: dict[str, object] = {}

@@ -69,6 +69,24 @@ def test_rows_round_trip_through_pages_between_any_layouts(fmt_name: str, src: B
     assert not read_pages(b, 0, slots).any()  # another layer untouched
 
 
+@pytest.mark.parametrize("src", LAYOUTS)
+@pytest.mark.parametrize("dst", LAYOUTS)
+def test_latent_only_layers_round_trip(src: BufferLayout, dst: BufferLayout) -> None:
+    """A shared-indexer layer (no index-K, helper B's per-layer formats) moves its latent only."""
+    fmt = FMTS["fp8"]
+    fmts = [fmt, fmt.latent_only()]
+    a, b = KVBufferSpec.allocate(fmts, 2, 4, src), KVBufferSpec.allocate(fmts, 2, 4, dst)
+    assert not a.has_index_k(1) and a.fmt == fmt
+    lat, _ = _rows(fmt, 5, 3)
+    rows = torch.tensor([0, 3, 9, 17, 30])
+    write_rows(a, 1, rows, lat, None)
+    blocks = read_pages(a, 1, torch.arange(4))
+    assert blocks.shape == (4, fmt.page_size, fmt.latent_bytes_per_token)
+    write_pages(b, 1, torch.arange(4), blocks)
+    got, idx = read_rows(b, 1, rows)
+    assert idx is None and torch.equal(got, lat)
+
+
 def test_two_part_index_k_page_is_deepgemm_order() -> None:
     fmt = FMTS["fp8"]
     ps, (vb, sb) = fmt.page_size, index_split(fmt)
@@ -101,7 +119,8 @@ def test_wrap_uses_the_callers_tensors_and_checks_them() -> None:
     with pytest.raises(ValueError, match="without index-K"):
         write_rows(spec, 1, rows, lat, idx)
     write_rows(spec, 1, rows, lat, None)
-    assert not read_pages(spec, 1, torch.arange(4))[..., fmt.latent_bytes_per_token:].any()
+    assert spec.fmts[1] == fmt.latent_only()  # no index-K tensor: a latent-only layer
+    assert read_pages(spec, 1, torch.arange(4)).shape == (4, ps, fmt.latent_bytes_per_token)
     with pytest.raises(ValueError, match="layer 0 latent must be a contiguous uint8"):
         KVBufferSpec.wrap(fmt, "two_part", [(latent.float(), index_k)])
     with pytest.raises(ValueError, match="layer 0 kv must be"):

@@ -150,19 +150,21 @@ class EngineKV:
             if kv.direct_src is not None:
                 lat = latent.index_select(0, kv.direct_src)
                 idx = None if index_k is None else index_k.index_select(0, kv.direct_src)
-            torch.ops.cpkv.put_bytes(a, b, kv.direct_dst, lat, idx, self.handle)
+            torch.ops.cpkv.put_bytes(a, b, kv.direct_dst, lat, idx, self.handle, layer)
         if kv.gather_writes:
             n = latent.shape[1]
             both = latent if index_k is None else torch.cat([latent, index_k], dim=1)
             got = torch.ops.cpkv.gather_rows(both, self.handle, kv.rows.max_rank_len)
             mine = got.index_select(0, kv.owner_src)
             torch.ops.cpkv.put_bytes(a, b, kv.owner_dst, mine[:, :n],
-                                     None if index_k is None else mine[:, n:], self.handle)
+                                     None if index_k is None else mine[:, n:], self.handle,
+                                     layer)
 
     def take_bytes(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed rows at this rank's token rows ``rows`` (int64 [N]) of ``layer``."""
         a, b = self._bufs(layer)
-        out: tuple[torch.Tensor, torch.Tensor] = torch.ops.cpkv.take_bytes(a, b, rows, self.handle)
+        out: tuple[torch.Tensor, torch.Tensor] = torch.ops.cpkv.take_bytes(a, b, rows, self.handle,
+                                                                             layer)
         return out
 
     def view_rows(self, layer: int, batch: EngineBatch) -> torch.Tensor:
@@ -171,7 +173,7 @@ class EngineKV:
         m = batch.kv.materialize
         a, b = self._bufs(layer)
         out: torch.Tensor = torch.ops.cpkv.all_gather_pages(a, b, m.send_slots[0], m.view_index,
-                                                             self.handle)
+                                                             self.handle, layer)
         return out
 
     def view(self, layer: int, batch: EngineBatch) -> FullView:
@@ -179,7 +181,7 @@ class EngineKV:
         ``keys`` / ``attention_keys`` give what the indexer and sparse MLA ops take."""
         m = batch.kv.materialize
         return FullView(pages=self.view_rows(layer, batch).unsqueeze(1), index=None,
-                        fmt=self.fmt, layout=PageLayout.TOKEN_MAJOR, cu_seqlens=m.cu_seqlens,
+                        fmt=self.spec.fmts[layer], layout=PageLayout.TOKEN_MAJOR, cu_seqlens=m.cu_seqlens,
                         seq_lens=m.seq_lens, ops=self.ops)
 
     # ---- transfer ------------------------------------------------------------------------------

@@ -2,16 +2,17 @@
 them compiles with ``torch.compile(fullgraph=True)`` (each op is one opaque node with a fake
 implementation for tracing) and replays under CUDA graphs (device work only, no host sync).
 
-The ops take tensors and integers only. What they need beyond the layer's tensors (the format,
-the layout, the CP group) is registered once under an integer handle (:func:`register`):
+The ops take tensors and integers only. What they need beyond the layer's tensors (each layer's
+format, the layout, the CP group) is registered once under an integer handle (:func:`register`)
+and the layer is named by its index:
 
-* ``cpkv::put_bytes(latent_buf, index_buf?, rows, latent, index_k?, handle)``: already-packed
+* ``cpkv::put_bytes(latent_buf, index_buf?, rows, latent, index_k?, handle, layer)``: already-packed
   rows into token rows ``rows`` of the layer's tensors, in the layout's format (mutates the
   buffers).
-* ``cpkv::take_bytes(latent_buf, index_buf?, rows, handle) -> (latent, index_k)``: packed rows
+* ``cpkv::take_bytes(latent_buf, index_buf?, rows, handle, layer) -> (latent, index_k)``: packed rows
   back out (``index_k`` is [N, 0] for a layer without one).
-* ``cpkv::all_gather_pages(latent_buf, index_buf?, send_slots, view_index, handle) -> rows``:
-  this rank's pages ``send_slots`` as canonical blocks, one all-gather over the group, the
+* ``cpkv::all_gather_pages(latent_buf, index_buf?, send_slots, view_index, handle, layer)``:
+  ``-> rows``: this rank's pages ``send_slots`` as canonical blocks, one all-gather over the group, the
   full view's rows [T, latent + index bytes] in natural order (``view_index``: the token row of
   each view key in the gathered pages).
 * ``cpkv::gather_rows(x, handle, max_rows) -> [C * max_rows, ...]``: the group's all-gather of
@@ -29,7 +30,14 @@ from itertools import count
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.kv.buffers import BufferLayout, KVBufferSpec, LayerBuffers, read_pages, read_rows, write_rows
+from cpkv.kv.buffers import (
+    BufferLayout,
+    KVBufferSpec,
+    LayerBuffers,
+    read_pages,
+    read_rows,
+    write_rows,
+)
 
 __all__ = ["Registered", "register", "registered", "unregister"]
 
@@ -70,68 +78,67 @@ def unregister(handle: int) -> None:
     _HANDLES.pop(handle, None)
 
 
-def _one_layer(handle: int, latent_buf: torch.Tensor, index_buf: torch.Tensor | None
+def _one_layer(handle: int, layer: int, latent_buf: torch.Tensor, index_buf: torch.Tensor | None
                ) -> KVBufferSpec:
-    """A one-layer spec over the tensors the op was given (the format and layout of ``handle``)."""
+    """A one-layer spec over the tensors the op was given (``layer``'s format and the layout of
+    ``handle``)."""
     spec = registered(handle).spec
     if spec.layout is BufferLayout.TWO_PART:
         lb = LayerBuffers(latent=latent_buf, index_k=index_buf)
     else:
         lb = LayerBuffers(kv=latent_buf)
-    return KVBufferSpec(fmt=spec.fmt, layout=spec.layout, layers=(lb,),
+    return KVBufferSpec(fmts=(spec.fmts[layer],), layout=spec.layout, layers=(lb,),
                         capacity=int(latent_buf.shape[0]))
 
 
 @torch.library.custom_op("cpkv::put_bytes", mutates_args=("latent_buf", "index_buf"))
 def put_bytes(latent_buf: torch.Tensor, index_buf: torch.Tensor | None, rows: torch.Tensor,
-              latent: torch.Tensor, index_k: torch.Tensor | None, handle: int) -> None:
+              latent: torch.Tensor, index_k: torch.Tensor | None, handle: int, layer: int) -> None:
     """Store packed rows (uint8 [N, latent bytes], [N, index bytes] or None) at token rows
     ``rows`` (int64 [N]) of one layer's buffers, in their layout."""
-    write_rows(_one_layer(handle, latent_buf, index_buf), 0, rows, latent, index_k)
+    write_rows(_one_layer(handle, layer, latent_buf, index_buf), 0, rows, latent, index_k)
 
 
 @put_bytes.register_fake
 def _(latent_buf: torch.Tensor, index_buf: torch.Tensor | None, rows: torch.Tensor,
-      latent: torch.Tensor, index_k: torch.Tensor | None, handle: int) -> None:
+      latent: torch.Tensor, index_k: torch.Tensor | None, handle: int, layer: int) -> None:
     return None
 
 
 @torch.library.custom_op("cpkv::take_bytes", mutates_args=())
 def take_bytes(latent_buf: torch.Tensor, index_buf: torch.Tensor | None, rows: torch.Tensor,
-               handle: int) -> tuple[torch.Tensor, torch.Tensor]:
+               handle: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed rows at token rows ``rows`` of one layer: (uint8 [N, latent bytes], uint8
     [N, index bytes], or [N, 0] for a layer without index-K)."""
-    lat, idx = read_rows(_one_layer(handle, latent_buf, index_buf), 0, rows)
+    lat, idx = read_rows(_one_layer(handle, layer, latent_buf, index_buf), 0, rows)
     return lat, idx if idx is not None else lat.new_zeros(lat.shape[0], 0)
 
 
 @take_bytes.register_fake
 def _(latent_buf: torch.Tensor, index_buf: torch.Tensor | None, rows: torch.Tensor,
-      handle: int) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = registered(handle).spec
-    fmt, n = spec.fmt, rows.shape[0]
-    two = spec.layout is BufferLayout.TWO_PART
-    ni = 0 if two and index_buf is None else fmt.index_bytes_per_token
-    return (latent_buf.new_empty(n, fmt.latent_bytes_per_token), latent_buf.new_empty(n, ni))
+      handle: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt, n = registered(handle).spec.fmts[layer], rows.shape[0]
+    return (latent_buf.new_empty(n, fmt.latent_bytes_per_token),
+            latent_buf.new_empty(n, fmt.index_bytes_per_token))
 
 
 @torch.library.custom_op("cpkv::all_gather_pages", mutates_args=())
 def all_gather_pages(latent_buf: torch.Tensor, index_buf: torch.Tensor | None,
                      send_slots: torch.Tensor, view_index: torch.Tensor,
-                     handle: int) -> torch.Tensor:
+                     handle: int, layer: int) -> torch.Tensor:
     """A layer's full view: uint8 [T, latent + index bytes], natural order (see the module
     docstring). One collective over the handle's group."""
     reg = registered(handle)
-    spec = _one_layer(handle, latent_buf, index_buf)
+    spec = _one_layer(handle, layer, latent_buf, index_buf)
     send = read_pages(spec, 0, send_slots)
     recv = reg.group.all_gather_rows(send, send.shape[0])
-    return recv.view(-1, spec.fmt.bytes_per_token).index_select(0, view_index)
+    return recv.view(-1, spec.fmts[0].bytes_per_token).index_select(0, view_index)
 
 
 @all_gather_pages.register_fake
 def _(latent_buf: torch.Tensor, index_buf: torch.Tensor | None, send_slots: torch.Tensor,
-      view_index: torch.Tensor, handle: int) -> torch.Tensor:
-    fmt = registered(handle).spec.fmt
+      view_index: torch.Tensor, handle: int, layer: int) -> torch.Tensor:
+    fmt = registered(handle).spec.fmts[layer]
     return latent_buf.new_empty(view_index.shape[0], fmt.bytes_per_token)
 
 

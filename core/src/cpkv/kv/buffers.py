@@ -29,7 +29,7 @@ from enum import StrEnum
 
 import torch
 
-from cpkv.contracts import KVDtype, KVFormat, PageLayout
+from cpkv.contracts import KVDtype, KVFormat, LayerFormats, PageLayout, layer_formats
 
 __all__ = ["BufferLayout", "KVBufferSpec", "LayerBuffers", "index_split", "read_pages",
            "read_rows", "write_pages", "write_rows"]
@@ -83,28 +83,36 @@ class KVBufferSpec:
     """Per layer, the tensors of a pool's pages (see the module docstring).
 
     Attributes:
-        fmt: the stored format (bytes per token of each part, page size).
+        fmts: each layer's stored format (:func:`~cpkv.contracts.layer_formats`: a layer with
+            ``index_k = False`` caches no index-K; its two-part index tensor is None, its
+            one-tensor pages hold the latent only).
         layout: how page bytes are ordered.
         layers: one :class:`LayerBuffers` per KV layer.
         capacity: pages per tensor (the same for every layer and part).
     """
 
-    fmt: KVFormat
+    fmts: LayerFormats
     layout: BufferLayout
     layers: tuple[LayerBuffers, ...]
     capacity: int
 
     def __post_init__(self) -> None:
-        fmt, ps, n = self.fmt, self.fmt.page_size, self.capacity
-        if not self.layers or n < 1:
-            raise ValueError(f"a buffer spec needs >= 1 layer and >= 1 page, got "
-                             f"{len(self.layers)} layers of {n} pages")
+        n = self.capacity
+        if not self.layers or n < 1 or len(self.fmts) != len(self.layers):
+            raise ValueError(f"a buffer spec needs >= 1 layer, >= 1 page and one format per "
+                             f"layer, got {len(self.layers)} layers of {n} pages, "
+                             f"{len(self.fmts)} formats")
+        layer_formats(self.fmts, len(self.fmts))  # one pool's formats (differ in index_k only)
         dev = self.layers[0].parts()[0].device
-        for i, lb in enumerate(self.layers):
+        for i, (lb, fmt) in enumerate(zip(self.layers, self.fmts, strict=True)):
+            ps = fmt.page_size
             if self.layout is BufferLayout.TWO_PART:
                 if lb.kv is not None or lb.latent is None:
                     raise ValueError(f"layer {i}: two_part needs a latent tensor (and no kv)")
                 _check(lb.latent, (n, ps, fmt.latent_bytes_per_token), f"layer {i} latent")
+                if (lb.index_k is not None) != fmt.index_k:
+                    raise ValueError(f"layer {i}: an index_k tensor exactly when its format "
+                                     f"caches index-K (index_k={fmt.index_k})")
                 if lb.index_k is not None:
                     _check(lb.index_k, (n, ps * fmt.index_bytes_per_token), f"layer {i} index_k")
             else:
@@ -119,56 +127,63 @@ class KVBufferSpec:
         return len(self.layers)
 
     @property
+    def fmt(self) -> KVFormat:
+        """The pool's format (dtype, dims, page size): its first layer with index-K."""
+        return next((f for f in self.fmts if f.index_k), self.fmts[0])
+
+    @property
     def device(self) -> torch.device:
         return self.layers[0].parts()[0].device
 
     def has_index_k(self, layer: int) -> bool:
-        """Whether ``layer`` stores index-K (a two-part layer may share another's indexer)."""
-        lb = self.layers[layer]
-        return lb.kv is not None or lb.index_k is not None
+        """Whether ``layer`` stores index-K (a layer may share another's indexer)."""
+        return self.fmts[layer].index_k
 
     @classmethod
-    def wrap(cls, fmt: KVFormat, layout: BufferLayout | str,
+    def wrap(cls, fmt: KVFormat | Sequence[KVFormat], layout: BufferLayout | str,
              tensors: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]],
              ) -> KVBufferSpec:
         """A spec over the caller's tensors: per layer one ``[pages, ps, B]`` tensor (one-tensor
-        layouts) or a ``(latent, index_k or None)`` pair (``two_part``). Nothing is copied.
+        layouts) or a ``(latent, index_k or None)`` pair (``two_part``: a None index-K makes
+        that layer's format latent-only). ``fmt``: one for every layer or one per layer.
+        Nothing is copied.
 
         Raises:
             ValueError: a tensor of the wrong dtype, shape, device or contiguity (naming it).
         """
         lay = BufferLayout(layout)
+        fmts = list(layer_formats(fmt, len(tensors))) if tensors else []
         layers: list[LayerBuffers] = []
-        for t in tensors:
+        for i, t in enumerate(tensors):
             if isinstance(t, torch.Tensor):
                 layers.append(LayerBuffers(kv=t))
             else:
                 layers.append(LayerBuffers(latent=t[0], index_k=t[1]))
+                if t[1] is None:
+                    fmts[i] = fmts[i].latent_only()
         first = layers[0].parts()[0] if layers else None
-        return cls(fmt=fmt, layout=lay, layers=tuple(layers),
+        return cls(fmts=tuple(fmts), layout=lay, layers=tuple(layers),
                    capacity=0 if first is None else int(first.shape[0]))
 
     @classmethod
-    def allocate(cls, fmt: KVFormat, num_layers: int, capacity: int,
+    def allocate(cls, fmt: KVFormat | Sequence[KVFormat], num_layers: int, capacity: int,
                  layout: BufferLayout | str = BufferLayout.TOKEN_MAJOR,
-                 device: torch.device | str = "cpu",
-                 index_k_layers: Sequence[bool] | None = None) -> KVBufferSpec:
-        """Zeroed tensors for ``num_layers`` layers of ``capacity`` pages in ``layout``;
-        ``index_k_layers[i]`` False: two-part layer i has no index-K tensor."""
-        lay, ps = BufferLayout(layout), fmt.page_size
+                 device: torch.device | str = "cpu") -> KVBufferSpec:
+        """Zeroed tensors for ``num_layers`` layers of ``capacity`` pages in ``layout``, each
+        layer in its format (``fmt``: one for all or one per layer; a latent-only layer gets no
+        index-K bytes)."""
+        lay, fmts = BufferLayout(layout), layer_formats(fmt, num_layers)
 
         def z(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.uint8, device=device)
 
-        has = list(index_k_layers) if index_k_layers is not None else [True] * num_layers
-        if len(has) != num_layers:
-            raise ValueError(f"index_k_layers has {len(has)} entries for {num_layers} layers")
-        if lay is BufferLayout.TWO_PART:
-            pairs = [(z(capacity, ps, fmt.latent_bytes_per_token),
-                      z(capacity, ps * fmt.index_bytes_per_token) if h else None) for h in has]
-            return cls.wrap(fmt, lay, pairs)
-        return cls.wrap(fmt, lay, [z(capacity, ps, fmt.bytes_per_token)
-                                   for _ in range(num_layers)])
+        layers = tuple(
+            LayerBuffers(latent=z(capacity, f.page_size, f.latent_bytes_per_token),
+                         index_k=z(capacity, f.page_size * f.index_bytes_per_token)
+                         if f.index_k else None)
+            if lay is BufferLayout.TWO_PART else
+            LayerBuffers(kv=z(capacity, f.page_size, f.bytes_per_token)) for f in fmts)
+        return cls(fmts=fmts, layout=lay, layers=layers, capacity=capacity)
 
 
 # ---- row and page movement ------------------------------------------------------------------
@@ -178,7 +193,7 @@ def _part_rows(spec: KVBufferSpec, layer: int) -> tuple[torch.Tensor, torch.Tens
     latent rows, index-K value rows (None without index-K), index-K scale rows (None without
     index-K or for a float format). The index views are strided, so they are addressed by
     (page, offset), never flattened (that would copy)."""
-    fmt, lb = spec.fmt, spec.layers[layer]
+    fmt, lb = spec.fmts[layer], spec.layers[layer]
     assert lb.latent is not None
     ps, (vb, sb) = fmt.page_size, index_split(fmt)
     if lb.index_k is None:
@@ -197,7 +212,7 @@ def _one_tensor_parts(spec: KVBufferSpec, layer: int) -> tuple[torch.Tensor, tor
     assert kv is not None
     lay = spec.layout.page_layout
     assert lay is not None
-    return page_blocks(kv, lay, spec.fmt.latent_bytes_per_token)
+    return page_blocks(kv, lay, spec.fmts[layer].latent_bytes_per_token)
 
 
 def write_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor, latent: torch.Tensor,
@@ -227,10 +242,10 @@ def write_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor, latent: torch
             if scales is not None:
                 scales.index_put_((page, off), index_k[:, vb:])
         return
-    assert index_k is not None
     lat3, idx3 = _one_tensor_parts(spec, layer)
     lat3.index_put_((page, off), latent)
-    idx3.index_put_((page, off), index_k)
+    if index_k is not None:
+        idx3.index_put_((page, off), index_k)
 
 
 def read_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor
@@ -247,7 +262,7 @@ def read_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor
         v = vals[page, off]
         return la, v if scales is None else torch.cat([v, scales[page, off]], dim=1)
     lat3, idx3 = _one_tensor_parts(spec, layer)
-    return lat3[page, off], idx3[page, off]
+    return lat3[page, off], idx3[page, off] if spec.has_index_k(layer) else None
 
 
 def _token_rows(slots: torch.Tensor, ps: int) -> torch.Tensor:
@@ -256,24 +271,26 @@ def _token_rows(slots: torch.Tensor, ps: int) -> torch.Tensor:
 
 def read_pages(spec: KVBufferSpec, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """Pages ``slots`` (int64 [n]) of ``layer`` as canonical token-major blocks uint8 [n, ps, B]
-    (each token's latent bytes then its index-K bytes; zeros for a layer without index-K): what
-    materialization, transfer and the host tier move, the same bytes in every layout."""
-    fmt, ps = spec.fmt, spec.fmt.page_size
+    (each token's latent bytes then its index-K bytes; ``B`` is the layer's: a latent-only
+    layer's blocks are its latent rows): what materialization, transfer and the host tier move,
+    the same bytes in every layout (a token-major pool's ``kv[layer]`` pages)."""
+    fmt = spec.fmts[layer]
+    ps = fmt.page_size
     if spec.layout is BufferLayout.TOKEN_MAJOR:
         kv = spec.layers[layer].kv
         assert kv is not None
         return kv.index_select(0, slots)
     lat, idx = read_rows(spec, layer, _token_rows(slots, ps))
-    if idx is None:
-        idx = lat.new_zeros(lat.shape[0], fmt.index_bytes_per_token)
-    return torch.cat([lat, idx], dim=1).view(-1, ps, fmt.bytes_per_token)
+    both = lat if idx is None else torch.cat([lat, idx], dim=1)
+    return both.view(-1, ps, fmt.bytes_per_token)
 
 
 def write_pages(spec: KVBufferSpec, layer: int, slots: torch.Tensor, blocks: torch.Tensor
                 ) -> None:
     """Store canonical token-major blocks (uint8 [n, ps, B], :func:`read_pages`'s) at pages
-    ``slots`` of ``layer`` in the spec's layout (a layer without index-K drops those bytes)."""
-    fmt, ps = spec.fmt, spec.fmt.page_size
+    ``slots`` of ``layer`` in the spec's layout."""
+    fmt = spec.fmts[layer]
+    ps = fmt.page_size
     if spec.layout is BufferLayout.TOKEN_MAJOR:
         kv = spec.layers[layer].kv
         assert kv is not None
