@@ -4,8 +4,9 @@ the engines' two-part layout and attention calls; cpkv only through ``cpkv.embed
 Run on CPUs (Gloo):
     torchrun --standalone --nproc-per-node 2 examples/engine/engine.py
     torchrun --standalone --nproc-per-node 4 examples/engine/engine.py
-On one GPU, two ranks sharing it (Gloo collectives):
-    torchrun --standalone --nproc-per-node 2 examples/engine/engine.py --device cuda
+On one GPU, two ranks sharing it (Gloo collectives), with the default backends:
+    torchrun --standalone --nproc-per-node 2 examples/engine/engine.py --device cuda \
+        --backends cuda,triton,torch
 
 The engine serves three prompts: A (chunked into 3 batches), then B (whose first 150 tokens are
 A's: a prefix-cache hit ending mid-page, its tail page copied on write on its owner) batched with
@@ -63,6 +64,7 @@ class CacheEntry:
 class Engine:
     model: cpkv.DeepseekV32
     group: cpkv.CPGroup
+    backends: tuple[str, ...] = ("torch",)
     capacity: int = 96
     chunk: int = 128
     cache: list[CacheEntry] = field(default_factory=list)
@@ -77,7 +79,7 @@ class Engine:
         self.index_k = [torch.zeros(self.capacity, PAGE * f.index_bytes_per_token,
                                     dtype=torch.uint8, device=dev) for _ in range(m.kv_layers)]
         spec = KVBufferSpec.wrap(f, "two_part", list(zip(self.latent, self.index_k, strict=True)))
-        self.ops = backend_ops(self.group)
+        self.ops = backend_ops(self.group, self.backends)
         self.kv = EngineKV(spec, self.group, self.ops)
         self.slots = SlotAllocator(self.group.size, self.capacity)
         self.logits: dict[Hashable, torch.Tensor] = {}
@@ -196,6 +198,8 @@ def transfer_check(engine: Engine, rid: Hashable) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backends", default="torch",
+                    help="kernel backends in preference order, e.g. cuda,triton,torch")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -210,7 +214,8 @@ def main() -> int:
     b = a[:150] + torch.randint(1, 500, (90,), generator=g).tolist()
     c = torch.randint(1, 500, (20,), generator=g).tolist()
 
-    engine = Engine(model, group)
+    backends = tuple(args.backends.split(","))
+    engine = Engine(model, group, backends)
     data_ptrs = [t.data_ptr() for t in engine.latent + engine.index_k]
     engine.serve([("a", a)])
     engine.serve([("b", b), ("c", c)])
@@ -219,7 +224,7 @@ def main() -> int:
     no_copy = data_ptrs == [lb.parts()[0].data_ptr() for lb in layers] + \
         [lb.parts()[1].data_ptr() for lb in layers]
 
-    settings = cpkv.load_settings(cp={"size": group.size}, backend={"preference": ["torch"]},
+    settings = cpkv.load_settings(cp={"size": group.size}, backend={"preference": list(backends)},
                                   kv={"dtype": "fp32", "page_size": PAGE, "pages_per_rank": 96})
     session = cpkv.PrefillSession(model, settings, group)
     diffs = {}
