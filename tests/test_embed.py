@@ -181,14 +181,28 @@ def test_two_part_views_transfer_and_host_tier_equal_cpkv_pool_cp2(mode: str) ->
 
 # ---- decode metadata ---------------------------------------------------------------------------
 def test_decode_metadata_is_filled_in_place() -> None:
-    md = DecodeMetadata(max_requests=3, max_pages=4, page_size=8)
+    md = DecodeMetadata(max_requests=3, max_pages=4, page_size=8, pad_row=8 * 9)
     ptrs = (md.block_table.data_ptr(), md.seq_lens.data_ptr(), md.write_rows.data_ptr())
     md.fill([[5, 2], [7]], [9, 8])
     assert md.block_table.tolist() == [[5, 2, -1, -1], [7, -1, -1, -1], [-1] * 4]
-    assert md.seq_lens.tolist() == [9, 8, 0] and md.write_rows.tolist() == [2 * 8 + 0, 7 * 8 + 7, -1]
+    assert md.seq_lens.tolist() == [9, 8, 0] and md.write_rows.tolist() == [2 * 8 + 0, 7 * 8 + 7, 72]
     md.fill([[1]], [3])
-    assert md.block_table[1].tolist() == [-1] * 4 and md.write_rows.tolist() == [10, -1, -1]
+    assert md.block_table[1].tolist() == [-1] * 4 and md.write_rows.tolist() == [10, 72, 72]
     assert (md.block_table.data_ptr(), md.seq_lens.data_ptr(), md.write_rows.data_ptr()) == ptrs
+    # a fixed-shape write of every row (what a CUDA graph replays): padding lands on the scratch
+    # page (slot 9) only
+    g = CPGroup.single()
+    spec = KVBufferSpec.allocate(FP8, 1, 10, "two_part")
+    kv = EngineKV(spec, g, backend_ops(g))
+    lat, idx = (torch.full((3, FP8.latent_bytes_per_token), 7, dtype=torch.uint8),
+                torch.full((3, FP8.index_bytes_per_token), 9, dtype=torch.uint8))
+    a, b = spec.layers[0].parts()
+    torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle, 0)
+    got_l, got_i = read_rows(spec, 0, torch.tensor([10]))
+    assert bool((got_l == 7).all()) and got_i is not None and bool((got_i == 9).all())
+    touched = {int(p) for p in (a.view(10, -1) != 0).any(1).nonzero().flatten()}
+    assert touched == {1, 9}
+    kv.close()
     with pytest.raises(ValueError, match="capacity of 3"):
         md.fill([[1]] * 4, [1] * 4)
     with pytest.raises(ValueError, match=r"2 pages for 17 keys \(capacity"):

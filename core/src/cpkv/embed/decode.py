@@ -4,7 +4,9 @@ A captured graph replays with the tensors it was captured with: the metadata liv
 of fixed shape allocated once (``max_requests`` x ``max_pages``) and each step writes the new
 values into them in place (:meth:`DecodeMetadata.fill`: one host-to-device copy per buffer, no
 new tensor, no sync). Unused entries are padding the kernels mask: block table ``-1``, sequence
-length 0, write row ``-1``.
+length 0; a padded write row is ``pad_row``, a token row of a scratch page the engine keeps out
+of its allocator, so that a captured ``cpkv::put_bytes`` over all ``max_requests`` rows writes
+the padding there and nowhere else (a ``-1`` row would index the last page).
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ class DecodeMetadata:
         block_table: int32 [max_requests, max_pages]: request r's page k's slot, -1 padded.
         seq_lens: int32 [max_requests]: keys of request r after this step's token, 0 padded.
         write_rows: int64 [max_requests]: token row (slot x ps + offset) the new token's KV
-            goes to, -1 padded (the ``rows`` of ``cpkv::put_bytes``).
+            goes to, ``pad_row`` padded (the ``rows`` of ``cpkv::put_bytes``).
         num_requests: requests of the last :meth:`fill` (host int).
     """
 
     def __init__(self, max_requests: int, max_pages: int, page_size: int,
-                 device: torch.device | str = "cpu") -> None:
-        if max_requests < 1 or max_pages < 1 or page_size < 1:
-            raise ValueError(f"need positive capacities, got max_requests={max_requests}, "
-                             f"max_pages={max_pages}, page_size={page_size}")
+                 device: torch.device | str = "cpu", *, pad_row: int) -> None:
+        if max_requests < 1 or max_pages < 1 or page_size < 1 or pad_row < 0:
+            raise ValueError(f"need positive capacities and a scratch row >= 0, got "
+                             f"max_requests={max_requests}, max_pages={max_pages}, "
+                             f"page_size={page_size}, pad_row={pad_row}")
+        self.pad_row = pad_row
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages, page_size
         self.block_table = torch.full((max_requests, max_pages), -1, dtype=torch.int32,
                                       device=device)
@@ -58,7 +62,7 @@ class DecodeMetadata:
                                  f"{self.max_pages} pages of {ps})")
         table = torch.full((self.max_requests, self.max_pages), -1, dtype=torch.int32)
         lens = torch.zeros(self.max_requests, dtype=torch.int32)
-        rows = torch.full((self.max_requests,), -1, dtype=torch.int64)
+        rows = torch.full((self.max_requests,), self.pad_row, dtype=torch.int64)
         for r, (s, length) in enumerate(zip(slots, seq_lens, strict=True)):
             table[r, :len(s)] = torch.tensor(list(s), dtype=torch.int32)
             lens[r] = length
