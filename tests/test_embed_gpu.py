@@ -137,3 +137,37 @@ def test_engine_example_on_cuda_equals_prefill_session(ranks: int, tmp_path: Pat
                           "cuda,triton,torch")
     assert out["ok"] and out["cp"] == ranks and out["device"] == "cuda:0", out
     assert out["max_rel_diff"] <= 1e-5 and out["transfer"] and out["no_copy"]
+
+
+@pytest.mark.gpu
+def test_decode_write_replays_in_a_cuda_graph() -> None:
+    """A decode step's ``cpkv::put_bytes`` captured once in a CUDA graph over fixed-capacity
+    ``DecodeMetadata``; each replay after ``fill`` writes that step's rows (padding on the
+    scratch page only), the engine's two-part tensors in place."""
+    from cpkv.comm import CPGroup
+    from cpkv.embed import DecodeMetadata, EngineKV, backend_ops, read_rows
+
+    dev = torch.device("cuda", 0)
+    g = CPGroup.single(dev)
+    spec = KVBufferSpec.allocate(DS, 1, 12, "two_part", device=dev)
+    kv = EngineKV(spec, g, backend_ops(g))
+    md = DecodeMetadata(4, 3, PS, dev, pad_row=11 * PS)  # slot 11: the scratch page
+    a, b = spec.layers[0].parts()
+    lat = torch.zeros(4, DS.latent_bytes_per_token, dtype=torch.uint8, device=dev)
+    idx = torch.zeros(4, DS.index_bytes_per_token, dtype=torch.uint8, device=dev)
+    md.fill([[0]], [1])
+    torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle, 0)  # warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle, 0)
+    for step, (slots, lens) in enumerate((([[2], [5, 6]], [3, 70]), ([[2], [5, 6], [8]], [4, 71, 1]))):
+        md.fill(slots, lens)
+        lat.fill_(step + 1)
+        idx.fill_(step + 11)
+        graph.replay()
+        rows = md.write_rows[: md.num_requests]
+        got_l, got_i = read_rows(spec, 0, rows)
+        assert bool((got_l == step + 1).all()) and got_i is not None
+        assert bool((got_i == step + 11).all())
+    torch.cuda.synchronize()
+    kv.close()
