@@ -27,6 +27,7 @@ from cpkv.embed import (
     tail_copy,
     token_valid_hit,
     write_pages,
+    write_rows,
 )
 from cpkv.kv import ShardedKVPool
 from cpkv.planning import plan_batch
@@ -243,3 +244,57 @@ def test_prefix_rules() -> None:
     assert tail_copy(90, pages, 64, shared=False) is None
     with pytest.raises(ValueError, match="covers 3 pages"):
         hit_pages(129, [0, 1], [4, 4], 64)
+
+
+# ---- the prefix cache and its host tier over given storage --------------------------------------
+def _pattern(fmt: KVFormat, layer: int, toks: Sequence[int], pos: range) -> torch.Tensor:
+    """Packed rows whose bytes encode (layer, token, position)."""
+    v = torch.tensor([(layer * 7 + toks[p] * 3 + p) % 251 for p in pos], dtype=torch.uint8)
+    return v[:, None].expand(len(pos), fmt.bytes_per_token).contiguous()
+
+
+@pytest.mark.parametrize("layout", ["token_major", "part_major"])
+def test_prefix_cache_and_host_tier_over_given_storage(layout: str) -> None:
+    """A pool over the caller's tensors: prefixes evicted to the host tier come back on a hit,
+    byte for byte, into the caller's tensors (never replaced)."""
+    from cpkv.cache import PrefixCache
+    from cpkv.kv.host import HostPages
+
+    fmt = KVFormat(dtype="bf16", page_size=4, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
+                   quant_block=8)
+    g = CPGroup.single()
+    spec = KVBufferSpec.allocate(fmt, 2, 6, layout)
+    ptrs = [lb.parts()[0].data_ptr() for lb in spec.layers]
+    pool = ShardedKVPool(fmt, 2, g, backend_ops(g), storage=spec)
+    cache = PrefixCache(pool.pages, pool.store, g, HostPages(fmt, 2, 32, 1, g.device))
+    nl = fmt.latent_bytes_per_token
+
+    def serve(rid: str, toks: list[int]) -> int:
+        hit = cache.attach(rid, cache.agree(cache.match(toks)))
+        batch = pool.prepare(plan_batch([pool.pages.request_spec(rid, len(toks) - hit)], 1, 4),
+                             [rid])
+        rp = pool.pages.requests[rid]
+        for layer in range(2):
+            pool.prefetch(layer, batch)
+            batch.stage.ready(layer)
+            rows = torch.tensor([rp.slots[p // 4] * 4 + p % 4 for p in range(hit, len(toks))])
+            pat = _pattern(fmt, layer, toks, range(hit, len(toks)))
+            write_rows(spec, layer, rows, pat[:, :nl], pat[:, nl:])
+        pool.commit(batch)
+        for layer in range(2):  # every position's bytes, the hit's included
+            rows = torch.tensor([rp.slots[p // 4] * 4 + p % 4 for p in range(len(toks))])
+            lat, idx = read_rows(spec, layer, rows)
+            assert idx is not None
+            assert torch.equal(torch.cat([lat, idx], 1),
+                               _pattern(fmt, layer, toks, range(len(toks)))), (rid, layer)
+        cache.insert(rid, toks)
+        pool.pages.free(rid)
+        return hit
+
+    a, b = list(range(20)), [50 + t for t in range(20)]
+    assert serve("a", a) == 0 and serve("b", b) == 0  # a's pages went to the host
+    assert cache.stats.pages_saved_to_host == 5
+    assert serve("c", [*a[:10], 200, 201]) == 10  # mid-page: loaded, then copied on write
+    assert serve("a2", [*a, 7]) == 20 and cache.stats.pages_loaded_from_host > 3
+    assert [lb.parts()[0].data_ptr() for lb in spec.layers] == ptrs
+    assert [t.data_ptr() for t in pool.store.kv] == ptrs
