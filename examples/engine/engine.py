@@ -131,8 +131,11 @@ class Engine:
             have = 0 if rp is None else len(rp.slots)
             pages: list[tuple[int, int]] = []
             if rp is not None:
+                k = req.prefix_len // PAGE  # the tail page a mid-page prefix ends in
+                shared = bool(req.prefix_len % PAGE) and \
+                    kv.pages.refcount(rp.owners[k], rp.slots[k]) > 1  # the cache holds it too
                 tc = tail_copy(req.prefix_len, list(zip(rp.owners, rp.slots, strict=True)), PAGE,
-                               shared=kv.pages.refcount(*self._tail(rp, req.prefix_len)) > 1)
+                               shared=shared)
                 if tc is not None:
                     pages.append(self.slots.take(tc.owner))
             pages += [self.slots.take(o) for o in req.page_owners[have:] if o is not None]
@@ -147,11 +150,6 @@ class Engine:
         kv.commit(b)
         for (rid, _), row in zip(batch, logits, strict=True):
             self.logits[rid] = row
-
-    @staticmethod
-    def _tail(rp: object, prefix_len: int) -> tuple[int, int]:
-        k = max(0, prefix_len - 1) // PAGE
-        return rp.owners[k], rp.slots[k]  # type: ignore[attr-defined]
 
     # ---- the forward: the engine's layer loop ----------------------------------------------------
     def forward(self, b: EngineBatch, ids: torch.Tensor) -> torch.Tensor:
