@@ -16,7 +16,7 @@ the plan, page ownership, the full view, the transfer manifest and the prefix-ca
     kv.commit(batch)
 
 Per-layer calls are ``torch.library`` custom ops (``cpkv::put_bytes``, ``cpkv::take_bytes``,
-``cpkv::all_gather_pages``, ``cpkv::gather_rows``; :mod:`cpkv.embed.library`), so a forward
+``cpkv::all_gather_pages``, ``cpkv::owner_put_bytes``; :mod:`cpkv.embed.library`), so a forward
 calling them compiles with ``torch.compile(fullgraph=True)``; :class:`DecodeMetadata` is the
 fixed-capacity metadata a CUDA-graph decode step replays with; :mod:`cpkv.embed.rules` holds the
 key ranges and the prefix-cache rules as pure functions.

@@ -73,6 +73,7 @@ class EngineKV:
         self.pages = PageTable(spec.fmt.page_size, group.size, spec.capacity)
         #: the handle the custom ops read the format, layout and group by
         self.handle = library.register(spec, group)
+        self._empty = torch.empty(0, dtype=torch.uint8, device=group.device)
 
     def close(self) -> None:
         """Forget the ops' handle."""
@@ -131,12 +132,13 @@ class EngineKV:
         self.pages.abort(batch.kv.reservation)
 
     # ---- per layer -----------------------------------------------------------------------------
-    def _bufs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _bufs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's tensors as the ops take them (an empty index tensor when it has none)."""
         lb = self.spec.layers[layer]
-        if lb.kv is not None:
-            return lb.kv, None
-        assert lb.latent is not None
-        return lb.latent, lb.index_k
+        main = lb.kv if lb.kv is not None else lb.latent
+        assert main is not None
+        idx = lb.index_k if lb.index_k is not None else self._empty
+        return main, idx
 
     def put_bytes(self, layer: int, batch: EngineBatch, latent: torch.Tensor,
                   index_k: torch.Tensor | None) -> None:
@@ -152,13 +154,9 @@ class EngineKV:
                 idx = None if index_k is None else index_k.index_select(0, kv.direct_src)
             torch.ops.cpkv.put_bytes(a, b, kv.direct_dst, lat, idx, self.handle, layer)
         if kv.gather_writes:
-            n = latent.shape[1]
             both = latent if index_k is None else torch.cat([latent, index_k], dim=1)
-            got = torch.ops.cpkv.gather_rows(both, self.handle, kv.rows.max_rank_len)
-            mine = got.index_select(0, kv.owner_src)
-            torch.ops.cpkv.put_bytes(a, b, kv.owner_dst, mine[:, :n],
-                                     None if index_k is None else mine[:, n:], self.handle,
-                                     layer)
+            torch.ops.cpkv.owner_put_bytes(a, b, both, kv.owner_src, kv.owner_dst, self.handle,
+                                           layer, kv.rows.max_rank_len)
 
     def take_bytes(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed rows at this rank's token rows ``rows`` (int64 [N]) of ``layer``."""
