@@ -11,7 +11,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -171,3 +175,23 @@ def hf_random_model(tmp: Path, seed: int = 0, **overrides: object) -> torch.nn.M
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.02)
     model.save_pretrained(tmp)
     return model
+
+
+# ---- the engine example (issue 37) -------------------------------------------------------------
+_ROOT = Path(__file__).resolve().parents[1]
+ENGINE_EXAMPLE = _ROOT / "examples" / "engine" / "engine.py"
+
+
+def run_engine_example(ranks: int, tmp: Path, *extra: str) -> dict[str, object]:
+    """Run examples/engine/engine.py under torchrun with ``ranks`` ranks (this checkout's
+    sources on PYTHONPATH); its JSON summary line (the run must succeed)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        str(p) for p in [_ROOT / "core" / "src", *sorted((_ROOT / "backends").glob("*/src")),
+                         *sorted((_ROOT / "plugins").glob("*/src"))])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={ranks}", str(ENGINE_EXAMPLE), *extra],
+                          capture_output=True, text=True, timeout=300, cwd=tmp, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out: dict[str, object] = json.loads(lines[-1])
+    return out

@@ -14,6 +14,7 @@ from cpkv.contracts import (
     OwnerMap,
     PageExtent,
     cdiv,
+    layer_formats,
 )
 from cpkv.testing.strategies import owner_maps, page_extents
 
@@ -26,6 +27,21 @@ def test_deepseek_v32_formats_table() -> None:
     assert fp8.page_bytes == 64 * (656 + 132)
     # 61 layers: ~48 KB per token in fp8
     assert round(61 * fp8.bytes_per_token / 1000) == 48
+
+
+@pytest.mark.parametrize("dtype", list(KVDtype))
+def test_a_latent_only_layer_has_no_index_bytes(dtype: KVDtype) -> None:
+    full = KVFormat.deepseek_v32(dtype)
+    shared = full.latent_only()
+    assert (shared.index_bytes_per_token, shared.index_page_bytes) == (0, 0)
+    assert shared.bytes_per_token == shared.latent_bytes_per_token == full.latent_bytes_per_token
+    assert shared.page_bytes == full.latent_page_bytes and shared.with_index() == full
+    assert layer_formats(full, 3) == (full, full, full)
+    assert layer_formats([full, shared], 2) == (full, shared)
+    with pytest.raises(ValueError, match="2 layers, 1 formats"):
+        layer_formats([full], 2)
+    with pytest.raises(ValueError, match=r"layers \[1\] differ"):
+        layer_formats([full, KVFormat.deepseek_v32(dtype, page_size=32)], 2)
 
 
 def test_fp8_needs_whole_quant_blocks() -> None:

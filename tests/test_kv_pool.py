@@ -69,6 +69,53 @@ def test_sharded_full_view_equals_replicated(cp: int) -> None:
             assert sum(o.pages[rid][0] for o in outs) == total
 
 
+#: the KV layer schedules the pool tests run on: DeepSeek-V3.2 (every layer caches index-K) and
+#: GLM-5 (shared-indexer layers store their latent only)
+SCHEDULES = {"v32": (), "glm5": (1,)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("materialize", ["all_gather", "p2p"])
+def test_per_layer_formats_views_equal_replicated_and_hold_no_index_bytes(materialize: str) -> None:
+    """A pool whose shared-indexer layers have latent-only formats (GLM-5): the same views as a
+    replica and the truth (index views of those layers empty), each rank within its page share
+    of a replica that counts index-K for full layers only, the shards summing to it."""
+    rng = random.Random(7)
+    scenarios = [PoolScenario(batches=random_batches(rng, max_extend=48), fmt=_fmt(dtype),
+                              mode=mode, num_layers=3, shared_layers=(1, 2),
+                              seed=rng.randrange(1 << 30), materialize=materialize)
+                 for dtype, mode in ((KVDtype.FP8, SplitMode.ZIGZAG),
+                                     (KVDtype.BF16, SplitMode.INTERLEAVE))]
+    results = run_ranks(run_pool_scenarios, 2, args=(scenarios,), timeout_s=120)
+    for i, sc in enumerate(scenarios):
+        outs = [r.value[i] for r in results]
+        full = sc.fmt.page_bytes
+        assert sc.page_bytes == full + 2 * sc.fmt.latent_page_bytes < 3 * full
+        for o in outs:
+            assert o.materialize_mode == materialize
+            assert o.mismatches == [], (sc, o.mismatches)
+            assert o.views_checked == len(sc.batches) * sc.num_layers
+            assert o.bytes_held <= page_share_bound(o.pages, 2, sc.page_bytes, 1)
+            assert o.replica_bytes_held == o.logical_bytes
+        assert sum(o.bytes_held for o in outs) == outs[0].logical_bytes
+        logical_pages = sum(n for _, n in outs[0].pages.values())
+        assert outs[0].logical_bytes == logical_pages * sc.page_bytes
+
+
+def test_latent_only_layers_allocate_no_index_bytes() -> None:
+    group = CPGroup.single()
+    fmt = _fmt(KVDtype.FP8)
+    pool = ShardedKVPool([fmt, fmt.latent_only(), fmt], 3, group, kv_ops(group), pages_per_rank=8)
+    assert [b.shape[-1] for b in pool.store.kv] == [fmt.bytes_per_token,
+                                                    fmt.latent_bytes_per_token, fmt.bytes_per_token]
+    assert pool.store.index_k[1].shape[-1] == 0
+    assert pool.store.page_bytes == 2 * fmt.page_bytes + fmt.latent_page_bytes
+    with pytest.raises(ValueError, match="one KV format per layer"):
+        ShardedKVPool([fmt, fmt], 3, group, kv_ops(group))
+    with pytest.raises(ValueError, match="differ only in index_k"):
+        ShardedKVPool([fmt, _fmt(KVDtype.BF16)], 2, group, kv_ops(group))
+
+
 @pytest.mark.multiprocess
 def test_short_extends_use_owner_write_and_report_it() -> None:
     sc = PoolScenario(batches=((("a", 5), ("b", 300)),), fmt=_fmt(KVDtype.BF16), debug=True)
@@ -396,8 +443,10 @@ def test_consecutive_owned_pages_are_sent_from_the_pool_without_a_gather() -> No
         assert c[0] is not None and d == (None,)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES.values(), ids=SCHEDULES.keys())
 @pytest.mark.parametrize("dtype", [KVDtype.FP8, KVDtype.BF16])
-def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> None:
+def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype,
+                                                           schedule: tuple[int, ...]) -> None:
     """A part-major pool (the decode rank's) stores each page as its latent rows then its index-K
     rows, still one block; its views, the compute keys and the selected latent rows equal a
     token-major pool's for the same writes (requests ending mid-page, then continued)."""
@@ -406,8 +455,9 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
     group = CPGroup.single()
     ops = kv_ops(group)
     fmt = _fmt(dtype, 8)
-    ps, nl, ni = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
-    pools = {lay: ShardedKVPool(fmt, 2, group, ops, pages_per_rank=16, layout=lay)
+    fmts = [fmt.latent_only() if i in schedule else fmt for i in range(2)]
+    ps, nl = fmt.page_size, fmt.latent_bytes_per_token
+    pools = {lay: ShardedKVPool(fmts, 2, group, ops, pages_per_rank=16, layout=lay)
              for lay in PageLayout}
     g = torch.Generator().manual_seed(4)
     for batch in ([("a", 30), ("b", 13)], [("a", 5)]):
@@ -421,7 +471,7 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
             kv = pool.prepare(plan, [r for r, _ in batch])
             views = []
             for layer in range(2):
-                pool.write(layer, kv, lat[layer], idx[layer])
+                pool.write(layer, kv, lat[layer], idx[layer] if fmts[layer].index_k else None)
                 views.append(pool.materialize(layer, kv))
             top = torch.tensor([[0, 3, -1, 9], [12, 1, 2, -1]], dtype=torch.int32)
             got[lay] = [(v.latent(), v.index_k(), *v.keys(torch.float32),
@@ -433,6 +483,8 @@ def test_part_major_pages_hold_latent_rows_then_index_rows(dtype: KVDtype) -> No
     # the bytes of a part-major page: latent rows first, then index-K rows
     tok, part = pools[PageLayout.TOKEN_MAJOR], pools[PageLayout.PART_MAJOR]
     for layer in range(2):
+        ni = fmts[layer].index_bytes_per_token
+        assert part.store.kv[layer].shape[-1] == nl + ni
         for s_tok, s_part in zip(tok.pages.requests["a"].slots, part.pages.requests["a"].slots, strict=True):
             rows = tok.store.kv[layer][s_tok]  # [ps, nl + ni]
             block = part.store.kv[layer][s_part].reshape(-1)

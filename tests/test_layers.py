@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cpkv.ops",),
     ("cpkv.kv",),
     ("cpkv.cache", "cpkv.disagg"),
-    ("cpkv.runtime",),
+    ("cpkv.runtime", "cpkv.embed"),
     ("cpkv.testing", "cpkv.bench"),
     ("cpkv.cli", "cpkv.__main__"),  # the command and `python -m cpkv`
 )

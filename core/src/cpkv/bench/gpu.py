@@ -130,6 +130,18 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
           lambda: ref.page_gather(pool, idx), src)
     moved("scatter_64k_bw", nbytes, lambda: impl.page_scatter(pool, idx, src),
           lambda: ref.page_scatter(pool, idx, src), src)
+    # the same pages in the engines' two-part layout (cpkv.embed: a latent tensor and a
+    # DeepGEMM-order index-K tensor) read out as / written from canonical blocks, what the
+    # all-gather, a transfer and the host tier move; torch ops only (its "torch" timing is the
+    # same call)
+    from cpkv.kv.buffers import KVBufferSpec, read_pages, write_pages
+
+    nl = fmt.latent_bytes_per_token
+    two = KVBufferSpec.wrap(fmt, "two_part", [(pool[..., :nl].contiguous(),
+                                                pool[..., nl:].contiguous().view(4096, -1))])
+    for name, fn in (("two_part_gather_64k_bw", partial(read_pages, two, 0, idx)),
+                     ("two_part_scatter_64k_bw", partial(write_pages, two, 0, idx, src))):
+        moved(name, nbytes, fn, fn, src)
 
     # rerange: 64K hidden rows of 7168 bf16 gathered rank-major from 2 ranks
     hidden = torch.randn(TOKENS_64K, 7168, dtype=torch.bfloat16, device=dev, generator=g)

@@ -6,7 +6,7 @@ The backend op Protocol (:class:`KVOps`) lives here too, its tensor types for ty
 
 from ._base import Contract, Count, CPSize, PageIndex, PageSize, Position, Rank
 from .fallback import FallbackEvent, FallbackPolicy, FallbackReason
-from .formats import KVDtype, KVFormat, MaterializeMode, PageLayout
+from .formats import KVDtype, KVFormat, LayerFormats, MaterializeMode, PageLayout, layer_formats
 from .ops import KVOps, KVPart, Op, OpDeclined, RopeStyle
 from .plan import (
     CPPlan,
@@ -34,6 +34,7 @@ __all__ = [
     "KVFormat",
     "KVOps",
     "KVPart",
+    "LayerFormats",
     "MaterializeMode",
     "Op",
     "OpDeclined",
@@ -53,4 +54,5 @@ __all__ = [
     "Segment",
     "SplitMode",
     "cdiv",
+    "layer_formats",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Self
 
@@ -9,7 +10,7 @@ from pydantic import Field, model_validator
 
 from ._base import Contract, PageSize
 
-__all__ = ["KVDtype", "KVFormat"]
+__all__ = ["KVDtype", "KVFormat", "LayerFormats", "layer_formats"]
 
 
 class KVDtype(StrEnum):
@@ -56,6 +57,10 @@ class KVFormat(Contract):
     fp32 (reference format for exactness tests): the same with 4 B per value.
     fp8:  latent = kv_lora_rank x 1 B (e4m3) + kv_lora_rank / quant_block fp32 scales
           + rope_dim x 2 B (rope stays bf16); index-K = index_head_dim x 1 B + one fp32 scale.
+
+    ``index_k = False`` is a layer that caches no index-K (a GLM-5 shared-indexer layer reuses
+    the previous full layer's top-k selection): its index bytes are 0, a token is its latent only.
+    A pool holds one format per layer (:func:`layer_formats`).
     """
 
     dtype: KVDtype = KVDtype.BF16
@@ -64,6 +69,7 @@ class KVFormat(Contract):
     index_head_dim: int = Field(128, ge=1)
     quant_block: int = Field(128, ge=1, description="fp8 latent: one fp32 scale per this many dims")
     page_size: PageSize = 64
+    index_k: bool = Field(True, description="the layer caches index-K (False: latent only)")
 
     @model_validator(mode="after")
     def _check_blocks(self) -> Self:
@@ -82,6 +88,8 @@ class KVFormat(Contract):
 
     @property
     def index_bytes_per_token(self) -> int:
+        if not self.index_k:
+            return 0
         if self.dtype is not KVDtype.FP8:
             return self._width * self.index_head_dim
         return self.index_head_dim + 4
@@ -108,7 +116,43 @@ class KVFormat(Contract):
         """Bytes of one page of one layer, latent and index-K together."""
         return self.bytes_per_token * self.page_size
 
+    def latent_only(self) -> KVFormat:
+        """This format without index-K (a shared-indexer layer's)."""
+        return self.model_copy(update={"index_k": False})
+
+    def with_index(self) -> KVFormat:
+        """This format with index-K (a full layer's)."""
+        return self.model_copy(update={"index_k": True})
+
     @classmethod
     def deepseek_v32(cls, dtype: KVDtype | str = KVDtype.FP8, page_size: int = 64) -> KVFormat:
         """DeepSeek-V3.2 dimensions: latent 512 + rope 64, index-K 128, 64-token pages."""
         return cls(dtype=KVDtype(dtype), page_size=page_size)
+
+
+#: one stored format per KV layer, in layer order (:func:`layer_formats`)
+LayerFormats = tuple[KVFormat, ...]
+
+
+def layer_formats(fmt: KVFormat | Sequence[KVFormat], num_layers: int) -> LayerFormats:
+    """One format per layer: ``fmt`` for every layer, or the sequence given (one per layer).
+
+    The layers of one pool differ only in whether they cache index-K: dtype, latent and index
+    dimensions and page size are the pool's.
+
+    Raises:
+        ValueError: a sequence whose length is not ``num_layers``, or whose formats differ in
+            anything but ``index_k``.
+    """
+    if isinstance(fmt, KVFormat):
+        return (fmt,) * num_layers
+    fmts = tuple(fmt)
+    if len(fmts) != num_layers:
+        raise ValueError(f"need one KV format per layer: {num_layers} layers, {len(fmts)} formats")
+    if fmts:
+        base = fmts[0].with_index()
+        odd = [i for i, f in enumerate(fmts) if f.with_index() != base]
+        if odd:
+            raise ValueError(f"the layers of one pool differ only in index_k; layers {odd[:8]} "
+                             f"differ from layer 0 ({base!r})")
+    return fmts

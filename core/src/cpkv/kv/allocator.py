@@ -53,6 +53,28 @@ class PageAllocator:
                                 f"{self.capacity} pages per rank); nothing was allocated")
         return [[self._free[r].pop() for _ in range(n)] for r, n in enumerate(needs)]
 
+    def take_slots(self, slots: Sequence[Sequence[int]], what: str = "batch") -> list[list[int]]:
+        """Take exactly the slots ``slots[r]`` on every rank r (an engine's own allocation), all
+        or nothing.
+
+        Raises:
+            ValueError: a slot out of range, not free, or given twice; nothing was taken.
+        """
+        if len(slots) != self.num_ranks:
+            raise ValueError(f"slots has {len(slots)} entries for {self.num_ranks} ranks")
+        for r, want in enumerate(slots):
+            free = set(self._free[r])
+            bad = [s for s in want if not 0 <= s < self.capacity or s not in free]
+            if bad or len(set(want)) != len(want):
+                why = (f"slots {bad[:8]} are out of range or not free" if bad
+                       else "a slot is given twice")
+                raise ValueError(f"{what}: rank {r}: {why} (capacity {self.capacity}); nothing "
+                                 f"was allocated")
+        for r, want in enumerate(slots):
+            gone = set(want)
+            self._free[r] = [s for s in self._free[r] if s not in gone]
+        return [list(w) for w in slots]
+
     def release(self, rank: int, slots: Sequence[int]) -> None:
         """Return slots to rank's free list."""
         free = self._free[rank]
@@ -133,6 +155,17 @@ class PageRefs:
             slots = self.allocator.allocate(needs, what=what)
         hold_new(self._refs, slots)
         return slots
+
+    def take_given(self, slots: Sequence[Sequence[int]], what: str) -> list[list[int]]:
+        """Exactly ``slots[a]`` on each allocation rank ``a`` (the caller's allocation), one
+        reference each.
+
+        Raises:
+            ValueError: a slot out of range, held already, or given twice (nothing taken).
+        """
+        got = self.allocator.take_slots(slots, what=what)
+        hold_new(self._refs, got)
+        return got
 
     def retain(self, keys: Sequence[tuple[int, int]]) -> None:
         """One more reference to each page.

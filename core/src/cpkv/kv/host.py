@@ -1,11 +1,11 @@
 """Host copies of KV pages (the prefix cache's host tier storage, rule 28).
 
-A :class:`HostPages` holds, per layer, ``[capacity, ps, latent + index bytes]`` uint8 in host
-memory (pinned when the pool is on a GPU): the stored format, latent and index-K together, one
-block per page, exactly as the device pool holds it. Like the device pool, the bookkeeping (free
-lists, reference counts) is replicated on every rank and fed the same calls, while the bytes of a
-page live only on its **owner**: rank r's host buffers hold the pages rank r owns (every page on
-a replica pool).
+A :class:`HostPages` holds, per layer, ``[capacity, ps, latent + index bytes]`` uint8 (that
+layer's format: no index-K bytes for a layer without index-K) in host memory (pinned when the
+pool is on a GPU): the stored format, latent and index-K together, one block per page, exactly
+as the device pool holds it. Like the device pool, the bookkeeping (free lists, reference counts)
+is replicated on every rank and fed the same calls, while the bytes of a page live only on its
+**owner**: rank r's host buffers hold the pages rank r owns (every page on a replica pool).
 
 * :meth:`save` copies device pages into host slots (the owner's eviction backup; stream ordered
   on the device's current stream, so the slots can be reused by the next writes at once).
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.contracts import KVFormat
+from cpkv.contracts import KVFormat, layer_formats
 
 from .allocator import PageAllocator, drop_refs, hold_new
 
@@ -38,22 +38,24 @@ class HostPages:
     """Host page storage of one rank, with replicated slot bookkeeping (see module docstring).
 
     Args:
-        fmt: the device pool's stored format.
+        fmt: the device pool's stored format (one for all layers, or one per layer).
         num_layers: layers with KV.
         capacity: host pages per owner rank.
         num_ranks: allocation ranks (the device pool's: the CP size, or 1 for a replica).
         device: the device pool's device; host memory is pinned when it is a GPU.
     """
 
-    def __init__(self, fmt: KVFormat, num_layers: int, capacity: int, num_ranks: int,
-                 device: torch.device) -> None:
+    def __init__(self, fmt: KVFormat | Sequence[KVFormat], num_layers: int, capacity: int,
+                 num_ranks: int, device: torch.device) -> None:
         if capacity < 1:
             raise ValueError(f"host capacity must be >= 1 page, got {capacity}")
-        self.fmt, self.num_layers, self.device = fmt, num_layers, device
+        self.fmts = layer_formats(fmt, num_layers)
+        self.fmt = next((f for f in self.fmts if f.index_k), self.fmts[0])
+        self.num_layers, self.device = num_layers, device
         self.allocator = PageAllocator(num_ranks, capacity)
         pin = device.type == "cuda"
-        self.kv = [torch.zeros(capacity, fmt.page_size, fmt.bytes_per_token, dtype=torch.uint8,
-                               pin_memory=pin) for _ in range(num_layers)]
+        self.kv = [torch.zeros(capacity, f.page_size, f.bytes_per_token, dtype=torch.uint8,
+                               pin_memory=pin) for f in self.fmts]
         #: references to each held host page, by (allocation rank, slot)
         self._refs: dict[tuple[int, int], int] = {}
         #: this rank's host slots whose bytes are gone (a failed read of a lower tier, or a

@@ -1,7 +1,8 @@
 """Materialization strategies: how a pool stores its pages and builds a layer's full view.
 
 A strategy is chosen once, when the pool is built (:func:`open_materializer`), and owns the
-pool's page storage (``kv[layer]``: uint8 ``[pages, ps, latent + index bytes]``), because where
+pool's page storage (``kv[layer]``: uint8 ``[pages, ps, latent + index bytes]`` in that layer's
+format: a layer without index-K holds its latent bytes only), because where
 pages live decides how they are read: a replica and the all-gather path keep plain device
 buffers, the peer path keeps them in peer-mapped memory. The pool keeps ownership, allocation
 and writes; per batch it calls :meth:`Materializer.begin_batch` once (after the pages are
@@ -34,7 +35,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from cpkv.comm import CPGroup, PeerAccessUnavailable, PeerBuffers, open_peer_buffers
-from cpkv.contracts import FallbackReason, KVFormat, MaterializeMode, PageLayout
+from cpkv.contracts import (
+    FallbackReason,
+    KVFormat,
+    LayerFormats,
+    MaterializeMode,
+    PageLayout,
+    layer_formats,
+)
 from cpkv.fallback import report_fallback
 from cpkv.logs import get_logger
 from cpkv.ops import part_index
@@ -43,6 +51,7 @@ from .batch import BatchKV, MaterializePlan
 from .view import FullView
 
 if TYPE_CHECKING:
+    from cpkv.contracts import KVPart
     from cpkv.ops import OpTable
 
 __all__ = ["AllGatherViews", "Materializer", "PeerViews", "Prefetch", "ReplicaViews",
@@ -93,25 +102,29 @@ class _PartRows:
     """Part-major views' row indices (:func:`~cpkv.ops.part_index` of the plan's view index),
     translated once per materialization plan, not per layer; None for token-major pages."""
 
-    def __init__(self, fmt: KVFormat, layout: PageLayout) -> None:
-        self.fmt, self.layout = fmt, layout
-        self._last: tuple[MaterializePlan, dict[str, torch.Tensor]] | None = None
+    def __init__(self, layout: PageLayout) -> None:
+        self.layout = layout
+        #: per format of the pool's layers (with and without index-K): the last plan's rows
+        self._last: dict[KVFormat, tuple[MaterializePlan, dict[str, torch.Tensor]]] = {}
 
-    def of(self, m: MaterializePlan, index: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    def of(self, m: MaterializePlan, index: torch.Tensor,
+           fmt: KVFormat) -> dict[str, torch.Tensor] | None:
         """The part rows of ``index`` (``m``'s view index, or its physical rows for a view that
-        reads the pool in place: one or the other per strategy), cached for the last plan."""
+        reads the pool in place: one or the other per strategy) in pages of ``fmt``, cached for
+        the last plan."""
         if self.layout is PageLayout.TOKEN_MAJOR:
             return None
-        if self._last is None or self._last[0] is not m:
-            self._last = (m, {p: part_index(index, self.fmt, self.layout, p)
-                              for p in ("latent", "index_k")})
-        return self._last[1]
+        last = self._last.get(fmt)
+        if last is None or last[0] is not m:
+            parts: tuple[KVPart, ...] = ("latent", "index_k") if fmt.index_k else ("latent",)
+            last = self._last[fmt] = (m, {p: part_index(index, fmt, self.layout, p)
+                                          for p in parts})
+        return last[1]
 
 
-def _plain_storage(fmt: KVFormat, num_layers: int, capacity: int,
-                   device: torch.device) -> list[torch.Tensor]:
-    return [torch.zeros(capacity, fmt.page_size, fmt.bytes_per_token, dtype=torch.uint8,
-                        device=device) for _ in range(num_layers)]
+def _plain_storage(fmts: LayerFormats, capacity: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(capacity, f.page_size, f.bytes_per_token, dtype=torch.uint8,
+                        device=device) for f in fmts]
 
 
 class ReplicaViews:
@@ -119,10 +132,10 @@ class ReplicaViews:
 
     mode = MaterializeMode.REPLICA
 
-    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, ops: OpTable,
+    def __init__(self, kv: list[torch.Tensor], fmts: LayerFormats, ops: OpTable,
                  layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
-        self.kv, self.fmt, self.ops, self.layout = kv, fmt, ops, layout
-        self._rows = _PartRows(fmt, layout)
+        self.kv, self.fmts, self.ops, self.layout = kv, fmts, ops, layout
+        self._rows = _PartRows(layout)
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -131,9 +144,9 @@ class ReplicaViews:
         return None
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
-        m = batch.materialize
-        return _view(self.kv[layer], m.view_index, self.fmt, m, self.ops, self.layout,
-                     self._rows.of(m, m.view_index))
+        m, fmt = batch.materialize, self.fmts[layer]
+        return _view(self.kv[layer], m.view_index, fmt, m, self.ops, self.layout,
+                     self._rows.of(m, m.view_index, fmt))
 
 
 class AllGatherViews:
@@ -146,12 +159,12 @@ class AllGatherViews:
 
     mode = MaterializeMode.ALL_GATHER
 
-    def __init__(self, kv: list[torch.Tensor], fmt: KVFormat, group: CPGroup, ops: OpTable,
+    def __init__(self, kv: list[torch.Tensor], fmts: LayerFormats, group: CPGroup, ops: OpTable,
                  side: torch.cuda.Stream | None = None,
                  layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
-        self.kv, self.fmt, self.group, self.ops, self.layout = kv, fmt, group, ops, layout
+        self.kv, self.fmts, self.group, self.ops, self.layout = kv, fmts, group, ops, layout
         self._stream = side
-        self._rows = _PartRows(fmt, layout)
+        self._rows = _PartRows(layout)
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -177,13 +190,14 @@ class AllGatherViews:
         m = batch.materialize_split
         if m is None or self.group.size == 1:
             return None
-        c, b = self.group.size, self.fmt.bytes_per_token
+        fmt = self.fmts[layer]
+        c, b = self.group.size, fmt.bytes_per_token
         stream = self._side_stream()
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             if stream is not None:  # the pages were written on the main stream
                 stream.wait_stream(torch.cuda.current_stream(self.group.device))
-            buf = torch.empty((c * sum(m.max_send), self.fmt.page_size, b), dtype=torch.uint8,
+            buf = torch.empty((c * sum(m.max_send), fmt.page_size, b), dtype=torch.uint8,
                               device=self.group.device)
             self.group.all_gather_rows(self.send_buffer(layer, m, 0), m.max_send[0],
                                        out=buf[: c * m.max_send[0]])
@@ -196,11 +210,11 @@ class AllGatherViews:
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         """One collective of the owned pages (only the pages this batch wrote when
         ``prefetched`` holds the rest); the view reads the receive buffer in place."""
-        c = self.group.size
+        c, fmt = self.group.size, self.fmts[layer]
         if c == 1:  # every page is this rank's: read the pool in place (no copy of the view)
             m = batch.materialize
-            return _view(self.kv[layer], m.view_physical, self.fmt, m, self.ops, self.layout,
-                         self._rows.of(m, m.view_physical))
+            return _view(self.kv[layer], m.view_physical, fmt, m, self.ops, self.layout,
+                         self._rows.of(m, m.view_physical, fmt))
         if prefetched is None:
             m = batch.materialize
             buf = self.group.all_gather_rows(self.send_buffer(layer, m, 0), m.max_send[0])
@@ -215,8 +229,8 @@ class AllGatherViews:
                 buf.record_stream(cur)
             self.group.all_gather_rows(self.send_buffer(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
-        return _view(buf, m.view_index, self.fmt, m, self.ops, self.layout,
-                     self._rows.of(m, m.view_index))
+        return _view(buf, m.view_index, fmt, m, self.ops, self.layout,
+                     self._rows.of(m, m.view_index, fmt))
 
 
 class PeerViews:
@@ -224,14 +238,16 @@ class PeerViews:
 
     mode = MaterializeMode.P2P
 
-    def __init__(self, peers: PeerBuffers, fmt: KVFormat, num_layers: int, capacity: int,
+    def __init__(self, peers: PeerBuffers, fmts: LayerFormats, capacity: int,
                  ops: OpTable) -> None:
-        self.peers, self.fmt, self.ops = peers, fmt, ops
-        ps, b, n = fmt.page_size, fmt.bytes_per_token, capacity * fmt.page_bytes
-        self.kv = [peers.local[i * n:(i + 1) * n].view(capacity, ps, b) for i in range(num_layers)]
+        self.peers, self.fmts, self.ops = peers, fmts, ops
+        #: per layer, its byte span of the mapped buffers (layers of their own widths, in order)
+        spans = _layer_spans(fmts, capacity)
+        self.kv = [peers.local[lo:hi].view(capacity, f.page_size, f.bytes_per_token)
+                   for (lo, hi), f in zip(spans, fmts, strict=True)]
         #: per layer, every rank's buffer as token rows [pages * ps, B]
-        self.rows = [[buf[i * n:(i + 1) * n].view(capacity * ps, b) for buf in peers.buffers]
-                     for i in range(num_layers)]
+        self.rows = [[buf[lo:hi].view(capacity * f.page_size, f.bytes_per_token)
+                      for buf in peers.buffers] for (lo, hi), f in zip(spans, fmts, strict=True)]
 
     def begin_batch(self, batch: BatchKV) -> None:
         # peers may still be reading pages of the previous batch that this one reuses (freed and
@@ -245,17 +261,32 @@ class PeerViews:
         m = batch.materialize
         self.peers.barrier()  # every owner's writes of this layer are done and visible
         rows = self.ops.peer_gather(self.rows[layer], m.view_owner, m.view_physical)
-        return _view(rows.unsqueeze(1), None, self.fmt, m, self.ops)
+        return _view(rows.unsqueeze(1), None, self.fmts[layer], m, self.ops)
 
 
-def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, capacity: int,
-                      group: CPGroup, ops: OpTable,
+def _layer_spans(fmts: LayerFormats, capacity: int) -> list[tuple[int, int]]:
+    """Each layer's [start, end) bytes in one buffer holding every layer's pages in order."""
+    spans, lo = [], 0
+    for f in fmts:
+        spans.append((lo, lo + capacity * f.page_bytes))
+        lo += capacity * f.page_bytes
+    return spans
+
+
+def open_materializer(mode: MaterializeMode, fmt: KVFormat | LayerFormats, num_layers: int,
+                      capacity: int, group: CPGroup, ops: OpTable,
                       side: torch.cuda.Stream | None = None,
-                      layout: PageLayout = PageLayout.TOKEN_MAJOR) -> Materializer:
-    """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer);
+                      layout: PageLayout = PageLayout.TOKEN_MAJOR,
+                      storage: list[torch.Tensor] | None = None) -> Materializer:
+    """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer, each
+    layer in its own format: ``fmt`` is one for all or one per layer);
     ``side`` is the pool's side stream (work a layer ahead: the prefetch runs on it). A
     part-major ``layout`` (the decode pool's) is read by the replica and all-gather strategies;
     ``P2P`` (and ``AUTO``'s p2p) keep token-major pages.
+
+    ``storage``: the caller's page tensors (per layer one uint8 [capacity, ps, that layer's
+    bytes], used in place, never copied) instead of new ones; ``P2P`` cannot take them (its
+    pages live in peer-mapped memory it allocates).
 
     ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
     rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
@@ -263,19 +294,27 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
     ``cpkv.kv.materialize_auto``) when it cannot map; on CPU it is ``ALL_GATHER`` (shared files
     stand in for peer memory in tests there; nothing says they beat a CPU all-gather).
     """
+    fmts = layer_formats(fmt, num_layers)
+
+    def plain() -> list[torch.Tensor]:
+        return storage if storage is not None else _plain_storage(fmts, capacity, group.device)
+
     if mode is MaterializeMode.REPLICA:
-        return ReplicaViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, ops,
-                            layout)
+        return ReplicaViews(plain(), fmts, ops, layout)
+    if storage is not None and mode is MaterializeMode.P2P:
+        raise ValueError("p2p pages live in peer-mapped memory it allocates: caller-given "
+                         "storage is read by the replica and all_gather strategies")
     if layout is PageLayout.PART_MAJOR and mode is MaterializeMode.P2P:
         raise ValueError("part-major pages are read by the replica and all_gather strategies; "
                          "p2p reads token rows from its peers")
-    auto = mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
+    auto = (mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
+            and storage is None)
     # one rank has no peers to map (its pool stays plain memory, which a transfer may export)
     if auto and (group.device.type != "cuda" or group.size == 1):
         log.info("cpkv.kv.materialize_auto", selected="all_gather",
                  why="one rank" if group.size == 1 else f"{group.device.type} ranks")
     elif mode is MaterializeMode.P2P or auto:
-        total = num_layers * capacity * fmt.page_bytes
+        total = _layer_spans(fmts, capacity)[-1][1]
         try:
             peers = open_peer_buffers(group, total)
         except PeerAccessUnavailable as exc:  # raised on every rank alike
@@ -287,6 +326,5 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat, num_layers: int, cap
                                 reason=FallbackReason.PEER_MEMORY_UNAVAILABLE, detail=str(exc))
         else:
             log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=group.size)
-            return PeerViews(peers, fmt, num_layers, capacity, ops)
-    return AllGatherViews(_plain_storage(fmt, num_layers, capacity, group.device), fmt, group, ops,
-                          side, layout)
+            return PeerViews(peers, fmts, capacity, ops)
+    return AllGatherViews(plain(), fmts, group, ops, side, layout)

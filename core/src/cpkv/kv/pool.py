@@ -22,11 +22,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import CPPlan, FallbackReason, KVFormat, MaterializeMode, PageLayout
+from cpkv.contracts import (
+    CPPlan,
+    FallbackReason,
+    KVFormat,
+    MaterializeMode,
+    PageLayout,
+    layer_formats,
+)
 from cpkv.fallback import report_fallback
 
 from .allocator import PoolExhausted
 from .batch import BatchKV
+from .buffers import KVBufferSpec
 from .materialize import Prefetch
 from .store import KVStore
 from .table import PageTable
@@ -45,7 +53,8 @@ class KVFootprint:
     Attributes:
         pages_held: pages stored on this rank (a replica counts every page).
         logical_pages: distinct pages held in the whole group (shared pages once).
-        bytes_held: persistent KV bytes on this rank: pages held x page bytes x layers.
+        bytes_held: persistent KV bytes on this rank: pages held x the page bytes of every layer
+            (each layer's own format: no index-K bytes for a layer without index-K).
         replicated_bytes: what one rank of a replicated pool would hold for the same requests.
     """
 
@@ -59,7 +68,8 @@ class ShardedKVPool:
     """The KV pool of one rank of a CP group.
 
     Args:
-        fmt: stored format (bf16 or fp8 layout, page size).
+        fmt: stored format (bf16 or fp8 layout, page size): one for every layer, or one per
+            layer (a sequence: a GLM-5 shared-indexer layer's format has no index-K).
         num_layers: layers with KV.
         group: the CP group (``rank``, ``size``, ``device``, ``all_gather_rows``).
         ops: the op table (page gather/scatter, fp8 pack).
@@ -69,33 +79,56 @@ class ShardedKVPool:
         materialize: how a sharded pool builds full views (``"all_gather"``, ``"p2p"`` or
             ``"auto"``, see :mod:`cpkv.kv.materialize`); a replica always reads its own pages.
         layout: how a page's bytes are ordered (:class:`PageLayout`).
+        storage: the caller's page tensors (:class:`~cpkv.kv.buffers.KVBufferSpec` in a
+            one-tensor layout: token_major or part_major), wrapped in place, never copied; its
+            capacity and layout are the pool's. The engines' two-part layout is driven through
+            :class:`cpkv.embed.EngineKV`.
 
     Raises:
-        ValueError: ``num_layers < 1``, or an unknown ``materialize`` mode.
+        ValueError: ``num_layers < 1``, an unknown ``materialize`` mode, or per-layer formats
+            that are not one per layer (:func:`~cpkv.contracts.layer_formats`), or
+            ``storage`` that does not fit (its formats, a two-part layout).
     """
 
-    def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable, *,
+    def __init__(self, fmt: KVFormat | Sequence[KVFormat], num_layers: int, group: CPGroup,
+                 ops: OpTable, *,
                  shared: bool = True, pages_per_rank: int = 4096, debug: bool = False,
                  materialize: MaterializeMode | str = MaterializeMode.ALL_GATHER,
-                 layout: PageLayout | str = PageLayout.TOKEN_MAJOR) -> None:
+                 layout: PageLayout | str = PageLayout.TOKEN_MAJOR,
+                 storage: KVBufferSpec | None = None) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         modes = (MaterializeMode.ALL_GATHER.value, MaterializeMode.P2P.value,
                  MaterializeMode.AUTO.value)
         if materialize not in modes:
             raise ValueError(f"materialize must be one of {modes}, got {materialize!r}")
-        self.fmt, self.num_layers, self.group = fmt, num_layers, group
+        fmts = layer_formats(fmt, num_layers)  # per layer (``store.fmts``)
+        tensors = None
+        if storage is not None:
+            lay = storage.layout.page_layout
+            if lay is None:
+                raise ValueError("a pool wraps one-tensor layouts (token_major, part_major); the "
+                                 "two_part layout is driven through cpkv.embed.EngineKV")
+            if storage.fmts != fmts or storage.device != group.device:
+                raise ValueError(f"storage holds {storage.num_layers} layers on {storage.device}, "
+                                 f"formats {storage.fmts[:2]}...; the pool needs {num_layers} on "
+                                 f"{group.device}, formats {fmts[:2]}...")
+            layout, pages_per_rank = lay, storage.capacity
+            tensors = [lb.kv for lb in storage.layers if lb.kv is not None]
+        self.num_layers, self.group = num_layers, group
         self._debug = debug
         #: the host-side page table (every rank's alike)
-        self.pages = PageTable(fmt.page_size, group.size, pages_per_rank, shared=shared)
+        self.pages = PageTable(fmts[0].page_size, group.size, pages_per_rank, shared=shared)
         mode = MaterializeMode(materialize) if shared else MaterializeMode.REPLICA
-        #: this rank's bytes
-        self.store = KVStore(fmt, num_layers, group, ops, mode, pages_per_rank,
-                             PageLayout(layout), self.pages.alloc_rank)
+        #: this rank's bytes (``store.fmts``: each layer's format)
+        self.store = KVStore(fmts, num_layers, group, ops, mode, pages_per_rank,
+                             PageLayout(layout), self.pages.alloc_rank, tensors)
+        #: the pool's format (page size, dtype, dims): its first layer with index-K
+        self.fmt = self.store.fmt
 
     def footprint(self) -> KVFootprint:
         """What this rank stores and what a replica would (reports, benchmarks)."""
-        per_page = self.fmt.page_bytes * self.num_layers
+        per_page = self.store.page_bytes
         held = self.pages.allocator.used_pages(self.pages.alloc_rank(self.group.rank))
         logical = self.pages.logical_pages()
         return KVFootprint(pages_held=held, logical_pages=logical, bytes_held=held * per_page,
@@ -134,8 +167,10 @@ class ShardedKVPool:
         self.store.begin(batch)
         return batch
 
-    def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
-        """Store this rank's new KV rows of ``layer`` (compute dtype, [local rows, D]).
+    def write(self, layer: int, batch: BatchKV, latent: torch.Tensor,
+              index_k: torch.Tensor | None) -> None:
+        """Store this rank's new KV rows of ``layer`` (compute dtype, [local rows, D]; no
+        ``index_k``, None, for a layer without index-K).
 
         Page-aligned requests: each rank writes its own rows into its own pages, no communication.
         Otherwise (or for a replica) one all-gather of the packed rows, then owners write.

@@ -1,8 +1,9 @@
 """The device side of a pool: KV bytes per layer, their writes, the full views and staged page
 work (rules 13-18).
 
-Per layer one byte buffer in the stored format of :class:`KVFormat`: ``kv[layer]`` [pages, ps,
-latent bytes + index bytes], so a page (latent and its index-K sidecar) is one contiguous block,
+Per layer one byte buffer in that layer's stored format (:class:`KVFormat`, one per layer: a
+layer without index-K, a GLM-5 shared-indexer layer, stores its latent only): ``kv[layer]``
+[pages, ps, latent bytes + index bytes], so a page (latent and its index-K sidecar) is one contiguous block,
 allocated, written and moved as one. ``latent[layer]`` and ``index_k[layer]`` are its two column
 views ([pages, ps, latent bytes] and [pages, ps, index bytes]); how a block's bytes are ordered is
 the :class:`PageLayout`. How the full view is built is the :class:`~cpkv.kv.materialize.Materializer`
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import CPPlan, KVFormat, MaterializeMode, PageLayout
+from cpkv.contracts import CPPlan, KVFormat, MaterializeMode, PageLayout, layer_formats
 from cpkv.ops import page_blocks
 
 from .batch import BatchKV, build_batch
@@ -41,7 +42,7 @@ class KVStore:
     """One rank's KV bytes (see the module docstring).
 
     Args:
-        fmt: stored format.
+        fmt: stored format, one for every layer or one per layer (a sequence).
         num_layers: layers with KV.
         group: the CP group.
         ops: the op table (page gather/scatter/copy, fp8 pack).
@@ -49,35 +50,47 @@ class KVStore:
         capacity: pages per buffer.
         layout: how a page's bytes are ordered.
         alloc_rank: the page table's owner -> allocation rank map.
+        storage: the caller's page tensors (one per layer, used in place), or None.
     """
 
-    def __init__(self, fmt: KVFormat, num_layers: int, group: CPGroup, ops: OpTable,
-                 mode: MaterializeMode, capacity: int, layout: PageLayout,
-                 alloc_rank: Callable[[int], int]) -> None:
-        self.fmt, self.num_layers, self.group, self.ops = fmt, num_layers, group, ops
+    def __init__(self, fmt: KVFormat | Sequence[KVFormat], num_layers: int, group: CPGroup,
+                 ops: OpTable, mode: MaterializeMode, capacity: int, layout: PageLayout,
+                 alloc_rank: Callable[[int], int],
+                 storage: list[torch.Tensor] | None = None) -> None:
+        #: per layer, its stored format
+        self.fmts = layer_formats(fmt, num_layers)
+        #: the pool's format (page size, dtype, dims): its first layer with index-K
+        self.fmt = next((f for f in self.fmts if f.index_k), self.fmts[0])
+        self.num_layers, self.group, self.ops = num_layers, group, ops
         self.capacity, self.layout, self.alloc_rank = capacity, layout, alloc_rank
         #: the side stream of work done a layer ahead (prefix pages, host loads); None on CPU
         self.side: torch.cuda.Stream | None = None
         if group.device.type == "cuda":
             self.side = torch.cuda.Stream(device=group.device)  # type: ignore[no-untyped-call]
-        self.views: Materializer = open_materializer(mode, fmt, num_layers, capacity, group,
-                                                     ops, self.side, layout)
-        #: per layer: uint8 [pages, ps, latent + index bytes] (the strategy's storage)
+        self.views: Materializer = open_materializer(mode, self.fmts, num_layers, capacity, group,
+                                                     ops, self.side, layout, storage)
+        #: per layer: uint8 [pages, ps, latent + index bytes of that layer] (the strategy's)
         self.kv = self.views.kv
-        nl, ps = fmt.latent_bytes_per_token, fmt.page_size
+        nl, ps = self.fmt.latent_bytes_per_token, self.fmt.page_size
         if layout is PageLayout.TOKEN_MAJOR:
             self.latent = [b[..., :nl] for b in self.kv]
             self.index_k = [b[..., nl:] for b in self.kv]
         else:  # a page's latent rows, then its index-K rows
             flat = [b.view(b.shape[0], -1) for b in self.kv]
             self.latent = [f[:, :ps * nl].view(-1, ps, nl) for f in flat]
-            self.index_k = [f[:, ps * nl:].view(-1, ps, fmt.index_bytes_per_token) for f in flat]
+            self.index_k = [f[:, ps * nl:].view(f.shape[0], ps, m.index_bytes_per_token)
+                            for f, m in zip(flat, self.fmts, strict=True)]
         #: host pages queued to load back (the cache's host tier), staged by the next batch
         self._loads: list[PageLoad] = []
         #: stages of batches not ended yet
         self._staging: list[PageStage] = []
         #: part-major writes: the last batch's destination rows as (rows, page, offset)
         self._addr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer (each in its own format)."""
+        return sum(f.page_bytes for f in self.fmts)
 
     @property
     def shared(self) -> bool:
@@ -110,13 +123,25 @@ class KVStore:
         if batch.stage in self._staging:
             self._staging.remove(batch.stage)
 
-    def write(self, layer: int, batch: BatchKV, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+    def _pack(self, layer: int, latent: torch.Tensor,
+              index_k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute rows -> stored bytes of ``layer``'s two parts (no index-K bytes, [N, 0], for a
+        layer without index-K: ``index_k`` is ignored there and may be None)."""
+        fmt = self.fmts[layer]
+        lat_b = pack_rows(latent, fmt, "latent", self.ops)
+        if not fmt.index_k:
+            return lat_b, lat_b.new_empty((lat_b.shape[0], 0))
+        if index_k is None:
+            raise ValueError(f"layer {layer} caches index-K: its index_k rows are needed")
+        return lat_b, pack_rows(index_k, fmt, "index_k", self.ops)
+
+    def write(self, layer: int, batch: BatchKV, latent: torch.Tensor,
+              index_k: torch.Tensor | None) -> None:
         """Store this rank's new KV rows of ``layer`` (compute dtype, [local rows, D]): direct
         writes into own pages, then (non-aligned requests, a replica) one all-gather of the
-        packed rows and owner writes."""
+        packed rows and owner writes. ``index_k`` is None for a layer without index-K."""
         batch.stage.ready(layer)
-        lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
-        idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
+        lat_b, idx_b = self._pack(layer, latent, index_k)
         nl = lat_b.shape[1]
         if batch.direct_dst.numel():
             src_l, src_i = lat_b, idx_b
@@ -125,7 +150,7 @@ class KVStore:
                 src_i = self.ops.page_gather(idx_b, batch.direct_src)
             self._store(layer, batch.direct_dst, src_l, src_i)
         if batch.gather_writes:
-            both = torch.cat([lat_b, idx_b], dim=1)
+            both = torch.cat([lat_b, idx_b], dim=1) if idx_b.shape[1] else lat_b
             gathered = self.group.all_gather_rows(both, batch.rows.max_rank_len)
             mine = self.ops.page_gather(gathered, batch.owner_src)
             self._store(layer, batch.owner_dst, mine[:, :nl], mine[:, nl:])
@@ -134,10 +159,11 @@ class KVStore:
                index_k: torch.Tensor) -> None:
         """Packed rows into token rows ``rows`` (page slot x ps + offset) of ``layer``."""
         if self.layout is PageLayout.TOKEN_MAJOR:
-            tok = self.kv[layer].view(-1, self.fmt.bytes_per_token)
+            tok = self.kv[layer].view(-1, self.fmts[layer].bytes_per_token)
             nl = latent.shape[1]
             self.ops.page_scatter(tok[:, :nl], rows, latent)  # dense rows, row stride B
-            self.ops.page_scatter(tok[:, nl:], rows, index_k)
+            if index_k.shape[1]:
+                self.ops.page_scatter(tok[:, nl:], rows, index_k)
             return
         # part-major token rows are not evenly spaced: address them as (page, offset), computed
         # once per batch (``rows`` is the batch's) and reused by every layer
@@ -151,15 +177,16 @@ class KVStore:
              index_k: torch.Tensor) -> None:
         """Part-major writes: packed rows at (page slot, offset) of ``layer``'s two parts."""
         self.latent[layer].index_put_((page, off), latent)
-        self.index_k[layer].index_put_((page, off), index_k)
+        if index_k.shape[1]:
+            self.index_k[layer].index_put_((page, off), index_k)
 
     def write_rows(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
-                   index_k: torch.Tensor) -> None:
+                   index_k: torch.Tensor | None) -> None:
         """Store KV rows (compute dtype, [N, D]) at token rows ``rows`` (int64 [N], page slot x
         ps + offset) of ``layer``, read from the device each call: the decode step's write
-        (device work only; ``rows`` is a persistent buffer whose values change between calls)."""
-        lat_b = pack_rows(latent, self.fmt, "latent", self.ops)
-        idx_b = pack_rows(index_k, self.fmt, "index_k", self.ops)
+        (device work only; ``rows`` is a persistent buffer whose values change between calls).
+        ``index_k`` is None for a layer without index-K."""
+        lat_b, idx_b = self._pack(layer, latent, index_k)
         if self.layout is PageLayout.TOKEN_MAJOR:
             self._store(layer, rows, lat_b, idx_b)
             return
@@ -177,7 +204,8 @@ class KVStore:
             raw = self.kv[layer].index_select(0, idx)  # [n, ps, B]: the blocks as they came
             lat, ixk = page_blocks(raw, layout, nl)
             self.latent[layer].index_copy_(0, idx, lat)
-            self.index_k[layer].index_copy_(0, idx, ixk)
+            if ixk.shape[2]:
+                self.index_k[layer].index_copy_(0, idx, ixk)
 
     def prefetch(self, layer: int, batch: BatchKV) -> Prefetch | None:
         """Start ``layer``'s staged page work and the strategy's prefetch (see

@@ -106,13 +106,22 @@ class PageTable:
                 raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
                                  f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
 
-    def reserve(self, plan: CPPlan, rids: Sequence[Hashable]) -> Reservation:
+    def reserve(self, plan: CPPlan, rids: Sequence[Hashable], *,
+                given: Mapping[Hashable, Sequence[tuple[int, int]]] | None = None) -> Reservation:
         """Take the pages the batch ``plan`` of requests ``rids`` writes, all or nothing, and
         put them in the requests' tables (pending until :meth:`commit`).
 
+        ``given`` (external allocation: an engine's own slot allocator): per request the
+        (owner rank, slot) of each page it needs, in order: first the copy of its shared tail
+        page when it writes into one (:func:`cpkv.embed.tail_copy` says whether, on which
+        owner), then its new logical pages. Each is checked against the plan (the page's owner
+        must be the plan's, one page per slot, the slot free on that owner); the table takes
+        exactly those slots and never asks the reclaimer.
+
         Raises:
             ValueError: plan and table disagree (a request's prefix or owners, a request in an
-                uncommitted batch); nothing changed.
+                uncommitted batch), or a given page is wrong (its owner, its slot, how many);
+                nothing changed.
             PoolExhausted: not enough pages even after the reclaimer; nothing changed.
         """
         ps = self.page_size
@@ -136,7 +145,9 @@ class PageTable:
                 owners.append(o)
                 needs[self.alloc_rank(o)] += 1
             new.append((rid, existing, owners))
-        slots = self._refs.take(needs, f"a batch of {len(rids)} requests")
+        what = f"a batch of {len(rids)} requests"
+        slots = (self._refs.take(needs, what) if given is None
+                 else self._refs.take_given(self._given_slots(given, cows, new), what))
         # commit the reservation to the page tables (nothing can fail from here on)
         cursor = [0] * len(slots)
 
@@ -168,6 +179,47 @@ class PageTable:
             self._refs.give_back(a, got[cursor[a]:])
         return Reservation(rids=tuple(rids), ends=tuple(r.end for r in plan.requests),
                            new_pages=tuple((rid, e) for rid, e, _ in new), copies=tuple(copies))
+
+    def _given_slots(self, given: Mapping[Hashable, Sequence[tuple[int, int]]],
+                     cows: Sequence[tuple[Hashable, int]],
+                     new: Sequence[tuple[Hashable, int, list[int]]]) -> list[list[int]]:
+        """Per allocation rank, the given slots in the order :meth:`reserve` uses them (copies
+        on write, then new pages request by request), each page's owner checked.
+
+        Raises:
+            ValueError: a request's given pages do not match what it needs (naming them)."""
+        want: dict[Hashable, list[int]] = {}
+        for rid, k in cows:
+            want.setdefault(rid, []).append(self._requests[rid].owners[k])
+        for rid, _, owners in new:
+            want.setdefault(rid, []).extend(owners)
+        extra = [rid for rid in given if rid not in want]
+        if extra:
+            raise ValueError(f"given pages for requests not in the batch: {extra[:8]}")
+        out: list[list[int]] = [[] for _ in range(self.allocator.num_ranks)]
+        cows_of = {rid for rid, _ in cows}
+        order = [(rid, True) for rid, _ in cows] + [(rid, False) for rid, _, _ in new]
+        cursor: dict[Hashable, int] = {}
+        for rid, _ in order:
+            pages, owners = list(given.get(rid, ())), want.get(rid, [])
+            if len(pages) != len(owners):
+                raise ValueError(
+                    f"request {rid!r} needs {len(owners)} pages (owners {owners[:16]}"
+                    f"{', the first a copy of its shared tail page' if rid in cows_of else ''}"
+                    f"), {len(pages)} were given")
+        for rid, is_copy in order:
+            owners, pages = want[rid], list(given.get(rid, ()))
+            i = cursor.get(rid, 0)
+            n = 1 if is_copy else len(owners) - i
+            for j in range(i, i + n):
+                o, slot = pages[j]
+                if o != owners[j]:
+                    raise ValueError(f"request {rid!r}: given page {j} is on rank {o}, the plan "
+                                     f"puts it on rank {owners[j]} (one owner per page, the "
+                                     f"plan's)")
+                out[self.alloc_rank(o)].append(slot)
+            cursor[rid] = i + n
+        return out
 
     def commit(self, res: Reservation) -> None:
         """Mark the reserved batch's tokens valid."""

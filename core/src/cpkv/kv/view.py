@@ -95,8 +95,15 @@ class FullView:
         return self._bytes("latent")
 
     def index_k(self) -> torch.Tensor:
-        """uint8 [T, index bytes] in natural order (a copy when the view has an index)."""
+        """uint8 [T, index bytes] in natural order (a copy when the view has an index; [T, 0]
+        for a layer without index-K)."""
+        if not self.fmt.index_k:
+            return self._no_index(torch.uint8)
         return self._bytes("index_k")
+
+    def _no_index(self, dtype: torch.dtype) -> torch.Tensor:
+        """The index keys of a layer without index-K: [T, 0]."""
+        return torch.empty((self.num_keys, 0), dtype=dtype, device=self.pages.device)
 
     def token_rows(self, top: torch.Tensor) -> torch.Tensor:
         """int32 [N, k]: the token row of ``pages`` (page x S + slot) each view key of ``top``
@@ -109,6 +116,11 @@ class FullView:
     def unpack(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent [T, kv_lora_rank + rope_dim], index_k [T, index_head_dim]) in ``dtype``."""
         fmt, ops = self.fmt, self.ops
+        if not fmt.index_k:
+            if fmt.dtype is KVDtype.FP8:
+                lr, li = self._rows("latent")
+                return ops.fp8_unpack(lr, fmt, "latent", dtype, li), self._no_index(dtype)
+            return unpack_rows(self.latent(), fmt, "latent", ops, dtype), self._no_index(dtype)
         if fmt.dtype is KVDtype.FP8:
             (lr, li), (ir, ii) = self._rows("latent"), self._rows("index_k")
             return (ops.fp8_unpack(lr, fmt, "latent", dtype, li),
@@ -118,8 +130,11 @@ class FullView:
 
     def index_keys(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The indexer's keys alone (see :meth:`keys`): fp8 [T, D] with fp32 scales [T] for an
-        fp8 pool, else [T, D] in ``dtype`` with None."""
+        fp8 pool, else [T, D] in ``dtype`` with None; [T, 0] and None for a layer without
+        index-K (it reuses another layer's selection)."""
         fmt = self.fmt
+        if not fmt.index_k:
+            return self._no_index(dtype), None
         if fmt.dtype is not KVDtype.FP8:
             return unpack_rows(self.index_k(), fmt, "index_k", self.ops, dtype), None
         return fp8_index_keys(self.index_k(), fmt)  # one gather of the index bytes

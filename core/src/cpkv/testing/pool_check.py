@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import KVFormat, SplitMode, cdiv
+from cpkv.contracts import CPPlan, KVFormat, SplitMode, cdiv
 from cpkv.kv import PoolExhausted, ShardedKVPool, pack_rows
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.planning import plan_batch
@@ -44,6 +44,19 @@ class PoolScenario:
     preference: tuple[str, ...] = ("torch",)
     #: the sharded pool's materialization ("all_gather" or "p2p")
     materialize: str = "all_gather"
+    #: layers that cache no index-K (GLM-5's shared-indexer layers): latent-only formats
+    shared_layers: tuple[int, ...] = ()
+
+    @property
+    def fmts(self) -> tuple[KVFormat, ...]:
+        """The pool's format per layer."""
+        return tuple(self.fmt.latent_only() if i in self.shared_layers else self.fmt
+                     for i in range(self.num_layers))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer."""
+        return sum(f.page_bytes for f in self.fmts)
 
 
 @dataclass
@@ -93,13 +106,25 @@ def _scenario_truth(sc: PoolScenario,
             for rid, n in longest.items()}
 
 
+def _wanted(truth: dict[str, tuple[torch.Tensor, torch.Tensor]], rids: list[str], plan: CPPlan,
+            layer: int, fmt: KVFormat, ops: OpTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored bytes a full view of ``layer`` must hold: (latent, index-K; no index bytes for
+    a latent-only layer)."""
+    reqs = list(zip(rids, plan.requests, strict=True))
+    want_l = pack_rows(torch.cat([truth[r][0][layer, : q.end] for r, q in reqs]), fmt, "latent",
+                       ops)
+    want_i = pack_rows(torch.cat([truth[r][1][layer, : q.end] for r, q in reqs]),
+                       fmt.with_index(), "index_k", ops)
+    return want_l, want_i if fmt.index_k else want_i[:, :0]
+
+
 def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
     """Run every batch on a sharded and a replicated pool; compare full views bit for bit."""
     ops = kv_ops(group, sc.preference)
-    fmt, ps = sc.fmt, sc.fmt.page_size
+    ps = sc.fmt.page_size
     # the replica is the reference: give it room for every page, so only the sharded pool can
     # run out (a replica needs C times the pages of a shard)
-    pools = {shared: ShardedKVPool(fmt, sc.num_layers, group, ops, shared=shared,
+    pools = {shared: ShardedKVPool(sc.fmts, sc.num_layers, group, ops, shared=shared,
                                    pages_per_rank=sc.pages_per_rank * (1 if shared else group.size),
                                    debug=sc.debug,
                                    materialize=sc.materialize if shared else "all_gather")
@@ -127,13 +152,14 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                     out.unchanged_after_exhaustion = False
             continue
         for layer in range(sc.num_layers):
+            lfmt = sc.fmts[layer]
             lat = torch.cat([truth[r][0][layer, q.prefix_len:q.end] for r, q in
                              zip(rids, plan.requests, strict=True)])
             idx = torch.cat([truth[r][1][layer, q.prefix_len:q.end] for r, q in
                              zip(rids, plan.requests, strict=True)])
             for shared, pool in pools.items():
                 bk = batches[shared]
-                pool.write(layer, bk, bk.split(lat), bk.split(idx))
+                pool.write(layer, bk, bk.split(lat), bk.split(idx) if lfmt.index_k else None)
                 views[shared] = pool.materialize(layer, bk)
             split = batches[True].materialize_split
             if split is not None:  # the prefetched path must give the same view
@@ -143,11 +169,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
                         and torch.equal(v2.index_k(), views[True].index_k())):
                     out.mismatches.append(f"batch {bi} layer {layer}: prefetched view differs")
                 out.prefetched_views += pf is not None
-            want_l = pack_rows(torch.cat([truth[r][0][layer, : q.end] for r, q in
-                                          zip(rids, plan.requests, strict=True)]), fmt, "latent", ops)
-            want_i = pack_rows(torch.cat([truth[r][1][layer, : q.end] for r, q in
-                                          zip(rids, plan.requests, strict=True)]), fmt, "index_k",
-                               ops)
+            want_l, want_i = _wanted(truth, rids, plan, layer, lfmt, ops)
             for name, (got, ref) in {
                 "sharded latent vs replicated": (views[True].latent(), views[False].latent()),
                 "sharded index_k vs replicated": (views[True].index_k(), views[False].index_k()),
