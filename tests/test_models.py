@@ -237,8 +237,11 @@ def test_loader_errors(tmp_path: Path, tiny_ckpt: Path) -> None:
     def wrong_type(c: dict) -> None:
         c["model_type"] = "llama"
 
-    with pytest.raises(ModelLoadError, match="model_type is 'llama', expected 'deepseek_v32'"):
+    known = (r"model_type 'llama' is not an architecture cpkv knows; it loads deepseek_v32 "
+             r"\(DeepSeek-V3\.2\), glm_moe_dsa \(GLM-5\)$")
+    with pytest.raises(ModelLoadError, match=known) as unknown:
         DeepseekV32.load(_copy(tiny_ckpt, tmp_path / "t", mutate_cfg=wrong_type))
+    assert "\n" not in str(unknown.value)  # one line
 
     def drop(s: dict) -> None:
         del s["model.layers.1.self_attn.indexer.wk.weight"]
