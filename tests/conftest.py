@@ -84,6 +84,18 @@ def _no_cpkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+#: the model families the tests whose fixture is a model run on (docs/models.md): DeepSeek-V3.2,
+#: and GLM-5 with shared-indexer layers (``cpkv.models.tiny.ARCHS``)
+ARCH_NAMES = ("v32", "glm5")
+
+
+@pytest.fixture(scope="session", params=ARCH_NAMES)
+def arch(request: pytest.FixtureRequest) -> str:
+    """The tiny model's architecture (``write_tiny_checkpoint(..., **ARCHS[arch])``): a module's
+    model fixture that takes it runs each of its tests on both families."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
 def ref() -> Any:
     """The torch reference backend, loaded through the plugin registry (one per module).

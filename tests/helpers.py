@@ -156,14 +156,27 @@ def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids[None]).logits[0].float()
 
 
-def hf_random_model(tmp: Path, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A random transformers DeepSeek-V3.2 of :data:`HF_TINY`'s shape (norms and biases made to
-    matter), saved to ``tmp``; the caller skips without transformers (``importorskip``)."""
+#: GLM-5 (``GlmMoeDsaForCausalLM``) over :data:`HF_TINY`: 4 layers, two of them shared-indexer
+#: layers (full, shared, shared, full), GLM-5's eps
+HF_GLM5 = dict(num_hidden_layers=4, indexer_types=["full", "shared", "shared", "full"],
+               rms_norm_eps=1e-5)
+
+
+def hf_random_model(tmp: Path, seed: int = 0, arch: str = "v32",
+                    **overrides: object) -> torch.nn.Module:
+    """A random transformers DeepSeek-V3.2 (``arch="v32"``) or GLM-5 (``"glm5"``:
+    :data:`HF_GLM5`) of :data:`HF_TINY`'s shape (norms and biases made to matter), saved to
+    ``tmp``; the caller skips without transformers (``importorskip``)."""
     import transformers
 
-    cfg = transformers.DeepseekV32Config(**{**HF_TINY, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    if arch == "glm5":
+        glm = transformers.GlmMoeDsaConfig(**{**HF_TINY, **HF_GLM5, **overrides})
+        torch.manual_seed(seed)
+        model = transformers.GlmMoeDsaForCausalLM(glm).eval()
+    else:
+        cfg = transformers.DeepseekV32Config(**{**HF_TINY, **overrides})
+        torch.manual_seed(seed)
+        model = transformers.DeepseekV32ForCausalLM(cfg).eval()
     with torch.no_grad():  # transformers initialises these to zero / one: make them matter
         for name, t in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):

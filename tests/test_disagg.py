@@ -49,6 +49,7 @@ from helpers import (
     pool_snapshot,
     receiver_of,
     reference_tokens,
+    small_format,
     torch_pool,
     transfer_pages,
 )
@@ -330,7 +331,8 @@ def test_plugins_see_the_registered_buffers_not_the_pool() -> None:
     assert bool((src.pool.store.latent[1][5] == 7).all()) and bool((src.pool.store.index_k[1][5] == 7).all())
     m = manifest_for("a", RequestPages([0] * 3, [5, 1, 2], 3 * PAGE), PAGE, 1)
     packed = bufs.pack(m.parts[0], range(1, 2))
-    assert packed.numel() == bufs.nbytes(3, 1) == part_nbytes(src.pool, 3, 1)
+    assert packed.numel() == bufs.nbytes(3, range(1, 2)) == part_nbytes(src.pool.store, 3,
+                                                                        range(1, 2))
     rx = receiver_of(torch_pool(CPGroup.single()))
     rx.reserve(m)
     rx.place_packed(m.parts[0], bufs.pack(m.parts[0]))
@@ -523,3 +525,30 @@ def test_rank_killed_mid_transfer(tiny: Path, tmp_path: Path) -> None:
     assert "'p0' failed receiving rank 1's part" in rec["error"]
     assert "nothing published" in rec["error"]
     assert rec["table"] == [] and rec["unchanged"] and rec["in_flight"] == [] and rec["next_ok"]
+
+
+def test_latent_only_layers_move_no_index_bytes() -> None:
+    """A pool whose layer 1 caches no index-K (a GLM-5 shared-indexer layer): a part packs and
+    lands with that layer's latent only, the bytes moved are what its formats say, and the
+    receiver's pages equal the sender's."""
+    from cpkv.kv import ShardedKVPool
+
+    full = small_format()
+    fmts = [full, full.latent_only()]
+    src = ShardedKVPool(fmts, 2, CPGroup.single(), torch_pool(CPGroup.single()).store.ops,
+                        pages_per_rank=16)
+    for b in src.store.kv:
+        b.random_(0, 255, generator=torch.Generator().manual_seed(4))
+    bufs = registered_buffers(src.store)
+    m = manifest_for("a", RequestPages([0] * 3, [5, 1, 2], 3 * PAGE), PAGE, 1)
+    packed = bufs.pack(m.parts[0])
+    want = 3 * (full.page_bytes + full.latent_page_bytes)
+    assert packed.numel() == bufs.nbytes(3) == part_nbytes(src.store, 3) == want
+    assert want < 3 * 2 * full.page_bytes
+    dst = ShardedKVPool(fmts, 2, CPGroup.single(), src.store.ops, pages_per_rank=16)
+    rx = receiver_of(dst)
+    rx.reserve(m)
+    rx.place_packed(m.parts[0], packed)
+    for layer in range(2):
+        for s_src, s_dst in zip([5, 1, 2], rx.dst_slots(m.parts[0]), strict=True):
+            assert torch.equal(dst.store.kv[layer][s_dst], src.store.kv[layer][s_src])

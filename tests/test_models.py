@@ -1,5 +1,6 @@
-"""cpkv.models against transformers' DeepSeek-V3.2: same logits from the per-layer API with a dense,
-masked reference of the sparse attention; loader errors; yarn rope; the ``init-model`` command."""
+"""cpkv.models against transformers' DeepSeek-V3.2 and GLM-5: same logits from the per-layer API
+with a dense, masked reference of the sparse attention (GLM-5's shared-indexer layers reuse the
+last full layer's keys); GLM-5 indexer schedules; loader errors; yarn rope; ``init-model``."""
 
 from __future__ import annotations
 
@@ -53,8 +54,14 @@ def sparse_attention_reference(m: DeepseekV32, a: AttentionInputs, positions: to
 def reference_logits(m: DeepseekV32, ids: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(ids.shape[0])
     x = m.embed(ids)
+    full: AttentionInputs | None = None  # the last full layer's inputs: its keys are reused
     for layer in range(m.num_layers):
         a = m.attention_inputs(layer, x, pos)
+        if a.shared:
+            assert full is not None and a.index_q is None and a.index_w is None
+            a.index_q, a.index_w, a.index_k = full.index_q, full.index_w, full.index_k
+        else:
+            full = a
         x = x + m.attention_output(layer, sparse_attention_reference(m, a, pos))
         x = x + m.mlp(layer, x)
     return m.final_logits(x)
@@ -65,9 +72,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    tmp = tmp_path_factory.mktemp("hf")
-    return tmp, hf_random_model(tmp)
+def hf_ckpt(tmp_path_factory: pytest.TempPathFactory, arch: str) -> tuple[Path, torch.nn.Module]:
+    tmp = tmp_path_factory.mktemp(f"hf-{arch}")
+    return tmp, hf_random_model(tmp, arch=arch)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +87,12 @@ def prompt(vocab: int, n: int = SEQ, seed: int = 1) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- against transformers
-def test_logits_match_transformers(hf_ckpt: tuple[Path, torch.nn.Module]) -> None:
+def test_logits_match_transformers(hf_ckpt: tuple[Path, torch.nn.Module], arch: str) -> None:
     path, hf = hf_ckpt
     m = DeepseekV32.load(path)
+    if arch == "glm5":  # the shared layers were read as such: no indexer, latent-only KV
+        assert m.index_layers == (True, False, False, True)
+        assert [f.index_k for f in m.kv_formats("bf16", 64)] == list(m.index_layers)
     ids = prompt(m.config.vocab_size)
     err = rel_err(reference_logits(m, ids), hf_logits(hf, ids))
     print(f"transformers-saved checkpoint, float32: max rel err {err:.2e}")
@@ -237,8 +247,11 @@ def test_loader_errors(tmp_path: Path, tiny_ckpt: Path) -> None:
     def wrong_type(c: dict) -> None:
         c["model_type"] = "llama"
 
-    with pytest.raises(ModelLoadError, match="model_type is 'llama', expected 'deepseek_v32'"):
+    known = (r"model_type 'llama' is not an architecture cpkv knows; it loads deepseek_v32 "
+             r"\(DeepSeek-V3\.2\), glm_moe_dsa \(GLM-5\)$")
+    with pytest.raises(ModelLoadError, match=known) as unknown:
         DeepseekV32.load(_copy(tiny_ckpt, tmp_path / "t", mutate_cfg=wrong_type))
+    assert "\n" not in str(unknown.value)  # one line
 
     def drop(s: dict) -> None:
         del s["model.layers.1.self_attn.indexer.wk.weight"]
@@ -361,3 +374,122 @@ def test_index_weights_on_a_gpu_are_the_fp32_projection(tmp_path: Path) -> None:
     want = torch.nn.functional.linear(h.float(), w.idx_w) * m.index_scale
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert float((got - want).abs().max() / want.abs().max()) < 5e-5  # hi alone: ~2e-3
+
+
+# ---------------------------------------------------------------------------- GLM-5 (glm_moe_dsa)
+def test_glm5_tiny_checkpoint_loads_in_transformers(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_tiny_checkpoint(**ARCHS["glm5"])`` is a GLM-5 checkpoint with a mixed schedule:
+    transformers' GlmMoeDsaForCausalLM reads the same schedule and gives the same logits."""
+    from cpkv.models.tiny import ARCHS
+
+    ckpt = write_tiny_checkpoint(tmp_path / "glm5", seed=3, **ARCHS["glm5"])
+    m = DeepseekV32.load(ckpt)
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
+    assert list(hf.config.indexer_types) == list(m.config.layer_indexers) == [
+        "full", "shared", "shared", "full"]
+    assert [layer.self_attn.indexer is None for layer in hf.model.layers] == [
+        not ix for ix in m.index_layers]
+    ids = prompt(m.config.vocab_size, seed=2)
+    ours, theirs = reference_logits(m, ids), hf_logits(hf, ids)
+    err = rel_err(ours, theirs)
+    print(f"write_tiny_checkpoint glm5, float32: max rel err {err:.2e}")
+    assert err <= 1e-4 and ours.std() > 0.1
+    # the indexer's RoPE is interleaved: half-split (DeepSeek-V3.2's) gives other logits
+    monkeypatch.setattr(type(m.config), "index_rope", "half")
+    assert rel_err(reference_logits(m, ids), theirs) > 1e-3
+
+
+@pytest.mark.parametrize("raw", [
+    {"indexer_types": ["full", "shared", "full", "full", "shared", "shared"]},
+    {"index_topk_pattern": "FSSFSF"},
+    {"index_topk_pattern": ["full", "full", "shared", "full", "shared", "shared"]},
+    {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+    {"index_topk_freq": 4},  # offset 2 by default
+    {"index_topk_freq": 2, "index_skip_topk_offset": 3},
+    {},  # every layer full
+])
+def test_glm5_indexer_schedule_in_every_form_is_transformers(raw: dict) -> None:
+    from cpkv.models.config import GlmMoeDsaConfig
+
+    want = transformers.GlmMoeDsaConfig(num_hidden_layers=6, **raw).indexer_types
+    got = GlmMoeDsaConfig.model_validate({"num_hidden_layers": 6, **raw})
+    assert list(got.indexer_types) == list(want)
+    assert got.index_k_layers() == tuple(t == "full" for t in want)
+    assert got.index_k_layers(mtp=True)[-1] is True  # the MTP layer runs its own indexer
+
+
+def test_glm5_config_defaults_and_schedule_errors() -> None:
+    from cpkv.models.config import GlmMoeDsaConfig
+
+    c = GlmMoeDsaConfig.model_validate({"index_topk_freq": 4})
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.q_lora_rank,
+            c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim,
+            c.index_n_heads, c.index_head_dim, c.index_topk, c.n_routed_experts,
+            c.num_experts_per_tok, c.n_shared_experts, c.vocab_size) == (
+        6144, 78, 64, 2048, 512, 64, 192, 256, 32, 128, 2048, 256, 8, 1, 154880)
+    assert c.mlp_layer_types[:4] == ("dense", "dense", "dense", "sparse")
+    assert 0.2 < c.indexer_types.count("full") / 78 < 0.3  # about a quarter run the indexer
+    with pytest.raises(ValueError, match="layer 0 is 'shared'"):
+        GlmMoeDsaConfig.model_validate({"num_hidden_layers": 2, "index_topk_pattern": "SF"})
+    with pytest.raises(ValueError, match="indexer_types has 3 entries, num_hidden_layers is 2"):
+        GlmMoeDsaConfig.model_validate({"num_hidden_layers": 2, "index_topk_pattern": "FSF"})
+    with pytest.raises(ValueError, match=r"only F \(full\) and S \(shared\)"):
+        GlmMoeDsaConfig.model_validate({"num_hidden_layers": 2, "index_topk_pattern": "FX"})
+    with pytest.raises(ValueError, match="model_type must be 'glm_moe_dsa'"):
+        GlmMoeDsaConfig.model_validate({"model_type": "deepseek_v32"})
+
+
+def test_glm5_loader_reads_no_indexer_on_shared_layers(tmp_path: Path) -> None:
+    from cpkv.models.tiny import ARCHS
+
+    ckpt = write_tiny_checkpoint(tmp_path / "glm5", seed=3, **ARCHS["glm5"])
+    names = set(safetensors_torch.load_file(ckpt / "model.safetensors"))
+    assert not any(n.startswith("model.layers.1.self_attn.indexer.") for n in names)
+    assert "model.layers.3.self_attn.indexer.wk.weight" in names
+    assert "model.layers.4.self_attn.indexer.wk.weight" in names  # the MTP layer: its own
+
+    def extra(s: dict) -> None:  # an indexer on a shared layer: the config says it has none
+        s["model.layers.2.self_attn.indexer.wk.weight"] = torch.zeros(16, 64)
+
+    with pytest.raises(ModelLoadError, match=r"unexpected weight\(s\): model\.layers\.2\.self_attn"
+                                             r"\.indexer\.wk\.weight") as ei:
+        DeepseekV32.load(_copy(ckpt, tmp_path / "x", mutate_state=extra))
+    assert "(GLM-5, 4 layers)" in str(ei.value)
+    m = DeepseekV32.load(ckpt, mtp=True)
+    assert m.index_layers == (True, False, False, True, True) and m.kv_layers == 5
+    a = m.attention_inputs(1, torch.randn(3, 64), torch.arange(3))
+    assert a.shared and a.index_q is None and a.index_w is None and a.latent.shape == (3, 40)
+    assert m.shares_top_after(0) and m.shares_top_after(1) and not m.shares_top_after(2)
+
+
+def test_init_model_arch_glm5_and_the_glm5_attention_preset(tmp_path: Path) -> None:
+    """``--arch glm5`` writes the tiny GLM-5 (a mixed schedule); the ``glm5-attention`` preset
+    is GLM-5's attention (64 heads, q_lora 2048, qk_nope 192, v 256, indexer 32 x 128) with a
+    full and a shared layer (size options override it: the full preset is ~0.5 GB)."""
+    from cpkv.cli.init_model import command
+    from cpkv.models.tiny import PRESETS, tiny_config
+
+    out = tmp_path / "glm5"
+    r = CliRunner().invoke(command, [str(out), "--arch", "glm5"])
+    assert r.exit_code == 0, r.output
+    assert "GLM-5" in r.output
+    m = DeepseekV32.load(out)
+    assert m.config.model_type == "glm_moe_dsa" and m.index_layers == (True, False, False, True)
+    cfg = tiny_config(**PRESETS["glm5-attention"])
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank,
+            cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
+            cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (
+        "glm_moe_dsa", 6144, 64, 2048, 512, 64, 192, 256, 32, 128, 2048)
+    assert cfg.indexer_types == ("full", "shared") and cfg.first_k_dense_replace == 2
+    small = tmp_path / "att"
+    r = CliRunner().invoke(command, [str(small), "--preset", "glm5-attention", "--hidden", "128",
+                                     "--vocab", "64", "--layers", "3"])
+    assert r.exit_code == 0, r.output
+    m = DeepseekV32.load(small)
+    assert m.index_layers == (True, False, True) and m.config.num_attention_heads == 64
+    fmts = m.kv_formats("fp8", 64)
+    assert [f.bytes_per_token for f in fmts] == [656 + 132, 656, 656 + 132]
+    r = CliRunner().invoke(command, [str(tmp_path / "bad"), "--arch", "v32", "--preset",
+                                     "glm5-attention"])
+    assert r.exit_code != 0 and "glm5-attention is a glm5 preset" in r.output

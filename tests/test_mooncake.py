@@ -342,7 +342,7 @@ def test_staged_send_lands_every_page_bit_exact(stage_pages: int, layers: range 
     before = [b.clone() for b in dec.store.kv]
     n = link.send_part(part, dst, layers=layers)
     lays = range(3) if layers is None else layers
-    assert n == part_nbytes_of(src, 9, len(lays))
+    assert n == part_nbytes_of(src, 9, lays)
     assert link.stats["staged_pieces"] == pieces
     srcs = [3, 4, 5, 6, 20, 21, 22, 23, 24]
     for layer in range(3):
@@ -369,10 +369,10 @@ def test_staged_send_checks_the_fence_before_each_batch() -> None:
     assert len(link.engine.batches) == 2
 
 
-def part_nbytes_of(pool: Any, pages: int, layers: int) -> int:
+def part_nbytes_of(pool: Any, pages: int, layers: range) -> int:
     from cpkv.disagg import part_nbytes
 
-    return part_nbytes(pool, pages, layers)
+    return part_nbytes(pool.store, pages, layers)
 
 
 def test_probe_names_a_missing_system_library(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,6 @@
-"""CP prefill of a real (tiny, random) DeepSeek-V3.2 checkpoint equals the single-rank run
-(contract rule 23): logits within 1e-4 relative in float32, identical top-k sets up to ties."""
+"""CP prefill of a real (tiny, random) DeepSeek-V3.2 or GLM-5 checkpoint equals the single-rank
+run (contract rule 23): logits within 1e-4 relative in float32, identical top-k sets up to ties
+(GLM-5's shared-indexer layers reuse the last full layer's choice in the same view coordinates)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import SplitMode
 from cpkv.fallback import recording
 from cpkv.models import write_tiny_checkpoint
+from cpkv.models.tiny import ARCHS
 from cpkv.runtime import run_ranks
 from cpkv.runtime.job import JobSpec, compare_topk, prefill_rank
 from cpkv.settings import load_settings
@@ -26,8 +28,9 @@ PAGE = 8  # small pages so that short prompts still span many pages
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+def tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}") / "ckpt", seed=3,
+                                 **ARCHS[arch])
 
 
 def _prompts(seed: int, lengths: list[int], vocab: int = 512) -> tuple[tuple[int, ...], ...]:
@@ -35,8 +38,10 @@ def _prompts(seed: int, lengths: list[int], vocab: int = 512) -> tuple[tuple[int
     return tuple(tuple(rng.randrange(vocab) for _ in range(n)) for n in lengths)
 
 
-def _cases(cp: int) -> list[tuple[str, JobSpec]]:
-    """Both modes; batches without and with cached prefixes (ending mid-page)."""
+def _cases(cp: int, arch: str = "v32") -> list[tuple[str, JobSpec]]:
+    """Both modes; batches without and with cached prefixes (ending mid-page). GLM-5 (the same
+    machinery, its shared layers on top): the prefix cases, fp32 and the p2p fp8 pool, both
+    modes."""
     prompts = _prompts(cp, [90, 45, 7, 130])
     out = []
     for mode in SplitMode:
@@ -56,7 +61,7 @@ def _cases(cp: int) -> list[tuple[str, JobSpec]]:
                               runtime={"logits_budget_mb": 1, "indexer_dtype": "fp8"})
             out.append((f"{mode.value} fp8 indexer prefix", JobSpec("", prompts, s, True,
                                                                     (20, 0, 3, 64))))
-    return out
+    return out if arch == "v32" else [c for i, c in enumerate(out) if i % 4 in (1, 2)]
 
 
 def _run_cases(group: CPGroup, model_dir: str, cases: list[tuple[str, JobSpec]]) -> list:  # type: ignore[type-arg]
@@ -91,8 +96,8 @@ def test_single_rank_prefill_with_prefix_equals_without(tiny: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow),
                                 pytest.param(8, marks=pytest.mark.slow)])
-def test_cp_prefill_equals_single_rank(cp: int, tiny: Path) -> None:
-    cases = _cases(cp)
+def test_cp_prefill_equals_single_rank(cp: int, tiny: Path, arch: str) -> None:
+    cases = _cases(cp, arch)
     results = run_ranks(_run_cases, cp, args=(str(tiny), cases), timeout_s=300)
     for i, (name, spec) in enumerate(cases):
         ref = _reference(str(tiny), spec)
@@ -260,7 +265,11 @@ def test_rotations_go_through_the_op_tables_rope(tiny: Path) -> None:
         else:
             del impls["rope"]
         out.append(session.prefill([("a", prompt)]).last_logits)
-    assert calls == ["interleave", "interleave", "half", "half"] * model.kv_layers
+    # the indexer's pair: DeepSeek-V3.2 half-split, GLM-5 interleaved; none on a shared layer
+    style = "interleave" if model.config.model_type == "glm_moe_dsa" else "half"
+    assert calls == [r for ix in model.index_layers
+                     for r in ["interleave", "interleave", *([style, style] if ix else [])]]
+    assert len(calls) == 4 * model.kv_layers - 2 * model.index_layers.count(False)
     assert torch.equal(out[0], out[1])
 
 
@@ -324,23 +333,24 @@ def test_row_chunks_respect_the_budget() -> None:
 
 
 def _index_keys_made_and_written(model: Any, settings: Any, prompt: tuple[int, ...]
-                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The index keys the model made and those the driver wrote into the pool, per layer."""
+                                 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The index keys the model made and those the driver wrote into the pool, per layer (None
+    on a shared-indexer layer)."""
     from cpkv.runtime.session import PrefillSession
 
     with recording():
         session = PrefillSession(model, settings, CPGroup.single())
-    made: list[torch.Tensor] = []
-    written: list[torch.Tensor] = []
+    made: list[torch.Tensor | None] = []
+    written: list[torch.Tensor | None] = []
     plain_inputs, plain_write = model.attention_inputs, session.pool.write
 
     def inputs(*a: Any, **k: Any) -> Any:
         out = plain_inputs(*a, **k)
-        made.append(out.index_k.clone())
+        made.append(None if out.index_k is None else out.index_k.clone())
         return out
 
-    def write(layer: int, kv: Any, latent: torch.Tensor, index_k: torch.Tensor) -> None:
-        written.append(index_k.clone())
+    def write(layer: int, kv: Any, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
+        written.append(None if index_k is None else index_k.clone())
         plain_write(layer, kv, latent, index_k)
 
     model.attention_inputs = inputs
@@ -367,7 +377,10 @@ def test_fp8_pool_holds_rotated_index_keys(tiny: Path) -> None:
                           runtime={"indexer_dtype": "fp8" if dtype == "fp8" else "bf16"})
         made, written = _index_keys_made_and_written(model, s, prompt)
         assert len(made) == len(written) == model.kv_layers
-        for a, b in zip(made, written, strict=True):
+        for a, b, ix in zip(made, written, model.index_layers, strict=True):
+            if not ix:  # a shared-indexer layer makes and stores no index-K
+                assert a is None and b is None
+                continue
             assert torch.equal(b, hadamard_rotate(a) if rotated else a)
             if rotated:
                 assert not torch.allclose(b, a)

@@ -33,8 +33,10 @@ class PoolBuffers:
         latent: per layer, the ``[pages, ps, latent bytes]`` view of ``kv`` (strided).
         index_k: per layer, the ``[pages, ps, index bytes]`` view of ``kv`` (strided).
         layout: the byte order inside a page block (token-major or part-major).
-        fmt: the stored format (page size, bytes per token).
+        fmt: the stored format (page size, bytes per token): a full layer's.
         device: where the buffers live.
+        fmts: per layer, its format (a GLM-5 shared-indexer layer's has no index-K: its block
+            and its part of a packed buffer are its latent bytes only); empty: ``fmt`` for all.
     """
 
     kv: tuple[torch.Tensor, ...]
@@ -43,6 +45,7 @@ class PoolBuffers:
     layout: PageLayout
     fmt: KVFormat
     device: torch.device
+    fmts: tuple[KVFormat, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -55,13 +58,18 @@ class PoolBuffers:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer, latent and index-K together."""
+        """Bytes of one page of a full layer, latent and index-K together."""
         return self.fmt.page_bytes
 
-    def nbytes(self, num_pages: int, num_layers: int | None = None) -> int:
-        """Bytes of ``num_pages`` pages of every layer (or of ``num_layers`` layers): what a
-        part moves."""
-        return num_pages * self.page_bytes * (self.num_layers if num_layers is None else num_layers)
+    def layer_page_bytes(self, layer: int) -> int:
+        """Bytes of one page of ``layer`` in its own format."""
+        return (self.fmts[layer] if self.fmts else self.fmt).page_bytes
+
+    def nbytes(self, num_pages: int, layers: range | None = None) -> int:
+        """Bytes of ``num_pages`` pages of every layer (or of ``layers``), each layer in its
+        own format: what a part moves."""
+        lays = range(self.num_layers) if layers is None else layers
+        return num_pages * sum(self.layer_page_bytes(layer) for layer in lays)
 
     def pack(self, part: RankTransfer, layers: range | None = None) -> torch.Tensor:
         """The pages of ``part`` (at its runs' source slots) as one contiguous uint8 buffer on
@@ -71,7 +79,7 @@ class PoolBuffers:
         copied once (``index_select`` into its place in the buffer), on the current stream."""
         src = [r.src_slot + i for r in part.runs for i in range(r.num_pages)]
         lays = range(self.num_layers) if layers is None else layers
-        out = torch.empty(self.nbytes(len(src), len(lays)), dtype=torch.uint8, device=self.device)
+        out = torch.empty(self.nbytes(len(src), lays), dtype=torch.uint8, device=self.device)
         if not src or not len(lays):
             return out
         idx = torch.tensor(src, dtype=torch.int64, device=self.device)
@@ -79,6 +87,8 @@ class PoolBuffers:
         for layer in lays:  # gathered straight into the buffer: one copy of each byte, no cat
             for part_view in (self.latent[layer], self.index_k[layer]):
                 size = n * int(part_view[0].numel())
+                if not size:  # a layer without index-K: nothing of it moves
+                    continue
                 torch.index_select(part_view, 0, idx,
                                    out=out[off:off + size].view(n, *part_view.shape[1:]))
                 off += size
@@ -90,4 +100,4 @@ def registered_buffers(store: KVStore) -> PoolBuffers:
     ``layout``, ``fmt`` and device): the one place a :class:`PoolBuffers` is made."""
     return PoolBuffers(kv=tuple(store.kv), latent=tuple(store.latent),
                        index_k=tuple(store.index_k), layout=PageLayout(store.layout), fmt=store.fmt,
-                       device=store.group.device)
+                       device=store.group.device, fmts=tuple(store.fmts))

@@ -27,11 +27,11 @@ from .plan import RankTransfer, TransferManifest
 __all__ = ["DecodeReceiver", "pack_part", "page_checksums", "part_nbytes"]
 
 
-def part_nbytes(store: KVStore, num_pages: int, num_layers: int | None = None) -> int:
-    """Bytes of ``num_pages`` pages of every layer (or of ``num_layers`` layers), latent and
-    index-K: what a part moves."""
-    return num_pages * store.fmt.page_bytes * (store.num_layers if num_layers is None
-                                               else num_layers)
+def part_nbytes(store: KVStore, num_pages: int, layers: range | None = None) -> int:
+    """Bytes of ``num_pages`` pages of every layer (or of ``layers``), latent and index-K of
+    each layer's own format (none for a layer without index-K): what a part moves."""
+    lays = range(store.num_layers) if layers is None else layers
+    return num_pages * sum(store.fmts[layer].page_bytes for layer in lays)
 
 
 def _slots_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -196,13 +196,14 @@ class DecodeReceiver:
         store, n = self.store, part.num_pages
         layers = range(store.num_layers) if layers is None else layers
         fmt = store.fmt
-        ps, lb, ib = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
+        ps, lb = fmt.page_size, fmt.latent_bytes_per_token
         if len(latent) != len(layers) or len(index_k) != len(layers) or \
                 (len(layers) and not 0 <= layers[0] <= layers[-1] < store.num_layers):
             raise TransferError(f"request {part.request!r} rank {part.rank}: {len(latent)}/"
                                 f"{len(index_k)} layers received for layers {layers}, the pool "
                                 f"has {store.num_layers}")
-        for a, b in zip(latent, index_k, strict=True):
+        for layer, a, b in zip(layers, latent, index_k, strict=True):
+            ib = store.fmts[layer].index_bytes_per_token
             if tuple(a.shape) != (n, ps, lb) or tuple(b.shape) != (n, ps, ib) or \
                     a.dtype != torch.uint8 or b.dtype != torch.uint8:
                 raise TransferError(f"request {part.request!r} rank {part.rank}: received pages "
@@ -213,7 +214,8 @@ class DecodeReceiver:
         idx = _slots_tensor(self.dst_slots(part), store.group.device)
         for i, layer in enumerate(layers):
             store.latent[layer].index_copy_(0, idx, latent[i].to(store.group.device))
-            store.index_k[layer].index_copy_(0, idx, index_k[i].to(store.group.device))
+            if store.fmts[layer].index_k:
+                store.index_k[layer].index_copy_(0, idx, index_k[i].to(store.group.device))
         self._arrive(res, part, layers)
 
     def place_packed(self, part: RankTransfer, buf: torch.Tensor, *,
@@ -222,14 +224,15 @@ class DecodeReceiver:
         holding ``layers`` (default: every layer)."""
         store, n = self.store, part.num_pages
         layers = range(store.num_layers) if layers is None else layers
-        want = part_nbytes(store, n, len(layers))
+        want = part_nbytes(store, n, layers)
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != want:
             raise TransferError(f"request {part.request!r} rank {part.rank}: received "
                                 f"{buf.numel()} bytes ({buf.dtype}), expected {want} for {n} pages")
         fmt = store.fmt
-        ps, lb, ib = fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token
+        ps, lb = fmt.page_size, fmt.latent_bytes_per_token
         lat, idx, off = [], [], 0
-        for _ in layers:
+        for layer in layers:  # a layer without index-K sent its latent only
+            ib = store.fmts[layer].index_bytes_per_token
             lat.append(buf[off:off + n * ps * lb].view(n, ps, lb))
             off += n * ps * lb
             idx.append(buf[off:off + n * ps * ib].view(n, ps, ib))

@@ -103,7 +103,7 @@ class SendWorker:
     def submit(self, stream: Stream, layers: range, ready: Any = None) -> None:
         """Queue the send of ``layers`` of ``stream``'s part (waits while the worker is more than
         ``max_inflight_bytes`` behind)."""
-        n = part_nbytes(self.pool.store, stream.part.num_pages, len(layers))
+        n = part_nbytes(self.pool.store, stream.part.num_pages, layers)
         stream.layers_queued += len(layers)
         if not stream.part.runs:
             return

@@ -1,4 +1,6 @@
-"""``DeepseekV32Config``: the fields of an HF ``config.json`` that the DeepSeek-V3.2 math needs.
+"""The fields of an HF ``config.json`` that the DSA math needs: :class:`DeepseekV32Config`
+(``model_type: deepseek_v32``) and :class:`GlmMoeDsaConfig` (``glm_moe_dsa``, GLM-5: the same
+attention with shared-indexer layers and an interleaved indexer RoPE; docs/models.md).
 
 Parsed with pydantic (unknown keys ignored, the value frozen). RoPE is accepted in both spellings:
 transformers 5 ``rope_parameters`` (``rope_type``, ``rope_theta``, yarn keys) and the older top-level
@@ -7,13 +9,19 @@ transformers 5 ``rope_parameters`` (``rope_type``, ``rope_theta``, yarn keys) an
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, Self
+from typing import Any, ClassVar, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["MODEL_TYPE", "DeepseekV32Config", "RopeConfig"]
+__all__ = ["GLM_MODEL_TYPE", "MODEL_TYPE", "MODEL_TYPES", "DeepseekV32Config", "GlmMoeDsaConfig",
+           "IndexerType", "RopeConfig", "config_class", "indexer_schedule"]
 
 MODEL_TYPE: Final = "deepseek_v32"
+GLM_MODEL_TYPE: Final = "glm_moe_dsa"
+
+#: a layer's indexer: ``full`` runs its own and caches index-K; ``shared`` reuses the previous
+#: full layer's top-k selection and caches no index-K
+IndexerType = Literal["full", "shared"]
 
 
 class RopeConfig(BaseModel):
@@ -67,10 +75,41 @@ def _rope_from_raw(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def indexer_schedule(data: dict[str, Any], num_layers: int) -> list[str]:
+    """A GLM-5 config's per-layer indexer types, in every form a config gives them (transformers'
+    ``GlmMoeDsaConfig``): ``indexer_types`` explicit; else ``index_topk_pattern`` (a string of
+    ``F`` full / ``S`` shared, or a list of types); else ``index_topk_freq`` (default 1: every
+    layer full) with ``index_skip_topk_offset`` (default 2): layer i is full when
+    ``max(i - offset + 1, 0) % freq == 0``.
+
+    Raises:
+        ValueError: a pattern character other than F and S.
+    """
+    if data.get("indexer_types") is not None:
+        return list(data["indexer_types"])
+    pattern = data.get("index_topk_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            return list(pattern)
+        bad = sorted(set(pattern) - {"F", "S"})
+        if bad:
+            raise ValueError(f"index_topk_pattern holds {bad}: only F (full) and S (shared)")
+        return ["full" if ch == "F" else "shared" for ch in pattern]
+    freq = max(int(data.get("index_topk_freq", 1) or 1), 1)
+    offset = int(data.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
 class DeepseekV32Config(BaseModel):
     """The DeepSeek-V3.2 hyper-parameters, from an HF ``config.json`` (``model_type: deepseek_v32``)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
+
+    #: the family's name in messages and its HF architecture
+    family: ClassVar[str] = "DeepSeek-V3.2"
+    architecture: ClassVar[str] = "DeepseekV32ForCausalLM"
+    #: the indexer's RoPE pairing: DeepSeek-V3.2 half-split, GLM-5 interleaved
+    index_rope: ClassVar[Literal["half", "interleave"]] = "half"
 
     model_type: Literal["deepseek_v32"] = MODEL_TYPE
     vocab_size: int = Field(ge=1)
@@ -111,15 +150,20 @@ class DeepseekV32Config(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        mt = data.get("model_type", MODEL_TYPE)
-        if mt != MODEL_TYPE:
-            raise ValueError(f"model_type must be {MODEL_TYPE!r}, got {mt!r}")
+        own = cls.model_fields["model_type"].default
+        mt = data.get("model_type", own)
+        if mt != own:
+            raise ValueError(f"model_type must be {own!r}, got {mt!r}")
         if "rope" not in data:
             data["rope"] = _rope_from_raw(data)
-        if data.get("mlp_layer_types") is None and "num_hidden_layers" in data:
-            n = int(data["num_hidden_layers"])
+        n_field = cls.model_fields["num_hidden_layers"]
+        n_default = None if n_field.is_required() else n_field.default
+        if data.get("mlp_layer_types") is None and (n := data.get("num_hidden_layers",
+                                                               n_default)) is not None:
+            n = int(n)
             k = min(int(data.get("first_k_dense_replace", 3)), n)
             data["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (n - k)
+        cls._derive(data)
         for key in ("attention_bias", "mlp_bias"):
             if data.get(key):
                 raise ValueError(f"{key}=true is not supported (DeepSeek-V3.2 has no biases there)")
@@ -146,6 +190,21 @@ class DeepseekV32Config(BaseModel):
                              f"index_head_dim={self.index_head_dim}")
         return self
 
+    @classmethod
+    def _derive(cls, data: dict[str, Any]) -> None:
+        """Fields a family derives from the raw config (in place): none for DeepSeek-V3.2."""
+
+    @property
+    def layer_indexers(self) -> tuple[IndexerType, ...]:
+        """Per decoder layer, its indexer: every DeepSeek-V3.2 layer runs its own."""
+        full: tuple[IndexerType, ...] = ("full",)
+        return full * self.num_hidden_layers
+
+    def index_k_layers(self, mtp: bool = False) -> tuple[bool, ...]:
+        """Per KV layer (the MTP layer last with ``mtp``: it runs its own indexer), whether it
+        caches index-K."""
+        return tuple(t == "full" for t in self.layer_indexers) + ((True,) if mtp else ())
+
     @property
     def mtp_mlp_type(self) -> Literal["dense", "sparse"]:
         """The MTP layer's MLP: as a decoder layer at index ``num_hidden_layers`` (MoE after the
@@ -164,9 +223,88 @@ class DeepseekV32Config(BaseModel):
         if self.rope.type == "yarn":
             rope.update(self.rope.model_dump(exclude={"type", "theta"}, exclude_none=True))
         d["rope_parameters"] = rope
-        d["architectures"] = ["DeepseekV32ForCausalLM"]
+        d["architectures"] = [self.architecture]
         d["num_key_value_heads"] = self.num_attention_heads
         d["attention_bias"] = False
         d["mlp_bias"] = False
         d["dtype"] = "float32"
         return d
+
+
+class GlmMoeDsaConfig(DeepseekV32Config):
+    """GLM-5's hyper-parameters (``model_type: glm_moe_dsa``, transformers' ``GlmMoeDsaConfig``):
+    DeepSeek-V3.2's with per-layer indexer types (:func:`indexer_schedule`) and GLM-5's
+    dimensions as defaults (hidden 6144, 78 layers, first 3 dense, 64 heads, q_lora 2048,
+    kv_lora 512 + rope 64, qk_nope 192, v 256, indexer 32 x 128 top-2048, MoE 256 / 8 active,
+    1 shared expert, vocabulary 154880)."""
+
+    family: ClassVar[str] = "GLM-5"
+    architecture: ClassVar[str] = "GlmMoeDsaForCausalLM"
+    index_rope: ClassVar[Literal["half", "interleave"]] = "interleave"
+
+    model_type: Literal["glm_moe_dsa"] = GLM_MODEL_TYPE  # type: ignore[assignment]
+    vocab_size: int = Field(154880, ge=1)
+    hidden_size: int = Field(6144, ge=1)
+    intermediate_size: int = Field(12288, ge=1)
+    moe_intermediate_size: int = Field(2048, ge=1)
+    num_hidden_layers: int = Field(78, ge=1)
+    num_attention_heads: int = Field(64, ge=1)
+    n_routed_experts: int = Field(256, ge=1)
+    kv_lora_rank: int = Field(512, ge=1)
+    q_lora_rank: int = Field(2048, ge=1)
+    qk_rope_head_dim: int = Field(64, ge=2)
+    v_head_dim: int = Field(256, ge=1)
+    qk_nope_head_dim: int = Field(192, ge=1)
+    num_experts_per_tok: int = Field(8, ge=1)
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    index_n_heads: int = Field(32, ge=1)
+    max_position_embeddings: int = Field(202752, ge=1)
+    #: per decoder layer: "full" (own indexer, caches index-K) or "shared" (the previous full
+    #: layer's top-k, no indexer weights, latent-only KV)
+    indexer_types: tuple[IndexerType, ...]
+
+    @classmethod
+    def _derive(cls, data: dict[str, Any]) -> None:
+        n = int(data.get("num_hidden_layers", cls.model_fields["num_hidden_layers"].default))
+        data["indexer_types"] = indexer_schedule(data, n)
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> Self:
+        if len(self.indexer_types) != self.num_hidden_layers:
+            raise ValueError(f"indexer_types has {len(self.indexer_types)} entries, "
+                             f"num_hidden_layers is {self.num_hidden_layers}")
+        if self.indexer_types and self.indexer_types[0] != "full":
+            raise ValueError("layer 0 is 'shared', but a shared layer reuses the previous full "
+                             "layer's top-k and none comes before it")
+        return self
+
+    @property
+    def layer_indexers(self) -> tuple[IndexerType, ...]:
+        return self.indexer_types
+
+    def hf_dict(self) -> dict[str, Any]:
+        d = super().hf_dict()
+        d["indexer_types"] = list(self.indexer_types)
+        d["head_dim"] = self.qk_rope_head_dim
+        return d
+
+
+#: the model types cpkv loads, with their configs
+MODEL_TYPES: dict[str, type[DeepseekV32Config]] = {
+    MODEL_TYPE: DeepseekV32Config,
+    GLM_MODEL_TYPE: GlmMoeDsaConfig,
+}
+
+
+def config_class(model_type: object) -> type[DeepseekV32Config]:
+    """The config class of ``model_type``.
+
+    Raises:
+        ValueError: a model type cpkv does not know (one line naming it and the known ones).
+    """
+    cls = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if cls is None:
+        known = ", ".join(f"{k} ({c.family})" for k, c in MODEL_TYPES.items())
+        raise ValueError(f"model_type {model_type!r} is not an architecture cpkv knows; it "
+                         f"loads {known}")
+    return cls

@@ -1,4 +1,11 @@
-"""DeepSeek-V3.2 per-layer math for context-parallel prefill (everything except the attention core).
+"""DeepSeek-V3.2 / GLM-5 per-layer math for context-parallel prefill (everything except the
+attention core).
+
+GLM-5 (``glm_moe_dsa``) is this math with two differences (docs/models.md): a *shared-indexer*
+layer (``config.layer_indexers[i] == "shared"``) has no indexer and reuses the previous full
+layer's top-k selection (its :class:`AttentionInputs` carry no indexer tensors, the pool stores
+its latent only: :meth:`DeepseekV32.kv_formats`), and the indexer applies *interleaved* RoPE
+(``config.index_rope``; DeepSeek-V3.2 half-split).
 
 The driver owns the attention: per layer it calls :meth:`DeepseekV32.attention_inputs`, stores
 ``latent`` / ``index_k`` in the KV pool, scores the indexer, picks the top-k keys, runs sparse MLA on the
@@ -52,12 +59,18 @@ class AttentionInputs:
     """``[N, H, kv_lora_rank + qk_rope_head_dim]`` absorbed query: ``q_nope @ W_UK`` ++ roped ``q_rot``."""
     latent: torch.Tensor
     """``[N, kv_lora_rank + qk_rope_head_dim]``: ``kv_a_layernorm(kv_pass)`` ++ roped ``k_rot`` (KV pool)."""
-    index_q: torch.Tensor
-    """``[N, index_n_heads, index_head_dim]`` indexer queries (half-split rope on the first rope dims)."""
-    index_w: torch.Tensor
-    """``[N, index_n_heads]`` float32 head weights, every scale folded in."""
-    index_k: torch.Tensor
-    """``[N, index_head_dim]`` indexer key (pool's index-K)."""
+    index_q: torch.Tensor | None
+    """``[N, index_n_heads, index_head_dim]`` indexer queries (rope on the first rope dims:
+    half-split for DeepSeek-V3.2, interleaved for GLM-5); None on a shared-indexer layer."""
+    index_w: torch.Tensor | None
+    """``[N, index_n_heads]`` float32 head weights, every scale folded in; None when shared."""
+    index_k: torch.Tensor | None
+    """``[N, index_head_dim]`` indexer key (pool's index-K); None on a shared-indexer layer."""
+
+    @property
+    def shared(self) -> bool:
+        """A shared-indexer layer: it reuses the previous full layer's top-k selection."""
+        return self.index_k is None
 
 
 @dataclass
@@ -72,11 +85,12 @@ class _Layer:
     w_uk: torch.Tensor  # [H, qk_nope, kv_lora]
     w_uv: torch.Tensor  # [H, v, kv_lora]
     o: torch.Tensor
-    idx_wq_b: torch.Tensor
-    idx_wk: torch.Tensor
-    idx_k_norm_w: torch.Tensor
-    idx_k_norm_b: torch.Tensor
-    idx_w: torch.Tensor  # float32
+    #: the indexer (None on a GLM-5 shared-indexer layer)
+    idx_wq_b: torch.Tensor | None
+    idx_wk: torch.Tensor | None
+    idx_k_norm_w: torch.Tensor | None
+    idx_k_norm_b: torch.Tensor | None
+    idx_w: torch.Tensor | None  # float32
     #: GPUs: idx_w as two 16-bit halves ``[hi; lo]`` (hi + lo = idx_w to ~2^-17), so the head
     #: weights are one 16-bit GEMM with fp32 output instead of an fp32 copy of the hidden states
     #: and an fp32 GEMM (:meth:`DeepseekV32._index_weights`)
@@ -126,7 +140,8 @@ def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
 
 
 class DeepseekV32:
-    """A loaded DeepSeek-V3.2 with the per-layer API the CP prefill driver calls. Inference only."""
+    """A loaded DeepSeek-V3.2 or GLM-5 with the per-layer API the CP prefill driver calls.
+    Inference only."""
 
     def __init__(self, config: DeepseekV32Config, layers: list[_Layer], embed: torch.Tensor,
                  norm: torch.Tensor, lm_head: torch.Tensor, mtp: _MTP | None = None) -> None:
@@ -153,8 +168,13 @@ class DeepseekV32:
         self._cos = self._sin = torch.empty(0, config.qk_rope_head_dim, device=self.device)
         c = config
         self.index_scale = (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
+        #: per KV layer: whether it runs its own indexer and caches index-K (False: a GLM-5
+        #: shared-indexer layer; the MTP layer runs its own)
+        self.index_layers = c.index_k_layers(mtp is not None)
         if self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
             for layer in layers:
+                if layer.idx_w is None:
+                    continue
                 hi = layer.idx_w.to(self.dtype)
                 layer.idx_w_split = torch.cat([hi, (layer.idx_w - hi.float()).to(self.dtype)])
 
@@ -179,9 +199,11 @@ class DeepseekV32:
             h, nope, v, lora = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                                 cfg.kv_lora_rank)
             kinds = list(cfg.mlp_layer_types) + ([cfg.mtp_mlp_type] if mtp else [])
+            indexed = cfg.index_k_layers(mtp)
             for i, kind in enumerate(kinds):
                 p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
                 kv_b = g(f"{a}.kv_b_proj.weight").view(h, nope + v, lora)
+                ix = indexed[i]
                 layer = _Layer(
                     input_norm=g(f"{p}.input_layernorm.weight"),
                     post_norm=g(f"{p}.post_attention_layernorm.weight"),
@@ -190,9 +212,11 @@ class DeepseekV32:
                     kv_a=g(f"{a}.kv_a_proj_with_mqa.weight"), kv_a_norm=g(f"{a}.kv_a_layernorm.weight"),
                     w_uk=kv_b[:, :nope].contiguous(), w_uv=kv_b[:, nope:].contiguous(),
                     o=g(f"{a}.o_proj.weight"),
-                    idx_wq_b=g(f"{a}.indexer.wq_b.weight"), idx_wk=g(f"{a}.indexer.wk.weight"),
-                    idx_k_norm_w=g(f"{a}.indexer.k_norm.weight"), idx_k_norm_b=g(f"{a}.indexer.k_norm.bias"),
-                    idx_w=g(f"{a}.indexer.weights_proj.weight", f32),
+                    idx_wq_b=g(f"{a}.indexer.wq_b.weight") if ix else None,
+                    idx_wk=g(f"{a}.indexer.wk.weight") if ix else None,
+                    idx_k_norm_w=g(f"{a}.indexer.k_norm.weight") if ix else None,
+                    idx_k_norm_b=g(f"{a}.indexer.k_norm.bias") if ix else None,
+                    idx_w=g(f"{a}.indexer.weights_proj.weight", f32) if ix else None,
                 )
                 m = f"{p}.mlp"
                 if kind == "dense":
@@ -223,11 +247,23 @@ class DeepseekV32:
 
     # ------------------------------------------------------------------ formats
     def kv_format(self, dtype: KVDtype | str, page_size: int) -> KVFormat:
-        """The KV pool's byte layout for this model's latent and index-K."""
+        """The KV pool's byte layout for this model's latent and index-K (a full layer's)."""
         c = self.config
         return KVFormat(dtype=KVDtype(dtype), kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
                         index_head_dim=c.index_head_dim, quant_block=min(128, c.kv_lora_rank),
                         page_size=page_size)
+
+    def kv_formats(self, dtype: KVDtype | str, page_size: int) -> tuple[KVFormat, ...]:
+        """One format per KV layer (:attr:`kv_layers`): a shared-indexer layer's stores its
+        latent only (no index-K)."""
+        full = self.kv_format(dtype, page_size)
+        return tuple(full if ix else full.latent_only() for ix in self.index_layers)
+
+    def shares_top_after(self, layer: int) -> bool:
+        """Whether decoder layer ``layer + 1`` is a shared-indexer layer, which reuses the top-k
+        selection the layers up to ``layer`` made (keep it past ``layer``)."""
+        nxt = layer + 1
+        return nxt < self.num_layers and not self.index_layers[nxt]
 
     # ------------------------------------------------------------------ helpers
     def _layer(self, layer: int) -> _Layer:
@@ -307,13 +343,16 @@ class DeepseekV32:
         kv_pass, k_rot = F.linear(h, w.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = torch.cat([_rms_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS),
                             rot(k_rot, cos, sin, "interleave", None)], dim=-1)
+        if w.idx_wq_b is None or w.idx_wk is None or w.idx_w is None:  # a shared-indexer layer
+            return AttentionInputs(q=q_out, latent=latent, index_q=None, index_w=None,
+                                   index_k=None)
 
-        r = c.qk_rope_head_dim
+        r, style = c.qk_rope_head_dim, c.index_rope
         iq = F.linear(q_resid, w.idx_wq_b).view(n, c.index_n_heads, c.index_head_dim)
-        rot(iq[..., :r], cos, sin, "half", iq[..., :r])  # in place
+        rot(iq[..., :r], cos, sin, style, iq[..., :r])  # in place
         ik = F.layer_norm(F.linear(h, w.idx_wk), (c.index_head_dim,), w.idx_k_norm_w, w.idx_k_norm_b,
                           _SUB_NORM_EPS)
-        rot(ik[..., :r], cos, sin, "half", ik[..., :r])
+        rot(ik[..., :r], cos, sin, style, ik[..., :r])
         iw = self._index_weights(w, h)
         return AttentionInputs(q=q_out, latent=latent, index_q=iq, index_w=iw, index_k=ik)
 
@@ -322,6 +361,7 @@ class DeepseekV32:
         ``weights_proj`` in fp32 (an fp32 GEMM over an fp32 copy of ``h``: 2.77 ms per layer at
         64K x 7168 on the H200); on GPUs one 16-bit GEMM with fp32 output over the weight's
         ``[hi; lo]`` halves, summed (0.56 ms; ~1e-5 of the largest value apart)."""
+        assert w.idx_w is not None
         if w.idx_w_split is not None and h.is_cuda and h.dtype == w.idx_w_split.dtype:
             y = torch.mm(h, w.idx_w_split.t(), out_dtype=torch.float32)
             heads = w.idx_w.shape[0]
@@ -446,7 +486,9 @@ class DeepseekV32:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"DeepseekV32(layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
+        shared = sum(not ix for ix in self.index_layers)
+        return (f"DeepseekV32(family={c.family}, layers={c.num_hidden_layers}, "
+                f"shared_indexer_layers={shared}, hidden={c.hidden_size}, "
                 f"heads={c.num_attention_heads}, "
                 f"experts={c.n_routed_experts}, mtp={self._mtp is not None}, dtype={self.dtype}, "
                 f"device={self.device})")

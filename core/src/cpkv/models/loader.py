@@ -1,4 +1,5 @@
-"""Reading an HF-format DeepSeek-V3.2 checkpoint directory: ``config.json`` + ``*.safetensors``.
+"""Reading an HF-format DSA checkpoint directory (DeepSeek-V3.2 ``deepseek_v32``, GLM-5
+``glm_moe_dsa``): ``config.json`` + ``*.safetensors``.
 
 Names are transformers' (``model.layers.{i}.self_attn.q_a_proj.weight``, ...). Routed experts come in
 either layout: per expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (DeepSeek's release and what
@@ -8,6 +9,8 @@ transformers 5 ``save_pretrained`` writes) or packed ``mlp.experts.gate_up_proj`
 The multi-token-prediction (MTP) layer ``model.layers.{num_hidden_layers}.*`` (DeepSeek's release
 naming, see :func:`mtp_shapes`) is read only when asked for (``mtp=True``); otherwise it is ignored.
 Its ``embed_tokens`` and ``shared_head.head`` may be absent: the main model's are shared then.
+A GLM-5 shared-indexer layer has no ``self_attn.indexer.*`` weights; the MTP layer runs its own
+indexer.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pydantic import ValidationError
 
 from cpkv.logs import get_logger
 
-from .config import MODEL_TYPE, DeepseekV32Config
+from .config import DeepseekV32Config, config_class
 from .errors import ModelLoadError
 
 __all__ = ["CheckpointReader", "expected_shapes", "mtp_shapes", "read_config"]
@@ -51,14 +54,15 @@ def read_config(path: str | Path) -> DeepseekV32Config:
         raise ModelLoadError(f"{cfg_file}: cannot read JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{cfg_file}: expected a JSON object")
-    mt = raw.get("model_type")
-    if mt != MODEL_TYPE:
-        raise ModelLoadError(f"{cfg_file}: model_type is {mt!r}, expected {MODEL_TYPE!r} (DeepSeek-V3.2)")
     try:
-        return DeepseekV32Config.model_validate(raw)
+        cls = config_class(raw.get("model_type"))
+    except ValueError as exc:
+        raise ModelLoadError(f"{cfg_file}: {exc}") from exc
+    try:
+        return cls.model_validate(raw)
     except ValidationError as exc:
         msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        raise ModelLoadError(f"{cfg_file}: invalid DeepSeek-V3.2 config: {msgs}") from exc
+        raise ModelLoadError(f"{cfg_file}: invalid {cls.family} config: {msgs}") from exc
 
 
 def _few(names: Iterable[str], n: int = 5) -> str:
@@ -67,9 +71,10 @@ def _few(names: Iterable[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
-def _layer_shapes(cfg: DeepseekV32Config, i: int, mlp_type: str, packed: bool
-                  ) -> dict[str, tuple[int, ...]]:
-    """The weights of decoder layer ``i`` (``model.layers.{i}.*``) and their shapes."""
+def _layer_shapes(cfg: DeepseekV32Config, i: int, mlp_type: str, packed: bool,
+                  indexer: bool = True) -> dict[str, tuple[int, ...]]:
+    """The weights of decoder layer ``i`` (``model.layers.{i}.*``) and their shapes (no indexer
+    weights without ``indexer``: a shared-indexer layer)."""
     hs, nh = cfg.hidden_size, cfg.num_attention_heads
     p = f"model.layers.{i}"
     a = f"{p}.self_attn"
@@ -83,12 +88,15 @@ def _layer_shapes(cfg: DeepseekV32Config, i: int, mlp_type: str, packed: bool
         f"{a}.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
         f"{a}.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
         f"{a}.o_proj.weight": (hs, nh * cfg.v_head_dim),
-        f"{a}.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-        f"{a}.indexer.wk.weight": (cfg.index_head_dim, hs),
-        f"{a}.indexer.k_norm.weight": (cfg.index_head_dim,),
-        f"{a}.indexer.k_norm.bias": (cfg.index_head_dim,),
-        f"{a}.indexer.weights_proj.weight": (cfg.index_n_heads, hs),
     }
+    if indexer:
+        out |= {
+            f"{a}.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+            f"{a}.indexer.wk.weight": (cfg.index_head_dim, hs),
+            f"{a}.indexer.k_norm.weight": (cfg.index_head_dim,),
+            f"{a}.indexer.k_norm.bias": (cfg.index_head_dim,),
+            f"{a}.indexer.weights_proj.weight": (cfg.index_n_heads, hs),
+        }
     m = f"{p}.mlp"
     if mlp_type == "dense":
         inter = cfg.intermediate_size
@@ -133,8 +141,8 @@ def expected_shapes(cfg: DeepseekV32Config, packed_layers: Iterable[int] = (), *
     """
     packed = set(packed_layers)
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
-    for i in range(cfg.num_hidden_layers):
-        out |= _layer_shapes(cfg, i, cfg.mlp_layer_types[i], i in packed)
+    for i, kind in enumerate(cfg.layer_indexers):
+        out |= _layer_shapes(cfg, i, cfg.mlp_layer_types[i], i in packed, kind == "full")
     out["model.norm.weight"] = (cfg.hidden_size,)
     out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     if mtp:
@@ -259,7 +267,7 @@ class CheckpointReader:
             problems.append(f"{len(bad)} mis-shaped weight(s): " + "; ".join(bad[:5]) + more)
         if problems:
             raise ModelLoadError(f"{self.path}: checkpoint does not match its config.json "
-                                 f"(DeepSeek-V3.2, {cfg.num_hidden_layers} layers): " + ". ".join(problems))
+                                 f"({cfg.family}, {cfg.num_hidden_layers} layers): " + ". ".join(problems))
         self._scales = scales
         self.expected = expected
 

@@ -1,8 +1,10 @@
-"""A tiny random DeepSeek-V3.2 checkpoint in the HF format, and :func:`load_model`.
+"""A tiny random DeepSeek-V3.2 or GLM-5 checkpoint in the HF format, and :func:`load_model`.
 
-:func:`write_tiny_checkpoint` writes ``config.json`` (``model_type: deepseek_v32``, default rope) and one
-``model.safetensors`` (per-expert layout, float32) that transformers' ``DeepseekV32ForCausalLM
-.from_pretrained`` loads as well. Weights are deterministic for a seed and scaled so activations stay
+:func:`write_tiny_checkpoint` writes ``config.json`` (``model_type: deepseek_v32``, or
+``glm_moe_dsa`` with ``model_type="glm_moe_dsa"``, e.g. ``**ARCHS["glm5"]``: a mixed schedule of
+full and shared-indexer layers; default rope) and one ``model.safetensors`` (per-expert layout,
+float32) that transformers' ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM``
+``.from_pretrained`` loads as well. Weights are deterministic for a seed and scaled so activations stay
 well-conditioned (projections ~ N(0, 1/fan_in), output projections half that, norms ~ 1).
 """
 
@@ -20,12 +22,12 @@ from typing import Any
 
 import torch
 
-from .config import DeepseekV32Config
+from .config import GLM_MODEL_TYPE, DeepseekV32Config, GlmMoeDsaConfig, config_class
 from .deepseek_v32 import DeepseekV32
 from .errors import ModelLoadError
 from .loader import expected_shapes
 
-__all__ = ["PRESETS", "TINY_DEFAULTS", "checkpoint_num_parameters", "default_cache_dir",
+__all__ = ["ARCHS", "PRESETS", "TINY_DEFAULTS", "checkpoint_num_parameters", "default_cache_dir",
            "load_model", "tiny_config", "write_tiny_checkpoint"]
 
 TINY_DEFAULTS: dict[str, Any] = {
@@ -58,6 +60,16 @@ TINY_DEFAULTS: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
+#: the architectures of the tiny model (``cpkv init-model --arch``): overrides of
+#: :data:`TINY_DEFAULTS`. ``glm5``: GLM-5 (``glm_moe_dsa``) with 4 layers on the schedule
+#: ``index_topk_freq = 3``, ``index_skip_topk_offset = 1``: full, shared, shared, full (layer i is
+#: full when ``(i - offset + 1) % freq == 0``; longer models continue it), and GLM-5's eps
+ARCHS: dict[str, dict[str, Any]] = {
+    "v32": {},
+    "glm5": {"model_type": GLM_MODEL_TYPE, "num_hidden_layers": 4, "index_topk_freq": 3,
+             "index_skip_topk_offset": 1, "rms_norm_eps": 1e-5},
+}
+
 #: named overrides of :data:`TINY_DEFAULTS` (``cpkv init-model --preset``)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},
@@ -71,6 +83,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=2, first_k_dense_replace=2, max_position_embeddings=163840,
         num_nextn_predict_layers=0,  # ~0.4 G parameters more; init-model --mtp adds it
     ),
+    # GLM-5's attention at full size (hidden 6144, 64 heads, q_lora 2048, latent 512 + rope 64,
+    # qk_nope 192, v 256, indexer 32 x 128, top-2048) in 2 dense layers: the first runs its
+    # indexer, the second is a shared-indexer layer (latent-only KV, the first's top-k)
+    "glm5-attention": dict(
+        model_type=GLM_MODEL_TYPE, hidden_size=6144, num_attention_heads=64, q_lora_rank=2048,
+        kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+        index_n_heads=32, index_head_dim=128, index_topk=2048, intermediate_size=2048,
+        vocab_size=1024, num_hidden_layers=2, first_k_dense_replace=2,
+        index_topk_freq=2, index_skip_topk_offset=1, rms_norm_eps=1e-5,
+        max_position_embeddings=202752, num_nextn_predict_layers=0,
+    ),
 }
 
 #: ``draft="agree"``: the residual branches (o_proj, down projections) of every layer are scaled
@@ -80,18 +103,21 @@ AGREE_BRANCH_SCALE = 0.05
 DRAFTS = ("random", "agree")
 
 _FORMAT_VERSION = 2  # bump when the generated weights change for the same parameters
-_ALLOWED = set(DeepseekV32Config.model_fields) | {"rope_parameters", "rope_theta", "rope_scaling"}
+_ALLOWED = (set(DeepseekV32Config.model_fields) | set(GlmMoeDsaConfig.model_fields)
+            | {"rope_parameters", "rope_theta", "rope_scaling", "index_topk_pattern",
+               "index_topk_freq", "index_skip_topk_offset"})
 
 
 def tiny_config(**overrides: Any) -> DeepseekV32Config:
-    """The tiny model's config: :data:`TINY_DEFAULTS` with ``overrides`` (config.json keys)."""
+    """The tiny model's config: :data:`TINY_DEFAULTS` with ``overrides`` (config.json keys;
+    ``model_type`` picks the family, every form of a GLM-5 indexer schedule is taken)."""
     unknown = set(overrides) - _ALLOWED
     if unknown:
         raise TypeError(f"unknown tiny-model parameter(s): {sorted(unknown)}")
     raw = {**TINY_DEFAULTS, **overrides}
     if ("rope_scaling" in overrides or "rope_theta" in overrides) and "rope_parameters" not in overrides:
         raw.pop("rope_parameters")  # the legacy keys given: let them define the rope
-    return DeepseekV32Config.model_validate(raw)
+    return config_class(raw.get("model_type", "deepseek_v32")).model_validate(raw)
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

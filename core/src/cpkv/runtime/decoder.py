@@ -380,43 +380,54 @@ class LeanDecoder:
         if shape.draft:  # the MTP layer alone, fed the draft tokens and the previous h'
             assert mtp is not None
             x = m.draft_input(m.draft_embed(ids), buf.h_in.repeat_interleave(shape.rows, 0))
-            x = self._layer(mtp, x, rope, row_pages, buf)
+            x, _ = self._layer(mtp, x, rope, row_pages, buf)
             hd = m.draft_hidden(x)
             buf.guess.copy_(m.draft_logits(hd).argmax(dim=-1))
             buf.hidden.copy_(hd)
             return
         x = m.embed(ids)
+        picks: torch.Tensor | None = None  # the last full layer's picks (shared layers reuse)
         for layer in range(m.num_layers):
-            x = self._layer(layer, x, rope, row_pages, buf)
+            x, picks = self._layer(layer, x, rope, row_pages, buf, picks)
         buf.choice.copy_(m.final_logits(x).argmax(dim=-1))
         if mtp is not None:  # the MTP layer on the same rows, the target's choice next
             xd = m.draft_input(m.draft_embed(buf.choice), m.final_hidden(x))
-            hd = m.draft_hidden(self._layer(mtp, xd, rope, row_pages, buf))
+            hd = m.draft_hidden(self._layer(mtp, xd, rope, row_pages, buf)[0])
             buf.guess.copy_(m.draft_logits(hd).argmax(dim=-1))
             buf.hidden.copy_(hd)
 
     def _layer(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               row_pages: torch.Tensor, buf: _Buffers) -> torch.Tensor:
+               row_pages: torch.Tensor, buf: _Buffers, shared: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer (pool layer ``layer``) on the step's rows (``rope`` and
-        ``row_pages`` computed once per step)."""
+        ``row_pages`` computed once per step). Returns the residual stream and the layer's picks
+        (int32 [rows, k] token rows of the pages, -1 empty); a shared-indexer layer (GLM-5)
+        reads ``shared``, the last full layer's picks: the same token rows in its own pages."""
         m, ops, store, s = self.model, self.ops, self.store, self.page_size
         pos, dst, key_end = buf.rows[1], buf.rows[2], buf.rows[3]
         a = m.attention_inputs(layer, x, pos, rope, ops.rope)
         rot = self.rotate_index
-        store.write_rows(layer, dst, a.latent, hadamard_rotate(a.index_k) if rot else a.index_k)
-        pages = store.kv[layer]
-        iq, iw = a.index_q, a.index_w
-        if rot:
-            iq = hadamard_rotate(iq)
-        if self.indexer_fp8:
-            iq, iw = quantize_index_q(iq, iw)
-        logits = ops.indexer_logits_paged(iq, iw, pages, store.fmt, buf.table, buf.request, key_end)
-        top = ops.topk(logits, self.topk, buf.key_start, key_end)
-        # request-local key j -> token row row_pages[row, j // S] * S + j % S, -1 kept
-        j = top.clamp_min(0).long()
-        rows = torch.where(top >= 0, (row_pages.gather(1, j // s) * s + j % s).to(torch.int32),
-                           top)
-        o = ops.sparse_mla_paged(a.q, pages, rows, store.fmt, m.softmax_scale,
-                                 m.config.kv_lora_rank)
+        store.write_rows(layer, dst, a.latent,
+                         None if a.index_k is None else
+                         hadamard_rotate(a.index_k) if rot else a.index_k)
+        pages, fmt = store.kv[layer], store.fmts[layer]
+        if a.index_q is None or a.index_w is None:
+            if shared is None:
+                raise ValueError(f"layer {layer} reuses the previous full layer's top-k, but no "
+                                 f"full layer ran before it")
+            rows = shared
+        else:
+            iq, iw = a.index_q, a.index_w
+            if rot:
+                iq = hadamard_rotate(iq)
+            if self.indexer_fp8:
+                iq, iw = quantize_index_q(iq, iw)
+            logits = ops.indexer_logits_paged(iq, iw, pages, fmt, buf.table, buf.request, key_end)
+            top = ops.topk(logits, self.topk, buf.key_start, key_end)
+            # request-local key j -> token row row_pages[row, j // S] * S + j % S, -1 kept
+            j = top.clamp_min(0).long()
+            rows = torch.where(top >= 0,
+                               (row_pages.gather(1, j // s) * s + j % s).to(torch.int32), top)
+        o = ops.sparse_mla_paged(a.q, pages, rows, fmt, m.softmax_scale, m.config.kv_lora_rank)
         x = x + m.attention_output(layer, o)
-        return x + m.mlp(layer, x)
+        return x + m.mlp(layer, x), rows

@@ -453,7 +453,7 @@ class CPPrefill:
                     capture: bool, x: torch.Tensor, layers: range,
                     hook: LayerHook | None) -> tuple[torch.Tensor, TopkCapture | None]:
         m, ops, pool = self.model, self.ops, self.pool
-        pos, ks, ke = inputs.positions, inputs.key_start, inputs.key_end
+        pos = inputs.positions
         rope = m.rope_cos_sin(pos, m.dtype, inputs.max_position)  # once per batch
         # the rotations through the op table's ``rope`` when it has one (one Triton pass each
         # on GPUs), else the model's reference sequence
@@ -478,12 +478,17 @@ class CPPrefill:
         # GEMM's rate at 64K, plus a concatenation)
         values = torch.empty(kv.rows.num_local, m.config.num_attention_heads, m.config.v_head_dim,
                              dtype=m.dtype, device=self.device)
+        #: the last full layer's top-k choice (and captured scores): what a shared-indexer layer
+        #: (GLM-5) reuses, in the same view coordinates (every layer's view has the same keys)
+        shared_top: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         for layer in layers:
             t0 = time.perf_counter()
             a = m.attention_inputs(layer, x, pos, rope, rotate)
             t1 = time.perf_counter()
             rot = self.rotate_index
-            pool.write(layer, kv, a.latent, hadamard_rotate(a.index_k) if rot else a.index_k)
+            pool.write(layer, kv, a.latent,
+                       None if a.index_k is None else
+                       hadamard_rotate(a.index_k) if rot else a.index_k)
             if hook is not None:
                 hook.layer_written(layer)
             t2 = time.perf_counter()
@@ -494,25 +499,15 @@ class CPPrefill:
             keys = view.attention_keys(a.q.dtype, whole=not select)
             idx_k, idx_scale = keys.index_k, keys.index_scale
             t3 = time.perf_counter()
-            scores = []
-            iq, iw = a.index_q, a.index_w
-            if rot:  # an fp8 pool's rotated index-K: rotated queries (one GEMM pass)
-                iq = hadamard_rotate(iq)
-            if self.indexer_fp8:  # fp8 keys: fp8 queries too
-                iq, iw = quantize_index_q(iq, iw)
-            # each row block's choice written into one buffer (a list then a concatenation
-            # held both: 2 x 537 MB at 64K rows)
-            top = torch.empty(kv.rows.num_local, self.topk, dtype=torch.int32, device=self.device)
-            logits: torch.Tensor | None = None
-            for s, e in chunks:
-                logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
-                top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
-                note_progress()  # the launcher's and the transfer's bounds are on silence
-                if cap is not None:
-                    scores.append(torch.where(top[s:e] >= 0,
-                                              logits.gather(1, top[s:e].clamp_min(0).long()),
-                                              float("-inf")))
-            del iq, iw, logits
+            if a.index_q is None or a.index_w is None:  # shared indexer: the last full layer's
+                if shared_top is None:
+                    raise ValueError(f"layer {layer} reuses the previous full layer's top-k, but "
+                                     f"no full layer ran before it in layers {layers}")
+                top, scores = shared_top
+            else:
+                top, scores = self._select(a.index_q, a.index_w, idx_k, idx_scale, inputs,
+                                           chunks, cap is not None)
+                shared_top = (top, scores)
             t4 = time.perf_counter()
             # row chunks bound the sparse-attention temporaries (latent outputs are fp32 [H, 512]
             # per row: 34 GB for 128K rows at DeepSeek sizes if taken at once)
@@ -528,6 +523,8 @@ class CPPrefill:
             # (held, the query alone, [rows, H, 576] bf16, is 9.7 GB at 64K rows: it was alive
             # while the next layer built its own)
             del a, keys, view, top, idx_k, idx_scale, scores
+            if shared_top is not None and not m.shares_top_after(layer):
+                shared_top = None  # no later layer reuses it: free it before the MLP
             if kv.rows.num_local:  # a rank may hold no rows of a tiny batch
                 x = x + m.output_projection(layer, values)
             t5 = time.perf_counter()
@@ -539,6 +536,32 @@ class CPPrefill:
                 phase[k] += v
         seconds.update(phase)
         return x, cap
+
+    def _select(self, iq: torch.Tensor, iw: torch.Tensor, idx_k: torch.Tensor,
+                idx_scale: torch.Tensor | None, inputs: RankInputs,
+                chunks: list[tuple[int, int]], capture: bool,
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A full layer's top-k choice of this rank's rows (int32 [rows, topk] view keys) from
+        the indexer logits in row chunks, and the captured scores (``capture``)."""
+        ops, ks, ke = self.ops, inputs.key_start, inputs.key_end
+        scores: list[torch.Tensor] = []
+        if self.rotate_index:  # an fp8 pool's rotated index-K: rotated queries (one GEMM pass)
+            iq = hadamard_rotate(iq)
+        if self.indexer_fp8:  # fp8 keys: fp8 queries too
+            iq, iw = quantize_index_q(iq, iw)
+        # each row block's choice written into one buffer (a list then a concatenation held
+        # both: 2 x 537 MB at 64K rows)
+        top = torch.empty(iq.shape[0], self.topk, dtype=torch.int32, device=self.device)
+        for s, e in chunks:
+            logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
+            top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
+            note_progress()  # the launcher's and the transfer's bounds are on silence
+            if capture:
+                scores.append(torch.where(top[s:e] >= 0,
+                                          logits.gather(1, top[s:e].clamp_min(0).long()),
+                                          float("-inf")))
+            del logits
+        return top, scores
 
 
 def _token_ids(ids: Sequence[int], start: int, end: int) -> torch.Tensor:

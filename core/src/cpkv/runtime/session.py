@@ -86,7 +86,8 @@ class PrefillSession:
         # "auto" formats decided for this group's device (fp8 where it has fp8 tensor cores)
         settings = settings.resolved(has_fp8_tensor_cores(group.device))
         self.model, self.settings, self.group = model, settings, group
-        fmt = model.kv_format(settings.kv.pool_dtype(), settings.kv.page_size)
+        # one format per KV layer: a shared-indexer layer (GLM-5) stores its latent only
+        fmt = model.kv_formats(settings.kv.pool_dtype(), settings.kv.page_size)
         # a model loaded with its MTP layer: the draft layer's KV is one more layer of the pool
         self.pool = create_pool(settings, fmt, model.kv_layers, group, host, ops=ALL_OPS)
         self.ops = self.pool.store.ops

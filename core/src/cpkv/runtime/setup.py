@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.contracts import KVFormat, Op, SplitMode
+from cpkv.contracts import KVFormat, Op, SplitMode, layer_formats
 from cpkv.kv import ShardedKVPool
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.plugin import PluginHost, Registry
@@ -88,17 +88,21 @@ def has_fp8_tensor_cores(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
-def create_pool(settings: Settings, fmt: KVFormat, num_layers: int, group: CPGroup,
-                host: PluginHost | None = None, ops: Sequence[Op] = KV_OPS) -> ShardedKVPool:
-    """Resolve ops, run the startup checks, then allocate this rank's pool (sharded or replica).
+def create_pool(settings: Settings, fmt: KVFormat | Sequence[KVFormat], num_layers: int,
+                group: CPGroup, host: PluginHost | None = None,
+                ops: Sequence[Op] = KV_OPS) -> ShardedKVPool:
+    """Resolve ops, run the startup checks, then allocate this rank's pool (sharded or replica;
+    ``fmt``: one format for every layer, or one per layer: GLM-5's shared-indexer layers store
+    their latent only).
 
     Raises:
         StartupError: the settings cannot work (raised on every rank alike, before allocation).
         LookupError: no backend provides a needed op.
     """
     table, registry = resolve_ops(settings, group, host, ops)
-    check_startup(settings, fmt, group, table, registry)
+    fmts = layer_formats(fmt, num_layers)
+    check_startup(settings, next((f for f in fmts if f.index_k), fmts[0]), group, table, registry)
     # same memory per rank either way: a replica fits C times fewer tokens in it
-    return ShardedKVPool(fmt, num_layers, group, table, shared=settings.kv.shared,
+    return ShardedKVPool(fmts, num_layers, group, table, shared=settings.kv.shared,
                          pages_per_rank=settings.kv.pages_per_rank, debug=settings.debug,
                          materialize=settings.kv.materialize, layout=settings.kv.layout)

@@ -104,10 +104,17 @@ class Layout:
 
     @classmethod
     def of(cls, buffers: PoolBuffers) -> Layout:
-        """Raises: ValueError: a buffer is not contiguous."""
+        """Raises: ValueError: a buffer is not contiguous, or layers of different page bytes
+        (a GLM-5 pool's shared-indexer layers hold no index-K: not supported by this plugin
+        yet; the nccl plugin moves such pools)."""
         for buf in buffers.kv:
             if not buf.is_contiguous():
                 raise ValueError("the Mooncake transfer needs contiguous pool buffers")
+        sizes = {int(b[0].nbytes) for b in buffers.kv}
+        if len(sizes) > 1:
+            raise ValueError(f"the Mooncake transfer needs one page size over every layer; this "
+                             f"pool's layers have pages of {sorted(sizes)} bytes (per-layer KV "
+                             f"formats: GLM-5's shared-indexer layers); use transfer plugin nccl")
         return cls(kv=tuple(b.data_ptr() for b in buffers.kv), page_bytes=buffers.kv[0][0].nbytes,
                    num_pages=buffers.num_pages)
 
@@ -551,7 +558,7 @@ class MooncakeLink:
                 are wrong.
         """
         spec = self.spec
-        n = spec.buffers.nbytes(part.num_pages, None if layers is None else len(layers))
+        n = spec.buffers.nbytes(part.num_pages, layers)
         entries: list[tuple[int, int, int]] = []
         try:
             if self.engine is None or self.remote_layout is None:

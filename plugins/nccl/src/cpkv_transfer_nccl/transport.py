@@ -156,8 +156,7 @@ class NcclLink:
 
     def _staging(self, part: RankTransfer, layers: range | None) -> torch.Tensor:
         """A staging buffer for ``part``'s ``layers`` (the packed part layout's size)."""
-        n_layers = None if layers is None else len(layers)
-        return torch.empty(self.spec.buffers.nbytes(part.num_pages, n_layers), dtype=torch.uint8,
+        return torch.empty(self.spec.buffers.nbytes(part.num_pages, layers), dtype=torch.uint8,
                            device=self.device)
 
     def _post(self, part: RankTransfer, layers: range | None,
