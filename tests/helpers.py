@@ -200,7 +200,8 @@ def run_engine_example(ranks: int, tmp: Path, *extra: str) -> dict[str, object]:
     sources on PYTHONPATH); its JSON summary line (the run must succeed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         str(p) for p in [_ROOT / "core" / "src", *sorted((_ROOT / "backends").glob("*/src")),
-                         *sorted((_ROOT / "plugins").glob("*/src"))])}
+                         *sorted((_ROOT / "plugins").glob("*/src")),
+                         *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={ranks}", str(ENGINE_EXAMPLE), *extra],
                           capture_output=True, text=True, timeout=300, cwd=tmp, env=env)
