@@ -18,6 +18,7 @@ from cpkv.cache.radix import PageRef
 from cpkv.comm import CPGroup
 from cpkv.fallback import recording
 from cpkv.models import write_tiny_checkpoint
+from cpkv.models.tiny import ARCHS
 from cpkv.runtime import run_ranks
 from cpkv.settings import load_settings
 from cpkv.testing.cache_check import (
@@ -205,8 +206,9 @@ def _serve(group: Any, model_dir: str, settings: Any, reqs: list[tuple[str, list
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=5)
+def tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}") / "ckpt", seed=5,
+                                 **ARCHS[arch])
 
 
 @pytest.mark.multiprocess

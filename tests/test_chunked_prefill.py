@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from cpkv.comm import CPGroup
 from cpkv.fallback import recording
 from cpkv.models import load_model, write_tiny_checkpoint
+from cpkv.models.tiny import ARCHS
 from cpkv.runtime import run_ranks
 from cpkv.runtime.chunked import chunk_rounds
 from cpkv.runtime.job import compare_topk
@@ -32,8 +33,9 @@ CHUNKINGS = {1: 0, 2: 352, 5: 144}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+def tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}") / "ckpt", seed=3,
+                                 **ARCHS[arch])
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:

@@ -17,6 +17,7 @@ from cpkv.disagg import manifest_for
 from cpkv.fallback import recording
 from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 from cpkv.models import DeepseekV32, write_tiny_checkpoint
+from cpkv.models.tiny import ARCHS
 from cpkv.runtime.decode import DecodeWorker, decode_step, generate, greedy
 from cpkv.runtime.decoder import DecodeShape, bucket_of
 from cpkv.runtime.session import PrefillSession
@@ -28,9 +29,9 @@ PAGE = 8
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("dec") / "ckpt", seed=5,
-                                 num_nextn_predict_layers=0)
+def ckpt(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(f"dec-{arch}") / "ckpt", seed=5,
+                                 num_nextn_predict_layers=0, **ARCHS[arch])
 
 
 def _settings(dtype: str, pages: int = 64, **decode: object) -> Settings:

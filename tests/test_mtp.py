@@ -12,14 +12,16 @@ from click.testing import CliRunner
 
 from cpkv.models import DeepseekV32, ModelLoadError, write_tiny_checkpoint
 from cpkv.models.loader import mtp_shapes
+from cpkv.models.tiny import ARCHS
 from cpkv.testing.checkpoints import copy_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+def tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}") / "ckpt", seed=3,
+                                 **ARCHS[arch])
 
 
 _copy = copy_checkpoint
@@ -30,52 +32,59 @@ def test_mtp_layer_loads_in_the_release_naming(tiny: Path) -> None:
     state = safetensors_torch.load_file(tiny / "model.safetensors")
     cfg = json.loads((tiny / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1
+    L = cfg["num_hidden_layers"]  # the MTP layer's index (v32 tiny: 3, glm5 tiny: 4)
     names = mtp_shapes(DeepseekV32.load(tiny).config)
     for leaf in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
                  "self_attn.indexer.wk", "self_attn.kv_a_proj_with_mqa", "mlp.gate"):
-        assert f"model.layers.3.{leaf}.weight" in names
+        assert f"model.layers.{L}.{leaf}.weight" in names
     assert all(tuple(state[k].shape) == v for k, v in names.items())
     plain, m = DeepseekV32.load(tiny), DeepseekV32.load(tiny, mtp=True)
-    assert (plain.kv_layers, plain.mtp_layer) == (3, None)
-    assert (m.num_layers, m.kv_layers, m.mtp_layer) == (3, 4, 3)
-    torch.testing.assert_close(m._layers[3].q_a, state["model.layers.3.self_attn.q_a_proj.weight"])
-    assert m._mtp is not None and torch.equal(m._mtp.eh_proj, state["model.layers.3.eh_proj.weight"])
+    assert (plain.kv_layers, plain.mtp_layer) == (L, None)
+    assert (m.num_layers, m.kv_layers, m.mtp_layer) == (L, L + 1, L)
+    assert m.index_layers[L]  # the MTP layer runs its own indexer (both families)
+    torch.testing.assert_close(m._layers[L].q_a, state[f"model.layers.{L}.self_attn.q_a_proj.weight"])
+    assert m._mtp is not None and torch.equal(m._mtp.eh_proj, state[f"model.layers.{L}.eh_proj.weight"])
     # the target is the same with and without the MTP layer
     x = torch.randn(5, 64)
     assert torch.equal(plain.final_logits(x), m.final_logits(x))
     with pytest.raises(ValueError, match="without its MTP draft layer"):
         plain.draft_embed(torch.tensor([1]))
     with pytest.raises(IndexError):
-        plain.attention_inputs(3, x, torch.arange(5))
+        plain.attention_inputs(L, x, torch.arange(5))
 
 
 def test_mtp_shares_embedding_and_head_when_absent(tmp_path: Path, tiny: Path) -> None:
+    L = json.loads((tiny / "config.json").read_text())["num_hidden_layers"]
+
     def drop(s: dict) -> None:  # type: ignore[type-arg]
-        del s["model.layers.3.embed_tokens.weight"], s["model.layers.3.shared_head.head.weight"]
+        del s[f"model.layers.{L}.embed_tokens.weight"], s[f"model.layers.{L}.shared_head.head.weight"]
 
     m = DeepseekV32.load(_copy(tiny, tmp_path / "c", mutate_state=drop), mtp=True)
     assert m._mtp is not None and m._mtp.embed is m._embed and m._mtp.head is m._lm_head
 
 
-def test_asking_mtp_of_a_checkpoint_without_it_is_a_clear_error(tmp_path: Path, tiny: Path) -> None:
-    none = write_tiny_checkpoint(tmp_path / "none", seed=3, num_nextn_predict_layers=0)
-    assert DeepseekV32.load(none).num_layers == 3  # loads as before
+def test_asking_mtp_of_a_checkpoint_without_it_is_a_clear_error(tmp_path: Path, tiny: Path,
+                                                                arch: str) -> None:
+    L = json.loads((tiny / "config.json").read_text())["num_hidden_layers"]
+    none = write_tiny_checkpoint(tmp_path / "none", seed=3, num_nextn_predict_layers=0,
+                                 **ARCHS[arch])
+    assert DeepseekV32.load(none).num_layers == L  # loads as before
     with pytest.raises(ModelLoadError, match=r"MTP draft layer was asked for.*num_nextn_predict_layers = 0"):
         DeepseekV32.load(none, mtp=True)
 
     def strip(s: dict) -> None:  # type: ignore[type-arg]
-        for k in [k for k in s if k.startswith("model.layers.3.")]:
+        for k in [k for k in s if k.startswith(f"model.layers.{L}.")]:
             del s[k]
 
     stripped = _copy(tiny, tmp_path / "s", mutate_state=strip)
-    assert DeepseekV32.load(stripped).num_layers == 3
-    with pytest.raises(ModelLoadError, match=r"no model\.layers\.3\.\* weight is stored"):
+    assert DeepseekV32.load(stripped).num_layers == L
+    with pytest.raises(ModelLoadError, match=rf"no model\.layers\.{L}\.\* weight is stored"):
         DeepseekV32.load(stripped, mtp=True)
 
     def half(s: dict) -> None:  # type: ignore[type-arg]
-        del s["model.layers.3.eh_proj.weight"]
+        del s[f"model.layers.{L}.eh_proj.weight"]
 
-    with pytest.raises(ModelLoadError, match=r"missing weight\(s\): model\.layers\.3\.eh_proj"):
+    with pytest.raises(ModelLoadError, match=rf"missing weight\(s\): model\.layers\.{L}\.eh_proj"):
         DeepseekV32.load(_copy(tiny, tmp_path / "h", mutate_state=half), mtp=True)
 
 
@@ -107,8 +116,10 @@ def mtp_reference(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
     greedy token."""
     transformers = pytest.importorskip("transformers")
     state = safetensors_torch.load_file(ckpt / "model.safetensors")
-    target = transformers.DeepseekV32ForCausalLM.from_pretrained(
-        ckpt, attn_implementation="eager").eval()
+    glm = json.loads((ckpt / "config.json").read_text())["model_type"] == "glm_moe_dsa"
+    lm_cls = transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM
+    cfg_cls = transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV32Config
+    target = lm_cls.from_pretrained(ckpt, attn_implementation="eager").eval()
     cfg = target.config
     n_layers, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
     p = f"model.layers.{n_layers}"
@@ -119,11 +130,11 @@ def mtp_reference(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
         x = torch.cat([_rms(e, state[f"{p}.enorm.weight"], eps),
                        _rms(h, state[f"{p}.hnorm.weight"], eps)], -1) @ state[f"{p}.eh_proj.weight"].T
         kind = "dense" if n_layers < cfg.first_k_dense_replace else "sparse"
-        one_cfg = transformers.DeepseekV32Config(**{**cfg.to_dict(), "num_hidden_layers": 1,
-                                                    "first_k_dense_replace": int(kind == "dense"),
-                                                    "mlp_layer_types": [kind],
-                                                    "layer_types": ["indexed_attention"]})
-        one = transformers.DeepseekV32ForCausalLM(one_cfg).eval()
+        one_cfg = cfg_cls(**{**cfg.to_dict(), "num_hidden_layers": 1,
+                             "first_k_dense_replace": int(kind == "dense"),
+                             "mlp_layer_types": [kind], "layer_types": ["indexed_attention"],
+                             **({"indexer_types": ["full"]} if glm else {})})
+        one = lm_cls(one_cfg).eval()
         sd = {k.replace(f"{p}.", "model.layers.0."): v for k, v in state.items()
               if k.startswith(p + ".")}
         sd["model.norm.weight"] = state[f"{p}.shared_head.norm.weight"]
@@ -159,7 +170,8 @@ def test_mtp_forward_equals_the_published_definition(tiny: Path) -> None:
         session = PrefillSession(DeepseekV32.load(tiny, mtp=True), s, CPGroup.single())
         res = session.prefill([("a", ids.tolist())], all_logits=True)
     assert not rec.events
-    assert session.pool.num_layers == 4 and res.draft_embedding == "local"
+    assert session.pool.num_layers == session.model.num_layers + 1
+    assert res.draft_embedding == "local"
     ref = mtp_reference(tiny, ids)
     got = res.all_draft_logits
     assert got is not None and got.shape == ref.shape == (40, 512)

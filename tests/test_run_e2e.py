@@ -123,3 +123,42 @@ def test_compare_topk_counts_only_real_differences() -> None:
     assert compare_topk(ia, sa, *near, rel_tie=1e-2) == 0  # 0.3 apart, scale 50: 0.5 tolerance
     assert compare_topk(ia, sa, *near, rel_tie=1e-6) == 1
     assert compare_topk(ia, sa, *far, rel_tie=1e-2) == 1  # 20 and 21 are far above the floor
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode"), [(2, "zigzag"), (4, "interleave")])
+def test_cpkv_run_on_a_glm5_checkpoint_matches_transformers(tmp_path: Path, cp: int,
+                                                            mode: str) -> None:
+    """A GLM-5 checkpoint written by transformers (full, shared, shared, full): last-token logits
+    within 2e-3 relative of GlmMoeDsaForCausalLM's with argmax equal, and each rank holds at most
+    1/C + one page per request of a replica whose index-K counts the full layers only."""
+    from cpkv.contracts import KVFormat
+
+    hf = hf_random_model(tmp_path / "ckpt", seed=1, arch="glm5", index_n_heads=16)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (70, 41, 9)]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    report, logits = tmp_path / "report.json", tmp_path / "logits.pt"
+    out = _cpkv("run", "--model", str(tmp_path / "ckpt"), "--cp", str(cp), "--mode", mode,
+                "--prompts", str(tmp_path / "prompts.json"), "--report", str(report),
+                "--save-logits", str(logits),
+                env={"CPKV_KV__DTYPE": "fp32", "CPKV_KV__PAGE_SIZE": "8"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = torch.load(logits)
+    for i, p in enumerate(prompts):
+        want = hf_logits(hf, torch.tensor(p))[-1]
+        rel = float((got[i] - want).abs().max() / want.abs().max())
+        assert rel < 2e-3, f"prompt {i}: cpkv run vs transformers {rel:.2e}"
+        assert int(got[i].argmax()) == int(want.argmax())
+    rep = json.loads(report.read_text())
+    assert rep["correct"] is True and rep["cp"] == cp
+    full = KVFormat(dtype="fp32", page_size=8, kv_lora_rank=32, rope_dim=8, index_head_dim=16,
+                    quant_block=32)
+    page = 2 * full.page_bytes + 2 * full.latent_page_bytes  # 4 layers, 2 of them latent-only
+    pages = sum(-(-len(p) // 8) for p in prompts)
+    assert rep["kv_bytes_replicated"] == pages * page  # index-K of the full layers only
+    assert sum(rep["kv_bytes_per_rank"]) == rep["kv_bytes_replicated"]
+    for held in rep["kv_bytes_per_rank"]:
+        assert held <= rep["kv_bytes_replicated"] / cp + len(prompts) * page
+    assert rep["decode"]["tokens_match_reference"] is True

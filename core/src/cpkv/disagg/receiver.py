@@ -46,7 +46,8 @@ def pack_part(store: KVStore, part: RankTransfer, layers: range | None = None) -
 
 def page_checksums(store: KVStore, slots: Sequence[int],
                    valid_rows: Sequence[int] | None = None) -> list[int]:
-    """CRC32 of each page's bytes (latent of every layer, then index-K of every layer), for the
+    """CRC32 of each page's bytes (latent of every layer, then index-K of every layer that has
+    it), for the
     pages at physical ``slots`` of ``store``, in that order; with ``valid_rows``, only the first
     ``valid_rows[i]`` token rows of page i (the valid part of a request's tail page). Syncs the
     device: debug only."""
@@ -55,7 +56,10 @@ def page_checksums(store: KVStore, slots: Sequence[int],
     idx = _slots_tensor(slots, store.group.device)
     n = len(slots)
     lat = torch.stack([store.latent[k].index_select(0, idx) for k in range(store.num_layers)], 2)
-    ixk = torch.stack([store.index_k[k].index_select(0, idx) for k in range(store.num_layers)], 2)
+    # layers without index-K (GLM-5's shared layers) hold none: their index bytes are absent
+    full = [k for k in range(store.num_layers) if store.fmts[k].index_k]
+    ixk = torch.stack([store.index_k[k].index_select(0, idx) for k in full], 2) if full else \
+        lat.new_zeros((n, lat.shape[1], 0, 0))
     if valid_rows is not None:  # [n, ps, layers, bytes]: zero the rows past each page's valid part
         keep = torch.arange(lat.shape[1], device=lat.device)[None, :] < torch.tensor(
             list(valid_rows), device=lat.device)[:, None]
