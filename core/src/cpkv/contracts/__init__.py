@@ -6,7 +6,15 @@ The backend op Protocol (:class:`KVOps`) lives here too, its tensor types for ty
 
 from ._base import Contract, Count, CPSize, PageIndex, PageSize, Position, Rank
 from .fallback import FallbackEvent, FallbackPolicy, FallbackReason
-from .formats import KVDtype, KVFormat, LayerFormats, MaterializeMode, PageLayout, layer_formats
+from .formats import (
+    KVDtype,
+    KVFormat,
+    LayerFormats,
+    MaterializeMode,
+    PageLayout,
+    layer_formats,
+    pages_nbytes,
+)
 from .ops import KVOps, KVPart, Op, OpDeclined, RopeStyle
 from .plan import (
     CPPlan,
@@ -55,4 +63,5 @@ __all__ = [
     "SplitMode",
     "cdiv",
     "layer_formats",
+    "pages_nbytes",
 ]

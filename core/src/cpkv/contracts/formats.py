@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
 from typing import Self
 
@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from ._base import Contract, PageSize
 
-__all__ = ["KVDtype", "KVFormat", "LayerFormats", "layer_formats"]
+__all__ = ["KVDtype", "KVFormat", "LayerFormats", "layer_formats", "pages_nbytes"]
 
 
 class KVDtype(StrEnum):
@@ -156,3 +156,12 @@ def layer_formats(fmt: KVFormat | Sequence[KVFormat], num_layers: int) -> LayerF
             raise ValueError(f"the layers of one pool differ only in index_k; layers {odd[:8]} "
                              f"differ from layer 0 ({base!r})")
     return fmts
+
+
+def pages_nbytes(fmts: Sequence[KVFormat], num_pages: int,
+                 layers: Iterable[int] | None = None) -> int:
+    """Bytes of ``num_pages`` pages of every layer (or of ``layers``), each layer in its own
+    format (latent and index-K; a layer without index-K its latent only): what a pool holds per
+    page, what a transfer part moves."""
+    lays = range(len(fmts)) if layers is None else layers
+    return num_pages * sum(fmts[layer].page_bytes for layer in lays)

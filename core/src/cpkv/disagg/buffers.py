@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.contracts import KVFormat, PageLayout
+from cpkv.contracts import KVFormat, PageLayout, pages_nbytes
 
 from .plan import RankTransfer
 
@@ -36,7 +36,7 @@ class PoolBuffers:
         fmt: the stored format (page size, bytes per token): a full layer's.
         device: where the buffers live.
         fmts: per layer, its format (a GLM-5 shared-indexer layer's has no index-K: its block
-            and its part of a packed buffer are its latent bytes only); empty: ``fmt`` for all.
+            and its part of a packed buffer are its latent bytes only).
     """
 
     kv: tuple[torch.Tensor, ...]
@@ -45,7 +45,7 @@ class PoolBuffers:
     layout: PageLayout
     fmt: KVFormat
     device: torch.device
-    fmts: tuple[KVFormat, ...] = ()
+    fmts: tuple[KVFormat, ...]
 
     @property
     def num_layers(self) -> int:
@@ -63,13 +63,12 @@ class PoolBuffers:
 
     def layer_page_bytes(self, layer: int) -> int:
         """Bytes of one page of ``layer`` in its own format."""
-        return (self.fmts[layer] if self.fmts else self.fmt).page_bytes
+        return self.fmts[layer].page_bytes
 
     def nbytes(self, num_pages: int, layers: range | None = None) -> int:
         """Bytes of ``num_pages`` pages of every layer (or of ``layers``), each layer in its
         own format: what a part moves."""
-        lays = range(self.num_layers) if layers is None else layers
-        return num_pages * sum(self.layer_page_bytes(layer) for layer in lays)
+        return pages_nbytes(self.fmts, num_pages, layers)
 
     def pack(self, part: RankTransfer, layers: range | None = None) -> torch.Tensor:
         """The pages of ``part`` (at its runs' source slots) as one contiguous uint8 buffer on

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpkv.contracts import PageLayout
+from cpkv.contracts import PageLayout, pages_nbytes
 from cpkv.kv import KVStore, PageTable
 
 from .buffers import registered_buffers
@@ -30,8 +30,7 @@ __all__ = ["DecodeReceiver", "pack_part", "page_checksums", "part_nbytes"]
 def part_nbytes(store: KVStore, num_pages: int, layers: range | None = None) -> int:
     """Bytes of ``num_pages`` pages of every layer (or of ``layers``), latent and index-K of
     each layer's own format (none for a layer without index-K): what a part moves."""
-    lays = range(store.num_layers) if layers is None else layers
-    return num_pages * sum(store.fmts[layer].page_bytes for layer in lays)
+    return pages_nbytes(store.fmts, num_pages, layers)
 
 
 def _slots_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:

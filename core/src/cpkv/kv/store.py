@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import CPPlan, KVFormat, MaterializeMode, PageLayout, layer_formats
+from cpkv.contracts import CPPlan, KVFormat, MaterializeMode, PageLayout, layer_formats, pages_nbytes
 from cpkv.ops import page_blocks
 
 from .batch import BatchKV, build_batch
@@ -90,7 +90,7 @@ class KVStore:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every layer (each in its own format)."""
-        return sum(f.page_bytes for f in self.fmts)
+        return pages_nbytes(self.fmts, 1)
 
     @property
     def shared(self) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import CPPlan, KVFormat, SplitMode, cdiv
+from cpkv.contracts import CPPlan, KVFormat, SplitMode, cdiv, pages_nbytes
 from cpkv.kv import PoolExhausted, ShardedKVPool, pack_rows
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.planning import plan_batch
@@ -56,7 +56,7 @@ class PoolScenario:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every layer."""
-        return sum(f.page_bytes for f in self.fmts)
+        return pages_nbytes(self.fmts, 1)
 
 
 @dataclass
