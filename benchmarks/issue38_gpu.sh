@@ -8,18 +8,7 @@
 #    .dg (../shared/tools/gpu-deepgemm) carried.
 #
 # Usage: bash benchmarks/issue38_gpu.sh OUT_DIR
-set -u
-out=${1:?OUT_DIR}
-py=${PYTHON:-python3}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-mkdir -p "$out"
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-t0=$SECONDS
-bash .dg/build.sh || exit 1
-echo "DeepGEMM build: $((SECONDS - t0)) s"
-export PYTHONPATH=/tmp/dg:/tmp/site LD_LIBRARY_PATH=$PWD/.dg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" deepgemm
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 timeout 170 "$py" -m pytest tests/test_deepgemm.py tests/test_cuda_backend.py -q -rA \
   --durations=8 -p no:cacheprovider --tb=short 2>&1 | tee "$out/deepgemm_tests.log" | tail -25

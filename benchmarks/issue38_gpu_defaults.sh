@@ -4,15 +4,7 @@
 # 1M-token prompt after the warm-up (empty compile caches), and the decode step at 64 x 128K
 # against reading its bytes once -> OUT_DIR/first_pass_fresh_defaults.json, decode_64x128k.json.
 # Usage: bash benchmarks/issue38_gpu_defaults.sh OUT_DIR   (with .whl carried)
-set -u
-out=${1:?OUT_DIR}
-py=${PYTHON:-python3}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-mkdir -p "$out"
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+source benchmarks/gpu_setup.sh "${1:?OUT_DIR}"
 timeout 70 "$py" -m cpkv.cli bench decode --out "$out/decode_64x128k.json" --batches 64 \
   --contexts 131072 --no-mtp 2>&1 | tail -12
 timeout 155 "$py" -m cpkv.bench.first_pass --out "$out/first_pass_fresh_defaults.json" \

@@ -4,18 +4,7 @@
 # engines' two-part layout in place, the engine example on CUDA CP1/CP2, a decode write in a CUDA
 # graph), and a GLM-5-attention checkpoint through `cpkv run --device cuda` against its one-rank
 # reference. Usage: bash benchmarks/session10_gpu.sh OUT_DIR   (with .whl and .dg carried)
-set -u
-out=${1:?OUT_DIR}
-py=${PYTHON:-python3}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-mkdir -p "$out"
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-t0=$SECONDS
-timeout 200 bash .dg/build.sh > "$out/dg_build.log" 2>&1 || echo "DeepGEMM build failed"
-echo "DeepGEMM build: $((SECONDS - t0)) s"
-export PYTHONPATH=/tmp/dg:/tmp/site LD_LIBRARY_PATH=$PWD/.dg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" deepgemm
 timeout 180 "$py" -m pytest tests/test_embed_gpu.py -v -rs -p no:cacheprovider --tb=short \
   2>&1 | tee "$out/embed_gpu_tests.log" | tail -20
 "$py" -m cpkv.cli init-model /tmp/glm5-att --preset glm5-attention 2>&1 | tail -2
