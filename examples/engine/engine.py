@@ -237,6 +237,9 @@ def main() -> int:
                           "per_request": diffs, "transfer": ok_transfer, "no_copy": no_copy,
                           "hits": engine.hits, "tail_copies": engine.tail_copies,
                           "batches": engine.batches, "ok": ok}), flush=True)
+    # every rank past its last collective before any tears Gloo down: a rank whose peer had
+    # already destroyed the group aborted in Gloo's threads (SIGABRT, seen once under load)
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 
