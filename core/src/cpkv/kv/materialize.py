@@ -290,9 +290,10 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat | LayerFormats, num_l
 
     ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
     rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
-    ``AUTO`` tries ``P2P`` on a multi-rank CUDA group and takes ``ALL_GATHER`` quietly (info log
-    ``cpkv.kv.materialize_auto``) when it cannot map; on CPU it is ``ALL_GATHER`` (shared files
-    stand in for peer memory in tests there; nothing says they beat a CPU all-gather).
+    ``AUTO`` tries ``P2P`` on a multi-rank NCCL group on GPUs and takes ``ALL_GATHER`` quietly
+    (info log ``cpkv.kv.materialize_auto``) when it cannot map; on CPU, and for Gloo ranks on
+    GPUs (which may share one GPU), it is ``ALL_GATHER`` (shared files stand in for peer memory
+    in tests on CPUs; nothing says they beat a CPU all-gather).
     """
     fmts = layer_formats(fmt, num_layers)
 
@@ -309,10 +310,12 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat | LayerFormats, num_l
                          "p2p reads token rows from its peers")
     auto = (mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
             and storage is None)
-    # one rank has no peers to map (its pool stays plain memory, which a transfer may export)
-    if auto and (group.device.type != "cuda" or group.size == 1):
-        log.info("cpkv.kv.materialize_auto", selected="all_gather",
-                 why="one rank" if group.size == 1 else f"{group.device.type} ranks")
+    # one rank has no peers to map (its pool stays plain memory, which a transfer may export);
+    # Gloo ranks on GPUs may share one (cpkv.comm.rank_gpu): their pages move through Gloo
+    if auto and (group.device.type != "cuda" or group.size == 1 or group.backend == "gloo"):
+        why = ("one rank" if group.size == 1 else f"{group.device.type} ranks"
+               if group.device.type != "cuda" else "Gloo ranks on GPUs (they may share one)")
+        log.info("cpkv.kv.materialize_auto", selected="all_gather", why=why)
     elif mode is MaterializeMode.P2P or auto:
         total = _layer_spans(fmts, capacity)[-1][1]
         try:
