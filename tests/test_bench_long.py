@@ -125,8 +125,8 @@ def test_long_rank_on_the_glm5_schedule_counts_no_indexer_on_shared_layers(tmp_p
     cfg = tiny_config(**stack)
     assert cfg.layer_indexers == ("full", "shared", "full")
     ckpt = str(write_tiny_checkpoint(tmp_path / "glm5", seed=3, **stack))
-    n = 48
-    res = run_ranks(long_rank, 1, args=(LongSpec(ckpt, tokens=(n,), chunks=(16, 48)),),
+    n = 128
+    res = run_ranks(long_rank, 1, args=(LongSpec(ckpt, tokens=(n,), chunks=(64, 128)),),
                     timeout_s=300)[0].value
     assert res["logits_equal"] == {n: True} and res["layers"] == 3
     full, shared = layer_flops(cfg, n), layer_flops(cfg, n, indexer=False)
@@ -137,7 +137,7 @@ def test_long_rank_on_the_glm5_schedule_counts_no_indexer_on_shared_layers(tmp_p
         assert r["layer_tflops"] * r["seconds"] * 1e12 == pytest.approx(sum(r["flops"].values()))
     names = {x.name for x in long_rows(res, {"matmul_tflops": 1.0}, 1.0,
                                        prefix=row_prefix("glm5-attention"))}
-    assert names == {"glm5_long_48_mfu", "glm5_long_48_c48_mfu", "glm5_long_48_peak_gb"}
+    assert names == {"glm5_long_128_mfu", "glm5_long_128_c128_mfu", "glm5_long_128_peak_gb"}
     rec = run_ranks(fp8_recall_rank, 1, args=(RecallSpec(ckpt, (40,), "glm5-attention"),),
                     timeout_s=300)[0].value
     assert len(rec["tokens"][40]["layers"]) == 2  # the full layers only

@@ -117,6 +117,7 @@ def _session(model: Any, group: Any, tokens: int, kv_dtype: str, indexer_dtype: 
 def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
     """The chunked prefills of ``spec`` on this (one-rank) group; see the module docstring."""
     from cpkv.models import load_model
+    from cpkv.runtime.warmup import warm_up
 
     dtype = torch.bfloat16 if group.device.type == "cuda" else torch.float32
     model = load_model(spec.model_dir, dtype=dtype, device=group.device)
@@ -129,13 +130,12 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
                            "budget_auto": session.logits_budget_auto, "runs": {}}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    # warm-up: every kernel specialisation the timed chunks use (compiles; the top-k's
-    # long-row path starts at 192K keys: a 256K-token prompt in the smallest chunks)
-    c0 = min(spec.chunks)
-    warm = torch.randint(0, vocab, (max(4 * c0, min(max(spec.tokens), 262144)),), generator=g)
-    for s in range(0, warm.numel(), c0):
-        session.prefill([("warm", warm[s:s + c0])])
-    session.release("warm")
+    # warm-up: every kernel variant the timed chunks meet, compiled before they are timed
+    # (runtime.warmup.warm_up over the longest prompt in each chunk size: the row groups the
+    # logits budget cuts, and so the launches' shapes, change with the key count; warming to
+    # 256K only left compile stalls of 1-2.5 s in the 384K-704K chunks of a GLM-5 1M run)
+    out["warmup_seconds"] = {c: warm_up(session, max(spec.tokens), c).seconds
+                             for c in sorted(set(spec.chunks))}
     for n in spec.tokens:
         ids = torch.randint(0, vocab, (n,), generator=g)
         logits = {}
