@@ -50,6 +50,7 @@ from helpers import (
     pool_snapshot,
     receiver_of,
     reference_tokens,
+    small_format,
     torch_pool,
 )
 
@@ -65,10 +66,12 @@ def _buffers(n_pages: int) -> Any:
     return registered_buffers(torch_pool(CPGroup.single(), capacity=n_pages).store)
 
 
-def _layout(n: int, base: int, layers: int = 2) -> Any:
-    from cpkv_transfer_mooncake.transport import Layout
+def _layout(n: int, base: int, layers: int = 2, page_bytes: tuple[int, ...] = ()) -> Any:
+    """A layout of one region per layer (``page_bytes[l]``, default 110 bytes) at ``base``."""
+    from cpkv_transfer_mooncake.transport import Layout, Region
 
-    return Layout(kv=tuple(base + 10**6 * i for i in range(layers)), page_bytes=110,
+    sizes = page_bytes or (110,) * layers
+    return Layout(layers=tuple((Region(base + 10**6 * i, b),) for i, b in enumerate(sizes)),
                   num_pages=n)
 
 
@@ -234,15 +237,24 @@ def test_stage_pieces_fit_the_buffer_and_cover_the_send() -> None:
     from cpkv_transfer_mooncake.transport import stage_pieces
 
     # every layer fits: all in one piece; two of three layers fit: pieces of two layers
-    assert stage_pieces(4, range(3), 10, 120) == [(range(3), 0, 4)]
-    assert stage_pieces(4, range(1, 4), 10, 80) == [(range(1, 3), 0, 4), (range(3, 4), 0, 4)]
+    ten = (10,) * 4
+    assert stage_pieces(4, range(3), ten, 120) == [(range(3), 0, 4)]
+    assert stage_pieces(4, range(1, 4), ten, 80) == [(range(1, 3), 0, 4), (range(3, 4), 0, 4)]
     # one layer does not fit: each layer in page ranges of 3 (the buffer's whole pages)
-    assert stage_pieces(7, range(2), 10, 35) == [(range(0, 1), 0, 3), (range(0, 1), 3, 6),
-                                                  (range(0, 1), 6, 7), (range(1, 2), 0, 3),
-                                                  (range(1, 2), 3, 6), (range(1, 2), 6, 7)]
-    assert stage_pieces(0, range(2), 10, 35) == []
+    assert stage_pieces(7, range(2), ten, 35) == [(range(0, 1), 0, 3), (range(0, 1), 3, 6),
+                                                   (range(0, 1), 6, 7), (range(1, 2), 0, 3),
+                                                   (range(1, 2), 3, 6), (range(1, 2), 6, 7)]
+    assert stage_pieces(0, range(2), ten, 35) == []
     with pytest.raises(ValueError, match="holds no page"):
-        stage_pieces(1, range(1), 10, 9)
+        stage_pieces(1, range(1), ten, 9)
+    # layers of their own page bytes (GLM-5: latent-only shared layers): whole layers while
+    # their sum fits; a layer too large alone in page ranges of its own page size
+    mixed = (10, 6, 6, 10)
+    assert stage_pieces(4, range(4), mixed, 88) == [(range(0, 3), 0, 4), (range(3, 4), 0, 4)]
+    assert stage_pieces(4, range(4), mixed, 64) == [(range(0, 2), 0, 4), (range(2, 4), 0, 4)]
+    assert stage_pieces(4, range(4), mixed, 30) == [(range(0, 1), 0, 3), (range(0, 1), 3, 4),
+                                                    (range(1, 2), 0, 4), (range(2, 3), 0, 4),
+                                                    (range(3, 4), 0, 3), (range(3, 4), 3, 4)]
 
 
 def test_staged_entries_merge_where_destinations_continue() -> None:
@@ -254,6 +266,12 @@ def test_staged_entries_merge_where_destinations_continue() -> None:
     ent = staged_entries([0, 7, 8, 3, 4, 9], 1, 5, 1000, dst, range(1, 3))
     assert ent == [(1000, dst.kv[1] + 7 * 110, 220), (1000 + 220, dst.kv[1] + 3 * 110, 220),
                    (1000 + 440, dst.kv[2] + 7 * 110, 220), (1000 + 660, dst.kv[2] + 3 * 110, 220)]
+    # layers of other page bytes: each layer's staged pages at its own stride, one after another
+    mixed = _layout(16, 10**8, page_bytes=(110, 70, 110))
+    ent = staged_entries([0, 7, 8, 3, 4, 9], 1, 5, 1000, mixed, range(1, 3))
+    assert ent == [(1000, mixed.kv[1] + 7 * 70, 140), (1000 + 140, mixed.kv[1] + 3 * 70, 140),
+                   (1000 + 280, mixed.kv[2] + 7 * 110, 220),
+                   (1000 + 500, mixed.kv[2] + 3 * 110, 220)]
 
 
 def test_stage_decision() -> None:
@@ -301,15 +319,24 @@ class _CopyEngine:
         pass
 
 
-def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any]:
+def _staged_link(stage_bytes: int | None, max_batch: int = 1024,
+                 mixed: bool = False) -> tuple[Any, Any, Any]:
     """A bare prefill link on a CPU pool of random bytes that stages through a ``stage_bytes``
-    host buffer and "writes" (memmove) into a second pool; returns (link, source, decode pool)."""
+    host buffer (None: no staging, the entries read the pool) and "writes" (memmove) into a
+    second pool; returns (link, source, decode pool). ``mixed``: layer 1 latent-only (a GLM-5
+    shared-indexer layer: its pages smaller than the others')."""
     import torch
 
+    from cpkv.kv import ShardedKVPool
     from cpkv_transfer_mooncake.transport import HostStaging, Layout, MooncakeLink
 
     src = torch_pool(CPGroup.single(), capacity=32, layers=3)
     dec = torch_pool(CPGroup.single(), capacity=40, layers=3)
+    if mixed:
+        full = small_format()
+        fmts = [full, full.latent_only(), full]
+        src, dec = (ShardedKVPool(fmts, 3, CPGroup.single(), src.store.ops, pages_per_rank=n)
+                    for n in (32, 40))
     gen = torch.Generator().manual_seed(5)
     for buf in src.store.kv:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
@@ -321,7 +348,7 @@ def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any
     link.remote = "127.0.0.1:1"
     link.engine = _CopyEngine()
     link.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0, "staged_pieces": 0}
-    link.stage = HostStaging(link.spec.buffers, stage_bytes)
+    link.stage = None if stage_bytes is None else HostStaging(link.spec.buffers, stage_bytes)
     link.channel = _Channel()
     return link, src, dec
 
@@ -360,6 +387,30 @@ def test_staged_send_lands_every_page_bit_exact(stage_pages: int, layers: range 
     assert link.stage is None
 
 
+@pytest.mark.parametrize("stage_bytes", [None, 100 * 512, 9 * 512, 4 * 512, 512])
+def test_layers_of_their_own_page_bytes_land_bit_exact(stage_bytes: int | None) -> None:
+    """A pool whose layer 1 holds no index-K (pages of 384 bytes beside 512): each layer's
+    region is registered and written at its own page stride, read in place or staged in pieces
+    of any size, and the decode pool's pages equal the sender's, nothing else touched."""
+    import torch
+
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=4, src_slot=3),
+                                                   PageRun(first_page=6, num_pages=5, src_slot=20)))
+    dst = [10, 11, 12, 30, 31, 32, 33, 0, 1]
+    link, src, dec = _staged_link(stage_bytes, mixed=True)
+    assert [r.page_bytes for (r,) in link.local.layers] == [512, 384, 512]
+    assert link.local.buffers() == [(b.data_ptr(), b.numel()) for b in src.store.kv]
+    before = [b.clone() for b in dec.store.kv]
+    n = link.send_part(part, dst)
+    assert n == 9 * (512 + 384 + 512) == part_nbytes_of(src, 9, range(3))
+    assert sum(e[2] for b in link.engine.batches for e in b) == n  # each byte written once
+    srcs = [3, 4, 5, 6, 20, 21, 22, 23, 24]
+    untouched = sorted(set(range(40)) - set(dst))
+    for layer in range(3):
+        assert torch.equal(dec.store.kv[layer][dst], src.store.kv[layer][srcs]), layer
+        assert torch.equal(dec.store.kv[layer][untouched], before[layer][untouched])
+
+
 def test_staged_send_checks_the_fence_before_each_batch() -> None:
     part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=8, src_slot=0),))
     link, _, _ = _staged_link(2 * 512, max_batch=1)
@@ -389,25 +440,42 @@ def test_probe_names_a_missing_system_library(monkeypatch: pytest.MonkeyPatch) -
 # ---- real engines: C prefill ranks -> one decode rank ------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cpkv.models import write_tiny_checkpoint
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny checkpoints by architecture, written on first use (``ARCHS``: glm5 has a mixed
+    schedule, so its pool's shared layers have smaller pages than its full layers)."""
+    return {}
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+
+def _tiny(models: dict[str, Path], arch: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.models.tiny import ARCHS
+
+    if arch not in models:
+        models[arch] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}") / "ckpt",
+                                             seed=3, **ARCHS[arch])
+    return models[arch]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "stage"), [
-    (2, "zigzag", (20, 0, 3, 64), "request", "auto"),
-    (2, "zigzag", (20, 0, 3, 64), "layer", "auto"),
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "stage", "arch"), [
+    (2, "zigzag", (20, 0, 3, 64), "request", "auto", "v32"),
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "v32"),
     # host staging on CPU pools, a buffer of 2.5 pages (the tiny model's page is 1792 bytes per
     # layer): every part of more than 2 pages goes in pieces of 2 pages of one layer
-    (2, "zigzag", (20, 0, 3, 64), "layer", "host"),
-    pytest.param(2, "zigzag", (20, 0, 3, 64), "request", "host", marks=pytest.mark.slow),
-    pytest.param(4, "interleave", (), "layer", "auto", marks=pytest.mark.slow)])
-def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
-                                      pipeline: str, stage: str) -> None:
+    (2, "zigzag", (20, 0, 3, 64), "layer", "host", "v32"),
+    # GLM-5's mixed schedule: layers of two page sizes (shared layers hold no index-K), each
+    # registered and written at its own stride, read in place and staged
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "glm5"),
+    (2, "zigzag", (20, 0, 3, 64), "request", "host", "glm5"),
+    pytest.param(2, "zigzag", (20, 0, 3, 64), "request", "host", "v32", marks=pytest.mark.slow),
+    pytest.param(4, "interleave", (), "layer", "auto", "v32", marks=pytest.mark.slow)])
+def test_mooncake_transfer_and_decode(tiny_models: dict[str, Path],
+                                      tmp_path_factory: pytest.TempPathFactory, cp: int,
+                                      mode: str, prefix: tuple[int, ...], pipeline: str,
+                                      stage: str, arch: str) -> None:
     from cpkv.models import load_model
 
+    tiny = _tiny(tiny_models, arch, tmp_path_factory)
     base = job_spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": TransferSettings.model_validate(
         {"name": "mooncake", "timeout_s": 60, "pipeline": pipeline,
@@ -417,7 +485,10 @@ def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tu
     senders: list[SenderReport] = [r.value for r in out[:cp]]
     dec: DecodeReport = out[cp].value
     model = load_model(str(tiny))
-    page_bytes = model.kv_format("fp32", PAGE).page_bytes * model.num_layers
+    fmts = model.kv_formats("fp32", PAGE)
+    page_bytes = sum(f.page_bytes for f in fmts)  # each layer in its own format
+    if arch == "glm5":
+        assert len({f.page_bytes for f in fmts}) == 2
     for r, snd in enumerate(senders):  # exactly the pages each rank owns
         owned = sum(len(v) for v in snd.page_crcs.values())
         assert owned and snd.bytes_sent == owned * page_bytes, f"rank {r}"
@@ -529,7 +600,8 @@ def _apply_fault(link: Any, fault: str) -> Any:
         return lambda: setattr(link, "remote", good)
     if fault == "address":  # outside every buffer the decode engine registered
         lay = link.remote_layout
-        link.remote_layout = replace(lay, kv=tuple(a + (1 << 44) for a in lay.kv))
+        link.remote_layout = replace(lay, layers=tuple(
+            tuple(replace(r, addr=r.addr + (1 << 44)) for r in regions) for regions in lay.layers))
         return lambda: setattr(link, "remote_layout", lay)
     if fault == "stall":  # never writes nor notifies within the timeout
         link.send_part = lambda part, dst, **kw: time.sleep(TIMEOUT + 1.5) or 0

@@ -61,6 +61,14 @@ class PoolBuffers:
         """Bytes of one page of a full layer, latent and index-K together."""
         return self.fmt.page_bytes
 
+    @property
+    def parts(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Per layer, the regions its pages live in, each a uint8 ``[pages, bytes of a page's
+        part]`` view (row ``s`` is page ``s``'s part, one block at a page stride): what a
+        one-sided transport registers and writes, region by region, each with its own page
+        bytes. One region per layer here (the layer's ``kv`` buffer, in its own format)."""
+        return tuple((b.view(b.shape[0], -1),) for b in self.kv)
+
     def layer_page_bytes(self, layer: int) -> int:
         """Bytes of one page of ``layer`` in its own format."""
         return self.fmts[layer].page_bytes
