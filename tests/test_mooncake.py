@@ -23,6 +23,7 @@ os.environ.setdefault("MC_MIN_RPC_PORT", "47310")
 os.environ.setdefault("MC_MAX_RPC_PORT", "47990")
 
 from cpkv.comm import CPGroup
+from cpkv.contracts import KVFormat
 from cpkv.disagg import (
     DecodeReceiver,
     DecodeTransfer,
@@ -319,31 +320,33 @@ class _CopyEngine:
         pass
 
 
-def _staged_link(stage_bytes: int | None, max_batch: int = 1024,
-                 mixed: bool = False) -> tuple[Any, Any, Any]:
+def _staged_link(stage_bytes: int | None, max_batch: int = 1024, mixed: bool = False,
+                 layouts: tuple[str, str] = ("token_major", "token_major"),
+                 fmt: Any = None) -> tuple[Any, Any, Any]:
     """A bare prefill link on a CPU pool of random bytes that stages through a ``stage_bytes``
     host buffer (None: no staging, the entries read the pool) and "writes" (memmove) into a
     second pool; returns (link, source, decode pool). ``mixed``: layer 1 latent-only (a GLM-5
-    shared-indexer layer: its pages smaller than the others')."""
+    shared-indexer layer: its pages smaller than the others'). ``layouts``: the sender's and
+    the decode pool's (different ones: the sender re-lays the pages out while staging);
+    ``fmt``: the full layers' format (default the bf16 ``small_format``)."""
     import torch
 
+    from cpkv.contracts import BufferLayout
     from cpkv.kv import ShardedKVPool
     from cpkv_transfer_mooncake.transport import HostStaging, Layout, MooncakeLink
 
-    src = torch_pool(CPGroup.single(), capacity=32, layers=3)
-    dec = torch_pool(CPGroup.single(), capacity=40, layers=3)
-    if mixed:
-        full = small_format()
-        fmts = [full, full.latent_only(), full]
-        src, dec = (ShardedKVPool(fmts, 3, CPGroup.single(), src.store.ops, pages_per_rank=n)
-                    for n in (32, 40))
+    ops = torch_pool(CPGroup.single(), capacity=1).store.ops
+    full = small_format() if fmt is None else fmt
+    fmts = [full, full.latent_only(), full] if mixed else [full] * 3
+    src, dec = (ShardedKVPool(fmts, 3, CPGroup.single(), ops, pages_per_rank=n, layout=lay)
+                for n, lay in ((32, layouts[0]), (40, layouts[1])))
     gen = torch.Generator().manual_seed(5)
-    for buf in src.store.kv:
+    for buf in (r for regs in src.store.regions for r in regs):
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     link = object.__new__(MooncakeLink)
     link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(src.store))
     link.max_batch, link.retries = max_batch, 0
-    link.relayout = None
+    link.relayout = None if layouts[0] == layouts[1] else BufferLayout(layouts[1])
     link.local, link.remote_layout = Layout.of(link.spec.buffers), Layout.of(registered_buffers(dec.store))
     link.remote = "127.0.0.1:1"
     link.engine = _CopyEngine()
@@ -734,26 +737,39 @@ def test_cpkv_run_with_the_example_config(tmp_path: Path) -> None:
     assert "transfer (mooncake)" in res.stdout
 
 
-@pytest.mark.parametrize("src", ["token_major", "part_major"])
-def test_relayout_pages_round_trips_and_matches_the_part_major_block(src: str) -> None:
-    """A staged page re-laid out for the decode pool: token-major -> part-major puts the page's
-    latent rows first, then its index-K rows; the way back restores the bytes."""
+LAYOUTS = ("token_major", "part_major", "two_part")
+
+
+@pytest.mark.parametrize("dst_layout", LAYOUTS)
+@pytest.mark.parametrize("src_layout", LAYOUTS)
+def test_staged_relayout_lands_every_layout_bit_exact(src_layout: str, dst_layout: str) -> None:
+    """Sender and decode pools in any two layouts (fp8, a latent-only layer among full ones):
+    a layout the decode does not share is re-laid out while staged, in pieces of a small
+    buffer, each region written at its own stride; the decode's pages read back as the same
+    canonical blocks as the sender's (each part's token rows alike: latent, index-K values and
+    scales), nothing else touched."""
     import torch
 
-    from cpkv.contracts import PageLayout
-    from cpkv_transfer_mooncake.transport import relayout_pages
+    from cpkv.kv.buffers import read_pages
 
-    src_l = PageLayout(src)
-    g = torch.Generator().manual_seed(0)
-    n, ps, nl, ni = 3, 4, 5, 2
-    tok = torch.randint(0, 256, (n, ps, nl + ni), generator=g, dtype=torch.uint8)
-    part = torch.cat([tok[..., :nl].reshape(n, -1), tok[..., nl:].reshape(n, -1)], dim=1)
-    pages = tok if src_l is PageLayout.TOKEN_MAJOR else part.view(n, ps, nl + ni)
-    other = PageLayout.PART_MAJOR if src_l is PageLayout.TOKEN_MAJOR else PageLayout.TOKEN_MAJOR
-    out = torch.empty(n, ps * (nl + ni), dtype=torch.uint8)
-    relayout_pages(pages, out, src_l, other, nl)
-    want = part if other is PageLayout.PART_MAJOR else tok.reshape(n, -1)
-    assert torch.equal(out, want)
-    back = torch.empty_like(out)
-    relayout_pages(out.view(n, ps, nl + ni), back, other, src_l, nl)
-    assert torch.equal(back, pages.reshape(n, -1))
+    fp8 = KVFormat(dtype="fp8", page_size=PAGE, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
+                   quant_block=8)
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=4, src_slot=3),
+                                                   PageRun(first_page=6, num_pages=5, src_slot=20)))
+    dst = [10, 11, 12, 30, 31, 32, 33, 0, 1]
+    link, src, dec = _staged_link(3 * fp8.page_bytes, mixed=True, fmt=fp8,
+                                  layouts=(src_layout, dst_layout))
+    if src_layout == dst_layout:  # the pools share a layout: the entries read the pool itself
+        link.stage = None
+    shapes = [[int(r.shape[1]) for r in regs] for regs in dec.store.regions]
+    assert [[r.page_bytes for r in regs] for regs in link.remote_layout.layers] == shapes
+    before = [read_pages(dec.store.spec, k, torch.arange(40)) for k in range(3)]
+    n = link.send_part(part, dst)
+    assert n == part_nbytes_of(src, 9, range(3))
+    assert sum(e[2] for b in link.engine.batches for e in b) == n  # each byte written once
+    srcs, untouched = [3, 4, 5, 6, 20, 21, 22, 23, 24], sorted(set(range(40)) - set(dst))
+    for k in range(3):
+        got = read_pages(dec.store.spec, k, torch.tensor(dst))
+        assert torch.equal(got, read_pages(src.store.spec, k, torch.tensor(srcs))), k
+        after = read_pages(dec.store.spec, k, torch.tensor(untouched))
+        assert torch.equal(after, before[k][untouched])

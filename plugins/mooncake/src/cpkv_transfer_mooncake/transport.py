@@ -65,9 +65,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpkv.disagg.api import (
+    BufferLayout,
     FallbackReason,
+    KVBufferSpec,
     LinkSpec,
-    PageLayout,
     PartSink,
     PoolBuffers,
     RankTransfer,
@@ -75,9 +76,11 @@ from cpkv.disagg.api import (
     TransferError,
     TransferFenced,
     get_logger,
-    page_blocks,
+    read_pages,
+    region_bytes,
     report_fallback,
     store_side_channel,
+    write_pages,
 )
 
 from .nvlink import NVLINK_INTRA, ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
@@ -161,8 +164,8 @@ class Session:
     layout: Layout | None
     protocol: str
     error: str | None = None
-    #: the decode pool's page layout (``PageLayout`` value): senders write their pages in it
-    page_layout: str = PageLayout.TOKEN_MAJOR.value
+    #: the decode pool's layout (``BufferLayout`` value): senders write their pages in it
+    page_layout: str = BufferLayout.TOKEN_MAJOR.value
 
 
 @dataclass(frozen=True)
@@ -308,14 +311,30 @@ def stage_reason(mode: str, device_type: str, protocol: str,
             f"with a synchronous cudaMemcpy that stalls the prefill's compute")
 
 
-def relayout_pages(pages: Any, out: Any, src: PageLayout, dst: PageLayout, nl: int) -> None:
-    """Write the page blocks ``pages`` ([n, ps, B] uint8, blocks in layout ``src``) into
-    ``out`` ([n, ps * B]) in layout ``dst``: token-major = each token's latent then its index-K
-    bytes; part-major = the page's ps latent rows, then its ps index-K rows (``nl`` latent bytes
-    per token)."""
-    for d, s in zip(page_blocks(out.view(pages.shape), dst, nl), page_blocks(pages, src, nl),
-                    strict=True):
-        d.copy_(s)
+def relayout_pages(buffers: PoolBuffers, layer: int, idx: Any, out: Any,
+                   dst: BufferLayout) -> None:
+    """Write pages ``idx`` (int64 [n]) of ``layer`` of ``buffers`` into ``out`` (uint8, the
+    layer's ``n`` pages' bytes) laid out as the decode pool's regions are in layout ``dst``
+    (region after region, ``n`` pages each: what :func:`staged_entries` writes from): each
+    part's token rows read from the pool's layout and stored into a one-layer spec over ``out``
+    (token-major = each token's latent then its index-K bytes; part-major = the page's ps latent
+    rows, then its ps index-K rows; two-part = the latent block, then the index-K in DeepGEMM's
+    page order)."""
+    import torch
+
+    fmt, n = buffers.fmts[layer], int(idx.shape[0])
+    ps, at, parts = fmt.page_size, 0, []
+    for b in region_bytes(fmt, dst):
+        parts.append(out[at:at + n * b])
+        at += n * b
+    if dst is BufferLayout.TWO_PART:
+        tensors: list[Any] = [(parts[0].view(n, ps, -1), parts[1].view(n, -1) if fmt.index_k
+                               else None)]
+    else:
+        tensors = [parts[0].view(n, ps, -1)]
+    over = KVBufferSpec.wrap(fmt, dst, tensors)
+    blocks = read_pages(buffers.spec, layer, idx)
+    write_pages(over, 0, torch.arange(n, device=blocks.device), blocks)
 
 
 class HostStaging:
@@ -362,11 +381,12 @@ class HostStaging:
                 self.addr = int(self.scratch.data_ptr())
 
     def fill(self, buffers: PoolBuffers, layers: range, slots: Sequence[int],
-             relayout: tuple[PageLayout, PageLayout, int] | None = None) -> None:
+             relayout: BufferLayout | None = None) -> None:
         """Stage the pages ``slots`` of ``layers`` (layer after layer; in a layer, region after
         region of ``buffers.parts``, each its own page bytes) at :attr:`addr`; returns once the
-        bytes are in the buffer the engine writes from. ``relayout`` = (the pool's layout, the
-        one to stage in, latent bytes per token): each page's block is rewritten on the way."""
+        bytes are in the buffer the engine writes from. ``relayout``: the decode pool's layout
+        when it differs from this pool's; each page is rewritten in it on the way
+        (:func:`relayout_pages`)."""
         import torch
 
         n = len(slots)
@@ -380,8 +400,7 @@ class HostStaging:
             for layer in layers:
                 if relayout is not None:
                     out = buf[at:at + n * self.page_bytes[layer]]
-                    relayout_pages(buffers.kv[layer].index_select(0, idx), out.view(n, -1),
-                                   *relayout)
+                    relayout_pages(buffers, layer, idx, out, relayout)
                     at += out.numel()
                     continue
                 for part in buffers.parts[layer]:
@@ -499,8 +518,8 @@ class MooncakeLink:
         self.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0,
                       "staged_pieces": 0}
         self.stage: HostStaging | None = None
-        #: (this pool's layout, the decode pool's, latent bytes per token) when they differ
-        self.relayout: tuple[PageLayout, PageLayout, int] | None = None
+        #: the decode pool's layout when it differs from this pool's
+        self.relayout: BufferLayout | None = None
         self.channel, self._store = _side_channel(spec, self.opts.hostname)
         if spec.is_decode:
             self._connect_decode()
@@ -538,13 +557,11 @@ class MooncakeLink:
         extra = [(self.stage.addr, self.stage.nbytes)] if self.stage is not None else []
         return self.local.buffers() + extra
 
-    def _make_stage(self, decode_layout: PageLayout) -> None:
+    def _make_stage(self, decode_layout: BufferLayout) -> None:
         """The sender's staging decision (``transfer.mooncake.stage``; always when the decode
         pool's page layout differs), logged; the buffer is made here."""
         bufs, o = self.spec.buffers, self.opts
-        mine = bufs.layout
-        self.relayout = None if mine is decode_layout else (
-            mine, decode_layout, int(bufs.fmt.latent_bytes_per_token))
+        self.relayout = None if bufs.layout is decode_layout else decode_layout
         proto = self.setup.effective
         why = stage_reason(o.stage, bufs.device.type, proto, relayout=self.relayout is not None)
         if why is not None:  # nvlink_intra maps GPU memory only: its staging stays there
@@ -566,7 +583,7 @@ class MooncakeLink:
             raise TransferError(f"mooncake connect: the decode engine failed: "
                                 f"{session.error if isinstance(session, Session) else session}")
         try:
-            self._make_stage(PageLayout(session.page_layout))
+            self._make_stage(BufferLayout(session.page_layout))
             self.engine = _Engine(self._engine_cls, self.opts, self._buffers(), self.setup.engine)
         except Exception as exc:
             err = _why(exc)
