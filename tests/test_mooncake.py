@@ -460,29 +460,35 @@ def _tiny(models: dict[str, Path], arch: str, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "stage", "arch"), [
-    (2, "zigzag", (20, 0, 3, 64), "request", "auto", "v32"),
-    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "v32"),
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "stage", "arch", "layout"), [
+    (2, "zigzag", (20, 0, 3, 64), "request", "auto", "v32", "token_major"),
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "v32", "token_major"),
     # host staging on CPU pools, a buffer of 2.5 pages (the tiny model's page is 1792 bytes per
     # layer): every part of more than 2 pages goes in pieces of 2 pages of one layer
-    (2, "zigzag", (20, 0, 3, 64), "layer", "host", "v32"),
+    (2, "zigzag", (20, 0, 3, 64), "layer", "host", "v32", "token_major"),
     # GLM-5's mixed schedule: layers of two page sizes (shared layers hold no index-K), each
     # registered and written at its own stride, read in place and staged
-    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "glm5"),
-    (2, "zigzag", (20, 0, 3, 64), "request", "host", "glm5"),
-    pytest.param(2, "zigzag", (20, 0, 3, 64), "request", "host", "v32", marks=pytest.mark.slow),
-    pytest.param(4, "interleave", (), "layer", "auto", "v32", marks=pytest.mark.slow)])
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "glm5", "token_major"),
+    (2, "zigzag", (20, 0, 3, 64), "request", "host", "glm5", "token_major"),
+    # the engines' two-part prefill pools: each page re-laid out for the part-major decode
+    # pool while staged (latent block, DeepGEMM-ordered index-K -> part-major page)
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "glm5", "two_part"),
+    pytest.param(2, "zigzag", (20, 0, 3, 64), "request", "host", "v32", "token_major",
+                 marks=pytest.mark.slow),
+    pytest.param(4, "interleave", (), "layer", "auto", "v32", "token_major",
+                 marks=pytest.mark.slow)])
 def test_mooncake_transfer_and_decode(tiny_models: dict[str, Path],
                                       tmp_path_factory: pytest.TempPathFactory, cp: int,
                                       mode: str, prefix: tuple[int, ...], pipeline: str,
-                                      stage: str, arch: str) -> None:
+                                      stage: str, arch: str, layout: str) -> None:
     from cpkv.models import load_model
 
     tiny = _tiny(tiny_models, arch, tmp_path_factory)
     base = job_spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": TransferSettings.model_validate(
         {"name": "mooncake", "timeout_s": 60, "pipeline": pipeline,
-         "mooncake": {"stage": stage, "stage_mb": 4480 / (1 << 20)}})})
+         "mooncake": {"stage": stage, "stage_mb": 4480 / (1 << 20)}}),
+        "kv": base.settings.kv.model_copy(update={"layout": layout})})
     spec = JobSpec(base.model_dir, base.prompts, s, False, base.prefix_lens, base.decode_tokens)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
