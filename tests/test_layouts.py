@@ -82,3 +82,24 @@ def test_cpkv_run_in_each_layout_equals_the_reference(tmp_path: Path, layout: st
     c = data["cache"]
     assert c["hit_tokens"] == [0, 100, 0, 600]
     assert c["pages_saved_to_host"] > 0 and c["pages_loaded_from_host"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preference", [("triton", "torch"), ("torch",)])
+def test_every_layout_round_trips_bit_exact_on_cuda(preference: tuple[str, ...]) -> None:
+    """One CUDA rank, the default KV ops (triton's page copies over the regions, pinned host
+    pages read and written over the bus) and torch's: every layout's views equal the replica's
+    and the truth, the host tier gives every page back, the canonical bytes agree."""
+    from dataclasses import replace
+
+    import torch
+
+    from cpkv.comm import CPGroup
+
+    g = CPGroup.single(torch.device("cuda", 0))
+    scenarios = [replace(sc, preference=preference) for sc in _scenarios(1)]
+    outs = run_pool_scenarios(g, scenarios)
+    for sc, o in zip(scenarios, outs, strict=True):
+        assert o.mismatches == [] and o.host_round_trip, (sc.layout, sc.fmt.dtype, o.mismatches)
+    for j in range(0, len(outs), len(LAYOUTS)):
+        assert outs[j + 1].page_crcs == outs[j].page_crcs == outs[j + 2].page_crcs
