@@ -143,7 +143,7 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
 
     nl = fmt.latent_bytes_per_token
     part = torch.cat([pool[..., :nl].reshape(4096, -1), pool[..., nl:].reshape(4096, -1)],
-                     dim=1).view(pool.shape)  # the same pages, part-major
+                     dim=1).view(4096, PAGE, -1)  # the same pages, part-major
     moved("part_major_gather_64k_bw", nbytes, lambda: impl.page_gather(part, idx),
           lambda: ref.page_gather(part, idx), src)
     moved("part_major_scatter_64k_bw", nbytes, lambda: impl.page_scatter(part, idx, src),

@@ -205,8 +205,9 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
 
 def _canonical(pool: ShardedKVPool, slots: list[int]) -> list[torch.Tensor]:
     """Per layer, the canonical blocks of pages ``slots`` (uint8 [n, ps, B] on the host)."""
-    idx = torch.tensor(slots, dtype=torch.int64, device=pool.group.device)
-    return [read_pages(pool.store.spec, k, idx).cpu() for k in range(pool.num_layers)]
+    store = pool.store
+    idx = torch.tensor(slots, dtype=torch.int64, device=store.group.device)
+    return [read_pages(store.spec, k, idx).cpu() for k in range(store.num_layers)]
 
 
 def _pages_out(pool: ShardedKVPool, group: CPGroup, out: PoolOutcome) -> None:
@@ -227,18 +228,19 @@ def _pages_out(pool: ShardedKVPool, group: CPGroup, out: PoolOutcome) -> None:
         data = b"".join(b[i].numpy().tobytes() for b in before)
         out.page_crcs.setdefault(rid, {})[k] = zlib.crc32(data)
     alloc = pool.pages.alloc_rank(group.rank)
-    host = HostPages(pool.store.fmts, pool.num_layers, len(slots), pool.pages.allocator.num_ranks,
-                     pool.group.device, pool.store.spec.layout)
+    store = pool.store
+    host = HostPages(store.fmts, store.num_layers, len(slots), pool.pages.allocator.num_ranks,
+                     store.group.device, store.spec.layout)
     needs = [len(slots) if a == alloc else 0 for a in range(host.allocator.num_ranks)]
     hs = host.take(needs)[alloc]
-    pool.store.save_to_host(host, slots, hs)
-    idx = torch.tensor(slots, dtype=torch.int64, device=pool.group.device)
-    for regs in pool.store.regions:
+    store.save_to_host(host, slots, hs)
+    idx = torch.tensor(slots, dtype=torch.int64, device=store.group.device)
+    for regs in store.regions:
         for r in regs:
             r.index_fill_(0, idx, 0)
-    pool.store.queue_load(PageLoad(host, tuple((group.rank, h, d)
-                                               for h, d in zip(hs, slots, strict=True))))
-    pool.store.flush_loads()
+    store.queue_load(PageLoad(host, tuple((group.rank, h, d)
+                                          for h, d in zip(hs, slots, strict=True))))
+    store.flush_loads()
     after = _canonical(pool, slots)
     out.host_round_trip = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
