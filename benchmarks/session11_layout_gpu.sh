@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 37 item 1 on one H200: every KV layout (token_major, part_major, two_part) on CUDA and
-# the page-movement rows of `cpkv bench gpu` for each, then `cpkv run --device cuda` from
-# two-part prefill pools (GLM-5 attention: per-layer page sizes, moved by Mooncake over CUDA IPC
-# and re-laid out for the part-major decode pool while staged on the device).
-# -> OUT_DIR/layouts_gpu_tests.log, gpu_layouts_h200.json, glm5_two_part_run.{log,json}.
-# Run from the repository root with .whl carried (no DeepGEMM needed). About 4 minutes.
+# the page-movement rows of `cpkv bench gpu` for each, then `cpkv run --device cuda` on a GLM-5
+# attention checkpoint (per-layer page sizes, moved by Mooncake over CUDA IPC: issue 36's refusal
+# gone) from token-major and from two-part prefill pools (re-laid out for the part-major decode
+# pool while staged on the device).
+# -> OUT_DIR/layouts_gpu_tests.log, gpu_layouts_h200.json, glm5_{token_major,two_part}_run.{log,json}.
+# Run from the repository root with .whl carried (no DeepGEMM needed). About 5 minutes.
 #
 # Usage: bash benchmarks/session11_layout_gpu.sh OUT_DIR
 source benchmarks/gpu_setup.sh "${1:?OUT_DIR}"
@@ -25,7 +26,10 @@ for r in d["results"]:
 PY
 echo "bench: $((SECONDS - t0)) s"; t0=$SECONDS
 "$py" -m cpkv.cli init-model /tmp/glm5-att --preset glm5-attention 2>&1 | tail -1
-CPKV_KV__LAYOUT=two_part timeout 150 "$py" -m cpkv.cli run --device cuda \
-  --config examples/one_gpu.toml --model /tmp/glm5-att --report "$out/glm5_two_part_run.json" \
-  2>&1 | tee "$out/glm5_two_part_run.log" | tail -12
-echo "run: $((SECONDS - t0)) s"
+# issue 36's refused run (Mooncake with per-layer page sizes), then the same from two-part pools
+for layout in token_major two_part; do
+  CPKV_KV__LAYOUT=$layout timeout 120 "$py" -m cpkv.cli run --device cuda \
+    --config examples/one_gpu.toml --model /tmp/glm5-att --report "$out/glm5_${layout}_run.json" \
+    2>&1 | tee "$out/glm5_${layout}_run.log" | tail -6
+  echo "run $layout: $((SECONDS - t0)) s"; t0=$SECONDS
+done
