@@ -140,15 +140,42 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
           lambda: ref.page_gather(pool, idx), src)
     moved("scatter_64k_bw", nbytes, lambda: impl.page_scatter(pool, idx, src),
           lambda: ref.page_scatter(pool, idx, src), src)
-    # the same pages in the engines' two-part layout (cpkv.embed: a latent tensor and a
-    # DeepGEMM-order index-K tensor) read out as / written from canonical blocks, what the
-    # all-gather, a transfer and the host tier move; torch ops only (its "torch" timing is the
+    # the page movement of each layout (kv.layout), every row against a device copy of the same
+    # bytes. part_major: a page is one block too, moved whole (the all-gather's send buffer,
+    # copies on write, the host tier, a transfer between pools of one layout): the same kernel
+    # on a part-major pool. two_part (a latent tensor and a DeepGEMM-order index-K tensor):
+    # whole pages move region by region (two page gathers / scatters: copies on write, the host
+    # tier, a transfer between two-part pools), and are read out as / written from canonical
+    # blocks where the bytes change layout (the all-gather's send buffer, a transfer into the
+    # part-major decode pool); the canonical rows are torch ops only (its "torch" timing is the
     # same call)
     from cpkv.kv.buffers import KVBufferSpec, read_pages, write_pages
 
     nl = fmt.latent_bytes_per_token
+    part = torch.cat([pool[..., :nl].reshape(4096, -1), pool[..., nl:].reshape(4096, -1)],
+                     dim=1).view(4096, PAGE, -1)  # the same pages, part-major
+    moved("part_major_gather_64k_bw", nbytes, lambda: impl.page_gather(part, idx),
+          lambda: ref.page_gather(part, idx), src)
+    moved("part_major_scatter_64k_bw", nbytes, lambda: impl.page_scatter(part, idx, src),
+          lambda: ref.page_scatter(part, idx, src), src)
     two = KVBufferSpec.wrap(fmt, "two_part", [(pool[..., :nl].contiguous(),
                                                 pool[..., nl:].contiguous().view(4096, -1))])
+    regions = two.regions(0)
+    region_src = [torch.empty(1024, r.shape[1], dtype=torch.uint8, device=dev) for r in regions]
+
+    def region_moves(k: KVOps, scatter: bool) -> Callable[[], None]:
+        def run() -> None:
+            for r, s_ in zip(regions, region_src, strict=True):
+                if scatter:
+                    k.page_scatter(r, idx, s_)
+                else:
+                    k.page_gather(r, idx)
+        return run
+
+    moved("two_part_region_gather_64k_bw", nbytes, region_moves(impl, False),
+          region_moves(ref, False), src)
+    moved("two_part_region_scatter_64k_bw", nbytes, region_moves(impl, True),
+          region_moves(ref, True), src)
     for name, fn in (("two_part_gather_64k_bw", partial(read_pages, two, 0, idx)),
                      ("two_part_scatter_64k_bw", partial(write_pages, two, 0, idx, src))):
         moved(name, nbytes, fn, fn, src)
