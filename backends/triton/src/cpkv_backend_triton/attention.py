@@ -23,6 +23,7 @@ from cpkv.ops.api import (
     OpDeclined,
     check_indexer_args,
     check_indexer_paged_args,
+    check_indexer_topk_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
     paged_latent,
@@ -412,8 +413,8 @@ class PageReader(Protocol):
 
 
 class AttentionKernels:
-    """The sparse-attention ops (indexer_logits, indexer_logits_paged, topk, sparse_mla,
-    sparse_mla_paged), on CUDA
+    """The sparse-attention ops (indexer_logits, indexer_logits_paged, topk, indexer_topk,
+    sparse_mla, sparse_mla_paged), on CUDA
     tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
 
     Args:
@@ -594,6 +595,19 @@ class AttentionKernels:
             ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
         """
         return select_topk(logits, k, key_start, key_end, self.topk_method)
+
+    def indexer_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                     k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                     key_end: torch.Tensor, topk: int) -> torch.Tensor:
+        """``topk(indexer_logits(...))`` as one op: int32 [N, topk]. See
+        :class:`cpkv.ops.api.KVOps`. :meth:`indexer_logits` then :meth:`topk`.
+
+        Raises:
+            ValueError: an argument does not fit (as the reference).
+        """
+        check_indexer_topk_args(q, w, k, k_scale, key_start, key_end, topk)
+        logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
+        return self.topk(logits, topk, key_start, key_end)
 
     # -- sparse MLA -----------------------------------------------------------------------------
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
