@@ -59,7 +59,9 @@ __all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout"]
 #: programs wanted, splits of at least SPLIT_MIN columns; the candidates' scratch at most
 #: 1 / SCRATCH_DIV of the logits' bytes (or SCRATCH_MB); the filter's tiles (BLOCK_M x BLOCK_N,
 #: as the indexer's), warps and stages; the exact pass's key tile and warps.
-#: Not yet measured on the GPU (benchmarks/session11_topk_gpu.sh): MIN_T is the long-row top-k's
+#: Not yet measured on the GPU (benchmarks/session11_topk_gpu.sh times the fused path against
+#: the plain one at 256K and 512K keys): MIN_T and SAMPLE are the long-row top-k's
+#: (``topk.TOPK_LONG``), the tiles the indexer's (``attention.INDEXER_DEFAULT``)
 INDEXER_TOPK: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "SAFETY": 4, "CAP_MIN": 1024,
                                 "CAP_MAX": 16384, "PROGRAMS": 1024, "SPLIT_MIN": 16384,
                                 "SCRATCH_DIV": 4, "SCRATCH_MB": 64, "BLOCK_M": 64,
@@ -140,15 +142,17 @@ def _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
 
 @triton.jit
 def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr,
-                         count_ptr, N, T, K, CS, NS,
+                         count_ptr, N, T, K, CS, NS, CAP,
                          sq0, sq1, sq2, sw0, sw1, sk0, sk1,
                          H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FP8: tl.constexpr, UPCAST: tl.constexpr):
     """Step 3 (program (split j, row block)): the split's logit tiles, in column order, for the
     block's rows holding more than K keys; the keys at or above the row's floor appended to the
     (row, split)'s candidates (at most CAP; the count goes on past it: the select flags the
-    row). Tiles outside every such row's range are skipped."""
+    row). Tiles outside every such row's range are skipped. CAP is a runtime value: the
+    layout's CAP changes with the call's shape, and each new value would compile the kernel
+    again mid-prompt."""
     j = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
@@ -327,13 +331,13 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
     scale = k_scale.contiguous() if k_scale is not None else floor  # unused for float keys
     bm = min(cfg["BLOCK_M"], _pow2(n))
     bn = cfg["BLOCK_N"]
-    launch(("indexer_topk", q.dtype, k.dtype, heads, d, bm, bn, lay.cap, upcast),
+    launch(("indexer_topk", q.dtype, k.dtype, heads, d, bm, bn, upcast),
            _fused_filter_kernel, (lay.splits, triton.cdiv(n, bm)),
            (q, w, k, scale, ks, ke, floor, cand, count, n, t, topk, lay.split_cols, lay.splits,
-            q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0),
+            lay.cap, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0),
             k.stride(1)),
-           {"H": heads, "D": d, "DP": dot_width, "BLOCK_M": bm, "BLOCK_N": bn, "CAP": lay.cap,
-            "FP8": fp8, "UPCAST": upcast},
+           {"H": heads, "D": d, "DP": dot_width, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
+            "UPCAST": upcast},
            cfg["num_warps"], cfg["num_stages"])
     # 4. the select; 5. the flagged rows, exactly
     out = torch.empty(n, topk, dtype=torch.int32, device=dev)
