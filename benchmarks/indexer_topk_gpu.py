@@ -8,10 +8,11 @@ causal ranges of a prompt's last rows. Writes one JSON object to OUT (argv[1]):
   interpreter tests' forced cases (a floor above the k-th key, ties overflowing CAP, ties within
   CAP): each True when it chose the reference's set.
 * ``cases``: per (rows, keys): the fused set equal to the plain path's in every row (and the
-  rows that differ), the rows the select flagged, device milliseconds (median, CUDA events
-  after a spin kernel) of the plain indexer, the plain top-k on its logits, both, and the fused
-  op; ``fused_topk_share`` = (fused - plain indexer) / plain indexer, the issue's share with
-  the filter's epilogue counted as top-k work; a per-kernel profile of one fused call.
+  rows that differ), the rows the select flagged, no host sync (``set_sync_debug_mode``),
+  device milliseconds (median, CUDA events after a spin kernel) of the plain indexer, the
+  plain top-k on its logits, both, and the fused op; ``fused_topk_share`` = (fused - plain
+  indexer) / plain indexer, the issue's share with the filter's epilogue counted as top-k
+  work; a per-kernel profile of one fused call.
 * ``flagged``: the exact pass's cost: every long row forced to it (CAP_MAX 16).
 * ``sweep``: launch parameters of the filter at 8192 x 512K (PROGRAMS, SPLIT_MIN, warps).
 
@@ -134,6 +135,16 @@ def case(impl: Any, n: int, t: int) -> dict[str, Any]:
     res: dict[str, Any] = {"rows": n, "keys": t, "layout": F.layout(n, t, K).__dict__,
                            "sets_equal": bool(same.all()), "rows_differ": int((~same).sum()),
                            "flagged_rows": flags[0] if flags else None}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the op reads nothing back to the host
+    try:
+        impl.indexer_topk(q8, w8, k8, sc, ks, ke, K)
+        res["no_host_sync"] = True
+    except RuntimeError as exc:
+        print(f"host sync: {exc}", flush=True)
+        res["no_host_sync"] = False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     res["plain_indexer_ms"] = device_ms(partial(impl.indexer_logits, q8, w8, k8, sc, ks, ke),
                                         iters=10)
     res["plain_topk_ms"] = device_ms(partial(impl.topk, logits, K, ks, ke), iters=10)

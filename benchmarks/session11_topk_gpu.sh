@@ -16,7 +16,7 @@
 # Predictions (written before any run; plain figures from docs/perf.md):
 #   - edge: every entry true; the forced cases flag what they force (floor_too_high and
 #     ties_overflow: all 12 rows; ties_within_cap: 0).
-#   - sets_equal true and rows_differ 0 in all three cases (the filter computes the plain
+#   - sets_equal, no_host_sync true, rows_differ 0 in all three cases (the filter computes the plain
 #     kernel's logits with the same dots in the same order); flagged_rows 0 (random inputs).
 #   - 1024 x 512K: plain indexer ~10 ms, plain top-k ~2.2 ms (share ~0.22 at this row count),
 #     plain ~12.2, fused ~10.6 (share ~0.05, 1.15x). 4096 x 256K: indexer ~19 ms, top-k ~4,
