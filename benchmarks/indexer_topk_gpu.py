@@ -14,7 +14,9 @@ causal ranges of a prompt's last rows. Writes one JSON object to OUT (argv[1]):
   indexer) / plain indexer, the issue's share with the filter's epilogue counted as top-k
   work; a per-kernel profile of one fused call.
 * ``flagged``: the exact pass's cost: every long row forced to it (CAP_MAX 16).
-* ``sweep``: launch parameters of the filter at 8192 x 512K (PROGRAMS, SPLIT_MIN, warps).
+* ``recent``: rows whose candidates crowd their last split (a recency bias), by ROW_SHARE_PCT.
+* ``sweep``: launch parameters of the filter at 1024 and 8192 x 512K (PROGRAMS with
+  SPLIT_MIN, ROW_SHARE_PCT, warps).
 
     python benchmarks/indexer_topk_gpu.py OUT.json
 """
@@ -48,12 +50,20 @@ def use(cfg: dict[str, int]) -> None:
     A.INDEXER_TOPK = cfg
 
 
-def inputs(n: int, t: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def inputs(n: int, t: int, seed: int = 0, recent: bool = False) -> tuple[torch.Tensor, ...]:
+    """fp8 queries (scales in the weights), fp8 keys, causal tail ranges. ``recent``: positive
+    head weights and the last sixteenth of the keys shifted towards the queries' mean
+    direction, so each row's top candidates crowd its last split (a recency bias)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(n, 64, 128, generator=g, device="cuda").bfloat16()
     w = torch.randn(n, 64, generator=g, device="cuda") * (64 * 128) ** -0.5
+    k = torch.randn(t, 128, generator=g, device="cuda")
+    if recent:
+        w = w.abs()
+        d = q.float().mean(dim=(0, 1))
+        k[t - t // 16:] += d / d.norm() * 1.5
     q8, w8 = quantize_index_q(q, w)
-    k8, scale = quantize_fp8(torch.randn(t, 128, generator=g, device="cuda"), None, "ue8m0")
+    k8, scale = quantize_fp8(k, None, "ue8m0")
     ks = torch.zeros(n, dtype=torch.int64, device="cuda")
     ke = torch.arange(t - n + 1, t + 1, device="cuda")
     return q8, w8, k8, scale, ks, ke
@@ -181,18 +191,47 @@ def flagged(impl: Any, n: int, t: int) -> dict[str, Any]:
     return res
 
 
-def sweep(impl: Any) -> list[dict[str, Any]]:
-    q8, w8, k8, sc, ks, ke = inputs(8192, 524288, seed=3)
+def recent(impl: Any, n: int, t: int) -> list[dict[str, Any]]:
+    """Candidates crowding one split (:func:`inputs` ``recent``): rows flagged and ms by
+    ROW_SHARE_PCT (each split's CAP at least that share of a row's expected candidates)."""
+    q8, w8, k8, sc, ks, ke = inputs(n, t, seed=4, recent=True)
+    plain = impl.topk(impl.indexer_logits(q8, w8, k8, sc, ks, ke), K, ks, ke).sort(1).values
     rows = []
-    for progs in (1024, 2048, 4096):
-        for split_min in (4096, 16384):
-            for warps in (4, 8):
-                use({**DEFAULT, "PROGRAMS": progs, "SPLIT_MIN": split_min, "num_warps": warps})
-                ms = device_ms(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K), iters=5)
-                r = {"PROGRAMS": progs, "SPLIT_MIN": split_min, "num_warps": warps,
-                     "splits": F.layout(8192, 524288, K).splits, "ms": ms}
-                print(json.dumps(r), flush=True)
-                rows.append(r)
+    for pct in (0, 50, 100):
+        use({**DEFAULT, "ROW_SHARE_PCT": pct})
+        with flag_spy() as flags:
+            got = impl.indexer_topk(q8, w8, k8, sc, ks, ke, K)
+        ms = device_ms(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K), warmup=1, iters=3)
+        r = {"rows": n, "keys": t, "ROW_SHARE_PCT": pct, "cap": F.layout(n, t, K).cap,
+             "flagged_rows": flags[0] if flags else None, "ms": ms,
+             "rows_differ_from_plain": int((got.sort(1).values != plain).any(1).sum())}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    use(DEFAULT)
+    return rows
+
+
+def sweep(impl: Any) -> list[dict[str, Any]]:
+    """The filter's launch (PROGRAMS with SPLIT_MIN, ROW_SHARE_PCT, warps) at 1024 and 8192
+    rows x 512K keys."""
+    rows = []
+    for n in (1024, 8192):
+        q8, w8, k8, sc, ks, ke = inputs(n, 524288, seed=3)
+        for progs, split_min in ((1024, 16384), (4096, 4096)):
+            for pct in (0, 50):
+                for warps in (4, 8):
+                    use({**DEFAULT, "PROGRAMS": progs, "SPLIT_MIN": split_min,
+                         "ROW_SHARE_PCT": pct, "num_warps": warps})
+                    ms = device_ms(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K),
+                                   iters=5)
+                    lay = F.layout(n, 524288, K)
+                    r = {"rows": n, "PROGRAMS": progs, "SPLIT_MIN": split_min,
+                         "ROW_SHARE_PCT": pct, "num_warps": warps, "splits": lay.splits,
+                         "cap": lay.cap, "ms": ms}
+                    print(json.dumps(r), flush=True)
+                    rows.append(r)
+        del q8, k8
+        torch.cuda.empty_cache()
     use(DEFAULT)
     return rows
 
@@ -211,6 +250,7 @@ def main() -> None:
                                                      (8192, 524288))]
     torch.cuda.empty_cache()
     result["flagged"] = flagged(impl, 256, 524288)
+    result["recent"] = recent(impl, 1024, 524288)
     result["sweep"] = sweep(impl)
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)

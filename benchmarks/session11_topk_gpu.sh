@@ -27,6 +27,11 @@
 #     would say so, and the sweep says whether more programs help.
 #   - flagged (every row of 256 x 512K exact): ~40 ms (20-100): each flagged row recomputes
 #     its logits 5 times on one SM (~10 ms alone), so one flagged row in a chunk costs ~10 ms.
+#   - recent (1024 x 512K, each row's candidates crowding its last split): ROW_SHARE_PCT 0
+#     (CAP 1024) and 50 (CAP 4096) flag most rows (~100+ ms a call), 100 (CAP 8192) none
+#     (~11 ms); if so ROW_SHARE_PCT 100 becomes the default where the sweep allows it.
+#   - sweep: PROGRAMS 4096 (SPLIT_MIN 4096) within ~5 % of 1024 at 8192 rows, faster at 1024
+#     rows (256 -> 1024 programs); num_warps 8 no better than 4 (the indexer's measured best).
 #   - bench long: long_512k_topk_share ~0.02-0.03 (from 0.134: 250 ms of top-k kernels ->
 #     ~15 ms sample indexer + ~10 ms floor + ~21 ms select per 2-layer chunk), long_512k_fp8_mfu
 #     up by the top-k time saved (~+0.01-0.02).

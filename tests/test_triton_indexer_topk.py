@@ -83,13 +83,16 @@ def _check(impl: Any, ref: Any, args: tuple[Any, ...], k: int, *, plain: bool = 
 
 def test_layout_fills_the_gpu_within_the_scratch_bound() -> None:
     """512K keys: 8K rows (a 16 GiB logits budget's chunk) take 8 splits of 64K columns, CAP
-    4096 (4 x the ~660 candidates a split expects), 2 GiB of scratch (a quarter of the
-    logits' bytes at most); 1024 rows take 32 splits."""
+    4096 (4 x the ~660 candidates a split expects, half a row's ~5.2K), 2 GiB of scratch (a
+    quarter of the logits' bytes at most); 1024 rows take 16 splits (the scratch bound) and
+    32 of CAP 1024 without the row share."""
     big = fused.layout(8192, 524288, 2048)
     assert (big.splits, big.split_cols, big.cap, big.stride) == (8, 65536, 4096, 128)
     assert 8192 * big.splits * big.cap * 8 <= 8192 * 524288 * 4 // 4
     few = fused.layout(1024, 524288, 2048)
-    assert few.splits == 32 and few.cap == 1024
+    assert (few.splits, few.cap) == (16, 4096)
+    few = fused.layout(1024, 524288, 2048, {**fused.INDEXER_TOPK, "ROW_SHARE_PCT": 0})
+    assert (few.splits, few.cap) == (32, 1024)
     assert fused.layout(3, 100, 8, {**fused.INDEXER_TOPK, **SMALL}).cap <= 128
 
 

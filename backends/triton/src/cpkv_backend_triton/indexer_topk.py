@@ -55,16 +55,19 @@ __all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout"]
 
 #: the fused path: rows of at least MIN_T keys (the view's T; shorter calls take the indexer and
 #: the top-k as two ops); SAMPLE columns place the floor; a split's CAP a power of two at least
-#: SAFETY x the candidates it expects, within [CAP_MIN, CAP_MAX]; PROGRAMS (split, row block)
+#: SAFETY x the candidates it expects and ROW_SHARE_PCT % of the whole row's (candidates that
+#: crowd one split, as a recency bias would, overflow it less often), within [CAP_MIN,
+#: CAP_MAX]; PROGRAMS (split, row block)
 #: programs wanted, splits of at least SPLIT_MIN columns; the candidates' scratch at most
 #: 1 / SCRATCH_DIV of the logits' bytes (or SCRATCH_MB); the filter's tiles (BLOCK_M x BLOCK_N,
 #: as the indexer's), warps and stages; the exact pass's key tile and warps.
 #: Not yet measured on the GPU (benchmarks/session11_topk_gpu.sh times the fused path against
 #: the plain one at 256K and 512K keys): MIN_T and SAMPLE are the long-row top-k's
 #: (``topk.TOPK_LONG``), the tiles the indexer's (``attention.INDEXER_DEFAULT``)
-INDEXER_TOPK: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "SAFETY": 4, "CAP_MIN": 1024,
-                                "CAP_MAX": 16384, "PROGRAMS": 1024, "SPLIT_MIN": 16384,
-                                "SCRATCH_DIV": 4, "SCRATCH_MB": 64, "BLOCK_M": 64,
+INDEXER_TOPK: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "SAFETY": 4,
+                                "ROW_SHARE_PCT": 50, "CAP_MIN": 1024, "CAP_MAX": 16384,
+                                "PROGRAMS": 1024, "SPLIT_MIN": 16384, "SCRATCH_DIV": 4,
+                                "SCRATCH_MB": 512, "BLOCK_M": 64,
                                 "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
                                 "EXACT_BLOCK_N": 128, "exact_warps": 4}
 
@@ -269,10 +272,10 @@ class FusedLayout:
 def layout(n: int, t: int, k: int, cfg: dict[str, int] | None = None) -> FusedLayout:
     """The split count and CAP of an [n, t] call with top-k ``k`` (shapes only: the same on
     every rank). The floor keeps ~``(est + margin + 1) / sample`` of a row (est = k x sample /
-    t, margin as the floor kernel's); a split's CAP is SAFETY times its share of that, a power of
-    two in [CAP_MIN, CAP_MAX] (never more than the split's columns); splits as many as give
-    PROGRAMS programs (at least SPLIT_MIN columns each), halved while the scratch exceeds its
-    bound."""
+    t, margin as the floor kernel's); a split's CAP is SAFETY times its share of that or
+    ROW_SHARE_PCT % of the row's, a power of two in [CAP_MIN, CAP_MAX] (never more than the
+    split's columns); splits as many as give PROGRAMS programs (at least SPLIT_MIN columns
+    each), halved while the scratch exceeds its bound."""
     c = cfg or INDEXER_TOPK
     bn = c["BLOCK_N"]
     stride = max(1, triton.cdiv(t, c["SAMPLE"]))
@@ -284,7 +287,8 @@ def layout(n: int, t: int, k: int, cfg: dict[str, int] | None = None) -> FusedLa
     bound = max(n * t * 4 // c["SCRATCH_DIV"], c["SCRATCH_MB"] << 20)
     while True:
         cs = triton.cdiv(triton.cdiv(t, ns), bn) * bn
-        cap = min(_pow2(math.ceil(c["SAFETY"] * frac * cs)), c["CAP_MAX"])
+        want = max(c["SAFETY"] * frac * cs, c["ROW_SHARE_PCT"] / 100 * frac * t)
+        cap = min(_pow2(math.ceil(want)), c["CAP_MAX"])
         cap = min(max(cap, c["CAP_MIN"]), _pow2(cs))
         if ns == 1 or n * ns * cap * 8 <= bound:
             break
