@@ -110,7 +110,7 @@ def test_long_run_runs_each_part_and_summarises(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda dev: SimpleNamespace(total_memory=int(1e11)))
     monkeypatch.setattr(long, "write_hf_checkpoint", lambda path, **_: path)
-    monkeypatch.setattr(long, "long_rows", lambda res, ceil, gb, fixed, bf16: [
+    monkeypatch.setattr(long, "long_rows", lambda res, ceil, gb, fixed, bf16, prefix: [
         ("long", fixed is not None, bf16 is not None)])
     monkeypatch.setattr(long, "recall_rows", lambda res: [("recall",)])
     opts = long.LongBenchOptions(tokens=(1024,), chunks=(256, 512), recall_tokens=(512,),
@@ -127,3 +127,51 @@ def test_long_run_runs_each_part_and_summarises(monkeypatch: pytest.MonkeyPatch,
             "vs_transformers"} <= set(detail)
     # the longest prompt in the smallest chunks: 8 s over 8 ranks
     assert "projected 1.00 s (128 rows a rank)" in summary and "(auto:" in summary
+
+
+def test_long_run_glm5_preset_writes_glm5s_stack_and_names_its_rows(
+        monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, int]]) -> None:
+    """``--preset glm5-attention``: the stack written is GLM-5's attention over the layers asked
+    for (full, shared), its rows get the ``glm5_`` prefix, the recall is labelled by the preset
+    (and ``glm5_hf`` for transformers' checkpoint of the same config), the detail and the
+    summary say which stack ran."""
+    from cpkv.bench import long
+
+    written: dict[str, Any] = {}
+
+    def write(path: Any, seed: int = 0, **cfg: Any) -> Any:
+        written.update(cfg)
+        return path
+
+    monkeypatch.setattr(cpkv.models, "write_tiny_checkpoint", write)
+    runs = {"a": {"tokens": 1024, "chunk": 256, "seconds": 8.0}}
+    value = {"kv_dtype": "bf16", "indexer_dtype": "bf16", "budget_mb": 512, "budget_auto": False,
+             "logits_equal": None, "runs": runs}
+    seen: list[Any] = []
+
+    def run_ranks(fn: Any, size: int, *, args: tuple[Any, ...] = (), **_: Any) -> list[Any]:
+        seen.append(args[0])
+        return [SimpleNamespace(value=value if fn is long.long_rank else {"checkpoint": "x"})]
+
+    monkeypatch.setattr(cpkv.runtime, "run_ranks", run_ranks)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(total_memory=int(1e11)))
+    monkeypatch.setattr(long, "write_hf_checkpoint", lambda path, **_: path)
+    prefixes: list[str] = []
+    monkeypatch.setattr(long, "long_rows", lambda res, ceil, gb, fixed, bf16, prefix: (
+        prefixes.append(prefix) or []))
+    monkeypatch.setattr(long, "recall_rows", lambda res: [])
+    opts = long.LongBenchOptions(tokens=(1024,), chunks=(256,), recall_tokens=(512,),
+                                 hf_tokens=0, fixed_budget_mb=0, preset="glm5-attention")
+    _, detail, summary = long.run(opts)
+    from cpkv.models.tiny import tiny_config
+
+    cfg = tiny_config(**written)
+    assert (cfg.model_type, cfg.num_attention_heads, cfg.layer_indexers) == (
+        "glm_moe_dsa", 64, ("full", "shared"))
+    assert (cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.index_n_heads) == (192, 256, 32)
+    assert prefixes == ["glm5_"]
+    assert [s.label for s in seen[1:]] == ["glm5-attention", "glm5_hf"]
+    assert detail["preset"] == "glm5-attention" and summary.startswith("glm5-attention: ")
+    with pytest.raises(ValueError, match="v32-attention, glm5-attention"):
+        long.LongBenchOptions(preset="glm5")

@@ -1,5 +1,7 @@
 """``cpkv bench long``'s parts on the CPU: the chunked prefills of one rank (logits equal across
-chunkings, one timing per chunk), the rows built from them, and the top-k recall measure."""
+chunkings, one timing per chunk), the rows built from them, and the top-k recall measure; the
+glm5-attention preset's schedule (full, shared, full) at tiny dimensions: its FLOPs, its rows'
+names, its recall over the full layers only."""
 
 from __future__ import annotations
 
@@ -8,7 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpkv.bench.long import LongSpec, _layer_choices, _recall, long_rank, long_rows, topk_share
+from cpkv.bench.gpu import attention_stack, layer_flops, stack_flops
+from cpkv.bench.long import (
+    LongSpec,
+    RecallSpec,
+    _layer_choices,
+    _recall,
+    fp8_recall_rank,
+    long_rank,
+    long_rows,
+    row_prefix,
+    topk_share,
+)
 from cpkv.models import write_tiny_checkpoint
 from cpkv.runtime import run_ranks
 
@@ -84,3 +97,52 @@ def test_layer_choices_compare_both_indexers_on_the_same_inputs() -> None:
     if res["swapped_keys"]:
         assert res["swap_gap_rel_median"] >= 0
     assert res["fp8_err_rel_at_kth_median"] is not None
+
+
+def _tiny_glm5_stack(layers: int) -> dict[str, object]:
+    """The glm5-attention preset's stack (its model type and indexer schedule over ``layers``
+    dense layers) at the tiny model's dimensions."""
+    from cpkv.models.tiny import PRESETS, TINY_DEFAULTS
+
+    keep = ("num_hidden_layers", "first_k_dense_replace", "max_position_embeddings")
+    tiny = {k: TINY_DEFAULTS[k] for k in PRESETS["glm5-attention"]
+            if k in TINY_DEFAULTS and k not in keep}
+    return attention_stack("glm5-attention", layers, **tiny)
+
+
+def test_glm5_rows_are_named_by_the_preset() -> None:
+    assert (row_prefix("v32-attention"), row_prefix("glm5-attention")) == ("", "glm5_")
+    res = {"indexer_dtype": "bf16", "runs": {"1048576/65536": _run(1 << 20, 65536, 10.0)}}
+    rows = long_rows(res, {"matmul_tflops": 800.0}, 150.0, prefix="glm5_")
+    assert [r.name for r in rows] == ["glm5_long_1m_mfu", "glm5_long_1m_peak_gb"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_long_rank_on_the_glm5_schedule_counts_no_indexer_on_shared_layers(tmp_path: Path) -> None:
+    """The preset's schedule over 3 layers (full, shared, full) at tiny dimensions: chunkings
+    agree, each run's FLOPs are 2 full layers + 1 shared one (whose indexer counts zero), the
+    rate is those FLOPs over the run's seconds; the fp8-vs-bf16 overlap is measured on the 2
+    layers that run an indexer."""
+    from cpkv.models.tiny import tiny_config
+
+    stack = _tiny_glm5_stack(3)
+    cfg = tiny_config(**stack)
+    assert cfg.layer_indexers == ("full", "shared", "full")
+    ckpt = str(write_tiny_checkpoint(tmp_path / "glm5", seed=3, **stack))
+    n = 128
+    res = run_ranks(long_rank, 1, args=(LongSpec(ckpt, tokens=(n,), chunks=(64, 128)),),
+                    timeout_s=300)[0].value
+    assert res["logits_equal"] == {n: True} and res["layers"] == 3
+    full, shared = layer_flops(cfg, n), layer_flops(cfg, n, indexer=False)
+    assert shared["indexer"] == 0 < full["indexer"]
+    for r in res["runs"].values():
+        assert r["flops"] == stack_flops(cfg, n)
+        assert r["flops"] == {p: 2 * full[p] + shared[p] for p in full}
+        assert r["layer_tflops"] * r["seconds"] * 1e12 == pytest.approx(sum(r["flops"].values()))
+    names = {x.name for x in long_rows(res, {"matmul_tflops": 1.0}, 1.0,
+                                       prefix=row_prefix("glm5-attention"))}
+    assert names == {"glm5_long_128_mfu", "glm5_long_128_c128_mfu", "glm5_long_128_peak_gb"}
+    rec = run_ranks(fp8_recall_rank, 1, args=(RecallSpec(ckpt, (40,), "glm5-attention"),),
+                    timeout_s=300)[0].value
+    assert len(rec["tokens"][40]["layers"]) == 2  # the full layers only

@@ -500,6 +500,7 @@ def _poisoning_disagg(world: Any, spec: Any, poison: bool) -> Any:
     return disagg_rank(world, spec)
 
 
+@pytest.mark.slow  # 5.4 s per architecture on 2 cores
 @pytest.mark.multiprocess
 def test_poisoned_rows_change_no_valid_transferred_byte(tiny: Path) -> None:
     """Prompts served through the cache (hits ending mid-page, copies on write) and sent to a

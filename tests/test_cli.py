@@ -104,6 +104,7 @@ def test_run_with_a_small_pool_brings_prefixes_back_from_the_host_tier(tmp_path)
     assert c["pages_loaded_from_host"] > 0
 
 
+@pytest.mark.slow  # 4.8 s: a whole cpkv run
 def test_run_with_error_policy_fails_with_the_reason() -> None:
     out = cpkv("run", env={"CPKV_FALLBACK__POLICY": "error"})
     assert out.returncode == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -432,13 +433,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline"), [
-    (2, "zigzag", (20, 0, 3, 64), "request"),
-    pytest.param(2, "zigzag", (20, 0, 3, 64), "layer", marks=pytest.mark.slow),
-    pytest.param(4, "interleave", (), "layer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "layout"), [
+    (2, "zigzag", (20, 0, 3, 64), "request", "token_major"),
+    # the engines' two-part prefill pools: the packed part layout read from their tensors
+    (2, "zigzag", (20, 0, 3, 64), "layer", "two_part"),
+    pytest.param(2, "zigzag", (20, 0, 3, 64), "layer", "token_major", marks=pytest.mark.slow),
+    pytest.param(4, "interleave", (), "layer", "token_major", marks=pytest.mark.slow)])
 def test_nccl_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
-                                  pipeline: str) -> None:
+                                  pipeline: str, layout: str) -> None:
     spec = job_spec(tiny, cp, mode, prefix, pipeline=pipeline)
+    spec = replace(spec, settings=spec.settings.model_copy(
+        update={"kv": spec.settings.kv.model_copy(update={"layout": layout})}))
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
     dec: DecodeReport = out[cp].value

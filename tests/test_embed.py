@@ -51,12 +51,14 @@ def _interleaved_pages(plan_owners: Sequence[int | None], start: int, base: int
 
 
 # ---- the pool over given storage ---------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["token_major", "part_major"])
+@pytest.mark.parametrize("layout", ["token_major", "part_major", "two_part"])
 def test_pool_wraps_the_callers_tensors_in_place(layout: str) -> None:
     g = CPGroup.single()
     spec = KVBufferSpec.allocate(FP8, 2, 6, layout)
     pool = ShardedKVPool(FP8, 2, g, backend_ops(g), storage=spec)
-    assert [t.data_ptr() for t in pool.store.kv] == [lb.parts()[0].data_ptr() for lb in spec.layers]
+    assert pool.store.spec is spec  # every part of every layer is the caller's tensor
+    assert [[r.data_ptr() for r in regs] for regs in pool.store.regions] == [
+        [t.data_ptr() for t in lb.parts()] for lb in spec.layers]
     plan = plan_batch([(0, 20)], 1, FP8.page_size)
     batch = pool.prepare(plan, ["a"])
     lat, idx = _compute_rows(20, 1)
@@ -66,9 +68,8 @@ def test_pool_wraps_the_callers_tensors_in_place(layout: str) -> None:
     got_l, got_i = read_rows(spec, 1, rows)  # the pool wrote into the caller's tensors
     assert torch.equal(got_l, pack_rows(lat, FP8, "latent", pool.store.ops))
     assert got_i is not None and torch.equal(got_i, pack_rows(idx, FP8, "index_k", pool.store.ops))
-    with pytest.raises(ValueError, match=r"two_part layout is driven through cpkv\.embed"):
-        ShardedKVPool(FP8, 2, g, backend_ops(g), storage=KVBufferSpec.allocate(FP8, 2, 6,
-                                                                                "two_part"))
+    with pytest.raises(ValueError, match=r"storage holds 2 layers"):  # not the pool's formats
+        ShardedKVPool(FP8.latent_only(), 2, g, backend_ops(g), storage=spec)
 
 
 # ---- the custom ops under torch.compile -------------------------------------------------------

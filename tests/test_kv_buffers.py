@@ -19,8 +19,11 @@ from cpkv.kv.buffers import (
     KVBufferSpec,
     index_split,
     read_pages,
+    read_part,
     read_rows,
+    region_bytes,
     write_pages,
+    write_part,
     write_rows,
 )
 from cpkv.planning import plan_batch
@@ -85,6 +88,39 @@ def test_latent_only_layers_round_trip(src: BufferLayout, dst: BufferLayout) -> 
     write_pages(b, 1, torch.arange(4), blocks)
     got, idx = read_rows(b, 1, rows)
     assert idx is None and torch.equal(got, lat)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt_name", sorted(FMTS))
+def test_parts_and_regions_of_every_layout(layout: BufferLayout, fmt_name: str) -> None:
+    """A part's token rows (``read_part``: what the packed transfer layout and the receiver
+    move) are the rows ``write_rows`` stored, in every layout; ``write_part`` puts them back
+    into another pool of any layout; the page regions (what whole-page movers copy) are the
+    spec's own tensors with ``region_bytes`` each, a latent-only layer's the latent only."""
+    fmt = FMTS[fmt_name]
+    fmts = [fmt, fmt.latent_only()]
+    spec = KVBufferSpec.allocate(fmts, 2, 4, layout)
+    for k in range(2):
+        regs = spec.regions(k)
+        assert [int(r.shape[1]) for r in regs] == list(region_bytes(fmts[k], layout))
+        assert [r.data_ptr() for r in regs] == [t.data_ptr() for t in spec.layers[k].parts()]
+        assert sum(int(r.shape[1]) for r in regs) == fmts[k].page_bytes
+    ps = fmt.page_size
+    lat, idx = _rows(fmt, 2 * ps, 7)
+    slots = torch.tensor([3, 1])
+    rows = (slots[:, None] * ps + torch.arange(ps)).reshape(-1)
+    write_rows(spec, 0, rows, lat, idx)
+    got_l = read_part(spec, 0, "latent", slots)
+    got_i = torch.empty(2, ps, fmt.index_bytes_per_token, dtype=torch.uint8)
+    assert read_part(spec, 0, "index_k", slots, out=got_i) is got_i
+    assert torch.equal(got_l.reshape(-1, fmt.latent_bytes_per_token), lat)
+    assert torch.equal(got_i.reshape(-1, fmt.index_bytes_per_token), idx)
+    assert read_part(spec, 1, "index_k", slots).shape == (2, ps, 0)  # no index-K part
+    for other in LAYOUTS:
+        b = KVBufferSpec.allocate(fmts, 2, 4, other)
+        write_part(b, 0, "latent", torch.tensor([0, 2]), got_l)
+        write_part(b, 0, "index_k", torch.tensor([0, 2]), got_i)
+        assert torch.equal(read_pages(b, 0, torch.tensor([0, 2])), read_pages(spec, 0, slots))
 
 
 def test_two_part_index_k_page_is_deepgemm_order() -> None:

@@ -170,8 +170,9 @@ def _run(tmp_path: Path, plugin: str, where: str, quarantine: bool = True,
 @pytest.mark.mooncake
 @needs_mooncake
 # "host": A's part staged whole (one piece: the stall sits in its only batch, as unstaged)
-# (host: 8 s of stalls and timeouts on 2 cores, like auto's: slow, CI runs it)
-@pytest.mark.parametrize("stage", ["auto", pytest.param("host", marks=pytest.mark.slow)])
+# (8 s of stalls and timeouts on 2 cores each: slow, CI runs them)
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["auto", "host"])
 def test_mooncake_late_write_lands_in_quarantine(tmp_path: Path, stage: str) -> None:
     senders, dec = _run(tmp_path, "mooncake", "write", stage=stage)
     assert "no completion notice from rank 1" in dec["error_a"]

@@ -23,6 +23,7 @@ os.environ.setdefault("MC_MIN_RPC_PORT", "47310")
 os.environ.setdefault("MC_MAX_RPC_PORT", "47990")
 
 from cpkv.comm import CPGroup
+from cpkv.contracts import KVFormat
 from cpkv.disagg import (
     DecodeReceiver,
     DecodeTransfer,
@@ -50,6 +51,7 @@ from helpers import (
     pool_snapshot,
     receiver_of,
     reference_tokens,
+    small_format,
     torch_pool,
 )
 
@@ -65,10 +67,12 @@ def _buffers(n_pages: int) -> Any:
     return registered_buffers(torch_pool(CPGroup.single(), capacity=n_pages).store)
 
 
-def _layout(n: int, base: int, layers: int = 2) -> Any:
-    from cpkv_transfer_mooncake.transport import Layout
+def _layout(n: int, base: int, layers: int = 2, page_bytes: tuple[int, ...] = ()) -> Any:
+    """A layout of one region per layer (``page_bytes[l]``, default 110 bytes) at ``base``."""
+    from cpkv_transfer_mooncake.transport import Layout, Region
 
-    return Layout(kv=tuple(base + 10**6 * i for i in range(layers)), page_bytes=110,
+    sizes = page_bytes or (110,) * layers
+    return Layout(layers=tuple((Region(base + 10**6 * i, b),) for i, b in enumerate(sizes)),
                   num_pages=n)
 
 
@@ -234,15 +238,24 @@ def test_stage_pieces_fit_the_buffer_and_cover_the_send() -> None:
     from cpkv_transfer_mooncake.transport import stage_pieces
 
     # every layer fits: all in one piece; two of three layers fit: pieces of two layers
-    assert stage_pieces(4, range(3), 10, 120) == [(range(3), 0, 4)]
-    assert stage_pieces(4, range(1, 4), 10, 80) == [(range(1, 3), 0, 4), (range(3, 4), 0, 4)]
+    ten = (10,) * 4
+    assert stage_pieces(4, range(3), ten, 120) == [(range(3), 0, 4)]
+    assert stage_pieces(4, range(1, 4), ten, 80) == [(range(1, 3), 0, 4), (range(3, 4), 0, 4)]
     # one layer does not fit: each layer in page ranges of 3 (the buffer's whole pages)
-    assert stage_pieces(7, range(2), 10, 35) == [(range(0, 1), 0, 3), (range(0, 1), 3, 6),
-                                                  (range(0, 1), 6, 7), (range(1, 2), 0, 3),
-                                                  (range(1, 2), 3, 6), (range(1, 2), 6, 7)]
-    assert stage_pieces(0, range(2), 10, 35) == []
+    assert stage_pieces(7, range(2), ten, 35) == [(range(0, 1), 0, 3), (range(0, 1), 3, 6),
+                                                   (range(0, 1), 6, 7), (range(1, 2), 0, 3),
+                                                   (range(1, 2), 3, 6), (range(1, 2), 6, 7)]
+    assert stage_pieces(0, range(2), ten, 35) == []
     with pytest.raises(ValueError, match="holds no page"):
-        stage_pieces(1, range(1), 10, 9)
+        stage_pieces(1, range(1), ten, 9)
+    # layers of their own page bytes (GLM-5: latent-only shared layers): whole layers while
+    # their sum fits; a layer too large alone in page ranges of its own page size
+    mixed = (10, 6, 6, 10)
+    assert stage_pieces(4, range(4), mixed, 88) == [(range(0, 3), 0, 4), (range(3, 4), 0, 4)]
+    assert stage_pieces(4, range(4), mixed, 64) == [(range(0, 2), 0, 4), (range(2, 4), 0, 4)]
+    assert stage_pieces(4, range(4), mixed, 30) == [(range(0, 1), 0, 3), (range(0, 1), 3, 4),
+                                                    (range(1, 2), 0, 4), (range(2, 3), 0, 4),
+                                                    (range(3, 4), 0, 3), (range(3, 4), 3, 4)]
 
 
 def test_staged_entries_merge_where_destinations_continue() -> None:
@@ -254,6 +267,12 @@ def test_staged_entries_merge_where_destinations_continue() -> None:
     ent = staged_entries([0, 7, 8, 3, 4, 9], 1, 5, 1000, dst, range(1, 3))
     assert ent == [(1000, dst.kv[1] + 7 * 110, 220), (1000 + 220, dst.kv[1] + 3 * 110, 220),
                    (1000 + 440, dst.kv[2] + 7 * 110, 220), (1000 + 660, dst.kv[2] + 3 * 110, 220)]
+    # layers of other page bytes: each layer's staged pages at its own stride, one after another
+    mixed = _layout(16, 10**8, page_bytes=(110, 70, 110))
+    ent = staged_entries([0, 7, 8, 3, 4, 9], 1, 5, 1000, mixed, range(1, 3))
+    assert ent == [(1000, mixed.kv[1] + 7 * 70, 140), (1000 + 140, mixed.kv[1] + 3 * 70, 140),
+                   (1000 + 280, mixed.kv[2] + 7 * 110, 220),
+                   (1000 + 500, mixed.kv[2] + 3 * 110, 220)]
 
 
 def test_stage_decision() -> None:
@@ -301,27 +320,38 @@ class _CopyEngine:
         pass
 
 
-def _staged_link(stage_bytes: int, max_batch: int = 1024) -> tuple[Any, Any, Any]:
+def _staged_link(stage_bytes: int | None, max_batch: int = 1024, mixed: bool = False,
+                 layouts: tuple[str, str] = ("token_major", "token_major"),
+                 fmt: Any = None) -> tuple[Any, Any, Any]:
     """A bare prefill link on a CPU pool of random bytes that stages through a ``stage_bytes``
-    host buffer and "writes" (memmove) into a second pool; returns (link, source, decode pool)."""
+    host buffer (None: no staging, the entries read the pool) and "writes" (memmove) into a
+    second pool; returns (link, source, decode pool). ``mixed``: layer 1 latent-only (a GLM-5
+    shared-indexer layer: its pages smaller than the others'). ``layouts``: the sender's and
+    the decode pool's (different ones: the sender re-lays the pages out while staging);
+    ``fmt``: the full layers' format (default the bf16 ``small_format``)."""
     import torch
 
+    from cpkv.contracts import BufferLayout
+    from cpkv.kv import ShardedKVPool
     from cpkv_transfer_mooncake.transport import HostStaging, Layout, MooncakeLink
 
-    src = torch_pool(CPGroup.single(), capacity=32, layers=3)
-    dec = torch_pool(CPGroup.single(), capacity=40, layers=3)
+    ops = torch_pool(CPGroup.single(), capacity=1).store.ops
+    full = small_format() if fmt is None else fmt
+    fmts = [full, full.latent_only(), full] if mixed else [full] * 3
+    src, dec = (ShardedKVPool(fmts, 3, CPGroup.single(), ops, pages_per_rank=n, layout=lay)
+                for n, lay in ((32, layouts[0]), (40, layouts[1])))
     gen = torch.Generator().manual_seed(5)
-    for buf in src.store.kv:
+    for buf in (r for regs in src.store.regions for r in regs):
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=gen))
     link = object.__new__(MooncakeLink)
     link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(src.store))
     link.max_batch, link.retries = max_batch, 0
-    link.relayout = None
+    link.relayout = None if layouts[0] == layouts[1] else BufferLayout(layouts[1])
     link.local, link.remote_layout = Layout.of(link.spec.buffers), Layout.of(registered_buffers(dec.store))
     link.remote = "127.0.0.1:1"
     link.engine = _CopyEngine()
     link.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0, "staged_pieces": 0}
-    link.stage = HostStaging(link.spec.buffers, stage_bytes)
+    link.stage = None if stage_bytes is None else HostStaging(link.spec.buffers, stage_bytes)
     link.channel = _Channel()
     return link, src, dec
 
@@ -360,6 +390,30 @@ def test_staged_send_lands_every_page_bit_exact(stage_pages: int, layers: range 
     assert link.stage is None
 
 
+@pytest.mark.parametrize("stage_bytes", [None, 100 * 512, 9 * 512, 4 * 512, 512])
+def test_layers_of_their_own_page_bytes_land_bit_exact(stage_bytes: int | None) -> None:
+    """A pool whose layer 1 holds no index-K (pages of 384 bytes beside 512): each layer's
+    region is registered and written at its own page stride, read in place or staged in pieces
+    of any size, and the decode pool's pages equal the sender's, nothing else touched."""
+    import torch
+
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=4, src_slot=3),
+                                                   PageRun(first_page=6, num_pages=5, src_slot=20)))
+    dst = [10, 11, 12, 30, 31, 32, 33, 0, 1]
+    link, src, dec = _staged_link(stage_bytes, mixed=True)
+    assert [r.page_bytes for (r,) in link.local.layers] == [512, 384, 512]
+    assert link.local.buffers() == [(b.data_ptr(), b.numel()) for b in src.store.kv]
+    before = [b.clone() for b in dec.store.kv]
+    n = link.send_part(part, dst)
+    assert n == 9 * (512 + 384 + 512) == part_nbytes_of(src, 9, range(3))
+    assert sum(e[2] for b in link.engine.batches for e in b) == n  # each byte written once
+    srcs = [3, 4, 5, 6, 20, 21, 22, 23, 24]
+    untouched = sorted(set(range(40)) - set(dst))
+    for layer in range(3):
+        assert torch.equal(dec.store.kv[layer][dst], src.store.kv[layer][srcs]), layer
+        assert torch.equal(dec.store.kv[layer][untouched], before[layer][untouched])
+
+
 def test_staged_send_checks_the_fence_before_each_batch() -> None:
     part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=8, src_slot=0),))
     link, _, _ = _staged_link(2 * 512, max_batch=1)
@@ -389,35 +443,61 @@ def test_probe_names_a_missing_system_library(monkeypatch: pytest.MonkeyPatch) -
 # ---- real engines: C prefill ranks -> one decode rank ------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cpkv.models import write_tiny_checkpoint
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny checkpoints by architecture, written on first use (``ARCHS``: glm5 has a mixed
+    schedule, so its pool's shared layers have smaller pages than its full layers)."""
+    return {}
 
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=3)
+
+def _tiny(models: dict[str, Path], arch: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cpkv.models import write_tiny_checkpoint
+    from cpkv.models.tiny import ARCHS
+
+    if arch not in models:
+        models[arch] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}") / "ckpt",
+                                             seed=3, **ARCHS[arch])
+    return models[arch]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "stage"), [
-    (2, "zigzag", (20, 0, 3, 64), "request", "auto"),
-    (2, "zigzag", (20, 0, 3, 64), "layer", "auto"),
+@pytest.mark.parametrize(("cp", "mode", "prefix", "pipeline", "stage", "arch", "layout"), [
+    (2, "zigzag", (20, 0, 3, 64), "request", "auto", "v32", "token_major"),
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "v32", "token_major"),
     # host staging on CPU pools, a buffer of 2.5 pages (the tiny model's page is 1792 bytes per
     # layer): every part of more than 2 pages goes in pieces of 2 pages of one layer
-    (2, "zigzag", (20, 0, 3, 64), "layer", "host"),
-    pytest.param(2, "zigzag", (20, 0, 3, 64), "request", "host", marks=pytest.mark.slow),
-    pytest.param(4, "interleave", (), "layer", "auto", marks=pytest.mark.slow)])
-def test_mooncake_transfer_and_decode(tiny: Path, cp: int, mode: str, prefix: tuple[int, ...],
-                                      pipeline: str, stage: str) -> None:
+    (2, "zigzag", (20, 0, 3, 64), "layer", "host", "v32", "token_major"),
+    # GLM-5's mixed schedule: layers of two page sizes (shared layers hold no index-K), each
+    # registered and written at its own stride, read in place and staged
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "glm5", "token_major"),
+    (2, "zigzag", (20, 0, 3, 64), "request", "host", "glm5", "token_major"),
+    # the engines' two-part prefill pools: each page re-laid out for the part-major decode
+    # pool while staged (latent block, DeepGEMM-ordered index-K -> part-major page)
+    (2, "zigzag", (20, 0, 3, 64), "layer", "auto", "glm5", "two_part"),
+    pytest.param(2, "zigzag", (20, 0, 3, 64), "request", "host", "v32", "token_major",
+                 marks=pytest.mark.slow),
+    pytest.param(4, "interleave", (), "layer", "auto", "v32", "token_major",
+                 marks=pytest.mark.slow)])
+def test_mooncake_transfer_and_decode(tiny_models: dict[str, Path],
+                                      tmp_path_factory: pytest.TempPathFactory, cp: int,
+                                      mode: str, prefix: tuple[int, ...], pipeline: str,
+                                      stage: str, arch: str, layout: str) -> None:
     from cpkv.models import load_model
 
+    tiny = _tiny(tiny_models, arch, tmp_path_factory)
     base = job_spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": TransferSettings.model_validate(
         {"name": "mooncake", "timeout_s": 60, "pipeline": pipeline,
-         "mooncake": {"stage": stage, "stage_mb": 4480 / (1 << 20)}})})
+         "mooncake": {"stage": stage, "stage_mb": 4480 / (1 << 20)}}),
+        "kv": base.settings.kv.model_copy(update={"layout": layout})})
     spec = JobSpec(base.model_dir, base.prompts, s, False, base.prefix_lens, base.decode_tokens)
     out = run_ranks(disagg_rank, cp + 1, args=(spec,), timeout_s=300)
     senders: list[SenderReport] = [r.value for r in out[:cp]]
     dec: DecodeReport = out[cp].value
     model = load_model(str(tiny))
-    page_bytes = model.kv_format("fp32", PAGE).page_bytes * model.num_layers
+    fmts = model.kv_formats("fp32", PAGE)
+    page_bytes = sum(f.page_bytes for f in fmts)  # each layer in its own format
+    if arch == "glm5":
+        assert len({f.page_bytes for f in fmts}) == 2
     for r, snd in enumerate(senders):  # exactly the pages each rank owns
         owned = sum(len(v) for v in snd.page_crcs.values())
         assert owned and snd.bytes_sent == owned * page_bytes, f"rank {r}"
@@ -529,7 +609,8 @@ def _apply_fault(link: Any, fault: str) -> Any:
         return lambda: setattr(link, "remote", good)
     if fault == "address":  # outside every buffer the decode engine registered
         lay = link.remote_layout
-        link.remote_layout = replace(lay, kv=tuple(a + (1 << 44) for a in lay.kv))
+        link.remote_layout = replace(lay, layers=tuple(
+            tuple(replace(r, addr=r.addr + (1 << 44)) for r in regions) for regions in lay.layers))
         return lambda: setattr(link, "remote_layout", lay)
     if fault == "stall":  # never writes nor notifies within the timeout
         link.send_part = lambda part, dst, **kw: time.sleep(TIMEOUT + 1.5) or 0
@@ -662,26 +743,39 @@ def test_cpkv_run_with_the_example_config(tmp_path: Path) -> None:
     assert "transfer (mooncake)" in res.stdout
 
 
-@pytest.mark.parametrize("src", ["token_major", "part_major"])
-def test_relayout_pages_round_trips_and_matches_the_part_major_block(src: str) -> None:
-    """A staged page re-laid out for the decode pool: token-major -> part-major puts the page's
-    latent rows first, then its index-K rows; the way back restores the bytes."""
+LAYOUTS = ("token_major", "part_major", "two_part")
+
+
+@pytest.mark.parametrize("dst_layout", LAYOUTS)
+@pytest.mark.parametrize("src_layout", LAYOUTS)
+def test_staged_relayout_lands_every_layout_bit_exact(src_layout: str, dst_layout: str) -> None:
+    """Sender and decode pools in any two layouts (fp8, a latent-only layer among full ones):
+    a layout the decode does not share is re-laid out while staged, in pieces of a small
+    buffer, each region written at its own stride; the decode's pages read back as the same
+    canonical blocks as the sender's (each part's token rows alike: latent, index-K values and
+    scales), nothing else touched."""
     import torch
 
-    from cpkv.contracts import PageLayout
-    from cpkv_transfer_mooncake.transport import relayout_pages
+    from cpkv.kv.buffers import read_pages
 
-    src_l = PageLayout(src)
-    g = torch.Generator().manual_seed(0)
-    n, ps, nl, ni = 3, 4, 5, 2
-    tok = torch.randint(0, 256, (n, ps, nl + ni), generator=g, dtype=torch.uint8)
-    part = torch.cat([tok[..., :nl].reshape(n, -1), tok[..., nl:].reshape(n, -1)], dim=1)
-    pages = tok if src_l is PageLayout.TOKEN_MAJOR else part.view(n, ps, nl + ni)
-    other = PageLayout.PART_MAJOR if src_l is PageLayout.TOKEN_MAJOR else PageLayout.TOKEN_MAJOR
-    out = torch.empty(n, ps * (nl + ni), dtype=torch.uint8)
-    relayout_pages(pages, out, src_l, other, nl)
-    want = part if other is PageLayout.PART_MAJOR else tok.reshape(n, -1)
-    assert torch.equal(out, want)
-    back = torch.empty_like(out)
-    relayout_pages(out.view(n, ps, nl + ni), back, other, src_l, nl)
-    assert torch.equal(back, pages.reshape(n, -1))
+    fp8 = KVFormat(dtype="fp8", page_size=PAGE, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
+                   quant_block=8)
+    part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=4, src_slot=3),
+                                                   PageRun(first_page=6, num_pages=5, src_slot=20)))
+    dst = [10, 11, 12, 30, 31, 32, 33, 0, 1]
+    link, src, dec = _staged_link(3 * fp8.page_bytes, mixed=True, fmt=fp8,
+                                  layouts=(src_layout, dst_layout))
+    if src_layout == dst_layout:  # the pools share a layout: the entries read the pool itself
+        link.stage = None
+    shapes = [[int(r.shape[1]) for r in regs] for regs in dec.store.regions]
+    assert [[r.page_bytes for r in regs] for regs in link.remote_layout.layers] == shapes
+    before = [read_pages(dec.store.spec, k, torch.arange(40)) for k in range(3)]
+    n = link.send_part(part, dst)
+    assert n == part_nbytes_of(src, 9, range(3))
+    assert sum(e[2] for b in link.engine.batches for e in b) == n  # each byte written once
+    srcs, untouched = [3, 4, 5, 6, 20, 21, 22, 23, 24], sorted(set(range(40)) - set(dst))
+    for k in range(3):
+        got = read_pages(dec.store.spec, k, torch.tensor(dst))
+        assert torch.equal(got, read_pages(src.store.spec, k, torch.tensor(srcs))), k
+        after = read_pages(dec.store.spec, k, torch.tensor(untouched))
+        assert torch.equal(after, before[k][untouched])

@@ -39,6 +39,7 @@ def test_a_configured_structlog_takes_the_events() -> None:
     assert logs == [{"event": "cpkv.event", "n": 3, "log_level": "warning"}]
 
 
+@pytest.mark.slow  # 6 s: a whole cpkv bench cache
 @pytest.mark.multiprocess
 def test_bench_cache_prints_only_its_result_and_the_path(tmp_path: Path) -> None:
     out = tmp_path / "cache.json"

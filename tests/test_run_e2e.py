@@ -106,6 +106,9 @@ def test_job_placement(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     one = job_placement("cuda", 1, True, "mooncake")  # one H200: CP1 and the decode rank on GPU 0
     assert (one.backend, one.gpus, one.shared) == ("gloo", (0, 0), True)
+    with pytest.raises(ValueError) as err:  # prefill only: the fix is fewer CP ranks, not
+        job_placement("cuda", 2, False)     # --decode-tokens 0 (already so)
+    assert "--cp 1 or fewer" in str(err.value) and "--decode-tokens" not in str(err.value)
 
 
 def test_compare_topk_counts_only_real_differences() -> None:

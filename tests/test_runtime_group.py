@@ -234,6 +234,7 @@ def test_blocked_ranks_are_terminated_after_a_failure(no_leftover_ranks: None) -
     assert elapsed < FAST_S, f"took {elapsed:.1f} s"
 
 
+@pytest.mark.slow  # 6 s: waits out a timeout
 @pytest.mark.multiprocess
 def test_hung_rank_times_out_by_name(no_leftover_ranks: None) -> None:
     timeout = 5.0

@@ -36,6 +36,7 @@ def _works_longer_than_the_bound(group: CPGroup, seconds: float) -> int:
     return 0
 
 
+@pytest.mark.slow  # 7 s: outlives the timeout on purpose
 def test_a_rank_that_makes_progress_is_never_killed() -> None:
     timeout = 2.0
     t0 = time.monotonic()

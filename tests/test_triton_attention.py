@@ -72,6 +72,7 @@ def test_conformance_interpreter(ref: Any, op: str) -> None:
     conf.check_op(AttentionKernels(), ref, op, device="cpu")
 
 
+@pytest.mark.slow  # 4 s in the interpreter
 @interp
 def test_indexer_paged_small_tiles_and_row_groups(ref: Any) -> None:
     """Keys tiles smaller than a page and groups of 3 rows per program (a group's rows of

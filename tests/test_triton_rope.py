@@ -62,10 +62,16 @@ def test_conformance_interpreter(ref: Any) -> None:
     conf.check_op(RopeKernels(), ref, "rope", device="cpu")
 
 
-def _attention_inputs_agree(device: str, dtype: torch.dtype, tmp: Path, rel: float) -> None:
+def _attention_inputs_agree(device: str, dtype: torch.dtype, tmp: Path, rel: float,
+                            arch: str = "v32") -> None:
     """The model's four rotations through the kernel equal its reference path within ``rel`` of
-    each tensor's largest value (fp32: summation order; bf16: one rounding instead of three)."""
-    m = load_model(str(write_tiny_checkpoint(tmp / "ckpt", seed=5)), device=device, dtype=dtype)
+    each tensor's largest value (fp32: summation order; bf16: one rounding instead of three);
+    ``arch="glm5"``: GLM-5's indexer rotates interleaved pairs (DeepSeek-V3.2: half-split)."""
+    from cpkv.models.tiny import ARCHS
+
+    m = load_model(str(write_tiny_checkpoint(tmp / "ckpt", seed=5, **ARCHS[arch])),
+                   device=device, dtype=dtype)
+    assert m.config.index_rope == ("interleave" if arch == "glm5" else "half")
     g = torch.Generator().manual_seed(0)
     n = 19
     x = torch.randn(n, m.config.hidden_size, generator=g).to(device, dtype)
@@ -80,14 +86,18 @@ def _attention_inputs_agree(device: str, dtype: torch.dtype, tmp: Path, rel: flo
 
 
 @interp
-def test_model_rotations_through_the_kernel(tmp_path: Path) -> None:
-    _attention_inputs_agree("cpu", torch.float32, tmp_path, 1e-6)
+@pytest.mark.parametrize("arch", ["v32", "glm5"])
+def test_model_rotations_through_the_kernel(tmp_path: Path, arch: str) -> None:
+    _attention_inputs_agree("cpu", torch.float32, tmp_path, 1e-6, arch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["v32", "glm5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_rotations_through_the_kernel_gpu(tmp_path: Path, dtype: torch.dtype) -> None:
-    _attention_inputs_agree("cuda", dtype, tmp_path, 1e-6 if dtype == torch.float32 else 1.6e-2)
+def test_model_rotations_through_the_kernel_gpu(tmp_path: Path, dtype: torch.dtype,
+                                                arch: str) -> None:
+    _attention_inputs_agree("cuda", dtype, tmp_path, 1e-6 if dtype == torch.float32 else 1.6e-2,
+                            arch)
 
 
 

@@ -4,7 +4,8 @@ the engines' two-part layout and attention calls; cpkv only through ``cpkv.embed
 Run on CPUs (Gloo):
     torchrun --standalone --nproc-per-node 2 examples/engine/engine.py
     torchrun --standalone --nproc-per-node 4 examples/engine/engine.py
-On one GPU, two ranks sharing it (Gloo collectives), with the default backends:
+On GPUs, with the default backends (a GPU per rank where there are enough; with fewer GPUs
+than ranks, rank r on GPU r % n: two ranks share one GPU here, Gloo collectives, said on stderr):
     torchrun --standalone --nproc-per-node 2 examples/engine/engine.py --device cuda \
         --backends cuda,triton,torch
 
@@ -36,6 +37,8 @@ from cpkv.embed import (
     backend_ops,
     hit_pages,
     pack_rows,
+    rank_gpu,
+    shared_gpus_line,
     tail_copy,
     token_valid_hit,
 )
@@ -203,8 +206,14 @@ def main() -> int:
     rank = dist.get_rank()
     device = torch.device("cpu")
     if args.device == "cuda":
-        torch.cuda.set_device(0)  # the ranks share one GPU; Gloo moves the bytes
-        device = torch.device("cuda", 0)
+        # a GPU per rank when there are enough, else rank r on GPU r % n (Gloo moves the bytes)
+        place = rank_gpu("gloo", int(os.environ.get("LOCAL_RANK", rank)),
+                         int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                         torch.cuda.device_count())
+        if place.shared and rank == 0:
+            print(f"shared-GPU mode: {shared_gpus_line(place)}", file=sys.stderr, flush=True)
+        torch.cuda.set_device(place.gpu)
+        device = torch.device("cuda", place.gpu)
     group = cpkv.CPGroup.from_process_group(device=device)
     model = cpkv.load_model("tiny", device=device)
     g = torch.Generator().manual_seed(7)

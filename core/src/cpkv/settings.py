@@ -36,7 +36,7 @@ from pydantic_settings import (
 )
 from pydantic_settings import SettingsError as _SourceError
 
-from cpkv.contracts import FallbackPolicy, KVDtype, MaterializeMode, PageLayout, SplitMode
+from cpkv.contracts import BufferLayout, FallbackPolicy, KVDtype, MaterializeMode, SplitMode
 
 __all__ = [
     "BackendSettings",
@@ -123,12 +123,15 @@ class KVSettings(_Section):
                     "on GPUs whose ranks map each other's memory, else all_gather)",
     )
 
-    layout: PageLayout = Field(
-        PageLayout.TOKEN_MAJOR,
-        description="byte order inside a page: 'token_major' (each token's latent then index-K; "
-                    "every strategy reads it) or 'part_major' (a page's latent rows then its "
-                    "index-K rows: FlashMLA's fp8 decode reads it in place; replica and "
-                    "all_gather only). The decode rank's pool is part-major whatever this says",
+    layout: BufferLayout = Field(
+        BufferLayout.TOKEN_MAJOR,
+        description="how a page's bytes lie in the pool's tensors: 'token_major' (one tensor "
+                    "per layer, each token's latent then index-K; every strategy reads it), "
+                    "'part_major' (one tensor per layer, a page's latent rows then its index-K "
+                    "rows: FlashMLA's fp8 decode reads it in place; replica and all_gather "
+                    "only) or 'two_part' (the engines' layout: per layer a latent tensor and an "
+                    "index-K tensor in DeepGEMM's page order; replica and all_gather only). The "
+                    "decode rank's pool is part-major whatever this says",
     )
 
     @field_validator("materialize")

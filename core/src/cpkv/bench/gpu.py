@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GpuBenchOptions",
+    "attention_stack",
     "ceilings",
     "cuda_ms",
     "kernel_profile",
@@ -38,6 +39,7 @@ __all__ = [
     "materialize_rank",
     "prefill_rank",
     "run",
+    "stack_flops",
     "v32_stack",
 ]
 
@@ -45,16 +47,24 @@ PAGE = 64
 TOKENS_64K = 64 * 1024
 
 
-def v32_stack(layers: int, positions: int = 0, **overrides: Any) -> dict[str, Any]:
-    """The checkpoint config of the GPU benchmarks' stack: the ``v32-attention`` preset with
-    ``layers`` dense layers, its max position raised to hold ``positions`` (``overrides`` last,
-    e.g. ``num_nextn_predict_layers``)."""
+def attention_stack(preset: str, layers: int, positions: int = 0,
+                    **overrides: Any) -> dict[str, Any]:
+    """The checkpoint config of a GPU benchmark's stack: the ``preset`` (``v32-attention``,
+    ``glm5-attention``: :data:`cpkv.models.tiny.PRESETS`) with ``layers`` dense layers (a GLM-5
+    preset continues its indexer schedule over them: full, shared, full, ...), its max position
+    raised to hold ``positions`` (``overrides`` last, e.g. ``num_nextn_predict_layers``)."""
     from cpkv.models.tiny import PRESETS
 
-    preset = PRESETS["v32-attention"]
-    return {**preset, "num_hidden_layers": layers, "first_k_dense_replace": layers,
-            "max_position_embeddings": max(preset["max_position_embeddings"], positions),
+    base = PRESETS[preset]
+    return {**base, "num_hidden_layers": layers, "first_k_dense_replace": layers,
+            "max_position_embeddings": max(int(base.get("max_position_embeddings", 4096)),
+                                           positions),
             **overrides}
+
+
+def v32_stack(layers: int, positions: int = 0, **overrides: Any) -> dict[str, Any]:
+    """:func:`attention_stack` of the ``v32-attention`` preset."""
+    return attention_stack("v32-attention", layers, positions, **overrides)
 
 
 def cuda_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
@@ -130,15 +140,42 @@ def kernel_rows(dev: torch.device, ceil: dict[str, float], detail: dict[str, Any
           lambda: ref.page_gather(pool, idx), src)
     moved("scatter_64k_bw", nbytes, lambda: impl.page_scatter(pool, idx, src),
           lambda: ref.page_scatter(pool, idx, src), src)
-    # the same pages in the engines' two-part layout (cpkv.embed: a latent tensor and a
-    # DeepGEMM-order index-K tensor) read out as / written from canonical blocks, what the
-    # all-gather, a transfer and the host tier move; torch ops only (its "torch" timing is the
+    # the page movement of each layout (kv.layout), every row against a device copy of the same
+    # bytes. part_major: a page is one block too, moved whole (the all-gather's send buffer,
+    # copies on write, the host tier, a transfer between pools of one layout): the same kernel
+    # on a part-major pool. two_part (a latent tensor and a DeepGEMM-order index-K tensor):
+    # whole pages move region by region (two page gathers / scatters: copies on write, the host
+    # tier, a transfer between two-part pools), and are read out as / written from canonical
+    # blocks where the bytes change layout (the all-gather's send buffer, a transfer into the
+    # part-major decode pool); the canonical rows are torch ops only (its "torch" timing is the
     # same call)
     from cpkv.kv.buffers import KVBufferSpec, read_pages, write_pages
 
     nl = fmt.latent_bytes_per_token
+    part = torch.cat([pool[..., :nl].reshape(4096, -1), pool[..., nl:].reshape(4096, -1)],
+                     dim=1).view(4096, PAGE, -1)  # the same pages, part-major
+    moved("part_major_gather_64k_bw", nbytes, lambda: impl.page_gather(part, idx),
+          lambda: ref.page_gather(part, idx), src)
+    moved("part_major_scatter_64k_bw", nbytes, lambda: impl.page_scatter(part, idx, src),
+          lambda: ref.page_scatter(part, idx, src), src)
     two = KVBufferSpec.wrap(fmt, "two_part", [(pool[..., :nl].contiguous(),
                                                 pool[..., nl:].contiguous().view(4096, -1))])
+    regions = two.regions(0)
+    region_src = [torch.empty(1024, r.shape[1], dtype=torch.uint8, device=dev) for r in regions]
+
+    def region_moves(k: KVOps, scatter: bool) -> Callable[[], None]:
+        def run() -> None:
+            for r, s_ in zip(regions, region_src, strict=True):
+                if scatter:
+                    k.page_scatter(r, idx, s_)
+                else:
+                    k.page_gather(r, idx)
+        return run
+
+    moved("two_part_region_gather_64k_bw", nbytes, region_moves(impl, False),
+          region_moves(ref, False), src)
+    moved("two_part_region_scatter_64k_bw", nbytes, region_moves(impl, True),
+          region_moves(ref, True), src)
     for name, fn in (("two_part_gather_64k_bw", partial(read_pages, two, 0, idx)),
                      ("two_part_scatter_64k_bw", partial(write_pages, two, 0, idx, src))):
         moved(name, nbytes, fn, fn, src)
@@ -330,24 +367,38 @@ def materialize_rank(group: Any, spec: MaterializeSpec) -> dict[str, Any]:
     return out
 
 
-def layer_flops(cfg: Any, n: int) -> dict[str, float]:
+def layer_flops(cfg: Any, n: int, indexer: bool = True) -> dict[str, float]:
     """FLOPs (2 per multiply-add) of one dense layer over an ``n``-token prompt (causal, one
     request), by part: projections (q_a, q_b, the absorbed W_UK and W_UV, kv_a, the indexer's
     q/k/weights, o_proj), the indexer's logits over each token's causal keys, sparse MLA over
-    min(position + 1, top-k) keys, and the dense MLP (gate, up, down)."""
+    min(position + 1, top-k) keys, and the dense MLP (gate, up, down). ``indexer=False``: a
+    GLM-5 shared-indexer layer, which has no indexer weights and runs no indexer (it reuses its
+    full layer's top-k): the indexer's projections and logits count zero."""
     h, heads, ql = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank
     lat, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     ih, idim, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     qk = cfg.qk_nope_head_dim + rope
+    index_proj = ql * ih * idim + h * idim + h * ih if indexer else 0
     proj = (h * ql + ql * heads * qk + heads * cfg.qk_nope_head_dim * lat + h * (lat + rope)
-            + ql * ih * idim + h * idim + h * ih + heads * lat * cfg.v_head_dim
-            + heads * cfg.v_head_dim * h)
+            + index_proj + heads * lat * cfg.v_head_dim + heads * cfg.v_head_dim * h)
     keys = n * (n + 1) / 2  # sum over tokens of their causal key counts
     selected = sum(min(i + 1, k) for i in range(min(n, k))) + max(0, n - k) * k
     return {"projections": 2.0 * n * proj,
-            "indexer": 2.0 * keys * ih * idim,
+            "indexer": 2.0 * keys * ih * idim if indexer else 0.0,
             "sparse_mla": 2.0 * selected * heads * (lat + rope + lat),
             "mlp": 2.0 * n * 3 * h * cfg.intermediate_size}
+
+
+def stack_flops(cfg: Any, n: int) -> dict[str, float]:
+    """:func:`layer_flops` summed over ``cfg``'s decoder layers (all dense, as in the benches'
+    stacks), each on its own indexer schedule (``cfg.layer_indexers``: DeepSeek-V3.2's layers
+    all run their indexer; a GLM-5 ``shared`` layer counts none)."""
+    per = {t: layer_flops(cfg, n, indexer=t == "full") for t in set(cfg.layer_indexers)}
+    out = dict.fromkeys(next(iter(per.values())), 0.0)
+    for t in cfg.layer_indexers:
+        for part, f in per[t].items():
+            out[part] += f
+    return out
 
 
 def kernel_profile(run: Callable[[], Any], top: int | None = 14) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Long prompts on one GPU (``cpkv bench long``): a 256K-1M-token prompt prefilled in chunks, as
-an engine does, on the 2-layer ``v32-attention`` stack (CP1), and the fp8 indexer's top-k
-agreement with the bf16 one.
+an engine does, on the 2-layer ``v32-attention`` stack (CP1; ``--preset glm5-attention``: GLM-5's
+attention, one full and one shared-indexer layer, its rows named ``glm5_...``), and the fp8
+indexer's top-k agreement with the bf16 one.
 
 What a run measures, per (prompt length, chunk size): wall seconds (per chunk and in all), the
 layers' FLOPs over that time against the bf16 matmul ceiling of the same run (MFU), the peak
@@ -25,15 +26,19 @@ import torch
 
 from cpkv.comm import note_progress
 
-from .gpu import kernel_profile, layer_flops
+from .gpu import kernel_profile, stack_flops
 
 if TYPE_CHECKING:
     from cpkv.runtime.launch import ProgressSink
 
     from .report import BenchRow
 
-__all__ = ["HFLogitsSpec", "LongBenchOptions", "LongSpec", "RecallSpec", "fp8_recall_rank",
-           "hf_logits_rank", "long_rank", "run", "summary_line", "topk_share"]
+__all__ = ["PRESETS", "HFLogitsSpec", "LongBenchOptions", "LongSpec", "RecallSpec",
+           "fp8_recall_rank", "hf_logits_rank", "long_rank", "row_prefix", "run", "summary_line",
+           "topk_share"]
+
+#: the stacks ``cpkv bench long --preset`` runs (:data:`cpkv.models.tiny.PRESETS`)
+PRESETS = ("v32-attention", "glm5-attention")
 
 #: kernel-name fragments of the top-k's kernels and of the indexer's (Triton); the fused
 #: indexer top-k's filter (the indexer with the candidate filter in its epilogue) and its
@@ -123,6 +128,7 @@ def _session(model: Any, group: Any, tokens: int, kv_dtype: str, indexer_dtype: 
 def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
     """The chunked prefills of ``spec`` on this (one-rank) group; see the module docstring."""
     from cpkv.models import load_model
+    from cpkv.runtime.warmup import warm_up
 
     dtype = torch.bfloat16 if group.device.type == "cuda" else torch.float32
     model = load_model(spec.model_dir, dtype=dtype, device=group.device)
@@ -135,13 +141,12 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
                            "budget_auto": session.logits_budget_auto, "runs": {}}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    # warm-up: every kernel specialisation the timed chunks use (compiles; the top-k's
-    # long-row path starts at 192K keys: a 256K-token prompt in the smallest chunks)
-    c0 = min(spec.chunks)
-    warm = torch.randint(0, vocab, (max(4 * c0, min(max(spec.tokens), 262144)),), generator=g)
-    for s in range(0, warm.numel(), c0):
-        session.prefill([("warm", warm[s:s + c0])])
-    session.release("warm")
+    # warm-up: every kernel variant the timed chunks meet, compiled before they are timed
+    # (runtime.warmup.warm_up over the longest prompt in each chunk size: the row groups the
+    # logits budget cuts, and so the launches' shapes, change with the key count; warming to
+    # 256K only left compile stalls of 1-2.5 s in the 384K-704K chunks of a GLM-5 1M run)
+    out["warmup_seconds"] = {c: warm_up(session, max(spec.tokens), c).seconds
+                             for c in sorted(set(spec.chunks))}
     for n in spec.tokens:
         ids = torch.randint(0, vocab, (n,), generator=g)
         logits = {}
@@ -164,10 +169,11 @@ def long_rank(group: Any, spec: LongSpec) -> dict[str, Any]:
             seconds = time.perf_counter() - start
             if res is not None:
                 logits[c] = res.last_logits[0].float().cpu()
-            flops = model.num_layers * sum(layer_flops(model.config, n).values())
+            # every layer on its own schedule: a GLM-5 shared layer runs no indexer
+            flops = stack_flops(model.config, n)
             out["runs"][f"{n}/{c}"] = {
                 "tokens": n, "chunk": c, "seconds": seconds, "chunk_seconds": per_chunk,
-                "layer_tflops": flops / seconds / 1e12,
+                "flops": flops, "layer_tflops": sum(flops.values()) / seconds / 1e12,
                 "peak_gb": _peak_gb(group.device),
                 "kv_bytes": session.pool.footprint().bytes_held}
             session.release(rid)
@@ -212,14 +218,16 @@ def _recall(a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[float, float, int
 
 def _captured_inputs(model: Any, session: Any, ids: torch.Tensor
                      ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(index_q, index_w, index_k) of every layer as the model made them while ``session``
+    """(index_q, index_w, index_k) of every layer that runs an indexer (a GLM-5 shared layer
+    runs none: its top-k is its full layer's), as the model made them while ``session``
     prefilled ``ids`` (one request, one batch)."""
     got: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     plain = model.attention_inputs
 
     def spy(*a: Any, **k: Any) -> Any:
         out = plain(*a, **k)
-        got.append((out.index_q.clone(), out.index_w.clone(), out.index_k.clone()))
+        if out.index_q is not None and out.index_w is not None and out.index_k is not None:
+            got.append((out.index_q.clone(), out.index_w.clone(), out.index_k.clone()))
         return out
 
     model.attention_inputs = spy
@@ -294,7 +302,8 @@ def fp8_recall_rank(group: Any, spec: RecallSpec) -> dict[str, Any]:
     """Per prompt length and layer, on the SAME layer inputs (no compounding across layers):
     the inputs of every layer's indexer are captured from one bf16 prefill (bf16 pool, bf16
     indexer: the residual stream transformers computes), then each layer's top-k is chosen
-    by the bf16 indexer and by DeepSeek's fp8 indexer (:func:`_layer_choices`). Also the
+    by the bf16 indexer and by DeepSeek's fp8 indexer (:func:`_layer_choices`; the layers that
+    run an indexer: GLM-5's full layers). Also the
     last-token logits of full prefills with the bf16 pool + bf16 indexer, the fp8 pool + bf16
     indexer and the defaults (fp8 pool + fp8 indexer where the GPU has fp8 tensor cores),
     their relative difference to the first's."""
@@ -348,13 +357,16 @@ class HFLogitsSpec:
 def hf_logits_rank(group: Any, spec: HFLogitsSpec) -> dict[str, Any]:
     """transformers' own fp32 forward pass (eager attention, its sparse mask) against cpkv's
     bf16 prefill with the bf16 pool + bf16 indexer, the fp8 pool + bf16 indexer and the
-    defaults: max relative error of the last-token logits and whether the argmax agrees."""
+    defaults: max relative error of the last-token logits and whether the argmax agrees
+    (transformers' class of the checkpoint's family: ``DeepseekV32ForCausalLM``,
+    ``GlmMoeDsaForCausalLM``)."""
     import transformers
 
     from cpkv.models import load_model
+    from cpkv.models.loader import read_config
 
     g = torch.Generator().manual_seed(2)
-    hf = transformers.DeepseekV32ForCausalLM.from_pretrained(
+    hf = getattr(transformers, read_config(spec.model_dir).architecture).from_pretrained(
         spec.model_dir, attn_implementation="eager", torch_dtype=torch.float32).to(group.device)
     hf.eval()
     ids = torch.randint(0, hf.config.vocab_size, (spec.tokens,), generator=g)
@@ -378,20 +390,23 @@ def hf_logits_rank(group: Any, spec: HFLogitsSpec) -> dict[str, Any]:
     return res
 
 
-def write_hf_checkpoint(path: str, **config: Any) -> str:
-    """A randomly initialised DeepSeek-V3.2 checkpoint written by transformers
-    (``DeepseekV32ForCausalLM(config).save_pretrained``, transformers' own initialisation),
-    built on the GPU; ``config``: config.json keys. Needs transformers."""
+def write_hf_checkpoint(path: str, device: str = "cuda", **config: Any) -> str:
+    """A randomly initialised DeepSeek-V3.2 or GLM-5 checkpoint (``config``'s ``model_type``)
+    written by transformers (``DeepseekV32ForCausalLM(config).save_pretrained`` /
+    ``GlmMoeDsaForCausalLM``, transformers' own initialisation), built on ``device``;
+    ``config``: config.json keys. Needs transformers."""
     import transformers
 
     from cpkv.models.tiny import tiny_config
 
-    hf = tiny_config(**config).hf_dict()
+    ours = tiny_config(**config)
+    hf = ours.hf_dict()
     hf.pop("architectures", None)
-    cfg = transformers.DeepseekV32Config(**hf)
+    cls = getattr(transformers, ours.architecture)
+    cfg = getattr(transformers, ours.architecture.replace("ForCausalLM", "Config"))(**hf)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.DeepseekV32ForCausalLM(cfg)
+    with torch.device(device):
+        model = cls(cfg)
     model = model.bfloat16()
     model.save_pretrained(path)
     del model
@@ -406,11 +421,18 @@ def _tag(n: int) -> str:
     return f"{n >> 10}k" if n % 1024 == 0 and n else str(n)
 
 
+def row_prefix(preset: str) -> str:
+    """What the rows of a ``preset`` stack begin with: nothing for ``v32-attention`` (the rows
+    as they always were), ``glm5_`` for ``glm5-attention`` (``glm5_long_1m_mfu``, ...)."""
+    return "" if preset == "v32-attention" else preset.split("-")[0] + "_"
+
+
 def long_rows(res: dict[str, Any], ceil: dict[str, float], device_gb: float,
               fixed: dict[str, Any] | None = None,
-              bf16: dict[str, Any] | None = None) -> list[Any]:
+              bf16: dict[str, Any] | None = None, prefix: str = "") -> list[Any]:
     """The bench rows of a :func:`long_rank` result ``res`` (the defaults) and, where the
-    defaults took the fp8 indexer, ``bf16`` (the same prompts with the bf16 indexer, same run).
+    defaults took the fp8 indexer, ``bf16`` (the same prompts with the bf16 indexer, same run);
+    every name begins with ``prefix`` (:func:`row_prefix`).
 
     Per prompt length (64K chunks, or the smallest chunk size run; ``_c<chunk>`` for the
     others): ``long_<n>_mfu`` against the same run's bf16 matmul ceiling for the bf16-indexer
@@ -428,12 +450,12 @@ def long_rows(res: dict[str, Any], ceil: dict[str, float], device_gb: float,
         for r in run["runs"].values():
             suffix = "" if r["chunk"] == chunks[0] else f"_c{_tag(r['chunk'])}"
             if fp8:
-                rows.append(BenchRow.of(f"long_{_tag(r['tokens'])}{suffix}_fp8_mfu",
+                rows.append(BenchRow.of(f"{prefix}long_{_tag(r['tokens'])}{suffix}_fp8_mfu",
                                         r["layer_tflops"], "TFLOP/s",
                                         "fp8 matmul ceiling (same run)",
                                         ceil["fp8_matmul_tflops"]))
             else:
-                rows.append(BenchRow.of(f"long_{_tag(r['tokens'])}{suffix}_mfu",
+                rows.append(BenchRow.of(f"{prefix}long_{_tag(r['tokens'])}{suffix}_mfu",
                                         r["layer_tflops"], "TFLOP/s",
                                         "bf16 matmul ceiling (same run)", ceil["matmul_tflops"]))
 
@@ -448,17 +470,17 @@ def long_rows(res: dict[str, Any], ceil: dict[str, float], device_gb: float,
             suffix = "" if r["chunk"] == min(x["chunk"] for x in bf16["runs"].values()) \
                 else f"_c{_tag(r['chunk'])}"
             rows.append(BenchRow.of(
-                f"long_{_tag(r['tokens'])}{suffix}_default_vs_bf16_speedup",
+                f"{prefix}long_{_tag(r['tokens'])}{suffix}_default_vs_bf16_speedup",
                 r["tokens"] / d["seconds"], "tokens/s",
                 f"the bf16 indexer, same prompt and pool (tokens/s; {r['seconds']:.1f} s vs "
                 f"{d['seconds']:.1f} s)", r["tokens"] / r["seconds"]))
     p = res.get("profile")
     if p and p["indexer_ms"] > 0:
-        rows.append(BenchRow.of(f"long_{_tag(p['tokens'])}_topk_share", p["topk_ms"], "ms",
+        rows.append(BenchRow.of(f"{prefix}long_{_tag(p['tokens'])}_topk_share", p["topk_ms"], "ms",
                                 f"indexer kernel time of the same chunk ({p['rows']} rows)",
                                 p["indexer_ms"]))
     longest = max(res["runs"].values(), key=lambda r: (r["tokens"], -r["chunk"]))
-    rows.append(BenchRow.of(f"long_{_tag(longest['tokens'])}_peak_gb", longest["peak_gb"], "GB",
+    rows.append(BenchRow.of(f"{prefix}long_{_tag(longest['tokens'])}_peak_gb", longest["peak_gb"], "GB",
                             "device memory", device_gb))
     if fixed:
         for r in fixed["runs"].values():
@@ -504,6 +526,12 @@ class LongBenchOptions:
     hf_tokens: int = 4096
     #: where the defaults take the fp8 indexer, the prompts again with the bf16 one
     bf16_compare: bool = True
+    #: the stack (:data:`PRESETS`): its rows named by :func:`row_prefix`
+    preset: str = "v32-attention"
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset {self.preset!r}: cpkv bench long runs {', '.join(PRESETS)}")
 
 
 def run(opts: LongBenchOptions, progress: Callable[[str], None] = lambda s: None,
@@ -517,22 +545,23 @@ def run(opts: LongBenchOptions, progress: Callable[[str], None] = lambda s: None
     from cpkv.models import write_tiny_checkpoint
     from cpkv.runtime import run_ranks
 
-    from .gpu import ceilings, v32_stack
+    from .gpu import attention_stack, ceilings
 
     dev = torch.device("cuda", 0)
     lens, sizes, rlens = opts.tokens, opts.chunks, opts.recall_tokens
     ceil = ceilings(dev)
     device_gb = torch.cuda.get_device_properties(dev).total_memory / 1e9
-    detail: dict[str, Any] = {"ceilings": ceil, "device_gb": device_gb}
+    prefix = row_prefix(opts.preset)
+    detail: dict[str, Any] = {"ceilings": ceil, "device_gb": device_gb, "preset": opts.preset}
     tmp = Path(tempfile.mkdtemp())
-    stack = v32_stack(opts.layers, max((*lens, *rlens), default=0))
+    stack = attention_stack(opts.preset, opts.layers, max((*lens, *rlens), default=0))
     ckpt = str(write_tiny_checkpoint(tmp / "stack", seed=0, **stack))
     rows: list[BenchRow] = []
     res: dict[str, Any] = {}
     if lens:
         spec = LongSpec(ckpt, lens, sizes, budget_mb=opts.budget_mb,
                         profile=(524288, min(sizes)) if 524288 in lens else None)
-        progress(f"{opts.layers}-layer stack: {lens} tokens in chunks of {sizes}, the default "
+        progress(f"{opts.layers}-layer {opts.preset} stack: {lens} tokens in chunks of {sizes}, the default "
                  f"numerics")
         res = run_ranks(long_rank, 1, args=(spec,), backend="nccl", timeout_s=3600,
                         on_progress=on_progress)[0].value
@@ -556,12 +585,12 @@ def run(opts: LongBenchOptions, progress: Callable[[str], None] = lambda s: None
             fixed = run_ranks(long_rank, 1, args=(fspec,), backend="nccl",
                               timeout_s=3600)[0].value
             detail["fixed_budget"] = fixed
-        rows += long_rows(res, ceil, device_gb, fixed, bf16)
+        rows += long_rows(res, ceil, device_gb, fixed, bf16, prefix)
     if rlens:
-        ckpts = [("v32-attention", ckpt)]
+        ckpts = [(opts.preset, ckpt)]
         if opts.hf:
             progress("writing the stack with transformers")
-            ckpts.append(("hf", write_hf_checkpoint(str(tmp / "hf"), **stack)))
+            ckpts.append((f"{prefix}hf", write_hf_checkpoint(str(tmp / "hf"), **stack)))
         for label, path in ckpts:
             progress(f"fp8 vs bf16 indexer top-k on the same layer inputs, {label}, at {rlens}")
             rec = run_ranks(fp8_recall_rank, 1,
@@ -574,15 +603,16 @@ def run(opts: LongBenchOptions, progress: Callable[[str], None] = lambda s: None
             detail["vs_transformers"] = run_ranks(
                 hf_logits_rank, 1, args=(HFLogitsSpec(ckpts[1][1], opts.hf_tokens),),
                 backend="nccl", timeout_s=1800)[0].value
-    return rows, detail, summary_line(res, sizes) if res else ""
+    return rows, detail, summary_line(res, sizes, opts.preset) if res else ""
 
 
-def summary_line(res: dict[str, Any], chunks: tuple[int, ...]) -> str:
-    """One line of a long run's result (:func:`long_rank`'s): the defaults it took, its logits
-    budget, whether the chunkings agreed, the projected CP8 time to first token."""
+def summary_line(res: dict[str, Any], chunks: tuple[int, ...],
+                 preset: str = "v32-attention") -> str:
+    """One line of a long run's result (:func:`long_rank`'s): the stack, the defaults it took,
+    its logits budget, whether the chunkings agreed, the projected CP8 time to first token."""
     longest = max(res["runs"].values(), key=lambda r: (r["tokens"], r["chunk"] == min(chunks)))
     auto = " (auto: from the free device memory)" if res["budget_auto"] else ""
-    return (f"defaults: {res['kv_dtype']} pool, {res['indexer_dtype']} indexer; "
+    return (f"{preset}: defaults: {res['kv_dtype']} pool, {res['indexer_dtype']} indexer; "
             f"logits budget {res['budget_mb']} MB{auto}; logits equal across chunkings: "
             f"{res.get('logits_equal')}; CP8 {longest['tokens']}-token time to first "
             f"token projected {longest['seconds'] / 8:.2f} s "

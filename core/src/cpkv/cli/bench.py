@@ -347,7 +347,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 @command.command("long")
-@_out_option("benchmarks/results/long_h200.json")
+@_out_option(None, "long{,_glm5}_h200.json")
 @click.option("--tokens", default="262144,524288,1048576", show_default=True,
               help="Prompt lengths (comma-separated; empty: the recall only).")
 @click.option("--chunks", default="65536,131072", show_default=True,
@@ -369,9 +369,14 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--bf16-compare/--no-bf16-compare", default=True, show_default=True,
               help="Where the defaults take the fp8 indexer, the prompts again with the bf16 "
                    "indexer (smallest chunks): the long_<n>_mfu and default_vs_bf16 rows.")
-def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | None,
+@click.option("--preset", type=click.Choice(["v32-attention", "glm5-attention"]),
+              default="v32-attention", show_default=True,
+              help="The stack (cpkv init-model --preset): glm5-attention alternates full and "
+                   "shared-indexer layers; its rows are named glm5_long_..., its report "
+                   "long_glm5_h200.json.")
+def long_cmd(out: str | None, tokens: str, chunks: str, layers: int, budget_mb: int | None,
              fixed_budget_mb: int, recall_tokens: str, hf: bool, hf_tokens: int,
-             bf16_compare: bool) -> None:
+             bf16_compare: bool, preset: str) -> None:
     """Long prompts in chunks on one GPU with the default numerics: MFU, the speedup over the
     bf16 indexer, the top-k's share, peak memory, the fp8 indexer's top-k overlap with bf16's
     on the same layer inputs, last-token logits against transformers."""
@@ -387,11 +392,12 @@ def long_cmd(out: str, tokens: str, chunks: str, layers: int, budget_mb: int | N
     opts = long.LongBenchOptions(tokens=_ints(tokens), chunks=_ints(chunks), layers=layers,
                                  budget_mb=budget_mb, fixed_budget_mb=fixed_budget_mb,
                                  recall_tokens=_ints(recall_tokens), hf=hf, hf_tokens=hf_tokens,
-                                 bf16_compare=bf16_compare)
+                                 bf16_compare=bf16_compare, preset=preset)
     shown = ProgressLine(None, quiet=err.quiet)  # a line per chunk at most every 10 s
     rows, detail, summary = long.run(opts, progress=lambda s: err.print(f"[dim]{s}[/]"),
                                      on_progress=shown)
-    _report("long", rows, out, detail, summary)
+    name = "long_h200.json" if preset == "v32-attention" else "long_glm5_h200.json"
+    _report("long", rows, out or f"benchmarks/results/{name}", detail, summary)
 
 
 @command.command("decode")

@@ -7,6 +7,7 @@ The backend op Protocol (:class:`KVOps`) lives here too, its tensor types for ty
 from ._base import Contract, Count, CPSize, PageIndex, PageSize, Position, Rank
 from .fallback import FallbackEvent, FallbackPolicy, FallbackReason
 from .formats import (
+    BufferLayout,
     KVDtype,
     KVFormat,
     LayerFormats,
@@ -31,6 +32,7 @@ from .plugin import Availability, PluginInfo, PluginKind
 
 __all__ = [
     "Availability",
+    "BufferLayout",
     "CPPlan",
     "CPSize",
     "Contract",

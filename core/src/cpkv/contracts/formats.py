@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from ._base import Contract, PageSize
 
-__all__ = ["KVDtype", "KVFormat", "LayerFormats", "layer_formats", "pages_nbytes"]
+__all__ = ["BufferLayout", "KVDtype", "KVFormat", "LayerFormats", "layer_formats", "pages_nbytes"]
 
 
 class KVDtype(StrEnum):
@@ -48,6 +48,27 @@ class PageLayout(StrEnum):
 
     TOKEN_MAJOR = "token_major"
     PART_MAJOR = "part_major"
+
+
+class BufferLayout(StrEnum):
+    """How a layer's page bytes lie in its tensors (``kv.layout``; :mod:`cpkv.kv.buffers`).
+
+    ``TOKEN_MAJOR`` / ``PART_MAJOR``: cpkv's one-tensor layouts (one uint8 ``[pages, ps, B]``
+    tensor per layer, a page one block in that :class:`PageLayout`). ``TWO_PART``: the engines'
+    layout (SGLang's ``NSATokenToKVPool``, vLLM's ``DeepseekV32IndexerCache``): per layer a
+    latent tensor ``[pages, ps, latent bytes]`` and an index-K tensor ``[pages, ps x index
+    bytes]`` in DeepGEMM's page order (the page's ``ps x D`` values, then its ``ps`` scales); a
+    layer without index-K has the latent tensor only.
+    """
+
+    TOKEN_MAJOR = "token_major"
+    PART_MAJOR = "part_major"
+    TWO_PART = "two_part"
+
+    @property
+    def page_layout(self) -> PageLayout | None:
+        """cpkv's one-tensor :class:`PageLayout` of this layout (None for ``two_part``)."""
+        return None if self is BufferLayout.TWO_PART else PageLayout(self.value)
 
 
 class KVFormat(Contract):

@@ -15,8 +15,9 @@ What a plugin implements
 
 What a link is handed
     :class:`LinkSpec` (endpoint, buffers, timeouts, the plugin's settings table), its
-    :class:`PoolBuffers` (per layer the contiguous uint8 page buffer and its latent / index-K
-    views), a :class:`RankTransfer` per part (its :class:`PageRun` runs of owned pages), and on
+    :class:`PoolBuffers` (the pool's :class:`KVBufferSpec`: per layer its page regions, each a
+    contiguous uint8 ``[pages, bytes]`` view, and the packed part layout), a
+    :class:`RankTransfer` per part (its :class:`PageRun` runs of owned pages), and on
     the decode side a :class:`PartSink` (``recv_part`` puts the received bytes there with
     ``place_packed``; the decode receiver itself stays in the core).
 
@@ -37,13 +38,17 @@ Errors and reporting
 Page bytes
     :class:`PageLayout` (token-major or part-major blocks), :func:`page_blocks` (writable latent
     / index-K views of page blocks in either layout), :class:`KVFormat` (bytes per token and
-    page).
+    page); :class:`BufferLayout` (how a pool's pages lie in its tensors: the one-tensor layouts
+    or the engines' ``two_part``), :class:`KVBufferSpec` (a pool's tensors, or one laid over a
+    staging buffer), :func:`region_bytes` (a layer's page bytes per region), :func:`read_pages`
+    / :func:`write_pages` (canonical token-major page blocks out of and into any layout).
 """
 
 from __future__ import annotations
 
-from cpkv.contracts import FallbackReason, KVFormat, PageLayout
+from cpkv.contracts import BufferLayout, FallbackReason, KVFormat, PageLayout
 from cpkv.fallback import report_fallback
+from cpkv.kv.buffers import KVBufferSpec, read_pages, region_bytes, write_pages
 from cpkv.logs import get_logger
 from cpkv.ops import page_blocks
 
@@ -68,10 +73,12 @@ from .transport import (
 
 __all__ = [
     "WAIT_SLICE_S",
+    "BufferLayout",
     "DistSideChannel",
     "DrainingLink",
     "FallbackReason",
     "FencingChannel",
+    "KVBufferSpec",
     "KVFormat",
     "Link",
     "LinkSpec",
@@ -89,6 +96,9 @@ __all__ = [
     "Transport",
     "get_logger",
     "page_blocks",
+    "read_pages",
+    "region_bytes",
     "report_fallback",
     "store_side_channel",
+    "write_pages",
 ]

@@ -19,6 +19,7 @@ import torch
 
 from cpkv.contracts import PageLayout, pages_nbytes
 from cpkv.kv import KVStore, PageTable
+from cpkv.kv.buffers import read_part, write_part
 
 from .buffers import registered_buffers
 from .errors import TransferError
@@ -54,10 +55,11 @@ def page_checksums(store: KVStore, slots: Sequence[int],
         return []
     idx = _slots_tensor(slots, store.group.device)
     n = len(slots)
-    lat = torch.stack([store.latent[k].index_select(0, idx) for k in range(store.num_layers)], 2)
+    sp = store.spec  # each part's token rows, the same bytes in every layout
+    lat = torch.stack([read_part(sp, k, "latent", idx) for k in range(store.num_layers)], 2)
     # layers without index-K (GLM-5's shared layers) hold none: their index bytes are absent
     full = [k for k in range(store.num_layers) if store.fmts[k].index_k]
-    ixk = torch.stack([store.index_k[k].index_select(0, idx) for k in full], 2) if full else \
+    ixk = torch.stack([read_part(sp, k, "index_k", idx) for k in full], 2) if full else \
         lat.new_zeros((n, lat.shape[1], 0, 0))
     if valid_rows is not None:  # [n, ps, layers, bytes]: zero the rows past each page's valid part
         keep = torch.arange(lat.shape[1], device=lat.device)[None, :] < torch.tensor(
@@ -215,10 +217,10 @@ class DecodeReceiver:
         if set(layers) & res.layers.get(part.rank, set()):
             self._arrive(res, part, layers)  # raises: arrived twice
         idx = _slots_tensor(self.dst_slots(part), store.group.device)
-        for i, layer in enumerate(layers):
-            store.latent[layer].index_copy_(0, idx, latent[i].to(store.group.device))
+        for i, layer in enumerate(layers):  # into each part's place in the pool's layout
+            write_part(store.spec, layer, "latent", idx, latent[i].to(store.group.device))
             if store.fmts[layer].index_k:
-                store.index_k[layer].index_copy_(0, idx, index_k[i].to(store.group.device))
+                write_part(store.spec, layer, "index_k", idx, index_k[i].to(store.group.device))
         self._arrive(res, part, layers)
 
     def place_packed(self, part: RankTransfer, buf: torch.Tensor, *,

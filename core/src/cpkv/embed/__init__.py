@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cpkv.comm import CPGroup
+from cpkv.comm import CPGroup, GpuPlacement, rank_gpu, shared_gpus_line
 from cpkv.kv import FullView, pack_rows, ragged_to_paged, unpack_rows
 from cpkv.kv.buffers import (
     BufferLayout,
@@ -44,10 +44,11 @@ from .decode import DecodeMetadata
 from .engine import EngineBatch, EngineKV
 from .rules import KeyRanges, TailCopy, hit_pages, key_ranges, tail_copy, token_valid_hit
 
-__all__ = ["BufferLayout", "DecodeMetadata", "EngineBatch", "EngineKV", "FullView", "KVBufferSpec",
-           "KeyRanges", "LayerBuffers", "TailCopy", "backend_ops", "hit_pages", "key_ranges",
-           "library", "pack_rows", "ragged_to_paged", "read_pages", "read_rows", "tail_copy",
-           "token_valid_hit", "unpack_rows", "write_pages", "write_rows"]
+__all__ = ["BufferLayout", "DecodeMetadata", "EngineBatch", "EngineKV", "FullView", "GpuPlacement",
+           "KVBufferSpec", "KeyRanges", "LayerBuffers", "TailCopy", "backend_ops", "hit_pages",
+           "key_ranges", "library", "pack_rows", "ragged_to_paged", "rank_gpu", "read_pages",
+           "read_rows", "shared_gpus_line", "tail_copy", "token_valid_hit", "unpack_rows",
+           "write_pages", "write_rows"]
 
 
 def backend_ops(group: CPGroup, preference: Sequence[str] = ("torch",)) -> OpTable:

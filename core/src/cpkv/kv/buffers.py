@@ -25,27 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 
-from cpkv.contracts import KVDtype, KVFormat, LayerFormats, PageLayout, layer_formats
+from cpkv.contracts import BufferLayout, KVDtype, KVFormat, KVPart, LayerFormats, layer_formats
 
 __all__ = ["BufferLayout", "KVBufferSpec", "LayerBuffers", "index_split", "read_pages",
-           "read_rows", "write_pages", "write_rows"]
-
-
-class BufferLayout(StrEnum):
-    """How a layer's page bytes lie in its tensors (see the module docstring)."""
-
-    TOKEN_MAJOR = "token_major"
-    PART_MAJOR = "part_major"
-    TWO_PART = "two_part"
-
-    @property
-    def page_layout(self) -> PageLayout | None:
-        """cpkv's one-tensor :class:`PageLayout` of this layout (None for ``two_part``)."""
-        return None if self is BufferLayout.TWO_PART else PageLayout(self.value)
+           "read_part", "read_rows", "region_bytes", "write_pages", "write_part", "write_rows"]
 
 
 def index_split(fmt: KVFormat) -> tuple[int, int]:
@@ -55,6 +41,18 @@ def index_split(fmt: KVFormat) -> tuple[int, int]:
     if fmt.dtype is KVDtype.FP8:
         return fmt.index_head_dim, n - fmt.index_head_dim
     return n, 0
+
+
+def region_bytes(fmt: KVFormat, layout: BufferLayout) -> tuple[int, ...]:
+    """Bytes of one page in each region of a layer in ``fmt``: one-tensor layouts one region
+    (the page's block, latent and index-K together); ``two_part`` the latent's, then the
+    index-K's (none for a layer without index-K). What the page movers copy, region by region
+    (:meth:`KVBufferSpec.regions`, the host tier, the transfers)."""
+    if layout is not BufferLayout.TWO_PART:
+        return (fmt.page_bytes,)
+    ps = fmt.page_size
+    lat = ps * fmt.latent_bytes_per_token
+    return (lat, ps * fmt.index_bytes_per_token) if fmt.index_k else (lat,)
 
 
 @dataclass(frozen=True)
@@ -134,6 +132,13 @@ class KVBufferSpec:
     @property
     def device(self) -> torch.device:
         return self.layers[0].parts()[0].device
+
+    def regions(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """``layer``'s page regions: uint8 ``[capacity, bytes]`` views of its tensors (row ``s``
+        is page ``s``'s part, :func:`region_bytes` each), in place. Every page mover (the
+        all-gather's send buffer, copies on write, the host tier, the transfers) iterates them:
+        one region per layer in a one-tensor layout, latent then index-K in ``two_part``."""
+        return tuple(t.view(self.capacity, -1) for t in self.layers[layer].parts())
 
     def has_index_k(self, layer: int) -> bool:
         """Whether ``layer`` stores index-K (a layer may share another's indexer)."""
@@ -265,38 +270,82 @@ def read_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor
     return lat3[page, off], idx3[page, off] if spec.has_index_k(layer) else None
 
 
-def _token_rows(slots: torch.Tensor, ps: int) -> torch.Tensor:
-    return (slots[:, None] * ps + torch.arange(ps, device=slots.device)).reshape(-1)
+def _part_pages(spec: KVBufferSpec, layer: int, part: KVPart
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Writable ``[pages, ps, bytes]`` views of one part of ``layer``: the part's token rows
+    (one-tensor layouts, a two-part latent or float index-K: the second is None), or a two-part
+    fp8 index-K's value rows and scale rows (a token's stored row is their concatenation)."""
+    if spec.layout is not BufferLayout.TWO_PART:
+        lat3, idx3 = _one_tensor_parts(spec, layer)
+        return (lat3 if part == "latent" else idx3), None
+    lat, vals, scales = _part_rows(spec, layer)
+    if part == "latent":
+        return lat, None
+    if vals is None:  # no index-K: an empty part
+        return lat[..., :0], None
+    return vals, scales
+
+
+def read_part(spec: KVBufferSpec, layer: int, part: KVPart, slots: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages ``slots`` (int64 [n]) of one part of ``layer`` as its stored token rows, uint8
+    ``[n, ps, part bytes]`` (``[n, ps, 0]``: the index-K of a layer without it), the same bytes
+    in every layout: the packed part layout a two-sided transfer moves. ``out``: a contiguous
+    buffer of that shape to fill (one copy of each byte in the one-tensor layouts)."""
+    a, b = _part_pages(spec, layer, part)
+    if b is None:
+        if out is None:
+            return a.index_select(0, slots)
+        return torch.index_select(a, 0, slots, out=out)
+    vb = a.shape[2]
+    if out is None:
+        return torch.cat([a.index_select(0, slots), b.index_select(0, slots)], dim=2)
+    out[..., :vb].copy_(a.index_select(0, slots))
+    out[..., vb:].copy_(b.index_select(0, slots))
+    return out
+
+
+def write_part(spec: KVBufferSpec, layer: int, part: KVPart, slots: torch.Tensor,
+               rows: torch.Tensor) -> None:
+    """Store one part's token rows (uint8 ``[n, ps, part bytes]``, :func:`read_part`'s) at
+    pages ``slots`` of ``layer`` in the spec's layout (nothing for an absent index-K)."""
+    a, b = _part_pages(spec, layer, part)
+    if b is None:
+        if a.shape[2]:
+            a.index_copy_(0, slots, rows)
+        return
+    vb = a.shape[2]
+    a.index_copy_(0, slots, rows[..., :vb])
+    b.index_copy_(0, slots, rows[..., vb:])
 
 
 def read_pages(spec: KVBufferSpec, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """Pages ``slots`` (int64 [n]) of ``layer`` as canonical token-major blocks uint8 [n, ps, B]
     (each token's latent bytes then its index-K bytes; ``B`` is the layer's: a latent-only
     layer's blocks are its latent rows): what materialization, transfer and the host tier move,
-    the same bytes in every layout (a token-major pool's ``kv[layer]`` pages)."""
-    fmt = spec.fmts[layer]
-    ps = fmt.page_size
+    the same bytes in every layout (a token-major pool's ``kv[layer]`` pages). Each part's
+    rows once (:func:`read_part`), then joined."""
     if spec.layout is BufferLayout.TOKEN_MAJOR:
         kv = spec.layers[layer].kv
         assert kv is not None
         return kv.index_select(0, slots)
-    lat, idx = read_rows(spec, layer, _token_rows(slots, ps))
-    both = lat if idx is None else torch.cat([lat, idx], dim=1)
-    return both.view(-1, ps, fmt.bytes_per_token)
+    lat = read_part(spec, layer, "latent", slots)
+    if not spec.has_index_k(layer):
+        return lat
+    return torch.cat([lat, read_part(spec, layer, "index_k", slots)], dim=2)
 
 
 def write_pages(spec: KVBufferSpec, layer: int, slots: torch.Tensor, blocks: torch.Tensor
                 ) -> None:
     """Store canonical token-major blocks (uint8 [n, ps, B], :func:`read_pages`'s) at pages
-    ``slots`` of ``layer`` in the spec's layout."""
-    fmt = spec.fmts[layer]
-    ps = fmt.page_size
+    ``slots`` of ``layer`` in the spec's layout (each part's rows into their place,
+    :func:`write_part`)."""
     if spec.layout is BufferLayout.TOKEN_MAJOR:
         kv = spec.layers[layer].kv
         assert kv is not None
         kv.index_copy_(0, slots, blocks)
         return
-    nl = fmt.latent_bytes_per_token
-    flat = blocks.reshape(-1, fmt.bytes_per_token)
-    write_rows(spec, layer, _token_rows(slots, ps), flat[:, :nl],
-               flat[:, nl:] if spec.has_index_k(layer) else None)
+    nl = spec.fmts[layer].latent_bytes_per_token
+    write_part(spec, layer, "latent", slots, blocks[..., :nl])
+    if spec.has_index_k(layer):
+        write_part(spec, layer, "index_k", slots, blocks[..., nl:])

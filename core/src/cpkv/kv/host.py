@@ -1,9 +1,11 @@
 """Host copies of KV pages (the prefix cache's host tier storage, rule 28).
 
-A :class:`HostPages` holds, per layer, ``[capacity, ps, latent + index bytes]`` uint8 (that
-layer's format: no index-K bytes for a layer without index-K) in host memory (pinned when the
-pool is on a GPU): the stored format, latent and index-K together, one block per page, exactly
-as the device pool holds it. Like the device pool, the bookkeeping (free lists, reference counts)
+A :class:`HostPages` holds, per layer, the device pool's page regions in host memory (pinned
+when the pool is on a GPU): uint8 ``[capacity, bytes]`` each (:func:`~cpkv.kv.buffers.
+region_bytes`: one region of ``page_bytes`` in a one-tensor layout, latent and index-K
+together; ``two_part``: the latent's and the index-K's), in that layer's format (no index-K
+bytes for a layer without index-K): one block per page and region, exactly as the device pool
+holds it. Like the device pool, the bookkeeping (free lists, reference counts)
 is replicated on every rank and fed the same calls, while the bytes of a page live only on its
 **owner**: rank r's host buffers hold the pages rank r owns (every page on a replica pool).
 
@@ -24,9 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpkv.contracts import KVFormat, layer_formats
+from cpkv.contracts import BufferLayout, KVFormat, layer_formats
 
 from .allocator import PageAllocator, drop_refs, hold_new
+from .buffers import region_bytes
 
 if TYPE_CHECKING:
     from cpkv.ops import OpTable
@@ -43,10 +46,12 @@ class HostPages:
         capacity: host pages per owner rank.
         num_ranks: allocation ranks (the device pool's: the CP size, or 1 for a replica).
         device: the device pool's device; host memory is pinned when it is a GPU.
+        layout: the device pool's layout (its regions per layer: ``store.spec.layout``).
     """
 
     def __init__(self, fmt: KVFormat | Sequence[KVFormat], num_layers: int, capacity: int,
-                 num_ranks: int, device: torch.device) -> None:
+                 num_ranks: int, device: torch.device,
+                 layout: BufferLayout | str = BufferLayout.TOKEN_MAJOR) -> None:
         if capacity < 1:
             raise ValueError(f"host capacity must be >= 1 page, got {capacity}")
         self.fmts = layer_formats(fmt, num_layers)
@@ -54,8 +59,14 @@ class HostPages:
         self.num_layers, self.device = num_layers, device
         self.allocator = PageAllocator(num_ranks, capacity)
         pin = device.type == "cuda"
-        self.kv = [torch.zeros(capacity, f.page_size, f.bytes_per_token, dtype=torch.uint8,
-                               pin_memory=pin) for f in self.fmts]
+        self.layout = BufferLayout(layout)
+        #: per layer, its host regions: uint8 [capacity, bytes] (the device pool's regions)
+        self.regions = [tuple(torch.zeros(capacity, b, dtype=torch.uint8, pin_memory=pin)
+                              for b in region_bytes(f, self.layout)) for f in self.fmts]
+        #: per layer [capacity, ps, B] views of the one region (one-tensor layouts; else empty)
+        self.kv = [] if self.layout is BufferLayout.TWO_PART else [
+            r[0].view(capacity, f.page_size, f.bytes_per_token)
+            for r, f in zip(self.regions, self.fmts, strict=True)]
         #: references to each held host page, by (allocation rank, slot)
         self._refs: dict[tuple[int, int], int] = {}
         #: this rank's host slots whose bytes are gone (a failed read of a lower tier, or a
@@ -107,17 +118,32 @@ class HostPages:
         """Slots as the int64 index tensor the copies take (on the device that runs them)."""
         return torch.tensor(list(slots), dtype=torch.int64).to(self.device)
 
-    def save(self, dev_kv: Sequence[torch.Tensor], dev_slots: torch.Tensor,
-             host_slots: torch.Tensor, ops: OpTable) -> None:
-        """Copy device pages ``dev_slots`` (every layer) into host pages ``host_slots`` (index
-        tensors from :meth:`index`, same order), queued on the current stream: work queued after
-        it may overwrite the device slots."""
-        for layer, buf in enumerate(dev_kv):
-            ops.page_copy(self.kv[layer], host_slots, buf, dev_slots)
+    def _regions(self, layer: int, dev: torch.Tensor | Sequence[torch.Tensor]
+                 ) -> Sequence[torch.Tensor]:
+        """The device side of ``layer`` as regions (a one-tensor layer's [pages, ps, B] tensor
+        is its one region), checked against the host's."""
+        regs = [dev.view(dev.shape[0], -1)] if isinstance(dev, torch.Tensor) else list(dev)
+        want = [int(r.shape[1]) for r in self.regions[layer]]
+        if [int(r[0].numel()) for r in regs] != want:
+            raise ValueError(f"layer {layer}: device pages of {[int(r[0].numel()) for r in regs]} "
+                             f"bytes per region, the host tier's {want} ({self.layout.value})")
+        return [r.view(r.shape[0], -1) for r in regs]
 
-    def load(self, layer: int, dev_buf: torch.Tensor, host_slots: torch.Tensor,
-             dev_slots: torch.Tensor, ops: OpTable) -> None:
-        """Copy host pages ``host_slots`` of ``layer`` into ``dev_buf``'s pages ``dev_slots``
-        (index tensors from :meth:`index`, same order), on the current stream."""
-        ops.page_copy(dev_buf, dev_slots, self.kv[layer], host_slots)
+    def save(self, dev: Sequence[torch.Tensor | Sequence[torch.Tensor]], dev_slots: torch.Tensor,
+             host_slots: torch.Tensor, ops: OpTable) -> None:
+        """Copy device pages ``dev_slots`` (every layer: per layer its regions, or its one
+        [pages, ps, B] tensor) into host pages ``host_slots`` (index tensors from :meth:`index`,
+        same order), queued on the current stream: work queued after it may overwrite the
+        device slots."""
+        for layer, d in enumerate(dev):
+            for h, r in zip(self.regions[layer], self._regions(layer, d), strict=True):
+                ops.page_copy(h, host_slots, r, dev_slots)
+
+    def load(self, layer: int, dev: torch.Tensor | Sequence[torch.Tensor],
+             host_slots: torch.Tensor, dev_slots: torch.Tensor, ops: OpTable) -> None:
+        """Copy host pages ``host_slots`` of ``layer`` into the device regions ``dev`` (or its
+        one [pages, ps, B] tensor) at pages ``dev_slots`` (index tensors from :meth:`index`,
+        same order), on the current stream."""
+        for h, r in zip(self.regions[layer], self._regions(layer, dev), strict=True):
+            ops.page_copy(r, dev_slots, h, host_slots)
 

@@ -1,8 +1,9 @@
 """Materialization strategies: how a pool stores its pages and builds a layer's full view.
 
 A strategy is chosen once, when the pool is built (:func:`open_materializer`), and owns the
-pool's page storage (``kv[layer]``: uint8 ``[pages, ps, latent + index bytes]`` in that layer's
-format: a layer without index-K holds its latent bytes only), because where
+pool's page storage (``spec``: a :class:`~cpkv.kv.buffers.KVBufferSpec`, per layer its tensors
+in the pool's layout and that layer's format: a layer without index-K holds its latent bytes
+only; a one-tensor layout's ``kv[layer]`` is uint8 ``[pages, ps, latent + index bytes]``), because where
 pages live decides how they are read: a replica and the all-gather path keep plain device
 buffers, the peer path keeps them in peer-mapped memory. The pool keeps ownership, allocation
 and writes; per batch it calls :meth:`Materializer.begin_batch` once (after the pages are
@@ -36,6 +37,7 @@ import torch
 
 from cpkv.comm import CPGroup, PeerAccessUnavailable, PeerBuffers, open_peer_buffers
 from cpkv.contracts import (
+    BufferLayout,
     FallbackReason,
     KVFormat,
     LayerFormats,
@@ -48,6 +50,7 @@ from cpkv.logs import get_logger
 from cpkv.ops import part_index
 
 from .batch import BatchKV, MaterializePlan
+from .buffers import KVBufferSpec, read_pages, read_rows
 from .view import FullView
 
 if TYPE_CHECKING:
@@ -78,8 +81,8 @@ class Materializer(Protocol):
 
     #: which strategy this is (reported as the run's ``materialize``)
     mode: MaterializeMode
-    #: per layer, this rank's page storage: uint8 [pages, ps, latent + index bytes]
-    kv: list[torch.Tensor]
+    #: this rank's page storage, per layer its tensors in the pool's layout
+    spec: KVBufferSpec
 
     def begin_batch(self, batch: BatchKV) -> None:
         """Once per batch, after its pages are reserved and before any layer writes."""
@@ -122,20 +125,32 @@ class _PartRows:
         return last[1]
 
 
-def _plain_storage(fmts: LayerFormats, capacity: int, device: torch.device) -> list[torch.Tensor]:
-    return [torch.zeros(capacity, f.page_size, f.bytes_per_token, dtype=torch.uint8,
-                        device=device) for f in fmts]
+def _one_tensor(spec: KVBufferSpec) -> list[torch.Tensor]:
+    """Per layer its one ``[pages, ps, B]`` tensor (one-tensor layouts; empty for two_part)."""
+    return [lb.kv for lb in spec.layers if lb.kv is not None]
+
+
+def _rows_view(spec: KVBufferSpec, layer: int, rows: torch.Tensor, m: MaterializePlan,
+               ops: OpTable) -> FullView:
+    """The view of two-part pages read at token rows ``rows`` of this rank's pool (one gather of
+    each part into natural-order token-major rows: a view cannot read DeepGEMM's index-K page
+    order in place)."""
+    lat, idx = read_rows(spec, layer, rows)
+    both = lat if idx is None else torch.cat([lat, idx], dim=1)
+    return _view(both.unsqueeze(1), None, spec.fmts[layer], m, ops)
 
 
 class ReplicaViews:
-    """Every rank holds every page: the view reads the rank's own pool in place."""
+    """Every rank holds every page: the view reads the rank's own pool in place (two-part
+    pages: one gather of the view's rows, :func:`_rows_view`)."""
 
     mode = MaterializeMode.REPLICA
 
-    def __init__(self, kv: list[torch.Tensor], fmts: LayerFormats, ops: OpTable,
-                 layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
-        self.kv, self.fmts, self.ops, self.layout = kv, fmts, ops, layout
-        self._rows = _PartRows(layout)
+    def __init__(self, spec: KVBufferSpec, ops: OpTable) -> None:
+        self.spec, self.fmts, self.ops = spec, spec.fmts, ops
+        self.kv = _one_tensor(spec)
+        self.layout = spec.layout.page_layout
+        self._rows = _PartRows(self.layout or PageLayout.TOKEN_MAJOR)
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -145,6 +160,8 @@ class ReplicaViews:
 
     def full_view(self, layer: int, batch: BatchKV, prefetched: Prefetch | None = None) -> FullView:
         m, fmt = batch.materialize, self.fmts[layer]
+        if self.layout is None:
+            return _rows_view(self.spec, layer, m.view_index, m, self.ops)
         return _view(self.kv[layer], m.view_index, fmt, m, self.ops, self.layout,
                      self._rows.of(m, m.view_index, fmt))
 
@@ -155,16 +172,23 @@ class AllGatherViews:
 
     A one-rank group (the decode rank) owns every page and its all-gather would be a copy of
     them: its views read the pool in place through the physical rows (``view_physical``), like
-    a replica's, and nothing is prefetched."""
+    a replica's, and nothing is prefetched.
+
+    Two-part pages are sent as canonical token-major blocks (:func:`~cpkv.kv.buffers.read_pages`:
+    the send buffer is a gather of each part, never a slice), so the receive buffer and the view
+    are token-major."""
 
     mode = MaterializeMode.ALL_GATHER
 
-    def __init__(self, kv: list[torch.Tensor], fmts: LayerFormats, group: CPGroup, ops: OpTable,
-                 side: torch.cuda.Stream | None = None,
-                 layout: PageLayout = PageLayout.TOKEN_MAJOR) -> None:
-        self.kv, self.fmts, self.group, self.ops, self.layout = kv, fmts, group, ops, layout
+    def __init__(self, spec: KVBufferSpec, group: CPGroup, ops: OpTable,
+                 side: torch.cuda.Stream | None = None) -> None:
+        self.spec, self.fmts, self.group, self.ops = spec, spec.fmts, group, ops
+        self.kv = _one_tensor(spec)
+        #: the pool's page layout (None: two_part); its views' is token-major then
+        self.layout = spec.layout.page_layout
         self._stream = side
-        self._rows = _PartRows(layout)
+        self._view_layout = self.layout or PageLayout.TOKEN_MAJOR
+        self._rows = _PartRows(self._view_layout)
 
     def begin_batch(self, batch: BatchKV) -> None:
         return None
@@ -172,6 +196,8 @@ class AllGatherViews:
     def send_buffer(self, layer: int, m: MaterializePlan, part: int) -> torch.Tensor:
         """This rank's pages of ``part`` of ``layer``: a slice of the pool when they are
         consecutive slots (no copy), else one page gather."""
+        if self.layout is None:  # two_part: each part's pages gathered into canonical blocks
+            return read_pages(self.spec, layer, m.send_slots[part])
         start = m.send_start[part]
         if start is not None:
             return self.kv[layer][start:start + m.max_send[part]]
@@ -213,6 +239,8 @@ class AllGatherViews:
         c, fmt = self.group.size, self.fmts[layer]
         if c == 1:  # every page is this rank's: read the pool in place (no copy of the view)
             m = batch.materialize
+            if self.layout is None:
+                return _rows_view(self.spec, layer, m.view_physical, m, self.ops)
             return _view(self.kv[layer], m.view_physical, fmt, m, self.ops, self.layout,
                          self._rows.of(m, m.view_physical, fmt))
         if prefetched is None:
@@ -229,7 +257,7 @@ class AllGatherViews:
                 buf.record_stream(cur)
             self.group.all_gather_rows(self.send_buffer(layer, m, 1), m.max_send[1],
                                        out=buf[c * m.max_send[0]:])
-        return _view(buf, m.view_index, fmt, m, self.ops, self.layout,
+        return _view(buf, m.view_index, fmt, m, self.ops, self._view_layout,
                      self._rows.of(m, m.view_index, fmt))
 
 
@@ -245,6 +273,7 @@ class PeerViews:
         spans = _layer_spans(fmts, capacity)
         self.kv = [peers.local[lo:hi].view(capacity, f.page_size, f.bytes_per_token)
                    for (lo, hi), f in zip(spans, fmts, strict=True)]
+        self.spec = KVBufferSpec.wrap(fmts, BufferLayout.TOKEN_MAJOR, self.kv)
         #: per layer, every rank's buffer as token rows [pages * ps, B]
         self.rows = [[buf[lo:hi].view(capacity * f.page_size, f.bytes_per_token)
                       for buf in peers.buffers] for (lo, hi), f in zip(spans, fmts, strict=True)]
@@ -276,43 +305,49 @@ def _layer_spans(fmts: LayerFormats, capacity: int) -> list[tuple[int, int]]:
 def open_materializer(mode: MaterializeMode, fmt: KVFormat | LayerFormats, num_layers: int,
                       capacity: int, group: CPGroup, ops: OpTable,
                       side: torch.cuda.Stream | None = None,
-                      layout: PageLayout = PageLayout.TOKEN_MAJOR,
-                      storage: list[torch.Tensor] | None = None) -> Materializer:
+                      layout: BufferLayout | PageLayout = BufferLayout.TOKEN_MAJOR,
+                      storage: KVBufferSpec | None = None) -> Materializer:
     """Build the strategy for ``mode`` and its page storage (``capacity`` pages per layer, each
-    layer in its own format: ``fmt`` is one for all or one per layer);
+    layer in its own format: ``fmt`` is one for all or one per layer, in ``layout``);
     ``side`` is the pool's side stream (work a layer ahead: the prefetch runs on it). A
-    part-major ``layout`` (the decode pool's) is read by the replica and all-gather strategies;
+    part-major or two-part ``layout`` is read by the replica and all-gather strategies;
     ``P2P`` (and ``AUTO``'s p2p) keep token-major pages.
 
-    ``storage``: the caller's page tensors (per layer one uint8 [capacity, ps, that layer's
-    bytes], used in place, never copied) instead of new ones; ``P2P`` cannot take them (its
-    pages live in peer-mapped memory it allocates).
+    ``storage``: the caller's page tensors (:class:`~cpkv.kv.buffers.KVBufferSpec`, used in
+    place, never copied; its layout is the pool's) instead of new ones; ``P2P`` cannot take them
+    (its pages live in peer-mapped memory it allocates).
 
     ``P2P`` maps every rank's storage into every rank (a collective); when any rank cannot, every
     rank reports fallback ``peer_memory_unavailable`` and gets :class:`AllGatherViews`.
-    ``AUTO`` tries ``P2P`` on a multi-rank CUDA group and takes ``ALL_GATHER`` quietly (info log
-    ``cpkv.kv.materialize_auto``) when it cannot map; on CPU it is ``ALL_GATHER`` (shared files
-    stand in for peer memory in tests there; nothing says they beat a CPU all-gather).
+    ``AUTO`` tries ``P2P`` on a multi-rank NCCL group on GPUs and takes ``ALL_GATHER`` quietly
+    (info log ``cpkv.kv.materialize_auto``) when it cannot map; on CPU, and for Gloo ranks on
+    GPUs (which may share one GPU), it is ``ALL_GATHER`` (shared files stand in for peer memory
+    in tests on CPUs; nothing says they beat a CPU all-gather).
     """
     fmts = layer_formats(fmt, num_layers)
+    lay = storage.layout if storage is not None else BufferLayout(layout)
 
-    def plain() -> list[torch.Tensor]:
-        return storage if storage is not None else _plain_storage(fmts, capacity, group.device)
+    def plain() -> KVBufferSpec:
+        if storage is not None:
+            return storage
+        return KVBufferSpec.allocate(fmts, num_layers, capacity, lay, group.device)
 
     if mode is MaterializeMode.REPLICA:
-        return ReplicaViews(plain(), fmts, ops, layout)
+        return ReplicaViews(plain(), ops)
     if storage is not None and mode is MaterializeMode.P2P:
         raise ValueError("p2p pages live in peer-mapped memory it allocates: caller-given "
                          "storage is read by the replica and all_gather strategies")
-    if layout is PageLayout.PART_MAJOR and mode is MaterializeMode.P2P:
-        raise ValueError("part-major pages are read by the replica and all_gather strategies; "
-                         "p2p reads token rows from its peers")
-    auto = (mode is MaterializeMode.AUTO and layout is PageLayout.TOKEN_MAJOR
+    if lay is not BufferLayout.TOKEN_MAJOR and mode is MaterializeMode.P2P:
+        raise ValueError(f"{lay.value} pages are read by the replica and all_gather strategies; "
+                         f"p2p reads token rows from its peers")
+    auto = (mode is MaterializeMode.AUTO and lay is BufferLayout.TOKEN_MAJOR
             and storage is None)
-    # one rank has no peers to map (its pool stays plain memory, which a transfer may export)
-    if auto and (group.device.type != "cuda" or group.size == 1):
-        log.info("cpkv.kv.materialize_auto", selected="all_gather",
-                 why="one rank" if group.size == 1 else f"{group.device.type} ranks")
+    # one rank has no peers to map (its pool stays plain memory, which a transfer may export);
+    # Gloo ranks on GPUs may share one (cpkv.comm.rank_gpu): their pages move through Gloo
+    if auto and (group.device.type != "cuda" or group.size == 1 or group.backend == "gloo"):
+        why = ("one rank" if group.size == 1 else f"{group.device.type} ranks"
+               if group.device.type != "cuda" else "Gloo ranks on GPUs (they may share one)")
+        log.info("cpkv.kv.materialize_auto", selected="all_gather", why=why)
     elif mode is MaterializeMode.P2P or auto:
         total = _layer_spans(fmts, capacity)[-1][1]
         try:
@@ -327,4 +362,4 @@ def open_materializer(mode: MaterializeMode, fmt: KVFormat | LayerFormats, num_l
         else:
             log.info("cpkv.kv.peer_buffers", kind=peers.kind, bytes=total, ranks=group.size)
             return PeerViews(peers, fmts, capacity, ops)
-    return AllGatherViews(plain(), fmts, group, ops, side, layout)
+    return AllGatherViews(plain(), group, ops, side)

@@ -23,6 +23,7 @@ import torch
 
 from cpkv.comm import CPGroup
 from cpkv.contracts import (
+    BufferLayout,
     CPPlan,
     FallbackReason,
     KVFormat,
@@ -78,23 +79,22 @@ class ShardedKVPool:
         debug: cross-rank checks that sync (plan hash, allocator state, out-cache ownership).
         materialize: how a sharded pool builds full views (``"all_gather"``, ``"p2p"`` or
             ``"auto"``, see :mod:`cpkv.kv.materialize`); a replica always reads its own pages.
-        layout: how a page's bytes are ordered (:class:`PageLayout`).
-        storage: the caller's page tensors (:class:`~cpkv.kv.buffers.KVBufferSpec` in a
-            one-tensor layout: token_major or part_major), wrapped in place, never copied; its
-            capacity and layout are the pool's. The engines' two-part layout is driven through
-            :class:`cpkv.embed.EngineKV`.
+        layout: how a page's bytes lie in the pool's tensors (:class:`BufferLayout`:
+            ``token_major``, ``part_major``, or the engines' ``two_part``).
+        storage: the caller's page tensors (:class:`~cpkv.kv.buffers.KVBufferSpec` in any
+            layout), wrapped in place, never copied; its capacity and layout are the pool's.
 
     Raises:
         ValueError: ``num_layers < 1``, an unknown ``materialize`` mode, or per-layer formats
             that are not one per layer (:func:`~cpkv.contracts.layer_formats`), or
-            ``storage`` that does not fit (its formats, a two-part layout).
+            ``storage`` that does not fit (its formats, its device).
     """
 
     def __init__(self, fmt: KVFormat | Sequence[KVFormat], num_layers: int, group: CPGroup,
                  ops: OpTable, *,
                  shared: bool = True, pages_per_rank: int = 4096, debug: bool = False,
                  materialize: MaterializeMode | str = MaterializeMode.ALL_GATHER,
-                 layout: PageLayout | str = PageLayout.TOKEN_MAJOR,
+                 layout: BufferLayout | PageLayout | str = BufferLayout.TOKEN_MAJOR,
                  storage: KVBufferSpec | None = None) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -103,26 +103,21 @@ class ShardedKVPool:
         if materialize not in modes:
             raise ValueError(f"materialize must be one of {modes}, got {materialize!r}")
         fmts = layer_formats(fmt, num_layers)  # per layer (``store.fmts``)
-        tensors = None
+        lay = BufferLayout(layout)
         if storage is not None:
-            lay = storage.layout.page_layout
-            if lay is None:
-                raise ValueError("a pool wraps one-tensor layouts (token_major, part_major); the "
-                                 "two_part layout is driven through cpkv.embed.EngineKV")
             if storage.fmts != fmts or storage.device != group.device:
                 raise ValueError(f"storage holds {storage.num_layers} layers on {storage.device}, "
                                  f"formats {storage.fmts[:2]}...; the pool needs {num_layers} on "
                                  f"{group.device}, formats {fmts[:2]}...")
-            layout, pages_per_rank = lay, storage.capacity
-            tensors = [lb.kv for lb in storage.layers if lb.kv is not None]
+            lay, pages_per_rank = storage.layout, storage.capacity
         self.num_layers, self.group = num_layers, group
         self._debug = debug
         #: the host-side page table (every rank's alike)
         self.pages = PageTable(fmts[0].page_size, group.size, pages_per_rank, shared=shared)
         mode = MaterializeMode(materialize) if shared else MaterializeMode.REPLICA
         #: this rank's bytes (``store.fmts``: each layer's format)
-        self.store = KVStore(fmts, num_layers, group, ops, mode, pages_per_rank,
-                             PageLayout(layout), self.pages.alloc_rank, tensors)
+        self.store = KVStore(fmts, num_layers, group, ops, mode, pages_per_rank, lay,
+                             self.pages.alloc_rank, storage)
         #: the pool's format (page size, dtype, dims): its first layer with index-K
         self.fmt = self.store.fmt
 

@@ -42,7 +42,8 @@ class PageStage:
     """One batch's per-layer page work on this rank (see the module docstring).
 
     Args:
-        kv: the pool's storage, per layer.
+        regions: the pool's storage, per layer its page regions (uint8 [pages, bytes] views,
+            ``KVStore.regions``).
         loads: host pages to load back; the stage releases their host references when finished.
         copies: (source slot, destination slot) of this rank's copies on write.
         alloc_rank: whose allocation rank a page of an owner rank is (the pool's).
@@ -52,10 +53,10 @@ class PageStage:
         side: the pool's side stream (None on CPU).
     """
 
-    def __init__(self, kv: Sequence[torch.Tensor], loads: Sequence[PageLoad],
+    def __init__(self, regions: Sequence[tuple[torch.Tensor, ...]], loads: Sequence[PageLoad],
                  copies: Sequence[tuple[int, int]], alloc_rank: Callable[[int], int], me: int,
                  ops: OpTable, device: torch.device, side: torch.cuda.Stream | None) -> None:
-        self.kv, self.ops, self.device, self.side = kv, ops, device, side
+        self.regions, self.ops, self.device, self.side = regions, ops, device, side
         self.loads = list(loads)
         self._alloc_rank = alloc_rank
         #: per load: this rank's host slots and their device slots (index tensors, once)
@@ -85,12 +86,13 @@ class PageStage:
         return sum(len(load.pages) for load in self.loads)
 
     def _run(self, layer: int) -> None:
-        buf = self.kv[layer]
+        regions = self.regions[layer]
         for host, src, dst in self._mine:
-            host.load(layer, buf, src, dst, self.ops)
+            host.load(layer, regions, src, dst, self.ops)
         if self._copy is not None:
             src, dst = self._copy
-            self.ops.page_copy(buf, dst, buf, src)
+            for buf in regions:
+                self.ops.page_copy(buf, dst, buf, src)
 
     def issue(self, layer: int) -> None:
         """Start ``layer``'s work on the side stream (inline on CPU), once."""
@@ -131,7 +133,7 @@ class PageStage:
         pages read are released. Idempotent."""
         if self._finished:
             return
-        for layer in range(len(self.kv)):
+        for layer in range(len(self.regions)):
             self.ready(layer)
         self._finished = True
         for load in self.loads:

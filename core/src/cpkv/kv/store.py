@@ -1,12 +1,19 @@
 """The device side of a pool: KV bytes per layer, their writes, the full views and staged page
 work (rules 13-18).
 
-Per layer one byte buffer in that layer's stored format (:class:`KVFormat`, one per layer: a
-layer without index-K, a GLM-5 shared-indexer layer, stores its latent only): ``kv[layer]``
-[pages, ps, latent bytes + index bytes], so a page (latent and its index-K sidecar) is one contiguous block,
-allocated, written and moved as one. ``latent[layer]`` and ``index_k[layer]`` are its two column
+The bytes are a :class:`~cpkv.kv.buffers.KVBufferSpec` (``spec``: the pool's own tensors or the
+caller's), per layer in that layer's stored format (:class:`KVFormat`, one per layer: a layer
+without index-K, a GLM-5 shared-indexer layer, stores its latent only) and the pool's
+:class:`~cpkv.contracts.BufferLayout`. In cpkv's one-tensor layouts ``kv[layer]`` is [pages, ps,
+latent bytes + index bytes], so a page (latent and its index-K sidecar) is one contiguous block,
+allocated, written and moved as one; ``latent[layer]`` and ``index_k[layer]`` are its two column
 views ([pages, ps, latent bytes] and [pages, ps, index bytes]); how a block's bytes are ordered is
-the :class:`PageLayout`. How the full view is built is the :class:`~cpkv.kv.materialize.Materializer`
+the :class:`PageLayout`. In the engines' ``two_part`` layout a layer's page is two blocks (its
+latent tensor's, its index-K tensor's in DeepGEMM's order). Whatever the layout, whole pages move
+region by region (``regions[layer]``: uint8 [pages, bytes] views, :meth:`KVBufferSpec.regions`):
+copies on write, the host tier, the transfers; a part's token rows are read and written with
+:func:`~cpkv.kv.buffers.read_part` / :func:`~cpkv.kv.buffers.write_part`.
+How the full view is built is the :class:`~cpkv.kv.materialize.Materializer`
 chosen at construction. Which slot holds which page is the :class:`~cpkv.kv.table.PageTable`'s;
 the store only reads it, once per batch (:meth:`KVStore.batch`).
 """
@@ -19,10 +26,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import CPPlan, KVFormat, MaterializeMode, PageLayout, layer_formats, pages_nbytes
+from cpkv.contracts import (
+    BufferLayout,
+    CPPlan,
+    KVFormat,
+    MaterializeMode,
+    PageLayout,
+    layer_formats,
+    pages_nbytes,
+)
 from cpkv.ops import page_blocks
 
 from .batch import BatchKV, build_batch
+from .buffers import KVBufferSpec
+from .buffers import write_rows as put_rows
 from .materialize import Materializer, Prefetch, open_materializer
 from .pages import RequestPages, Reservation
 from .stage import PageLoad, PageStage
@@ -48,31 +65,42 @@ class KVStore:
         ops: the op table (page gather/scatter/copy, fp8 pack).
         mode: how full views are built (``replica`` for a replicated pool).
         capacity: pages per buffer.
-        layout: how a page's bytes are ordered.
+        layout: how a page's bytes lie in the tensors (a ``storage``'s own when given).
         alloc_rank: the page table's owner -> allocation rank map.
-        storage: the caller's page tensors (one per layer, used in place), or None.
+        storage: the caller's page tensors (used in place), or None.
     """
 
     def __init__(self, fmt: KVFormat | Sequence[KVFormat], num_layers: int, group: CPGroup,
-                 ops: OpTable, mode: MaterializeMode, capacity: int, layout: PageLayout,
-                 alloc_rank: Callable[[int], int],
-                 storage: list[torch.Tensor] | None = None) -> None:
+                 ops: OpTable, mode: MaterializeMode, capacity: int,
+                 layout: BufferLayout | PageLayout, alloc_rank: Callable[[int], int],
+                 storage: KVBufferSpec | None = None) -> None:
         #: per layer, its stored format
         self.fmts = layer_formats(fmt, num_layers)
         #: the pool's format (page size, dtype, dims): its first layer with index-K
         self.fmt = next((f for f in self.fmts if f.index_k), self.fmts[0])
         self.num_layers, self.group, self.ops = num_layers, group, ops
-        self.capacity, self.layout, self.alloc_rank = capacity, layout, alloc_rank
+        self.capacity, self.alloc_rank = capacity, alloc_rank
         #: the side stream of work done a layer ahead (prefix pages, host loads); None on CPU
         self.side: torch.cuda.Stream | None = None
         if group.device.type == "cuda":
             self.side = torch.cuda.Stream(device=group.device)  # type: ignore[no-untyped-call]
         self.views: Materializer = open_materializer(mode, self.fmts, num_layers, capacity, group,
                                                      ops, self.side, layout, storage)
-        #: per layer: uint8 [pages, ps, latent + index bytes of that layer] (the strategy's)
-        self.kv = self.views.kv
+        #: the pool's tensors (the strategy's), per layer in its layout
+        self.spec: KVBufferSpec = self.views.spec
+        #: per layer, its page regions (uint8 [pages, bytes] views): what page movers copy
+        self.regions = [self.spec.regions(i) for i in range(num_layers)]
+        #: the byte order of the page blocks this pool's pages are read and written as by other
+        #: pools (two_part: canonical token-major blocks, :func:`~cpkv.kv.buffers.read_pages`)
+        self.layout = self.spec.layout.page_layout or PageLayout.TOKEN_MAJOR
+        #: per layer: uint8 [pages, ps, latent + index bytes of that layer] (one-tensor layouts;
+        #: empty for two_part, whose parts are ``spec``'s tensors)
+        self.kv = [lb.kv for lb in self.spec.layers if lb.kv is not None]
         nl, ps = self.fmt.latent_bytes_per_token, self.fmt.page_size
-        if layout is PageLayout.TOKEN_MAJOR:
+        if self.spec.layout is BufferLayout.TWO_PART:
+            self.latent: list[torch.Tensor] = []
+            self.index_k: list[torch.Tensor] = []
+        elif self.layout is PageLayout.TOKEN_MAJOR:
             self.latent = [b[..., :nl] for b in self.kv]
             self.index_k = [b[..., nl:] for b in self.kv]
         else:  # a page's latent rows, then its index-K rows
@@ -104,7 +132,7 @@ class KVStore:
         me = self.alloc_rank(self.group.rank)
         cows = [(old, fresh) for rid, k, old, fresh in res.copies
                 if self.alloc_rank(requests[rid].owners[k]) == me]
-        stage = PageStage(self.kv, self._loads, cows, self.alloc_rank, me, self.ops,
+        stage = PageStage(self.regions, self._loads, cows, self.alloc_rank, me, self.ops,
                           self.group.device, self.side)
         self._loads = []
         batch = build_batch(plan, res, requests, self.group.rank, self.shared, self.group.device,
@@ -158,6 +186,10 @@ class KVStore:
     def _store(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
                index_k: torch.Tensor) -> None:
         """Packed rows into token rows ``rows`` (page slot x ps + offset) of ``layer``."""
+        if self.spec.layout is BufferLayout.TWO_PART:
+            put_rows(self.spec, layer, rows, latent,
+                     index_k if self.fmts[layer].index_k else None)
+            return
         if self.layout is PageLayout.TOKEN_MAJOR:
             tok = self.kv[layer].view(-1, self.fmts[layer].bytes_per_token)
             nl = latent.shape[1]
@@ -187,7 +219,7 @@ class KVStore:
         (device work only; ``rows`` is a persistent buffer whose values change between calls).
         ``index_k`` is None for a layer without index-K."""
         lat_b, idx_b = self._pack(layer, latent, index_k)
-        if self.layout is PageLayout.TOKEN_MAJOR:
+        if self.layout is PageLayout.TOKEN_MAJOR:  # two_part too (its own writes)
             self._store(layer, rows, lat_b, idx_b)
             return
         ps = self.fmt.page_size
@@ -198,6 +230,9 @@ class KVStore:
         this store's layout."""
         if layout is self.layout or not slots:
             return
+        if self.spec.layout is BufferLayout.TWO_PART:
+            raise ValueError(f"{layout.value} page blocks cannot land in a two_part pool's "
+                             f"tensors: a transfer writes it in its own layout")
         nl = self.fmt.latent_bytes_per_token
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.group.device)
         for layer in range(self.num_layers):
@@ -237,7 +272,7 @@ class KVStore:
                      host_slots: Sequence[int]) -> None:
         """Copy this rank's device pages ``dev_slots`` (every layer) into ``host``'s pages
         ``host_slots`` (same order), queued on the current stream (see :meth:`HostPages.save`)."""
-        host.save(self.kv, host.index(dev_slots), host.index(host_slots), self.ops)
+        host.save(self.regions, host.index(dev_slots), host.index(host_slots), self.ops)
 
     def flush_loads(self) -> None:
         """Finish every queued host load and every in-flight batch's staged work now."""
@@ -245,8 +280,8 @@ class KVStore:
             stage.finish()
         if self._loads:
             me = self.alloc_rank(self.group.rank)
-            PageStage(self.kv, self._loads, [], self.alloc_rank, me, self.ops, self.group.device,
-                      self.side).finish()
+            PageStage(self.regions, self._loads, [], self.alloc_rank, me, self.ops,
+                      self.group.device, self.side).finish()
             self._loads = []
 
     # ---- debug -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cpkv.comm import CPGroup, note_progress
-from cpkv.contracts import MaterializeMode, PageLayout
+from cpkv.contracts import BufferLayout, MaterializeMode
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
 from .decoder import LeanDecoder
@@ -98,7 +98,7 @@ class DecodeWorker:
             # part-major pages: FlashMLA's fp8 decode (the cuda backend) reads them in place
             "kv": settings.kv.model_copy(
                 update={"pages_per_rank": settings.kv.pages_per_rank * settings.cp.size,
-                        "layout": PageLayout.PART_MAJOR,
+                        "layout": BufferLayout.PART_MAJOR,
                         # one rank: its views read its own pool in place (p2p would map nothing)
                         "materialize": MaterializeMode.ALL_GATHER}),
             "cache": settings.cache.model_copy(update={"enabled": False})})

@@ -115,7 +115,8 @@ class PrefillSession:
             c, tier = settings.cache, None
             if c.host_pages:
                 tier = HostPages(fmt, model.kv_layers, c.host_pages,
-                                 self.pool.pages.allocator.num_ranks, group.device)
+                                 self.pool.pages.allocator.num_ranks, group.device,
+                                 self.pool.store.spec.layout)
             self.cache = PrefixCache(self.pool.pages, self.pool.store, group, tier,
                                      evict=c.eviction == "lru")
 

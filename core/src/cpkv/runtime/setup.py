@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cpkv.comm import rank_gpu, shared_gpus_line
 from cpkv.contracts import KVFormat, Op, SplitMode, layer_formats
 from cpkv.kv import ShardedKVPool
+from cpkv.logs import get_logger
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.plugin import PluginHost, Registry
 
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MATERIALIZE_PATHS", "StartupError", "check_startup", "create_pool",
            "has_fp8_tensor_cores", "resolve_ops"]
+
+log = get_logger(__name__)
 
 #: split modes whose pages have a materialization path (and a PD transfer) in this release
 MATERIALIZE_PATHS: frozenset[SplitMode] = frozenset({SplitMode.ZIGZAG, SplitMode.INTERLEAVE})
@@ -71,9 +75,15 @@ def check_startup(settings: Settings, fmt: KVFormat, group: CPGroup, ops: OpTabl
         if sizes is not None and fmt.page_size not in sizes:
             problems.append(f"backend {name!r} ({op}) supports page sizes {sorted(sizes)}, not "
                             f"kv.page_size={fmt.page_size}")
-    if group.device.type == "cuda" and group.size > torch.cuda.device_count():
-        problems.append(f"cp.size={group.size} needs {group.size} GPUs, "
-                        f"{torch.cuda.device_count()} visible")
+    if group.device.type == "cuda" and not group.is_local:
+        try:  # NCCL: a GPU per rank; Gloo: ranks may share GPUs (announced, not silent)
+            place = rank_gpu(group.backend, group.rank, group.size, torch.cuda.device_count())
+        except ValueError as exc:
+            problems.append(f"cp.size={group.size}: {exc}")
+        else:
+            if place.shared and group.rank == 0:
+                log.warning("cpkv.gpu.shared", ranks=place.ranks, gpus=place.gpus,
+                            line=shared_gpus_line(place))
     if problems:
         raise StartupError("cannot start: " + "; ".join(problems))
 

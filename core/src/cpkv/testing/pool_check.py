@@ -6,13 +6,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import random
+import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 from cpkv.comm import CPGroup
 from cpkv.contracts import CPPlan, KVFormat, SplitMode, cdiv, pages_nbytes
-from cpkv.kv import PoolExhausted, ShardedKVPool, pack_rows
+from cpkv.kv import PageLoad, PoolExhausted, ShardedKVPool, pack_rows
+from cpkv.kv.buffers import read_pages
+from cpkv.kv.host import HostPages
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.planning import plan_batch
 from cpkv.plugin import PluginHost
@@ -46,6 +49,8 @@ class PoolScenario:
     materialize: str = "all_gather"
     #: layers that cache no index-K (GLM-5's shared-indexer layers): latent-only formats
     shared_layers: tuple[int, ...] = ()
+    #: both pools' layout (``BufferLayout`` value: token_major, part_major, two_part)
+    layout: str = "token_major"
 
     @property
     def fmts(self) -> tuple[KVFormat, ...]:
@@ -73,6 +78,11 @@ class PoolOutcome:
     views_checked: int = 0
     materialize_mode: str = ""
     prefetched_views: int = 0
+    #: per request, per logical page this rank owns: CRC32 of its canonical blocks over every
+    #: layer (``read_pages``: the same bytes in every layout)
+    page_crcs: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: this rank's pages saved to a host tier, wiped, loaded back: the canonical bytes unchanged
+    host_round_trip: bool = False
 
 
 def truth_rows(seed: int, rid: str, layers: int, length: int, dim: int) -> torch.Tensor:
@@ -126,7 +136,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
     # run out (a replica needs C times the pages of a shard)
     pools = {shared: ShardedKVPool(sc.fmts, sc.num_layers, group, ops, shared=shared,
                                    pages_per_rank=sc.pages_per_rank * (1 if shared else group.size),
-                                   debug=sc.debug,
+                                   debug=sc.debug, layout=sc.layout,
                                    materialize=sc.materialize if shared else "all_gather")
              for shared in (True, False)}
     out = PoolOutcome(rank=group.rank, materialize_mode=pools[True].store.views.mode)
@@ -182,6 +192,7 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
         for shared, pool in pools.items():
             pool.commit(batches[shared])
     sharded = pools[True]
+    _pages_out(sharded, group, out)
     foot = sharded.footprint()
     out.bytes_held = foot.bytes_held
     out.replica_bytes_held = pools[False].footprint().bytes_held
@@ -190,6 +201,48 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
         # the scenario's request ids are strings (the pool keys any hashable)
         out.pages[str(key)] = (sum(1 for o in rp.owners if o == group.rank), len(rp.owners))
     return out
+
+
+def _canonical(pool: ShardedKVPool, slots: list[int]) -> list[torch.Tensor]:
+    """Per layer, the canonical blocks of pages ``slots`` (uint8 [n, ps, B] on the host)."""
+    store = pool.store
+    idx = torch.tensor(slots, dtype=torch.int64, device=store.group.device)
+    return [read_pages(store.spec, k, idx).cpu() for k in range(store.num_layers)]
+
+
+def _pages_out(pool: ShardedKVPool, group: CPGroup, out: PoolOutcome) -> None:
+    """The canonical CRC of each page this rank owns (``out.page_crcs``), then a host-tier round
+    trip of them (saved, their device regions wiped, loaded back with the staged page work):
+    ``out.host_round_trip`` when every byte came back."""
+    mine: list[tuple[str, int, int]] = []
+    for key, rp in pool.pages.requests.items():
+        for k, (o, slot) in enumerate(zip(rp.owners, rp.slots, strict=True)):
+            if o == group.rank:
+                mine.append((str(key), k, slot))
+    if not mine:
+        out.host_round_trip = True
+        return
+    slots = [s for _, _, s in mine]
+    before = _canonical(pool, slots)
+    for i, (rid, k, _) in enumerate(mine):
+        data = b"".join(b[i].numpy().tobytes() for b in before)
+        out.page_crcs.setdefault(rid, {})[k] = zlib.crc32(data)
+    alloc = pool.pages.alloc_rank(group.rank)
+    store = pool.store
+    host = HostPages(store.fmts, store.num_layers, len(slots), pool.pages.allocator.num_ranks,
+                     store.group.device, store.spec.layout)
+    needs = [len(slots) if a == alloc else 0 for a in range(host.allocator.num_ranks)]
+    hs = host.take(needs)[alloc]
+    store.save_to_host(host, slots, hs)
+    idx = torch.tensor(slots, dtype=torch.int64, device=store.group.device)
+    for regs in store.regions:
+        for r in regs:
+            r.index_fill_(0, idx, 0)
+    store.queue_load(PageLoad(host, tuple((group.rank, h, d)
+                                          for h, d in zip(hs, slots, strict=True))))
+    store.flush_loads()
+    after = _canonical(pool, slots)
+    out.host_round_trip = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
 def page_share_bound(outcome_pages: dict[str, tuple[int, int]], cp: int,

@@ -7,10 +7,11 @@ the endpoint's registered buffers (``LinkSpec.buffers``), never its pool.
 
 ``connect`` (collective over the C + 1 endpoints): every endpoint initializes its own engine on
 ``mooncake.hostname`` with ``mooncake.protocol`` (``tcp`` by default) and registers its pool's
-buffers (``kv[l]`` of every layer: a contiguous uint8 ``[pages, ps, latent + index bytes]``
-tensor, a page's latent and index-K in one block). The decode endpoint sends every prefill
-endpoint a :class:`Session`: its engine's ``host:rpc_port`` and the :class:`Layout` of its pool
-(base address of every layer's buffer, bytes per page, pages);
+buffers (``PoolBuffers.parts``: per layer its regions, each a contiguous uint8 ``[pages, page
+bytes]`` tensor with its own page bytes: a GLM-5 shared-indexer layer's pages hold no index-K).
+The decode endpoint sends every prefill endpoint a :class:`Session`: its engine's
+``host:rpc_port`` and the :class:`Layout` of its pool (per layer, each region's base address and
+page bytes; pages);
 each prefill endpoint answers :class:`Joined` (its engine came up, its pool has the same page
 layout). The side channel is a ``StoreSideChannel`` on a ``TCPStore`` that the decode endpoint
 hosts on ``mooncake.hostname`` (its port goes to the prefill endpoints over the endpoints'
@@ -19,7 +20,8 @@ next request (a Gloo pair is closed by its first timeout).
 
 ``send_part`` turns a part into write entries: its runs are split where the destination slots are
 not consecutive, pieces that continue each other in both source and destination are merged, and
-each piece moves as one entry per layer (latent and index-K together). Entries go in batches of at most
+each piece moves as one entry per layer and region (a one-tensor layer: latent and index-K
+together). Entries go in batches of at most
 ``mooncake.max_batch_entries`` (<= 1024: more than ~2048 entries in flight to one peer break the
 engine's path to it) with ``batch_transfer_sync_write``; a failed batch is retried
 ``mooncake.retries`` times, each on a fresh engine (a failed path stays broken in the old one),
@@ -63,9 +65,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpkv.disagg.api import (
+    BufferLayout,
     FallbackReason,
+    KVBufferSpec,
     LinkSpec,
-    PageLayout,
     PartSink,
     PoolBuffers,
     RankTransfer,
@@ -73,9 +76,11 @@ from cpkv.disagg.api import (
     TransferError,
     TransferFenced,
     get_logger,
-    page_blocks,
+    read_pages,
+    region_bytes,
     report_fallback,
     store_side_channel,
+    write_pages,
 )
 
 from .nvlink import NVLINK_INTRA, ProtocolRefused, ProtocolSetup, plan_protocol, prepare_environment
@@ -95,35 +100,60 @@ _UNTOUCHABLE: list[Any] = []
 # ---- side-channel messages -------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Layout:
-    """Where an endpoint's pool lives in its process: the base address of every buffer."""
+class Region:
+    """One region of an endpoint's pool in its process: the pages of one layer's part (a page
+    of it is ``page_bytes`` bytes at ``addr + slot x page_bytes``)."""
 
-    kv: tuple[int, ...]  # per layer: base address of the [pages, ps, B] buffer
-    page_bytes: int  # one page of one layer: latent and index-K of ps tokens
+    addr: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an endpoint's pool lives in its process: per layer, the regions of its pages
+    (``PoolBuffers.parts``), each with its own page bytes (a GLM-5 shared-indexer layer's pages
+    hold no index-K: fewer bytes than a full layer's)."""
+
+    layers: tuple[tuple[Region, ...], ...]
     num_pages: int
 
     @classmethod
     def of(cls, buffers: PoolBuffers) -> Layout:
-        """Raises: ValueError: a buffer is not contiguous, or layers of different page bytes
-        (a GLM-5 pool's shared-indexer layers hold no index-K: not supported by this plugin
-        yet; the nccl plugin moves such pools)."""
-        for buf in buffers.kv:
-            if not buf.is_contiguous():
+        """Raises: ValueError: a region is not contiguous."""
+        for parts in buffers.parts:
+            if not all(t.is_contiguous() for t in parts):
                 raise ValueError("the Mooncake transfer needs contiguous pool buffers")
-        sizes = {int(b[0].nbytes) for b in buffers.kv}
-        if len(sizes) > 1:
-            raise ValueError(f"the Mooncake transfer needs one page size over every layer; this "
-                             f"pool's layers have pages of {sorted(sizes)} bytes (per-layer KV "
-                             f"formats: GLM-5's shared-indexer layers); use transfer plugin nccl")
-        return cls(kv=tuple(b.data_ptr() for b in buffers.kv), page_bytes=buffers.kv[0][0].nbytes,
+        return cls(layers=tuple(tuple(Region(int(t.data_ptr()), int(t[0].nbytes)) for t in parts)
+                                for parts in buffers.parts),
                    num_pages=buffers.num_pages)
 
+    @property
+    def kv(self) -> tuple[int, ...]:
+        """Per layer, the base address of its first region."""
+        return tuple(parts[0].addr for parts in self.layers)
+
+    def page_bytes(self, layer: int) -> int:
+        """Bytes of one page of ``layer``, over its regions."""
+        return sum(r.page_bytes for r in self.layers[layer])
+
+    def shape(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer, its regions' page bytes."""
+        return tuple(tuple(r.page_bytes for r in parts) for parts in self.layers)
+
     def buffers(self) -> list[tuple[int, int]]:
-        """(address, bytes) of every buffer, for registration."""
-        return [(a, self.page_bytes * self.num_pages) for a in self.kv]
+        """(address, bytes) of every region, for registration."""
+        return [(r.addr, r.page_bytes * self.num_pages) for parts in self.layers for r in parts]
 
     def same_pages_as(self, other: Layout) -> bool:
-        return (len(self.kv), self.page_bytes) == (len(other.kv), other.page_bytes)
+        """The same layers with the same page bytes each (their regions may differ: a page
+        staged in the other's layout)."""
+        return ([self.page_bytes(i) for i in range(len(self.layers))]
+                == [other.page_bytes(i) for i in range(len(other.layers))])
+
+    def describe(self) -> str:
+        """``layers x page bytes`` for messages (each distinct size counted)."""
+        sizes = [self.page_bytes(i) for i in range(len(self.layers))]
+        return ", ".join(f"{sizes.count(b)} x {b}" for b in sorted(set(sizes)))
 
 
 @dataclass(frozen=True)
@@ -134,8 +164,8 @@ class Session:
     layout: Layout | None
     protocol: str
     error: str | None = None
-    #: the decode pool's page layout (``PageLayout`` value): senders write their pages in it
-    page_layout: str = PageLayout.TOKEN_MAJOR.value
+    #: the decode pool's layout (``BufferLayout`` value): senders write their pages in it
+    page_layout: str = BufferLayout.TOKEN_MAJOR.value
 
 
 @dataclass(frozen=True)
@@ -170,14 +200,15 @@ def _src_slots(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
 def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
                   dst: Layout, layers: range | None = None) -> list[tuple[int, int, int]]:
     """``(local address, remote address, length)`` per coalesced piece x layer (of ``layers``,
-    default every layer; a page's latent and index-K are one block of a layer's buffer), read
-    from the pool itself (no staging).
+    default every layer) x region of the layer (each its own page bytes), read from the pool
+    itself (no staging; both pools' regions alike).
 
     A piece is a range of pages consecutive in both the source and the destination slots: runs
     split where ``dst_slots`` jump, pieces merged where they continue each other.
 
     Raises:
-        ValueError: slot count or a slot out of range, or pools of different page layouts.
+        ValueError: slot count or a slot out of range, or pools of different page layouts or
+            regions.
     """
     pieces: list[list[int]] = []  # [src slot, dst slot, pages]
     for s, d in zip(_src_slots(part, dst_slots, src, dst), map(int, dst_slots), strict=True):
@@ -185,38 +216,64 @@ def write_entries(part: RankTransfer, dst_slots: Sequence[int], src: Layout,
             pieces[-1][2] += 1
         else:
             pieces.append([s, d, 1])
+    if src.shape() != dst.shape():
+        raise ValueError(f"the pools' regions differ ({src.shape()[:2]}... vs "
+                         f"{dst.shape()[:2]}...): the pages are staged in the decode's layout")
     out: list[tuple[int, int, int]] = []
     for s, d, n in pieces:
-        for layer in range(len(src.kv)) if layers is None else layers:
-            out.append((src.kv[layer] + s * src.page_bytes, dst.kv[layer] + d * dst.page_bytes,
-                        n * src.page_bytes))
+        for layer in range(len(src.layers)) if layers is None else layers:
+            for a, b in zip(src.layers[layer], dst.layers[layer], strict=True):
+                out.append((a.addr + s * a.page_bytes, b.addr + d * b.page_bytes,
+                            n * a.page_bytes))
     return out
 
 
-def stage_pieces(num_pages: int, layers: range, page_bytes: int,
+def stage_pieces(num_pages: int, layers: range, page_bytes: Sequence[int],
                  capacity: int) -> list[tuple[range, int, int]]:
     """How a send of ``num_pages`` pages x ``layers`` is cut to fit a staging buffer of
     ``capacity`` bytes (>= one page): ``(layers, first page, end page)`` per piece, in order.
-    Every layer whole while several fit; else one layer in page ranges."""
+    ``page_bytes[layer]``: one page of that layer (layers may differ). Consecutive whole layers
+    while they fit; a layer that does not fit alone goes in page ranges."""
     if num_pages == 0 or len(layers) == 0:
         return []
-    if capacity < page_bytes:
-        raise ValueError(f"a staging buffer of {capacity} bytes holds no page of {page_bytes}")
-    per_layer = num_pages * page_bytes
-    if per_layer <= capacity:
-        step = capacity // per_layer
-        return [(layers[i:i + step], 0, num_pages) for i in range(0, len(layers), step)]
-    step = capacity // page_bytes
-    return [(range(layer, layer + 1), k, min(k + step, num_pages))
-            for layer in layers for k in range(0, num_pages, step)]
+    out: list[tuple[range, int, int]] = []
+    group: list[int] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if group:
+            out.append((range(group[0], group[-1] + 1), 0, num_pages))
+            group.clear()
+            size = 0
+
+    for layer in layers:
+        pb = page_bytes[layer]
+        per_layer = num_pages * pb
+        if per_layer > capacity:
+            flush()
+            if capacity < pb:
+                raise ValueError(f"a staging buffer of {capacity} bytes holds no page of {pb}")
+            step = capacity // pb
+            out += [(range(layer, layer + 1), k, min(k + step, num_pages))
+                    for k in range(0, num_pages, step)]
+            continue
+        if size + per_layer > capacity:
+            flush()
+        group.append(layer)
+        size += per_layer
+    flush()
+    return out
 
 
 def staged_entries(dst_slots: Sequence[int], first: int, end: int, base: int, dst: Layout,
                    layers: range) -> list[tuple[int, int, int]]:
     """Write entries of a staged piece: pages ``first..end`` (part order) of ``layers``, staged
-    at ``base`` layer after layer (layer ``j`` of the piece at ``base + j x (end - first)``
-    pages). The staged pages are consecutive, so a run splits only where ``dst_slots`` jump."""
-    n, pb = end - first, dst.page_bytes
+    at ``base`` layer after layer and, in a layer, region after region of the decode's layout
+    (region ``r`` of layer ``j`` of the piece after the piece's earlier regions, ``end - first``
+    pages each). The staged pages are consecutive, so a run splits only where ``dst_slots``
+    jump."""
+    n = end - first
     runs: list[list[int]] = []  # [page offset in the piece, dst slot, pages]
     for k in range(first, end):
         d = int(dst_slots[k])
@@ -224,8 +281,14 @@ def staged_entries(dst_slots: Sequence[int], first: int, end: int, base: int, ds
             runs[-1][2] += 1
         else:
             runs.append([k - first, d, 1])
-    return [(base + (j * n + off) * pb, dst.kv[layer] + d * pb, cnt * pb)
-            for j, layer in enumerate(layers) for off, d, cnt in runs]
+    out: list[tuple[int, int, int]] = []
+    at = base
+    for layer in layers:
+        for reg in dst.layers[layer]:
+            pb = reg.page_bytes
+            out += [(at + off * pb, reg.addr + d * pb, cnt * pb) for off, d, cnt in runs]
+            at += n * pb
+    return out
 
 
 def stage_reason(mode: str, device_type: str, protocol: str,
@@ -248,14 +311,30 @@ def stage_reason(mode: str, device_type: str, protocol: str,
             f"with a synchronous cudaMemcpy that stalls the prefill's compute")
 
 
-def relayout_pages(pages: Any, out: Any, src: PageLayout, dst: PageLayout, nl: int) -> None:
-    """Write the page blocks ``pages`` ([n, ps, B] uint8, blocks in layout ``src``) into
-    ``out`` ([n, ps * B]) in layout ``dst``: token-major = each token's latent then its index-K
-    bytes; part-major = the page's ps latent rows, then its ps index-K rows (``nl`` latent bytes
-    per token)."""
-    for d, s in zip(page_blocks(out.view(pages.shape), dst, nl), page_blocks(pages, src, nl),
-                    strict=True):
-        d.copy_(s)
+def relayout_pages(buffers: PoolBuffers, layer: int, idx: Any, out: Any,
+                   dst: BufferLayout) -> None:
+    """Write pages ``idx`` (int64 [n]) of ``layer`` of ``buffers`` into ``out`` (uint8, the
+    layer's ``n`` pages' bytes) laid out as the decode pool's regions are in layout ``dst``
+    (region after region, ``n`` pages each: what :func:`staged_entries` writes from): each
+    part's token rows read from the pool's layout and stored into a one-layer spec over ``out``
+    (token-major = each token's latent then its index-K bytes; part-major = the page's ps latent
+    rows, then its ps index-K rows; two-part = the latent block, then the index-K in DeepGEMM's
+    page order)."""
+    import torch
+
+    fmt, n = buffers.fmts[layer], int(idx.shape[0])
+    ps, at, parts = fmt.page_size, 0, []
+    for b in region_bytes(fmt, dst):
+        parts.append(out[at:at + n * b])
+        at += n * b
+    if dst is BufferLayout.TWO_PART:
+        tensors: list[Any] = [(parts[0].view(n, ps, -1), parts[1].view(n, -1) if fmt.index_k
+                               else None)]
+    else:
+        tensors = [parts[0].view(n, ps, -1)]
+    over = KVBufferSpec.wrap(fmt, dst, tensors)
+    blocks = read_pages(buffers.spec, layer, idx)
+    write_pages(over, 0, torch.arange(n, device=blocks.device), blocks)
 
 
 class HostStaging:
@@ -276,10 +355,10 @@ class HostStaging:
     def __init__(self, buffers: PoolBuffers, nbytes: int, on_device: bool = False) -> None:
         import torch
 
-        self.page_bytes = int(buffers.kv[0][0].nbytes)
-        self.page_shape = tuple(buffers.kv[0].shape[1:])
-        self.nbytes = max(int(nbytes), self.page_bytes)
-        dev = buffers.kv[0].device
+        #: per layer, bytes of one of its pages (layers may differ)
+        self.page_bytes = tuple(buffers.layer_page_bytes(i) for i in range(buffers.num_layers))
+        self.nbytes = max(int(nbytes), max(self.page_bytes))
+        dev = buffers.device
         self.device = dev
         pages = buffers.num_pages
         if on_device and dev.type != "cuda":
@@ -301,26 +380,33 @@ class HostStaging:
             if on_device:
                 self.addr = int(self.scratch.data_ptr())
 
-    def fill(self, kv: Sequence[Any], layers: range, slots: Sequence[int],
-             relayout: tuple[PageLayout, PageLayout, int] | None = None) -> None:
-        """Stage the pages ``slots`` of ``layers`` (layer after layer) at :attr:`addr`; returns
-        once the bytes are in the buffer the engine writes from. ``relayout`` = (the pool's layout, the one to
-        stage in, latent bytes per token): each page's block is rewritten on the way."""
+    def fill(self, buffers: PoolBuffers, layers: range, slots: Sequence[int],
+             relayout: BufferLayout | None = None) -> None:
+        """Stage the pages ``slots`` of ``layers`` (layer after layer; in a layer, region after
+        region of ``buffers.parts``, each its own page bytes) at :attr:`addr`; returns once the
+        bytes are in the buffer the engine writes from. ``relayout``: the decode pool's layout
+        when it differs from this pool's; each page is rewritten in it on the way
+        (:func:`relayout_pages`)."""
         import torch
 
         n = len(slots)
-        size = n * self.page_bytes * len(layers)
+        size = n * sum(self.page_bytes[layer] for layer in layers)
         if size > self.nbytes:
             raise ValueError(f"{size} bytes to stage in a buffer of {self.nbytes}")
         self.idx_host[:n].copy_(torch.as_tensor(list(slots), dtype=torch.int64))
 
         def gather(buf: Any, idx: Any) -> None:
-            for j, layer in enumerate(layers):
-                out = buf[j * n * self.page_bytes:(j + 1) * n * self.page_bytes]
-                if relayout is None:
-                    torch.index_select(kv[layer], 0, idx, out=out.view(n, *self.page_shape))
-                else:
-                    relayout_pages(kv[layer].index_select(0, idx), out.view(n, -1), *relayout)
+            at = 0
+            for layer in layers:
+                if relayout is not None:
+                    out = buf[at:at + n * self.page_bytes[layer]]
+                    relayout_pages(buffers, layer, idx, out, relayout)
+                    at += out.numel()
+                    continue
+                for part in buffers.parts[layer]:
+                    m = n * int(part[0].numel())
+                    torch.index_select(part, 0, idx, out=buf[at:at + m].view(n, -1))
+                    at += m
 
         if self.stream is None:
             gather(self.host, self.idx_host[:n])
@@ -432,8 +518,8 @@ class MooncakeLink:
         self.stats = {"batches": 0, "entries": 0, "largest_batch": 0, "retries": 0,
                       "staged_pieces": 0}
         self.stage: HostStaging | None = None
-        #: (this pool's layout, the decode pool's, latent bytes per token) when they differ
-        self.relayout: tuple[PageLayout, PageLayout, int] | None = None
+        #: the decode pool's layout when it differs from this pool's
+        self.relayout: BufferLayout | None = None
         self.channel, self._store = _side_channel(spec, self.opts.hostname)
         if spec.is_decode:
             self._connect_decode()
@@ -471,13 +557,11 @@ class MooncakeLink:
         extra = [(self.stage.addr, self.stage.nbytes)] if self.stage is not None else []
         return self.local.buffers() + extra
 
-    def _make_stage(self, decode_layout: PageLayout) -> None:
+    def _make_stage(self, decode_layout: BufferLayout) -> None:
         """The sender's staging decision (``transfer.mooncake.stage``; always when the decode
         pool's page layout differs), logged; the buffer is made here."""
         bufs, o = self.spec.buffers, self.opts
-        mine = bufs.layout
-        self.relayout = None if mine is decode_layout else (
-            mine, decode_layout, int(bufs.fmt.latent_bytes_per_token))
+        self.relayout = None if bufs.layout is decode_layout else decode_layout
         proto = self.setup.effective
         why = stage_reason(o.stage, bufs.device.type, proto, relayout=self.relayout is not None)
         if why is not None:  # nvlink_intra maps GPU memory only: its staging stays there
@@ -499,7 +583,7 @@ class MooncakeLink:
             raise TransferError(f"mooncake connect: the decode engine failed: "
                                 f"{session.error if isinstance(session, Session) else session}")
         try:
-            self._make_stage(PageLayout(session.page_layout))
+            self._make_stage(BufferLayout(session.page_layout))
             self.engine = _Engine(self._engine_cls, self.opts, self._buffers(), self.setup.engine)
         except Exception as exc:
             err = _why(exc)
@@ -507,9 +591,8 @@ class MooncakeLink:
             err = (f"the decode endpoint runs protocol {session.protocol!r}, this one "
                    f"{self.setup.effective!r} (set MC_FORCE_TCP alike on every endpoint)")
         if err is None and not self.local.same_pages_as(session.layout):
-            err = (f"page layouts differ: this pool {len(self.local.kv)} layers x "
-                   f"{self.local.page_bytes} bytes per page, the decode pool "
-                   f"{len(session.layout.kv)} x {session.layout.page_bytes}")
+            err = (f"page layouts differ: this pool's layers x bytes per page "
+                   f"{self.local.describe()}, the decode pool's {session.layout.describe()}")
         self.channel.send(spec.decode_endpoint, Joined(spec.endpoint, err))
         if err is not None:
             self.close()
@@ -602,11 +685,11 @@ class MooncakeLink:
         slots = _src_slots(part, dst_slots, self.local, self.remote_layout)
         lays = range(self.spec.buffers.num_layers) if layers is None else layers
         plan = [(p, staged_entries(dst_slots, p[1], p[2], stage.addr, self.remote_layout, p[0]))
-                for p in stage_pieces(len(slots), lays, self.local.page_bytes, stage.nbytes)]
+                for p in stage_pieces(len(slots), lays, stage.page_bytes, stage.nbytes)]
         total = sum(len(e) for _, e in plan)
         done = 0
         for (plays, first, end), ents in plan:
-            stage.fill(self.spec.buffers.kv, plays, slots[first:end], self.relayout)
+            stage.fill(self.spec.buffers, plays, slots[first:end], self.relayout)
             self.stats["staged_pieces"] += 1
             self._write_batches(ents, done, total, epoch, fenced)
             done += len(ents)

@@ -150,11 +150,13 @@ def job_placement(device: str, cp: int, decode: bool, transfer: str = "nccl") ->
                              f"use transfer.name = 'mooncake' (protocol 'nvlink_intra' moves the "
                              f"pages by CUDA IPC), fewer CP ranks, or --decode-tokens 0")
         return JobPlacement("cuda", "gloo", (*range(cp), 0))
+    fixes = (f"--cp {n} or fewer, " if n else "") + ("--decode-tokens 0, " if decode else "") \
+        + "or device 'cpu'"
     share = (f" (with transfer.name = 'mooncake' the decode rank can share GPU 0: {cp} GPU(s))"
              if decode and launched_world() is None else "")
     raise ValueError(f"run.device = 'cuda' needs a GPU per process: {processes} processes "
                      f"(the CP ranks{' and the decode rank' if decode else ''}), {n} GPU(s) "
-                     f"here{share}; fewer CP ranks, --decode-tokens 0, or device 'cpu'")
+                     f"here{share}; {fixes}")
 
 
 def job_spec(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]], *,

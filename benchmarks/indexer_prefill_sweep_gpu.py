@@ -1,0 +1,120 @@
+"""Launch sweep of the Triton prefill indexer (fp8, DeepSeek's numerics) on one GPU (issue 38).
+
+Usage: python benchmarks/indexer_prefill_sweep_gpu.py OUT.json
+
+Each configuration overrides ``INDEXER_DEFAULT`` (BLOCK_M x BLOCK_N tile, warps, stages); every
+one is timed (CUDA events, median of 10 after a warm call) on the same fp8 inputs as
+``cpkv_backend_cuda.bench`` (64 heads x 128, causal tail rows) and checked against the default
+configuration's logits (max difference over the largest logit). The fp8 matmul ceiling is
+measured in the same run.
+
+Why these tiles: a program loads one key tile and, per head, a ``BLOCK_M x 128`` fp8 query tile
+from L2 for ``2 x BLOCK_M x BLOCK_N x 128`` FLOPs: 64 x 128 tiles need ~5.8 TB/s of L2 reads at
+the fp8 ceiling (256 FLOP/B), 128 x 128 or 64 x 256 half that. Prediction: the 128-row tiles
+with 8 warps gain 5-15 % at the large shapes if register pressure allows (acc + s = 2 x 64
+fp32 a thread), none at 1024 x 32K (fewer programs than 2 waves).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
+from cpkv_backend_triton.attention import AttentionKernels
+
+SHAPES = ((4096, 131072), (2048, 524288), (1024, 32768))
+CONFIGS = (
+    {},  # the default
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 2},
+)
+
+
+def median_ms(fn, iters: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def fp8_ceiling(dev: torch.device) -> float:
+    n = 8192
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+    ms = median_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+    return 2 * n ** 3 / ms / 1e9
+
+
+def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator) -> list[dict[str, object]]:
+    """Every configuration on one shape's inputs."""
+    heads, dim = 64, 128
+    q = hadamard_rotate(torch.randn(n, heads, dim, dtype=torch.bfloat16, device=dev, generator=g))
+    w = torch.randn(n, heads, device=dev, generator=g) * (heads ** -0.5 * dim ** -0.5)
+    k = hadamard_rotate(torch.randn(t, dim, dtype=torch.bfloat16, device=dev, generator=g))
+    k8, scale = quantize_fp8(k, None, "ue8m0")
+    q8, w8 = quantize_index_q(q, w)
+    ks = torch.zeros(n, dtype=torch.int64, device=dev)
+    ke = torch.arange(t - n + 1, t + 1, dtype=torch.int64, device=dev)
+    flops = 2 * heads * dim * float((ke - ks).sum())
+    base = None
+    rows: list[dict[str, object]] = []
+    for cfg in CONFIGS:
+        ak = AttentionKernels(indexer_config=cfg)
+
+        def call(ak: AttentionKernels = ak) -> torch.Tensor:
+            return ak.indexer_logits(q8, w8, k8, scale, ks, ke)
+
+        try:
+            got = call()
+            ms = median_ms(call)
+        except Exception as e:  # a tile that does not compile: recorded, next one
+            rows.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        if base is None:
+            base = got
+        fin = base.isfinite()
+        diff = float((got[fin] - base[fin]).abs().max() / base[fin].abs().max())
+        rows.append({"config": cfg, "ms": ms, "tflops": flops / ms / 1e9,
+                     "max_rel_diff_vs_default": diff,
+                     "same_masking": bool(torch.equal(got.isneginf(), base.isneginf()))})
+        print(f"{n}x{t} {cfg or 'default'}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+              f"diff {diff:.2e}", flush=True)
+        del got
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    shapes: dict[str, list[dict[str, object]]] = {}
+    ceiling = fp8_ceiling(dev)
+    for n, t in SHAPES:
+        shapes[f"{n}x{t}"] = sweep_shape(n, t, dev, g)
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "fp8_ceiling_tflops": ceiling,
+                   "shapes": shapes}, f, indent=1)
+    print(f"fp8 ceiling {ceiling:.0f} TFLOP/s; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
