@@ -38,6 +38,11 @@ def test_topk_share_sums_the_kernels_by_name() -> None:
     kern = [{"kernel": "_topk_filter_kernel", "ms": 2.0}, {"kernel": "_topk_select_kernel", "ms": 1.0},
             {"kernel": "_indexer_kernel", "ms": 10.0}, {"kernel": "gemm", "ms": 50.0}]
     assert topk_share(kern) == {"topk_ms": 3.0, "indexer_ms": 10.0}
+    # the fused path: the filter is the indexer, the sample's indexer calls are top-k work
+    fused = [{"kernel": "_fused_filter_kernel", "ms": 12.0}, {"kernel": "_indexer_kernel", "ms": 0.5},
+             {"kernel": "_sample_floor_kernel", "ms": 0.25}, {"kernel": "_topk_select_kernel", "ms": 1.0},
+             {"kernel": "_fused_exact_kernel", "ms": 0.125}, {"kernel": "gemm", "ms": 50.0}]
+    assert topk_share(fused) == {"topk_ms": 1.875, "indexer_ms": 12.0}
 
 
 @pytest.mark.multiprocess

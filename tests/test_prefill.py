@@ -220,6 +220,40 @@ def test_indexer_logits_chunking_does_not_change_results(tiny: Path) -> None:
                                                  strict=True))
 
 
+def test_without_a_capture_the_choice_is_one_indexer_topk_op(tiny: Path) -> None:
+    """Without ``capture_topk`` each row chunk's choice is one ``indexer_topk`` call (a backend
+    may then never store the logits); with it, ``indexer_logits`` then ``topk`` (the scores are
+    kept). Both give the same logits (the reference composes the same two ops)."""
+    from cpkv.models import load_model
+    from cpkv.runtime.session import PrefillSession
+
+    s = load_settings(cp={"size": 1}, kv={"page_size": PAGE, "dtype": "fp8"},
+                      backend={"preference": ["torch"]})
+    model = load_model(str(tiny))
+    prompt = _prompts(8, [70])[0]
+    out, calls = [], []
+    for capture in (False, True):
+        with recording():
+            session = PrefillSession(model, s, CPGroup.single())
+        ops = session.ops
+        seen: list[str] = []
+
+        def spy(name: str, fn: Any, seen: list[str] = seen) -> Any:
+            def call(*args: Any) -> Any:
+                seen.append(name)
+                return fn(*args)
+            return call
+
+        session.driver.ops = types.SimpleNamespace(**{
+            **{k: getattr(ops, k) for k in ops.chosen},
+            **{k: spy(k, getattr(ops, k)) for k in ("indexer_logits", "topk", "indexer_topk")}},
+            has=ops.has)
+        out.append(session.prefill([("a", prompt)], capture_topk=capture))
+        calls.append(set(seen))
+    assert calls == [{"indexer_topk"}, {"indexer_logits", "topk"}]
+    assert torch.equal(out[0].last_logits, out[1].last_logits)
+
+
 def test_token_ids_as_a_tensor_equal_a_list(tiny: Path) -> None:
     """A request's ids given as a 1-D tensor (what engines hold) prefill exactly like the same
     ids as a list, continuing a cached prefix too (the slice starts past the prefix)."""

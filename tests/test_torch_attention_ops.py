@@ -521,6 +521,20 @@ class TopkSkipsLargest(TorchOps):
         return torch.where(long[:, None].to(out.device), wider[:, 1:], out)
 
 
+class IndexerTopkSkipsLargest(TorchOps):
+    """The fused op's long rows take the 2nd to (k+1)-th largest logits (topk itself is right)."""
+
+    def indexer_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                     k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                     key_end: torch.Tensor, topk: int) -> torch.Tensor:
+        logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
+        out = self.topk(logits, topk, key_start, key_end)
+        wider = self.topk(logits, topk + 1, key_start, key_end)
+        t = logits.shape[1]
+        long = (key_end.clamp(0, t) - key_start.clamp(0, t)) > topk
+        return torch.where(long[:, None].to(out.device), wider[:, 1:], out)
+
+
 class TopkIgnoresRange(TorchOps):
     """Trusts the logits to be -inf outside the range (does not mask finite ones)."""
 
@@ -639,6 +653,8 @@ _SLOW = pytest.mark.slow
     (TopkAlwaysByLogit, "topk", r"topk \[.*\] indices: row \d+ holds \d+ <= k=\d+ keys"),
     pytest.param(TopkSkipsLargest, "topk", r"topk \[.*\] indices: row \d+ (picks a different index "
                  r"set|: column \d+ .* is not tied)", marks=_SLOW),
+    (IndexerTopkSkipsLargest, "indexer_topk", r"topk \[indexer_topk: .*\] indices: row \d+ "
+     r"(picks a different index set|: column \d+ .* is not tied)"),
     pytest.param(TopkIgnoresRange, "topk", r"topk \[finite outside.*\] indices: row \d+ repeats a "
                  r"column or leaves its range", marks=_SLOW),
     pytest.param(IndexerNoRelu, "indexer_logits",

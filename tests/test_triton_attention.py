@@ -54,7 +54,8 @@ def small_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_ops_declared() -> None:
     from cpkv_backend_triton.plugin import OPS
 
-    attn = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.TOPK, Op.SPARSE_MLA})
+    attn = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.TOPK, Op.INDEXER_TOPK,
+                      Op.SPARSE_MLA})
     assert attn <= OPS
     for op in attn:
         assert callable(getattr(AttentionKernels(), op.value))
@@ -65,6 +66,7 @@ def test_ops_declared() -> None:
 @pytest.mark.usefixtures("small_sizes")
 @pytest.mark.parametrize("op", ["indexer_logits", "indexer_logits_paged",
                                 pytest.param("topk", marks=pytest.mark.slow),
+                                pytest.param("indexer_topk", marks=pytest.mark.slow),
                                 pytest.param("sparse_mla", marks=pytest.mark.slow)])
 def test_conformance_interpreter(ref: Any, op: str) -> None:
     conf.check_op(AttentionKernels(), ref, op, device="cpu")

@@ -99,7 +99,8 @@ def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.Mon
         ops.TritonOps().topk(torch.zeros(1, 1), 1, torch.zeros(1, dtype=torch.int64),
                              torch.ones(1, dtype=torch.int64))
     with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', 'indexer_logits_paged', "
-                                           r"'sparse_mla', 'sparse_mla_paged', 'topk'\] "
+                                           r"'indexer_topk', 'sparse_mla', 'sparse_mla_paged', "
+                                           r"'topk'\] "
                                            r"but does not have them: .*no attention"):
         plugin.load()
 

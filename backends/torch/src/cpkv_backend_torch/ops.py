@@ -30,6 +30,7 @@ formulas here are the definition:
   instead (ascending), and every slot past the row's key count is -1. Selected by ``torch.where``,
   so no row count is ever read on the host. Logits inside a range are expected to be finite (a
   -inf logit inside a range of more than k keys could lose to a masked column).
+* ``indexer_topk``: ``topk`` of ``indexer_logits`` (the two ops composed: the definition).
 * ``sparse_mla_paged``: the selected latent rows read from the part-major pages through
   :func:`cpkv.ops.api.paged_latent`, dequantized to float32, then ``sparse_mla``.
 * ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
@@ -53,6 +54,7 @@ from cpkv.ops.api import (
     KVFormat,
     check_indexer_args,
     check_indexer_paged_args,
+    check_indexer_topk_args,
     check_page_copy_args,
     check_peer_gather_args,
     check_rope_args,
@@ -368,6 +370,20 @@ class TorchOps:
             chosen = ascending
         out = torch.where((count <= k)[:, None], ascending, chosen)
         return out.to(torch.int32)
+
+    def indexer_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                     k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                     key_end: torch.Tensor, topk: int) -> torch.Tensor:
+        """``topk(indexer_logits(q, w, k, k_scale, key_start, key_end), topk, key_start,
+        key_end)``: int32 [N, topk].
+
+        Raises:
+            ValueError: an argument does not fit (as every backend).
+        """
+        check_indexer_topk_args(q, w, k, k_scale, key_start, key_end, topk)
+        # the reference's own two ops (a subclass that overrides one changes that op alone)
+        logits = TorchOps.indexer_logits(self, q, w, k, k_scale, key_start, key_end)
+        return TorchOps.topk(self, logits, topk, key_start, key_end)
 
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                    dv: int) -> torch.Tensor:

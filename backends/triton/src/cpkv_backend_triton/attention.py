@@ -23,13 +23,16 @@ from cpkv.ops.api import (
     OpDeclined,
     check_indexer_args,
     check_indexer_paged_args,
+    check_indexer_topk_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
     paged_latent,
     report_fallback,
 )
 
-from .topk import TOPK_METHOD
+from .indexer_topk import INDEXER_TOPK
+from .indexer_topk import indexer_topk as fused_indexer_topk
+from .topk import TOPK_METHOD, TOPK_RADIX_MAX_K
 from .topk import topk as select_topk
 
 if TYPE_CHECKING:
@@ -412,8 +415,8 @@ class PageReader(Protocol):
 
 
 class AttentionKernels:
-    """The sparse-attention ops (indexer_logits, indexer_logits_paged, topk, sparse_mla,
-    sparse_mla_paged), on CUDA
+    """The sparse-attention ops (indexer_logits, indexer_logits_paged, topk, indexer_topk,
+    sparse_mla, sparse_mla_paged), on CUDA
     tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
 
     Args:
@@ -594,6 +597,33 @@ class AttentionKernels:
             ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
         """
         return select_topk(logits, k, key_start, key_end, self.topk_method)
+
+    def indexer_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                     k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                     key_end: torch.Tensor, topk: int) -> torch.Tensor:
+        """``topk(indexer_logits(...))`` as one op: int32 [N, topk]. See
+        :class:`cpkv.ops.api.KVOps`. Views of at least ``INDEXER_TOPK["MIN_T"]`` keys, more
+        than ``FEW_ROWS`` rows, the exact top-k (``topk_method="radix"``, ``topk`` <=
+        ``TOPK_RADIX_MAX_K``) take the fused path of :mod:`cpkv_backend_triton.indexer_topk`
+        (the logits never stored); other calls :meth:`indexer_logits` then :meth:`topk`. The
+        choice depends on shapes and settings only.
+
+        Raises:
+            ValueError: an argument does not fit (as the reference).
+        """
+        fp8 = check_indexer_topk_args(q, w, k, k_scale, key_start, key_end, topk)
+        n, _, d = q.shape
+        t = k.shape[0]
+        if (t >= INDEXER_TOPK["MIN_T"] and n > self.indexer_config["FEW_ROWS"]
+                and 0 < topk < t and topk <= TOPK_RADIX_MAX_K and self.topk_method == "radix"):
+            both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
+            upcast = _interpreted(_indexer_kernel) or not (
+                both_fp8 or (q.dtype in _LOWP and (fp8 or k.dtype == q.dtype)))
+            return fused_indexer_topk(q, w, k, k_scale, key_start, key_end, topk, fp8=fp8,
+                                      dot_width=_dot_width(d, both_fp8, upcast), upcast=upcast,
+                                      sample_logits=self.indexer_logits, launch=self._launch)
+        logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
+        return self.topk(logits, topk, key_start, key_end)
 
     # -- sparse MLA -----------------------------------------------------------------------------
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,

@@ -26,6 +26,7 @@ IMPORT_ERRORS: dict[str, str] = {}
 KV_OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE,
                                    Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK})
 ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.TOPK,
+                                          Op.INDEXER_TOPK,
                                           Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
 ROPE_OPS: frozenset[Op] = frozenset({Op.ROPE})
 
@@ -88,7 +89,8 @@ class TritonOps(OpMethods):
         if attention is not None:
             methods |= {Op.INDEXER_LOGITS: attention.indexer_logits,
                         Op.INDEXER_LOGITS_PAGED: attention.indexer_logits_paged,
-                        Op.TOPK: attention.topk, Op.SPARSE_MLA: attention.sparse_mla,
+                        Op.TOPK: attention.topk, Op.INDEXER_TOPK: attention.indexer_topk,
+                        Op.SPARSE_MLA: attention.sparse_mla,
                         Op.SPARSE_MLA_PAGED: attention.sparse_mla_paged}
         if rope is not None:
             methods[Op.ROPE] = rope.rope

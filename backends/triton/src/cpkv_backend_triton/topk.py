@@ -37,7 +37,8 @@ import triton.language as tl
 
 from cpkv.ops.api import check_topk_args
 
-__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "topk"]
+__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "ord_key", "radix_digit", "radix_step",
+           "row_range", "select_candidates", "topk"]
 
 TOPK_BLOCK = 1024
 #: "radix" (the exact kernels, default) or "torch" (mask, torch.topk, fix-up)
@@ -464,7 +465,31 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
             tl.store(meta_ptr + row * 2, K)
 
 
+#: the pieces the fused indexer top-k (:mod:`cpkv_backend_triton.indexer_topk`) builds on: the
+#: order-preserving key, the radix rounds and a row's clipped range (Triton helpers)
+ord_key = _ord_key
+radix_digit = _radix_digit
+radix_step = _radix_step
+row_range = _row_range
+
+
 # ---- the op ----------------------------------------------------------------------------------
+def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.Tensor,
+                      key_end: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, t: int,
+                      k: int, cap: int) -> None:
+    """The long rows' select (``_topk_select_kernel``) over candidates a filter left: ``cand``
+    int64 ``key << 32 | (2^31 - 1 - column)``, split j of row i at ``(i * NS + j) * cap``, in
+    column order within a split and splits in column order, ``count`` int32 [N, NS] (past
+    ``cap``: the split overflowed). Rows holding at most k keys are listed ascending; a row with
+    fewer than k candidates or an overflowed split gets ``meta[i, 0] = -1`` (its ``out`` row
+    left for an exact pass), the others their k columns in ``out`` and ``meta[i, 0] = k``."""
+    cfg = TOPK_LONG
+    n, ns = count.shape
+    _topk_select_kernel[(n,)](key_start, key_end, out, cand, count, meta, t, k, ns,
+                              KP=_pow2(k), CAP=cap, NSP=_pow2(ns, 1), RB=min(cfg["REFINE"], cap),
+                              num_warps=cfg["select_warps"])
+
+
 def _splits(n: int, t: int, cap: int) -> int:
     """(row, split) programs for the filter: enough to fill the GPU when a call has few rows,
     splits of at least SPLIT_MIN columns, and the candidates' scratch (``cap`` int64 a split) at
@@ -530,9 +555,7 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
                              num_warps=warps)
     _topk_filter_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, sx0, sx1,
                                  BLOCK=blk, CAP=cap, num_warps=warps)
-    _topk_select_kernel[(n,)](ks, ke, out, cand, count, meta, t, k, ns, KP=_pow2(k), CAP=cap,
-                              NSP=_pow2(ns, 1), RB=min(cfg["REFINE"], cap),
-                              num_warps=cfg["select_warps"])
+    select_candidates(cand, count, ks, ke, out, meta, t, k, cap)
     _topk_exact_kernel[(n,)](logits, ks, ke, out, meta, t, k, sx0, sx1,
                              BLOCK=min(TOPK_CONFIG["BLOCK"], _pow2(t)), num_warps=warps)
 

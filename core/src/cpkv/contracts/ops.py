@@ -41,6 +41,7 @@ class Op(StrEnum):
     INDEXER_LOGITS = "indexer_logits"
     INDEXER_LOGITS_PAGED = "indexer_logits_paged"
     TOPK = "topk"
+    INDEXER_TOPK = "indexer_topk"
     SPARSE_MLA = "sparse_mla"
     SPARSE_MLA_PAGED = "sparse_mla_paged"
     ROPE = "rope"
@@ -224,6 +225,27 @@ class KVOps(Protocol):
         Raises:
             ValueError: ``logits`` not float [N, T], ``k < 0``, or the ranges not int64 [N]
                 (:func:`cpkv.ops.check_topk_args`).
+        """
+        ...
+
+    def indexer_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                     k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                     key_end: torch.Tensor, topk: int) -> torch.Tensor:
+        """:meth:`indexer_logits` then :meth:`topk`, in one op: int32 [N, topk], ``topk(
+        indexer_logits(q, w, k, k_scale, key_start, key_end), topk, key_start, key_end)``.
+
+        The arguments are those of the two ops (q [N, Hi, D], w float32 [N, Hi], k [T, D] with
+        ``k_scale`` [T] for fp8 keys, key_start / key_end int64 [N], ``topk >= 0``), the result
+        and its rules (-1 padding, short rows ascending, the set of the reference with ties by
+        the lower column, any order) those of :meth:`topk`. A backend may choose without ever
+        storing the [N, T] logits (a long prompt's chunk against ~1M keys: 4 bytes a logit
+        written and read back), e.g. by keeping per key tile the keys above a floor from a
+        sample; the reference composes the two ops. The caller still chunks rows by the logits
+        budget (rule 21): a backend may hold the logits of the rows it recomputes.
+
+        Raises:
+            ValueError: shapes or dtypes other than these, or ``topk < 0``
+                (:func:`cpkv.ops.check_indexer_topk_args`).
         """
         ...
 

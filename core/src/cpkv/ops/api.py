@@ -23,8 +23,8 @@ Declining and reporting
 
 Argument checks (run them first: one wording of the errors in every backend; metadata only)
     :func:`check_page_copy_args`, :func:`check_peer_gather_args`, :func:`check_indexer_args`,
-    :func:`check_indexer_paged_args`, :func:`check_topk_args`, :func:`check_sparse_mla_args`,
-    :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`.
+    :func:`check_indexer_paged_args`, :func:`check_indexer_topk_args`, :func:`check_topk_args`,
+    :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`.
 
 Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     :func:`fp8_layout` (dims, block, rope dims and bytes of a packed fp8 row), :func:`part_view`
@@ -66,6 +66,7 @@ from cpkv.fallback import report_fallback
 from .checks import (
     check_indexer_args,
     check_indexer_paged_args,
+    check_indexer_topk_args,
     check_page_copy_args,
     check_peer_gather_args,
     check_rope_args,
@@ -113,6 +114,7 @@ __all__ = [
     "ScaleFormat",
     "check_indexer_args",
     "check_indexer_paged_args",
+    "check_indexer_topk_args",
     "check_page_copy_args",
     "check_peer_gather_args",
     "check_rope_args",

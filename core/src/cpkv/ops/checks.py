@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
     from cpkv.contracts import KVFormat, RopeStyle
 
-__all__ = ["check_indexer_args", "check_indexer_paged_args", "check_page_copy_args", "check_peer_gather_args",
+__all__ = ["check_indexer_args", "check_indexer_paged_args", "check_indexer_topk_args",
+           "check_page_copy_args", "check_peer_gather_args",
            "check_rope_args", "check_sparse_mla_args", "check_sparse_mla_paged_args",
            "check_topk_args"]
 
@@ -156,6 +157,21 @@ def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,
     if k < 0:
         raise ValueError(f"topk: k must be >= 0, got {k}")
     _check_ranges("topk", logits.shape[0], key_start, key_end)
+
+
+def check_indexer_topk_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                            k_scale: torch.Tensor | None, key_start: torch.Tensor,
+                            key_end: torch.Tensor, topk: int) -> bool:
+    """Validate ``indexer_topk`` arguments (those of ``indexer_logits``, and ``topk``); returns
+    whether the keys are fp8 (scaled).
+
+    Raises:
+        ValueError: an ``indexer_logits`` argument does not fit, or ``topk`` is negative.
+    """
+    fp8 = check_indexer_args(q, w, k, k_scale, key_start, key_end)
+    if topk < 0:
+        raise ValueError(f"indexer_topk: topk must be >= 0, got {topk}")
+    return fp8
 
 
 def check_page_copy_args(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,

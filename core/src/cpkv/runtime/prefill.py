@@ -3,7 +3,8 @@
 Per batch (host work, once): plan -> reserve pages and out-cache locations -> this rank's rows,
 positions and key ranges as device tensors. Per layer (no host sync, no host-built tensors):
 attention inputs of the local rows -> write KV to own pages -> materialize the full view ->
-indexer logits in row chunks under the memory budget -> top-k -> sparse MLA -> o_proj, MLP/MoE.
+indexer logits in row chunks under the memory budget -> top-k (one ``indexer_topk`` op per chunk
+unless the scores are captured) -> sparse MLA -> o_proj, MLP/MoE.
 After the last layer: the last rows' hidden states from their owners (every row's, all-gathered
 and reranged to natural order, when every row's logits are asked for), final logits.
 
@@ -552,7 +553,15 @@ class CPPrefill:
         # each row block's choice written into one buffer (a list then a concatenation held
         # both: 2 x 537 MB at 64K rows)
         top = torch.empty(iq.shape[0], self.topk, dtype=torch.int32, device=self.device)
+        # without a capture the choice is all that is kept: the one op lets a backend choose
+        # without storing the logits (Triton does for long views: its measured threshold)
+        fused = not capture and ops.has(Op.INDEXER_TOPK)
         for s, e in chunks:
+            if fused:
+                top[s:e] = ops.indexer_topk(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e],
+                                            ke[s:e], self.topk)
+                note_progress()
+                continue
             logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
             top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
             note_progress()  # the launcher's and the transfer's bounds are on silence

@@ -53,6 +53,9 @@ at a request), for k both smaller and larger than the T keys, and compare as fol
   top-k of the backend's logits must choose the reference's keys (by the tie rule above);
   ``topk``: the backend's top-k of the reference's logits likewise. Together the backend's
   whole fp8 indexer chooses the reference's keys, and a broken op fails only its own check.
+* ``indexer_topk`` (the indexer and the top-k as one op): the reference's top-k of the
+  reference's logits by the tie rule above, on the fp8 indexer's cases and on bf16 / fp32 keys
+  (4 heads: many 0.0 ties) at the attention sizes.
 * ``sparse_mla``: ``allclose(rtol=1e-5, atol=1e-5)``, no NaN; indices from the reference top-k
   (-1 padded suffixes, all -1 rows) and random ones with -1 anywhere and repeats.
 
@@ -810,6 +813,33 @@ def _check_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
             _unchanged(op, case, keep, [logits, ks, ke])
 
 
+def _check_indexer_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """The fused op against the reference's top-k of the reference's logits, by the top-k rule:
+    the fp8 indexer's cases (:func:`_fp8_topk_cases`), and float keys (bf16 and fp32, 4 heads:
+    many exact 0.0 ties from the relu) at :data:`ATTN_SIZES`; the inputs unchanged."""
+    op = "indexer_topk"
+    cases: list[tuple[str, int, list[torch.Tensor], torch.Tensor | None]] = [
+        (case, k, [q8, w8, k8, ks, ke], scale)
+        for case, k, (q8, w8, k8, scale, ks, ke) in _fp8_topk_cases(ref, device, seed)]
+    j = 0
+    for n, t, k in ATTN_SIZES:
+        for kind in ("bf16", "fp32"):
+            j += 1
+            g = _gen(seed * 1000 + 950 + j)
+            q, w, keys = _indexer_inputs("small", n, t, g)
+            ks, ke = _key_ranges(n, t, k, g)
+            if kind == "bf16":
+                keys = keys.to(torch.bfloat16)
+            cases.append((f"{kind} keys, {n} rows x {t} keys, k={k}", k,
+                          _to(device, q, w, keys, ks, ke), None))
+    for case, k, (q, w, keys, ks, ke), scale in cases:
+        keep = [x.clone() for x in (q, w, keys, ks, ke)]
+        logits = ref.indexer_logits(q, w, keys, scale, ks, ke)
+        got = _call(op, case, impl.indexer_topk, q, w, keys, scale, ks, ke, k)
+        _assert_topk(f"{op}: {case}", got, ref.topk(logits, k, ks, ke), logits, ks, ke, k)
+        _unchanged(op, case, keep, [q, w, keys, ks, ke])
+
+
 def _check_sparse_mla(impl: Any, ref: Any, device: str, seed: int) -> None:
     op = "sparse_mla"
     j = 0
@@ -994,6 +1024,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.INDEXER_LOGITS.value: _check_indexer_logits,
     Op.INDEXER_LOGITS_PAGED.value: _check_indexer_logits_paged,
     Op.TOPK.value: _check_topk,
+    Op.INDEXER_TOPK.value: _check_indexer_topk,
     Op.SPARSE_MLA.value: _check_sparse_mla,
     Op.SPARSE_MLA_PAGED.value: _check_sparse_mla_paged,
     Op.ROPE.value: _check_rope,
@@ -1193,7 +1224,7 @@ class BaseKVOpsTests(BasePageOpsTests, BaseFP8OpsTests):
 
 class BaseAttentionOpsTests(BaseOpsTests):
     """The sparse-attention ops of one layer: indexer_logits, indexer_logits_paged, topk,
-    sparse_mla, sparse_mla_paged."""
+    indexer_topk, sparse_mla, sparse_mla_paged."""
 
     def test_indexer_logits(self) -> None:
         self.check(Op.INDEXER_LOGITS)
@@ -1203,6 +1234,9 @@ class BaseAttentionOpsTests(BaseOpsTests):
 
     def test_topk(self) -> None:
         self.check(Op.TOPK)
+
+    def test_indexer_topk(self) -> None:
+        self.check(Op.INDEXER_TOPK)
 
     def test_sparse_mla(self) -> None:
         self.check(Op.SPARSE_MLA)

@@ -1,0 +1,177 @@
+"""The fused indexer top-k (cpkv_backend_triton.indexer_topk) on Triton's CPU interpreter: the
+reference's set (conformance suite, ties by the lower column), the plain path's set (the Triton
+indexer then the Triton top-k), and the rows the select flags (a floor above the k-th key, a
+split over CAP) recomputed exactly. Small shapes: the fused path's thresholds lowered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import cpkv.testing.conformance as conf
+from triton_interp import CUDA, import_kernels, interpreter_env
+
+fused = import_kernels("cpkv_backend_triton.indexer_topk", "_fused_filter_kernel")
+attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
+
+pytestmark = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU")
+
+#: the fused path at interpreter sizes: every view long enough, a small sample, small tiles
+SMALL = {"MIN_T": 1, "SAMPLE": 64, "CAP_MIN": 16, "PROGRAMS": 8, "SPLIT_MIN": 128,
+         "BLOCK_M": 16, "BLOCK_N": 32, "EXACT_BLOCK_N": 32}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env():  # type: ignore[no-untyped-def]
+    with interpreter_env():
+        yield
+
+
+@pytest.fixture
+def small(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    cfg = {**fused.INDEXER_TOPK, **SMALL}
+    monkeypatch.setattr(fused, "INDEXER_TOPK", cfg)
+    monkeypatch.setattr(attention, "INDEXER_TOPK", cfg)
+    return cfg
+
+
+@pytest.fixture
+def flags(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Per fused call: which rows the select left to the exact pass (rows holding more than k
+    keys whose ``meta`` is -1)."""
+    seen: list[torch.Tensor] = []
+    real = fused.select_candidates
+
+    def spy(cand: torch.Tensor, count: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
+            out: torch.Tensor, meta: torch.Tensor, t: int, k: int, cap: int) -> None:
+        real(cand, count, ks, ke, out, meta, t, k, cap)
+        long = (ke.clamp(0, t) - ks.clamp(0, t)) > k
+        seen.append(long & (meta[:, 0] < 0))
+
+    monkeypatch.setattr(fused, "select_candidates", spy)
+    return seen
+
+
+def _impl() -> Any:
+    return attention.AttentionKernels(indexer_config={"FEW_ROWS": 0})
+
+
+def _inputs(n: int, t: int, heads: int = 4, d: int = 32, seed: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random float queries, weights, keys and causal-tail ranges (row i: [0, t - n + i + 1))."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, heads, d, generator=g)
+    w = torch.randn(n, heads, generator=g).abs() * (heads * d) ** -0.5
+    keys = torch.randn(t, d, generator=g)
+    ke = torch.arange(t - n + 1, t + 1, dtype=torch.int64)
+    return q, w, keys, torch.zeros(n, dtype=torch.int64), ke
+
+
+def _check(impl: Any, ref: Any, args: tuple[Any, ...], k: int, *, plain: bool = True) -> None:
+    """The reference's set by the top-k rule; with ``plain``, the plain Triton path's set
+    exactly (the same logits)."""
+    q, w, keys, scale, ks, ke = args
+    got = impl.indexer_topk(q, w, keys, scale, ks, ke, k)
+    logits = ref.indexer_logits(q, w, keys, scale, ks, ke)
+    conf._assert_topk("fused", got, ref.topk(logits, k, ks, ke), logits, ks, ke, k)
+    if plain:
+        want = impl.topk(impl.indexer_logits(q, w, keys, scale, ks, ke), k, ks, ke)
+        assert torch.equal(got.sort(1).values, want.sort(1).values)
+
+
+def test_layout_fills_the_gpu_within_the_scratch_bound() -> None:
+    """512K keys: 8K rows (a 16 GiB logits budget's chunk) take 8 splits of 64K columns, CAP
+    4096 (4 x the ~660 candidates a split expects, half a row's ~5.2K), 2 GiB of scratch (a
+    quarter of the logits' bytes at most); 1024 rows take 16 splits (the scratch bound) and
+    32 of CAP 1024 without the row share."""
+    big = fused.layout(8192, 524288, 2048)
+    assert (big.splits, big.split_cols, big.cap, big.stride) == (8, 65536, 4096, 128)
+    assert 8192 * big.splits * big.cap * 8 <= 8192 * 524288 * 4 // 4
+    few = fused.layout(1024, 524288, 2048)
+    assert (few.splits, few.cap) == (16, 4096)
+    few = fused.layout(1024, 524288, 2048, {**fused.INDEXER_TOPK, "ROW_SHARE_PCT": 0})
+    assert (few.splits, few.cap) == (32, 1024)
+    assert fused.layout(3, 100, 8, {**fused.INDEXER_TOPK, **SMALL}).cap <= 128
+
+
+@pytest.mark.slow  # ~25 s on the interpreter: the suite's attention sizes
+def test_conformance(ref: Any, small: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conf, "ATTN_SIZES", ((0, 0, 8), (1, 1, 8), (3, 5, 8), (17, 40, 8),
+                                             (64, 200, 16), (5, 700, 64)))
+    monkeypatch.setattr(conf, "FP8_TOPK_SIZES", ((17, 40, 8), (24, 200, 16), (5, 300, 64)))
+    conf.check_op(_impl(), ref, "indexer_topk", device="cpu")
+
+
+def test_causal_tail_equals_the_plain_path(ref: Any, small: dict[str, int],
+                                           flags: list[torch.Tensor]) -> None:
+    q, w, keys, ks, ke = _inputs(12, 500)
+    ks[3], ke[3] = 200, 450  # a range inside the view
+    ks[5], ke[5] = 7, 7  # empty
+    ke[6] = 10  # shorter than k
+    _check(_impl(), ref, (q, w, keys, None, ks, ke), 16)
+    assert len(flags) == 1 and not bool(flags[0].any())  # the filter chose every row
+
+
+def test_fp8_queries_and_keys(ref: Any, small: dict[str, int], flags: list[torch.Tensor]) -> None:
+    """DeepSeek's fp8 numerics: e4m3 integer grids (exact dots) with power-of-two key scales."""
+    g = torch.Generator().manual_seed(3)
+    n, t, heads, d = 12, 500, 8, 32
+    q8 = torch.randint(-4, 5, (n, heads, d), generator=g).float().to(torch.float8_e4m3fn)
+    k8 = torch.randint(-4, 5, (t, d), generator=g).float().to(torch.float8_e4m3fn)
+    scale = torch.pow(2.0, torch.randint(-8, -3, (t,), generator=g).float())
+    w = torch.randn(n, heads, generator=g).abs()
+    ks, ke = torch.zeros(n, dtype=torch.int64), torch.arange(t - n + 1, t + 1)
+    _check(_impl(), ref, (q8, w, k8, scale, ks, ke), 32)
+    assert len(flags) == 1
+
+
+def test_a_floor_above_the_kth_key_is_recomputed_exactly(ref: Any, small: dict[str, int],
+                                                         flags: list[torch.Tensor]) -> None:
+    """Keys at the sample's columns (multiples of the stride) score far above the others, all
+    different: the floor is the ~15th of them, fewer than k = 16 keys reach it, every long row
+    is flagged."""
+    n, t, k = 12, 1024, 16
+    q, w, keys, ks, ke = _inputs(n, t, seed=5)
+    q[:] = q[0:1].abs()
+    stride = fused.layout(n, t, k, small).stride
+    cols = keys[::stride].shape[0]
+    keys[::stride] = keys[0].abs() * (4.0 + torch.arange(cols, dtype=torch.float32)[:, None])
+    _check(_impl(), ref, (q, w, keys, None, ks, ke), k, plain=False)
+    assert len(flags) == 1 and bool(flags[0].all())
+
+
+def test_ties_overflow_a_split_and_break_by_the_lower_column(
+        ref: Any, small: dict[str, int], flags: list[torch.Tensor],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal keys give a row equal logits: all are candidates, a split overflows its CAP, the
+    exact pass takes the k lowest columns (as the reference)."""
+    monkeypatch.setitem(small, "CAP_MAX", 16)
+    q, w, keys, ks, ke = _inputs(10, 800, seed=7)
+    keys[:] = keys[0]
+    got = _impl().indexer_topk(q, w, keys, None, ks, ke, 16)
+    assert len(flags) == 1 and bool(flags[0].all())
+    want = ref.topk(ref.indexer_logits(q, w, keys, None, ks, ke), 16, ks, ke)
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+    assert torch.equal(got.sort(1).values, torch.arange(16, dtype=torch.int32).expand(10, 16))
+
+
+def test_ties_within_cap_break_by_the_lower_column(ref: Any, small: dict[str, int],
+                                                   flags: list[torch.Tensor]) -> None:
+    """40 equal keys high above the rest, the k-th place among them: the filter keeps them
+    (no row flagged), the select takes the lowest columns among them."""
+    q, w, keys, ks, ke = _inputs(8, 700, seed=9)
+    q[:] = q[0:1].abs()
+    keys[100:140] = keys[0].abs() * 3.0
+    got = _impl().indexer_topk(q, w, keys, None, ks, ke, 16)
+    want = ref.topk(ref.indexer_logits(q, w, keys, None, ks, ke), 16, ks, ke)
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+    assert len(flags) == 1 and not bool(flags[0].any())
+    assert torch.equal(got.sort(1).values, torch.arange(100, 116, dtype=torch.int32).expand(8, 16))
+
+
+def test_short_views_take_the_plain_path(ref: Any, flags: list[torch.Tensor]) -> None:
+    q, w, keys, ks, ke = _inputs(12, 300)
+    _check(_impl(), ref, (q, w, keys, None, ks, ke), 16, plain=False)
+    assert flags == []  # MIN_T (192K keys) not reached

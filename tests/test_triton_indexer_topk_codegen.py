@@ -1,0 +1,67 @@
+"""The fused indexer top-k's kernels compiled for Hopper on the CPU (no GPU needed): they build
+with DeepSeek's fp8 operands, and the filter's logit tiles take the plain indexer kernel's
+tensor-core path (the same wgmma count and shared memory: the same dots, so the same logits).
+The compile runs in a fresh interpreter (other modules import the kernels under the Triton CPU
+interpreter, which the compiler cannot take)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+_SCRIPT = r"""
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import cpkv_backend_triton.attention as A
+import cpkv_backend_triton.indexer_topk as F
+
+PTRS = {"xs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv",
+        "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*i32",
+        "cand_ptr": "*i64", "count_ptr": "*i32", "meta_ptr": "*i32"}
+TILE = {"H": 64, "D": 128, "DP": 128, "BLOCK_N": 128, "FP8": True, "UPCAST": False}
+
+
+def build(fn, const, out_ptr="*fp32"):
+    names = list(inspect.signature(fn.fn).parameters)
+    ptrs = {**PTRS, "out_ptr": out_ptr}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+    aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 3})
+    return {"wgmma": len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
+            "shared": k.metadata.shared}
+
+
+out = {"plain": build(A._indexer_kernel, {**TILE, "BLOCK_M": 64}),
+       "filter": build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64}),
+       "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32"),
+       "floor": build(F._sample_floor_kernel, {"SP": 4096})}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores() -> None:
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file():
+        pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["plain"]["wgmma"] > 0
+    assert res["filter"] == res["plain"]  # the same tiles on the same tensor-core path
+    assert res["exact"]["wgmma"] > 0  # the flagged rows' heads stacked in one fp8 dot
