@@ -61,10 +61,13 @@ __all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout"]
 #: programs wanted, splits of at least SPLIT_MIN columns; the candidates' scratch at most
 #: 1 / SCRATCH_DIV of the logits' bytes (or SCRATCH_MB); the filter's tiles (BLOCK_M x BLOCK_N,
 #: as the indexer's), warps and stages; the exact pass's key tile and warps.
-#: Not yet measured on the GPU (benchmarks/session11_topk_gpu.sh times the fused path against
-#: the plain one at 256K and 512K keys): MIN_T and SAMPLE are the long-row top-k's
+#: MIN_T is off (2^40 keys): measured on the H200 (benchmarks/session11_topk_gpu.sh,
+#: benchmarks/results/indexer_topk_h200.json, docs/perf.md) the fused path picks the plain path's
+#: sets exactly but takes 1.03-1.08x its time at 1024x512K, 4096x256K and 8192x512K (its filter
+#: epilogue costs more than the logits' store and read it saves), so no view takes it by default;
+#: set MIN_T (e.g. 196608, the long-row top-k's) to opt in. SAMPLE is the long-row top-k's
 #: (``topk.TOPK_LONG``), the tiles the indexer's (``attention.INDEXER_DEFAULT``)
-INDEXER_TOPK: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "SAFETY": 4,
+INDEXER_TOPK: dict[str, int] = {"MIN_T": 1 << 40, "SAMPLE": 4096, "SAFETY": 4,
                                 "ROW_SHARE_PCT": 50, "CAP_MIN": 1024, "CAP_MAX": 16384,
                                 "PROGRAMS": 1024, "SPLIT_MIN": 16384, "SCRATCH_DIV": 4,
                                 "SCRATCH_MB": 512, "BLOCK_M": 64,
