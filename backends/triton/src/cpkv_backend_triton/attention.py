@@ -31,6 +31,7 @@ from cpkv.ops.api import (
 
 from .topk import TOPK_METHOD
 from .topk import topk as select_topk
+from .tuning import DeviceTuned, Op
 
 if TYPE_CHECKING:
     from cpkv.ops.api import KVPart
@@ -42,28 +43,13 @@ MLAPrecision = Literal["bf16", "exact"]
 
 _LOWP = (torch.bfloat16, torch.float16)
 
-#: default launch configurations (the bench sweeps alternatives)
-# num_warps 4 measured best on the H200 (598 vs 497 TFLOP/s at 1024 x 32K x 64 x 128, docs/perf.md)
-#: FEW_ROWS: at most this many query rows take the few-rows kernel (heads stacked into one dot;
-#: a decode step), with FEW_BLOCK_N keys per program and few_warps warps. On the H200 at 64K fp8
-#: keys x 64 heads (bf16 queries, times with launch work): 1-4 rows ~2x faster than the row-tile
-#: kernel, 8 rows 1.28x, 16 rows 0.72x (docs/perf.md); in a decode step 80 -> 9 us of GPU time
-#: PAGED_BLOCK_N keys per program of ``indexer_logits_paged`` (each key's page looked up in the
-#: block table), PAGED_ROWS query rows per program (one after the other, each against its own
-#: request's keys), paged_warps warps. On the H200 at 64 requests x 128K fp8 keys: BLOCK_N 128
-#: with 4 warps and one row the best of BLOCK_N 64-512, 4/8 warps, 1/2 rows (1.02 ms a layer,
-#: 1.08 TB/s of keys; benchmarks/indexer_paged_sweep_gpu.py); a variant giving each program a
-#: software-pipelined run of tiles (queries loaded once) was slower at every run length tried
-#: (1.18-1.88 ms, docs/lessons.md)
-INDEXER_DEFAULT: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
-                                   "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
-                                   "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4}
-MLA_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2,
-                               "P_SPLIT": 2, "P_FP16": 1, "P_CAT": 1}
+#: the launch constants on this process's device: the tables of :mod:`.tuning` (each value's
+#: measurement named there); :class:`AttentionKernels` takes overrides on top of them
+INDEXER_DEFAULT = DeviceTuned(Op.INDEXER)
+MLA_DEFAULT = DeviceTuned(Op.SPARSE_MLA)
 #: 16-bit q/kv (the production path): one bf16 P, FlashMLA's precision, within bf16 tolerance of
-#: the fp32 reference (the conformance suite's 16-bit tolerance); 229 vs 42 TFLOP/s on the H200
-MLA_LOWP_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2,
-                                    "P_SPLIT": 1, "P_FP16": 0, "P_CAT": 0}
+#: the fp32 reference (the conformance suite's 16-bit tolerance)
+MLA_LOWP_DEFAULT = DeviceTuned(Op.SPARSE_MLA_LOWP)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -417,7 +403,8 @@ class AttentionKernels:
     tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
 
     Args:
-        indexer_config: overrides of :data:`INDEXER_DEFAULT` (BLOCK_M, BLOCK_N, num_warps,
+        indexer_config: overrides of :data:`INDEXER_DEFAULT`, the tuning table's row for the
+            current device when the object is made (:mod:`.tuning`: BLOCK_M, BLOCK_N, num_warps,
             num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps, PAGED_BLOCK_N, PAGED_ROWS,
             paged_warps).
         mla_config: overrides of the sparse-MLA launch and probability split (BLOCK_H,
