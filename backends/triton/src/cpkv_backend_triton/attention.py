@@ -234,6 +234,74 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                      mask=cmask)
 
 
+@triton.jit
+def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_ptr, out_ptr,
+                          M, MS,
+                          sq0, sq1, sq2, sw0, sw1, sbt0, sbt1, so0,
+                          k_page, k_first, s_page, s_first,
+                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          S: tl.constexpr, KROW: tl.constexpr, SROW: tl.constexpr,
+                          PAGES: tl.constexpr, STAGES: tl.constexpr, KEYS_M: tl.constexpr,
+                          FP8: tl.constexpr, UPCAST: tl.constexpr, KALIGN: tl.constexpr):
+    """The indexer of one query row against ``PAGES`` whole pages of its request's keys, a page
+    a step: the page's ``S`` keys are one run in the pool (slot ``s``'s values at element
+    ``page * k_page + k_first + s * KROW`` of ``k_ptr``, its fp8 scale at ``page * s_page +
+    s_first + s * SROW`` of the float32 view ``scale_ptr``), so the block table is read once a
+    page and the row strides are constants: ``KROW`` = 132 for the pool's part-major rows
+    (values and scale interleaved: 4-byte loads), ``KROW`` = D, ``SROW`` = 1 for DeepGEMM's
+    page-major order (the page's values, then its scales: 16-byte loads). The row's queries and
+    head weights are loaded once a program; the loop over its pages before ``key_end`` is
+    software-pipelined ``STAGES`` deep (1: loads into registers); pages at or past ``key_end``
+    store -inf and load nothing. ``KEYS_M``: the dot is ``keys @ q^T`` (the key tile its
+    register-fed left operand, the head sum a reduction within warps) instead of ``q @ keys^T``
+    (the key tile through shared memory, the head sum across warps)."""
+    row = tl.program_id(1).to(tl.int64)
+    p0 = tl.program_id(0) * PAGES
+    ke = tl.load(ke_ptr + row)
+    slot = tl.arange(0, S)
+    head = tl.arange(0, HP)
+    hmask = head < H
+    d = tl.arange(0, DP)
+    dmask = d < D
+    # pages of this program holding keys before key_end (the rest store -inf)
+    live = tl.minimum(tl.maximum((ke - p0 * S + S - 1) // S, 0), PAGES).to(tl.int32)
+    live = tl.minimum(live, M - p0)
+    if live > 0:
+        req = tl.load(req_ptr + row).to(tl.int64)
+        qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                     mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
+        for i in tl.range(0, live, num_stages=STAGES):
+            pg = p0 + i
+            page = tl.load(bt_ptr + req * sbt0 + pg.to(tl.int64) * sbt1).to(tl.int64)
+            cols = pg * S + slot
+            inr = cols < ke
+            base = tl.multiple_of(page * k_page + k_first, KALIGN)
+            kt = tl.load(k_ptr + base + slot[:, None] * KROW + d[None, :],
+                         mask=inr[:, None] & dmask[None, :], other=0.0)
+            if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+                kt = kt.to(tl.float32)
+            else:
+                kt = kt.to(q_ptr.dtype.element_ty)
+            if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
+                sc = _qk_dot(kt, tl.trans(qt), UPCAST)
+                acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
+            else:  # [HP, S]: the heads the rows (as the key-tile kernel)
+                sc = _qk_dot(qt, tl.trans(kt), UPCAST)
+                acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
+            if FP8:
+                c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
+                            other=0.0)
+                acc = acc * c
+            tl.store(out_ptr + row * so0 + cols, tl.where(inr, acc, float("-inf")))
+    for i in range(tl.maximum(live, 0), PAGES):
+        cols = (p0 + i) * S + slot
+        tl.store(out_ptr + row * so0 + cols, tl.full([S], float("-inf"), tl.float32),
+                 mask=cols < MS)
+
+
 # C901: the branches are tl.constexpr variants (HAS_B, UPCAST, P_SPLIT, ...), resolved at
 # compile time; each compiled kernel is straight-line, and a Triton helper per variant would
 # only move the switch
@@ -377,7 +445,7 @@ def _paged_index_views(pages: torch.Tensor, fmt: KVFormat
     return k, kst, sst
 
 
-def _row_alignment(steps: tuple[int, int, int], itemsize: int) -> int:
+def _row_alignment(steps: tuple[int, ...], itemsize: int) -> int:
     """The largest power of two (elements, at most 16 bytes' worth) dividing every step of a key
     row's first element: what each row's start is a multiple of."""
     g = math.gcd(*steps)
@@ -385,6 +453,44 @@ def _row_alignment(steps: tuple[int, int, int], itemsize: int) -> int:
     while a * 2 * itemsize <= 16 and g % (a * 2) == 0:
         a *= 2
     return a
+
+
+def _pages_tileable(page_size: int) -> bool:
+    """Whether :func:`_indexer_pages_kernel` tiles pages of this size (a dot's key operand of
+    ``page_size`` rows: a power of two, at least 16)."""
+    return page_size >= 16 and page_size & (page_size - 1) == 0
+
+
+def _index_page_views(index_pages: torch.Tensor, fmt: KVFormat
+                      ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
+    """Page-major index-K pages (uint8 [P, >= S x index bytes], unit column stride) as a flat
+    view of the index-K value type with ``(page, first, row)`` element steps (page p, slot s:
+    element ``p * page + s * row``), and the fp8 scales' steps in a float32 view of the same
+    storage (``p * page + S * D / 4 + s``); zeros for float formats.
+
+    Raises:
+        OpDeclined: the row stride, the storage offset or (fp8) the values' bytes are not
+            multiples of the widest view's element size.
+    """
+    s, dim = fmt.page_size, fmt.index_head_dim
+    fp8 = fmt.dtype is KVDtype.FP8
+    kdt = torch.float8_e4m3fn if fp8 else (torch.float32 if fmt.dtype is KVDtype.FP32
+                                           else torch.bfloat16)
+    esz = 4 if fp8 else kdt.itemsize
+    ps0 = index_pages.stride(0)
+    if ps0 % esz or index_pages.storage_offset() % esz or (s * dim) % esz:
+        raise OpDeclined(f"indexer_logits_index_pages reads {fmt.dtype.value} index-K through "
+                         f"{esz}-byte views: the page stride {ps0}, the storage offset "
+                         f"{index_pages.storage_offset()} and the page's value bytes must be "
+                         f"multiples of {esz}")
+    span = (index_pages.shape[0] - 1) * ps0 + s * fmt.index_bytes_per_token
+    span += (-span) % esz
+    flat = index_pages.as_strided((span,), (1,))
+    ksz = kdt.itemsize
+    k = flat.view(kdt)
+    kst = (ps0 // ksz, 0, dim)
+    sst = (ps0 // 4, s * dim // 4, 1) if fp8 else (0, 0, 0)
+    return k, kst, sst
 
 
 # ---- the ops ---------------------------------------------------------------------------------
@@ -543,12 +649,15 @@ class AttentionKernels:
         out = torch.empty(n, ms, dtype=torch.float32, device=q.device)
         if n == 0 or ms == 0:
             return out
+        scales = pages.view(-1).view(torch.float32) if fp8 else out
+        if self._page_tiles(fmt):
+            self._indexer_pages(q, w, keys, scales, kst, sst, fmt, block_table, row_request,
+                                key_end, out, fp8)
+            return out
         cfg = self.indexer_config
         both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
         upcast = _interpreted(_indexer_paged_kernel) or not (
             both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
-        # the float32 view for the fp8 scales; float pools: an unused pointer
-        scales = pages.view(-1).view(torch.float32) if fp8 else out
         bn = min(cfg["PAGED_BLOCK_N"], _pow2(ms))
         bq = max(1, min(cfg["PAGED_ROWS"], n))
         hp = _pow2(heads)  # a dot takes at least 16 rows
@@ -564,6 +673,82 @@ class AttentionKernels:
                       "KALIGN": _row_alignment(kst, keys.element_size())},
                      cfg["paged_warps"], cfg["num_stages"])
         return out
+
+    def indexer_logits_index_pages(self, q: torch.Tensor, w: torch.Tensor,
+                                   index_pages: torch.Tensor, fmt: KVFormat,
+                                   block_table: torch.Tensor, row_request: torch.Tensor,
+                                   key_end: torch.Tensor) -> torch.Tensor:
+        """``indexer_logits_paged`` (the same block table, row requests and key ends, the same
+        result) over index-K pages in DeepGEMM's page-major order, the engines' ``two_part``
+        index-K tensor (:mod:`cpkv.kv.buffers`): uint8 ``[P, >= S x index bytes]``, page p's
+        ``S x D`` values, then (fp8) its ``S`` fp32 scales; float32 [N, M * S], -inf past
+        key_end. The page-tile kernel (:func:`_indexer_pages_kernel`) always: ``S`` a power of
+        two >= 16.
+
+        Raises:
+            ValueError: a shape or dtype does not match.
+            OpDeclined: a page size the kernel cannot tile, or offsets the typed views cannot
+                address.
+        """
+        check_indexer_paged_args(q, w, index_pages.new_zeros(0, fmt.page_size,
+                                                             fmt.bytes_per_token),
+                                 fmt, block_table, row_request, key_end)
+        per = fmt.page_size * fmt.index_bytes_per_token
+        if index_pages.dtype != torch.uint8 or index_pages.dim() != 2 \
+                or index_pages.shape[1] < per or (index_pages.stride(1) != 1
+                                                  and index_pages.shape[1] > 1):
+            raise ValueError(f"indexer_logits_index_pages: expected uint8 [P, >= {per}] with unit "
+                             f"column stride, got {index_pages.dtype} "
+                             f"{tuple(index_pages.shape)} strides {index_pages.stride()}")
+        if not _pages_tileable(fmt.page_size):
+            raise OpDeclined(f"indexer_logits_index_pages tiles whole pages: page size "
+                             f"{fmt.page_size} is not a power of two >= 16")
+        fp8 = fmt.dtype is KVDtype.FP8
+        n = q.shape[0]
+        ms = block_table.shape[1] * fmt.page_size
+        out = torch.empty(n, ms, dtype=torch.float32, device=q.device)
+        if n == 0 or ms == 0:
+            return out
+        keys, kst, sst = _index_page_views(index_pages, fmt)
+        scales = keys.view(torch.uint8).view(torch.float32) if fp8 else out
+        self._indexer_pages(q, w, keys, scales, kst, sst, fmt, block_table, row_request,
+                            key_end, out, fp8)
+        return out
+
+    def _page_tiles(self, fmt: KVFormat) -> bool:
+        """Whether ``indexer_logits_paged`` takes the page-tile kernel (``PAGED_KERNEL`` 1 and
+        a page size it tiles) rather than the key-tile kernel."""
+        return bool(self.indexer_config["PAGED_KERNEL"]) and _pages_tileable(fmt.page_size)
+
+    def _indexer_pages(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                       scales: torch.Tensor, kst: tuple[int, int, int],
+                       sst: tuple[int, int, int], fmt: KVFormat, block_table: torch.Tensor,
+                       row_request: torch.Tensor, key_end: torch.Tensor, out: torch.Tensor,
+                       fp8: bool) -> None:
+        """:func:`_indexer_pages_kernel` into ``out`` over typed views of the keys (element
+        steps ``kst`` / ``sst`` = page, first, row: as :func:`_paged_index_views` gives)."""
+        cfg = self.indexer_config
+        n, heads, d = q.shape
+        m = block_table.shape[1]
+        both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
+        upcast = _interpreted(_indexer_pages_kernel) or not (
+            both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
+        pp = max(1, min(cfg["PAGED_PAGES"], m))
+        stages = cfg["PAGED_STAGES"]
+        self._launch(("indexer_pages", q.dtype, keys.dtype, heads, d, fmt.page_size, kst[2],
+                      sst[2], pp, stages, cfg["PAGED_KEYS_M"], upcast),
+                     _indexer_pages_kernel, (triton.cdiv(m, pp), n),
+                     (q, w, keys, scales, block_table, row_request, key_end, out, m,
+                      m * fmt.page_size, q.stride(0), q.stride(1), q.stride(2), w.stride(0),
+                      w.stride(1), block_table.stride(0), block_table.stride(1), out.stride(0),
+                      kst[0], kst[1], sst[0], sst[1]),
+                     {"H": heads, "HP": _pow2(heads), "D": d,
+                      "DP": _dot_width(d, both_fp8, upcast), "S": fmt.page_size,
+                      "KROW": kst[2], "SROW": sst[2], "PAGES": pp, "STAGES": stages,
+                      "KEYS_M": cfg["PAGED_KEYS_M"], "FP8": fp8,
+                      "UPCAST": upcast,
+                      "KALIGN": _row_alignment((kst[0], kst[1]), keys.element_size())},
+                     cfg["paged_warps"], 1)
 
     # -- top-k ----------------------------------------------------------------------------------
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,

@@ -72,8 +72,11 @@ class _Params:
 class IndexerParams(_Params):
     """``indexer_logits``: BLOCK_M query rows x BLOCK_N keys a program, num_warps,
     num_stages; at most FEW_ROWS rows take the few-rows kernel (FEW_BLOCK_N keys a program,
-    few_warps). ``indexer_logits_paged``: PAGED_BLOCK_N keys a program (each key's page looked up
-    in the block table), PAGED_ROWS query rows a program, paged_warps."""
+    few_warps). ``indexer_logits_paged``: PAGED_KERNEL 0, the key-tile kernel: PAGED_BLOCK_N keys
+    a program (each key's page looked up in the block table), PAGED_ROWS query rows a program;
+    PAGED_KERNEL 1, the page-tile kernel (also ``indexer_logits_index_pages``, which always
+    takes it): PAGED_PAGES whole pages a program, one query row, the page loop PAGED_STAGES
+    deep, PAGED_KEYS_M 1: keys @ q^T (0: q @ keys^T); paged_warps warps either way."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -85,6 +88,10 @@ class IndexerParams(_Params):
     PAGED_BLOCK_N: int
     PAGED_ROWS: int
     paged_warps: int
+    PAGED_KERNEL: int
+    PAGED_PAGES: int
+    PAGED_STAGES: int
+    PAGED_KEYS_M: int
 
 
 @dataclass(frozen=True)
@@ -155,13 +162,16 @@ _NONE_ELSE = "no other device measured: the H200's values ({})"
 
 _INDEXER_H200 = IndexerParams(
     BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, FEW_ROWS=8, FEW_BLOCK_N=128, few_warps=4,
-    PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4)
+    PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=0, PAGED_PAGES=4, PAGED_STAGES=1,
+    PAGED_KEYS_M=1)
 _INDEXER_SRC = (
     "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
     "32K x 64 x 128; the few-rows kernel at 64K fp8 keys x 64 heads: 1-4 rows ~2x the row-tile "
     "kernel, 8 rows 1.28x, 16 rows 0.72x (docs/triton.md); the paged launch the best of BLOCK_N "
     "64-512, 4/8 warps, 1/2 rows at 64 x 128K fp8 keys (1.02 ms a layer: "
-    "benchmarks/results/indexer_paged_sweep_h200.json, docs/perf.md Decode steps)")
+    "benchmarks/results/indexer_paged_sweep_h200.json, docs/perf.md Decode steps); the page-tile "
+    "kernel (PAGED_KERNEL 1, PAGED_PAGES, PAGED_STAGES, PAGED_KEYS_M) not measured yet: the key-tile kernel "
+    "stays the default until benchmarks/session11_paged_gpu.sh has run")
 _MLA_H200 = MLAParams(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2, P_SPLIT=2, P_FP16=1,
                       P_CAT=1)
 _MLA_SRC = ("docs/triton.md sparse_mla: P_SPLIT 2 in fp16, one concatenated dot (conformant; "
