@@ -133,3 +133,21 @@ def test_cpkv_warmup_prints_its_time_and_kernels(monkeypatch: pytest.MonkeyPatch
 def test_cpkv_warmup_needs_a_token_count() -> None:
     res = CliRunner().invoke(main, ["warmup", "--device", "cpu"])
     assert res.exit_code == 2 and "--tokens" in res.output
+
+
+def test_the_decode_ranks_session_does_not_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpkv.runtime.decode import DecodeWorker
+
+    model = load_model("tiny", dtype=torch.float32)
+    settings = load_settings(cp={"size": 1}, kv={"page_size": 64, "pages_per_rank": 16},
+                             runtime={"warmup_tokens": 300})
+    calls: list[int] = []
+    real = PrefillSession.prefill
+
+    def counted(self: PrefillSession, batch: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(self, batch, **kw)
+
+    monkeypatch.setattr(PrefillSession, "prefill", counted)
+    worker = DecodeWorker(model, settings)
+    assert worker.session.warmup is None and calls == []
