@@ -89,9 +89,9 @@ for lay, (kp, kf, krow, sp, sf, srow) in layouts.items():
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
         out[f"{lay}_s{stages}_km{km}"] = {
-            "b8": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.b8\s", ptx)),
-            "v4": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.b32\s", ptx)),
-            "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx)),
+            "b8": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.b8\s", ptx)),
+            "v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
+            "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[\w:.]* [^;]*, 0x10", ptx)),
             "bar": len(re.findall(r"bar\.sync", ptx)),
             "shfl": len(re.findall(r"shfl\.sync", ptx))}
 print(json.dumps(out))

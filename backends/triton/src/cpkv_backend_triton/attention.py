@@ -279,8 +279,10 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             cols = pg * S + slot
             inr = cols < ke
             base = tl.multiple_of(page * k_page + k_first, KALIGN)
+            # the keys are read once: evict them first (the queries and tables stay in L2)
             kt = tl.load(k_ptr + base + slot[:, None] * KROW + d[None, :],
-                         mask=inr[:, None] & dmask[None, :], other=0.0)
+                         mask=inr[:, None] & dmask[None, :], other=0.0,
+                         eviction_policy="evict_first")
             if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
                 kt = kt.to(tl.float32)
             else:
@@ -293,7 +295,7 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                 acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
             if FP8:
                 c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
-                            other=0.0)
+                            other=0.0, eviction_policy="evict_first")
                 acc = acc * c
             tl.store(out_ptr + row * so0 + cols, tl.where(inr, acc, float("-inf")))
     for i in range(tl.maximum(live, 0), PAGES):
