@@ -3,7 +3,16 @@ of B requests of CTX tokens each (the 2-layer ``v32-attention`` stack, fp8 pool)
 time per configuration over the decode pool's pages and the requests' block tables (random
 queries and head weights of the model's shapes), against the bytes it must read.
 
+``--pages``: the key-tile kernel against the page-tile kernel (``PAGED_KERNEL`` 1) on both
+index-K page orders, the pool's part-major pages (``indexer_logits_paged``) and DeepGEMM's
+page-major ones (``indexer_logits_index_pages``, the engines' two_part index-K), and DeepGEMM's
+``fp8_fp4_paged_mqa_logits`` on the page-major copy of the same keys, DeepSeek-V3.2's numerics
+(64 heads x 128, rotated ue8m0 keys, fp8 queries), B requests of ~CTX keys over a randomly
+permuted block table, with the same run's copy bandwidth. Every output is checked against the
+key-tile default's (max difference over the largest logit, -inf at the same places).
+
 Usage: python benchmarks/indexer_paged_sweep_gpu.py OUT.json [B] [CTX]
+       python benchmarks/indexer_paged_sweep_gpu.py --pages OUT.json B CTX
 """
 
 from __future__ import annotations
@@ -65,7 +74,161 @@ def _sweep(worker: Any, rids: list[Hashable]) -> dict[str, Any]:
             "default": {k: base[k] for k in CONFIGS[0]}, "configs": rows}
 
 
+#: the page-tile kernel's configurations (both page orders): pages a program, pipeline depth,
+#: warps, the dot's orientation
+PAGE_CONFIGS = [{"PAGED_KERNEL": 1, "PAGED_PAGES": p, "PAGED_STAGES": st, "paged_warps": w,
+                 "PAGED_KEYS_M": km}
+                for p, st, w, km in [*((p, st, 4, 1) for p in (1, 2, 4, 8, 16) for st in (1, 3)),
+                                     *((p, st, 8, 1) for p in (4, 8, 16) for st in (1, 3)),
+                                     (1, 1, 4, 0), (4, 1, 4, 0)]]
+#: the key-tile kernel's (the default first)
+TILE_CONFIGS = [{"PAGED_KERNEL": 0, "PAGED_BLOCK_N": bn, "paged_warps": w, "PAGED_ROWS": 1}
+                for bn, w in ((128, 4), (64, 4), (256, 8))]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max |a - b| over the largest finite |b|; inf when -inf differs."""
+    if not torch.equal(a.isneginf(), b.isneginf()):
+        return float("inf")
+    fin = b.isfinite()
+    return float((a[fin] - b[fin]).abs().max() / b[fin].abs().max().clamp_min(1e-30))
+
+
+def _page_inputs(requests: int, keys: int, dev: torch.device) -> dict[str, Any]:
+    """Part-major fp8 pages (random latent bytes, index-K = rotated ue8m0 keys and scales), their
+    page-major copy, a permuted block table, key ends in (keys - 4096, keys], fp8 queries."""
+    from cpkv.contracts import KVDtype, KVFormat
+    from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
+    from cpkv_backend_cuda.deepgemm import part_major_index_pages
+
+    fmt = KVFormat.deepseek_v32(KVDtype.FP8)
+    ps, nl = fmt.page_size, fmt.latent_bytes_per_token
+    m = keys // ps
+    g = torch.Generator(device=dev).manual_seed(2)
+    pool = requests * m + 16
+    pages = torch.randint(0, 255, (pool, ps, fmt.bytes_per_token), dtype=torch.uint8,
+                          device=dev, generator=g)
+    k = hadamard_rotate(torch.randn(pool * ps, 128, dtype=torch.bfloat16, device=dev,
+                                    generator=g))
+    k8, scale = quantize_fp8(k, None, "ue8m0")
+    idx = torch.cat([k8.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], 1)
+    pages.view(pool, -1)[:, ps * nl:] = idx.view(pool, -1)
+    del k, k8, scale, idx
+    table = torch.randperm(pool, device=dev, generator=g)[:requests * m]
+    key_end = torch.randint(max(1, keys - 4096), keys + 1, (requests,), device=dev, generator=g)
+    q = hadamard_rotate(torch.randn(requests, 64, 128, dtype=torch.bfloat16, device=dev,
+                                    generator=g))
+    w = torch.randn(requests, 64, device=dev, generator=g) * (64 ** -0.5 * 128 ** -0.5)
+    q8, w8 = quantize_index_q(q, w)
+    return {"fmt": fmt, "pages": pages, "index_pages": part_major_index_pages(pages, nl),
+            "table": table.view(requests, m).to(torch.int32),
+            "row_request": torch.arange(requests, dtype=torch.int32, device=dev),
+            "key_end": key_end, "q": q8, "w": w8}
+
+
+def _time(fn: Any, ref: torch.Tensor) -> dict[str, Any]:
+    from cpkv.bench.timing import device_ms
+
+    try:
+        out = fn()
+        err = _diff(out, ref)
+        return {"ms": device_ms(fn, iters=20), "max_rel_diff": err}
+    except Exception as exc:  # a configuration out of resources: say so, go on
+        return {"error": repr(exc)[:200]}
+
+
+def pages_sweep(requests: int, keys: int) -> dict[str, Any]:
+    """The ``--pages`` rows of one shape (module docstring)."""
+    from cpkv_backend_triton.attention import AttentionKernels
+
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    x = _page_inputs(requests, keys, dev)
+    fmt, tb, rr, ke, q, w = x["fmt"], x["table"], x["row_request"], x["key_end"], x["q"], x["w"]
+    nbytes = float(ke.sum()) * (128 + 4)
+    base = AttentionKernels()
+    ref = AttentionKernels(indexer_config=TILE_CONFIGS[0]).indexer_logits_paged(
+        q, w, x["pages"], fmt, tb, rr, ke)
+    rows: list[dict[str, Any]] = []
+
+    def add(kind: str, cfg: dict[str, int], fn: Any) -> None:
+        r = {"kind": kind, **cfg, **_time(fn, ref)}
+        if "ms" in r:
+            r["GBps"] = nbytes / r["ms"] / 1e6
+        rows.append(r)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    for cfg in TILE_CONFIGS:
+        impl = AttentionKernels(indexer_config=cfg)
+        add("key_tiles_part_major", cfg,
+            lambda impl=impl: impl.indexer_logits_paged(q, w, x["pages"], fmt, tb, rr, ke))
+    for cfg in PAGE_CONFIGS:
+        impl = AttentionKernels(indexer_config=cfg)
+        add("page_tiles_part_major", cfg,
+            lambda impl=impl: impl.indexer_logits_paged(q, w, x["pages"], fmt, tb, rr, ke))
+        add("page_tiles_page_major", cfg,
+            lambda impl=impl: impl.indexer_logits_index_pages(q, w, x["index_pages"], fmt, tb,
+                                                              rr, ke))
+    dg_note = "present"
+    try:
+        from cpkv_backend_cuda.plugin import deepgemm_ops
+
+        dg = deepgemm_ops()
+    except RuntimeError as exc:
+        dg_note = f"absent: {exc}"
+    else:
+        add("deepgemm_page_major", {},
+            lambda: dg.indexer_logits_index_pages(q, w, x["index_pages"], tb, rr, ke))
+    return {"requests": requests, "keys": keys, "index_bytes_read": nbytes, "deepgemm": dg_note,
+            "table_default": {k: base.indexer_config[k] for k in
+                              ("PAGED_KERNEL", "PAGED_PAGES", "PAGED_STAGES", "PAGED_KEYS_M")},
+            "rows": rows}
+
+
+def pages_main(out: Path, requests: int, keys: int) -> None:
+    from cpkv.bench.gpu import ceilings
+
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", 0)
+        res: dict[str, Any] = {"ceilings": ceilings(dev), "device": torch.cuda.get_device_name(dev)}
+    else:  # a smoke run of the script (TRITON_INTERPRET=1, tiny shapes): no ceilings
+        res = {"ceilings": {"copy_gbps": float("nan")}, "device": "cpu"}
+    res["shape"] = pages_sweep(requests, keys)
+    copy = res["ceilings"]["copy_gbps"]
+    rows = res["shape"]["rows"]
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if "ms" in r and (r["kind"] not in best or r["ms"] < best[r["kind"]]["ms"]):
+            best[r["kind"]] = r
+    res["best"] = best
+    dg = best.get("deepgemm_page_major")
+    for r in best.values():
+        r["vs_copy"] = r["GBps"] / copy
+        if dg is not None:
+            r["deepgemm_ms_over_this"] = dg["ms"] / r["ms"]
+    out.write_text(json.dumps(res, indent=1))
+    print(f"{requests} x {keys}: {res['shape']['index_bytes_read'] / 1e9:.3f} GB of index-K; "
+          f"copy {copy:.0f} GB/s; DeepGEMM {res['shape']['deepgemm']}")
+    for r in sorted(rows, key=lambda r: r.get("ms", 1e9))[:12]:
+        cfg = " ".join(f"{k.replace('PAGED_', '').lower()}={v}" for k, v in r.items()
+                       if k.startswith("PAGED_") or k == "paged_warps")
+        if "ms" in r:
+            print(f"  {r['kind']:22s} {cfg:48s} {r['ms']:7.3f} ms {r['GBps']:6.0f} GB/s "
+                  f"diff {r['max_rel_diff']:.1e}")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['kind']} {r}")
+    for kind, r in best.items():
+        extra = (f", DeepGEMM ms / this {r['deepgemm_ms_over_this']:.3f}"
+                 if "deepgemm_ms_over_this" in r else "")
+        print(f"best {kind:22s} {r['ms']:.3f} ms, {r['GBps']:.0f} GB/s = {r['vs_copy']:.2f} of "
+              f"copy{extra}")
+
+
 def main() -> None:
+    if sys.argv[1] == "--pages":
+        pages_main(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return
     from cpkv.bench.decode import probe_filled_worker
 
     out = Path(sys.argv[1])

@@ -219,3 +219,23 @@ def test_cpkv_run_report_has_the_recorded_layout(run: str, tmp_path: Path) -> No
                         *LAYOUT[run]["args"]], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert layout(json.loads(out.read_text())) == LAYOUT[run]["layout"]
+
+
+def test_the_warm_up_section_lists_each_ranks_time_and_the_cli_prints_it() -> None:
+    from cpkv.cli.run import _render
+    from cpkv.runtime.warmup import WarmupReport
+
+    cp, ref = _runs(decode=True, mtp=False, chunks=False)
+    warm = [WarmupReport(tokens=300, chunk=128, seconds=1.5 + r, compiled=4 - 4 * r)
+            for r in range(2)]
+    cp = replace(cp, prefill=tuple(replace(p, report=replace(p.report, warmup=w))
+                                   for p, w in zip(cp.prefill, warm, strict=True)))
+    rep = JobReport.of(_settings(False), [[0] * n for n in (600, 300, 40, 660)], cp, ref,
+                       capture_topk=True, mtp=False, draft_tokens=1, device="cpu", gpus=None)
+    assert _json(rep)["warmup"] == {"tokens": 300, "seconds_per_rank": [1.5, 2.5],
+                                    "compiled_per_rank": [4, 0]}
+    assert _json(_report())["warmup"] is None  # the option off
+    console = Console(record=True, width=400)
+    _render(rep, rep.verdict(), console)
+    assert "warm-up (300 tokens) at session start: 1.50, 2.50 s per rank, kernels compiled 4, 0" \
+        in console.export_text()

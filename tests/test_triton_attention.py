@@ -11,6 +11,7 @@ present the kernels are compiled for the GPU and the interpreter tests skip.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -398,6 +399,85 @@ def test_empty_calls_need_no_kernel() -> None:
     assert out.shape == (2, 4, 8) and bool((out == 0).all())
 
 
+PAGE_TILES = [{"PAGED_KERNEL": 1, "PAGED_PAGES": 1, "PAGED_STAGES": 1, "PAGED_KEYS_M": 0},
+              {"PAGED_KERNEL": 1, "PAGED_PAGES": 3, "PAGED_STAGES": 2, "PAGED_KEYS_M": 1}]
+
+
+@interp
+@pytest.mark.parametrize("cfg", PAGE_TILES)
+def test_indexer_paged_page_tiles(ref: Any, cfg: dict[str, int]) -> None:
+    """The page-tile kernel (whole pages a step, runs of pages a program, the page loop
+    pipelined or not, either dot orientation) over the suite's part-major pools."""
+    conf.check_op(AttentionKernels(indexer_config=cfg), ref, "indexer_logits_paged", device="cpu")
+
+
+def page_major(pages: torch.Tensor, fmt: KVFormat, pad: int = 0) -> torch.Tensor:
+    """A part-major pool layer's index-K in DeepGEMM's page-major order (the engines'
+    ``two_part`` index-K tensor): uint8 [P, S x index bytes], each page's values then its
+    scales; ``pad`` spare bytes at the end of each page row (a wider page stride)."""
+    p, ps, _ = pages.shape
+    ib, d = fmt.index_bytes_per_token, fmt.index_head_dim
+    vb = d if fmt.dtype is KVDtype.FP8 else ib
+    idx = pages.reshape(p, -1)[:, ps * fmt.latent_bytes_per_token:].reshape(p, ps, ib)
+    parts = [idx[..., :vb].reshape(p, ps * vb), idx[..., vb:].reshape(p, -1)]
+    out = torch.cat([*parts, torch.zeros(p, pad, dtype=torch.uint8, device=pages.device)], 1)
+    return out[:, :ps * ib] if pad else out
+
+
+def check_index_pages(impl: Any, ref: Any, device: str) -> None:
+    """``indexer_logits_index_pages`` over page-major copies of the conformance suite's pools
+    equals the reference's ``indexer_logits_paged`` on the part-major pools (the suite's
+    tolerances, -inf exactly past key_end), and bit for bit the page-tile kernel on the
+    part-major pool: the same keys, the other page order."""
+    fmts = [("deepseek_v32 fp8", conf.FORMATS["deepseek_v32"], 8), ("small fp8", conf.FORMATS["small"], 4),
+            ("small bf16", KVFormat(dtype=KVDtype.BF16, kv_lora_rank=64, rope_dim=16,
+                                    index_head_dim=32, page_size=16), 4)]
+    part = AttentionKernels(indexer_config={**impl.indexer_config, "PAGED_KERNEL": 1})
+    for j, (label, fmt, heads) in enumerate(fmts):
+        for (requests, m, per), kind in itertools.product(conf.PAGED_INDEXER_SIZES,
+                                                          ("bf16", "fp8")):
+            if kind == "fp8" and fmt.dtype is not KVDtype.FP8:
+                continue
+            g = torch.Generator().manual_seed(j * 100 + requests * 10 + m)
+            case = f"{label}, {kind} q, {requests} x {m} pages x {per}"
+            table, row_request, key_end, pool = conf._paged_rows(fmt, requests, m, per, g)
+            pages = conf._paged_pool(fmt, pool, ref, g)
+            n, d = row_request.shape[0], fmt.index_head_dim
+            q = torch.randn(n, heads, d, generator=g).to(torch.bfloat16)
+            w = torch.randn(n, heads, generator=g) * (heads ** -0.5 * d ** -0.5)
+            if kind == "fp8":
+                q, w = conf.quantize_index_q(q, w)
+            want = ref.indexer_logits_paged(q, w, pages, fmt, table, row_request, key_end)
+            q, w, pages, table, row_request, key_end = conf._to(device, q, w, pages, table,
+                                                                row_request, key_end)
+            for pad in (0, 16):
+                got = impl.indexer_logits_index_pages(q, w, page_major(pages, fmt, pad), fmt,
+                                                      table, row_request, key_end)
+                conf._assert_logits("indexer_logits_index_pages", f"{case}, pad {pad}",
+                                    got.cpu(), want, fp8_q=kind == "fp8")
+                col = torch.arange(m * fmt.page_size)
+                assert torch.equal(got.cpu().isneginf(), col >= key_end.cpu()[:, None]), case
+                same = part.indexer_logits_paged(q, w, pages, fmt, table, row_request, key_end)
+                assert torch.equal(got, same), case
+
+
+@interp
+@pytest.mark.parametrize("cfg", PAGE_TILES)
+def test_indexer_index_pages_in_deepgemms_page_order(ref: Any, cfg: dict[str, int]) -> None:
+    check_index_pages(AttentionKernels(indexer_config=cfg), ref, "cpu")
+
+
+def test_index_pages_decline_a_page_size_they_cannot_tile() -> None:
+    fmt = KVFormat(dtype=KVDtype.FP8, kv_lora_rank=64, rope_dim=16, index_head_dim=32,
+                   quant_block=64, page_size=8)
+    q = torch.zeros(1, 4, 32, dtype=torch.bfloat16)
+    with pytest.raises(OpDeclined, match="power of two >= 16"):
+        AttentionKernels().indexer_logits_index_pages(
+            q, torch.zeros(1, 4), torch.zeros(2, 8 * 36, dtype=torch.uint8), fmt,
+            torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int64))
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize(("op", "mla_config"), [
@@ -408,6 +488,14 @@ def test_empty_calls_need_no_kernel() -> None:
 def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
     conf.check_op(AttentionKernels(mla_config=mla_config, mla_precision="exact"), ref, op,
                   device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", PAGE_TILES)
+def test_indexer_page_tiles_gpu(ref: Any, cfg: dict[str, int]) -> None:
+    conf.check_op(AttentionKernels(indexer_config=cfg), ref, "indexer_logits_paged",
+                  device="cuda")
+    check_index_pages(AttentionKernels(indexer_config=cfg), ref, "cuda")
 
 
 @pytest.mark.gpu

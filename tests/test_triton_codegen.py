@@ -58,3 +58,66 @@ def test_paged_indexer_key_loads_are_vectorized() -> None:
     assert res["kalign"] == 4  # the DeepSeek fp8 pool's key rows start on 4-byte boundaries
     assert res["without"]["b8"] >= 128  # the key tile byte by byte
     assert res["with_hint"]["b8"] == 0 and res["with_hint"]["b32"] >= 32
+
+
+_PAGES_SCRIPT = r"""
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cpkv_backend_triton.attention import _indexer_pages_kernel, _row_alignment
+
+names = list(inspect.signature(_indexer_pages_kernel.fn).parameters)
+ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+        "bt_ptr": "*i32", "req_ptr": "*i32", "ke_ptr": "*i64", "out_ptr": "*fp32"}
+# (page step, first, key row, scale page step, scale first, scale row) in elements: the pool's
+# part-major DeepSeek fp8 page (132-byte rows) and DeepGEMM's page-major one
+layouts = {"part_major": (64 * 788, 64 * 656, 132, 64 * 788 // 4, (64 * 656 + 128) // 4, 33),
+           "page_major": (8448, 0, 128, 8448 // 4, 64 * 128 // 4, 1)}
+out = {}
+for lay, (kp, kf, krow, sp, sf, srow) in layouts.items():
+    aligned = [*ptrs, "k_page", "s_page", "sq0", "sq1", "sw0", "sbt0", "so0"]
+    aligned += ["k_first", "s_first"] if kf else []
+    for stages, km in ((1, 1), (3, 1), (1, 0)):
+        const = {"H": 64, "HP": 64, "D": 128, "DP": 128, "S": 64, "KROW": krow, "SROW": srow,
+                 "PAGES": 4, "STAGES": stages, "KEYS_M": km, "FP8": True, "UPCAST": False,
+                 "KALIGN": _row_alignment((kp, kf), 1), "sq2": 1, "sw1": 1, "sbt1": 1}
+        sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+        src = ASTSource(fn=_indexer_pages_kernel, signature=sig,
+                        constexprs={(names.index(k),): v for k, v in const.items()},
+                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
+        out[f"{lay}_s{stages}_km{km}"] = {
+            "b8": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.b8\s", ptx)),
+            "v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
+            "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[\w:.]* [^;]*, 0x10", ptx)),
+            "bar": len(re.findall(r"bar\.sync", ptx)),
+            "shfl": len(re.findall(r"shfl\.sync", ptx))}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
+    """The page-tile kernel (``_indexer_pages_kernel``): no byte loads in either page order;
+    DeepGEMM's page-major keys in 16-byte pieces (``ld.global.v4`` into registers, or
+    ``cp.async`` of 16 bytes when the page loop is pipelined); keys @ q^T sums the heads with
+    fewer barriers and shuffles than q @ keys^T."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file():
+        pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _PAGES_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r["b8"] == 0 for r in res.values()), res
+    # the queries' 8 KB take 4 v4 loads a thread either way; page-major keys 4 more
+    assert res["page_major_s1_km1"]["v4"] >= res["part_major_s1_km1"]["v4"] + 4, res
+    assert res["page_major_s3_km1"]["cp16"] > 0 and res["part_major_s3_km1"]["cp16"] == 0, res
+    for lay in ("part_major", "page_major"):
+        a, b = res[f"{lay}_s1_km1"], res[f"{lay}_s1_km0"]
+        assert a["bar"] < b["bar"] and a["shfl"] < b["shfl"], res

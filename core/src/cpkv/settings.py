@@ -298,6 +298,20 @@ class RuntimeSettings(_Section):
                             "the pool is fp8 and the device has fp8 tensor cores (CUDA sm89+), "
                             "bf16 elsewhere",
     )
+    warmup_tokens: int = Field(
+        0, ge=0, description="warm-up when a prefill session starts: prefill synthetic prompts "
+                             "that reach every compiled kernel variant up to this many tokens "
+                             "(one of this length less one, odd, in the session's chunks, and a "
+                             "short one), then release them, so no request waits on a compile; "
+                             "its time is in the report. The longest prompt served; 0 = off, "
+                             "else >= 2 (cpkv.runtime.warmup; `cpkv warmup` does it alone)")
+
+    @field_validator("warmup_tokens")
+    @classmethod
+    def _warmup(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("must be 0 (off) or >= 2 (the longest prompt the session serves)")
+        return v
 
     @field_validator("logits_budget_mb", mode="before")
     @classmethod

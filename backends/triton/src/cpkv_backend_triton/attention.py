@@ -34,6 +34,7 @@ from .indexer_topk import INDEXER_TOPK
 from .indexer_topk import indexer_topk as fused_indexer_topk
 from .topk import TOPK_METHOD, TOPK_RADIX_MAX_K
 from .topk import topk as select_topk
+from .tuning import DeviceTuned, Op
 
 if TYPE_CHECKING:
     from cpkv.ops.api import KVPart
@@ -45,28 +46,13 @@ MLAPrecision = Literal["bf16", "exact"]
 
 _LOWP = (torch.bfloat16, torch.float16)
 
-#: default launch configurations (the bench sweeps alternatives)
-# num_warps 4 measured best on the H200 (598 vs 497 TFLOP/s at 1024 x 32K x 64 x 128, docs/perf.md)
-#: FEW_ROWS: at most this many query rows take the few-rows kernel (heads stacked into one dot;
-#: a decode step), with FEW_BLOCK_N keys per program and few_warps warps. On the H200 at 64K fp8
-#: keys x 64 heads (bf16 queries, times with launch work): 1-4 rows ~2x faster than the row-tile
-#: kernel, 8 rows 1.28x, 16 rows 0.72x (docs/perf.md); in a decode step 80 -> 9 us of GPU time
-#: PAGED_BLOCK_N keys per program of ``indexer_logits_paged`` (each key's page looked up in the
-#: block table), PAGED_ROWS query rows per program (one after the other, each against its own
-#: request's keys), paged_warps warps. On the H200 at 64 requests x 128K fp8 keys: BLOCK_N 128
-#: with 4 warps and one row the best of BLOCK_N 64-512, 4/8 warps, 1/2 rows (1.02 ms a layer,
-#: 1.08 TB/s of keys; benchmarks/indexer_paged_sweep_gpu.py); a variant giving each program a
-#: software-pipelined run of tiles (queries loaded once) was slower at every run length tried
-#: (1.18-1.88 ms, docs/lessons.md)
-INDEXER_DEFAULT: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
-                                   "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
-                                   "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4}
-MLA_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2,
-                               "P_SPLIT": 2, "P_FP16": 1, "P_CAT": 1}
+#: the launch constants on this process's device: the tables of :mod:`.tuning` (each value's
+#: measurement named there); :class:`AttentionKernels` takes overrides on top of them
+INDEXER_DEFAULT = DeviceTuned(Op.INDEXER)
+MLA_DEFAULT = DeviceTuned(Op.SPARSE_MLA)
 #: 16-bit q/kv (the production path): one bf16 P, FlashMLA's precision, within bf16 tolerance of
-#: the fp32 reference (the conformance suite's 16-bit tolerance); 229 vs 42 TFLOP/s on the H200
-MLA_LOWP_DEFAULT: dict[str, int] = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2,
-                                    "P_SPLIT": 1, "P_FP16": 0, "P_CAT": 0}
+#: the fp32 reference (the conformance suite's 16-bit tolerance)
+MLA_LOWP_DEFAULT = DeviceTuned(Op.SPARSE_MLA_LOWP)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -251,6 +237,76 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                      mask=cmask)
 
 
+@triton.jit
+def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_ptr, out_ptr,
+                          M, MS,
+                          sq0, sq1, sq2, sw0, sw1, sbt0, sbt1, so0,
+                          k_page, k_first, s_page, s_first,
+                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          S: tl.constexpr, KROW: tl.constexpr, SROW: tl.constexpr,
+                          PAGES: tl.constexpr, STAGES: tl.constexpr, KEYS_M: tl.constexpr,
+                          FP8: tl.constexpr, UPCAST: tl.constexpr, KALIGN: tl.constexpr):
+    """The indexer of one query row against ``PAGES`` whole pages of its request's keys, a page
+    a step: the page's ``S`` keys are one run in the pool (slot ``s``'s values at element
+    ``page * k_page + k_first + s * KROW`` of ``k_ptr``, its fp8 scale at ``page * s_page +
+    s_first + s * SROW`` of the float32 view ``scale_ptr``), so the block table is read once a
+    page and the row strides are constants: ``KROW`` = 132 for the pool's part-major rows
+    (values and scale interleaved: 4-byte loads), ``KROW`` = D, ``SROW`` = 1 for DeepGEMM's
+    page-major order (the page's values, then its scales: 16-byte loads). The row's queries and
+    head weights are loaded once a program; the loop over its pages before ``key_end`` is
+    software-pipelined ``STAGES`` deep (1: loads into registers); pages at or past ``key_end``
+    store -inf and load nothing. ``KEYS_M``: the dot is ``keys @ q^T`` (the key tile its
+    register-fed left operand, the head sum a reduction within warps) instead of ``q @ keys^T``
+    (the key tile through shared memory, the head sum across warps)."""
+    row = tl.program_id(1).to(tl.int64)
+    p0 = tl.program_id(0) * PAGES
+    ke = tl.load(ke_ptr + row)
+    slot = tl.arange(0, S)
+    head = tl.arange(0, HP)
+    hmask = head < H
+    d = tl.arange(0, DP)
+    dmask = d < D
+    # pages of this program holding keys before key_end (the rest store -inf)
+    live = tl.minimum(tl.maximum((ke - p0 * S + S - 1) // S, 0), PAGES).to(tl.int32)
+    live = tl.minimum(live, M - p0)
+    if live > 0:
+        req = tl.load(req_ptr + row).to(tl.int64)
+        qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                     mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
+        for i in tl.range(0, live, num_stages=STAGES):
+            pg = p0 + i
+            page = tl.load(bt_ptr + req * sbt0 + pg.to(tl.int64) * sbt1).to(tl.int64)
+            cols = pg * S + slot
+            inr = cols < ke
+            base = tl.multiple_of(page * k_page + k_first, KALIGN)
+            # the keys are read once: evict them first (the queries and tables stay in L2)
+            kt = tl.load(k_ptr + base + slot[:, None] * KROW + d[None, :],
+                         mask=inr[:, None] & dmask[None, :], other=0.0,
+                         eviction_policy="evict_first")
+            if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+                kt = kt.to(tl.float32)
+            else:
+                kt = kt.to(q_ptr.dtype.element_ty)
+            if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
+                sc = _qk_dot(kt, tl.trans(qt), UPCAST)
+                acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
+            else:  # [HP, S]: the heads the rows (as the key-tile kernel)
+                sc = _qk_dot(qt, tl.trans(kt), UPCAST)
+                acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
+            if FP8:
+                c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
+                            other=0.0, eviction_policy="evict_first")
+                acc = acc * c
+            tl.store(out_ptr + row * so0 + cols, tl.where(inr, acc, float("-inf")))
+    for i in range(tl.maximum(live, 0), PAGES):
+        cols = (p0 + i) * S + slot
+        tl.store(out_ptr + row * so0 + cols, tl.full([S], float("-inf"), tl.float32),
+                 mask=cols < MS)
+
+
 # C901: the branches are tl.constexpr variants (HAS_B, UPCAST, P_SPLIT, ...), resolved at
 # compile time; each compiled kernel is straight-line, and a Triton helper per variant would
 # only move the switch
@@ -394,7 +450,7 @@ def _paged_index_views(pages: torch.Tensor, fmt: KVFormat
     return k, kst, sst
 
 
-def _row_alignment(steps: tuple[int, int, int], itemsize: int) -> int:
+def _row_alignment(steps: tuple[int, ...], itemsize: int) -> int:
     """The largest power of two (elements, at most 16 bytes' worth) dividing every step of a key
     row's first element: what each row's start is a multiple of."""
     g = math.gcd(*steps)
@@ -402,6 +458,44 @@ def _row_alignment(steps: tuple[int, int, int], itemsize: int) -> int:
     while a * 2 * itemsize <= 16 and g % (a * 2) == 0:
         a *= 2
     return a
+
+
+def _pages_tileable(page_size: int) -> bool:
+    """Whether :func:`_indexer_pages_kernel` tiles pages of this size (a dot's key operand of
+    ``page_size`` rows: a power of two, at least 16)."""
+    return page_size >= 16 and page_size & (page_size - 1) == 0
+
+
+def _index_page_views(index_pages: torch.Tensor, fmt: KVFormat
+                      ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
+    """Page-major index-K pages (uint8 [P, >= S x index bytes], unit column stride) as a flat
+    view of the index-K value type with ``(page, first, row)`` element steps (page p, slot s:
+    element ``p * page + s * row``), and the fp8 scales' steps in a float32 view of the same
+    storage (``p * page + S * D / 4 + s``); zeros for float formats.
+
+    Raises:
+        OpDeclined: the row stride, the storage offset or (fp8) the values' bytes are not
+            multiples of the widest view's element size.
+    """
+    s, dim = fmt.page_size, fmt.index_head_dim
+    fp8 = fmt.dtype is KVDtype.FP8
+    kdt = torch.float8_e4m3fn if fp8 else (torch.float32 if fmt.dtype is KVDtype.FP32
+                                           else torch.bfloat16)
+    esz = 4 if fp8 else kdt.itemsize
+    ps0 = index_pages.stride(0)
+    if ps0 % esz or index_pages.storage_offset() % esz or (s * dim) % esz:
+        raise OpDeclined(f"indexer_logits_index_pages reads {fmt.dtype.value} index-K through "
+                         f"{esz}-byte views: the page stride {ps0}, the storage offset "
+                         f"{index_pages.storage_offset()} and the page's value bytes must be "
+                         f"multiples of {esz}")
+    span = (index_pages.shape[0] - 1) * ps0 + s * fmt.index_bytes_per_token
+    span += (-span) % esz
+    flat = index_pages.as_strided((span,), (1,))
+    ksz = kdt.itemsize
+    k = flat.view(kdt)
+    kst = (ps0 // ksz, 0, dim)
+    sst = (ps0 // 4, s * dim // 4, 1) if fp8 else (0, 0, 0)
+    return k, kst, sst
 
 
 # ---- the ops ---------------------------------------------------------------------------------
@@ -420,7 +514,8 @@ class AttentionKernels:
     tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
 
     Args:
-        indexer_config: overrides of :data:`INDEXER_DEFAULT` (BLOCK_M, BLOCK_N, num_warps,
+        indexer_config: overrides of :data:`INDEXER_DEFAULT`, the tuning table's row for the
+            current device when the object is made (:mod:`.tuning`: BLOCK_M, BLOCK_N, num_warps,
             num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps, PAGED_BLOCK_N, PAGED_ROWS,
             paged_warps).
         mla_config: overrides of the sparse-MLA launch and probability split (BLOCK_H,
@@ -559,12 +654,15 @@ class AttentionKernels:
         out = torch.empty(n, ms, dtype=torch.float32, device=q.device)
         if n == 0 or ms == 0:
             return out
+        scales = pages.view(-1).view(torch.float32) if fp8 else out
+        if self._page_tiles(fmt):
+            self._indexer_pages(q, w, keys, scales, kst, sst, fmt, block_table, row_request,
+                                key_end, out, fp8)
+            return out
         cfg = self.indexer_config
         both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
         upcast = _interpreted(_indexer_paged_kernel) or not (
             both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
-        # the float32 view for the fp8 scales; float pools: an unused pointer
-        scales = pages.view(-1).view(torch.float32) if fp8 else out
         bn = min(cfg["PAGED_BLOCK_N"], _pow2(ms))
         bq = max(1, min(cfg["PAGED_ROWS"], n))
         hp = _pow2(heads)  # a dot takes at least 16 rows
@@ -580,6 +678,82 @@ class AttentionKernels:
                       "KALIGN": _row_alignment(kst, keys.element_size())},
                      cfg["paged_warps"], cfg["num_stages"])
         return out
+
+    def indexer_logits_index_pages(self, q: torch.Tensor, w: torch.Tensor,
+                                   index_pages: torch.Tensor, fmt: KVFormat,
+                                   block_table: torch.Tensor, row_request: torch.Tensor,
+                                   key_end: torch.Tensor) -> torch.Tensor:
+        """``indexer_logits_paged`` (the same block table, row requests and key ends, the same
+        result) over index-K pages in DeepGEMM's page-major order, the engines' ``two_part``
+        index-K tensor (:mod:`cpkv.kv.buffers`): uint8 ``[P, >= S x index bytes]``, page p's
+        ``S x D`` values, then (fp8) its ``S`` fp32 scales; float32 [N, M * S], -inf past
+        key_end. The page-tile kernel (:func:`_indexer_pages_kernel`) always: ``S`` a power of
+        two >= 16.
+
+        Raises:
+            ValueError: a shape or dtype does not match.
+            OpDeclined: a page size the kernel cannot tile, or offsets the typed views cannot
+                address.
+        """
+        check_indexer_paged_args(q, w, index_pages.new_zeros(0, fmt.page_size,
+                                                             fmt.bytes_per_token),
+                                 fmt, block_table, row_request, key_end)
+        per = fmt.page_size * fmt.index_bytes_per_token
+        if index_pages.dtype != torch.uint8 or index_pages.dim() != 2 \
+                or index_pages.shape[1] < per or (index_pages.stride(1) != 1
+                                                  and index_pages.shape[1] > 1):
+            raise ValueError(f"indexer_logits_index_pages: expected uint8 [P, >= {per}] with unit "
+                             f"column stride, got {index_pages.dtype} "
+                             f"{tuple(index_pages.shape)} strides {index_pages.stride()}")
+        if not _pages_tileable(fmt.page_size):
+            raise OpDeclined(f"indexer_logits_index_pages tiles whole pages: page size "
+                             f"{fmt.page_size} is not a power of two >= 16")
+        fp8 = fmt.dtype is KVDtype.FP8
+        n = q.shape[0]
+        ms = block_table.shape[1] * fmt.page_size
+        out = torch.empty(n, ms, dtype=torch.float32, device=q.device)
+        if n == 0 or ms == 0:
+            return out
+        keys, kst, sst = _index_page_views(index_pages, fmt)
+        scales = keys.view(torch.uint8).view(torch.float32) if fp8 else out
+        self._indexer_pages(q, w, keys, scales, kst, sst, fmt, block_table, row_request,
+                            key_end, out, fp8)
+        return out
+
+    def _page_tiles(self, fmt: KVFormat) -> bool:
+        """Whether ``indexer_logits_paged`` takes the page-tile kernel (``PAGED_KERNEL`` 1 and
+        a page size it tiles) rather than the key-tile kernel."""
+        return bool(self.indexer_config["PAGED_KERNEL"]) and _pages_tileable(fmt.page_size)
+
+    def _indexer_pages(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                       scales: torch.Tensor, kst: tuple[int, int, int],
+                       sst: tuple[int, int, int], fmt: KVFormat, block_table: torch.Tensor,
+                       row_request: torch.Tensor, key_end: torch.Tensor, out: torch.Tensor,
+                       fp8: bool) -> None:
+        """:func:`_indexer_pages_kernel` into ``out`` over typed views of the keys (element
+        steps ``kst`` / ``sst`` = page, first, row: as :func:`_paged_index_views` gives)."""
+        cfg = self.indexer_config
+        n, heads, d = q.shape
+        m = block_table.shape[1]
+        both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
+        upcast = _interpreted(_indexer_pages_kernel) or not (
+            both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
+        pp = max(1, min(cfg["PAGED_PAGES"], m))
+        stages = cfg["PAGED_STAGES"]
+        self._launch(("indexer_pages", q.dtype, keys.dtype, heads, d, fmt.page_size, kst[2],
+                      sst[2], pp, stages, cfg["PAGED_KEYS_M"], upcast),
+                     _indexer_pages_kernel, (triton.cdiv(m, pp), n),
+                     (q, w, keys, scales, block_table, row_request, key_end, out, m,
+                      m * fmt.page_size, q.stride(0), q.stride(1), q.stride(2), w.stride(0),
+                      w.stride(1), block_table.stride(0), block_table.stride(1), out.stride(0),
+                      kst[0], kst[1], sst[0], sst[1]),
+                     {"H": heads, "HP": _pow2(heads), "D": d,
+                      "DP": _dot_width(d, both_fp8, upcast), "S": fmt.page_size,
+                      "KROW": kst[2], "SROW": sst[2], "PAGES": pp, "STAGES": stages,
+                      "KEYS_M": cfg["PAGED_KEYS_M"], "FP8": fp8,
+                      "UPCAST": upcast,
+                      "KALIGN": _row_alignment((kst[0], kst[1]), keys.element_size())},
+                     cfg["paged_warps"], 1)
 
     # -- top-k ----------------------------------------------------------------------------------
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,

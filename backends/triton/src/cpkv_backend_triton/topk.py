@@ -30,12 +30,15 @@ five passes, serially in one program. The floor sample grows with the row instea
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
 from cpkv.ops.api import check_topk_args
+
+from .tuning import DeviceTuned, Op
 
 __all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "ord_key", "radix_digit", "radix_step",
            "row_range", "select_candidates", "topk"]
@@ -46,13 +49,9 @@ TOPK_METHOD = "radix"
 #: larger k (the candidates' scratch grows with it), and float64 logits (whose keys have 64
 #: bits), take the torch path
 TOPK_RADIX_MAX_K = 4096
-#: the two-read path's launch: BLOCK columns per step, CHUNK columns of a row per program (the
-#: histogram and compaction kernels), warps of the streaming kernels and of the final kernel,
-#: BINS of the value histogram (a power of two). Measured on the H200 (1024 x 64K, docs/perf.md):
-#: 64 bins as fast as 32 and 12 % faster than 128; 512-column blocks, 8K-column chunks and 4
-#: warps best of a sweep
-TOPK_CONFIG: dict[str, int] = {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
-                               "BINS": 64}
+#: the two-read path's launch (BLOCK, CHUNK, num_warps, final_warps, BINS) on this process's
+#: device: the tuning table's row (:mod:`.tuning`, each value's measurement named there)
+TOPK_CONFIG: Mapping[str, int] = DeviceTuned(Op.TOPK)
 #: candidates (keys in the K-th key's bin) a row may hand to the final kernel's refinement (at
 #: least the power of two >= k); more take the exact kernel's 4 passes
 TOPK_MIN_CAP = 1024
@@ -60,18 +59,9 @@ TOPK_MIN_CAP = 1024
 TOPK_REFINE_BLOCK = 256
 #: columns, spread evenly over a row's range, whose sorted keys place the bins' bracket
 TOPK_SAMPLE = 512
-#: the one-read path for long rows: rows of at least MIN_T columns; SAMPLE columns place the
-#: floor; at most CAP candidates per split (more: the exact kernel); BLOCK columns per step of the
-#: filter; PROGRAMS: splits a row into enough (row, split) programs to fill the GPU when a call
-#: has few rows (splits of at least SPLIT_MIN columns; their candidates' scratch within an eighth
-#: of the logits' bytes or SCRATCH_MB); REFINE candidates per refinement step.
-#: At 1M columns the floor keeps ~7K candidates (k = 2048: the k-th key ~8 sample places down,
-#: the floor 4 standard deviations plus 8 places below it). MIN_T: on the H200 at 1024 rows the
-#: one-read path took 0.84 ms at 64K columns (two-read 0.49), 1.07 at 128K (0.92), 2.16 at 512K
-#: (11.75: the two-read path's sample misses the k-th key there and rows take the exact kernel)
-TOPK_LONG: dict[str, int] = {"MIN_T": 196608, "SAMPLE": 4096, "CAP": 16384, "BLOCK": 1024,
-                             "PROGRAMS": 2048, "SPLIT_MIN": 32768, "SCRATCH_MB": 64, "REFINE": 1024,
-                             "num_warps": 4, "select_warps": 4}
+#: the one-read path for long rows (MIN_T, SAMPLE, CAP, BLOCK, PROGRAMS, SPLIT_MIN, SCRATCH_MB,
+#: REFINE, num_warps, select_warps; :class:`.tuning.TopkLongParams`) on this process's device
+TOPK_LONG: Mapping[str, int] = DeviceTuned(Op.TOPK_LONG)
 _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

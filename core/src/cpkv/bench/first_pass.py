@@ -27,20 +27,6 @@ from typing import Any, cast
 __all__ = ["main"]
 
 
-def _entries(cache: Path) -> set[str]:
-    """Compiled kernels in the caches: Triton's metadata files (``<hash>/<kernel>.json``) and
-    DeepGEMM's kernel directories."""
-    out: set[str] = set()
-    tri = cache / "triton"
-    if tri.is_dir():
-        out |= {f"{p.parent.name[:8]}:{p.stem}" for p in tri.glob("*/*.json")
-                if not p.name.startswith("__grp__")}
-    dg = cache / "deep_gemm" / "cache"
-    if dg.is_dir():
-        out |= {f"deepgemm:{p.name}" for p in dg.iterdir()}
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -57,7 +43,6 @@ def main() -> None:
     # before torch, triton or deep_gemm is imported: they read these once
     os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
     os.environ["DG_JIT_CACHE_DIR"] = str(cache / "deep_gemm")
-    before = _entries(cache)
     t_import = time.perf_counter()
 
     import torch
@@ -67,9 +52,10 @@ def main() -> None:
     from cpkv.comm.group import CPGroup
     from cpkv.models import load_model, write_tiny_checkpoint
     from cpkv.runtime.session import PrefillSession
-    from cpkv.runtime.warmup import warm_up
+    from cpkv.runtime.warmup import compiled_kernels, warm_up
     from cpkv.settings import load_settings
 
+    before = compiled_kernels()  # the caches the variables above name; imports compile nothing
     dev = torch.device("cuda", 0)
     n = args.tokens
     tmp = Path(tempfile.mkdtemp())
@@ -84,11 +70,11 @@ def main() -> None:
                               "indexer_dtype": session.settings.runtime.indexer_dtype,
                               "cache_entries_at_start": len(before),
                               "startup_s": time.perf_counter() - t_import}
-    seen = _entries(cache)
+    seen = compiled_kernels()
     warm = n if args.warmup < 0 else args.warmup
     if warm:
         rep = warm_up(session, warm, args.chunk)
-        now = _entries(cache)
+        now = compiled_kernels()
         detail["warmup"] = {"tokens": warm, "chunk": rep.chunk, "seconds": rep.seconds,
                             "chunk_seconds": list(rep.chunk_seconds),
                             "compiled": sorted(now - seen)}
@@ -107,7 +93,7 @@ def main() -> None:
             res = session.prefill([(name, cast(Sequence[int], ids[s:s + c]))])
             torch.cuda.synchronize(dev)
             per.append(time.perf_counter() - t)
-            now = _entries(cache)
+            now = compiled_kernels()
             compiled.append(sorted(now - seen))
             seen = now
         seconds = time.perf_counter() - start

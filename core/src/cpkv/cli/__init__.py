@@ -83,9 +83,9 @@ def main(ctx: click.Context, verbose: int, quiet: int, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import bench, init_model, plan, plugins, run
+    from . import bench, init_model, plan, plugins, run, warmup
 
-    for mod in (bench, init_model, plan, plugins, run):
+    for mod in (bench, init_model, plan, plugins, run, warmup):
         main.add_command(mod.command)
 
 

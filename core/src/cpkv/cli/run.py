@@ -222,6 +222,12 @@ def _render(rep: JobReport, verdict: Verdict, console: Console, pool_tokens: int
                       + "; ".join(f"batch {i}: {', '.join(f'{x:.3f}' for x in ts)}"
                                   for i, ts in enumerate(per) if ts)
                       + (" (no prompt was longer)" if not any(per) else ""), soft_wrap=True)
+    if rep.warmup is not None:
+        w = rep.warmup
+        console.print(f"warm-up ({w.tokens:,} tokens) at session start: "
+                      f"{', '.join(f'{x:.2f}' for x in w.seconds_per_rank)} s per rank, "
+                      f"kernels compiled {', '.join(map(str, w.compiled_per_rank))}",
+                      soft_wrap=True)
     if rep.cache is not None:
         c = rep.cache
         console.print(f"prefix cache: hit tokens per prompt {c.hit_tokens} "

@@ -101,7 +101,9 @@ class DecodeWorker:
                         "layout": BufferLayout.PART_MAJOR,
                         # one rank: its views read its own pool in place (p2p would map nothing)
                         "materialize": MaterializeMode.ALL_GATHER}),
-            "cache": settings.cache.model_copy(update={"enabled": False})})
+            "cache": settings.cache.model_copy(update={"enabled": False}),
+            # the decode rank's session prefills no prompt: nothing to warm up
+            "runtime": settings.runtime.model_copy(update={"warmup_tokens": 0})})
         self.session = PrefillSession(model, one, CPGroup.single(device, settings.runtime.timeout_s),
                                       host)
         self.pool = self.session.pool

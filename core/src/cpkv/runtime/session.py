@@ -12,7 +12,7 @@ import torch
 from cpkv.cache import PrefixCache
 from cpkv.comm import CPGroup, last_progress, note_progress
 from cpkv.disagg import Link, PrefillTransfer, Sent, TransferRefused, Transport, open_link
-from cpkv.kv import RequestPages
+from cpkv.kv import PoolExhausted, RequestPages
 from cpkv.kv.host import HostPages
 from cpkv.ops import ALL_OPS
 from cpkv.plugin import PluginHost
@@ -21,6 +21,7 @@ from .budget import logits_budget
 from .chunked import ChunkPiece, chunk_rounds, merge_results
 from .prefill import BATCH_PLAN, CPPrefill, DraftNext, PrefillResult
 from .setup import create_pool, has_fp8_tensor_cores
+from .warmup import WarmupReport, warm_up
 
 if TYPE_CHECKING:
     from cpkv.comm import CPGroup
@@ -77,8 +78,12 @@ class PrefillSession:
         settings: run settings (``cpkv.load_settings``).
         group: this rank's CP group (``CPGroup.from_process_group()``, ``CPGroup.single()``).
 
+    With ``runtime.warmup_tokens`` the session warms up before it returns
+    (:mod:`cpkv.runtime.warmup`; a collective like :meth:`prefill`): :attr:`warmup` has its time.
+
     Raises:
         StartupError: the settings cannot work with this model/group (before any allocation).
+        PoolExhausted: the warm-up's prompt does not fit the pool.
     """
 
     def __init__(self, model: DeepseekV32, settings: Settings, group: CPGroup,
@@ -119,6 +124,21 @@ class PrefillSession:
                                  self.pool.store.spec.layout)
             self.cache = PrefixCache(self.pool.pages, self.pool.store, group, tier,
                                      evict=c.eviction == "lru")
+        #: the start's warm-up (``runtime.warmup_tokens``; None: off): its time and kernels
+        self.warmup: WarmupReport | None = None
+        if settings.runtime.warmup_tokens:
+            self.warmup = self._warm_up(settings.runtime.warmup_tokens)
+
+    def _warm_up(self, tokens: int) -> WarmupReport:
+        """:func:`~cpkv.runtime.warmup.warm_up` over ``tokens``: in ``runtime.chunk_tokens``
+        chunks, else whole (as this session prefills a prompt)."""
+        ps = self.settings.kv.page_size
+        try:
+            return warm_up(self, tokens, chunk=-(-tokens // ps) * ps)
+        except PoolExhausted as exc:
+            raise PoolExhausted(f"runtime.warmup_tokens = {tokens}: the warm-up prompt does not "
+                                f"fit the pool ({exc}); raise kv.pages_per_rank or lower "
+                                f"runtime.warmup_tokens") from exc
 
     @property
     def draft(self) -> bool:

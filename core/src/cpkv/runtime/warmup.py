@@ -18,20 +18,44 @@ loads the kernels instead of compiling them (measured in docs/perf.md: the first
 process over its second). Its own time is returned.
 
 Every rank of the CP group calls it with the same arguments (the prefills are collectives).
+A session runs it itself when it starts with ``runtime.warmup_tokens`` set
+(:attr:`PrefillSession.warmup <cpkv.runtime.session.PrefillSession.warmup>`); ``cpkv warmup``
+runs it alone on one device. The report counts the kernels the caches gained
+(:func:`compiled_kernels` before and after): on a machine whose caches already hold them, none.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from .session import PrefillSession
+from cpkv.comm import note_progress
 
-__all__ = ["WarmupReport", "warm_up"]
+if TYPE_CHECKING:
+    from cpkv.comm import CPGroup
+    from cpkv.models import DeepseekV32
+    from cpkv.settings import Settings
+
+__all__ = ["WarmupReport", "WarmupSession", "compile_cache_dirs", "compiled_kernels", "warm_up"]
+
+
+class WarmupSession(Protocol):
+    """What :func:`warm_up` uses of a :class:`~cpkv.runtime.session.PrefillSession` (which
+    calls it from its start, so this module cannot import it)."""
+
+    settings: Settings
+    model: DeepseekV32
+    group: CPGroup
+
+    def prefill(self, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> object: ...
+
+    def release(self, rid: Hashable) -> None: ...
 
 #: the short prompt's length (odd; under a 64-token page multiple)
 SHORT_PROMPT = 1001
@@ -46,6 +70,34 @@ class WarmupReport:
     seconds: float
     #: wall seconds of each chunk of the long prompt, in order
     chunk_seconds: tuple[float, ...] = field(default=())
+    #: kernels the compile caches gained during the warm-up (0: all were there already)
+    compiled: int = 0
+    #: kernels in the compile caches after it
+    cached: int = 0
+
+
+def compile_cache_dirs() -> tuple[Path, Path]:
+    """Triton's and DeepGEMM's on-disk compile caches as this process uses them:
+    ``TRITON_CACHE_DIR`` (else ``$TRITON_HOME/.triton/cache``, ``TRITON_HOME`` defaulting to the
+    home directory) and the first path of ``DG_JIT_CACHE_DIR`` (else ``~/.dj``)."""
+    tri = os.environ.get("TRITON_CACHE_DIR") or str(
+        Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache")
+    dg = (os.environ.get("DG_JIT_CACHE_DIR") or str(Path.home() / ".dj")).split(":")[0]
+    return Path(tri), Path(dg)
+
+
+def compiled_kernels() -> frozenset[str]:
+    """The compiled kernels in the caches (:func:`compile_cache_dirs`): Triton's metadata files
+    (``<hash>/<kernel>.json``, group files left out) as ``hash8:kernel`` and DeepGEMM's kernel
+    directories (``<dir>/cache/<kernel>``) as ``deepgemm:kernel``."""
+    tri, dg = compile_cache_dirs()
+    out: set[str] = set()
+    if tri.is_dir():
+        out |= {f"{p.parent.name[:8]}:{p.stem}" for p in tri.glob("*/*.json")
+                if not p.name.startswith("__grp__")}
+    if (dg / "cache").is_dir():
+        out |= {f"deepgemm:{p.name}" for p in (dg / "cache").iterdir()}
+    return frozenset(out)
 
 
 def _ids(t: torch.Tensor) -> Sequence[int]:
@@ -58,7 +110,7 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def warm_up(session: PrefillSession, tokens: int, chunk: int = 65536, seed: int = 0
+def warm_up(session: WarmupSession, tokens: int, chunk: int = 65536, seed: int = 0
             ) -> WarmupReport:
     """Prefill the warm-up prompts (module docstring) on ``session``; returns their time.
 
@@ -70,6 +122,7 @@ def warm_up(session: PrefillSession, tokens: int, chunk: int = 65536, seed: int 
 
     Raises:
         ValueError: ``tokens`` < 2 or ``chunk`` not a positive multiple of the page size.
+        PoolExhausted: the pool cannot hold ``tokens`` tokens.
     """
     ps = session.settings.kv.page_size
     c = session.settings.runtime.chunk_tokens or chunk
@@ -79,18 +132,25 @@ def warm_up(session: PrefillSession, tokens: int, chunk: int = 65536, seed: int 
     g = torch.Generator().manual_seed(seed)
     vocab = session.model.config.vocab_size
     dev = session.group.device
+    before = compiled_kernels()
     start = time.perf_counter()
     per: list[float] = []
     ids = torch.randint(0, vocab, (tokens - 1,), generator=g)
+    short = torch.randint(0, vocab, (min(SHORT_PROMPT, tokens - 1),), generator=g)
+    total = ids.numel() + short.numel()
+    note_progress("warmup", 0, total)
     for s in range(0, ids.numel(), c):
         t = time.perf_counter()
         session.prefill([("cpkv-warmup", _ids(ids[s:s + c]))])
         _sync(dev)
         per.append(time.perf_counter() - t)
+        note_progress("warmup", min(s + c, ids.numel()), total)
     session.release("cpkv-warmup")
-    short = torch.randint(0, vocab, (min(SHORT_PROMPT, tokens - 1),), generator=g)
     session.prefill([("cpkv-warmup-short", _ids(short))])
     _sync(dev)
     session.release("cpkv-warmup-short")
-    return WarmupReport(tokens=tokens, chunk=c, seconds=time.perf_counter() - start,
-                        chunk_seconds=tuple(per))
+    note_progress("warmup", total, total)
+    seconds = time.perf_counter() - start
+    after = compiled_kernels()
+    return WarmupReport(tokens=tokens, chunk=c, seconds=seconds, chunk_seconds=tuple(per),
+                        compiled=len(after - before), cached=len(after))

@@ -12,7 +12,18 @@ import torch
 from cpkv.settings import Settings
 
 from .results import Backends, CPRun, ReferenceRun, compare_topk, tail_rows
-from .sections import Cache, Chunks, Decode, Draft, FallbackRow, LogitsBudget, Seconds, Transfer, max_rel_err
+from .sections import (
+    Cache,
+    Chunks,
+    Decode,
+    Draft,
+    FallbackRow,
+    LogitsBudget,
+    Seconds,
+    Transfer,
+    Warmup,
+    max_rel_err,
+)
 from .tolerances import DEFAULT_TOLERANCES, Tolerances
 
 __all__ = ["Check", "JobReport", "Verdict"]
@@ -85,6 +96,8 @@ class JobReport:
     logits_budget: LogitsBudget | None = None
     #: with ``runtime.chunk_tokens``
     chunks: Chunks | None = None
+    #: with ``runtime.warmup_tokens``
+    warmup: Warmup | None = None
 
     @classmethod
     def of(cls, settings: Settings, prompts: Sequence[Sequence[int]], cp: CPRun,
@@ -116,7 +129,8 @@ class JobReport:
             cache=Cache.of(settings, cp, prompts),
             draft=Draft.of(draft_tokens, cp, ref) if mtp else None, device=device,
             gpus=list(gpus) if gpus is not None else None,
-            logits_budget=LogitsBudget.of(cp), chunks=Chunks.of(settings, cp))
+            logits_budget=LogitsBudget.of(cp), chunks=Chunks.of(settings, cp),
+            warmup=Warmup.of(cp))
 
     def verdict(self, tolerances: Tolerances = DEFAULT_TOLERANCES) -> Verdict:
         """Pass or fail, with one line per failure: the CP logits (and the MTP draft layer's)
@@ -149,7 +163,7 @@ class JobReport:
 
     def to_json(self) -> dict[str, object]:
         """The report as ``--report`` writes it (the logits left out)."""
-        def opt(section: Transfer | Decode | Cache | Draft | LogitsBudget | Chunks | None
+        def opt(section: Transfer | Decode | Cache | Draft | LogitsBudget | Chunks | Warmup | None
                 ) -> object:
             return section.to_json() if section is not None else None
 
@@ -163,4 +177,5 @@ class JobReport:
                 "seconds": self.seconds.to_json(), "transfer": opt(self.transfer),
                 "decode": opt(self.decode), "cache": opt(self.cache), "draft": opt(self.draft),
                 "device": self.device, "gpus": self.gpus, "indexer_dtype": self.indexer_dtype,
-                "logits_budget": opt(self.logits_budget), "chunks": opt(self.chunks)}
+                "logits_budget": opt(self.logits_budget), "chunks": opt(self.chunks),
+                "warmup": opt(self.warmup)}

@@ -15,6 +15,7 @@ from cpkv.disagg import TransferManifest
 from ..decode import DecodeSteps
 from ..session import PrefillSession
 from ..speculative import SpeculationStats
+from ..warmup import WarmupReport
 from .spec import Served
 
 __all__ = ["Backends", "CPRun", "DecodeReport", "PrefillResult", "RankReport", "ReferenceRun",
@@ -65,6 +66,8 @@ class RankReport:
     logits_budget_auto: bool = False
     #: per batch, the wall seconds of each chunk (empty: the batch ran in one piece)
     chunk_seconds: list[list[float]] = field(default_factory=list)
+    #: the session's start-up warm-up (``runtime.warmup_tokens``); None: off
+    warmup: WarmupReport | None = None
 
 
 def rank_report(group: CPGroup, session: PrefillSession, served: Served,
@@ -88,7 +91,7 @@ def rank_report(group: CPGroup, session: PrefillSession, served: Served,
         backends=Backends.of(session),
         draft_logits=served.draft_logits.cpu() if served.draft_logits is not None else None,
         logits_budget_mb=session.logits_budget_mb, logits_budget_auto=session.logits_budget_auto,
-        chunk_seconds=served.chunk_seconds,
+        chunk_seconds=served.chunk_seconds, warmup=session.warmup,
     )
 
 

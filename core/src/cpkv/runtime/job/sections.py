@@ -17,7 +17,7 @@ from ..speculative import SpeculationStats
 from .results import CPRun, ReferenceRun
 
 __all__ = ["Cache", "Chunks", "Decode", "Draft", "FallbackRow", "LogitsBudget", "Seconds",
-           "Transfer", "max_rel_err"]
+           "Transfer", "Warmup", "max_rel_err"]
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -285,3 +285,29 @@ class Chunks:
 
     def to_json(self) -> dict[str, object]:
         return {"chunk_tokens": self.chunk_tokens, "seconds_per_batch": self.seconds_per_batch}
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """The prefill ranks' start-up warm-up (``runtime.warmup_tokens``,
+    :mod:`cpkv.runtime.warmup`)."""
+
+    tokens: int
+    #: per prefill rank, the warm-up's wall seconds (its sessions' start included them)
+    seconds_per_rank: list[float]
+    #: per prefill rank, kernels its compile caches gained (ranks of one machine share them:
+    #: the first to compile a kernel counts it)
+    compiled_per_rank: list[int]
+
+    @classmethod
+    def of(cls, cp: CPRun) -> Warmup | None:
+        """None without a warm-up."""
+        reps = [p.report.warmup for p in cp.prefill]
+        if not reps or any(w is None for w in reps):
+            return None
+        done = [w for w in reps if w is not None]
+        return cls(done[0].tokens, [w.seconds for w in done], [w.compiled for w in done])
+
+    def to_json(self) -> dict[str, object]:
+        return {"tokens": self.tokens, "seconds_per_rank": self.seconds_per_rank,
+                "compiled_per_rank": self.compiled_per_rank}

@@ -1,0 +1,278 @@
+"""The Triton kernels' launch constants, one table for every op: a row per (op, device) with the
+measurement its values come from, and a default row per op for devices no row names.
+
+A row's device is a substring of the CUDA device's name (``"H200"`` in ``"NVIDIA H200"``)
+and/or its compute capability; a lookup takes the most specific row that matches (name and
+capability, then name, then capability, then the default). The values are typed per op
+(:class:`IndexerParams`, ...: the kernels' constexpr and launch names as fields);
+``as_dict()`` is what a launch reads. Rows are looked up on the device a launch runs on
+(:func:`tuned`: once per device, cached): the CPU interpreter and a device that no row names take
+the default row.
+
+To tune a new device: run the op's sweep (``benchmarks/indexer_paged_sweep_gpu.py``,
+``benchmarks/topk_long_gpu.py``, ``cpkv bench gpu``) there, add a row with its values and the
+result it came from, and keep the default row conservative (today it repeats the H200's: no
+other device was measured).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["TABLE", "DeviceKey", "DeviceTuned", "IndexerParams", "MLAParams", "Op", "Row",
+           "TopkLongParams", "TopkParams", "cache_clear", "device_of", "row", "tuned"]
+
+
+class Op(StrEnum):
+    """The tuned launches."""
+
+    #: ``indexer_logits`` (row tiles and the few-rows kernel) and ``indexer_logits_paged``
+    INDEXER = "indexer"
+    #: ``sparse_mla`` on fp32 inputs or with ``mla_precision="exact"``
+    SPARSE_MLA = "sparse_mla"
+    #: ``sparse_mla`` on 16-bit inputs with ``mla_precision="bf16"`` (the default)
+    SPARSE_MLA_LOWP = "sparse_mla_lowp"
+    #: ``topk``'s two-read path (rows shorter than ``TopkLongParams.MIN_T``)
+    TOPK = "topk"
+    #: ``topk``'s one-read path for long rows
+    TOPK_LONG = "topk_long"
+
+
+@dataclass(frozen=True)
+class DeviceKey:
+    """Which devices a row is for: ``name`` a substring of the device's name ("" any),
+    ``capability`` its compute capability (None any). ``DeviceKey()`` is the default row."""
+
+    name: str = ""
+    capability: tuple[int, int] | None = None
+
+    def rank(self, name: str, capability: tuple[int, int] | None) -> int | None:
+        """How specifically this key matches a device (higher: more), None: it does not."""
+        if self.name and self.name not in name:
+            return None
+        if self.capability is not None and self.capability != capability:
+            return None
+        return 2 * bool(self.name) + bool(self.capability is not None)
+
+
+class _Params:
+    def as_dict(self) -> dict[str, int]:
+        """The values by field name, as the kernels' launches read them."""
+        return asdict(self)  # type: ignore[call-overload, no-any-return]
+
+
+@dataclass(frozen=True)
+class IndexerParams(_Params):
+    """``indexer_logits``: BLOCK_M query rows x BLOCK_N keys a program, num_warps,
+    num_stages; at most FEW_ROWS rows take the few-rows kernel (FEW_BLOCK_N keys a program,
+    few_warps). ``indexer_logits_paged``: PAGED_KERNEL 0, the key-tile kernel: PAGED_BLOCK_N keys
+    a program (each key's page looked up in the block table), PAGED_ROWS query rows a program;
+    PAGED_KERNEL 1, the page-tile kernel (also ``indexer_logits_index_pages``, which always
+    takes it): PAGED_PAGES whole pages a program, one query row, the page loop PAGED_STAGES
+    deep, PAGED_KEYS_M 1: keys @ q^T (0: q @ keys^T); paged_warps warps either way."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    FEW_ROWS: int
+    FEW_BLOCK_N: int
+    few_warps: int
+    PAGED_BLOCK_N: int
+    PAGED_ROWS: int
+    paged_warps: int
+    PAGED_KERNEL: int
+    PAGED_PAGES: int
+    PAGED_STAGES: int
+    PAGED_KEYS_M: int
+
+
+@dataclass(frozen=True)
+class MLAParams(_Params):
+    """``sparse_mla``: BLOCK_H heads x BLOCK_K gathered keys a step, num_warps, num_stages;
+    the probabilities as P_SPLIT pieces (P_FP16: fp16 pieces, P_CAT: one concatenated dot;
+    docs/triton.md)."""
+
+    BLOCK_H: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+    P_SPLIT: int
+    P_FP16: int
+    P_CAT: int
+
+
+@dataclass(frozen=True)
+class TopkParams(_Params):
+    """``topk``'s two-read path: BLOCK columns a step, CHUNK columns of a row a program (the
+    histogram and compaction kernels), num_warps of the streaming kernels, final_warps of the
+    final kernel, BINS of the value histogram (a power of two)."""
+
+    BLOCK: int
+    CHUNK: int
+    num_warps: int
+    final_warps: int
+    BINS: int
+
+
+@dataclass(frozen=True)
+class TopkLongParams(_Params):
+    """``topk``'s one-read path: rows of at least MIN_T columns; SAMPLE columns place the
+    floor; at most CAP candidates a split (more: the exact kernel); BLOCK columns a step of the
+    filter; PROGRAMS: a call of few rows splits them into enough (row, split) programs to fill
+    the GPU (splits of at least SPLIT_MIN columns; their candidates' scratch within an eighth of
+    the logits' bytes or SCRATCH_MB); REFINE candidates a refinement step; num_warps of the
+    filter, select_warps of the select kernel."""
+
+    MIN_T: int
+    SAMPLE: int
+    CAP: int
+    BLOCK: int
+    PROGRAMS: int
+    SPLIT_MIN: int
+    SCRATCH_MB: int
+    REFINE: int
+    num_warps: int
+    select_warps: int
+
+
+P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams)
+
+
+@dataclass(frozen=True)
+class Row(Generic[P]):
+    """One op's launch constants on the devices ``device`` names, and what measured them."""
+
+    op: Op
+    device: DeviceKey
+    params: P
+    #: the measurement behind the values: a docs/perf.md or docs/triton.md row, a results file
+    source: str
+
+
+_H200 = DeviceKey("H200", (9, 0))
+_NONE_ELSE = "no other device measured: the H200's values ({})"
+
+_INDEXER_H200 = IndexerParams(
+    BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, FEW_ROWS=8, FEW_BLOCK_N=128, few_warps=4,
+    PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=0, PAGED_PAGES=4, PAGED_STAGES=1,
+    PAGED_KEYS_M=1)
+_INDEXER_SRC = (
+    "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
+    "32K x 64 x 128; the few-rows kernel at 64K fp8 keys x 64 heads: 1-4 rows ~2x the row-tile "
+    "kernel, 8 rows 1.28x, 16 rows 0.72x (docs/triton.md); the paged launch the best of BLOCK_N "
+    "64-512, 4/8 warps, 1/2 rows at 64 x 128K fp8 keys (1.02 ms a layer: "
+    "benchmarks/results/indexer_paged_sweep_h200.json, docs/perf.md Decode steps); the page-tile "
+    "kernel (PAGED_KERNEL 1, PAGED_PAGES, PAGED_STAGES, PAGED_KEYS_M) not measured yet: the key-tile kernel "
+    "stays the default until benchmarks/session11_paged_gpu.sh has run")
+_MLA_H200 = MLAParams(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2, P_SPLIT=2, P_FP16=1,
+                      P_CAT=1)
+_MLA_SRC = ("docs/triton.md sparse_mla: P_SPLIT 2 in fp16, one concatenated dot (conformant; "
+            "two chained dots spill in Triton 3.9's sm_90 code)")
+_MLA_LOWP_H200 = MLAParams(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2, P_SPLIT=1,
+                           P_FP16=0, P_CAT=0)
+_MLA_LOWP_SRC = ("docs/triton.md sparse_mla: one bf16 P (FlashMLA's precision) 229 vs 42 "
+                 "TFLOP/s on the H200; docs/perf.md Kernels")
+_TOPK_H200 = TopkParams(BLOCK=512, CHUNK=8192, num_warps=4, final_warps=4, BINS=64)
+_TOPK_SRC = ("docs/perf.md Long prompts / docs/triton.md topk, 1024 x 64K on the H200: 64 bins "
+             "as fast as 32 and 12 % faster than 128; 512-column blocks, 8K-column chunks and 4 "
+             "warps the best of a sweep")
+_TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=2048,
+                                 SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024, num_warps=4,
+                                 select_warps=4)
+_TOPK_LONG_SRC = (
+    "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
+    "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
+    "SCRATCH_MB: 8 splits of a decode step's one 256K row (docs/perf.md Decode steps, 32 splits "
+    "moved the cost into the select kernel)")
+
+#: every row; each op has exactly one default row (``DeviceKey()``)
+TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams], ...] = (
+    Row(Op.INDEXER, _H200, _INDEXER_H200, _INDEXER_SRC),
+    Row(Op.INDEXER, DeviceKey(), _INDEXER_H200, _NONE_ELSE.format(_INDEXER_SRC)),
+    Row(Op.SPARSE_MLA, _H200, _MLA_H200, _MLA_SRC),
+    Row(Op.SPARSE_MLA, DeviceKey(), _MLA_H200, _NONE_ELSE.format(_MLA_SRC)),
+    Row(Op.SPARSE_MLA_LOWP, _H200, _MLA_LOWP_H200, _MLA_LOWP_SRC),
+    Row(Op.SPARSE_MLA_LOWP, DeviceKey(), _MLA_LOWP_H200, _NONE_ELSE.format(_MLA_LOWP_SRC)),
+    Row(Op.TOPK, _H200, _TOPK_H200, _TOPK_SRC),
+    Row(Op.TOPK, DeviceKey(), _TOPK_H200, _NONE_ELSE.format(_TOPK_SRC)),
+    Row(Op.TOPK_LONG, _H200, _TOPK_LONG_H200, _TOPK_LONG_SRC),
+    Row(Op.TOPK_LONG, DeviceKey(), _TOPK_LONG_H200, _NONE_ELSE.format(_TOPK_LONG_SRC)),
+)
+
+
+def device_of(device: torch.device | None = None) -> tuple[str, tuple[int, int] | None]:
+    """The (name, capability) a lookup matches: of ``device`` when it is a CUDA device, else of
+    this process's current CUDA device; ``("", None)`` without one (the CPU interpreter)."""
+    if device is not None and device.type != "cuda":
+        return "", None
+    if not torch.cuda.is_available():
+        return "", None
+    idx = device.index if device is not None and device.index is not None else (
+        torch.cuda.current_device())
+    return _cuda_device(idx)
+
+
+@functools.cache
+def _cuda_device(idx: int) -> tuple[str, tuple[int, int] | None]:
+    major, minor = torch.cuda.get_device_capability(idx)
+    return torch.cuda.get_device_name(idx), (major, minor)
+
+
+def row(op: Op, name: str = "", capability: tuple[int, int] | None = None
+        ) -> Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]:
+    """The most specific row of ``op`` for a device of ``name`` and ``capability``."""
+    best = None
+    for r in TABLE:
+        if r.op is op and (k := r.device.rank(name, capability)) is not None and (
+                best is None or k > best[0]):
+            best = (k, r)
+    assert best is not None, f"no default row for {op}"  # tests/test_triton_tuning.py
+    return best[1]
+
+
+def tuned(op: Op, device: torch.device | None = None) -> Mapping[str, int]:
+    """The launch constants of ``op`` on ``device`` (None: the current CUDA device, if any), read
+    only (copy it to change values: ``{**tuned(op), "BLOCK": 64}``)."""
+    return _tuned(op, *device_of(device))
+
+
+@functools.cache
+def _tuned(op: Op, name: str, capability: tuple[int, int] | None) -> Mapping[str, int]:
+    return MappingProxyType(row(op, name, capability).params.as_dict())
+
+
+def cache_clear() -> None:
+    """Forget the cached lookups (after :data:`TABLE` changed: tests, a tuning session)."""
+    _tuned.cache_clear()
+
+
+class DeviceTuned(Mapping[str, int]):
+    """The constants of ``op`` on this process's current device, looked up at each read (the
+    name a module keeps for them, e.g. ``topk.TOPK_CONFIG``: reading it first at a launch, not
+    at import, keeps the import from initializing CUDA)."""
+
+    def __init__(self, op: Op) -> None:
+        self.op = op
+
+    def _now(self) -> Mapping[str, int]:
+        return tuned(self.op)
+
+    def __getitem__(self, key: str) -> int:
+        return self._now()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+    def __repr__(self) -> str:
+        return f"DeviceTuned({self.op.value}: {self._now()})"

@@ -1,0 +1,101 @@
+"""The Triton backend's tuning table (cpkv_backend_triton.tuning): one default row per op, every
+row naming a measurement that exists in the repository, the most specific row chosen for a
+device, and the kernels' names (``attention.INDEXER_DEFAULT``, ``topk.TOPK_CONFIG`` /
+``TOPK_LONG``) reading the table."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from triton_interp import import_kernels
+
+pytest.importorskip("triton", reason="triton is not installed")
+import cpkv_backend_triton.tuning as tuning
+
+topk_mod = import_kernels("cpkv_backend_triton.topk", "_topk_filter_kernel")
+attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
+Op, DeviceKey, Row = tuning.Op, tuning.DeviceKey, tuning.Row
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def table(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Lets a test replace ``tuning.TABLE`` (the lookups' cache cleared before and after)."""
+    tuning.cache_clear()
+    yield
+    monkeypatch.undo()
+    tuning.cache_clear()
+
+
+def test_each_op_has_one_default_row_and_no_device_twice() -> None:
+    keys = [(r.op, r.device) for r in tuning.TABLE]
+    assert len(keys) == len(set(keys))
+    for op in Op:
+        assert [r for r in tuning.TABLE if r.op is op and r.device == DeviceKey()], op
+
+
+def test_every_row_names_a_measurement_in_the_repository() -> None:
+    for r in tuning.TABLE:
+        files = re.findall(r"(?:docs|benchmarks)/[\w./-]+\.(?:md|jsonl|json|py)", r.source)
+        assert files, r
+        for f in files:
+            assert (ROOT / f).is_file(), (r.op, f)
+
+
+def test_the_most_specific_matching_row_wins(monkeypatch: pytest.MonkeyPatch, table: None) -> None:
+    assert tuning.row(Op.TOPK, "NVIDIA H200", (9, 0)).device == DeviceKey("H200", (9, 0))
+    for name, cap in (("NVIDIA H100 80GB HBM3", (9, 0)), ("", None), ("NVIDIA H200", (10, 0))):
+        assert tuning.row(Op.TOPK, name, cap).device == DeviceKey()
+    base = tuning.row(Op.TOPK).params
+    rows = (Row(Op.TOPK, DeviceKey(), base, "default"),
+            Row(Op.TOPK, DeviceKey(capability=(9, 0)), replace(base, BLOCK=1), "cap"),
+            Row(Op.TOPK, DeviceKey("H100"), replace(base, BLOCK=2), "name"),
+            Row(Op.TOPK, DeviceKey("H100", (9, 0)), replace(base, BLOCK=3), "both"))
+    monkeypatch.setattr(tuning, "TABLE", rows)
+    assert tuning.row(Op.TOPK, "NVIDIA H100", (9, 0)).source == "both"
+    assert tuning.row(Op.TOPK, "NVIDIA H100", (8, 0)).source == "name"
+    assert tuning.row(Op.TOPK, "NVIDIA H800", (9, 0)).source == "cap"
+    assert tuning.row(Op.TOPK, "NVIDIA A100", (8, 0)).source == "default"
+    assert tuning.tuned(Op.TOPK, torch.device("cpu"))["BLOCK"] == base.BLOCK
+
+
+def test_the_kernels_read_the_table(monkeypatch: pytest.MonkeyPatch, table: None) -> None:
+    assert tuning.device_of(torch.device("cpu")) == ("", None)
+    rows = []
+    for r in tuning.TABLE:
+        p = r.params
+        if r.op is Op.INDEXER:
+            p = replace(p, PAGED_BLOCK_N=16, FEW_ROWS=2)
+        elif r.op is Op.TOPK:
+            p = replace(p, BLOCK=32)
+        elif r.op is Op.TOPK_LONG:
+            p = replace(p, MIN_T=100)
+        rows.append(replace(r, params=p))
+    monkeypatch.setattr(tuning, "TABLE", tuple(rows))
+    if not torch.cuda.is_available():  # a CUDA run reads its device's row: the H200 one may win
+        cfg = attention.AttentionKernels(indexer_config={"FEW_ROWS": 4}).indexer_config
+        assert (cfg["PAGED_BLOCK_N"], cfg["FEW_ROWS"]) == (16, 4)  # the row, then the overrides
+        assert topk_mod.TOPK_CONFIG["BLOCK"] == 32 and topk_mod.TOPK_LONG["MIN_T"] == 100
+        assert dict(topk_mod.TOPK_LONG) == tuning.row(Op.TOPK_LONG).params.as_dict()
+
+
+def test_the_tables_values_are_what_the_kernels_had() -> None:
+    """The move kept every measured value (the H200 row; the default repeats it)."""
+    h200 = {op: tuning.row(op, "NVIDIA H200", (9, 0)).params.as_dict() for op in Op}
+    assert h200[Op.INDEXER] == {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
+                                "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
+                                "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4,
+                                "PAGED_KERNEL": 0, "PAGED_PAGES": 4, "PAGED_STAGES": 1,
+                                "PAGED_KEYS_M": 1}
+    assert h200[Op.TOPK] == {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
+                             "BINS": 64}
+    assert h200[Op.TOPK_LONG]["MIN_T"] == 196608 and h200[Op.TOPK_LONG]["SCRATCH_MB"] == 64
+    assert h200[Op.SPARSE_MLA]["P_SPLIT"] == 2 and h200[Op.SPARSE_MLA_LOWP]["P_SPLIT"] == 1
+    for op in Op:
+        assert tuning.row(op).params.as_dict() == h200[op]
