@@ -399,8 +399,12 @@ def test_empty_calls_need_no_kernel() -> None:
     assert out.shape == (2, 4, 8) and bool((out == 0).all())
 
 
+# KEYS_M 1 fails the fp8-query case compiled on the H200 (max diff 1.5e-4 over 5.5e-5; passes in
+# the interpreter): the page-tile kernel is not the default until it is fixed (tuning.py)
 PAGE_TILES = [{"PAGED_KERNEL": 1, "PAGED_PAGES": 1, "PAGED_STAGES": 1, "PAGED_KEYS_M": 0},
-              {"PAGED_KERNEL": 1, "PAGED_PAGES": 3, "PAGED_STAGES": 2, "PAGED_KEYS_M": 1}]
+              {"PAGED_KERNEL": 1, "PAGED_PAGES": 3, "PAGED_STAGES": 2, "PAGED_KEYS_M": 1},
+              {"PAGED_KERNEL": 1, "PAGED_PAGES": 8, "PAGED_STAGES": 1, "PAGED_KEYS_M": 1},
+              {"PAGED_KERNEL": 1, "PAGED_PAGES": 3, "PAGED_STAGES": 2, "PAGED_KEYS_M": 0}]
 
 
 @interp
@@ -490,8 +494,13 @@ def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
                   device="cuda")
 
 
+PAGE_TILES_GPU = [pytest.param(c, marks=pytest.mark.xfail(
+    strict=True, reason="KEYS_M 1: fp8-query case off by 1.5e-4 compiled on the H200")) if
+    c["PAGED_KEYS_M"] else c for c in PAGE_TILES]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", PAGE_TILES)
+@pytest.mark.parametrize("cfg", PAGE_TILES_GPU)
 def test_indexer_page_tiles_gpu(ref: Any, cfg: dict[str, int]) -> None:
     conf.check_op(AttentionKernels(indexer_config=cfg), ref, "indexer_logits_paged",
                   device="cuda")

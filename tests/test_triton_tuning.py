@@ -86,12 +86,13 @@ def test_the_kernels_read_the_table(monkeypatch: pytest.MonkeyPatch, table: None
 
 
 def test_the_tables_values_are_what_the_kernels_had() -> None:
-    """The move kept every measured value (the H200 row; the default repeats it)."""
+    """The H200 row holds the measured values (the default repeats it): the page-tile paged
+    indexer since its sweep (tuning._INDEXER_SRC)."""
     h200 = {op: tuning.row(op, "NVIDIA H200", (9, 0)).params.as_dict() for op in Op}
     assert h200[Op.INDEXER] == {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
                                 "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
                                 "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4,
-                                "PAGED_KERNEL": 0, "PAGED_PAGES": 4, "PAGED_STAGES": 1,
+                                "PAGED_KERNEL": 0, "PAGED_PAGES": 8, "PAGED_STAGES": 1,
                                 "PAGED_KEYS_M": 1}
     assert h200[Op.TOPK] == {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
                              "BINS": 64}

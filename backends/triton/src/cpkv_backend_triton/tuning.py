@@ -162,7 +162,7 @@ _NONE_ELSE = "no other device measured: the H200's values ({})"
 
 _INDEXER_H200 = IndexerParams(
     BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, FEW_ROWS=8, FEW_BLOCK_N=128, few_warps=4,
-    PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=0, PAGED_PAGES=4, PAGED_STAGES=1,
+    PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=0, PAGED_PAGES=8, PAGED_STAGES=1,
     PAGED_KEYS_M=1)
 _INDEXER_SRC = (
     "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
@@ -170,8 +170,12 @@ _INDEXER_SRC = (
     "kernel, 8 rows 1.28x, 16 rows 0.72x (docs/triton.md); the paged launch the best of BLOCK_N "
     "64-512, 4/8 warps, 1/2 rows at 64 x 128K fp8 keys (1.02 ms a layer: "
     "benchmarks/results/indexer_paged_sweep_h200.json, docs/perf.md Decode steps); the page-tile "
-    "kernel (PAGED_KERNEL 1, PAGED_PAGES, PAGED_STAGES, PAGED_KEYS_M) not measured yet: the key-tile kernel "
-    "stays the default until benchmarks/session11_paged_gpu.sh has run")
+    "kernel (PAGED_KERNEL 1) swept at 64 x 128K fp8 keys on the pool's part-major pages "
+    "(benchmarks/results/indexer_paged_pages_sweep_64x128k_h200.json): PAGED_PAGES 8, "
+    "PAGED_STAGES 1, PAGED_KEYS_M 1 0.351 ms (3111 GB/s; key-tile kernel 0.638, DeepGEMM 0.333 on "
+    "page-major pages) but KEYS_M 1 fails the fp8-query conformance case on the H200 (max diff "
+    "1.5e-4 over a 5.5e-5 tolerance, 1 request x 1 page; KEYS_M 0 passes at 0.607 ms): the "
+    "key-tile kernel stays the default until KEYS_M 1 is conformant")
 _MLA_H200 = MLAParams(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2, P_SPLIT=2, P_FP16=1,
                       P_CAT=1)
 _MLA_SRC = ("docs/triton.md sparse_mla: P_SPLIT 2 in fp16, one concatenated dot (conformant; "
