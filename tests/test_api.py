@@ -26,6 +26,7 @@ def test_every_public_name_resolves() -> None:
         cpkv.nope  # noqa: B018
 
 
+@pytest.mark.slow  # 4 s: the whole example
 @pytest.mark.multiprocess
 def test_library_api_example_runs() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "library_api.py")],

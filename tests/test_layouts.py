@@ -62,6 +62,7 @@ def test_every_layout_round_trips_bit_exact(cp: int) -> None:
             assert crcs[1] == crcs[0] and crcs[2] == crcs[0], scenarios[j].fmt
 
 
+@pytest.mark.slow  # 4.5 s a layout: a whole cpkv run
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["part_major", "two_part"])
 def test_cpkv_run_in_each_layout_equals_the_reference(tmp_path: Path, layout: str) -> None:

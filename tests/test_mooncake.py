@@ -477,6 +477,7 @@ def _tiny(models: dict[str, Path], arch: str, tmp_path_factory: pytest.TempPathF
                  marks=pytest.mark.slow),
     pytest.param(4, "interleave", (), "layer", "auto", "v32", "token_major",
                  marks=pytest.mark.slow)])
+@pytest.mark.slow  # 3.5-4 s a case, 6 cases: whole jobs
 def test_mooncake_transfer_and_decode(tiny_models: dict[str, Path],
                                       tmp_path_factory: pytest.TempPathFactory, cp: int,
                                       mode: str, prefix: tuple[int, ...], pipeline: str,

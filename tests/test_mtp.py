@@ -499,6 +499,7 @@ def test_cpkv_run_mtp_reports_the_draft(agree: Path, tmp_path: Path) -> None:
     assert "speculative decoding (k = 2)" in out.stdout
 
 
+@pytest.mark.slow  # 4 s: a whole bench
 @pytest.mark.multiprocess
 def test_bench_mtp_runs_small_on_cpus(tmp_path: Path) -> None:
     """``cpkv bench mtp`` at small sizes on CPUs: the local embedding is half the full one on

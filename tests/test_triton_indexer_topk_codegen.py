@@ -51,6 +51,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # 7 s of sm90 compiles
 @pytest.mark.multiprocess
 def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores() -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
