@@ -77,10 +77,11 @@ def _sweep(worker: Any, rids: list[Hashable]) -> dict[str, Any]:
 #: the page-tile kernel's configurations (both page orders): pages a program, pipeline depth,
 #: warps, the dot's orientation
 PAGE_CONFIGS = [{"PAGED_KERNEL": 1, "PAGED_PAGES": p, "PAGED_STAGES": st, "paged_warps": w,
-                 "PAGED_KEYS_M": km}
-                for p, st, w, km in [*((p, st, 4, 1) for p in (1, 2, 4, 8, 16) for st in (1, 3)),
-                                     *((p, st, 8, 1) for p in (4, 8, 16) for st in (1, 3)),
-                                     (1, 1, 4, 0), (4, 1, 4, 0)]]
+                 "PAGED_KEYS_M": km, "PAGED_PRECISE": pr}
+                for p, st, w, km, pr in [
+                    *((p, st, 4, 1, pr) for p in (2, 4, 8, 16) for st in (1, 3) for pr in (0, 32)),
+                    *((p, st, 8, 1, 32) for p in (8, 16) for st in (1, 3)),
+                    (1, 1, 4, 0, 0), (4, 1, 4, 0, 32)]]
 #: the key-tile kernel's (the default first)
 TILE_CONFIGS = [{"PAGED_KERNEL": 0, "PAGED_BLOCK_N": bn, "paged_warps": w, "PAGED_ROWS": 1}
                 for bn, w in ((128, 4), (64, 4), (256, 8))]
@@ -149,9 +150,19 @@ def pages_sweep(requests: int, keys: int) -> dict[str, Any]:
     ref = AttentionKernels(indexer_config=TILE_CONFIGS[0]).indexer_logits_paged(
         q, w, x["pages"], fmt, tb, rr, ke)
     rows: list[dict[str, Any]] = []
+    try:  # the torch backend's fp32 definition (DeepSeek's numerics, exact fp32 sums)
+        from cpkv_backend_torch.ops import TorchOps
+
+        exact = TorchOps().indexer_logits_paged(q, w, x["pages"], fmt, tb, rr, ke)
+    except Exception as exc:  # out of memory at a large shape: say so, go on
+        exact, exact_note = None, repr(exc)[:200]
+    else:
+        exact_note = "torch reference"
 
     def add(kind: str, cfg: dict[str, int], fn: Any) -> None:
         r = {"kind": kind, **cfg, **_time(fn, ref)}
+        if exact is not None and "ms" in r:
+            r["max_rel_diff_fp32"] = _diff(fn(), exact)
         if "ms" in r:
             r["GBps"] = nbytes / r["ms"] / 1e6
         rows.append(r)
@@ -180,8 +191,10 @@ def pages_sweep(requests: int, keys: int) -> dict[str, Any]:
         add("deepgemm_page_major", {},
             lambda: dg.indexer_logits_index_pages(q, w, x["index_pages"], tb, rr, ke))
     return {"requests": requests, "keys": keys, "index_bytes_read": nbytes, "deepgemm": dg_note,
+            "fp32_reference": exact_note,
             "table_default": {k: base.indexer_config[k] for k in
-                              ("PAGED_KERNEL", "PAGED_PAGES", "PAGED_STAGES", "PAGED_KEYS_M")},
+                              ("PAGED_KERNEL", "PAGED_PAGES", "PAGED_STAGES", "PAGED_KEYS_M",
+                               "PAGED_PRECISE")},
             "rows": rows}
 
 

@@ -78,9 +78,10 @@ out = {}
 for lay, (kp, kf, krow, sp, sf, srow) in layouts.items():
     aligned = [*ptrs, "k_page", "s_page", "sq0", "sq1", "sw0", "sbt0", "so0"]
     aligned += ["k_first", "s_first"] if kf else []
-    for stages, km in ((1, 1), (3, 1), (1, 0)):
+    for stages, km, precise in ((1, 1, 0), (3, 1, 0), (1, 0, 0), (1, 1, 32)):
         const = {"H": 64, "HP": 64, "D": 128, "DP": 128, "S": 64, "KROW": krow, "SROW": srow,
-                 "PAGES": 4, "STAGES": stages, "KEYS_M": km, "FP8": True, "UPCAST": False,
+                 "PAGES": 4, "STAGES": stages, "KEYS_M": km, "PRECISE": precise, "FP8": True,
+                 "UPCAST": False,
                  "KALIGN": _row_alignment((kp, kf), 1), "sq2": 1, "sw1": 1, "sbt1": 1}
         sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
         src = ASTSource(fn=_indexer_pages_kernel, signature=sig,
@@ -88,11 +89,13 @@ for lay, (kp, kf, krow, sp, sf, srow) in layouts.items():
                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
-        out[f"{lay}_s{stages}_km{km}"] = {
+        out[f"{lay}_s{stages}_km{km}" + (f"_p{precise}" if precise else "")] = {
             "b8": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.b8\s", ptx)),
             "v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
             "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[\w:.]* [^;]*, 0x10", ptx)),
             "bar": len(re.findall(r"bar\.sync", ptx)),
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "fadd": len(re.findall(r"add(?:\.rn)?\.f32\s", ptx)),
             "shfl": len(re.findall(r"shfl\.sync", ptx))}
 print(json.dumps(out))
 """
@@ -121,3 +124,7 @@ def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
     for lay in ("part_major", "page_major"):
         a, b = res[f"{lay}_s1_km1"], res[f"{lay}_s1_km0"]
         assert a["bar"] < b["bar"] and a["shfl"] < b["shfl"], res
+        # PRECISE 32: the dot as 4 wgmma of k 32, each partial added into the fp32 accumulator
+        # ([64 keys x 64 heads] over 128 threads: 32 values a thread a promotion)
+        p, a = res[f"{lay}_s1_km1_p32"], res[f"{lay}_s1_km1"]
+        assert p["wgmma"] >= 4 and p["fadd"] >= a["fadd"] + 3 * 32, res

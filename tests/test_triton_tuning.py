@@ -92,8 +92,9 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
     assert h200[Op.INDEXER] == {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
                                 "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
                                 "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4,
-                                "PAGED_KERNEL": 0, "PAGED_PAGES": 8, "PAGED_STAGES": 1,
-                                "PAGED_KEYS_M": 1}
+                                "PAGED_KERNEL": 1, "PAGED_PAGES": 8, "PAGED_STAGES": 1,
+                                "PAGED_KEYS_M": 1, "PAGED_PRECISE": 0,
+                                "PAGED_MAJOR_PAGES": 16, "PAGED_MAJOR_STAGES": 3}
     assert h200[Op.TOPK] == {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
                              "BINS": 64}
     assert h200[Op.TOPK_LONG]["MIN_T"] == 196608 and h200[Op.TOPK_LONG]["SCRATCH_MB"] == 64

@@ -245,7 +245,8 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                           S: tl.constexpr, KROW: tl.constexpr, SROW: tl.constexpr,
                           PAGES: tl.constexpr, STAGES: tl.constexpr, KEYS_M: tl.constexpr,
-                          FP8: tl.constexpr, UPCAST: tl.constexpr, KALIGN: tl.constexpr):
+                          PRECISE: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+                          KALIGN: tl.constexpr):
     """The indexer of one query row against ``PAGES`` whole pages of its request's keys, a page
     a step: the page's ``S`` keys are one run in the pool (slot ``s``'s values at element
     ``page * k_page + k_first + s * KROW`` of ``k_ptr``, its fp8 scale at ``page * s_page +
@@ -257,7 +258,11 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
     software-pipelined ``STAGES`` deep (1: loads into registers); pages at or past ``key_end``
     store -inf and load nothing. ``KEYS_M``: the dot is ``keys @ q^T`` (the key tile its
     register-fed left operand, the head sum a reduction within warps) instead of ``q @ keys^T``
-    (the key tile through shared memory, the head sum across warps)."""
+    (the key tile through shared memory, the head sum across warps). ``PRECISE`` (fp8 x fp8
+    dots on the tensor cores): 0, Triton's default accumulation (on sm90 the wgmma
+    accumulator's reduced-precision adds over the whole dot); k > 0, the partial sums promoted
+    into fp32 every k of the dot's reduction (``max_num_imprecise_acc``; 32 = every wgmma, as
+    DeepGEMM promotes)."""
     row = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0) * PAGES
     ke = tl.load(ke_ptr + row)
@@ -291,10 +296,16 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             else:
                 kt = kt.to(q_ptr.dtype.element_ty)
             if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
-                sc = _qk_dot(kt, tl.trans(qt), UPCAST)
+                if PRECISE:
+                    sc = tl.dot(kt, tl.trans(qt), max_num_imprecise_acc=PRECISE)
+                else:
+                    sc = _qk_dot(kt, tl.trans(qt), UPCAST)
                 acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
             else:  # [HP, S]: the heads the rows (as the key-tile kernel)
-                sc = _qk_dot(qt, tl.trans(kt), UPCAST)
+                if PRECISE:
+                    sc = tl.dot(qt, tl.trans(kt), max_num_imprecise_acc=PRECISE)
+                else:
+                    sc = _qk_dot(qt, tl.trans(kt), UPCAST)
                 acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
             if FP8:
                 c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
@@ -738,10 +749,15 @@ class AttentionKernels:
         both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
         upcast = _interpreted(_indexer_pages_kernel) or not (
             both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
-        pp = max(1, min(cfg["PAGED_PAGES"], m))
-        stages = cfg["PAGED_STAGES"]
+        # DeepGEMM's page-major order (rows of the values alone: 16-byte pieces, cp.async when
+        # pipelined) has its own launch; the pool's part-major rows (4-byte pieces) theirs
+        major = kst[2] == d
+        pp = max(1, min(cfg["PAGED_MAJOR_PAGES" if major else "PAGED_PAGES"], m))
+        stages = cfg["PAGED_MAJOR_STAGES" if major else "PAGED_STAGES"]
+        # promotion applies to fp8 x fp8 tensor-core dots only (and is at most the dot's width)
+        precise = min(cfg["PAGED_PRECISE"], d) if both_fp8 and not upcast else 0
         self._launch(("indexer_pages", q.dtype, keys.dtype, heads, d, fmt.page_size, kst[2],
-                      sst[2], pp, stages, cfg["PAGED_KEYS_M"], upcast),
+                      sst[2], pp, stages, cfg["PAGED_KEYS_M"], precise, upcast),
                      _indexer_pages_kernel, (triton.cdiv(m, pp), n),
                      (q, w, keys, scales, block_table, row_request, key_end, out, m,
                       m * fmt.page_size, q.stride(0), q.stride(1), q.stride(2), w.stride(0),
@@ -750,7 +766,7 @@ class AttentionKernels:
                      {"H": heads, "HP": _pow2(heads), "D": d,
                       "DP": _dot_width(d, both_fp8, upcast), "S": fmt.page_size,
                       "KROW": kst[2], "SROW": sst[2], "PAGES": pp, "STAGES": stages,
-                      "KEYS_M": cfg["PAGED_KEYS_M"], "FP8": fp8,
+                      "KEYS_M": cfg["PAGED_KEYS_M"], "PRECISE": precise, "FP8": fp8,
                       "UPCAST": upcast,
                       "KALIGN": _row_alignment((kst[0], kst[1]), keys.element_size())},
                      cfg["paged_warps"], 1)

@@ -76,7 +76,10 @@ class IndexerParams(_Params):
     a program (each key's page looked up in the block table), PAGED_ROWS query rows a program;
     PAGED_KERNEL 1, the page-tile kernel (also ``indexer_logits_index_pages``, which always
     takes it): PAGED_PAGES whole pages a program, one query row, the page loop PAGED_STAGES
-    deep, PAGED_KEYS_M 1: keys @ q^T (0: q @ keys^T); paged_warps warps either way."""
+    deep, PAGED_KEYS_M 1: keys @ q^T (0: q @ keys^T), PAGED_PRECISE k > 0: fp8 dots' partial
+    sums promoted into fp32 every k of the reduction (0: Triton's default); PAGED_MAJOR_PAGES
+    and PAGED_MAJOR_STAGES replace PAGED_PAGES and PAGED_STAGES on DeepGEMM's page-major index-K
+    (``indexer_logits_index_pages``); paged_warps warps either way."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -92,6 +95,9 @@ class IndexerParams(_Params):
     PAGED_PAGES: int
     PAGED_STAGES: int
     PAGED_KEYS_M: int
+    PAGED_PRECISE: int
+    PAGED_MAJOR_PAGES: int
+    PAGED_MAJOR_STAGES: int
 
 
 @dataclass(frozen=True)
@@ -162,8 +168,8 @@ _NONE_ELSE = "no other device measured: the H200's values ({})"
 
 _INDEXER_H200 = IndexerParams(
     BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, FEW_ROWS=8, FEW_BLOCK_N=128, few_warps=4,
-    PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=0, PAGED_PAGES=8, PAGED_STAGES=1,
-    PAGED_KEYS_M=1)
+    PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=1, PAGED_PAGES=8, PAGED_STAGES=1,
+    PAGED_KEYS_M=1, PAGED_PRECISE=0, PAGED_MAJOR_PAGES=16, PAGED_MAJOR_STAGES=3)
 _INDEXER_SRC = (
     "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
     "32K x 64 x 128; the few-rows kernel at 64K fp8 keys x 64 heads: 1-4 rows ~2x the row-tile "
@@ -173,9 +179,11 @@ _INDEXER_SRC = (
     "kernel (PAGED_KERNEL 1) swept at 64 x 128K fp8 keys on the pool's part-major pages "
     "(benchmarks/results/indexer_paged_pages_sweep_64x128k_h200.json): PAGED_PAGES 8, "
     "PAGED_STAGES 1, PAGED_KEYS_M 1 0.351 ms (3111 GB/s; key-tile kernel 0.638, DeepGEMM 0.333 on "
-    "page-major pages) but KEYS_M 1 fails the fp8-query conformance case on the H200 (max diff "
-    "1.5e-4 over a 5.5e-5 tolerance, 1 request x 1 page; KEYS_M 0 passes at 0.607 ms): the "
-    "key-tile kernel stays the default until KEYS_M 1 is conformant")
+    "page-major pages; the page-major order PAGED_PAGES 16, PAGED_STAGES 3 0.286 ms = 1.15x "
+    "DeepGEMM), benchmarks/results/session13/paged_sweep_64x128k_h200.json: PAGED_PRECISE 32 "
+    "(fp8 partial sums promoted every wgmma) 0.454 ms, 4.5e-5 of the largest logit from the fp32 "
+    "reference against 2.0e-4 without (DeepGEMM's and the key-tile kernel's 2.0e-4 too): off, "
+    "the field's numerics at its speed (docs/perf.md Decode steps)")
 _MLA_H200 = MLAParams(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2, P_SPLIT=2, P_FP16=1,
                       P_CAT=1)
 _MLA_SRC = ("docs/triton.md sparse_mla: P_SPLIT 2 in fp16, one concatenated dot (conformant; "
