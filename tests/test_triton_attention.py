@@ -467,7 +467,7 @@ def check_index_pages(impl: Any, ref: Any, device: str) -> None:
                 got = impl.indexer_logits_index_pages(q, w, page_major(pages, fmt, pad), fmt,
                                                       table, row_request, key_end)
                 conf._assert_logits("indexer_logits_index_pages", f"{case}, pad {pad}",
-                                    got.cpu(), want, fp8_q=kind == "fp8", magnitude=mag)
+                                    got.cpu(), want, mag)
                 col = torch.arange(m * fmt.page_size)
                 assert torch.equal(got.cpu().isneginf(), col >= key_end.cpu()[:, None]), case
                 same = part.indexer_logits_paged(q, w, pages, fmt, table, row_request, key_end)
@@ -625,10 +625,8 @@ def test_fp8_logits_tolerance_is_relative_to_the_terms_magnitude() -> None:
     want = torch.tensor([[1e-3, 0.5, float("-inf")]])
     mag = torch.tensor([[1.0, 0.5, float("-inf")]])
     ok = want + torch.tensor([[1e-3, -5e-4, 0.0]])
-    conf._assert_logits("op", "case", ok, want, fp8_q=True, magnitude=mag)
+    conf._assert_logits("op", "case", ok, want, mag)
     with pytest.raises(AssertionError, match="magnitude"):
-        conf._assert_logits("op", "case", want + torch.tensor([[1e-2, 0.0, 0.0]]), want,
-                            fp8_q=True, magnitude=mag)
+        conf._assert_logits("op", "case", want + torch.tensor([[1e-2, 0.0, 0.0]]), want, mag)
     with pytest.raises(AssertionError, match="magnitude"):  # the old check would accept it
-        conf._assert_logits("op", "case", want * torch.tensor([[1.0, 1.01, 1.0]]), want,
-                            fp8_q=True, magnitude=mag)
+        conf._assert_logits("op", "case", want * torch.tensor([[1.0, 1.01, 1.0]]), want, mag)

@@ -94,11 +94,14 @@ def _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST: tl.conste
 
 
 @triton.jit
-def _qk_dot(q, kt, UPCAST: tl.constexpr):
+def _qk_dot(q, kt, UPCAST: tl.constexpr, PRECISE: tl.constexpr):
     """``q @ kt`` of a query tile and a :func:`_key_tile`: fp32 IEEE (``UPCAST``), else on the
-    tensor cores in the operands' type."""
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+    tensor cores in the operands' type; ``PRECISE`` k > 0 (fp8 x fp8 only): the partial sums
+    promoted into fp32 every k of the reduction (``max_num_imprecise_acc``)."""
+    if UPCAST:
         s = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
+    elif PRECISE:
+        s = tl.dot(q, kt, max_num_imprecise_acc=PRECISE)
     else:
         s = tl.dot(q, kt)
     return s
@@ -139,7 +142,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
         for h in range(H):
             qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
             wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
-            s = _qk_dot(qh, ktt, UPCAST)
+            s = _qk_dot(qh, ktt, UPCAST, 0)
             acc += wh[:, None] * tl.maximum(s, 0.0)
         if FP8:
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
@@ -178,7 +181,7 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
         ktt = _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
         qt = tl.load(q_ptr + rows64[:, None] * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                      mask=rmask[:, None] & dmask[None, :], other=0.0)
-        s = _qk_dot(qt, ktt, UPCAST)
+        s = _qk_dot(qt, ktt, UPCAST, 0)
         wv = tl.load(w_ptr + rows64 * sw0 + head * sw1, mask=rmask, other=0.0)
         acc = tl.sum(tl.reshape(wv[:, None] * tl.maximum(s, 0.0), [BQ, HP, BLOCK_N]), axis=1)
         if FP8:
@@ -226,7 +229,7 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                 ktt = _key_tile(k_ptr, q_ptr, base, inr, d, dmask, 1, 1, UPCAST)
                 qt = tl.load(q_ptr + row64 * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                              mask=hmask[:, None] & dmask[None, :], other=0.0)
-                s = _qk_dot(qt, ktt, UPCAST)
+                s = _qk_dot(qt, ktt, UPCAST, 0)
                 wv = tl.load(w_ptr + row64 * sw0 + head * sw1, mask=hmask, other=0.0)
                 acc = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
                 if FP8:
@@ -296,16 +299,10 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             else:
                 kt = kt.to(q_ptr.dtype.element_ty)
             if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
-                if PRECISE:
-                    sc = tl.dot(kt, tl.trans(qt), max_num_imprecise_acc=PRECISE)
-                else:
-                    sc = _qk_dot(kt, tl.trans(qt), UPCAST)
+                sc = _qk_dot(kt, tl.trans(qt), UPCAST, PRECISE)
                 acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
             else:  # [HP, S]: the heads the rows (as the key-tile kernel)
-                if PRECISE:
-                    sc = tl.dot(qt, tl.trans(kt), max_num_imprecise_acc=PRECISE)
-                else:
-                    sc = _qk_dot(qt, tl.trans(kt), UPCAST)
+                sc = _qk_dot(qt, tl.trans(kt), UPCAST, PRECISE)
                 acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
             if FP8:
                 c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
