@@ -100,12 +100,17 @@ def _decode(runner: _Driver | _Lean, steps: int = 14) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_lean_step_equals_driver_greedy(ckpt: Path, dtype: str) -> None:
+@pytest.mark.parametrize("layout", ["two_part", "part_major"])
+def test_lean_step_equals_driver_greedy(ckpt: Path, dtype: str, layout: str) -> None:
     """Token for token what a one-token extend through the prefill driver gives, across page
-    boundaries (8-token pages), past the indexer's top-16, with requests joining and leaving."""
+    boundaries (8-token pages), past the indexer's top-16, with requests joining and leaving;
+    the decode pool in either layout its kernels read in place (two_part: the indexer reads
+    the index-K tensor in DeepGEMM's page order, sparse MLA the latent tensor)."""
     model = DeepseekV32.load(ckpt)
     want = _decode(_Driver(model, _settings(dtype)))
-    got = _decode(_Lean(model, _settings(dtype)))
+    lean = _Lean(model, _settings(dtype, layout=layout))
+    assert lean.worker.pool.store.spec.layout.value == layout
+    got = _decode(lean)
     assert got == want
 
 

@@ -47,8 +47,10 @@ def test_the_backend_lists_the_ops_of_the_installed_libraries(monkeypatch: pytes
     monkeypatch.setattr(plugin, "MEASURED", {})
     assert plugin.provided_ops(only()) == frozenset()
     assert plugin.provided_ops(only("flash_mla")) == {Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED}
-    assert plugin.provided_ops(only("deep_gemm")) == {Op.INDEXER_LOGITS}
+    assert plugin.provided_ops(only("deep_gemm")) == {Op.INDEXER_LOGITS,
+                                                      Op.INDEXER_LOGITS_INDEX_PAGES}
     monkeypatch.setitem(plugin.MEASURED, Op.INDEXER_LOGITS, "slower than triton (test)")
+    monkeypatch.setitem(plugin.MEASURED, Op.INDEXER_LOGITS_INDEX_PAGES, "slower (test)")
     assert plugin.provided_ops(only("flash_mla", "deep_gemm")) == {Op.SPARSE_MLA,
                                                                    Op.SPARSE_MLA_PAGED}
 
@@ -81,8 +83,8 @@ def test_calls_deepgemm_cannot_take_are_declined_before_any_work() -> None:
     pages = deepgemm.pack_index_pages(k8, scale)
     table = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(OpDeclined, match="needs CUDA tensors"):
-        ops.indexer_logits_index_pages(q8, w8, pages, table, torch.zeros(4, dtype=torch.int32),
-                                       ke)
+        ops.indexer_logits_index_pages(q8, w8, pages, DS, table,
+                                       torch.zeros(4, dtype=torch.int32), ke)
     assert called == []
     bf16 = q8.to(torch.bfloat16)
     assert "fp8 queries" in (deepgemm.decline_reason(bf16, w8, k8, scale) or "")
@@ -210,7 +212,7 @@ def test_deepgemm_paged_indexer_over_its_pages_equals_the_reference(heads: int) 
     buf = torch.full((dgp.shape[0], dgp.shape[1] + 64), 0x7F, dtype=torch.uint8)
     buf[:, :dgp.shape[1]] = dgp
     got = plugin.deepgemm_ops().indexer_logits_index_pages(
-        q8.cuda(), w8.cuda(), buf[:, :dgp.shape[1]].cuda(), table.cuda(), row_request.cuda(),
+        q8.cuda(), w8.cuda(), buf[:, :dgp.shape[1]].cuda(), DS, table.cuda(), row_request.cuda(),
         key_end.cuda()).cpu()
     assert got.shape == want.shape
     assert torch.equal(got.isneginf(), want.isneginf())

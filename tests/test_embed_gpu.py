@@ -98,7 +98,7 @@ def test_deepgemm_paged_indexer_reads_the_two_part_index_k_in_place(heads: int) 
                                                     key_end)
     ptr = ik.data_ptr()
     got = plugin.deepgemm_ops().indexer_logits_index_pages(
-        q8.cuda(), w8.cuda(), ik, table.cuda(), row_request.cuda(), key_end.cuda()).cpu()
+        q8.cuda(), w8.cuda(), ik, DS, table.cuda(), row_request.cuda(), key_end.cuda()).cpu()
     assert ik.data_ptr() == ptr  # read in place: the engine's tensor itself
     assert torch.equal(got.isneginf(), want.isneginf())
     fin = want.isfinite()

@@ -66,6 +66,7 @@ def test_ops_declared() -> None:
 @interp
 @pytest.mark.usefixtures("small_sizes")
 @pytest.mark.parametrize("op", ["indexer_logits", "indexer_logits_paged",
+                                "indexer_logits_index_pages",
                                 pytest.param("topk", marks=pytest.mark.slow),
                                 pytest.param("indexer_topk", marks=pytest.mark.slow),
                                 pytest.param("sparse_mla", marks=pytest.mark.slow)])
@@ -216,6 +217,34 @@ def test_topk_exact_edge_cases(ref: Any, monkeypatch: pytest.MonkeyPatch, kind: 
         assert _same_choice(got, ref.topk(logits, k, ks, ke), logits, ks, ke, k), (k, logits.dtype)
     r = torch.zeros(0, dtype=torch.int64)
     assert impl.topk(torch.zeros(0, t), 5, r, r).shape == (0, 5)
+
+
+@interp
+def test_topk_floor_is_the_sample_key_at_its_place() -> None:
+    """The long path's floor (a radix select over the sample's keys) is the key a descending
+    sort of the sample has at ``est + margin`` (-inf when the sample has no such place), with
+    ties, -0.0 and -inf in the rows: the floor only changes how many candidates a row has, so
+    no equality test of the top-k would see it go wrong."""
+    sample, k, t = 64, 40, 900
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, t, generator=g)
+    x[1] = x[1].round()  # ties
+    x[2, ::3] = float("-inf")
+    x[3] = torch.where(x[3] > 0, -0.0, x[3])
+    ks = torch.tensor([0, 0, 100, 0, 5, 0])
+    ke = torch.tensor([t, 850, t, 700, 5 + 3 * k, t // 2])  # row 4: est + margin past the sample
+    floor = torch.empty(6)
+    topk_mod._topk_floor_kernel[(6,)](x, ks, ke, floor, t, k, x.stride(0), x.stride(1),
+                                      SAMPLE=sample)
+    for r in range(6):
+        cnt = int(ke[r] - ks[r])
+        cols = int(ks[r]) + (torch.arange(sample) * cnt) // sample
+        keys = torch.where(x[r, cols] == 0, 0.0, x[r, cols]).sort(descending=True).values
+        est = k * sample // cnt
+        place = est + int(4.0 * float(torch.tensor(est + 1.0).sqrt())) + 8
+        want = float(keys[place]) if place < sample else float("-inf")
+        assert float(floor[r]) == want, (r, float(floor[r]), want)
+        assert not (floor[r] == 0 and torch.signbit(floor[r]))  # -0.0 folded into 0.0
 
 
 @interp
@@ -422,19 +451,6 @@ def test_indexer_paged_page_tiles(ref: Any, cfg: dict[str, int]) -> None:
     conf.check_op(AttentionKernels(indexer_config=cfg), ref, "indexer_logits_paged", device="cpu")
 
 
-def page_major(pages: torch.Tensor, fmt: KVFormat, pad: int = 0) -> torch.Tensor:
-    """A part-major pool layer's index-K in DeepGEMM's page-major order (the engines'
-    ``two_part`` index-K tensor): uint8 [P, S x index bytes], each page's values then its
-    scales; ``pad`` spare bytes at the end of each page row (a wider page stride)."""
-    p, ps, _ = pages.shape
-    ib, d = fmt.index_bytes_per_token, fmt.index_head_dim
-    vb = d if fmt.dtype is KVDtype.FP8 else ib
-    idx = pages.reshape(p, -1)[:, ps * fmt.latent_bytes_per_token:].reshape(p, ps, ib)
-    parts = [idx[..., :vb].reshape(p, ps * vb), idx[..., vb:].reshape(p, -1)]
-    out = torch.cat([*parts, torch.zeros(p, pad, dtype=torch.uint8, device=pages.device)], 1)
-    return out[:, :ps * ib] if pad else out
-
-
 def check_index_pages(impl: Any, ref: Any, device: str) -> None:
     """``indexer_logits_index_pages`` over page-major copies of the conformance suite's pools
     equals the reference's ``indexer_logits_paged`` on the part-major pools (the suite's
@@ -464,7 +480,7 @@ def check_index_pages(impl: Any, ref: Any, device: str) -> None:
             q, w, pages, table, row_request, key_end = conf._to(device, q, w, pages, table,
                                                                 row_request, key_end)
             for pad in (0, 16):
-                got = impl.indexer_logits_index_pages(q, w, page_major(pages, fmt, pad), fmt,
+                got = impl.indexer_logits_index_pages(q, w, conf.index_pages_of(pages, fmt, pad), fmt,
                                                       table, row_request, key_end)
                 conf._assert_logits("indexer_logits_index_pages", f"{case}, pad {pad}",
                                     got.cpu(), want, mag)
@@ -494,7 +510,8 @@ def test_index_pages_decline_a_page_size_they_cannot_tile() -> None:
 # ---- GPU --------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize(("op", "mla_config"), [
-    ("indexer_logits", {}), ("indexer_logits_paged", {}), ("topk", {}), ("sparse_mla", {}),
+    ("indexer_logits", {}), ("indexer_logits_paged", {}), ("indexer_logits_index_pages", {}),
+    ("topk", {}), ("sparse_mla", {}),
     ("sparse_mla", {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0, "BLOCK_K": 64}),
     ("sparse_mla", {"BLOCK_H": 32, "BLOCK_K": 32, "num_warps": 4}),
     ("sparse_mla", {"BLOCK_H": 32, "HEADS_FAST": 1})])

@@ -131,7 +131,7 @@ class KVSettings(_Section):
                     "rows: FlashMLA's fp8 decode reads it in place; replica and all_gather "
                     "only) or 'two_part' (the engines' layout: per layer a latent tensor and an "
                     "index-K tensor in DeepGEMM's page order; replica and all_gather only). The "
-                    "decode rank's pool is part-major whatever this says",
+                    "decode rank's pool has its own (decode.layout)",
     )
 
     @field_validator("materialize")
@@ -336,6 +336,22 @@ class DecodeSettings(_Section):
     max_batch: int = Field(
         128, ge=1, description="the largest batch bucket captured (buckets are the powers of two "
                                "up to it); a larger batch runs eagerly")
+    layout: BufferLayout = Field(
+        BufferLayout.TWO_PART,
+        description="the decode rank's pool layout, which its kernels read in place: 'two_part' "
+                    "(the engines' layout: index-K in DeepGEMM's page order, 16-byte key rows "
+                    "the paged indexer streams at 1.2x the speed of part-major's 132-byte "
+                    "rows; FlashMLA reads the latent tensor) or 'part_major' (one tensor per "
+                    "layer, a page's latent rows then its index-K rows)")
+
+
+    @field_validator("layout")
+    @classmethod
+    def _read_in_place(cls, v: BufferLayout) -> BufferLayout:
+        if v is BufferLayout.TOKEN_MAJOR:
+            raise ValueError("the decode rank's kernels read 'two_part' or 'part_major' pages "
+                             "in place, not 'token_major'")
+        return v
 
 
 class LogSettings(_Section):

@@ -9,12 +9,13 @@ means cpkv is faster):
   ``fp8_fp4_mqa_logits`` with the pass that gives the op's result (``detail``: the kernel alone)
   over the Triton backend's ``indexer_logits``. ``indexer_fp8_vs_deepgemm``: the geometric mean.
 - ``indexer_paged_vs_deepgemm``: a decode step's indexer, 64 requests x 128K keys in 64-token
-  pages: DeepGEMM's ``fp8_fp4_paged_mqa_logits`` over its index pages over the Triton
-  backend's ``indexer_logits_paged`` over part-major pool pages holding the same keys;
-  ``detail`` gives each one's GB/s of index-K read against the same run's copy bandwidth.
-  ``indexer_paged_page_major_vs_deepgemm``: the same over the Triton backend's
-  ``indexer_logits_index_pages`` reading DeepGEMM's own page-major index pages (the engines'
-  two_part layout): the identical input tensors.
+  pages, on the identical input tensors: DeepGEMM's ``fp8_fp4_paged_mqa_logits`` over the
+  Triton backend's ``indexer_logits_index_pages``, both reading DeepGEMM's page-major index
+  pages (the decode rank's default ``two_part`` layout, ``decode.layout``); ``detail`` gives
+  each one's GB/s of index-K read against the same run's copy bandwidth.
+  ``indexer_paged_part_major_vs_deepgemm``: the Triton backend's ``indexer_logits_paged`` over
+  part-major pool pages holding the same keys (``decode.layout = "part_major"``: 132-byte key
+  rows, which DeepGEMM cannot read).
 
 Every pair is checked against each other first (fp8 tolerance, -inf at the same places).
 Where DeepGEMM cannot be used the report says why and has no DeepGEMM rows.
@@ -148,15 +149,12 @@ def paged_rows(dg: Any, tri: Any, dev: torch.device, ceil: dict[str, float],
         return out
 
     def dg_step() -> torch.Tensor:
-        out: torch.Tensor = dg.indexer_logits_index_pages(q8, w8, dgp, table, row_request,
+        out: torch.Tensor = dg.indexer_logits_index_pages(q8, w8, dgp, fmt, table, row_request,
                                                           key_end)
         return out
 
-    kernels = tri.indexer_logits_paged.__self__  # the Triton AttentionKernels: the page-major
-    # entry is its method, not a declared op (no pool layout of cpkv's stores index-K that way)
-
     def cpkv_major_step() -> torch.Tensor:
-        out: torch.Tensor = kernels.indexer_logits_index_pages(q8, w8, dgp, fmt, table, row_request,
+        out: torch.Tensor = tri.indexer_logits_index_pages(q8, w8, dgp, fmt, table, row_request,
                                                            key_end)
         return out
 
@@ -174,10 +172,11 @@ def paged_rows(dg: Any, tri: Any, dev: torch.device, ceil: dict[str, float],
         "triton_page_major_gbps": nbytes / t_major / 1e6,
         "max_rel_diff_deepgemm_vs_triton_page_major": err_major}
     return [BenchRow.of("indexer_paged_vs_deepgemm", t_dg, "ms",
-                        "cpkv's default (Triton) paged indexer, same keys (ms)", t_tri),
-            BenchRow.of("indexer_paged_page_major_vs_deepgemm", t_dg, "ms",
-                        "cpkv's (Triton) paged indexer on the same page-major tensors (ms)",
-                        t_major)]
+                        "cpkv's default (Triton) decode indexer on the same page-major tensors "
+                        "(ms)", t_major),
+            BenchRow.of("indexer_paged_part_major_vs_deepgemm", t_dg, "ms",
+                        "cpkv's (Triton) paged indexer over part-major pool pages, same keys "
+                        "(ms)", t_tri)]
 
 
 def bench_deepgemm(shapes: tuple[tuple[int, int], ...] = PREFILL_SHAPES) -> BenchReport:

@@ -16,10 +16,10 @@ Decode, :meth:`DeepGEMMOps.indexer_logits_index_pages`: ``fp8_fp4_paged_mqa_logi
 index-K pages in DeepGEMM's page-major layout (:func:`index_page_view`: per 64-token page its
 64 x 128 e4m3 values, then its 64 fp32 scales, 8,448 B; the engines' index-K cache). cpkv's own
 part-major pages interleave each token's 128 values and its scale (132 B rows), which DeepGEMM's
-kernel cannot address (it takes a fixed 128-byte key stride), so the
-:class:`~cpkv.contracts.KVOps` op ``indexer_logits_paged`` is not provided here: this method is
-for pools in DeepGEMM's layout (:func:`pack_index_pages` writes it; tests and the bench compare
-it with cpkv's paged op on the same keys).
+kernel cannot address (it takes a fixed 128-byte key stride), so ``indexer_logits_paged`` is not
+provided here; ``indexer_logits_index_pages`` is the op of pools in DeepGEMM's layout (the
+``two_part`` layout; :func:`pack_index_pages` writes it), listed in the plugin's ``MEASURED``
+(the Triton page-tile kernel was faster on the same tensors).
 
 Calls DeepGEMM's kernels cannot take (not fp8 x fp8, heads other than 32 / 64, head dims other
 than 32 / 64 / 128, tensors off one CUDA device) are declined
@@ -34,7 +34,13 @@ from types import ModuleType
 
 import torch
 
-from cpkv.ops.api import OpDeclined, check_indexer_args
+from cpkv.ops.api import (
+    KVDtype,
+    KVFormat,
+    OpDeclined,
+    check_indexer_args,
+    check_indexer_index_pages_args,
+)
 
 __all__ = ["DeepGEMMOps", "decline_reason", "index_page_view", "pack_index_pages",
            "part_major_index_pages"]
@@ -173,28 +179,28 @@ class DeepGEMMOps:
             key_start.to(torch.int32), key_end.to(torch.int32), k.shape[0])
 
     def indexer_logits_index_pages(self, q: torch.Tensor, w: torch.Tensor,
-                                   index_pages: torch.Tensor, block_table: torch.Tensor,
-                                   row_request: torch.Tensor, key_end: torch.Tensor
-                                   ) -> torch.Tensor:
-        """``indexer_logits_paged`` (see :class:`cpkv.ops.api.KVOps`: the same block table,
-        row requests and key ends, the same result) over index-K pages in DeepGEMM's layout
-        (:func:`index_page_view`) instead of part-major pool pages, on
+                                   index_pages: torch.Tensor, fmt: KVFormat,
+                                   block_table: torch.Tensor, row_request: torch.Tensor,
+                                   key_end: torch.Tensor) -> torch.Tensor:
+        """The :class:`~cpkv.contracts.KVOps` op ``indexer_logits_index_pages`` (the same
+        block table, row requests and key ends as ``indexer_logits_paged``, the same result)
+        over index-K pages in DeepGEMM's layout (:func:`index_page_view`), on
         ``fp8_fp4_paged_mqa_logits``: float32 [N, M x 64], -inf past each row's key_end. One
         query row per DeepGEMM sequence (its block-table row is the request's); no host sync.
 
         Raises:
             ValueError: shapes or dtypes other than these.
-            OpDeclined: not fp8 queries, heads / head dims DeepGEMM does not take, not CUDA.
+            OpDeclined: not an fp8 format of 64-token pages and 128-dim keys, not fp8 queries,
+                heads DeepGEMM does not take, not CUDA.
         """
+        check_indexer_index_pages_args(q, w, index_pages, fmt, block_table, row_request, key_end)
+        if fmt.dtype is not KVDtype.FP8 or fmt.page_size != PAGE_TOKENS \
+                or fmt.index_head_dim != 128:
+            raise OpDeclined(f"DeepGEMM's paged indexer reads fp8 pages of {PAGE_TOKENS} tokens "
+                             f"and 128-dim keys, got {fmt.dtype.value} pages of "
+                             f"{fmt.page_size} tokens, {fmt.index_head_dim}-dim keys")
         fused = index_page_view(index_pages)
         n = q.shape[0]
-        if q.dim() != 3 or w.shape != (n, q.shape[1]) or w.dtype != torch.float32 \
-                or block_table.dim() != 2 or block_table.dtype != torch.int32 \
-                or row_request.shape != (n,) or key_end.shape != (n,) or q.shape[2] != 128:
-            raise ValueError(f"indexer_logits_index_pages: expected q [N, Hi, 128], w float32 "
-                             f"[N, Hi], block_table int32 [R, M], row_request / key_end [N]; "
-                             f"got q {tuple(q.shape)}, w {w.dtype} {tuple(w.shape)}, "
-                             f"block_table {block_table.dtype} {tuple(block_table.shape)}")
         why = _reason(q, w, index_pages.device, block_table.device, key_end.device)
         if why is not None:
             raise OpDeclined(why)

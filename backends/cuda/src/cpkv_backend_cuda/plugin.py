@@ -58,18 +58,23 @@ class Library:
 FLASH_MLA = Library("flash_mla", frozenset({Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED}),
                     "install sgl-flash-mla (pip install 'cpkv[cuda]', or --no-deps for an older "
                     "torch)", "flash_mla_sparse_fwd")
-DEEP_GEMM = Library("deep_gemm", frozenset({Op.INDEXER_LOGITS}),
+DEEP_GEMM = Library("deep_gemm", frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_INDEX_PAGES}),
                     "build DeepGEMM against this torch (docs/plugins.md)", "fp8_fp4_mqa_logits")
 LIBRARIES = (FLASH_MLA, DEEP_GEMM)
 
 #: ops a library provides that a measurement on the GPU put on another backend (the op table
 #: takes the first backend of the preference that lists an op): op -> the measurement
-#: (docs/perf.md, benchmarks/results/deepgemm_h200.json). DeepGEMM's paged indexer is not an
-#: op of the pool's layout (:mod:`cpkv_backend_cuda.deepgemm`), so it is not listed at all.
+#: (docs/perf.md, benchmarks/results/deepgemm_h200.json). DeepGEMM's paged indexer cannot read
+#: the part-major pool's index-K (:mod:`cpkv_backend_cuda.deepgemm`): it offers the two_part
+#: layout's op only.
 MEASURED: dict[Op, str] = {
     Op.INDEXER_LOGITS: "H200 2026-12-03: DeepGEMM's fp8_fp4_mqa_logits 1.4-7.3 % slower than "
                        "the Triton fp8 indexer at 1Kx32K / 4Kx128K / 8Kx64K / 2Kx512K (the kernel "
                        "alone 0.4-6.6 %)",
+    Op.INDEXER_LOGITS_INDEX_PAGES: "H200 2026-12-04: DeepGEMM's fp8_fp4_paged_mqa_logits 0.330 ms "
+                                   "against the Triton page-tile kernel's 0.286 on the same "
+                                   "page-major tensors, 64 requests x 128K keys "
+                                   "(results/session13/paged_sweep_64x128k_h200.json)",
 }
 
 
@@ -154,14 +159,15 @@ def load() -> KVOps:
 
         dg = _module(DEEP_GEMM)
         assert isinstance(dg, ModuleType)
-        methods[Op.INDEXER_LOGITS] = DeepGEMMOps(dg).indexer_logits
+        dgo = DeepGEMMOps(dg)
+        methods[Op.INDEXER_LOGITS] = dgo.indexer_logits
+        methods[Op.INDEXER_LOGITS_INDEX_PAGES] = dgo.indexer_logits_index_pages
     return cast(KVOps, OpMethods({o: f for o, f in methods.items() if o in ops}))
 
 
 def deepgemm_ops() -> DeepGEMMOps:
-    """The DeepGEMM kernels object (:class:`cpkv_backend_cuda.deepgemm.DeepGEMMOps`), for its
-    calls that are not ops of the pool's layout (the paged indexer over DeepGEMM's index-K
-    pages) and for measurements.
+    """The DeepGEMM kernels object (:class:`cpkv_backend_cuda.deepgemm.DeepGEMMOps`): its ops
+    whatever a measurement chose (:data:`MEASURED`), for tests and measurements.
 
     Raises:
         RuntimeError: the backend cannot run here, or DeepGEMM is not installed.

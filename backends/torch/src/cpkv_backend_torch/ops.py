@@ -53,6 +53,7 @@ from cpkv.models.rope import apply_rope
 from cpkv.ops.api import (
     KVFormat,
     check_indexer_args,
+    check_indexer_index_pages_args,
     check_indexer_paged_args,
     check_indexer_topk_args,
     check_page_copy_args,
@@ -62,6 +63,7 @@ from cpkv.ops.api import (
     check_sparse_mla_paged_args,
     check_topk_args,
     fp8_layout,
+    index_page_keys,
     paged_index_keys,
     paged_index_tokens,
     paged_latent,
@@ -328,6 +330,35 @@ class TorchOps:
         """
         check_rope_args(x, cos, sin, style, out)
         return apply_rope(x, cos, sin, style, out)
+
+    def indexer_logits_index_pages(self, q: torch.Tensor, w: torch.Tensor,
+                                   index_pages: torch.Tensor, fmt: KVFormat,
+                                   block_table: torch.Tensor, row_request: torch.Tensor,
+                                   key_end: torch.Tensor) -> torch.Tensor:
+        """:meth:`indexer_logits_paged` over index-K pages in DeepGEMM's page order (the
+        engines' ``two_part`` index-K tensor): each row's request keys copied out
+        (:func:`cpkv.ops.api.index_page_keys`), then :meth:`indexer_logits`, one row at a time.
+        See :class:`cpkv.ops.api.KVOps`.
+
+        Raises:
+            ValueError: a shape or dtype does not match (as every backend).
+        """
+        check_indexer_index_pages_args(q, w, index_pages, fmt, block_table, row_request, key_end)
+        n = q.shape[0]
+        cols = block_table.shape[1] * fmt.page_size
+        out = torch.full((n, cols), float("-inf"), dtype=torch.float32, device=q.device)
+        if cols == 0:
+            return out
+        tokens = paged_index_tokens(block_table, fmt.page_size)
+        start = key_end.new_zeros(1)
+        request = row_request.long()
+        for i in range(n):  # a loop over a shape, not over data
+            keys, scale = index_page_keys(
+                index_pages, fmt, tokens.index_select(0, request[i:i + 1]).view(-1),
+                lambda src, index: TorchOps.page_gather(self, src, index))
+            out[i:i + 1] = TorchOps.indexer_logits(self, q[i:i + 1], w[i:i + 1], keys, scale,
+                                                   start, key_end[i:i + 1])
+        return out
 
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ NAME = "torch"
 OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE,
                                 Op.FP8_PACK,
                                 Op.FP8_UNPACK, Op.PEER_GATHER, Op.INDEXER_LOGITS,
-                                Op.INDEXER_LOGITS_PAGED, Op.TOPK, Op.INDEXER_TOPK,
+                                Op.INDEXER_LOGITS_PAGED, Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK,
+                                Op.INDEXER_TOPK,
                                 Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE})
 
 

@@ -22,6 +22,7 @@ from cpkv.ops.api import (
     KVFormat,
     OpDeclined,
     check_indexer_args,
+    check_indexer_index_pages_args,
     check_indexer_paged_args,
     check_indexer_topk_args,
     check_sparse_mla_args,
@@ -703,20 +704,11 @@ class AttentionKernels:
             OpDeclined: a page size the kernel cannot tile, or offsets the typed views cannot
                 address.
         """
-        check_indexer_paged_args(q, w, index_pages.new_zeros(0, fmt.page_size,
-                                                             fmt.bytes_per_token),
-                                 fmt, block_table, row_request, key_end)
-        per = fmt.page_size * fmt.index_bytes_per_token
-        if index_pages.dtype != torch.uint8 or index_pages.dim() != 2 \
-                or index_pages.shape[1] < per or (index_pages.stride(1) != 1
-                                                  and index_pages.shape[1] > 1):
-            raise ValueError(f"indexer_logits_index_pages: expected uint8 [P, >= {per}] with unit "
-                             f"column stride, got {index_pages.dtype} "
-                             f"{tuple(index_pages.shape)} strides {index_pages.stride()}")
+        fp8 = check_indexer_index_pages_args(q, w, index_pages, fmt, block_table, row_request,
+                                             key_end)
         if not _pages_tileable(fmt.page_size):
             raise OpDeclined(f"indexer_logits_index_pages tiles whole pages: page size "
                              f"{fmt.page_size} is not a power of two >= 16")
-        fp8 = fmt.dtype is KVDtype.FP8
         n = q.shape[0]
         ms = block_table.shape[1] * fmt.page_size
         out = torch.empty(n, ms, dtype=torch.float32, device=q.device)

@@ -89,6 +89,7 @@ class TritonOps(OpMethods):
         if attention is not None:
             methods |= {Op.INDEXER_LOGITS: attention.indexer_logits,
                         Op.INDEXER_LOGITS_PAGED: attention.indexer_logits_paged,
+                        Op.INDEXER_LOGITS_INDEX_PAGES: attention.indexer_logits_index_pages,
                         Op.TOPK: attention.topk, Op.INDEXER_TOPK: attention.indexer_topk,
                         Op.SPARSE_MLA: attention.sparse_mla,
                         Op.SPARSE_MLA_PAGED: attention.sparse_mla_paged}

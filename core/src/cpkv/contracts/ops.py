@@ -40,6 +40,7 @@ class Op(StrEnum):
     PEER_GATHER = "peer_gather"
     INDEXER_LOGITS = "indexer_logits"
     INDEXER_LOGITS_PAGED = "indexer_logits_paged"
+    INDEXER_LOGITS_INDEX_PAGES = "indexer_logits_index_pages"
     TOPK = "topk"
     INDEXER_TOPK = "indexer_topk"
     SPARSE_MLA = "sparse_mla"
@@ -206,6 +207,22 @@ class KVOps(Protocol):
         Raises:
             ValueError: shapes or dtypes other than these
                 (:func:`cpkv.ops.check_indexer_paged_args`).
+        """
+        ...
+
+    def indexer_logits_index_pages(self, q: torch.Tensor, w: torch.Tensor,
+                                   index_pages: torch.Tensor, fmt: KVFormat,
+                                   block_table: torch.Tensor, row_request: torch.Tensor,
+                                   key_end: torch.Tensor) -> torch.Tensor:
+        """:meth:`indexer_logits_paged` (the same block table, row requests, key ends and
+        result) over index-K pages in DeepGEMM's page order: the engines' ``two_part`` index-K
+        tensor (:class:`~cpkv.contracts.BufferLayout`), uint8 [P, >= S x index bytes] with unit
+        column stride (any page stride), page p's S x index_head_dim values, then (fp8) its S
+        fp32 scales. ``fmt`` is the layer's format.
+
+        Raises:
+            ValueError: shapes or dtypes other than these
+                (:func:`cpkv.ops.check_indexer_index_pages_args`).
         """
         ...
 

@@ -23,7 +23,8 @@ Declining and reporting
 
 Argument checks (run them first: one wording of the errors in every backend; metadata only)
     :func:`check_page_copy_args`, :func:`check_peer_gather_args`, :func:`check_indexer_args`,
-    :func:`check_indexer_paged_args`, :func:`check_indexer_topk_args`, :func:`check_topk_args`,
+    :func:`check_indexer_paged_args`, :func:`check_indexer_index_pages_args`,
+    :func:`check_indexer_topk_args`, :func:`check_topk_args`,
     :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`.
 
 Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
@@ -34,6 +35,7 @@ Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     ``fp8_unpack`` / ``page_gather`` and ``sparse_mla``), :func:`paged_index_tokens` /
     :func:`paged_index_keys` (a request's index-K keys copied out of its pages: the
     ``indexer_logits_paged`` composition through ``page_gather`` and ``indexer_logits``),
+    :func:`index_page_keys` (the same out of page-major index-K pages: ``indexer_logits_index_pages``),
     :func:`fp8_index_keys` (stored fp8 index-K rows as the indexer's keys and scales).
 
 fp8 numerics (:mod:`cpkv.ops.fp8`)
@@ -65,6 +67,7 @@ from cpkv.fallback import report_fallback
 
 from .checks import (
     check_indexer_args,
+    check_indexer_index_pages_args,
     check_indexer_paged_args,
     check_indexer_topk_args,
     check_page_copy_args,
@@ -88,6 +91,7 @@ from .layout import (
     fp8_index_keys,
     fp8_layout,
     gather_latent,
+    index_page_keys,
     page_blocks,
     paged_index_keys,
     paged_index_tokens,
@@ -113,6 +117,7 @@ __all__ = [
     "RopeStyle",
     "ScaleFormat",
     "check_indexer_args",
+    "check_indexer_index_pages_args",
     "check_indexer_paged_args",
     "check_indexer_topk_args",
     "check_page_copy_args",
@@ -125,6 +130,7 @@ __all__ = [
     "fp8_layout",
     "gather_latent",
     "hadamard_rotate",
+    "index_page_keys",
     "page_blocks",
     "paged_index_keys",
     "paged_index_tokens",

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
     from cpkv.contracts import KVFormat, RopeStyle
 
-__all__ = ["check_indexer_args", "check_indexer_paged_args", "check_indexer_topk_args",
+__all__ = ["check_indexer_args", "check_indexer_index_pages_args", "check_indexer_paged_args",
+           "check_indexer_topk_args",
            "check_page_copy_args", "check_peer_gather_args",
            "check_rope_args", "check_sparse_mla_args", "check_sparse_mla_paged_args",
            "check_topk_args"]
@@ -109,8 +110,9 @@ def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
 
 def check_indexer_paged_args(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
                              fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
-                             key_end: torch.Tensor) -> bool:
-    """Validate ``indexer_logits_paged`` arguments; returns whether the keys are fp8 (scaled).
+                             key_end: torch.Tensor, op: str = "indexer_logits_paged") -> bool:
+    """Validate ``indexer_logits_paged`` arguments (``op`` names the op in the errors); returns
+    whether the keys are fp8 (scaled).
 
     Raises:
         ValueError: a shape or dtype does not match ``fmt`` or the other arguments, or q is
@@ -118,7 +120,6 @@ def check_indexer_paged_args(q: torch.Tensor, w: torch.Tensor, pages: torch.Tens
     """
     import torch
 
-    op = "indexer_logits_paged"
     d = fmt.index_head_dim
     if q.dim() != 3 or q.shape[2] != d:
         raise ValueError(f"{op}: expected q [N, Hi, {d}], got {tuple(q.shape)}")
@@ -139,6 +140,30 @@ def check_indexer_paged_args(q: torch.Tensor, w: torch.Tensor, pages: torch.Tens
         raise ValueError(f"{op}: expected key_end int64 [{n}], got {key_end.dtype} "
                          f"{tuple(key_end.shape)}")
     return fp8
+
+
+def check_indexer_index_pages_args(q: torch.Tensor, w: torch.Tensor, index_pages: torch.Tensor,
+                                   fmt: KVFormat, block_table: torch.Tensor,
+                                   row_request: torch.Tensor, key_end: torch.Tensor) -> bool:
+    """Validate ``indexer_logits_index_pages`` arguments; returns whether the keys are fp8.
+
+    Raises:
+        ValueError: as :func:`check_indexer_paged_args`, and ``index_pages`` is not uint8
+            [P, >= S x index bytes] with unit column stride.
+    """
+    import torch
+
+    per = fmt.page_size * fmt.index_bytes_per_token
+    if index_pages.dtype != torch.uint8 or index_pages.dim() != 2 or not fmt.index_k \
+            or index_pages.shape[1] < per or (index_pages.stride(1) != 1
+                                              and index_pages.shape[1] > 1):
+        raise ValueError(f"indexer_logits_index_pages: expected uint8 [P, >= {per}] index-K "
+                         f"pages with unit column stride, got {index_pages.dtype} "
+                         f"{tuple(index_pages.shape)} strides {tuple(index_pages.stride())}"
+                         + ("" if fmt.index_k else " (the format caches no index-K)"))
+    pages = index_pages.new_empty(0, fmt.page_size, fmt.bytes_per_token)
+    return check_indexer_paged_args(q, w, pages, fmt, block_table, row_request, key_end,
+                                    op="indexer_logits_index_pages")
 
 
 def check_topk_args(logits: torch.Tensor, k: int, key_start: torch.Tensor,

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
     from cpkv.contracts import KVFormat, KVPart
 
-__all__ = ["fp8_index_keys", "fp8_layout", "gather_latent", "page_blocks", "paged_index_keys",
+__all__ = ["fp8_index_keys", "fp8_layout", "gather_latent", "index_page_keys", "page_blocks",
+           "paged_index_keys",
            "paged_index_tokens", "paged_latent", "part_index", "part_view"]
 
 
@@ -165,3 +166,26 @@ def paged_index_keys(pages: torch.Tensor, fmt: KVFormat, tokens: torch.Tensor,
     if fmt.dtype is KVDtype.FP8:
         return fp8_index_keys(rows, fmt)
     return rows.view(torch.float32 if fmt.dtype is KVDtype.FP32 else torch.bfloat16), None
+
+
+def index_page_keys(index_pages: torch.Tensor, fmt: KVFormat, tokens: torch.Tensor,
+                    gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`paged_index_keys` of index-K pages in DeepGEMM's page order (uint8 [P, >= S x
+    index bytes], unit column stride: page p's S value rows, then its S fp32 scales), the
+    ``indexer_logits_index_pages`` composition: the keys of ``tokens`` (int64 [T] token rows
+    page x S + slot) copied out with a backend's ``page_gather``."""
+    import torch
+
+    s, d = fmt.page_size, fmt.index_head_dim
+    fp8 = fmt.dtype is KVDtype.FP8
+    vb = d if fp8 else fmt.index_bytes_per_token
+    page, slot = tokens // s, tokens % s
+    p = index_pages.shape[0]
+    vals = index_pages[:, :s * vb].reshape(p * s, vb)  # a view: unit column stride, page stride
+    rows = gather(vals, page * s + slot)
+    if not fp8:
+        return rows.view(torch.float32 if fmt.dtype is KVDtype.FP32 else torch.bfloat16), None
+    scales = index_pages[:, s * vb:s * (vb + 4)].reshape(p * s, 4)
+    return rows.view(torch.float8_e4m3fn), gather(scales, page * s + slot).view(
+        torch.float32).reshape(-1)

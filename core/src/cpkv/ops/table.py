@@ -31,7 +31,8 @@ __all__ = ["ALL_OPS", "ATTN_OPS", "KV_OPS", "OpTable"]
 KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.FP8_PACK,
                           Op.FP8_UNPACK, Op.PEER_GATHER)
 #: the sparse-attention ops of one layer (issue #4)
-ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.TOPK, Op.INDEXER_TOPK,
+ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
+                            Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
                             Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 

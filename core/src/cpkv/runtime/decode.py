@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cpkv.comm import CPGroup, note_progress
-from cpkv.contracts import BufferLayout, MaterializeMode
+from cpkv.contracts import MaterializeMode
 from cpkv.disagg import DecodeReceiver, DecodeTransfer, Link, Received, Transport, open_link
 
 from .decoder import LeanDecoder
@@ -95,10 +95,10 @@ class DecodeWorker:
     def __init__(self, model: DeepseekV32, settings: Settings, device: torch.device | str = "cpu",
                  host: PluginHost | None = None) -> None:
         one = settings.with_cp_size(1).model_copy(update={
-            # part-major pages: FlashMLA's fp8 decode (the cuda backend) reads them in place
+            # the decode layout's pages: the step's kernels read them in place
             "kv": settings.kv.model_copy(
                 update={"pages_per_rank": settings.kv.pages_per_rank * settings.cp.size,
-                        "layout": BufferLayout.PART_MAJOR,
+                        "layout": settings.decode.layout,
                         # one rank: its views read its own pool in place (p2p would map nothing)
                         "materialize": MaterializeMode.ALL_GATHER}),
             "cache": settings.cache.model_copy(update={"enabled": False}),

@@ -7,8 +7,10 @@ the step's shape: token ids, positions, the new KV's token rows, each row's key 
 request's block table (its pages' slots; a row is rewritten only when the request's page table
 changed, by its version). On the device, per layer: attention inputs, the new KV rows written into
 the request's pages, the indexer over the request's keys read in place through the block table
-(``indexer_logits_paged``), top-k, the block table turning the picks into token rows, sparse MLA
-over them in place (``sparse_mla_paged``), the MLP; then the final logits and the greedy tokens.
+(``indexer_logits_index_pages`` on the engines' ``two_part`` pool, whose index-K lies in
+DeepGEMM's page order: 16-byte key rows; ``indexer_logits_paged`` on a part-major one), top-k,
+the block table turning the picks into token rows, sparse MLA over them in place
+(``sparse_mla_paged``), the MLP; then the final logits and the greedy tokens.
 No split plan, no batch of row layouts, no host read until the tokens.
 
 Three kinds of step, one machinery:
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cpkv.contracts import FallbackReason, KVDtype, PageLayout
+from cpkv.contracts import BufferLayout, FallbackReason, KVDtype, KVFormat
 from cpkv.fallback import report_fallback
 from cpkv.logs import get_logger
 from cpkv.ops import hadamard_rotate, quantize_index_q
@@ -75,6 +77,33 @@ class DecodeShape:
     pages: int
     rows: int = 1
     draft: bool = False
+
+
+@dataclass(frozen=True)
+class _LayerPages:
+    """One pool layer as the step's kernels read it in place: the latent pages ``sparse_mla_paged``
+    reads (``latent_fmt`` their format), and the index-K the indexer reads (a part-major
+    layer's pages, or a two_part layer's index-K tensor: ``index_pages``); ``fmt`` the layer's
+    format."""
+
+    latent: torch.Tensor
+    latent_fmt: KVFormat
+    index: torch.Tensor | None
+    fmt: KVFormat
+    index_pages: bool
+
+
+def _layer_pages(store: KVStore) -> list[_LayerPages]:
+    out = []
+    for layer, fmt in enumerate(store.fmts):
+        if store.spec.layout is BufferLayout.TWO_PART:
+            lb = store.spec.layers[layer]
+            assert lb.latent is not None
+            out.append(_LayerPages(lb.latent, fmt.latent_only(), lb.index_k, fmt, True))
+        else:
+            pages = store.kv[layer]
+            out.append(_LayerPages(pages, fmt, pages if fmt.index_k else None, fmt, False))
+    return out
 
 
 @dataclass(frozen=True)
@@ -126,13 +155,14 @@ class _Buffers:
 
 
 class LeanDecoder:
-    """Greedy decode steps over a one-rank, part-major pool (see the module docstring).
+    """Greedy decode steps over a one-rank pool in the ``two_part`` or part-major layout (see the
+    module docstring).
 
     Args:
         model: the loaded model (its MTP layer, when loaded, runs in every step but
             :meth:`draft`'s, which runs it alone).
         pages: the decode rank's page table (``pool.pages`` of a one-rank pool, no prefix cache).
-        store: that pool's bytes (``pool.store``, ``PageLayout.PART_MAJOR``).
+        store: that pool's bytes (``pool.store``: ``kv.layout`` two_part or part_major).
         ops: the pool's op table (``indexer_logits_paged``, ``topk``, ``sparse_mla_paged``).
         cuda_graphs: capture and replay CUDA graphs on a CUDA device.
         max_batch: the largest bucket captured.
@@ -142,9 +172,13 @@ class LeanDecoder:
     def __init__(self, model: DeepseekV32, pages: PageTable, store: KVStore, ops: OpTable, *,
                  cuda_graphs: bool = True, max_batch: int = 128,
                  indexer_fp8: bool = False) -> None:
-        if store.group.size != 1 or store.layout is not PageLayout.PART_MAJOR:
-            raise ValueError("the lean decode step needs a one-rank pool in the part-major layout")
+        if store.group.size != 1 or store.spec.layout not in (BufferLayout.TWO_PART,
+                                                               BufferLayout.PART_MAJOR):
+            raise ValueError("the lean decode step needs a one-rank pool in the two_part or "
+                             "part_major layout")
         self.model, self.pages, self.store, self.ops = model, pages, store, ops
+        #: per layer, the tensors the kernels read in place
+        self.layers = _layer_pages(store)
         self.device = store.group.device
         self.page_size = store.fmt.page_size
         self.topk = model.config.index_topk
@@ -410,7 +444,7 @@ class LeanDecoder:
         store.write_rows(layer, dst, a.latent,
                          None if a.index_k is None else
                          hadamard_rotate(a.index_k) if rot else a.index_k)
-        pages, fmt = store.kv[layer], store.fmts[layer]
+        lp = self.layers[layer]
         if a.index_q is None or a.index_w is None:
             if shared is None:
                 raise ValueError(f"layer {layer} reuses the previous full layer's top-k, but no "
@@ -418,16 +452,19 @@ class LeanDecoder:
             rows = shared
         else:
             iq, iw = a.index_q, a.index_w
+            assert lp.index is not None, f"layer {layer} runs the indexer: the pool holds its index-K"
             if rot:
                 iq = hadamard_rotate(iq)
             if self.indexer_fp8:
                 iq, iw = quantize_index_q(iq, iw)
-            logits = ops.indexer_logits_paged(iq, iw, pages, fmt, buf.table, buf.request, key_end)
+            read = ops.indexer_logits_index_pages if lp.index_pages else ops.indexer_logits_paged
+            logits = read(iq, iw, lp.index, lp.fmt, buf.table, buf.request, key_end)
             top = ops.topk(logits, self.topk, buf.key_start, key_end)
             # request-local key j -> token row row_pages[row, j // S] * S + j % S, -1 kept
             j = top.clamp_min(0).long()
             rows = torch.where(top >= 0,
                                (row_pages.gather(1, j // s) * s + j % s).to(torch.int32), top)
-        o = ops.sparse_mla_paged(a.q, pages, rows, fmt, m.softmax_scale, m.config.kv_lora_rank)
+        o = ops.sparse_mla_paged(a.q, lp.latent, rows, lp.latent_fmt, m.softmax_scale,
+                                 m.config.kv_lora_rank)
         x = x + m.attention_output(layer, o)
         return x + m.mlp(layer, x), rows

@@ -39,6 +39,8 @@ at a request), for k both smaller and larger than the T keys, and compare as fol
   key_end at 1, inside a page, on a page boundary and at M x S; the tolerances of
   ``indexer_logits`` (fp8 queries: relative to the largest logit) and -inf exactly at the keys
   at or past key_end.
+* ``indexer_logits_index_pages``: the same pools with their index-K in DeepGEMM's page order
+  (:func:`index_pages_of`, at two page strides), against the reference's part-major result.
 * ``topk``: int32 [N, k]; the -1 slots must be exactly the reference's; rows whose range holds
   at most k keys must equal the reference (all keys, ascending); longer rows must list distinct
   columns inside the range, in any order, forming the reference's index set.
@@ -98,6 +100,7 @@ __all__ = [
     "check_backend",
     "check_fp8_round_trip",
     "check_op",
+    "index_pages_of",
     "reference_backend",
 ]
 
@@ -668,12 +671,37 @@ def _paged_rows(fmt: KVFormat, requests: int, m: int, per: int, g: torch.Generat
     return table.to(torch.int32), row_request.to(torch.int32), key_end, pool
 
 
+def index_pages_of(pages: torch.Tensor, fmt: KVFormat, pad: int = 0) -> torch.Tensor:
+    """A part-major pool layer's index-K in DeepGEMM's page order (the engines' ``two_part``
+    index-K tensor): uint8 [P, S x index bytes], each page's values then its scales; ``pad``
+    spare bytes after each page (a wider page stride: the result is a view of that buffer)."""
+    p, ps, _ = pages.shape
+    ib, d = fmt.index_bytes_per_token, fmt.index_head_dim
+    vb = d if fmt.dtype is KVDtype.FP8 else ib
+    idx = pages.reshape(p, -1)[:, ps * fmt.latent_bytes_per_token:].reshape(p, ps, ib)
+    parts = [idx[..., :vb].reshape(p, ps * vb), idx[..., vb:].reshape(p, -1)]
+    out = torch.cat([*parts, torch.zeros(p, pad, dtype=torch.uint8, device=pages.device)], 1)
+    return out[:, :ps * ib] if pad else out
+
+
 def _check_indexer_logits_paged(impl: Any, ref: Any, device: str, seed: int) -> None:
     """Part-major pools of fp8 (DeepSeek-V3.2 and small), bf16 and fp32 formats; random block
     tables over a pool with spare pages; several rows per request; bf16, fp32 and (fp8 pools)
     fp8 queries; the same tolerances as ``indexer_logits``, -inf exactly at ``j >= key_end``,
     inputs unchanged."""
-    op = "indexer_logits_paged"
+    _check_paged_indexer(impl, ref, device, seed, index_pages=False)
+
+
+def _check_indexer_logits_index_pages(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """``indexer_logits_paged``'s cases with the pools' index-K in DeepGEMM's page order
+    (:func:`index_pages_of`; every other case at a wider page stride): equal to the
+    reference's ``indexer_logits_paged`` on the part-major pools, the same tolerances."""
+    _check_paged_indexer(impl, ref, device, seed, index_pages=True)
+
+
+def _check_paged_indexer(impl: Any, ref: Any, device: str, seed: int, *,
+                         index_pages: bool) -> None:
+    op = "indexer_logits_index_pages" if index_pages else "indexer_logits_paged"
     j = 0
     small = {"kv_lora_rank": 64, "rope_dim": 16, "index_head_dim": 32, "page_size": 16}
     cases = [("deepseek_v32 fp8", FORMATS["deepseek_v32"], 8), ("small fp8", FORMATS["small"], 4),
@@ -697,8 +725,16 @@ def _check_indexer_logits_paged(impl: Any, ref: Any, device: str, seed: int) -> 
             keep = [x.clone() for x in args]
             q, w, pages, table, row_request, key_end = args
             want = ref.indexer_logits_paged(q, w, pages, fmt, table, row_request, key_end)
-            got = _call(op, case, impl.indexer_logits_paged, q, w, pages, fmt, table,
-                        row_request, key_end)
+            if index_pages:
+                ipages = index_pages_of(pages, fmt, 16 * (j % 2))
+                kept = ipages.clone()
+                case += f", page-major index-K, page stride {ipages.stride(0)}"
+                got = _call(op, case, impl.indexer_logits_index_pages, q, w, ipages, fmt, table,
+                            row_request, key_end)
+                _unchanged(op, case, [kept], [ipages])
+            else:
+                got = _call(op, case, impl.indexer_logits_paged, q, w, pages, fmt, table,
+                            row_request, key_end)
             mag = ref.indexer_logits_paged(abs_fp8(q), w.abs(), abs_index_pages(pages, fmt), fmt,
                                            table, row_request, key_end) if kind == "fp8" else None
             _assert_logits(op, case, got, want, mag)
@@ -1065,6 +1101,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.PEER_GATHER.value: _check_peer_gather,
     Op.INDEXER_LOGITS.value: _check_indexer_logits,
     Op.INDEXER_LOGITS_PAGED.value: _check_indexer_logits_paged,
+    Op.INDEXER_LOGITS_INDEX_PAGES.value: _check_indexer_logits_index_pages,
     Op.TOPK.value: _check_topk,
     Op.INDEXER_TOPK.value: _check_indexer_topk,
     Op.SPARSE_MLA.value: _check_sparse_mla,
@@ -1273,6 +1310,9 @@ class BaseAttentionOpsTests(BaseOpsTests):
 
     def test_indexer_logits_paged(self) -> None:
         self.check(Op.INDEXER_LOGITS_PAGED)
+
+    def test_indexer_logits_index_pages(self) -> None:
+        self.check(Op.INDEXER_LOGITS_INDEX_PAGES)
 
     def test_topk(self) -> None:
         self.check(Op.TOPK)
