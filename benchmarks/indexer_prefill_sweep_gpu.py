@@ -1,6 +1,13 @@
 """Launch sweep of the Triton prefill indexer (fp8, DeepSeek's numerics) on one GPU (issue 38).
 
-Usage: python benchmarks/indexer_prefill_sweep_gpu.py OUT.json
+Usage: python benchmarks/indexer_prefill_sweep_gpu.py OUT.json [async]
+
+``async``: the Gluon kernel of ``cpkv_backend_triton.indexer_async`` (tuning ``ASYNC = 1``: each
+head's wgmma overlapped with the previous head's sum) at the launches of ``ASYNC_CONFIGS``,
+against the default Triton kernel; a row whose call fell back to the Triton kernel says so
+(``fallbacks``). Prediction: 64 x 64 x 4-head groups 1.1-1.3x the Triton kernel at 4Kx128K and
+2Kx512K (3 of 4 head sums hidden under the tensor cores; the L2 reads of the 64-key tile's
+queries, 128 FLOP/B, may cap it), 128 x 64 (two warpgroups) about the same.
 
 Each configuration overrides ``INDEXER_DEFAULT`` (BLOCK_M x BLOCK_N tile, warps, stages); every
 one is timed (CUDA events, median of 10 after a warm call) on the same fp8 inputs as
@@ -23,6 +30,7 @@ import sys
 
 import torch
 
+from cpkv.fallback import recording
 from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
 from cpkv_backend_triton.attention import AttentionKernels
 
@@ -36,6 +44,15 @@ CONFIGS = (
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 2},
+)
+_A = {"ASYNC": 1}
+ASYNC_CONFIGS = (
+    {},  # the default (Triton) kernel: the baseline
+    {**_A, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 4, "ASYNC_GROUP": 4},
+    {**_A, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 6, "ASYNC_GROUP": 4},
+    {**_A, "ASYNC_BLOCK_M": 128, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 4, "ASYNC_GROUP": 4},
+    {**_A, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 128, "ASYNC_STAGES": 3, "ASYNC_GROUP": 2},
+    {**_A, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 4, "ASYNC_GROUP": 2},
 )
 
 
@@ -62,7 +79,8 @@ def fp8_ceiling(dev: torch.device) -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator) -> list[dict[str, object]]:
+def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator,
+                configs: tuple[dict[str, int], ...] = CONFIGS) -> list[dict[str, object]]:
     """Every configuration on one shape's inputs."""
     heads, dim = 64, 128
     q = hadamard_rotate(torch.randn(n, heads, dim, dtype=torch.bfloat16, device=dev, generator=g))
@@ -75,14 +93,15 @@ def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator) -> list[d
     flops = 2 * heads * dim * float((ke - ks).sum())
     base = None
     rows: list[dict[str, object]] = []
-    for cfg in CONFIGS:
+    for cfg in configs:
         ak = AttentionKernels(indexer_config=cfg)
 
         def call(ak: AttentionKernels = ak) -> torch.Tensor:
             return ak.indexer_logits(q8, w8, k8, scale, ks, ke)
 
         try:
-            got = call()
+            with recording() as rec:
+                got = call()
             ms = median_ms(call)
         except Exception as e:  # a tile that does not compile: recorded, next one
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
@@ -93,6 +112,7 @@ def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator) -> list[d
         diff = float((got[fin] - base[fin]).abs().max() / base[fin].abs().max())
         rows.append({"config": cfg, "ms": ms, "tflops": flops / ms / 1e9,
                      "max_rel_diff_vs_default": diff,
+                     "fallbacks": [e.detail for e in rec.events],
                      "same_masking": bool(torch.equal(got.isneginf(), base.isneginf()))})
         print(f"{n}x{t} {cfg or 'default'}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
               f"diff {diff:.2e}", flush=True)
@@ -103,12 +123,13 @@ def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator) -> list[d
 
 def main() -> None:
     out = sys.argv[1]
+    configs = ASYNC_CONFIGS if sys.argv[2:] == ["async"] else CONFIGS
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
     shapes: dict[str, list[dict[str, object]]] = {}
     ceiling = fp8_ceiling(dev)
     for n, t in SHAPES:
-        shapes[f"{n}x{t}"] = sweep_shape(n, t, dev, g)
+        shapes[f"{n}x{t}"] = sweep_shape(n, t, dev, g, configs)
         torch.cuda.empty_cache()
     with open(out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "fp8_ceiling_tflops": ceiling,

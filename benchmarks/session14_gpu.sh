@@ -11,8 +11,12 @@
 # 2.23 -> ~1.9 ms GPU (indexer 0.35 -> 0.29 a layer, floor -0.08), gpu_vs_bytes ~2.4; the prompt
 # chunk's top-k (1024 x 480K) 2.1 -> ~1.2 ms.
 #
-# part `b` (.whl and .dg; ~8 min): DeepGEMM built; the indexer GPU conformance (the new op on
-# Triton, DeepGEMM's paged test); `python -m cpkv_backend_cuda.bench` (same-run rows).
+# part `b` (.whl and .dg; ~9 min): DeepGEMM built; the indexer GPU conformance (the new op on
+# Triton, DeepGEMM's paged test, the async Gluon indexer's tests); `python -m
+# cpkv_backend_cuda.bench` (same-run rows); the async indexer's launch sweep against the Triton
+# kernel (`indexer_prefill_sweep_gpu.py OUT async`). Predictions: paged row (identical tensors)
+# ~1.15; the async kernel 1.1-1.3x the Triton kernel at 4Kx128K / 2Kx512K (then ASYNC = 1 in the
+# tuning row and indexer_fp8_vs_deepgemm ~1.2-1.35).
 #
 # Usage: bash benchmarks/session14_gpu.sh OUT_DIR a|b
 part=${2:?a or b}
@@ -30,6 +34,9 @@ if [ "$part" = a ]; then
   exit 0
 fi
 timeout 200 "$py" -m pytest tests/test_triton_attention.py tests/test_deepgemm.py -q -rA \
-  -p no:cacheprovider --tb=short -k "(conformance_gpu and indexer) or page_tiles_gpu or deepgemm" \
+  -p no:cacheprovider --tb=short \
+  -k "(conformance_gpu and indexer) or page_tiles_gpu or deepgemm or async" \
   2>&1 | tee "$out/indexer_gpu_tests.log" | tail -8
-timeout 200 "$py" -m cpkv_backend_cuda.bench --out "$out/deepgemm_h200.json" 2>&1 | tail -14
+timeout 150 "$py" -m cpkv_backend_cuda.bench --out "$out/deepgemm_h200.json" 2>&1 | tail -14
+timeout 120 "$py" benchmarks/indexer_prefill_sweep_gpu.py "$out/indexer_async_sweep_h200.json" \
+  async 2>&1 | tail -20

@@ -520,6 +520,76 @@ def test_conformance_gpu(ref: Any, op: str, mla_config: dict[str, int]) -> None:
                   device="cuda")
 
 
+def test_async_indexer_says_why_it_declines() -> None:
+    """The Gluon indexer's decision (metadata only): not fp8 x fp8, not a Hopper GPU, not
+    TMA-readable rows, or a launch it cannot tile: each a reason (which the op reports once as
+    fallback ``kernel_variant`` and runs the Triton kernel: the GPU test checks the event)."""
+    from cpkv_backend_triton.indexer_async import async_indexer_declines
+
+    q8 = torch.zeros(4, 8, 128).to(torch.float8_e4m3fn)
+    k8, sc = torch.zeros(64, 128).to(torch.float8_e4m3fn), torch.ones(64)
+    assert "fp8 queries and fp8 keys" in (async_indexer_declines(q8.bfloat16(), k8, sc, 64) or "")
+    assert "fp8 queries and fp8 keys" in (async_indexer_declines(q8, k8, None, 64) or "")
+    if not CUDA:
+        assert "Hopper" in (async_indexer_declines(q8, k8, sc, 64) or "")
+
+
+ASYNC_LAUNCHES = [{"ASYNC": 1, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 4,
+                   "ASYNC_GROUP": 4},
+                  {"ASYNC": 1, "ASYNC_BLOCK_M": 128, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 4,
+                   "ASYNC_GROUP": 4},
+                  {"ASYNC": 1, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 128, "ASYNC_STAGES": 3,
+                   "ASYNC_GROUP": 2}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ASYNC_LAUNCHES)
+def test_async_indexer_conformance_gpu(ref: Any, cfg: dict[str, int]) -> None:
+    """The Gluon indexer (ASYNC = 1) passes the indexer_logits suite (its fp8 x fp8 cases; the
+    rest run the Triton kernel), and takes a DeepSeek-shaped call itself: no fallback, the
+    Triton kernel's logits to fp8 accumulation's error, -inf at the same places."""
+    from cpkv.fallback import recording
+
+    ak = AttentionKernels(indexer_config=cfg)
+    conf.check_op(ak, ref, "indexer_logits", device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, t = 300, 5000
+    q8 = (torch.randn(n, 64, 128, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    k8 = torch.randn(t, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(n, 64, device="cuda", generator=g) * 0.01
+    sc = torch.rand(t, device="cuda", generator=g) + 0.5
+    ks = torch.randint(0, 200, (n,), device="cuda", generator=g)
+    ke = torch.arange(t - n + 1, t + 1, device="cuda")
+    with recording() as rec:
+        got = ak.indexer_logits(q8, w, k8, sc, ks, ke)
+    assert rec.events == []
+    want = AttentionKernels().indexer_logits(q8, w, k8, sc, ks, ke)
+    assert torch.equal(got.isneginf(), want.isneginf())
+    fin = want.isfinite()
+    assert float((got[fin] - want[fin]).abs().max()) <= 1e-3 * float(want[fin].abs().max())
+
+
+@pytest.mark.gpu
+def test_async_indexer_declines_visibly_gpu() -> None:
+    """Queries whose heads are not contiguous rows (TMA cannot read them): the Triton kernel
+    runs, fallback kernel_variant reported once with the reason."""
+    from cpkv.contracts import FallbackReason
+    from cpkv.fallback import recording
+
+    ak = AttentionKernels(indexer_config=ASYNC_LAUNCHES[0])
+    q8 = torch.randn(64, 128, 8, device="cuda").to(torch.float8_e4m3fn).transpose(1, 2)
+    k8 = torch.randn(256, 128, device="cuda").to(torch.float8_e4m3fn)
+    w, sc = torch.rand(64, 8, device="cuda"), torch.ones(256, device="cuda")
+    ks = torch.zeros(64, dtype=torch.int64, device="cuda")
+    ke = torch.full((64,), 256, dtype=torch.int64, device="cuda")
+    with recording() as rec:
+        got = ak.indexer_logits(q8, w, k8, sc, ks, ke)
+        ak.indexer_logits(q8, w, k8, sc, ks, ke)
+    assert [e.reason for e in rec.events] == [FallbackReason.KERNEL_VARIANT]
+    assert "TMA" in rec.events[0].detail
+    assert torch.equal(got, AttentionKernels().indexer_logits(q8, w, k8, sc, ks, ke))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", PAGE_TILES)
 def test_indexer_page_tiles_gpu(ref: Any, cfg: dict[str, int]) -> None:

@@ -128,3 +128,76 @@ def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
         # ([64 keys x 64 heads] over 128 threads: 32 values a thread a promotion)
         p, a = res[f"{lay}_s1_km1_p32"], res[f"{lay}_s1_km1"]
         assert p["wgmma"] >= 4 and p["fadd"] >= a["fadd"] + 3 * 32, res
+
+
+_ASYNC_SCRIPT = r"""
+import inspect, json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from cpkv_backend_triton.indexer_async import _indexer_async_kernel as K, _group
+from cpkv_backend_triton.tuning import Op, row
+
+cfg = row(Op.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
+bm, bn = cfg["ASYNC_BLOCK_M"], cfg["ASYNC_BLOCK_N"]
+
+
+def desc(shape):
+    lay = gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)
+    return f"tensordesc<fp8e4nv[{shape[0]},{shape[1]}],{lay!r}>"
+
+
+names = list(inspect.signature(K.fn).parameters)
+const = {"H": 64, "QSTAGES": cfg["ASYNC_STAGES"], "GROUP": _group(64, cfg["ASYNC_GROUP"]),
+         "num_warps": bm // 16}
+ptrs = {"w_ptr": "*fp32", "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64",
+        "out_ptr": "*fp32"}
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+sig["q_desc"], sig["k_desc"] = desc([bm, 128]), desc([bn, 128])
+src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": bm // 16}).asm["ptx"]
+waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+out = {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "wait1": waits.count("1"),
+       "wait0": waits.count("0"), "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+       "group": const["GROUP"], "ptxas": None}
+# a ptxas that reads this PTX version (Triton's own may be older than the PTX it writes)
+for exe in sys.argv[1:]:
+    with open("/tmp/_cpkv_async.ptx", "w") as f:
+        f.write(ptx)
+    r = subprocess.run([exe, "-v", "-arch=sm_90a", "/tmp/_cpkv_async.ptx", "-o", "/dev/null"],
+                       capture_output=True, text=True)
+    if r.returncode == 0:
+        out["ptxas"] = r.stderr
+        break
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+def test_async_indexer_overlaps_wgmma_with_the_head_sums() -> None:
+    """The Gluon indexer at its tuned launch: in each group of heads, head j+1's wgmma is in
+    flight while head j is summed (``wgmma.wait_group 1``, ``GROUP - 1`` a group), the query
+    tiles come by TMA; and where a ptxas can assemble the PTX, it neither serializes the wgmma
+    chain (its C7512-C7515 warnings: a register move out of an in-flight accumulator, not
+    enough registers) nor spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    exes = [str(p) for p in (bins / "ptxas-blackwell", bins / "ptxas",
+                             Path("/usr/local/cuda/bin/ptxas")) if p.is_file()]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _ASYNC_SCRIPT, *exes], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the group is the loop's body (unrolled): its GROUP - 1 overlapped waits, one full wait
+    assert res["wait1"] == res["group"] - 1 and res["wait0"] == 1
+    assert res["wgmma"] == 4 * res["group"]  # 4 wgmma (k = 32 each) a head of 128 dims
+    assert res["tma"] >= 2
+    if res["ptxas"] is None:
+        pytest.skip("no ptxas here reads this PTX version: registers and spills not checked")
+    assert "C751" not in res["ptxas"], res["ptxas"]
+    assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]

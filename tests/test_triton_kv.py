@@ -98,7 +98,8 @@ def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.Mon
     with pytest.raises(AttributeError, match=r"no attention kernels: .*no attention"):
         ops.TritonOps().topk(torch.zeros(1, 1), 1, torch.zeros(1, dtype=torch.int64),
                              torch.ones(1, dtype=torch.int64))
-    with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', 'indexer_logits_paged', "
+    with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', "
+                                           r"'indexer_logits_index_pages', 'indexer_logits_paged', "
                                            r"'indexer_topk', 'sparse_mla', 'sparse_mla_paged', "
                                            r"'topk'\] "
                                            r"but does not have them: .*no attention"):

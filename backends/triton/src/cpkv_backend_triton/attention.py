@@ -566,6 +566,8 @@ class AttentionKernels:
         # num_stages that compiled, per kernel specialisation (an out-of-resource compile retries
         # with fewer stages once, on the host, without touching device data)
         self._stages: dict[tuple[Any, ...], int] = {}
+        #: why the async indexer declined, each said once
+        self._async_said: set[str] = set()
 
     def _launch(self, key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
                 consts: dict[str, Any], num_warps: int, num_stages: int) -> None:
@@ -632,6 +634,9 @@ class AttentionKernels:
                           "FP8": fp8, "UPCAST": upcast},
                          cfg["few_warps"], cfg["num_stages"])
             return out
+        if cfg["ASYNC"] and both_fp8 and not interp and self._async_indexer(q, w, k, scale, ks,
+                                                                             ke, out):
+            return out
         grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
         key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast)
         self._launch(key, _indexer_kernel, grid,
@@ -642,6 +647,28 @@ class AttentionKernels:
                       "UPCAST": upcast},
                      cfg["num_warps"], cfg["num_stages"])
         return out
+
+    def _async_indexer(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                       scale: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
+                       out: torch.Tensor) -> bool:
+        """``ASYNC = 1``: the Gluon kernel of :mod:`.indexer_async` into ``out``; False (reported
+        once per reason, the Triton kernel runs) when it cannot take the call."""
+        cfg = self.indexer_config
+        try:
+            from .indexer_async import async_indexer_declines, async_indexer_logits
+        except ImportError as exc:  # a Triton without Gluon's Hopper modules
+            why: str | None = f"Gluon cannot be imported ({exc})"
+        else:
+            why = async_indexer_declines(q, k, scale, int(cfg["ASYNC_BLOCK_M"]))
+        if why is None:
+            async_indexer_logits(q, w, k, scale, ks, ke, out, cfg)
+            return True
+        if why not in self._async_said:
+            self._async_said.add(why)
+            report_fallback(op="triton:indexer_logits", requested="the async Gluon kernel (ASYNC=1)",
+                            selected="the Triton kernel", reason=FallbackReason.KERNEL_VARIANT,
+                            detail=why)
+        return False
 
     def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
                              fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,

@@ -25,8 +25,8 @@ IMPORT_ERRORS: dict[str, str] = {}
 #: the ops each part implements
 KV_OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE,
                                    Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK})
-ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.TOPK,
-                                          Op.INDEXER_TOPK,
+ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
+                                          Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
                                           Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
 ROPE_OPS: frozenset[Op] = frozenset({Op.ROPE})
 

@@ -79,7 +79,11 @@ class IndexerParams(_Params):
     deep, PAGED_KEYS_M 1: keys @ q^T (0: q @ keys^T), PAGED_PRECISE k > 0: fp8 dots' partial
     sums promoted into fp32 every k of the reduction (0: Triton's default); PAGED_MAJOR_PAGES
     and PAGED_MAJOR_STAGES replace PAGED_PAGES and PAGED_STAGES on DeepGEMM's page-major index-K
-    (``indexer_logits_index_pages``); paged_warps warps either way."""
+    (``indexer_logits_index_pages``); paged_warps warps either way. ASYNC 1: fp8 x fp8 prefill
+    calls take the Gluon kernel that overlaps each head's wgmma with the previous head's sum
+    (:mod:`cpkv_backend_triton.indexer_async`: ASYNC_BLOCK_M rows (64 a warpgroup) x
+    ASYNC_BLOCK_N keys a program, ASYNC_STAGES query tiles in flight, ASYNC_GROUP heads a
+    pipelined group); 0: the Triton kernel."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -98,6 +102,11 @@ class IndexerParams(_Params):
     PAGED_PRECISE: int
     PAGED_MAJOR_PAGES: int
     PAGED_MAJOR_STAGES: int
+    ASYNC: int
+    ASYNC_BLOCK_M: int
+    ASYNC_BLOCK_N: int
+    ASYNC_STAGES: int
+    ASYNC_GROUP: int
 
 
 @dataclass(frozen=True)
@@ -169,7 +178,10 @@ _NONE_ELSE = "no other device measured: the H200's values ({})"
 _INDEXER_H200 = IndexerParams(
     BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, FEW_ROWS=8, FEW_BLOCK_N=128, few_warps=4,
     PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=1, PAGED_PAGES=8, PAGED_STAGES=1,
-    PAGED_KEYS_M=1, PAGED_PRECISE=0, PAGED_MAJOR_PAGES=16, PAGED_MAJOR_STAGES=3)
+    PAGED_KEYS_M=1, PAGED_PRECISE=0, PAGED_MAJOR_PAGES=16, PAGED_MAJOR_STAGES=3,
+    # the async Gluon kernel is off until an H200 run measures it (benchmarks/session14_gpu.sh);
+    # 64 x 64 x 4 heads a group: 168 registers, no spill, no serialized wgmma (ptxas on the PTX)
+    ASYNC=0, ASYNC_BLOCK_M=64, ASYNC_BLOCK_N=64, ASYNC_STAGES=4, ASYNC_GROUP=4)
 _INDEXER_SRC = (
     "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
     "32K x 64 x 128; the few-rows kernel at 64K fp8 keys x 64 heads: 1-4 rows ~2x the row-tile "

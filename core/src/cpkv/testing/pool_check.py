@@ -192,6 +192,10 @@ def run_pool_scenario(group: CPGroup, sc: PoolScenario) -> PoolOutcome:
         for shared, pool in pools.items():
             pool.commit(batches[shared])
     sharded = pools[True]
+    # every rank is done reading views (p2p reads its peers' pages in place) before any wipes
+    # its pages for the host-tier round trip: without it a slow rank's last prefetched view
+    # read a peer's wiped pages (seen once under load, "prefetched view differs")
+    group.barrier()
     _pages_out(sharded, group, out)
     foot = sharded.footprint()
     out.bytes_held = foot.bytes_held
