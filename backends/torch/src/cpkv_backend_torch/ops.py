@@ -44,7 +44,7 @@ they run unchanged on CPU and CUDA tensors, for any number of rows including 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -302,6 +302,16 @@ class TorchOps:
             ValueError: a shape or dtype does not match (as every backend).
         """
         check_indexer_paged_args(q, w, pages, fmt, block_table, row_request, key_end)
+        return self._rows_over_pages(q, w, fmt, block_table, row_request, key_end,
+                                     lambda tok, gather: paged_index_keys(pages, fmt, tok, gather))
+
+    def _rows_over_pages(self, q: torch.Tensor, w: torch.Tensor, fmt: KVFormat,
+                         block_table: torch.Tensor, row_request: torch.Tensor,
+                         key_end: torch.Tensor, keys_of: Callable[..., tuple[torch.Tensor,
+                                                                              torch.Tensor | None]]
+                         ) -> torch.Tensor:
+        """The paged indexers' one row at a time: row i's request keys (``keys_of(tokens,
+        page_gather)``: the keys of those token rows) into :meth:`indexer_logits`."""
         n = q.shape[0]
         cols = block_table.shape[1] * fmt.page_size
         out = torch.full((n, cols), float("-inf"), dtype=torch.float32, device=q.device)
@@ -311,9 +321,8 @@ class TorchOps:
         start = key_end.new_zeros(1)
         request = row_request.long()
         for i in range(n):  # a loop over a shape, not over data
-            keys, scale = paged_index_keys(
-                pages, fmt, tokens.index_select(0, request[i:i + 1]).view(-1),
-                lambda src, index: TorchOps.page_gather(self, src, index))
+            keys, scale = keys_of(tokens.index_select(0, request[i:i + 1]).view(-1),
+                                  lambda src, index: TorchOps.page_gather(self, src, index))
             # the reference's own indexer (a subclass that overrides it changes that op alone)
             out[i:i + 1] = TorchOps.indexer_logits(self, q[i:i + 1], w[i:i + 1], keys, scale,
                                                    start, key_end[i:i + 1])
@@ -344,21 +353,9 @@ class TorchOps:
             ValueError: a shape or dtype does not match (as every backend).
         """
         check_indexer_index_pages_args(q, w, index_pages, fmt, block_table, row_request, key_end)
-        n = q.shape[0]
-        cols = block_table.shape[1] * fmt.page_size
-        out = torch.full((n, cols), float("-inf"), dtype=torch.float32, device=q.device)
-        if cols == 0:
-            return out
-        tokens = paged_index_tokens(block_table, fmt.page_size)
-        start = key_end.new_zeros(1)
-        request = row_request.long()
-        for i in range(n):  # a loop over a shape, not over data
-            keys, scale = index_page_keys(
-                index_pages, fmt, tokens.index_select(0, request[i:i + 1]).view(-1),
-                lambda src, index: TorchOps.page_gather(self, src, index))
-            out[i:i + 1] = TorchOps.indexer_logits(self, q[i:i + 1], w[i:i + 1], keys, scale,
-                                                   start, key_end[i:i + 1])
-        return out
+        return self._rows_over_pages(
+            q, w, fmt, block_table, row_request, key_end,
+            lambda tok, gather: index_page_keys(index_pages, fmt, tok, gather))
 
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:
