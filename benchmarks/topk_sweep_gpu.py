@@ -78,7 +78,8 @@ def main() -> None:
     prompt = {"table": {}, "sample_2048": {"SAMPLE": 2048}, "sample_8192": {"SAMPLE": 8192},
               "block_2048": {"BLOCK": 2048}, "warps_8": {"num_warps": 8},
               "select_8": {"select_warps": 8}, "refine_512": {"REFINE": 512},
-              "refine_2048": {"REFINE": 2048}}
+              "refine_2048": {"REFINE": 2048}, "held_4096": {"HELD": 4096},
+              "held_8192": {"HELD": 8192}, "held_8192_sel8": {"HELD": 8192, "select_warps": 8}}
     n, t = 1024, 1 << 19
     ke = torch.arange(t - n + 1, t + 1, device="cuda") - 32768  # rows at 448K-480K keys
     out["prompt_1024x480k"] = _case("prompt", n, t, ke, prompt, g)
@@ -88,7 +89,10 @@ def main() -> None:
               # more splits need a smaller per-split CAP (the scratch is rows x splits x CAP
               # int64 within SCRATCH_MB): 32 splits of 8K columns at CAP = k
               "cap_2k_split_4k": {"CAP": 2048, "SPLIT_MIN": 4096},
-              "cap_4k_split_8k": {"CAP": 4096, "SPLIT_MIN": 8192}}
+              "cap_4k_split_8k": {"CAP": 4096, "SPLIT_MIN": 8192},
+              "held_4096": {"HELD": 4096}, "held_4096_cap_2k_split_4k": {"HELD": 4096,
+                                                                          "CAP": 2048,
+                                                                          "SPLIT_MIN": 4096}}
     n, t = 64, 1 << 18
     ke = torch.randint(131072 - 4096, 131073, (n,), generator=g, device="cuda")
     out["decode_64x128k"] = _case("decode", n, t, ke, decode, g)

@@ -142,14 +142,15 @@ def _small_topk_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _long_topk_config(monkeypatch: pytest.MonkeyPatch, sample: int = 16, cap: int = 32,
-                      programs: int = 64) -> None:
+                      programs: int = 64, held: int = 64) -> None:
     """The long-row path (floor, filter, select) for every row length, several splits a row,
     few candidates: its flagged rows (a split over CAP, fewer than k candidates) reach the exact
-    kernel at interpreter sizes."""
+    kernel at interpreter sizes; rows whose splits hold at most ``held`` / splits candidates are
+    refined from registers, the others by the loop over memory (both at these sizes)."""
     monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "MIN_T": 1,
                                                 "SAMPLE": sample, "CAP": cap, "BLOCK": 16,
                                                 "PROGRAMS": programs, "SPLIT_MIN": 32,
-                                                "REFINE": 16})
+                                                "REFINE": 16, "HELD": held})
 
 
 def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
@@ -217,6 +218,25 @@ def test_topk_exact_edge_cases(ref: Any, monkeypatch: pytest.MonkeyPatch, kind: 
         assert _same_choice(got, ref.topk(logits, k, ks, ke), logits, ks, ke, k), (k, logits.dtype)
     r = torch.zeros(0, dtype=torch.int64)
     assert impl.topk(torch.zeros(0, t), 5, r, r).shape == (0, 5)
+
+
+@interp
+@pytest.mark.parametrize("held", [0, 4096], ids=["loop", "held"])
+@pytest.mark.parametrize("kind", ["ties", "neg_inf", "randn"])
+def test_topk_select_from_registers_or_memory(ref: Any, monkeypatch: pytest.MonkeyPatch,
+                                              held: int, kind: str) -> None:
+    """The long path's select either way: every row refined from registers (``HELD`` larger
+    than every split's CAP) or every row by the loop over memory (``HELD`` 0): the reference's
+    sets, ties by ascending column, flagged rows still exact."""
+    _long_topk_config(monkeypatch, held=held)
+    g = torch.Generator().manual_seed(5)
+    n, t = 9, 150
+    x = _topk_case(g, n, t, kind)
+    ks = torch.tensor([0, 0, 5, 30, -3, 100, 0, 149, 10])
+    ke = torch.tensor([150, 80, 5, 140, 200, 90, 3, 150, 137])
+    for k in (1, 24, 64):
+        got = AttentionKernels().topk(x, k, ks, ke)
+        assert _same_choice(got, ref.topk(x, k, ks, ke), x, ks, ke, k), (held, kind, k)
 
 
 @interp

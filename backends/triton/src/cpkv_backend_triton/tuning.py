@@ -143,8 +143,10 @@ class TopkLongParams(_Params):
     floor; at most CAP candidates a split (more: the exact kernel); BLOCK columns a step of the
     filter; PROGRAMS: a call of few rows splits them into enough (row, split) programs to fill
     the GPU (splits of at least SPLIT_MIN columns; their candidates' scratch within an eighth of
-    the logits' bytes or SCRATCH_MB); REFINE candidates a refinement step; num_warps of the
-    filter, select_warps of the select kernel."""
+    the logits' bytes or SCRATCH_MB); REFINE candidates a refinement step; HELD: a row whose
+    splits each hold at most HELD / splits candidates is refined from registers, all loaded
+    once (0: always the loop over memory); num_warps of the filter, select_warps of the select
+    kernel."""
 
     MIN_T: int
     SAMPLE: int
@@ -154,6 +156,7 @@ class TopkLongParams(_Params):
     SPLIT_MIN: int
     SCRATCH_MB: int
     REFINE: int
+    HELD: int
     num_warps: int
     select_warps: int
 
@@ -209,8 +212,9 @@ _TOPK_SRC = ("docs/perf.md Long prompts / docs/triton.md topk, 1024 x 64K on the
              "as fast as 32 and 12 % faster than 128; 512-column blocks, 8K-column chunks and 4 "
              "warps the best of a sweep")
 _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=2048,
-                                 SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024, num_warps=4,
-                                 select_warps=4)
+                                 SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024,
+                                 # HELD off until measured (benchmarks/topk_sweep_gpu.py)
+                                 HELD=0, num_warps=4, select_warps=4)
 _TOPK_LONG_SRC = (
     "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
     "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
