@@ -26,6 +26,7 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import KVFormat
 from cpkv.disagg import DecodeReceiver, TransferManifest, manifest_for, pack_part, page_checksums
 from cpkv.kv import KVStore, PageTable, RequestPages, ShardedKVPool
+from cpkv.kv.buffers import read_part
 from cpkv.ops import ALL_OPS
 from cpkv.runtime.job import JobSpec
 from cpkv.runtime.setup import resolve_ops
@@ -109,9 +110,12 @@ def check_landed(rx: DecodeReceiver, ranks: list[FakeRank], rid: str, owners: li
     assert rp.owners == [0] * len(rp.slots)
     for k in range(len(rp.slots)):  # decode page k == owner's page k, every layer, both buffers
         src, dst = ranks[owners[k]].pool.store, rx.store
-        for layer in range(src.num_layers):
-            assert torch.equal(dst.latent[layer][rp.slots[k]], src.latent[layer][slots[k]])
-            assert torch.equal(dst.index_k[layer][rp.slots[k]], src.index_k[layer][slots[k]])
+        d_idx = torch.tensor([rp.slots[k]], device=dst.group.device)
+        s_idx = torch.tensor([slots[k]], device=src.group.device)
+        for layer in range(src.num_layers):  # each part's rows, whatever the two layouts
+            for part in ("latent", "index_k"):
+                assert torch.equal(read_part(dst.spec, layer, part, d_idx).cpu(),
+                                   read_part(src.spec, layer, part, s_idx).cpu())
 
 
 def next_request_works(rx: DecodeReceiver) -> None:
