@@ -36,6 +36,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 __all__ = ["async_indexer_declines", "async_indexer_logits"]
 
+# the TMA load's name: ``async_load`` from Triton 3.7, ``async_copy_global_to_shared`` before (the
+# GPU image's Triton 3.6); the same builtin and arguments
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 
 @gluon.jit
 def _issue(q_smem, kt, bars, h, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, mma: gl.constexpr,
@@ -57,7 +61,7 @@ def _sum_head(acc, s, q_desc, q_smem, bars, w_ptr, rows64, rmask, sw0, sw1, m0, 
     nxt = h + QSTAGES
     slot = h % QSTAGES
     mbarrier.expect(bars.index(slot), q_desc.block_type.nbytes, pred=nxt < H)
-    tma.async_load(q_desc, [m0, nxt * q_desc.block_type.shape[1]], bars.index(slot),
+    _tma_load(q_desc, [m0, nxt * q_desc.block_type.shape[1]], bars.index(slot),
                    q_smem.index(slot), pred=nxt < H)
     wv = gl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
     return acc + wv[:, None] * gl.maximum(s, 0.0)
@@ -95,10 +99,10 @@ def _indexer_async_kernel(q_desc, k_desc, w_ptr, scale_ptr, ks_ptr, ke_ptr, out_
             mbarrier.init(bars.index(i), count=1)
         kbar = bars.index(QSTAGES)
         mbarrier.expect(kbar, k_desc.block_type.nbytes)
-        tma.async_load(k_desc, [n0, 0], kbar, k_smem)
+        _tma_load(k_desc, [n0, 0], kbar, k_smem)
         for i in gl.static_range(QSTAGES):
             mbarrier.expect(bars.index(i), q_desc.block_type.nbytes, pred=i < H)
-            tma.async_load(q_desc, [m0, i * D], bars.index(i), q_smem.index(i), pred=i < H)
+            _tma_load(q_desc, [m0, i * D], bars.index(i), q_smem.index(i), pred=i < H)
         mbarrier.wait(kbar, 0)
         kt = k_smem.permute((1, 0))
         # heads in groups of GROUP: in a group, head j+1's product is issued before head j is
