@@ -8,9 +8,18 @@
 # Predictions: async 1.1-1.3x the Triton kernel at 4Kx128K and 2Kx512K (then
 # indexer_fp8_vs_deepgemm ~1.15-1.35); decode_64x128k_gpu_vs_bytes ~2.0 on the H100 with FlashMLA
 # (2.40 without).
-# Usage: bash benchmarks/session15_gpu.sh OUT_DIR a
-part=${2:?a}
-source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" deepgemm
+#
+# Part `b` (.whl with --flashmla; ~6 min): the long-row top-k's filter reads 16-byte pieces
+# (it read 4-byte ones: a range mask) and PROGRAMS 8192 (two splits a row at ~4.4K rows: 2.08
+# waves of one-split programs before). `topk_sweep_gpu.py` (1024 and 4096 rows x 480K, a decode
+# step's 64 x 128K), `cpkv bench long` at 512K / 1M, the decode step. Predictions: the filter
+# at 1024 x 480K 1.21 -> ~0.8 ms; in the 512K chunk 169 -> ~75 ms, long_512k_topk_share 0.20 ->
+# ~0.12 (H100), long_1m_fp8_mfu 0.51 -> ~0.53; the decode step's filter 0.045 -> ~0.03 ms a
+# layer.
+# Usage: bash benchmarks/session15_gpu.sh OUT_DIR a|b
+part=${2:?a or b}
+if [ "$part" = a ]; then source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" deepgemm
+else source benchmarks/gpu_setup.sh "${1:?OUT_DIR}"; fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
 if [ "$part" = a ]; then
   timeout 100 "$py" -m pytest tests/test_triton_attention.py -q -rA -p no:cacheprovider \
@@ -23,4 +32,11 @@ if [ "$part" = a ]; then
     --out "$out/decode_64x128k_flashmla.json" 2>&1 | tail -8
   timeout 60 "$py" benchmarks/decode_profile_gpu.py "$out/decode_profile_flashmla.json" 64 131072 \
     2>&1 | tail -12
+else
+  timeout 150 "$py" benchmarks/topk_sweep_gpu.py "$out/topk_sweep.json" 2>&1 | tail -20
+  timeout 240 "$py" -m cpkv.cli bench long --out "$out/long.json" --tokens 524288,1048576 \
+    --chunks 65536 --fixed-budget-mb 0 --recall-tokens "" --no-hf --hf-tokens 0 \
+    --no-bf16-compare 2>&1 | tail -14
+  timeout 90 "$py" -m cpkv.cli bench decode --batches 64 --contexts 131072 --no-mtp \
+    --out "$out/decode_64x128k.json" 2>&1 | tail -8
 fi

@@ -75,24 +75,22 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "k": K,
                            "table": dict(T.TOPK_LONG)}
-    prompt = {"table": {}, "sample_2048": {"SAMPLE": 2048}, "sample_8192": {"SAMPLE": 8192},
-              "block_2048": {"BLOCK": 2048}, "warps_8": {"num_warps": 8},
-              "select_8": {"select_warps": 8}, "refine_512": {"REFINE": 512},
-              "refine_2048": {"REFINE": 2048}, "held_4096": {"HELD": 4096},
-              "held_8192": {"HELD": 8192}, "held_8192_sel8": {"HELD": 8192, "select_warps": 8}}
+    prompt = {"table": {}, "block_2048": {"BLOCK": 2048}, "block_4096": {"BLOCK": 4096},
+              "warps_8": {"num_warps": 8}, "sample_2048": {"SAMPLE": 2048},
+              "programs_2048": {"PROGRAMS": 2048}}
     n, t = 1024, 1 << 19
     ke = torch.arange(t - n + 1, t + 1, device="cuda") - 32768  # rows at 448K-480K keys
     out["prompt_1024x480k"] = _case("prompt", n, t, ke, prompt, g)
-    decode = {"table": {}, "split_8k": {"SPLIT_MIN": 8192}, "split_4k": {"SPLIT_MIN": 4096},
-              "split_8k_sel8": {"SPLIT_MIN": 8192, "select_warps": 8},
-              "sample_1024": {"SAMPLE": 1024},
-              # more splits need a smaller per-split CAP (the scratch is rows x splits x CAP
-              # int64 within SCRATCH_MB): 32 splits of 8K columns at CAP = k
-              "cap_2k_split_4k": {"CAP": 2048, "SPLIT_MIN": 4096},
-              "cap_4k_split_8k": {"CAP": 4096, "SPLIT_MIN": 8192},
-              "held_4096": {"HELD": 4096}, "held_4096_cap_2k_split_4k": {"HELD": 4096,
-                                                                          "CAP": 2048,
-                                                                          "SPLIT_MIN": 4096}}
+    # the row blocks `cpkv bench long` gives the top-k at 512K keys on an H100 (a 9.2 GB logits
+    # budget: ~4.4K rows a call): PROGRAMS 2048 made one split a row, 2.08 waves of programs
+    n = 4096
+    ke = torch.arange(t - n + 1, t + 1, device="cuda") - 32768
+    out["prompt_4096x480k"] = _case("prompt4k", n, t, ke, prompt, g)
+    # session 14's variants (split_4k/8k, CAP 2K/4K, HELD) measured on an H100 in
+    # results/session15/topk_sweep_before_h100.json: none beat the table by more than 7 %
+    decode = {"table": {}, "split_8k_sel8": {"SPLIT_MIN": 8192, "select_warps": 8},
+              "sample_1024": {"SAMPLE": 1024}, "block_2048": {"BLOCK": 2048},
+              "sample_2048_sel8": {"SAMPLE": 2048, "select_warps": 8}}
     n, t = 64, 1 << 18
     ke = torch.randint(131072 - 4096, 131073, (n,), generator=g, device="cuda")
     out["decode_64x128k"] = _case("decode", n, t, ke, decode, g)

@@ -142,13 +142,13 @@ def _small_topk_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _long_topk_config(monkeypatch: pytest.MonkeyPatch, sample: int = 16, cap: int = 32,
-                      programs: int = 64, held: int = 64) -> None:
+                      programs: int = 64, held: int = 64, block: int = 16) -> None:
     """The long-row path (floor, filter, select) for every row length, several splits a row,
     few candidates: its flagged rows (a split over CAP, fewer than k candidates) reach the exact
     kernel at interpreter sizes; rows whose splits hold at most ``held`` / splits candidates are
     refined from registers, the others by the loop over memory (both at these sizes)."""
     monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "MIN_T": 1,
-                                                "SAMPLE": sample, "CAP": cap, "BLOCK": 16,
+                                                "SAMPLE": sample, "CAP": cap, "BLOCK": block,
                                                 "PROGRAMS": programs, "SPLIT_MIN": 32,
                                                 "REFINE": 16, "HELD": held})
 
@@ -283,6 +283,26 @@ def test_topk_long_rows_flagged_to_the_exact_kernel(ref: Any,
     ks, ke = torch.zeros(n, dtype=torch.int64), torch.full((n,), t)
     got = AttentionKernels().topk(x, k, ks, ke)
     assert _same_choice(got, ref.topk(x, k, ks, ke), x, ks, ke, k)
+
+
+@interp
+@pytest.mark.parametrize("kind", ["ties", "randn"])
+def test_topk_filter_blocks_from_16_column_boundaries(ref: Any, monkeypatch: pytest.MonkeyPatch,
+                                                      kind: str) -> None:
+    """The filter reads each split in blocks that start on a 16-column boundary below the
+    split's first column (unmasked but the last): blocks of 64 columns, splits of 64, rows
+    starting off the boundaries (the reach-back's columns are not candidates), ending inside a
+    block (the masked last one), a strided view: the reference's sets."""
+    _long_topk_config(monkeypatch, cap=64, block=64)
+    g = torch.Generator().manual_seed(11)
+    n, t = 6, 333
+    x = _topk_case(g, n, t, kind)
+    ks = torch.tensor([0, 3, 17, 40, 70, 129])
+    ke = torch.tensor([333, 300, 250, 333, 201, 330])
+    for logits in (x, x.t().contiguous().t()):
+        for k in (5, 24, 64):
+            got = AttentionKernels().topk(logits, k, ks, ke)
+            assert _same_choice(got, ref.topk(logits, k, ks, ke), logits, ks, ke, k), (kind, k)
 
 
 @interp

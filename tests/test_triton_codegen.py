@@ -201,3 +201,42 @@ def test_async_indexer_overlaps_wgmma_with_the_head_sums() -> None:
         pytest.skip("no ptxas here reads this PTX version: registers and spills not checked")
     assert "C751" not in res["ptxas"], res["ptxas"]
     assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]
+
+
+_FILTER_SCRIPT = r"""
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cpkv_backend_triton.topk import _topk_filter_kernel as K
+
+names = list(inspect.signature(K.fn).parameters)
+ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
+        "cand_ptr": "*i64", "count_ptr": "*i32"}
+# a contiguous fp32 logits matrix whose row stride is a multiple of 16 (the JIT's specialization
+# of a long prompt's [rows, keys] logits)
+const = {"BLOCK": 1024, "CAP": 16384, "sx1": 1}
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, "sx0"]})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+print(json.dumps({w: len(re.findall(r"ld\.global(?:\.[\w:]+)*\." + w + r"\s", ptx))
+                  for w in ("b32", "v4.b32")}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_long_topk_filter_reads_16_byte_pieces() -> None:
+    """The long-row top-k's filter reads the logits in 16-byte pieces (the blocks start on
+    16-column boundaries and all but the last are unmasked): a block of 1024 columns over 128
+    threads is 2 ``ld.global.v4`` a thread; the masked last block stays 8 scalar loads. Its range
+    mask once made every load a 4-byte one (the kernel at 0.25-0.55 of the copy bandwidth)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _FILTER_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["v4.b32"] == 2, res
+    assert res["b32"] <= 8 + 3, res  # the last block, the floor and the range's ends

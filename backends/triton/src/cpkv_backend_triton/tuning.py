@@ -211,7 +211,7 @@ _TOPK_H200 = TopkParams(BLOCK=512, CHUNK=8192, num_warps=4, final_warps=4, BINS=
 _TOPK_SRC = ("docs/perf.md Long prompts / docs/triton.md topk, 1024 x 64K on the H200: 64 bins "
              "as fast as 32 and 12 % faster than 128; 512-column blocks, 8K-column chunks and 4 "
              "warps the best of a sweep")
-_TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=2048,
+_TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=8192,
                                  SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024,
                                  # HELD off until measured (benchmarks/topk_sweep_gpu.py)
                                  HELD=0, num_warps=4, select_warps=4)
