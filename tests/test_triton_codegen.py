@@ -215,14 +215,18 @@ ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp3
         "cand_ptr": "*i64", "count_ptr": "*i32"}
 # a contiguous fp32 logits matrix whose row stride is a multiple of 16 (the JIT's specialization
 # of a long prompt's [rows, keys] logits)
-const = {"BLOCK": 1024, "CAP": 16384, "sx1": 1}
-sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, "sx0"]})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-print(json.dumps({w: len(re.findall(r"ld\.global(?:\.[\w:]+)*\." + w + r"\s", ptx))
-                  for w in ("b32", "v4.b32")}))
+out = {}
+for aligned in (1, 0):
+    const = {"BLOCK": 1024, "CAP": 16384, "sx1": 1, "ALIGNED": aligned}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(fn=K, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, "sx0"]})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    out[aligned] = {w: len(re.findall(r"ld\.global(?:\.[\w:]+)*\." + w + r"\s", ptx))
+                    for w in ("b32", "v4.b32")}
+print(json.dumps(out))
 """
 
 
@@ -238,5 +242,6 @@ def test_long_topk_filter_reads_16_byte_pieces() -> None:
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["v4.b32"] == 2, res
-    assert res["b32"] <= 8 + 3, res  # the last block, the floor and the range's ends
+    assert res["1"]["v4.b32"] == 2, res
+    assert res["1"]["b32"] <= 8 + 3, res  # the last block, the floor and the range's ends
+    assert res["0"]["v4.b32"] == 0 and res["0"]["b32"] >= 8, res  # ALIGNED 0: range-masked

@@ -145,8 +145,9 @@ class TopkLongParams(_Params):
     the GPU (splits of at least SPLIT_MIN columns; their candidates' scratch within an eighth of
     the logits' bytes or SCRATCH_MB); REFINE candidates a refinement step; HELD: a row whose
     splits each hold at most HELD / splits candidates is refined from registers, all loaded
-    once (0: always the loop over memory); num_warps of the filter, select_warps of the select
-    kernel."""
+    once (0: always the loop over memory); ALIGNED 1: the filter's blocks start on 16-column
+    boundaries, all but the last unmasked (16-byte loads), 0: range-masked blocks (4-byte
+    loads); num_warps of the filter, select_warps of the select kernel."""
 
     MIN_T: int
     SAMPLE: int
@@ -157,6 +158,7 @@ class TopkLongParams(_Params):
     SCRATCH_MB: int
     REFINE: int
     HELD: int
+    ALIGNED: int
     num_warps: int
     select_warps: int
 
@@ -214,7 +216,7 @@ _TOPK_SRC = ("docs/perf.md Long prompts / docs/triton.md topk, 1024 x 64K on the
 _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=8192,
                                  SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024,
                                  # HELD off until measured (benchmarks/topk_sweep_gpu.py)
-                                 HELD=0, num_warps=4, select_warps=4)
+                                 HELD=0, ALIGNED=1, num_warps=4, select_warps=4)
 _TOPK_LONG_SRC = (
     "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
     "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
