@@ -9,13 +9,12 @@
 # indexer_fp8_vs_deepgemm ~1.15-1.35); decode_64x128k_gpu_vs_bytes ~2.0 on the H100 with FlashMLA
 # (2.40 without).
 #
-# Part `b` (.whl with --flashmla; ~6 min): the long-row top-k's filter reads 16-byte pieces
-# (it read 4-byte ones: a range mask) and PROGRAMS 8192 (two splits a row at ~4.4K rows: 2.08
-# waves of one-split programs before). `topk_sweep_gpu.py` (1024 and 4096 rows x 480K, a decode
-# step's 64 x 128K), `cpkv bench long` at 512K / 1M, the decode step. Predictions: the filter
-# at 1024 x 480K 1.21 -> ~0.8 ms; in the 512K chunk 169 -> ~75 ms, long_512k_topk_share 0.20 ->
-# ~0.12 (H100), long_1m_fp8_mfu 0.51 -> ~0.53; the decode step's filter 0.045 -> ~0.03 ms a
-# layer.
+# Part `b` (.whl with --flashmla; ~3 min): `topk_sweep_gpu.py` (1024 and 4096 rows x 480K, a
+# decode step's 64 x 128K), `cpkv bench long` at 512K / 1M, the decode step. First run with the
+# filter's blocks on 16-column boundaries (16-byte loads) and PROGRAMS 8192; predicted the
+# filter 1.21 -> ~0.8 ms at 1024 x 480K; measured 1.64 (the range-masked blocks 1.22): the
+# v4 layout is converted before the candidates' scatter store (docs/lessons.md). The second run
+# (the range-masked filter, PROGRAMS 8192) predicts the 512K chunk's filter 168 -> ~155 ms.
 # Usage: bash benchmarks/session15_gpu.sh OUT_DIR a|b
 part=${2:?a or b}
 if [ "$part" = a ]; then source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" deepgemm

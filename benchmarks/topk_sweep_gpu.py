@@ -75,9 +75,9 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "k": K,
                            "table": dict(T.TOPK_LONG)}
-    prompt = {"table": {}, "aligned_0": {"ALIGNED": 0},
-              "aligned_0_programs_2048": {"ALIGNED": 0, "PROGRAMS": 2048},
-              "block_2048": {"BLOCK": 2048}, "block_4096": {"BLOCK": 4096},
+    # session 15 (results/session15/topk_sweep_h100.json) measured 16-byte loads from aligned
+    # blocks (a layout conversion before the candidates' scatter: the filter 1.34x slower)
+    prompt = {"table": {}, "block_2048": {"BLOCK": 2048}, "block_4096": {"BLOCK": 4096},
               "warps_8": {"num_warps": 8}, "sample_2048": {"SAMPLE": 2048},
               "programs_2048": {"PROGRAMS": 2048}}
     n, t = 1024, 1 << 19
@@ -90,8 +90,7 @@ def main() -> None:
     out["prompt_4096x480k"] = _case("prompt4k", n, t, ke, prompt, g)
     # session 14's variants (split_4k/8k, CAP 2K/4K, HELD) measured on an H100 in
     # results/session15/topk_sweep_before_h100.json: none beat the table by more than 7 %
-    decode = {"table": {}, "aligned_0": {"ALIGNED": 0},
-              "split_8k_sel8": {"SPLIT_MIN": 8192, "select_warps": 8},
+    decode = {"table": {}, "split_8k_sel8": {"SPLIT_MIN": 8192, "select_warps": 8},
               "sample_1024": {"SAMPLE": 1024}, "block_2048": {"BLOCK": 2048},
               "sample_2048_sel8": {"SAMPLE": 2048, "select_warps": 8}}
     n, t = 64, 1 << 18

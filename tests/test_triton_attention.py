@@ -142,8 +142,7 @@ def _small_topk_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _long_topk_config(monkeypatch: pytest.MonkeyPatch, sample: int = 16, cap: int = 32,
-                      programs: int = 64, held: int = 64, block: int = 16,
-                      aligned: int = 1) -> None:
+                      programs: int = 64, held: int = 64, block: int = 16) -> None:
     """The long-row path (floor, filter, select) for every row length, several splits a row,
     few candidates: its flagged rows (a split over CAP, fewer than k candidates) reach the exact
     kernel at interpreter sizes; rows whose splits hold at most ``held`` / splits candidates are
@@ -151,8 +150,7 @@ def _long_topk_config(monkeypatch: pytest.MonkeyPatch, sample: int = 16, cap: in
     monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "MIN_T": 1,
                                                 "SAMPLE": sample, "CAP": cap, "BLOCK": block,
                                                 "PROGRAMS": programs, "SPLIT_MIN": 32,
-                                                "REFINE": 16, "HELD": held,
-                                                "ALIGNED": aligned})
+                                                "REFINE": 16, "HELD": held})
 
 
 def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
@@ -288,15 +286,13 @@ def test_topk_long_rows_flagged_to_the_exact_kernel(ref: Any,
 
 
 @interp
-@pytest.mark.parametrize(("kind", "aligned"), [("ties", 1), ("randn", 1), ("ties", 0)])
-def test_topk_filter_blocks_from_16_column_boundaries(ref: Any, monkeypatch: pytest.MonkeyPatch,
-                                                      kind: str, aligned: int) -> None:
-    """The filter reads each split in blocks that start on a 16-column boundary below the
-    split's first column (unmasked but the last): blocks of 64 columns, splits of 64, rows
-    starting off the boundaries (the reach-back's columns are not candidates), ending inside a
-    block (the masked last one), a strided view: the reference's sets. ``ALIGNED`` 0 (the
-    range-masked blocks) too."""
-    _long_topk_config(monkeypatch, cap=64, block=64, aligned=aligned)
+@pytest.mark.parametrize("kind", ["ties", "randn"])
+def test_topk_filter_splits_off_block_boundaries(ref: Any, monkeypatch: pytest.MonkeyPatch,
+                                                 kind: str) -> None:
+    """The filter's blocks of 64 columns over splits of 64: rows starting and ending off the
+    blocks' boundaries (the first and last blocks masked), a strided view: the reference's
+    sets."""
+    _long_topk_config(monkeypatch, cap=64, block=64)
     g = torch.Generator().manual_seed(11)
     n, t = 6, 333
     x = _topk_case(g, n, t, kind)

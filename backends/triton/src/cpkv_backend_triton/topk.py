@@ -418,29 +418,12 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
 
 
 @triton.jit
-def _keep_candidates(x, cols, take, cnt, crow, CAP: tl.constexpr):
-    """One block's candidates (``take``) appended in column order to the split's scratch row
-    from place ``cnt`` (stored while below CAP); the new count."""
-    nt = tl.sum(take.to(tl.int32), axis=0)
-    if nt > 0:  # a block without candidates: no scan, no store
-        pos = cnt + tl.cumsum(take.to(tl.int32), 0) - 1
-        comp = (_ord_key(x).to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
-        tl.store(crow + pos, comp, mask=take & (pos < CAP))
-    return cnt + nt
-
-
-@triton.jit
 def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS, NS,
-                        sx0, sx1, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                        ALIGNED: tl.constexpr = 1):
+                        sx0, sx1, BLOCK: tl.constexpr, CAP: tl.constexpr):
     """Long rows, kernel 2 of 4 (program (row, split of CS columns)): one read of the split's
     logits; the keys at or above the row's floor are candidates, written in column order to the
     split's scratch row (at most CAP; the count goes on past it: the select kernel then flags the
-    row). The blocks start on 16-column boundaries (the split's first block reaches back to one)
-    and every block but the last is read unmasked: 16-byte loads where the row is 16-byte
-    aligned, and a loop body of ~35 % fewer instructions (the kernel is bound by its
-    instructions, not by memory: ~60 a column with 4-byte loads in the blocks' range-masked
-    form, ``ALIGNED = 0``, kept for the measurement, docs/perf.md)."""
+    row)."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     start, end = _row_range(ks_ptr, ke_ptr, row, T)
@@ -451,20 +434,18 @@ def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T
         lo = tl.load(floor_ptr + row)
         c_lo = start + j * CS
         c_hi = tl.minimum(c_lo + CS, end)
-        a_lo = (c_lo // 16) * 16 if ALIGNED else c_lo
-        # blocks wholly below c_hi (<= T): unmasked
-        full = a_lo + ((c_hi - a_lo) // BLOCK) * BLOCK if ALIGNED else c_lo
-        for c0 in range(a_lo, full, BLOCK):
-            c0 = tl.multiple_of(c0, 16)
+        for c0 in range(c_lo, c_hi, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            x = tl.load(xrow + cols.to(tl.int64) * sx1).to(tl.float32)
-            cnt = _keep_candidates(x, cols, (cols >= c_lo) & (x >= lo), cnt, crow, CAP)
-        for c0 in range(full, c_hi, BLOCK):  # the last block (every block: ALIGNED 0)
-            cols = c0 + tl.arange(0, BLOCK)
-            m = (cols < c_hi) & (cols >= c_lo)
+            m = cols < c_hi
             x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=float("-inf"))
             x = x.to(tl.float32)
-            cnt = _keep_candidates(x, cols, m & (x >= lo), cnt, crow, CAP)
+            take = m & (x >= lo)
+            nt = tl.sum(take.to(tl.int32), axis=0)
+            if nt > 0:  # most blocks of a long row hold no candidate: no scan, no store
+                pos = cnt + tl.cumsum(take.to(tl.int32), 0) - 1
+                comp = (_ord_key(x).to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
+                tl.store(crow + pos, comp, mask=take & (pos < CAP))
+            cnt += nt
     tl.store(count_ptr + row * NS + j, cnt)
 
 
@@ -621,7 +602,7 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     _topk_floor_kernel[(n,)](logits, ks, ke, floor, t, k, sx0, sx1, SAMPLE=cfg["SAMPLE"],
                              num_warps=warps)
     _topk_filter_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, sx0, sx1,
-                                 BLOCK=blk, CAP=cap, ALIGNED=cfg["ALIGNED"], num_warps=warps)
+                                 BLOCK=blk, CAP=cap, num_warps=warps)
     select_candidates(cand, count, ks, ke, out, meta, t, k, cap)
     _topk_exact_kernel[(n,)](logits, ks, ke, out, meta, t, k, sx0, sx1,
                              BLOCK=min(TOPK_CONFIG["BLOCK"], _pow2(t)), num_warps=warps)

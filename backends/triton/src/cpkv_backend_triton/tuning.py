@@ -145,9 +145,8 @@ class TopkLongParams(_Params):
     the GPU (splits of at least SPLIT_MIN columns; their candidates' scratch within an eighth of
     the logits' bytes or SCRATCH_MB); REFINE candidates a refinement step; HELD: a row whose
     splits each hold at most HELD / splits candidates is refined from registers, all loaded
-    once (0: always the loop over memory); ALIGNED 1: the filter's blocks start on 16-column
-    boundaries, all but the last unmasked (16-byte loads), 0: range-masked blocks (4-byte
-    loads); num_warps of the filter, select_warps of the select kernel."""
+    once (0: always the loop over memory); num_warps of the filter, select_warps of the select
+    kernel."""
 
     MIN_T: int
     SAMPLE: int
@@ -158,7 +157,6 @@ class TopkLongParams(_Params):
     SCRATCH_MB: int
     REFINE: int
     HELD: int
-    ALIGNED: int
     num_warps: int
     select_warps: int
 
@@ -216,12 +214,14 @@ _TOPK_SRC = ("docs/perf.md Long prompts / docs/triton.md topk, 1024 x 64K on the
 _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=8192,
                                  SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024,
                                  # HELD off until measured (benchmarks/topk_sweep_gpu.py)
-                                 HELD=0, ALIGNED=1, num_warps=4, select_warps=4)
+                                 HELD=0, num_warps=4, select_warps=4)
 _TOPK_LONG_SRC = (
     "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
     "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
     "SCRATCH_MB: 8 splits of a decode step's one 256K row (docs/perf.md Decode steps, 32 splits "
-    "moved the cost into the select kernel)")
+    "moved the cost into the select kernel); PROGRAMS 8192: two splits a row at 4096 rows x 480K "
+    "(one split: 1.94 waves of programs), the filter 4.50 vs 4.71 ms on an H100, level at 1024 "
+    "rows and a decode step (benchmarks/results/session15/topk_sweep_h100.json)")
 
 #: every row; each op has exactly one default row (``DeviceKey()``)
 TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams], ...] = (

@@ -35,7 +35,7 @@ class ProgressLine:
                  quiet: bool = False, every_s: float = EVERY_S) -> None:
         self.show, self.decode_rank, self.quiet, self.every_s = show, decode_rank, quiet, every_s
         self.started: dict[str, tuple[float, int]] = {}  # what -> (time, done) at its first note
-        self.printed = 0.0
+        self.printed: float | None = None  # when the last line was printed (None: never)
 
     def text(self, what: str, done: int, total: int, now: float) -> str:
         """``prefill: 24,576 of 65,536 tokens (37.5 %), 812 tokens/s, about 50 s left``."""
@@ -55,6 +55,6 @@ class ProgressLine:
         line = self.text(what, done, total, now)
         if self.show is not None:
             self.show(line)
-        elif now - self.printed >= self.every_s or done >= total:
+        elif self.printed is None or now - self.printed >= self.every_s or done >= total:
             self.printed = now
             click.echo(f"progress {line}", err=True)
