@@ -77,7 +77,9 @@ def main() -> None:
                            "table": dict(T.TOPK_LONG)}
     # session 15 (results/session15/topk_sweep_h100.json) measured 16-byte loads from aligned
     # blocks (a layout conversion before the candidates' scatter: the filter 1.34x slower)
-    prompt = {"table": {}, "block_2048": {"BLOCK": 2048}, "block_4096": {"BLOCK": 4096},
+    prompt = {"table": {}, "gluon": {"GLUON": 1}, "gluon_block_2048": {"GLUON": 1, "BLOCK": 2048},
+              "gluon_warps_8": {"GLUON": 1, "num_warps": 8},
+              "block_2048": {"BLOCK": 2048}, "block_4096": {"BLOCK": 4096},
               "warps_8": {"num_warps": 8}, "sample_2048": {"SAMPLE": 2048},
               "programs_2048": {"PROGRAMS": 2048}}
     n, t = 1024, 1 << 19
@@ -90,7 +92,8 @@ def main() -> None:
     out["prompt_4096x480k"] = _case("prompt4k", n, t, ke, prompt, g)
     # session 14's variants (split_4k/8k, CAP 2K/4K, HELD) measured on an H100 in
     # results/session15/topk_sweep_before_h100.json: none beat the table by more than 7 %
-    decode = {"table": {}, "split_8k_sel8": {"SPLIT_MIN": 8192, "select_warps": 8},
+    decode = {"table": {}, "gluon": {"GLUON": 1}, "gluon_block_512": {"GLUON": 1, "BLOCK": 512},
+              "split_8k_sel8": {"SPLIT_MIN": 8192, "select_warps": 8},
               "sample_1024": {"SAMPLE": 1024}, "block_2048": {"BLOCK": 2048},
               "sample_2048_sel8": {"SAMPLE": 2048, "select_warps": 8}}
     n, t = 64, 1 << 18

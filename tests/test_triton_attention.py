@@ -326,6 +326,58 @@ def test_topk_exact_property(ref: Any, data: st.DataObject, config: str) -> None
     assert _same_choice(got, ref.topk(x, k, ks, ke), x, ks, ke, k)
 
 
+@interp
+def test_topk_gluon_filter_declines_visibly_on_the_interpreter(ref: Any,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """``GLUON = 1`` where the Gluon filter cannot run (the interpreter's CPU tensors): the
+    Triton filter gives the reference's sets and the decline is reported once, with its reason,
+    however many calls."""
+    from cpkv.contracts import FallbackReason
+    from cpkv.fallback import recording
+
+    _long_topk_config(monkeypatch)
+    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "GLUON": 1})
+    monkeypatch.setattr(topk_mod, "_GLUON_DECLINED", set())
+    g = torch.Generator().manual_seed(13)
+    x = _topk_case(g, 5, 150, "ties")
+    ks = torch.tensor([0, 3, 17, 40, 0])
+    ke = torch.tensor([150, 120, 150, 141, 90])
+    with recording() as rec:
+        for _ in range(2):
+            got = AttentionKernels().topk(x, 24, ks, ke)
+            assert _same_choice(got, ref.topk(x, 24, ks, ke), x, ks, ke, 24)
+    events = [e for e in rec.events if e.op == "triton:topk"]
+    assert len(events) == 1, events
+    assert events[0].reason is FallbackReason.KERNEL_VARIANT
+    assert "CUDA" in events[0].detail and events[0].selected == "the Triton filter"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["randn", "ties"])
+def test_topk_gluon_filter_equals_the_triton_filter_gpu(monkeypatch: pytest.MonkeyPatch,
+                                                        kind: str) -> None:
+    """``GLUON = 1`` on a GPU: the same output as the Triton filter, bit for bit (the same
+    candidates in the same column order), over long rows starting off the 16-column
+    boundaries, ending inside a block, several splits a row; nothing reported."""
+    from cpkv.fallback import recording
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, t = 96, 300_000
+    x = torch.randn(n, t, device="cuda", generator=g)
+    if kind == "ties":
+        x = (x * 4).round()  # few values: ties at the k-th place, flagged rows
+    ks = torch.randint(0, 5000, (n,), device="cuda", generator=g)
+    ke = torch.randint(t - 20000, t + 1, (n,), device="cuda", generator=g)
+    assert t >= topk_mod.TOPK_LONG["MIN_T"]
+    want = AttentionKernels().topk(x, 2048, ks, ke)
+    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "GLUON": 1})
+    with recording() as rec:
+        got = AttentionKernels().topk(x, 2048, ks, ke)
+    assert not [e for e in rec.events if e.op == "triton:topk"], rec.events
+    assert torch.equal(got, want)
+
+
 def test_topk_method_is_checked() -> None:
     with pytest.raises(ValueError, match="topk_method"):
         AttentionKernels(topk_method="bitonic")

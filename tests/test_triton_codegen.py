@@ -201,3 +201,59 @@ def test_async_indexer_overlaps_wgmma_with_the_head_sums() -> None:
         pytest.skip("no ptxas here reads this PTX version: registers and spills not checked")
     assert "C751" not in res["ptxas"], res["ptxas"]
     assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]
+
+
+_GLUON_FILTER_SCRIPT = r"""
+import inspect, json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from cpkv_backend_triton.topk_filter_gluon import _filter_kernel as K
+
+names = list(inspect.signature(K.fn).parameters)
+ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
+        "cand_ptr": "*i64", "count_ptr": "*i32"}
+const = {"BLOCK": 1024, "CAP": 16384, "num_warps": 4}
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+src = GluonASTSource(fn=K, signature=sig,
+                     constexprs={(names.index(k),): v for k, v in const.items()},
+                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, "sx0"]})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+out = {"v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
+       "bar": len(re.findall(r"bar\.sync", ptx)), "shfl": len(re.findall(r"shfl\.sync", ptx)),
+       "st_shared": len(re.findall(r"st\.shared", ptx)), "ptxas": None}
+for exe in sys.argv[1:]:
+    with open("/tmp/_cpkv_gluon_filter.ptx", "w") as f:
+        f.write(ptx)
+    r = subprocess.run([exe, "-v", "-arch=sm_90a", "/tmp/_cpkv_gluon_filter.ptx", "-o",
+                        "/dev/null"], capture_output=True, text=True)
+    if r.returncode == 0:
+        out["ptxas"] = r.stderr
+        break
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+def test_gluon_topk_filter_scans_inside_threads() -> None:
+    """The Gluon filter at the tuned block (1024 columns, 4 warps): each thread's 8 consecutive
+    columns come in 2 16-byte loads (the unmasked blocks), the block's scan is one warp scan
+    (the Triton filter's coalesced layout needs 8: 48 shuffles a block) and one exchange across
+    warps (a few barriers: the Triton filter with 16-byte loads converted the block through
+    shared memory, 24 barriers); no spill where a ptxas reads the PTX."""
+    pytest.importorskip("triton.experimental.gluon")
+    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    exes = [str(p) for p in (bins / "ptxas-blackwell", bins / "ptxas",
+                             Path("/usr/local/cuda/bin/ptxas")) if p.is_file()]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _GLUON_FILTER_SCRIPT, *exes], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["v4"] == 2, res  # the unmasked blocks' loop; the masked last block is scalar
+    # two bodies (the unmasked loop, the last block), each: a sum and a scan across warps
+    assert res["shfl"] <= 2 * 8 and res["bar"] <= 2 * 5 and res["st_shared"] <= 2 * 3, res
+    if res["ptxas"] is None:
+        pytest.skip("no ptxas here reads this PTX version: spills not checked")
+    assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]

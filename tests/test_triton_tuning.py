@@ -105,3 +105,33 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
     assert h200[Op.SPARSE_MLA]["P_SPLIT"] == 2 and h200[Op.SPARSE_MLA_LOWP]["P_SPLIT"] == 1
     for op in Op:
         assert tuning.row(op).params.as_dict() == h200[op]
+
+
+def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CPKV_TRITON_TUNING`` (a tuning session's values, inherited by the processes a run
+    starts) changes the named fields of every device's row and nothing else; unset, the table's
+    values again."""
+    monkeypatch.setenv(tuning.TUNING_ENV, "TOPK_LONG.GLUON=1, INDEXER.ASYNC=1,TOPK_LONG.BLOCK=512")
+    tuning.cache_clear()
+    try:
+        for name, cap in (("", None), ("NVIDIA H200", (9, 0)), ("NVIDIA H100 80GB HBM3", (9, 0))):
+            long_row = tuning._tuned(Op.TOPK_LONG, name, cap)
+            table = tuning.row(Op.TOPK_LONG, name, cap).params.as_dict()
+            assert dict(long_row) == {**table, "GLUON": 1, "BLOCK": 512}
+            assert tuning._tuned(Op.INDEXER, name, cap)["ASYNC"] == 1
+            assert dict(tuning._tuned(Op.TOPK, name, cap)) == tuning.row(Op.TOPK).params.as_dict()
+        monkeypatch.delenv(tuning.TUNING_ENV)
+        tuning.cache_clear()
+        assert tuning.tuned(Op.TOPK_LONG)["GLUON"] == tuning.row(Op.TOPK_LONG).params.GLUON
+    finally:
+        tuning.cache_clear()
+
+
+@pytest.mark.parametrize(("spec", "says"), [("TOPK_LONG.GLUON", "OP.FIELD=VALUE"),
+                                             ("GLUON=1", "OP.FIELD=VALUE"),
+                                             ("TOPKLONG.GLUON=1", "no op 'TOPKLONG'"),
+                                             ("TOPK.GLUON=1", "TOPK has no field 'GLUON'"),
+                                             ("TOPK.BLOCK=big", "not an integer")])
+def test_a_bad_override_is_an_error_that_names_it(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        tuning.overrides(spec)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.ops.api import check_topk_args
+from cpkv.ops.api import FallbackReason, check_topk_args, report_fallback
 
 from .tuning import DeviceTuned, Op
 
@@ -601,11 +601,39 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     warps = cfg["num_warps"]
     _topk_floor_kernel[(n,)](logits, ks, ke, floor, t, k, sx0, sx1, SAMPLE=cfg["SAMPLE"],
                              num_warps=warps)
-    _topk_filter_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, sx0, sx1,
-                                 BLOCK=blk, CAP=cap, num_warps=warps)
+    if not (cfg["GLUON"] and _gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk,
+                                           cap, warps)):
+        _topk_filter_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, sx0, sx1,
+                                     BLOCK=blk, CAP=cap, num_warps=warps)
     select_candidates(cand, count, ks, ke, out, meta, t, k, cap)
     _topk_exact_kernel[(n,)](logits, ks, ke, out, meta, t, k, sx0, sx1,
                              BLOCK=min(TOPK_CONFIG["BLOCK"], _pow2(t)), num_warps=warps)
+
+
+#: the reasons the Gluon filter declined, each reported once a process
+_GLUON_DECLINED: set[str] = set()
+
+
+def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floor: torch.Tensor,
+                  cand: torch.Tensor, count: torch.Tensor, k: int, cs: int, ns: int, blk: int,
+                  cap: int, warps: int) -> bool:
+    """``GLUON = 1``: the filter of :mod:`.topk_filter_gluon`; False (reported once per reason,
+    the Triton filter runs) when it cannot take the call."""
+    try:
+        from .topk_filter_gluon import gluon_filter, gluon_filter_declines
+    except ImportError as exc:  # a Triton without Gluon
+        why: str | None = f"Gluon cannot be imported ({exc})"
+    else:
+        why = gluon_filter_declines(logits, blk, warps)
+    if why is None:
+        gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk, cap, warps)
+        return True
+    if why not in _GLUON_DECLINED:
+        _GLUON_DECLINED.add(why)
+        report_fallback(op="triton:topk", requested="the Gluon filter (TOPK_LONG GLUON=1)",
+                        selected="the Triton filter", reason=FallbackReason.KERNEL_VARIANT,
+                        detail=why)
+    return False
 
 
 def topk(logits: torch.Tensor, k: int, key_start: torch.Tensor, key_end: torch.Tensor,

@@ -12,12 +12,16 @@ the default row.
 To tune a new device: run the op's sweep (``benchmarks/indexer_paged_sweep_gpu.py``,
 ``benchmarks/topk_long_gpu.py``, ``cpkv bench gpu``) there, add a row with its values and the
 result it came from, and keep the default row conservative (today it repeats the H200's: no
-other device was measured).
+other device was measured). To try values before they are a row, set
+``CPKV_TRITON_TUNING="OP.FIELD=VALUE[,OP.FIELD=VALUE...]"`` (e.g. ``TOPK_LONG.GLUON=1``): every
+device's lookup of OP takes them, in this process and the processes it starts (a whole
+``cpkv bench long`` run); a name that is not an op or field is an error.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -26,8 +30,14 @@ from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["TABLE", "DeviceKey", "DeviceTuned", "IndexerParams", "MLAParams", "Op", "Row",
-           "TopkLongParams", "TopkParams", "cache_clear", "device_of", "row", "tuned"]
+from cpkv.logs import get_logger
+
+__all__ = ["TABLE", "TUNING_ENV", "DeviceKey", "DeviceTuned", "IndexerParams", "MLAParams", "Op",
+           "Row", "TopkLongParams", "TopkParams", "cache_clear", "device_of", "overrides", "row",
+           "tuned"]
+
+#: the environment variable of :func:`overrides`
+TUNING_ENV = "CPKV_TRITON_TUNING"
 
 
 class Op(StrEnum):
@@ -145,8 +155,9 @@ class TopkLongParams(_Params):
     the GPU (splits of at least SPLIT_MIN columns; their candidates' scratch within an eighth of
     the logits' bytes or SCRATCH_MB); REFINE candidates a refinement step; HELD: a row whose
     splits each hold at most HELD / splits candidates is refined from registers, all loaded
-    once (0: always the loop over memory); num_warps of the filter, select_warps of the select
-    kernel."""
+    once (0: always the loop over memory); GLUON 1: the filter of
+    :mod:`.topk_filter_gluon` (fp32 logits of column stride 1 on a GPU; the Triton filter
+    otherwise, reported); num_warps of the filter, select_warps of the select kernel."""
 
     MIN_T: int
     SAMPLE: int
@@ -157,6 +168,7 @@ class TopkLongParams(_Params):
     SCRATCH_MB: int
     REFINE: int
     HELD: int
+    GLUON: int
     num_warps: int
     select_warps: int
 
@@ -182,8 +194,8 @@ _INDEXER_H200 = IndexerParams(
     BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, FEW_ROWS=8, FEW_BLOCK_N=128, few_warps=4,
     PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=1, PAGED_PAGES=8, PAGED_STAGES=1,
     PAGED_KEYS_M=1, PAGED_PRECISE=0, PAGED_MAJOR_PAGES=16, PAGED_MAJOR_STAGES=3,
-    # the async Gluon kernel is off until an H200 run measures it (benchmarks/session14_gpu.sh);
-    # 64 x 64 x 4 heads a group: 168 registers, no spill, no serialized wgmma (ptxas on the PTX)
+    # the async Gluon kernel measured on an H100 (results/session15/indexer_async_sweep_h100.json):
+    # 0.81-0.88x the Triton kernel at this launch, 0.86-1.07x at 64 x 128 in 2-head groups: off
     ASYNC=0, ASYNC_BLOCK_M=64, ASYNC_BLOCK_N=64, ASYNC_STAGES=4, ASYNC_GROUP=4)
 _INDEXER_SRC = (
     "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
@@ -214,7 +226,9 @@ _TOPK_SRC = ("docs/perf.md Long prompts / docs/triton.md topk, 1024 x 64K on the
 _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=8192,
                                  SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024,
                                  # HELD off until measured (benchmarks/topk_sweep_gpu.py)
-                                 HELD=0, num_warps=4, select_warps=4)
+                                 HELD=0,
+                                 # the Gluon filter off until measured (session16_gpu.sh)
+                                 GLUON=0, num_warps=4, select_warps=4)
 _TOPK_LONG_SRC = (
     "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
     "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
@@ -276,12 +290,52 @@ def tuned(op: Op, device: torch.device | None = None) -> Mapping[str, int]:
 
 @functools.cache
 def _tuned(op: Op, name: str, capability: tuple[int, int] | None) -> Mapping[str, int]:
-    return MappingProxyType(row(op, name, capability).params.as_dict())
+    values = row(op, name, capability).params.as_dict()
+    values.update(_env_overrides().get(op, {}))
+    return MappingProxyType(values)
+
+
+def overrides(spec: str) -> dict[Op, dict[str, int]]:
+    """``OP.FIELD=VALUE,...`` (OP an :class:`Op` member's name, FIELD one of its params' fields,
+    VALUE an integer) as values by op.
+
+    Raises:
+        ValueError: an item is not ``OP.FIELD=VALUE``, or names no op or field.
+    """
+    out: dict[Op, dict[str, int]] = {}
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        key, eq, value = item.partition("=")
+        op_name, dot, field = key.strip().partition(".")
+        if not (eq and dot):
+            raise ValueError(f"{TUNING_ENV}: {item!r} is not OP.FIELD=VALUE")
+        if op_name not in Op.__members__:
+            raise ValueError(f"{TUNING_ENV}: no op {op_name!r} (one of {', '.join(Op.__members__)})")
+        op = Op[op_name]
+        fields = row(op).params.as_dict()
+        if field not in fields:
+            raise ValueError(f"{TUNING_ENV}: {op_name} has no field {field!r} (one of "
+                             f"{', '.join(fields)})")
+        try:
+            out.setdefault(op, {})[field] = int(value)
+        except ValueError:
+            raise ValueError(f"{TUNING_ENV}: {item!r}: the value is not an integer") from None
+    return out
+
+
+@functools.cache
+def _env_overrides() -> dict[Op, dict[str, int]]:
+    spec = os.environ.get(TUNING_ENV, "")
+    values = overrides(spec)
+    if values:  # a tuning session's values in force: said once a process, never silent
+        get_logger("cpkv.tuning").warning("cpkv.tuning.overridden", env=TUNING_ENV, values=spec)
+    return values
 
 
 def cache_clear() -> None:
-    """Forget the cached lookups (after :data:`TABLE` changed: tests, a tuning session)."""
+    """Forget the cached lookups and the environment's overrides (after :data:`TABLE` or
+    ``CPKV_TRITON_TUNING`` changed: tests, a tuning session)."""
     _tuned.cache_clear()
+    _env_overrides.cache_clear()
 
 
 class DeviceTuned(Mapping[str, int]):
