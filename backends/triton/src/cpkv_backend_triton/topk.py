@@ -11,7 +11,8 @@ fallback (``_topk_exact_kernel``: a radix select over a whole row):
   a floor a few standard deviations below the k-th key's estimated place in them (a radix
   select over the sample's keys: the same key a sort would give);
   ``_topk_filter_kernel`` (program (row, split)) streams the row once and keeps the keys at or
-  above the floor as candidates, in column order (int64 ``key << 32 | (2^31 - 1 - column)``);
+  above the floor as candidates, in column order (int64 ``key << 32 | (2^31 - 1 - column)``;
+  ``TOPK_LONG["GLUON"]``: :mod:`.topk_filter_gluon`'s kernel instead, same contract);
   ``_topk_select_kernel`` refines them to the exact k. A row whose floor turned out too high
   (fewer than k candidates) or too low (a split over ``CAP`` candidates) is flagged and taken by
   the exact kernel: the result never depends on the sample, only the time does.
