@@ -12,7 +12,7 @@
 #
 # Steps: the Gluon filter's GPU test (bit-equal to the Triton filter) and the top-k GPU tests;
 # the sweep (table vs gluon variants, exact against torch.topk); `cpkv bench long` at 512K / 1M
-# with the table and with CPKV_TRITON_TUNING=TOPK_LONG.GLUON=1 (the ranks inherit it); the
+# with the table and with TRITON_CPKV_TUNING=TOPK_LONG.GLUON=1 (the ranks inherit it); the
 # decode step with GLUON=1.
 # Usage: bash benchmarks/session16_gpu.sh OUT_DIR
 source benchmarks/gpu_setup.sh "${1:?OUT_DIR}"
@@ -23,7 +23,7 @@ timeout 120 "$py" benchmarks/topk_sweep_gpu.py "$out/topk_sweep.json" 2>&1 | tai
 long=(--tokens 524288,1048576 --chunks 65536 --fixed-budget-mb 0 --recall-tokens "" --no-hf
       --hf-tokens 0 --no-bf16-compare)
 timeout 150 "$py" -m cpkv.cli bench long --out "$out/long_table.json" "${long[@]}" 2>&1 | tail -12
-CPKV_TRITON_TUNING=TOPK_LONG.GLUON=1 timeout 150 "$py" -m cpkv.cli bench long \
+TRITON_CPKV_TUNING=TOPK_LONG.GLUON=1 timeout 150 "$py" -m cpkv.cli bench long \
   --out "$out/long_gluon.json" "${long[@]}" 2>&1 | tail -12
-CPKV_TRITON_TUNING=TOPK_LONG.GLUON=1 timeout 70 "$py" -m cpkv.cli bench decode --batches 64 \
+TRITON_CPKV_TUNING=TOPK_LONG.GLUON=1 timeout 70 "$py" -m cpkv.cli bench decode --batches 64 \
   --contexts 131072 --no-mtp --out "$out/decode_gluon.json" 2>&1 | tail -6

@@ -108,7 +108,7 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
 
 
 def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``CPKV_TRITON_TUNING`` (a tuning session's values, inherited by the processes a run
+    """``TRITON_CPKV_TUNING`` (a tuning session's values, inherited by the processes a run
     starts) changes the named fields of every device's row and nothing else; unset, the table's
     values again."""
     monkeypatch.setenv(tuning.TUNING_ENV, "TOPK_LONG.GLUON=1, INDEXER.ASYNC=1,TOPK_LONG.BLOCK=512")
@@ -135,3 +135,14 @@ def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.Monk
 def test_a_bad_override_is_an_error_that_names_it(spec: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         tuning.overrides(spec)
+
+
+def test_the_override_variable_is_not_a_settings_variable() -> None:
+    """The settings refuse every ``CPKV_*`` variable that names no settings key (a run with
+    such a variable stops at startup), so the tuning override lives outside that prefix; a
+    run's settings load with it set."""
+    from cpkv.settings import ENV_PREFIX, Settings, unknown_env_vars
+
+    assert not tuning.TUNING_ENV.upper().startswith(ENV_PREFIX)
+    assert unknown_env_vars(Settings, {tuning.TUNING_ENV: "TOPK_LONG.GLUON=1"}) == []
+    assert unknown_env_vars(Settings, {"CPKV_TRITON_TUNING": "TOPK_LONG.GLUON=1"}) != []

@@ -13,7 +13,7 @@ To tune a new device: run the op's sweep (``benchmarks/indexer_paged_sweep_gpu.p
 ``benchmarks/topk_long_gpu.py``, ``cpkv bench gpu``) there, add a row with its values and the
 result it came from, and keep the default row conservative (today it repeats the H200's: no
 other device was measured). To try values before they are a row, set
-``CPKV_TRITON_TUNING="OP.FIELD=VALUE[,OP.FIELD=VALUE...]"`` (e.g. ``TOPK_LONG.GLUON=1``): every
+``TRITON_CPKV_TUNING="OP.FIELD=VALUE[,OP.FIELD=VALUE...]"`` (e.g. ``TOPK_LONG.GLUON=1``): every
 device's lookup of OP takes them, in this process and the processes it starts (a whole
 ``cpkv bench long`` run); a name that is not an op or field is an error.
 """
@@ -36,8 +36,9 @@ __all__ = ["TABLE", "TUNING_ENV", "DeviceKey", "DeviceTuned", "IndexerParams", "
            "Row", "TopkLongParams", "TopkParams", "cache_clear", "device_of", "overrides", "row",
            "tuned"]
 
-#: the environment variable of :func:`overrides`
-TUNING_ENV = "CPKV_TRITON_TUNING"
+#: the environment variable of :func:`overrides` (not ``CPKV_*``: the settings refuse a
+#: ``CPKV_*`` variable that names no settings key)
+TUNING_ENV = "TRITON_CPKV_TUNING"
 
 
 class Op(StrEnum):
@@ -333,7 +334,7 @@ def _env_overrides() -> dict[Op, dict[str, int]]:
 
 def cache_clear() -> None:
     """Forget the cached lookups and the environment's overrides (after :data:`TABLE` or
-    ``CPKV_TRITON_TUNING`` changed: tests, a tuning session)."""
+    :data:`TUNING_ENV` changed: tests, a tuning session)."""
     _tuned.cache_clear()
     _env_overrides.cache_clear()
 
