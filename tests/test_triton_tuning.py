@@ -107,11 +107,13 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
         assert tuning.row(op).params.as_dict() == h200[op]
 
 
-def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     """``TRITON_CPKV_TUNING`` (a tuning session's values, inherited by the processes a run
-    starts) changes the named fields of every device's row and nothing else; unset, the table's
-    values again."""
-    monkeypatch.setenv(tuning.TUNING_ENV, "TOPK_LONG.GLUON=1, INDEXER.ASYNC=1,TOPK_LONG.BLOCK=512")
+    starts) changes the named fields of every device's row and nothing else, said once in a
+    warning; unset, the table's values again."""
+    spec = "TOPK_LONG.GLUON=1, INDEXER.ASYNC=1,TOPK_LONG.BLOCK=512"
+    monkeypatch.setenv(tuning.TUNING_ENV, spec)
     tuning.cache_clear()
     try:
         for name, cap in (("", None), ("NVIDIA H200", (9, 0)), ("NVIDIA H100 80GB HBM3", (9, 0))):
@@ -120,6 +122,8 @@ def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.Monk
             assert dict(long_row) == {**table, "GLUON": 1, "BLOCK": 512}
             assert tuning._tuned(Op.INDEXER, name, cap)["ASYNC"] == 1
             assert dict(tuning._tuned(Op.TOPK, name, cap)) == tuning.row(Op.TOPK).params.as_dict()
+        said = [r for r in caplog.records if r.name == "cpkv.tuning"]
+        assert len(said) == 1 and spec in said[0].getMessage(), said
         monkeypatch.delenv(tuning.TUNING_ENV)
         tuning.cache_clear()
         assert tuning.tuned(Op.TOPK_LONG)["GLUON"] == tuning.row(Op.TOPK_LONG).params.GLUON

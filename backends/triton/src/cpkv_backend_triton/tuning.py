@@ -21,6 +21,7 @@ device's lookup of OP takes them, in this process and the processes it starts (a
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -29,8 +30,6 @@ from types import MappingProxyType
 from typing import Generic, TypeVar
 
 import torch
-
-from cpkv.logs import get_logger
 
 __all__ = ["TABLE", "TUNING_ENV", "DeviceKey", "DeviceTuned", "IndexerParams", "MLAParams", "Op",
            "Row", "TopkLongParams", "TopkParams", "cache_clear", "device_of", "overrides", "row",
@@ -328,7 +327,7 @@ def _env_overrides() -> dict[Op, dict[str, int]]:
     spec = os.environ.get(TUNING_ENV, "")
     values = overrides(spec)
     if values:  # a tuning session's values in force: said once a process, never silent
-        get_logger("cpkv.tuning").warning("cpkv.tuning.overridden", env=TUNING_ENV, values=spec)
+        logging.getLogger("cpkv.tuning").warning("cpkv.tuning.overridden %s=%s", TUNING_ENV, spec)
     return values
 
 
