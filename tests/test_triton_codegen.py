@@ -15,6 +15,32 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+
+def _run_script(script: str) -> dict:  # type: ignore[type-arg]
+    """``script`` run in a fresh interpreter without ``TRITON_INTERPRET`` (the compiler cannot
+    take interpreted kernels); its last stdout line as JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when it is unset
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _assemble(ptx: str, tmp: Path) -> str | None:
+    """``ptxas -v`` for sm_90a by the first ptxas here that reads this PTX version (Triton's own
+    may be older than the PTX it writes): its report (registers, spills, warnings), or None."""
+    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    path = tmp / "kernel.ptx"
+    path.write_text(ptx)
+    for exe in (bins / "ptxas-blackwell", bins / "ptxas", Path("/usr/local/cuda/bin/ptxas")):
+        if exe.is_file():
+            r = subprocess.run([str(exe), "-v", "-arch=sm_90a", str(path), "-o", "/dev/null"],
+                               capture_output=True, text=True, check=False)
+            if r.returncode == 0:
+                return r.stderr
+    return None
+
 _SCRIPT = r"""
 import inspect, json, re, sys
 import triton
@@ -49,12 +75,7 @@ def test_paged_indexer_key_loads_are_vectorized() -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when it is unset
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _run_script(_SCRIPT)
     assert res["kalign"] == 4  # the DeepSeek fp8 pool's key rows start on 4-byte boundaries
     assert res["without"]["b8"] >= 128  # the key tile byte by byte
     assert res["with_hint"]["b8"] == 0 and res["with_hint"]["b32"] >= 32
@@ -111,12 +132,7 @@ def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _PAGES_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _run_script(_PAGES_SCRIPT)
     assert all(r["b8"] == 0 for r in res.values()), res
     # the queries' 8 KB take 4 v4 loads a thread either way; page-major keys 4 more
     assert res["page_major_s1_km1"]["v4"] >= res["part_major_s1_km1"]["v4"] + 4, res
@@ -131,7 +147,7 @@ def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
 
 
 _ASYNC_SCRIPT = r"""
-import inspect, json, re, subprocess, sys
+import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
@@ -162,37 +178,21 @@ ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
 waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
 out = {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "wait1": waits.count("1"),
        "wait0": waits.count("0"), "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-       "group": const["GROUP"], "ptxas": None}
-# a ptxas that reads this PTX version (Triton's own may be older than the PTX it writes)
-for exe in sys.argv[1:]:
-    with open("/tmp/_cpkv_async.ptx", "w") as f:
-        f.write(ptx)
-    r = subprocess.run([exe, "-v", "-arch=sm_90a", "/tmp/_cpkv_async.ptx", "-o", "/dev/null"],
-                       capture_output=True, text=True)
-    if r.returncode == 0:
-        out["ptxas"] = r.stderr
-        break
+       "group": const["GROUP"], "ptx": ptx}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.multiprocess
-def test_async_indexer_overlaps_wgmma_with_the_head_sums() -> None:
+def test_async_indexer_overlaps_wgmma_with_the_head_sums(tmp_path: Path) -> None:
     """The Gluon indexer at its tuned launch: in each group of heads, head j+1's wgmma is in
     flight while head j is summed (``wgmma.wait_group 1``, ``GROUP - 1`` a group), the query
     tiles come by TMA; and where a ptxas can assemble the PTX, it neither serializes the wgmma
     chain (its C7512-C7515 warnings: a register move out of an in-flight accumulator, not
     enough registers) nor spills."""
     pytest.importorskip("triton.experimental.gluon")
-    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    exes = [str(p) for p in (bins / "ptxas-blackwell", bins / "ptxas",
-                             Path("/usr/local/cuda/bin/ptxas")) if p.is_file()]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _ASYNC_SCRIPT, *exes], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _run_script(_ASYNC_SCRIPT)
+    res["ptxas"] = _assemble(res.pop("ptx"), tmp_path)
     # the group is the loop's body (unrolled): its GROUP - 1 overlapped waits, one full wait
     assert res["wait1"] == res["group"] - 1 and res["wait0"] == 1
     assert res["wgmma"] == 4 * res["group"]  # 4 wgmma (k = 32 each) a head of 128 dims
@@ -204,7 +204,7 @@ def test_async_indexer_overlaps_wgmma_with_the_head_sums() -> None:
 
 
 _GLUON_FILTER_SCRIPT = r"""
-import inspect, json, re, subprocess, sys
+import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -221,36 +221,21 @@ src = GluonASTSource(fn=K, signature=sig,
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 out = {"v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
        "bar": len(re.findall(r"bar\.sync", ptx)), "shfl": len(re.findall(r"shfl\.sync", ptx)),
-       "st_shared": len(re.findall(r"st\.shared", ptx)), "ptxas": None}
-for exe in sys.argv[1:]:
-    with open("/tmp/_cpkv_gluon_filter.ptx", "w") as f:
-        f.write(ptx)
-    r = subprocess.run([exe, "-v", "-arch=sm_90a", "/tmp/_cpkv_gluon_filter.ptx", "-o",
-                        "/dev/null"], capture_output=True, text=True)
-    if r.returncode == 0:
-        out["ptxas"] = r.stderr
-        break
+       "st_shared": len(re.findall(r"st\.shared", ptx)), "ptx": ptx}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.multiprocess
-def test_gluon_topk_filter_scans_inside_threads() -> None:
+def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
     """The Gluon filter at the tuned block (1024 columns, 4 warps): each thread's 8 consecutive
     columns come in 2 16-byte loads (the unmasked blocks), the block's scan is one warp scan
     (the Triton filter's coalesced layout needs 8: 48 shuffles a block) and one exchange across
     warps (a few barriers: the Triton filter with 16-byte loads converted the block through
     shared memory, 24 barriers); no spill where a ptxas reads the PTX."""
     pytest.importorskip("triton.experimental.gluon")
-    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    exes = [str(p) for p in (bins / "ptxas-blackwell", bins / "ptxas",
-                             Path("/usr/local/cuda/bin/ptxas")) if p.is_file()]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _GLUON_FILTER_SCRIPT, *exes], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _run_script(_GLUON_FILTER_SCRIPT)
+    res["ptxas"] = _assemble(res.pop("ptx"), tmp_path)
     assert res["v4"] == 2, res  # the unmasked blocks' loop; the masked last block is scalar
     # two bodies (the unmasked loop, the last block), each: a sum and a scan across warps
     assert res["shfl"] <= 2 * 8 and res["bar"] <= 2 * 5 and res["st_shared"] <= 2 * 3, res

@@ -25,6 +25,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .topk import ord_key, row_range
+from .tuning import device_of
+
 __all__ = ["gluon_filter", "gluon_filter_declines"]
 
 
@@ -41,9 +44,7 @@ def _keep(x, cols, take, cnt, crow, CAP: gl.constexpr):
     nt = gl.sum(t, axis=0)
     if nt > 0:  # a block without candidates: no scan, no store
         pos = cnt + gl.associative_scan(t, 0, _add) - 1
-        b = gl.where(x == 0.0, 0.0, x).to(gl.int32, bitcast=True)  # -0.0 and 0.0 alike
-        key = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed order = the float order
-        comp = (key.to(gl.int64) << 32) | (2147483647 - cols).to(gl.int64)
+        comp = (ord_key(x).to(gl.int64) << 32) | (2147483647 - cols).to(gl.int64)
         gl.store(crow + pos, comp, mask=take & (pos < CAP))
     return cnt + nt
 
@@ -54,8 +55,7 @@ def _filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, 
     lay: gl.constexpr = gl.BlockedLayout([BLOCK // (32 * num_warps)], [32], [num_warps], [0])
     row = gl.program_id(0).to(gl.int64)
     j = gl.program_id(1)
-    start = gl.minimum(gl.maximum(gl.load(ks_ptr + row), 0), T).to(gl.int32)
-    end = gl.minimum(gl.maximum(gl.load(ke_ptr + row), 0), T).to(gl.int32)
+    start, end = row_range(ks_ptr, ke_ptr, row, T)
     cnt = j * 0
     if end - start > K:
         xrow = x_ptr + row * sx0
@@ -85,7 +85,7 @@ def gluon_filter_declines(logits: torch.Tensor, block: int, warps: int) -> str |
         return f"the Gluon filter reads fp32 logits, got {logits.dtype}"
     if not logits.is_cuda:
         return "the Gluon filter runs on CUDA devices (not under the interpreter)"
-    if torch.cuda.get_device_capability(logits.device) < (8, 0):
+    if (device_of(logits.device)[1] or (0, 0)) < (8, 0):
         return "the Gluon filter needs an sm80+ GPU"
     if logits.stride(1) != 1:
         return "the Gluon filter reads rows of column stride 1"
