@@ -25,7 +25,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .topk import ord_key, row_range
 from .tuning import device_of
 
 __all__ = ["gluon_filter", "gluon_filter_declines"]
@@ -44,7 +43,10 @@ def _keep(x, cols, take, cnt, crow, CAP: gl.constexpr):
     nt = gl.sum(t, axis=0)
     if nt > 0:  # a block without candidates: no scan, no store
         pos = cnt + gl.associative_scan(t, 0, _add) - 1
-        comp = (ord_key(x).to(gl.int64) << 32) | (2147483647 - cols).to(gl.int64)
+        # topk.ord_key's key, written here: importing topk would be a cycle (topk dispatches here)
+        b = gl.where(x == 0.0, 0.0, x).to(gl.int32, bitcast=True)  # -0.0 and 0.0 alike
+        key = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed order = the float order
+        comp = (key.to(gl.int64) << 32) | (2147483647 - cols).to(gl.int64)
         gl.store(crow + pos, comp, mask=take & (pos < CAP))
     return cnt + nt
 
@@ -55,7 +57,9 @@ def _filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, 
     lay: gl.constexpr = gl.BlockedLayout([BLOCK // (32 * num_warps)], [32], [num_warps], [0])
     row = gl.program_id(0).to(gl.int64)
     j = gl.program_id(1)
-    start, end = row_range(ks_ptr, ke_ptr, row, T)
+    # topk.row_range, written here (no import of topk: a cycle)
+    start = gl.minimum(gl.maximum(gl.load(ks_ptr + row), 0), T).to(gl.int32)
+    end = gl.minimum(gl.maximum(gl.load(ke_ptr + row), 0), T).to(gl.int32)
     cnt = j * 0
     if end - start > K:
         xrow = x_ptr + row * sx0
