@@ -208,7 +208,7 @@ import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from cpkv_backend_triton.topk_filter_gluon import _filter_kernel as K
+from cpkv_backend_triton.topk_filter_gluon import _topk_filter_gluon_kernel as K
 
 names = list(inspect.signature(K.fn).parameters)
 ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",

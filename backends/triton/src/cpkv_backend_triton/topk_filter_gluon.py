@@ -52,7 +52,7 @@ def _keep(x, cols, take, cnt, crow, CAP: gl.constexpr):
 
 
 @gluon.jit
-def _filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS, NS, sx0,
+def _topk_filter_gluon_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS, NS, sx0,
                    BLOCK: gl.constexpr, CAP: gl.constexpr, num_warps: gl.constexpr):
     lay: gl.constexpr = gl.BlockedLayout([BLOCK // (32 * num_warps)], [32], [num_warps], [0])
     row = gl.program_id(0).to(gl.int64)
@@ -101,8 +101,8 @@ def gluon_filter_declines(logits: torch.Tensor, block: int, warps: int) -> str |
 def gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floor: torch.Tensor,
                  cand: torch.Tensor, count: torch.Tensor, k: int, cs: int, ns: int, block: int,
                  cap: int, warps: int) -> None:
-    """:func:`_filter_kernel` over ``logits`` [N, T] fp32 (the caller checked
+    """:func:`_topk_filter_gluon_kernel` over ``logits`` [N, T] fp32 (the caller checked
     :func:`gluon_filter_declines`): the same arguments and results as the Triton filter."""
     n, t = logits.shape
-    _filter_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, logits.stride(0),
+    _topk_filter_gluon_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, logits.stride(0),
                             BLOCK=block, CAP=cap, num_warps=warps)
