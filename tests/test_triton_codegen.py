@@ -288,7 +288,7 @@ out = {}
 for split in (0, 1):
     # what a real launch specializes: unit strides, 16-byte aligned pointers and row strides
     const = {"sq2": 1, "sk1": 1, "sw1": 1, "H": 64, "D": 128, "DP": 128, "BLOCK_M": 64,
-             "BLOCK_N": 128, "FP8": True, "UPCAST": False, "SPLIT": split}
+             "BLOCK_N": 128, "FP8": True, "UPCAST": False, "SPLIT": split, "UNROLL": 1}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
     src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},

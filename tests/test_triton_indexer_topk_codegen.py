@@ -43,7 +43,7 @@ def build(fn, const, out_ptr="*fp32"):
             "shared": k.metadata.shared}
 
 
-out = {"plain": build(A._indexer_kernel, {**TILE, "BLOCK_M": 64, "SPLIT": 0}),
+out = {"plain": build(A._indexer_kernel, {**TILE, "BLOCK_M": 64, "SPLIT": 0, "UNROLL": 1}),
        "filter": build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64}),
        "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32"),
        "floor": build(F._sample_floor_kernel, {"SP": 4096})}

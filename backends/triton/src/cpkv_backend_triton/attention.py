@@ -122,13 +122,15 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, u_p
                     sq0, sq1, sq2, sw0, sw1, sk0, sk1, so0,
                     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP8: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr = 0):
+                    FP8: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr = 0,
+                    UNROLL: tl.constexpr = 1):
     """One ``[BLOCK_M, BLOCK_N]`` tile of logits: ``sum_h w_h relu(q_h . k)`` (then the keys'
     scales). ``SPLIT`` (fp8 x fp8 only; ``u_ptr`` the rows' ``sum_h w_h q_h``, fp32 [N, D], from
     :func:`_indexer_u_kernel`): ``relu(s) = (s + |s|) / 2``, so the head loop sums ``w_h |s_h|``
     (one fma a logit a head, the ``|.|`` a source modifier, where ``relu`` costs a ``max`` and
     an fma) onto the signed half ``sum_h w_h s_h = u . k``, one more dot before the loop (u as
-    two bf16 parts, hi + lo: ~2^-17 of ``|u| |k|``), and halves the sum with the key scale."""
+    two bf16 parts, hi + lo: ~2^-17 of ``|u| |k|``), and halves the sum with the key scale.
+    ``UNROLL`` heads an iteration of the head loop (its index and pipeline work shared)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,7 +151,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, u_p
         if SPLIT:  # the signed half first, while no other tile is live
             uf = tl.load(u_ptr + rows64[:, None] * D + d[None, :], mask=qmask, other=0.0)
             acc = _signed_dot(uf, ktt, UPCAST)
-        for h in range(H):
+        for h in tl.range(H, loop_unroll_factor=UNROLL):
             qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
             wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
             s = _qk_dot(qh, ktt, UPCAST, 0)
@@ -708,13 +710,13 @@ class AttentionKernels:
                           w.stride(1)),
                          {"H": heads, "D": d, "DP": _pow2(d, 16), "BLOCK_R": 32}, 4, 1)
         grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
-        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast, split)
+        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast, split, cfg["UNROLL"])
         self._launch(key, _indexer_kernel, grid,
                      (q, w, k, scale, ks, ke, out, u, n, t,
                       q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                       k.stride(0), k.stride(1), out.stride(0)),
                      {"H": heads, "D": d, "DP": dp, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
-                      "UPCAST": upcast, "SPLIT": split},
+                      "UPCAST": upcast, "SPLIT": split, "UNROLL": cfg["UNROLL"]},
                      cfg["num_warps"], cfg["num_stages"])
         return out
 
