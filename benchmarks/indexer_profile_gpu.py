@@ -1,10 +1,7 @@
-"""Two launches of the prefill indexer for Nsight Compute (issue 38): the default Triton kernel
-and ``SPLIT = 1``, each called twice (compile, then the profiled shape) on DeepSeek-V3.2's fp8
-inputs, 4096 rows x 32K keys.
-
-Usage: ncu --csv --page details --section SpeedOfLight --section ComputeWorkloadAnalysis \\
-    --section SchedulerStats --section WarpStateStats -k regex:_indexer_kernel \\
-    python benchmarks/indexer_profile_gpu.py > OUT.csv
+"""The prefill indexer for Nsight Compute (issue 38): the Triton backend's ``indexer_logits`` at
+its tuned launch (``TRITON_CPKV_TUNING`` overrides it), called twice (compile, then the same
+shape) on DeepSeek-V3.2's fp8 inputs, 4096 rows x 32K keys: ``bash
+benchmarks/indexer_ncu_gpu.sh OUT_DIR`` runs it under Nsight Compute (stall reasons).
 """
 
 from __future__ import annotations
@@ -26,11 +23,10 @@ def main() -> None:
     q8, w8 = quantize_index_q(q, w)
     ks = torch.zeros(n, dtype=torch.int64, device=dev)
     ke = torch.arange(t - n + 1, t + 1, dtype=torch.int64, device=dev)
-    for cfg in ({}, {"SPLIT": 1}):
-        ak = AttentionKernels(indexer_config=cfg)
-        for _ in range(2):
-            ak.indexer_logits(q8, w8, k8, scale, ks, ke)
-        torch.cuda.synchronize()
+    ak = AttentionKernels()
+    for _ in range(2):
+        ak.indexer_logits(q8, w8, k8, scale, ks, ke)
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

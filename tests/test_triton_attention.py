@@ -426,62 +426,6 @@ def test_conformance_interpreter_small_tiles(ref: Any, monkeypatch: pytest.Monke
     conf.check_op(impl, ref, "sparse_mla", device="cpu")
 
 
-def _split_call(dev: str) -> tuple[torch.Tensor, ...]:
-    """fp8 queries and keys with signed head weights, causal tail rows (DeepSeek's shapes made
-    small on the CPU)."""
-    g = torch.Generator(device=dev).manual_seed(4)
-    n, t, heads, d = (40, 300, 8, 32) if dev == "cpu" else (300, 5000, 64, 128)
-    q8 = (torch.randn(n, heads, d, device=dev, generator=g) * 0.5).to(torch.float8_e4m3fn)
-    k8, sc = quantize_fp8(torch.randn(t, d, device=dev, generator=g))
-    w = torch.randn(n, heads, device=dev, generator=g) * 0.1
-    ks = torch.randint(0, 20, (n,), device=dev, generator=g)
-    ke = torch.arange(t - n + 1, t + 1, device=dev)
-    return q8, w, k8, sc, ks, ke
-
-
-@interp
-def test_indexer_split_relu_equals_the_reference(ref: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``SPLIT = 1`` (``relu(s) = (s + |s|) / 2``: the ``w |s|`` head sum onto the signed dot
-    ``(sum_h w_h q_h) . k``): the indexer suite, and an fp8 call that takes the split (its ``u``
-    kernel launched) equal to the reference and to the plain kernel, -inf at the same places."""
-    impl = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT": 1})
-    launched: list[str] = []
-    real = impl._launch
-    monkeypatch.setattr(impl, "_launch", lambda key, *a: (launched.append(key[0]), real(key, *a)))
-    monkeypatch.setattr(conf, "ATTN_SIZES", ((17, 40, 64),))
-    monkeypatch.setattr(conf, "FP8_TOPK_SIZES", ((17, 40, 8),))
-    conf.check_op(impl, ref, "indexer_logits", device="cpu")
-    args = _split_call("cpu")
-    launched.clear()
-    got = impl.indexer_logits(*args)
-    assert "indexer_u" in launched
-    plain = AttentionKernels(indexer_config={"BLOCK_M": 16, "BLOCK_N": 32}).indexer_logits(*args)
-    want = ref.indexer_logits(*args)
-    for other in (want, plain):
-        assert torch.equal(got.isneginf(), other.isneginf())
-        fin = other.isfinite()
-        assert float((got[fin] - other[fin]).abs().max()) <= 1e-5 * float(other[fin].abs().max())
-
-
-@pytest.mark.gpu
-def test_indexer_split_relu_gpu(ref: Any) -> None:
-    """``SPLIT = 1`` compiled (the ``|s|`` folded into the fma by inline PTX, the signed half as
-    two bf16 dots): the indexer suite, and a DeepSeek-shaped fp8 call equal to the plain kernel
-    to fp8 accumulation's error, -inf at the same places, no fallback."""
-    from cpkv.fallback import recording
-
-    ak = AttentionKernels(indexer_config={"SPLIT": 1})
-    conf.check_op(ak, ref, "indexer_logits", device="cuda")
-    args = _split_call("cuda")
-    with recording() as rec:
-        got = ak.indexer_logits(*args)
-    assert rec.events == []
-    want = AttentionKernels().indexer_logits(*args)
-    assert torch.equal(got.isneginf(), want.isneginf())
-    fin = want.isfinite()
-    assert float((got[fin] - want[fin]).abs().max()) <= 1e-4 * float(want[fin].abs().max())
-
-
 @interp
 def test_indexer_causal_rows_skip_tiles(ref: Any) -> None:
     """Rows of a CP rank at the end of a prompt plus rows of a second request and empty rows:

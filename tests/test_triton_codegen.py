@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,81 +242,3 @@ def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
     if res["ptxas"] is None:
         pytest.skip("no ptxas here reads this PTX version: spills not checked")
     assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]
-
-
-def _sass(ptx: str, tmp: Path) -> str | None:
-    """The sm_90a SASS of ``ptx`` (the first ptxas here that reads it, then nvdisasm), or None."""
-    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    src, cubin = tmp / "kernel.ptx", tmp / "kernel.cubin"
-    src.write_text(ptx)
-    dis = bins / "nvdisasm"
-    for exe in (bins / "ptxas-blackwell", bins / "ptxas", Path("/usr/local/cuda/bin/ptxas")):
-        if exe.is_file() and dis.is_file():
-            r = subprocess.run([str(exe), "-arch=sm_90a", str(src), "-o", str(cubin)],
-                               capture_output=True, text=True, check=False)
-            if r.returncode == 0:
-                return subprocess.run([str(dis), "-c", str(cubin)], capture_output=True,
-                                      text=True, check=True).stdout
-    return None
-
-
-def _loop_ops(sass: str) -> list[str]:
-    """The instructions (with operands) of the loop around the kernel's fp8 wgmma (``QGMMA``):
-    from the target of the backward branch after the last QGMMA to that branch."""
-    lines = sass.splitlines()
-    ins = [i for i, ln in enumerate(lines) if re.search(r"/\*[0-9a-f]{4}\*/\s+\S", ln)]
-    last = max(i for i in ins if "QGMMA" in lines[i])
-    br = next(i for i in ins if i > last and re.search(r"\bBRA\b", lines[i]))
-    label = re.search(r"(\.L_x_\d+)", lines[br])
-    assert label is not None, lines[br]
-    start = next(i for i, ln in enumerate(lines) if ln.strip().startswith(label.group(1) + ":"))
-    return [lines[i].split("*/", 1)[1].strip() for i in ins if start <= i <= br]
-
-
-_SPLIT_SCRIPT = r"""
-import inspect, json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from cpkv_backend_triton.attention import _indexer_kernel as K
-
-names = list(inspect.signature(K.fn).parameters)
-ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-        "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32", "u_ptr": "*fp32"}
-out = {}
-for split in (0, 1):
-    # what a real launch specializes: unit strides, 16-byte aligned pointers and row strides
-    const = {"sq2": 1, "sk1": 1, "sw1": 1, "H": 64, "D": 128, "DP": 128, "BLOCK_M": 64,
-             "BLOCK_N": 128, "FP8": True, "UPCAST": False, "SPLIT": split, "UNROLL": 1}
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-    aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
-    src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    out[split] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.multiprocess
-def test_split_relu_folds_the_abs_into_the_head_sums_fma(tmp_path: Path) -> None:
-    """The row-tile indexer's ``SPLIT`` (``relu(s) = (s + |s|) / 2``) at the tuned launch: per
-    head and thread the loop's sum is 64 ``FFMA`` with ``|s|`` a source modifier and no ``max``,
-    where the plain kernel's is 64 ``FMNMX`` + 64 ``FFMA`` (ptxas folds only a plain
-    ``abs.f32``: Triton's ``tl.abs`` became 64 ``LOP3``, libdevice's ``abs.ftz`` 64 ``FADD``)."""
-    res = _run_script(_SPLIT_SCRIPT)
-    loops = {}
-    for split, ptx in res.items():
-        sass = _sass(ptx, tmp_path)
-        if sass is None:
-            pytest.skip("no ptxas and nvdisasm here read this PTX version")
-        loops[split] = _loop_ops(sass)
-    plain, split = loops["0"], loops["1"]
-
-    def count(ops: list[str], prefix: str) -> int:
-        return sum(op.split()[0 if not op.startswith("@") else 1].startswith(prefix) for op in ops)
-
-    assert count(plain, "FMNMX") == 64 and count(plain, "FFMA") == 64, plain
-    assert count(split, "FMNMX") == 0 and count(split, "FADD") == 0, split
-    assert sum(op.startswith("FFMA") and "|R" in op for op in split) == 64, split
-    assert len(split) <= len(plain) - 56, (len(split), len(plain))

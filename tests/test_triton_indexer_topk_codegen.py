@@ -26,7 +26,7 @@ import cpkv_backend_triton.indexer_topk as F
 
 PTRS = {"xs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv",
         "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*i32",
-        "cand_ptr": "*i64", "count_ptr": "*i32", "meta_ptr": "*i32", "u_ptr": "*fp32"}
+        "cand_ptr": "*i64", "count_ptr": "*i32", "meta_ptr": "*i32"}
 TILE = {"H": 64, "D": 128, "DP": 128, "BLOCK_N": 128, "FP8": True, "UPCAST": False}
 
 
@@ -43,7 +43,7 @@ def build(fn, const, out_ptr="*fp32"):
             "shared": k.metadata.shared}
 
 
-out = {"plain": build(A._indexer_kernel, {**TILE, "BLOCK_M": 64, "SPLIT": 0, "UNROLL": 1}),
+out = {"plain": build(A._indexer_kernel, {**TILE, "BLOCK_M": 64}),
        "filter": build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64}),
        "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32"),
        "floor": build(F._sample_floor_kernel, {"SP": 4096})}

@@ -117,20 +117,12 @@ def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, u_ptr,
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
                     N, T,
                     sq0, sq1, sq2, sw0, sw1, sk0, sk1, so0,
                     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP8: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr = 0,
-                    UNROLL: tl.constexpr = 1):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of logits: ``sum_h w_h relu(q_h . k)`` (then the keys'
-    scales). ``SPLIT`` (fp8 x fp8 only; ``u_ptr`` the rows' ``sum_h w_h q_h``, fp32 [N, D], from
-    :func:`_indexer_u_kernel`): ``relu(s) = (s + |s|) / 2``, so the head loop sums ``w_h |s_h|``
-    (one fma a logit a head, the ``|.|`` a source modifier, where ``relu`` costs a ``max`` and
-    an fma) onto the signed half ``sum_h w_h s_h = u . k``, one more dot before the loop (u as
-    two bf16 parts, hi + lo: ~2^-17 of ``|u| |k|``), and halves the sum with the key scale.
-    ``UNROLL`` heads an iteration of the head loop (its index and pipeline work shared)."""
+                    FP8: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -148,71 +140,15 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, u_p
         ktt = _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
         qbase = q_ptr + rows64[:, None] * sq0 + d[None, :] * sq2
         qmask = rmask[:, None] & dmask[None, :]
-        if SPLIT:  # the signed half first, while no other tile is live
-            uf = tl.load(u_ptr + rows64[:, None] * D + d[None, :], mask=qmask, other=0.0)
-            acc = _signed_dot(uf, ktt, UPCAST)
-        for h in tl.range(H, loop_unroll_factor=UNROLL):
+        for h in range(H):
             qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
             wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
             s = _qk_dot(qh, ktt, UPCAST, 0)
-            if SPLIT:
-                acc = _abs_fma(s, wh, acc, UPCAST)
-            else:
-                acc += wh[:, None] * tl.maximum(s, 0.0)
+            acc += wh[:, None] * tl.maximum(s, 0.0)
         if FP8:
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
-            if SPLIT:
-                c = 0.5 * c
             acc = acc * c[None, :]
     _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0)
-
-
-@triton.jit
-def _abs_fma(s, wh, acc, UPCAST: tl.constexpr):
-    """``acc + w |s|`` for :func:`_indexer_kernel`'s ``SPLIT``. Compiled: one ``FFMA`` with the
-    ``|s|`` a source modifier, which ptxas folds only from a plain ``abs.f32`` (Triton's
-    ``tl.abs`` is an ``and`` of the sign bit and libdevice's an ``abs.ftz``: both cost an
-    instruction, as ``relu``'s ``max`` does); the interpreter (``UPCAST``): ``tl.abs``."""
-    if UPCAST:
-        out = acc + wh[:, None] * tl.abs(s)
-    else:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .f32 t; abs.f32 t, $1; fma.rn.f32 $0, $2, t, $3; }", "=r,r,r,r",
-            [s, tl.broadcast_to(wh[:, None], s.shape), acc], dtype=tl.float32, is_pure=True,
-            pack=1)
-    return out
-
-
-@triton.jit
-def _signed_dot(uf, ktt, UPCAST: tl.constexpr):
-    """``u . k`` for :func:`_indexer_kernel`'s ``SPLIT``: fp32 IEEE (``UPCAST``: ``ktt`` is
-    fp32), else two bf16 dots (u's hi and lo parts; fp8 keys are exact in bf16) into fp32."""
-    if UPCAST:
-        lin = tl.dot(uf, ktt, input_precision="ieee")
-    else:
-        kb = ktt.to(tl.bfloat16)
-        hi = uf.to(tl.bfloat16)
-        lo = (uf - hi.to(tl.float32)).to(tl.bfloat16)
-        lin = tl.dot(lo, kb, tl.dot(hi, kb))
-    return lin
-
-
-@triton.jit
-def _indexer_u_kernel(q_ptr, w_ptr, u_ptr, N, sq0, sq1, sq2, sw0, sw1,
-                      H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``u[i] = sum_h w[i, h] q[i, h]`` in fp32 (heads in order), [N, D] contiguous: the signed
-    half of :func:`_indexer_kernel`'s ``SPLIT``."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    d = tl.arange(0, DP)
-    m = rmask[:, None] & (d < D)[None, :]
-    u = tl.zeros([BLOCK_R, DP], dtype=tl.float32)
-    for h in range(H):
-        qh = tl.load(q_ptr + rows64[:, None] * sq0 + h * sq1 + d[None, :] * sq2, mask=m, other=0.0)
-        wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
-        u += wh[:, None] * qh.to(tl.float32)
-    tl.store(u_ptr + rows64[:, None] * D + d[None, :], u, mask=m)
 
 
 @triton.jit
@@ -701,22 +637,14 @@ class AttentionKernels:
         if cfg["ASYNC"] and both_fp8 and not interp and self._async_indexer(q, w, k, scale, ks,
                                                                              ke, out):
             return out
-        split = bool(cfg["SPLIT"]) and both_fp8
-        u = out  # unused pointer unless split
-        if split:
-            u = torch.empty(n, d, dtype=torch.float32, device=q.device)
-            self._launch(("indexer_u", heads, d), _indexer_u_kernel, (triton.cdiv(n, 32),),
-                         (q, w, u, n, q.stride(0), q.stride(1), q.stride(2), w.stride(0),
-                          w.stride(1)),
-                         {"H": heads, "D": d, "DP": _pow2(d, 16), "BLOCK_R": 32}, 4, 1)
         grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
-        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast, split, cfg["UNROLL"])
+        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast)
         self._launch(key, _indexer_kernel, grid,
-                     (q, w, k, scale, ks, ke, out, u, n, t,
+                     (q, w, k, scale, ks, ke, out, n, t,
                       q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                       k.stride(0), k.stride(1), out.stride(0)),
                      {"H": heads, "D": d, "DP": dp, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
-                      "UPCAST": upcast, "SPLIT": split, "UNROLL": cfg["UNROLL"]},
+                      "UPCAST": upcast},
                      cfg["num_warps"], cfg["num_stages"])
         return out
 

@@ -93,10 +93,7 @@ class IndexerParams(_Params):
     calls take the Gluon kernel that overlaps each head's wgmma with the previous head's sum
     (:mod:`cpkv_backend_triton.indexer_async`: ASYNC_BLOCK_M rows (64 a warpgroup) x
     ASYNC_BLOCK_N keys a program, ASYNC_STAGES query tiles in flight, ASYNC_GROUP heads a
-    pipelined group); 0: the Triton kernel. SPLIT 1: the fp8 x fp8 row-tile kernel sums
-    ``w_h |s_h|`` over the heads and adds the signed half ``(sum_h w_h q_h) . k`` once
-    (``relu(s) = (s + |s|) / 2``: one fma a logit a head instead of a max and an fma); UNROLL
-    heads an iteration of its head loop."""
+    pipelined group); 0: the Triton kernel."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -120,8 +117,6 @@ class IndexerParams(_Params):
     ASYNC_BLOCK_N: int
     ASYNC_STAGES: int
     ASYNC_GROUP: int
-    SPLIT: int
-    UNROLL: int
 
 
 @dataclass(frozen=True)
@@ -201,10 +196,7 @@ _INDEXER_H200 = IndexerParams(
     PAGED_KEYS_M=1, PAGED_PRECISE=0, PAGED_MAJOR_PAGES=16, PAGED_MAJOR_STAGES=3,
     # the async Gluon kernel measured on an H100 (results/session15/indexer_async_sweep_h100.json):
     # 0.81-0.88x the Triton kernel at this launch, 0.86-1.07x at 64 x 128 in 2-head groups: off
-    ASYNC=0, ASYNC_BLOCK_M=64, ASYNC_BLOCK_N=64, ASYNC_STAGES=4, ASYNC_GROUP=4,
-    # relu(s) = (s + |s|) / 2 in the fp8 row-tile kernel, 2 heads a loop iteration: not
-    # measured yet (session16c_gpu.sh)
-    SPLIT=0, UNROLL=1)
+    ASYNC=0, ASYNC_BLOCK_M=64, ASYNC_BLOCK_N=64, ASYNC_STAGES=4, ASYNC_GROUP=4)
 _INDEXER_SRC = (
     "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
     "32K x 64 x 128; the few-rows kernel at 64K fp8 keys x 64 heads: 1-4 rows ~2x the row-tile "
