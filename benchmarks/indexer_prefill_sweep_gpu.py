@@ -1,6 +1,11 @@
 """Launch sweep of the Triton prefill indexer (fp8, DeepSeek's numerics) on one GPU (issue 38).
 
-Usage: python benchmarks/indexer_prefill_sweep_gpu.py OUT.json [async]
+``small`` (session 16): ``SMALL_CONFIGS``, 64 x 64 tiles at 128 registers; predicted 0.9-1.1x
+the default (more warps a scheduler for a latency-bound kernel against twice the L2 reads).
+Measured on an H100 (results/session16/indexer_small_h100.json): 0.74-0.82x (4Kx128K 10.99 vs
+8.10 ms, 2Kx512K 22.70 vs 18.59, 1Kx32K 0.79 vs 0.64): the query reads' cost wins.
+
+Usage: python benchmarks/indexer_prefill_sweep_gpu.py OUT.json [async|small]
 
 ``async``: the Gluon kernel of ``cpkv_backend_triton.indexer_async`` (tuning ``ASYNC = 1``: each
 head's wgmma overlapped with the previous head's sum) at the launches of ``ASYNC_CONFIGS``,
@@ -35,7 +40,7 @@ from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
 from cpkv_backend_triton.attention import AttentionKernels
 
 SHAPES = ((4096, 131072), (2048, 524288), (1024, 32768))
-CONFIGS = (
+CONFIGS: tuple[dict[str, int], ...] = (
     {},  # the default
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
@@ -45,8 +50,17 @@ CONFIGS = (
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 2},
 )
+#: session 16: 64-key tiles at 128 registers (4 CTAs an SM, 4 warps a scheduler, against the
+#: default's 3 at 168: Nsight Compute found the default latency-bound there), twice the L2
+#: reads of the query tiles a logit (the default's L2 throughput is 39 % busy)
+SMALL_CONFIGS: tuple[dict[str, int], ...] = (
+    {},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+)
 _A = {"ASYNC": 1}
-ASYNC_CONFIGS = (
+ASYNC_CONFIGS: tuple[dict[str, int], ...] = (
     {},  # the default (Triton) kernel: the baseline
     {**_A, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 4, "ASYNC_GROUP": 4},
     {**_A, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64, "ASYNC_STAGES": 6, "ASYNC_GROUP": 4},
@@ -123,7 +137,8 @@ def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator,
 
 def main() -> None:
     out = sys.argv[1]
-    configs = ASYNC_CONFIGS if sys.argv[2:] == ["async"] else CONFIGS
+    configs = {"async": ASYNC_CONFIGS, "small": SMALL_CONFIGS}.get(
+        sys.argv[2] if len(sys.argv) > 2 else "", CONFIGS)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
     shapes: dict[str, list[dict[str, object]]] = {}
