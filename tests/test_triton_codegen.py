@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,47 @@ def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
     if res["ptxas"] is None:
         pytest.skip("no ptxas here reads this PTX version: spills not checked")
     assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]
+
+
+_INDEXER_SCRIPT = r"""
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cpkv_backend_triton.attention import _indexer_kernel as K
+from cpkv_backend_triton.tuning import Op, row
+
+cfg = row(Op.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
+names = list(inspect.signature(K.fn).parameters)
+ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+        "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32"}
+# what a real launch specializes: unit strides, 16-byte aligned pointers and row strides
+const = {"sq2": 1, "sk1": 1, "sw1": 1, "H": 64, "D": 128, "DP": 128,
+         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "FP8": True, "UPCAST": False}
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
+src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+print(json.dumps({"ptx": k.asm["ptx"], "threads": 32 * cfg["num_warps"]}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_prefill_indexer_keeps_three_ctas_an_sm(tmp_path: Path) -> None:
+    """The fp8 prefill indexer at its tuned launch (DeepSeek's 64 heads x 128) fits 3 CTAs an
+    SM in registers, without spills: Nsight Compute found it latency-bound at 3 warps a
+    scheduler (docs/perf.md, session 16), and every variant measured above ~170 registers
+    (2 CTAs an SM) was slower whatever it saved (the ``|s|`` split at 201: 0.86x)."""
+    res = _run_script(_INDEXER_SCRIPT)
+    report = _assemble(res["ptx"], tmp_path)
+    if report is None:
+        pytest.skip("no ptxas here reads this PTX version: registers not checked")
+    m = re.search(r"Used (\d+) registers", report)
+    assert m is not None, report
+    regs = int(m.group(1))
+    # registers are allocated a warp at a time in units of 256 (8 a thread)
+    per_cta = -(-regs // 8) * 8 * res["threads"]
+    assert 65536 // per_cta >= 3, (regs, report)
+    assert "0 bytes spill stores" in report, report
