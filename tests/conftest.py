@@ -18,6 +18,7 @@ fixture). ``-o unmarked_test_limit_s=0`` turns the check off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Generator
 from typing import Any
@@ -26,6 +27,22 @@ import pytest
 
 #: the default of ``unmarked_test_limit_s`` (seconds): twice the ~10 s rule for the ``slow`` mark
 UNMARKED_TEST_LIMIT_S = 20.0
+
+
+def _import_triton_for_the_interpreter() -> None:
+    """Without CUDA, import triton first under ``TRITON_INTERPRET=1`` (restored after): its
+    standard library (``tl.sort``, ``tl.cumsum``, ...) is made by ``@triton.jit`` at import,
+    and an interpreted kernel can call it only if it was made under the interpreter. A test
+    module that imported triton plainly before the first :func:`triton_interp.import_kernels`
+    broke the interpreted top-k ("Cannot call @triton.jit'd outside of the scope of a
+    kernel"): the suite passed only in alphabetical order."""
+    from triton_interp import interpreter_env
+
+    with interpreter_env(), contextlib.suppress(ImportError):
+        import triton  # noqa: F401
+
+
+_import_triton_for_the_interpreter()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

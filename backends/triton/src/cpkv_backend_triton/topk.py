@@ -619,13 +619,18 @@ def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floo
                   cand: torch.Tensor, count: torch.Tensor, k: int, cs: int, ns: int, blk: int,
                   cap: int, warps: int) -> bool:
     """``GLUON = 1``: the filter of :mod:`.topk_filter_gluon`; False (reported once per reason,
-    the Triton filter runs) when it cannot take the call."""
-    try:
-        from .topk_filter_gluon import gluon_filter, gluon_filter_declines
-    except ImportError as exc:  # a Triton without Gluon
-        why: str | None = f"Gluon cannot be imported ({exc})"
+    the Triton filter runs) when it cannot take the call. Logits off a GPU (the interpreter)
+    decline before Gluon is imported (a CPU process has no use for it)."""
+    why: str | None
+    if not logits.is_cuda:
+        why = "the Gluon filter runs on CUDA devices (not under the interpreter)"
     else:
-        why = gluon_filter_declines(logits, blk, warps)
+        try:
+            from .topk_filter_gluon import gluon_filter, gluon_filter_declines
+        except ImportError as exc:  # a Triton without Gluon
+            why = f"Gluon cannot be imported ({exc})"
+        else:
+            why = gluon_filter_declines(logits, blk, warps)
     if why is None:
         gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk, cap, warps)
         return True
