@@ -93,10 +93,11 @@ def fp8_ceiling(dev: torch.device) -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator,
-                configs: tuple[dict[str, int], ...] = CONFIGS) -> list[dict[str, object]]:
-    """Every configuration on one shape's inputs."""
-    heads, dim = 64, 128
+def fp8_inputs(n: int, t: int, dev: torch.device, g: torch.Generator,
+               heads: int = 64, dim: int = 128) -> tuple[torch.Tensor, ...]:
+    """DeepSeek-V3.2's fp8 indexer inputs for the last ``n`` rows of a ``t``-token prompt:
+    (q8, w8, k8, scale, key_start, key_end) (rotated ue8m0 keys, fp8 queries with their
+    scales in the head weights, causal ranges from key 0)."""
     q = hadamard_rotate(torch.randn(n, heads, dim, dtype=torch.bfloat16, device=dev, generator=g))
     w = torch.randn(n, heads, device=dev, generator=g) * (heads ** -0.5 * dim ** -0.5)
     k = hadamard_rotate(torch.randn(t, dim, dtype=torch.bfloat16, device=dev, generator=g))
@@ -104,6 +105,14 @@ def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator,
     q8, w8 = quantize_index_q(q, w)
     ks = torch.zeros(n, dtype=torch.int64, device=dev)
     ke = torch.arange(t - n + 1, t + 1, dtype=torch.int64, device=dev)
+    return q8, w8, k8, scale, ks, ke
+
+
+def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator,
+                configs: tuple[dict[str, int], ...] = CONFIGS) -> list[dict[str, object]]:
+    """Every configuration on one shape's inputs."""
+    heads, dim = 64, 128
+    q8, w8, k8, scale, ks, ke = fp8_inputs(n, t, dev, g, heads, dim)
     flops = 2 * heads * dim * float((ke - ks).sum())
     base = None
     rows: list[dict[str, object]] = []
