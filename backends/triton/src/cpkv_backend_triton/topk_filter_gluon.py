@@ -52,8 +52,9 @@ def _keep(x, cols, take, cnt, crow, CAP: gl.constexpr):
 
 
 @gluon.jit
-def _topk_filter_gluon_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS, NS, sx0,
-                   BLOCK: gl.constexpr, CAP: gl.constexpr, num_warps: gl.constexpr):
+def _topk_filter_gluon_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS,
+                              NS, sx0, BLOCK: gl.constexpr, CAP: gl.constexpr,
+                              num_warps: gl.constexpr):
     lay: gl.constexpr = gl.BlockedLayout([BLOCK // (32 * num_warps)], [32], [num_warps], [0])
     row = gl.program_id(0).to(gl.int64)
     j = gl.program_id(1)
@@ -104,5 +105,5 @@ def gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floor
     """:func:`_topk_filter_gluon_kernel` over ``logits`` [N, T] fp32 (the caller checked
     :func:`gluon_filter_declines`): the same arguments and results as the Triton filter."""
     n, t = logits.shape
-    _topk_filter_gluon_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, logits.stride(0),
-                            BLOCK=block, CAP=cap, num_warps=warps)
+    _topk_filter_gluon_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns,
+                                       logits.stride(0), BLOCK=block, CAP=cap, num_warps=warps)

@@ -236,7 +236,7 @@ _TOPK_LONG_SRC = (
     "(one split: 1.94 waves of programs), the filter 4.50 vs 4.71 ms on an H100, level at 1024 "
     "rows and a decode step (benchmarks/results/session15/topk_sweep_h100.json); GLUON 1: the "
     "Gluon filter bit-equal to the Triton one and 1.56x faster at 4096 x 480K (2.85 vs 4.43 ms), "
-    "1.50x at 1024 x 480K, 1.42x a decode step's (benchmarks/results/session16/"
+    "1.47x at 1024 x 480K, 1.42x a decode step's (benchmarks/results/session16/"
     "topk_sweep_h100.json, session16_gpu.sh)")
 
 #: every row; each op has exactly one default row (``DeviceKey()``)
