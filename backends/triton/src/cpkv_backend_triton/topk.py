@@ -619,8 +619,9 @@ def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floo
                   cand: torch.Tensor, count: torch.Tensor, k: int, cs: int, ns: int, blk: int,
                   cap: int, warps: int) -> bool:
     """``GLUON = 1``: the filter of :mod:`.topk_filter_gluon`; False (reported once per reason,
-    the Triton filter runs) when it cannot take the call. Logits off a GPU (the interpreter)
-    decline before Gluon is imported (a CPU process has no use for it)."""
+    the Triton filter runs) when it cannot take the call. Logits off a GPU decline before
+    Gluon is imported: in a process whose triton was imported under the CPU interpreter (the
+    test suite's), importing Gluon raises (its standard library expects compiled functions)."""
     why: str | None
     if not logits.is_cuda:
         why = "the Gluon filter runs on CUDA devices (not under the interpreter)"

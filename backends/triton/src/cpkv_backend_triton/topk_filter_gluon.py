@@ -15,8 +15,8 @@ row's floor are candidates, ``key << 32 | (2^31 - 1 - column)`` int64 in column 
 split's scratch row (at most CAP stored, the count goes on). Blocks start on 16-column
 boundaries (the split's first block reaches back to one; those columns are not taken), every
 block but the last is read unmasked. Takes contiguous fp32 rows (column stride 1) on a CUDA
-device: :func:`gluon_filter_declines` says why not otherwise. Opt-in: tuning field ``GLUON``
-of ``TOPK_LONG`` (off until measured).
+device: :func:`gluon_filter_declines` says why not otherwise. Chosen by the tuning field
+``GLUON`` of ``TOPK_LONG`` (1 in the table: measured 1.47-1.56x the Triton filter, docs/perf.md).
 """
 
 from __future__ import annotations
@@ -85,11 +85,11 @@ def _topk_filter_gluon_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_
 
 
 def gluon_filter_declines(logits: torch.Tensor, block: int, warps: int) -> str | None:
-    """Why :func:`gluon_filter` cannot take these logits and launch (metadata only), or None."""
+    """Why :func:`gluon_filter` cannot take these logits on a CUDA device and launch (metadata
+    only), or None. Logits off a GPU never get here: ``topk`` declines them before importing
+    this module."""
     if logits.dtype != torch.float32:
         return f"the Gluon filter reads fp32 logits, got {logits.dtype}"
-    if not logits.is_cuda:
-        return "the Gluon filter runs on CUDA devices (not under the interpreter)"
     if (device_of(logits.device)[1] or (0, 0)) < (8, 0):
         return "the Gluon filter needs an sm80+ GPU"
     if logits.stride(1) != 1:
