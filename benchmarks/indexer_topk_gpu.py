@@ -13,10 +13,13 @@ causal ranges of a prompt's last rows. Writes one JSON object to OUT (argv[1]):
   plain top-k on its logits, both, and the fused op; ``fused_topk_share`` = (fused - plain
   indexer) / plain indexer, the issue's share with the filter's epilogue counted as top-k
   work; a per-kernel profile of one fused call.
+  ``filter_over_indexer``: the fused filter kernel's time (the profile's) over the plain
+  indexer kernel's: what the candidate append in the epilogue costs.
 * ``flagged``: the exact pass's cost: every long row forced to it (CAP_MAX 16).
-* ``recent``: rows whose candidates crowd their last split (a recency bias), by ROW_SHARE_PCT.
-* ``sweep``: launch parameters of the filter at 1024 and 8192 x 512K (PROGRAMS with
-  SPLIT_MIN, ROW_SHARE_PCT, warps).
+* ``recent``: rows whose candidates crowd the keys' last sixteenth (a recency bias): the rows
+  flagged (a row's CAP does not depend on where its candidates lie) and the time.
+
+The fused path is forced on (MIN_T 196608, the long-row top-k's) whatever the table says.
 
     python benchmarks/indexer_topk_gpu.py OUT.json
 """
@@ -40,9 +43,9 @@ from cpkv.bench.timing import device_ms
 from cpkv.ops import quantize_fp8, quantize_index_q
 
 K = 2048
-SMALL = {"MIN_T": 1, "SAMPLE": 64, "CAP_MIN": 16, "PROGRAMS": 8, "SPLIT_MIN": 128,
-         "BLOCK_M": 16, "BLOCK_N": 32, "EXACT_BLOCK_N": 32}
-DEFAULT = dict(F.INDEXER_TOPK)
+SMALL = {"MIN_T": 1, "SAMPLE": 64, "CAP_MIN": 16, "BLOCK_M": 16, "BLOCK_N": 32,
+         "SELECT_BLOCK": 32, "EXACT_BLOCK_N": 32}
+DEFAULT = {**F.INDEXER_TOPK, "MIN_T": 196608}
 
 
 def use(cfg: dict[str, int]) -> None:
@@ -53,7 +56,7 @@ def use(cfg: dict[str, int]) -> None:
 def inputs(n: int, t: int, seed: int = 0, recent: bool = False) -> tuple[torch.Tensor, ...]:
     """fp8 queries (scales in the weights), fp8 keys, causal tail ranges. ``recent``: positive
     head weights and the last sixteenth of the keys shifted towards the queries' mean
-    direction, so each row's top candidates crowd its last split (a recency bias)."""
+    direction, so each row's top candidates crowd its last keys (a recency bias)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(n, 64, 128, generator=g, device="cuda").bfloat16()
     w = torch.randn(n, 64, generator=g, device="cuda") * (64 * 128) ** -0.5
@@ -73,20 +76,20 @@ def inputs(n: int, t: int, seed: int = 0, recent: bool = False) -> tuple[torch.T
 def flag_spy() -> Iterator[list[int]]:
     """The number of rows the select flags, per fused call inside."""
     seen: list[int] = []
-    real = F.select_candidates
+    real = F.select_fused
 
-    def spy(cand: torch.Tensor, count: torch.Tensor, key_start: torch.Tensor,
+    def spy(val: torch.Tensor, col: torch.Tensor, count: torch.Tensor, key_start: torch.Tensor,
             key_end: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, t: int, k: int,
             cap: int) -> None:
-        real(cand, count, key_start, key_end, out, meta, t, k, cap)
+        real(val, col, count, key_start, key_end, out, meta, t, k, cap)
         long = (key_end.clamp(0, t) - key_start.clamp(0, t)) > k
         seen.append(int((long & (meta[:, 0] < 0)).sum()))
 
-    F.select_candidates = spy
+    F.select_fused = spy
     try:
         yield seen
     finally:
-        F.select_candidates = real
+        F.select_fused = real
 
 
 def edge(ref: Any) -> dict[str, bool]:
@@ -144,6 +147,7 @@ def case(impl: Any, n: int, t: int) -> dict[str, Any]:
     same = (fused.sort(1).values == plain.sort(1).values).all(1)
     res: dict[str, Any] = {"rows": n, "keys": t, "layout": F.layout(n, t, K).__dict__,
                            "sets_equal": bool(same.all()), "rows_differ": int((~same).sum()),
+                           "outputs_equal": bool(torch.equal(fused, plain)),
                            "flagged_rows": flags[0] if flags else None}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # the op reads nothing back to the host
@@ -169,6 +173,8 @@ def case(impl: Any, n: int, t: int) -> dict[str, Any]:
     res["fused_speedup"] = res["plain_ms"] / res["fused_ms"]
     res["fused_kernels"] = kernel_profile(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K),
                                           top=8)
+    filt = [r["ms"] for r in res["fused_kernels"] if "_fused_filter_kernel" in r.get("kernel", "")]
+    res["filter_over_indexer"] = filt[0] / idx if filt else None
     print(json.dumps({k: v for k, v in res.items() if k != "fused_kernels"}), flush=True)
     return res
 
@@ -191,55 +197,26 @@ def flagged(impl: Any, n: int, t: int) -> dict[str, Any]:
     return res
 
 
-def recent(impl: Any, n: int, t: int) -> list[dict[str, Any]]:
-    """Candidates crowding one split (:func:`inputs` ``recent``): rows flagged and ms by
-    ROW_SHARE_PCT (each split's CAP at least that share of a row's expected candidates)."""
+def recent(impl: Any, n: int, t: int) -> dict[str, Any]:
+    """Candidates crowding the last keys (:func:`inputs` ``recent``): rows flagged, time, and
+    the set against the plain path's."""
     q8, w8, k8, sc, ks, ke = inputs(n, t, seed=4, recent=True)
     plain = impl.topk(impl.indexer_logits(q8, w8, k8, sc, ks, ke), K, ks, ke).sort(1).values
-    rows = []
-    for pct in (0, 50, 100):
-        use({**DEFAULT, "ROW_SHARE_PCT": pct})
-        with flag_spy() as flags:
-            got = impl.indexer_topk(q8, w8, k8, sc, ks, ke, K)
-        ms = device_ms(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K), warmup=1, iters=3)
-        r = {"rows": n, "keys": t, "ROW_SHARE_PCT": pct, "cap": F.layout(n, t, K).cap,
-             "flagged_rows": flags[0] if flags else None, "ms": ms,
-             "rows_differ_from_plain": int((got.sort(1).values != plain).any(1).sum())}
-        print(json.dumps(r), flush=True)
-        rows.append(r)
-    use(DEFAULT)
-    return rows
-
-
-def sweep(impl: Any) -> list[dict[str, Any]]:
-    """The filter's launch (PROGRAMS with SPLIT_MIN, ROW_SHARE_PCT, warps) at 1024 and 8192
-    rows x 512K keys."""
-    rows = []
-    for n in (1024, 8192):
-        q8, w8, k8, sc, ks, ke = inputs(n, 524288, seed=3)
-        for progs, split_min in ((1024, 16384), (4096, 4096)):
-            for pct in (0, 50):
-                for warps in (4, 8):
-                    use({**DEFAULT, "PROGRAMS": progs, "SPLIT_MIN": split_min,
-                         "ROW_SHARE_PCT": pct, "num_warps": warps})
-                    ms = device_ms(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K),
-                                   iters=5)
-                    lay = F.layout(n, 524288, K)
-                    r = {"rows": n, "PROGRAMS": progs, "SPLIT_MIN": split_min,
-                         "ROW_SHARE_PCT": pct, "num_warps": warps, "splits": lay.splits,
-                         "cap": lay.cap, "ms": ms}
-                    print(json.dumps(r), flush=True)
-                    rows.append(r)
-        del q8, k8
-        torch.cuda.empty_cache()
-    use(DEFAULT)
-    return rows
+    with flag_spy() as flags:
+        got = impl.indexer_topk(q8, w8, k8, sc, ks, ke, K)
+    ms = device_ms(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K), warmup=1, iters=3)
+    r = {"rows": n, "keys": t, "cap": F.layout(n, t, K).cap,
+         "flagged_rows": flags[0] if flags else None, "ms": ms,
+         "rows_differ_from_plain": int((got.sort(1).values != plain).any(1).sum())}
+    print(json.dumps(r), flush=True)
+    return r
 
 
 def main() -> None:
     from cpkv.plugin import PluginHost
 
     backends = PluginHost().backends()
+    use(DEFAULT)
     impl = A.AttentionKernels()
     ref = backends.load("torch")
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "k": K,
@@ -251,7 +228,6 @@ def main() -> None:
     torch.cuda.empty_cache()
     result["flagged"] = flagged(impl, 256, 524288)
     result["recent"] = recent(impl, 1024, 524288)
-    result["sweep"] = sweep(impl)
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
 

@@ -64,6 +64,24 @@ def test_topk_share_counts_every_top_k_kernel(module: str) -> None:
         assert topk_share([{"kernel": name, "ms": 1.0}])["topk_ms"] == 1.0, name
 
 
+def test_fused_topk_share_counts_every_kernel_but_the_filter() -> None:
+    """In a profile holding the fused indexer top-k's filter, every other kernel of the fused
+    module is top-k time (its select, first left out of the names), the filter the indexer's
+    (names read from the source, as above)."""
+    spec = importlib.util.find_spec("cpkv_backend_triton.indexer_topk")
+    if spec is None or spec.origin is None:
+        pytest.skip("cpkv_backend_triton is not installed")
+    tree = ast.parse(Path(spec.origin).read_text())
+    kernels = [f.name for f in tree.body
+               if isinstance(f, ast.FunctionDef) and f.name.endswith("_kernel")]
+    assert "_fused_filter_kernel" in kernels and len(kernels) > 1
+    filt = {"kernel": "_fused_filter_kernel", "ms": 10.0}
+    for name in kernels:
+        if name != "_fused_filter_kernel":
+            assert topk_share([filt, {"kernel": name, "ms": 1.0}]) == {
+                "topk_ms": 1.0, "indexer_ms": 10.0}, name
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_long_rank_chunkings_give_equal_logits(tmp_path: Path) -> None:

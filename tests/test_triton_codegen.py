@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from triton_interp import ptxas_report
+
 triton = pytest.importorskip("triton")
 
 
@@ -35,20 +37,6 @@ def _needs_gluon() -> None:
     if importlib.util.find_spec("triton.experimental.gluon") is None:
         pytest.skip("this Triton has no Gluon")
 
-
-def _assemble(ptx: str, tmp: Path) -> str | None:
-    """``ptxas -v`` for sm_90a by the first ptxas here that reads this PTX version (Triton's own
-    may be older than the PTX it writes): its report (registers, spills, warnings), or None."""
-    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    path = tmp / "kernel.ptx"
-    path.write_text(ptx)
-    for exe in (bins / "ptxas-blackwell", bins / "ptxas", Path("/usr/local/cuda/bin/ptxas")):
-        if exe.is_file():
-            r = subprocess.run([str(exe), "-v", "-arch=sm_90a", str(path), "-o", "/dev/null"],
-                               capture_output=True, text=True, check=False)
-            if r.returncode == 0:
-                return r.stderr
-    return None
 
 _SCRIPT = r"""
 import inspect, json, re, sys
@@ -201,7 +189,7 @@ def test_async_indexer_overlaps_wgmma_with_the_head_sums(tmp_path: Path) -> None
     enough registers) nor spills."""
     _needs_gluon()
     res = _run_script(_ASYNC_SCRIPT)
-    res["ptxas"] = _assemble(res.pop("ptx"), tmp_path)
+    res["ptxas"] = ptxas_report(res.pop("ptx"), tmp_path)
     # the group is the loop's body (unrolled): its GROUP - 1 overlapped waits, one full wait
     assert res["wait1"] == res["group"] - 1 and res["wait0"] == 1
     assert res["wgmma"] == 4 * res["group"]  # 4 wgmma (k = 32 each) a head of 128 dims
@@ -244,7 +232,7 @@ def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
     shared memory, 24 barriers); no spill where a ptxas reads the PTX."""
     _needs_gluon()
     res = _run_script(_GLUON_FILTER_SCRIPT)
-    res["ptxas"] = _assemble(res.pop("ptx"), tmp_path)
+    res["ptxas"] = ptxas_report(res.pop("ptx"), tmp_path)
     assert res["v4"] == 2, res  # the unmasked blocks' loop; the masked last block is scalar
     # two bodies (the unmasked loop, the last block), each: a sum and a scan across warps
     assert res["shfl"] <= 2 * 8 and res["bar"] <= 2 * 5 and res["st_shared"] <= 2 * 3, res
@@ -285,7 +273,7 @@ def test_prefill_indexer_keeps_three_ctas_an_sm(tmp_path: Path) -> None:
     scheduler (docs/perf.md, session 16), and every variant measured above ~170 registers
     (2 CTAs an SM) was slower whatever it saved (the ``|s|`` split at 201: 0.86x)."""
     res = _run_script(_INDEXER_SCRIPT)
-    report = _assemble(res["ptx"], tmp_path)
+    report = ptxas_report(res["ptx"], tmp_path)
     if report is None:
         pytest.skip("no ptxas here reads this PTX version: registers not checked")
     m = re.search(r"Used (\d+) registers", report)

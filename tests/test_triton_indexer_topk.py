@@ -1,7 +1,8 @@
 """The fused indexer top-k (cpkv_backend_triton.indexer_topk) on Triton's CPU interpreter: the
 reference's set (conformance suite, ties by the lower column), the plain path's set (the Triton
-indexer then the Triton top-k), and the rows the select flags (a floor above the k-th key, a
-split over CAP) recomputed exactly. Small shapes: the fused path's thresholds lowered."""
+indexer then the Triton top-k), ascending, and the rows
+the select flags (a floor above the k-th key, a row over CAP) recomputed exactly. Small shapes:
+the fused path's thresholds lowered."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
 pytestmark = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU")
 
 #: the fused path at interpreter sizes: every view long enough, a small sample, small tiles
-SMALL = {"MIN_T": 1, "SAMPLE": 64, "CAP_MIN": 16, "PROGRAMS": 8, "SPLIT_MIN": 128,
-         "BLOCK_M": 16, "BLOCK_N": 32, "EXACT_BLOCK_N": 32}
+SMALL = {"MIN_T": 1, "SAMPLE": 64, "CAP_MIN": 16, "BLOCK_M": 16, "BLOCK_N": 32,
+         "SELECT_BLOCK": 32, "EXACT_BLOCK_N": 32}
 
 
 @pytest.fixture(autouse=True)
@@ -42,15 +43,16 @@ def flags(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """Per fused call: which rows the select left to the exact pass (rows holding more than k
     keys whose ``meta`` is -1)."""
     seen: list[torch.Tensor] = []
-    real = fused.select_candidates
+    real = fused.select_fused
 
-    def spy(cand: torch.Tensor, count: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
-            out: torch.Tensor, meta: torch.Tensor, t: int, k: int, cap: int) -> None:
-        real(cand, count, ks, ke, out, meta, t, k, cap)
+    def spy(val: torch.Tensor, col: torch.Tensor, count: torch.Tensor, ks: torch.Tensor,
+            ke: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, t: int, k: int,
+            cap: int) -> None:
+        real(val, col, count, ks, ke, out, meta, t, k, cap)
         long = (ke.clamp(0, t) - ks.clamp(0, t)) > k
         seen.append(long & (meta[:, 0] < 0))
 
-    monkeypatch.setattr(fused, "select_candidates", spy)
+    monkeypatch.setattr(fused, "select_fused", spy)
     return seen
 
 
@@ -79,7 +81,8 @@ def _exact(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, ks: torch.Tenso
 
 def _check(impl: Any, ref: Any, args: tuple[Any, ...], k: int, *, plain: bool = True) -> None:
     """The reference's set by the top-k rule; with ``plain``, the plain Triton path's set
-    exactly (the same logits)."""
+    exactly (the same logits), each long row's columns ascending (whatever order the atomic
+    appends gave the candidates)."""
     q, w, keys, scale, ks, ke = args
     got = impl.indexer_topk(q, w, keys, scale, ks, ke, k)
     logits = ref.indexer_logits(q, w, keys, scale, ks, ke)
@@ -87,20 +90,18 @@ def _check(impl: Any, ref: Any, args: tuple[Any, ...], k: int, *, plain: bool = 
     if plain:
         want = impl.topk(impl.indexer_logits(q, w, keys, scale, ks, ke), k, ks, ke)
         assert torch.equal(got.sort(1).values, want.sort(1).values)
+        long = (ke.clamp(0, keys.shape[0]) - ks.clamp(0, keys.shape[0])) > k
+        assert torch.equal(got[long], got[long].sort(1).values)  # ascending, as chosen
 
 
-def test_layout_fills_the_gpu_within_the_scratch_bound() -> None:
-    """512K keys: 8K rows (a 16 GiB logits budget's chunk) take 8 splits of 64K columns, CAP
-    4096 (4 x the ~660 candidates a split expects, half a row's ~5.2K), 2 GiB of scratch (a
-    quarter of the logits' bytes at most); 1024 rows take 16 splits (the scratch bound) and
-    32 of CAP 1024 without the row share."""
+def test_layout_caps_a_row_at_twice_the_floors_keys() -> None:
+    """512K keys, k = 2048: the floor keeps ~40 of the 4096 sampled keys' share of a row (~5.1K
+    keys), CAP the power of two above twice that (16384: 1/16 of the row's logits' bytes);
+    1M keys keep ~7.4K (CAP 16384, the largest); short views are capped by their length."""
     big = fused.layout(8192, 524288, 2048)
-    assert (big.splits, big.split_cols, big.cap, big.stride) == (8, 65536, 4096, 128)
-    assert 8192 * big.splits * big.cap * 8 <= 8192 * 524288 * 4 // 4
-    few = fused.layout(1024, 524288, 2048)
-    assert (few.splits, few.cap) == (16, 4096)
-    few = fused.layout(1024, 524288, 2048, {**fused.INDEXER_TOPK, "ROW_SHARE_PCT": 0})
-    assert (few.splits, few.cap) == (32, 1024)
+    assert (big.cap, big.stride, big.sample_cols) == (16384, 128, 4096)
+    assert fused.layout(1024, 1 << 20, 2048).cap == 16384
+    assert fused.layout(64, 262144, 2048).cap == 8192  # ~3.1K kept at 256K
     assert fused.layout(3, 100, 8, {**fused.INDEXER_TOPK, **SMALL}).cap <= 128
 
 
@@ -112,7 +113,7 @@ def test_conformance(ref: Any, small: dict[str, int], monkeypatch: pytest.Monkey
     conf.check_op(_impl(), ref, "indexer_topk", device="cpu")
 
 
-@pytest.mark.slow  # 4-7 s in the interpreter; the fused path is opt-in
+@pytest.mark.slow  # 4-7 s in the interpreter
 def test_causal_tail_equals_the_plain_path(ref: Any, small: dict[str, int],
                                            flags: list[torch.Tensor]) -> None:
     q, w, keys, ks, ke = _inputs(12, 500)
@@ -123,7 +124,7 @@ def test_causal_tail_equals_the_plain_path(ref: Any, small: dict[str, int],
     assert len(flags) == 1 and not bool(flags[0].any())  # the filter chose every row
 
 
-@pytest.mark.slow  # 4-7 s in the interpreter; the fused path is opt-in
+@pytest.mark.slow  # 4-7 s in the interpreter
 def test_fp8_queries_and_keys(ref: Any, small: dict[str, int], flags: list[torch.Tensor]) -> None:
     """DeepSeek's fp8 numerics: e4m3 integer grids (exact dots) with power-of-two key scales."""
     g = torch.Generator().manual_seed(3)
@@ -137,7 +138,7 @@ def test_fp8_queries_and_keys(ref: Any, small: dict[str, int], flags: list[torch
     assert len(flags) == 1
 
 
-@pytest.mark.slow  # 4-7 s in the interpreter; the fused path is opt-in
+@pytest.mark.slow  # 4-7 s in the interpreter
 def test_a_floor_above_the_kth_key_is_recomputed_exactly(ref: Any, small: dict[str, int],
                                                          flags: list[torch.Tensor]) -> None:
     """Keys at the sample's columns (multiples of the stride) score far above the others, all
@@ -153,11 +154,11 @@ def test_a_floor_above_the_kth_key_is_recomputed_exactly(ref: Any, small: dict[s
     assert len(flags) == 1 and bool(flags[0].all())
 
 
-@pytest.mark.slow  # 4-7 s in the interpreter; the fused path is opt-in
-def test_ties_overflow_a_split_and_break_by_the_lower_column(
+@pytest.mark.slow  # 4-7 s in the interpreter
+def test_ties_overflow_a_row_and_break_by_the_lower_column(
         ref: Any, small: dict[str, int], flags: list[torch.Tensor],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Equal keys give a row equal logits: all are candidates, a split overflows its CAP, the
+    """Equal keys give a row equal logits: all are candidates, the row overflows its CAP, the
     exact pass takes the k lowest columns (as the reference)."""
     monkeypatch.setitem(small, "CAP_MAX", 16)
     q, w, keys, ks, ke = _exact(*_inputs(10, 800, seed=7))
@@ -180,10 +181,10 @@ def test_ties_within_cap_break_by_the_lower_column(ref: Any, small: dict[str, in
     want = ref.topk(ref.indexer_logits(q, w, keys, None, ks, ke), 16, ks, ke)
     assert torch.equal(got.sort(1).values, want.sort(1).values)
     assert len(flags) == 1 and not bool(flags[0].any())
-    assert torch.equal(got.sort(1).values, torch.arange(100, 116, dtype=torch.int32).expand(8, 16))
+    assert torch.equal(got, torch.arange(100, 116, dtype=torch.int32).expand(8, 16))
 
 
-@pytest.mark.slow  # 4-7 s in the interpreter; the fused path is opt-in
+@pytest.mark.slow  # 4-7 s in the interpreter
 def test_short_views_take_the_plain_path(ref: Any, flags: list[torch.Tensor]) -> None:
     q, w, keys, ks, ke = _inputs(12, 300)
     _check(_impl(), ref, (q, w, keys, None, ks, ke), 16, plain=False)

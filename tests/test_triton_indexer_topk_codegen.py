@@ -1,6 +1,7 @@
 """The fused indexer top-k's kernels compiled for Hopper on the CPU (no GPU needed): they build
-with DeepSeek's fp8 operands, and the filter's logit tiles take the plain indexer kernel's
-tensor-core path (the same wgmma count and shared memory: the same dots, so the same logits).
+with DeepSeek's fp8 operands, the filter's logit tiles take the plain indexer kernel's
+tensor-core path (the same wgmma count and shared memory: the same dots, so the same logits), and
+its inline-PTX append keeps it at the plain kernel's 3 CTAs an SM (registers, no spill).
 The compile runs in a fresh interpreter (other modules import the kernels under the Triton CPU
 interpreter, which the compiler cannot take)."""
 
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from triton_interp import ptxas_report
 
 triton = pytest.importorskip("triton")
 
@@ -25,35 +29,40 @@ import cpkv_backend_triton.attention as A
 import cpkv_backend_triton.indexer_topk as F
 
 PTRS = {"xs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv",
-        "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*i32",
-        "cand_ptr": "*i64", "count_ptr": "*i32", "meta_ptr": "*i32"}
+        "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
+        "val_ptr": "*fp32", "col_ptr": "*i32", "count_ptr": "*i32", "meta_ptr": "*i32"}
 TILE = {"H": 64, "D": 128, "DP": 128, "BLOCK_N": 128, "FP8": True, "UPCAST": False}
 
 
-def build(fn, const, out_ptr="*fp32"):
+def build(fn, const, out_ptr="*fp32", **opts):
     names = list(inspect.signature(fn.fn).parameters)
     ptrs = {**PTRS, "out_ptr": out_ptr}
+    const = {**{n: 1 for n in ("sq2", "sk1", "sw1") if n in names}, **const}  # unit strides
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
     aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": 3})
+                       options={"num_warps": 4, "num_stages": 3, **opts})
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
-            "shared": k.metadata.shared}
+            "shared": k.metadata.shared}, k.asm["ptx"]
 
 
-out = {"plain": build(A._indexer_kernel, {**TILE, "BLOCK_M": 64}),
-       "filter": build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64}),
-       "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32"),
-       "floor": build(F._sample_floor_kernel, {"SP": 4096})}
+plain, _ = build(A._indexer_kernel, {**TILE, "BLOCK_M": 64})
+filt, ptx = build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64, "ASM": True},
+                  maxnreg=F.INDEXER_TOPK["MAXNREG"])
+out = {"plain": plain, "filter": filt,
+       "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32")[0],
+       "floor": build(F._sample_floor_kernel, {"SP": 4096})[0],
+       "select": build(F._fused_select_kernel, {"KP": 2048, "RB": 1024}, "*i32")[0],
+       "filter_ptx": ptx}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.slow  # 7 s of sm90 compiles
 @pytest.mark.multiprocess
-def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores() -> None:
+def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores(tmp_path: Path) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
@@ -66,3 +75,11 @@ def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores() -> None
     assert res["plain"]["wgmma"] > 0
     assert res["filter"] == res["plain"]  # the same tiles on the same tensor-core path
     assert res["exact"]["wgmma"] > 0  # the flagged rows' heads stacked in one fp8 dot
+    report = ptxas_report(res["filter_ptx"], tmp_path)
+    if report is None:
+        pytest.skip("no ptxas here reads this PTX version: registers not checked")
+    m = re.search(r"Used (\d+) registers", report)
+    assert m is not None, report
+    # 3 CTAs of 128 threads an SM: at most 170 registers (allocated 8 a thread at a time)
+    assert -(-int(m.group(1)) // 8) * 8 * 128 * 3 <= 65536, report
+    assert "0 bytes spill stores" in report, report

@@ -104,6 +104,12 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
     assert h200[Op.TOPK_LONG]["HELD"] == 0  # the register-held select: not measured yet
     assert h200[Op.TOPK_LONG]["GLUON"] == 1  # the Gluon filter: 1.56x (session 16, an H100)
     assert h200[Op.SPARSE_MLA]["P_SPLIT"] == 2 and h200[Op.SPARSE_MLA_LOWP]["P_SPLIT"] == 1
+    # the fused indexer top-k: from the long-row top-k's length (1.07x the plain path, session
+    # 17 on an H100); the plain indexer's tiles, 3 CTAs an SM
+    fused = h200[Op.INDEXER_TOPK]
+    assert fused["MIN_T"] == h200[Op.TOPK_LONG]["MIN_T"] and fused["MAXNREG"] == 168
+    assert {f: fused[f] for f in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")} == {
+        f: h200[Op.INDEXER][f] for f in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
     for op in Op:
         assert tuning.row(op).params.as_dict() == h200[op]
 

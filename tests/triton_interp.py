@@ -1,5 +1,6 @@
 """Triton kernel modules for the tests: compiled for the GPU when there is a CUDA device, else
-run by Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+run by Triton's CPU interpreter (``TRITON_INTERPRET=1``); and :func:`ptxas_report`, the
+registers and spills of a kernel compiled for Hopper on the CPU.
 
 ``triton.jit`` reads the variable when a kernel is defined and the interpreter again at launch;
 so :func:`import_kernels` sets it only around the import (re-importing a module imported
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-__all__ = ["CUDA", "import_kernels", "interpreter_env"]
+__all__ = ["CUDA", "import_kernels", "interpreter_env", "ptxas_report"]
 
 CUDA = torch.cuda.is_available()
 
@@ -48,3 +51,20 @@ def import_kernels(name: str, kernel: str) -> ModuleType:
         if not CUDA and type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
             mod = importlib.reload(mod)  # imported before TRITON_INTERPRET was set
         return mod
+
+
+def ptxas_report(ptx: str, tmp: Path) -> str | None:
+    """``ptxas -v`` for sm_90a by the first ptxas here that reads this PTX version (Triton's own
+    may be older than the PTX it writes): its report (registers, spills, warnings), or None."""
+    import triton  # here, not at import: the interpreter's tests import triton under it first
+
+    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    path = tmp / "kernel.ptx"
+    path.write_text(ptx)
+    for exe in (bins / "ptxas-blackwell", bins / "ptxas", Path("/usr/local/cuda/bin/ptxas")):
+        if exe.is_file():
+            r = subprocess.run([str(exe), "-v", "-arch=sm_90a", str(path), "-o", "/dev/null"],
+                               capture_output=True, text=True, check=False)
+            if r.returncode == 0:
+                return r.stderr
+    return None

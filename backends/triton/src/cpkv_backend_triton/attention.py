@@ -823,11 +823,13 @@ class AttentionKernels:
         if (t >= INDEXER_TOPK["MIN_T"] and n > self.indexer_config["FEW_ROWS"]
                 and 0 < topk < t and topk <= TOPK_RADIX_MAX_K and self.topk_method == "radix"):
             both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
-            upcast = _interpreted(_indexer_kernel) or not (
+            interp = _interpreted(_indexer_kernel)
+            upcast = interp or not (
                 both_fp8 or (q.dtype in _LOWP and (fp8 or k.dtype == q.dtype)))
             return fused_indexer_topk(q, w, k, k_scale, key_start, key_end, topk, fp8=fp8,
                                       dot_width=_dot_width(d, both_fp8, upcast), upcast=upcast,
-                                      sample_logits=self.indexer_logits, launch=self._launch)
+                                      interpreted=interp, sample_logits=self.indexer_logits,
+                                      launch=self._launch)
         logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
         return self.topk(logits, topk, key_start, key_end)
 

@@ -11,17 +11,21 @@ the indexer's epilogue does the filter:
 2. **Floor** (``_sample_floor_kernel``, one program per row holding more than k keys): the rule
    of ``topk._topk_floor_kernel``: with ``m`` of the row's range among the sample, the k-th
    largest key is expected near sample place ``est = k * m / count``; the floor is the sample
-   key ``4 sqrt(est + 1) + 8`` places further down (every key when the sample has no such
-   place), found by a radix select over the sample (4 histograms of 8 bits) instead of a sort.
-3. **Filter** (``_fused_filter_kernel``, program (split of CS columns, block of BLOCK_M rows)):
-   the indexer's tiles of the split in column order, each computed as ``attention._indexer_kernel``
-   computes it (the same per-head dots, relu, weight and scale, in the same order: the same
-   logits); the keys at or above their row's floor are written as candidates (int64 ``key << 32
-   | (2^31 - 1 - column)``, in column order: a ``cumsum`` over the tile's mask, a running count
-   per row) into the (row, split)'s CAP slots.
-4. **Select** (``topk.select_candidates``): the exact k of the candidates (radix select, ties by
-   the lower column); a row with fewer than k candidates (its floor was above its k-th key) or
-   a split over CAP is flagged.
+   key ``4 sqrt(est + 1) + 8`` places further down (-inf, every key, when the sample has no
+   such place), found by a radix select over the sample (4 histograms of 8 bits), as a float.
+3. **Filter** (``_fused_filter_kernel``): the plain indexer kernel's grid and tiles (program
+   (key tile, row block), the key tiles of a row block side by side), each tile computed as
+   ``attention._indexer_kernel`` computes it (the same per-head dots, relu, weight and scale,
+   in the same order: the same logits); instead of the tile, the logits at or above their
+   row's floor are appended to the row's CAP slots (value and column, a slot from one relaxed
+   atomic add per candidate on the row's count: ~1 % of the logits, in no particular order).
+   Everything else of the tile stays in registers.
+4. **Select** (``_fused_select_kernel``, one program per row): the exact k of the row's
+   candidates, order-free: a radix select over the keys (4 histograms of 8 bits) finds the
+   k-th key; when it ties, a second radix select over the tied candidates' columns keeps the
+   lowest ones (the contract's tie rule); the chosen columns sorted ascending (the plain path's
+   order, so the output does not depend on the atomics' order). A row with fewer than k
+   candidates (its floor was above its k-th key) or more than CAP is flagged.
 5. **Exact** (``_fused_exact_kernel``, one program per row, only flagged rows work): the row's
    logits recomputed tile by tile (all heads in one dot) in each of a radix select's 4 rounds
    and the final pass: exact, never stored. It costs ~5 indexer passes over one row on one SM,
@@ -29,19 +33,19 @@ the indexer's epilogue does the filter:
    the result.
 
 Rows holding at most k keys list their range ascending. The result is the set ``topk(
-indexer_logits(...))`` chooses from this backend's logits; only a flagged row's logits may
-differ in the last bits (its dot has another shape), so its ties at the k-th place may resolve
-like the reference's rather than like the plain path's.
+indexer_logits(...))`` chooses from this backend's logits, in the same (ascending) order; only a
+flagged row's logits may differ in the last bits (its dot has another shape), so its ties at the
+k-th place may resolve like the reference's rather than like the plain path's.
 
-The split count and CAP come from the shapes only (:func:`layout`): enough (split, row block)
-programs to fill the GPU, CAP a few times the candidates a split expects, the scratch within a
-fraction of the logits' bytes.
+CAP comes from the shapes only (:func:`layout`): SAFETY times the candidates the floor keeps on
+average, a power of two within [CAP_MIN, CAP_MAX]: the scratch is N x CAP x 8 bytes (at 512K
+keys and CAP 16384, 1/16 of the logits' bytes).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,32 +53,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk import ord_key, radix_digit, radix_step, row_range, select_candidates
+from .topk import key_value, list_short_row, ord_key, radix_digit, radix_step, row_range
+from .tuning import DeviceTuned, Op
 
-__all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout"]
+__all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout", "select_fused"]
 
-#: the fused path: rows of at least MIN_T keys (the view's T; shorter calls take the indexer and
-#: the top-k as two ops); SAMPLE columns place the floor; a split's CAP a power of two at least
-#: SAFETY x the candidates it expects and ROW_SHARE_PCT % of the whole row's (candidates that
-#: crowd one split, as a recency bias would, overflow it less often), within [CAP_MIN,
-#: CAP_MAX]; PROGRAMS (split, row block)
-#: programs wanted, splits of at least SPLIT_MIN columns; the candidates' scratch at most
-#: 1 / SCRATCH_DIV of the logits' bytes (or SCRATCH_MB); the filter's tiles (BLOCK_M x BLOCK_N,
-#: as the indexer's), warps and stages; the exact pass's key tile and warps.
-#: MIN_T is off (2^40 keys): measured on the H200 (benchmarks/session11_topk_gpu.sh,
-#: benchmarks/results/indexer_topk_h200.json, docs/perf.md) the fused path picks the plain path's
-#: sets exactly but takes 1.03-1.08x its time at 1024x512K, 4096x256K and 8192x512K (its filter
-#: epilogue costs more than the logits' store and read it saves), so no view takes it by default;
-#: set MIN_T (e.g. 196608, the long-row top-k's) to opt in. SAMPLE is the long-row top-k's
-#: (``topk.TOPK_LONG``), the tiles the indexer's (``attention.INDEXER_DEFAULT``)
-INDEXER_TOPK: dict[str, int] = {"MIN_T": 1 << 40, "SAMPLE": 4096, "SAFETY": 4,
-                                "ROW_SHARE_PCT": 50, "CAP_MIN": 1024, "CAP_MAX": 16384,
-                                "PROGRAMS": 1024, "SPLIT_MIN": 16384, "SCRATCH_DIV": 4,
-                                "SCRATCH_MB": 512, "BLOCK_M": 64,
-                                "BLOCK_N": 128, "num_warps": 4, "num_stages": 3,
-                                "EXACT_BLOCK_N": 128, "exact_warps": 4}
-
-_INT32_MIN = -(2 ** 31)
+#: the fused path's launch constants on this process's device (MIN_T, SAMPLE, SAFETY, CAP_MIN,
+#: CAP_MAX, the filter's tiles, warps, stages and MAXNREG, the select's and the exact pass's
+#: steps and warps): the tuning table's row (:class:`.tuning.IndexerTopkParams`, each value's
+#: measurement named there): views of at least MIN_T keys (the long-row top-k's) take it
+INDEXER_TOPK: Mapping[str, int] = DeviceTuned(Op.INDEXER_TOPK)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -85,13 +73,12 @@ def _pow2(x: int, lo: int = 16) -> int:
 @triton.jit
 def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, sx0,
                          SP: tl.constexpr):
-    """Step 2 (one program per row): the floor's order key from the row's sampled logits
-    (``xs`` [N, NSC], -inf outside the range); INT32_MIN (every key) when the sample has no key
-    at the floor's place, or the row holds at most K keys (no filter needed)."""
+    """Step 2 (one program per row): the floor from the row's sampled logits (``xs`` [N, NSC],
+    -inf outside the range), a float; -inf (every key) when the sample has no key at the
+    floor's place; not written for rows holding at most K keys (no filter needed)."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
-    fl = tl.full([], -2147483648, tl.int32)
     if cnt > K:
         i = tl.arange(0, SP)
         valid = i < NSC
@@ -107,8 +94,7 @@ def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, s
         for p in tl.static_range(4):
             d, mm = radix_digit(s, valid, prefix, p)
             need, prefix = radix_step(tl.histogram(d, 256, mask=mm), need, prefix, p)
-        fl = tl.where(place < m, prefix, fl)
-    tl.store(floor_ptr + row, fl)
+        tl.store(floor_ptr + row, tl.where(place < m, key_value(prefix), float("-inf")))
 
 
 @triton.jit
@@ -146,20 +132,45 @@ def _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
     return acc
 
 
+#: one logit's candidate test and append, as PTX (``ASM``): ``$1`` the logit (-inf outside its
+#: row's range), ``$2`` the row's floor, ``$3`` the column, ``$4`` the row's count, ``$5`` /
+#: ``$6`` its value / column slots, ``$7`` CAP - 1. The append is a branch most lanes skip
+#: (~1 % of the logits are candidates), one logit at a time, so the tile's registers stay the
+#: plain kernel's (164 against 168; the same append in Triton's tensor ops holds every
+#: element's slot and addresses at once: 228-255 registers, 2 CTAs an SM instead of 3)
+_APPEND_PTX = tl.constexpr("""{
+.reg .pred p;
+.reg .u32 s;
+.reg .u64 a;
+mov.u32 $0, 0;
+setp.ge.f32 p, $1, $2;
+@!p bra SKIP;
+atom.global.relaxed.gpu.add.u32 s, [$4], 1;
+min.u32 s, s, $7;
+mad.wide.u32 a, s, 4, $5;
+st.global.f32 [a], $1;
+mad.wide.u32 a, s, 4, $6;
+st.global.u32 [a], $3;
+SKIP:
+}""")
+
+
 @triton.jit
-def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr,
-                         count_ptr, N, T, K, CS, NS, CAP,
+def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_ptr, val_ptr,
+                         col_ptr, count_ptr, N, T, K, CAP,
                          sq0, sq1, sq2, sw0, sw1, sk0, sk1,
                          H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """Step 3 (program (split j, row block)): the split's logit tiles, in column order, for the
-    block's rows holding more than K keys; the keys at or above the row's floor appended to the
-    (row, split)'s candidates (at most CAP; the count goes on past it: the select flags the
-    row). Tiles outside every such row's range are skipped. CAP is a runtime value: the
-    layout's CAP changes with the call's shape, and each new value would compile the kernel
-    again mid-prompt."""
-    j = tl.program_id(0)
+                         FP8: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr):
+    """Step 3 (program (key tile, row block), as ``attention._indexer_kernel``'s): the tile's
+    logits for the block's rows holding more than K keys; those at or above the row's floor
+    appended to the row's candidates (value, column) at a slot from a relaxed atomic add on
+    the row's count (at most CAP kept: a slot past it writes the last one, and the count goes
+    on: the select flags the row). A tile outside every such row's range is skipped. ``ASM``:
+    the append as :data:`_APPEND_PTX` (compiled kernels); else Triton's tensor ops (the
+    interpreter). CAP is a runtime value: it changes with the call's shape, and each new value
+    would compile the kernel again mid-prompt."""
+    pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
@@ -170,25 +181,104 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
     long = rmask & (end - start > K)
     lo = tl.min(tl.where(long, start, T), axis=0)
     hi = tl.max(tl.where(long, end, 0), axis=0)
-    fl = tl.load(floor_ptr + rows64, mask=rmask, other=0)
-    c_lo = tl.maximum(j * CS, (lo // BLOCK_N) * BLOCK_N)
-    c_hi = tl.minimum(j * CS + CS, hi)
-    crow = cand_ptr + (rows64 * NS + j) * CAP
-    cnt = tl.zeros([BLOCK_M], tl.int32)
-    for n0 in range(c_lo, c_hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cmask = cols < T
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < T
+    # the plain kernel's shape (the tile zeroed, computed under the branch, the epilogue after
+    # it): computing and using the tile inside the branch took 223 registers instead of 166
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
         acc = _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols.to(tl.int64),
                            cmask, sq0, sq1, sq2, sw0, sw1, sk0, sk1, H, D, DP, BLOCK_M, BLOCK_N,
                            FP8, UPCAST)
-        s = ord_key(acc)
-        inr = long[:, None] & (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
-        take = inr & (s >= fl[:, None])
-        pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
-        comp = (s.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)[None, :]
-        tl.store(crow[:, None] + pos, comp, mask=take & (pos < CAP))
-        cnt += tl.sum(take.to(tl.int32), axis=1)
-    tl.store(count_ptr + rows64 * NS + j, cnt, mask=rmask)
+    # +inf: a row holding at most K keys (or none) takes no candidate
+    fl = tl.load(floor_ptr + rows64, mask=long, other=float("inf"))
+    inr = (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
+    x = tl.where(inr, acc, float("-inf"))
+    if ASM:
+        z = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        tl.inline_asm_elementwise(
+            _APPEND_PTX, "=r,f,f,r,l,l,l,r",
+            [x, fl[:, None], cols[None, :], (count_ptr + rows64).to(tl.int64, bitcast=True)[:, None],
+             (val_ptr + rows64 * CAP).to(tl.int64, bitcast=True)[:, None],
+             (col_ptr + rows64 * CAP).to(tl.int64, bitcast=True)[:, None], CAP - 1 + z],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        take = x >= fl[:, None]
+        slot = tl.atomic_add(count_ptr + rows64[:, None] + tl.zeros_like(cols)[None, :].to(
+            tl.int64), 1, mask=take, sem="relaxed")
+        slot = tl.minimum(slot, CAP - 1)
+        tl.store((val_ptr + rows64 * CAP)[:, None] + slot, x, mask=take)
+        tl.store((col_ptr + rows64 * CAP)[:, None] + slot, cols[None, :] + tl.zeros_like(slot),
+                 mask=take)
+
+
+@triton.jit
+def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
+                         CAP, KP: tl.constexpr, RB: tl.constexpr):
+    """Step 4 (one program per row): rows holding at most K keys list them ascending; the
+    others take the exact K of their candidates (in no order: a radix select over the keys,
+    then, when the K-th key ties, one over the tied candidates' columns keeps the lowest),
+    written ascending. Fewer than K candidates or more than CAP: ``meta = -1`` (the exact
+    pass's row)."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end = row_range(ks_ptr, ke_ptr, row, T)
+    count = tl.maximum(end - start, 0)
+    if count <= K:
+        list_short_row(out_ptr, row, start, count, K, KP)
+    else:
+        nc = tl.load(count_ptr + row)
+        if (nc < K) | (nc > CAP):
+            tl.store(meta_ptr + row * 2, -1)
+        else:
+            vrow = val_ptr + row * CAP
+            crow = col_ptr + row * CAP
+            need = K + tl.zeros([], tl.int32)
+            prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
+            hist = tl.zeros([256], tl.int32)
+            for p in tl.static_range(4):
+                hist = tl.zeros([256], tl.int32)
+                for c0 in range(0, nc, RB):
+                    i = c0 + tl.arange(0, RB)
+                    m = i < nc
+                    s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
+                    d, mm = radix_digit(s, m, prefix, p)
+                    hist += tl.histogram(d, 256, mask=mm)
+                need, prefix = radix_step(hist, need, prefix, p)
+            # candidates equal to the K-th key: the last round's bin of its low 8 bits
+            tied = tl.sum(tl.where(tl.arange(0, 256) == (prefix & 255), hist, 0), axis=0)
+            # the tied candidates kept: those whose 2^31 - 1 - column is at least cut (all of
+            # them unless fewer are needed: then the need-th largest, i.e. the lowest columns)
+            cut = tl.full([], -2147483648, tl.int32)
+            if need < tied:
+                need2 = need
+                cut = tl.zeros([], tl.int32)
+                for p in tl.static_range(4):
+                    hist = tl.zeros([256], tl.int32)
+                    for c0 in range(0, nc, RB):
+                        i = c0 + tl.arange(0, RB)
+                        m = i < nc
+                        s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
+                        inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
+                        d, mm = radix_digit(inv, m & (s == prefix), cut, p)
+                        hist += tl.histogram(d, 256, mask=mm)
+                    need2, cut = radix_step(hist, need2, cut, p)
+            orow = out_ptr + row * K
+            wpos = tl.zeros([], tl.int32)
+            for c0 in range(0, nc, RB):
+                i = c0 + tl.arange(0, RB)
+                m = i < nc
+                s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
+                col = tl.load(crow + i, mask=m, other=0)
+                take = m & ((s > prefix) | ((s == prefix) & (2147483647 - col >= cut)))
+                t32 = take.to(tl.int32)
+                tl.store(orow + wpos + tl.cumsum(t32, 0) - 1, col, mask=take)
+                wpos += tl.sum(t32, axis=0)
+            tl.debug_barrier()  # the row's K columns written by every thread: sort them
+            slot = tl.arange(0, KP)
+            chosen = tl.load(orow + slot, mask=slot < K, other=2147483647)
+            tl.store(orow + slot, tl.sort(chosen), mask=slot < K)
+            tl.store(meta_ptr + row * 2, K)
 
 
 @triton.jit
@@ -261,43 +351,27 @@ def _fused_exact_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
 # ---- the op ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FusedLayout:
-    """The filter's splits for one call: ``splits`` of ``split_cols`` columns (a multiple of
-    BLOCK_N), ``cap`` candidate slots per (row, split), the sample's column ``stride`` and its
+    """One call's scratch: ``cap`` candidate slots a row, the sample's column ``stride`` and its
     ``sample_cols``."""
 
-    splits: int
-    split_cols: int
     cap: int
     stride: int
     sample_cols: int
 
 
-def layout(n: int, t: int, k: int, cfg: dict[str, int] | None = None) -> FusedLayout:
-    """The split count and CAP of an [n, t] call with top-k ``k`` (shapes only: the same on
-    every rank). The floor keeps ~``(est + margin + 1) / sample`` of a row (est = k x sample /
-    t, margin as the floor kernel's); a split's CAP is SAFETY times its share of that or
-    ROW_SHARE_PCT % of the row's, a power of two in [CAP_MIN, CAP_MAX] (never more than the
-    split's columns); splits as many as give PROGRAMS programs (at least SPLIT_MIN columns
-    each), halved while the scratch exceeds its bound."""
+def layout(n: int, t: int, k: int, cfg: Mapping[str, int] | None = None) -> FusedLayout:
+    """CAP of an [n, t] call with top-k ``k`` (shapes only: the same on every rank). The floor
+    keeps ~``(est + margin + 1) / sample`` of a row (est = k x sample / t, margin as the floor
+    kernel's); CAP is SAFETY times that many keys, a power of two in [CAP_MIN, CAP_MAX], at
+    most the row's (power of two) length."""
     c = cfg or INDEXER_TOPK
-    bn = c["BLOCK_N"]
     stride = max(1, triton.cdiv(t, c["SAMPLE"]))
     sample = triton.cdiv(t, stride)
     est = (k * sample) // max(t, 1)
     frac = min(1.0, (est + int(4.0 * math.sqrt(est + 1.0)) + 9) / sample)
-    blocks = triton.cdiv(max(n, 1), c["BLOCK_M"])
-    ns = max(1, min(triton.cdiv(c["PROGRAMS"], blocks), triton.cdiv(t, c["SPLIT_MIN"])))
-    bound = max(n * t * 4 // c["SCRATCH_DIV"], c["SCRATCH_MB"] << 20)
-    while True:
-        cs = triton.cdiv(triton.cdiv(t, ns), bn) * bn
-        want = max(c["SAFETY"] * frac * cs, c["ROW_SHARE_PCT"] / 100 * frac * t)
-        cap = min(_pow2(math.ceil(want)), c["CAP_MAX"])
-        cap = min(max(cap, c["CAP_MIN"]), _pow2(cs))
-        if ns == 1 or n * ns * cap * 8 <= bound:
-            break
-        ns = max(1, ns // 2)
-    return FusedLayout(splits=triton.cdiv(t, cs), split_cols=cs, cap=cap, stride=stride,
-                       sample_cols=sample)
+    cap = min(_pow2(math.ceil(c["SAFETY"] * frac * t)), c["CAP_MAX"])
+    cap = min(max(cap, c["CAP_MIN"]), _pow2(t))
+    return FusedLayout(cap=cap, stride=stride, sample_cols=sample)
 
 
 #: ``launch(key, kernel, grid, args, constexprs, num_warps, num_stages)``: the caller's launcher
@@ -309,13 +383,28 @@ SampleLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor 
                          torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def select_fused(val: torch.Tensor, col: torch.Tensor, count: torch.Tensor,
+                 key_start: torch.Tensor, key_end: torch.Tensor, out: torch.Tensor,
+                 meta: torch.Tensor, t: int, k: int, cap: int) -> None:
+    """Step 4 over the filter's candidates (``val`` float32 / ``col`` int32 [N * cap], row i's
+    at ``i * cap``, ``count`` int32 [N], past ``cap``: overflowed): rows holding at most k keys
+    listed ascending, the others' k columns ascending with ``meta[i, 0] = k``, or ``meta[i, 0] =
+    -1`` (fewer than k candidates, or more than cap) and the row left for the exact pass."""
+    cfg = INDEXER_TOPK
+    _fused_select_kernel[(count.shape[0],)](val, col, count, key_start, key_end, out, meta, t, k,
+                                            cap, KP=_pow2(k), RB=min(cfg["SELECT_BLOCK"],
+                                                                     _pow2(cap)),
+                                            num_warps=cfg["select_warps"])
+
+
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None,
                  key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, fp8: bool,
-                 dot_width: int, upcast: bool, sample_logits: SampleLogits,
+                 dot_width: int, upcast: bool, interpreted: bool, sample_logits: SampleLogits,
                  launch: Launch) -> torch.Tensor:
     """The fused path (module docstring) for checked arguments, ``0 < topk < T``, N > 0:
     int32 [N, topk]. ``dot_width``: the padded head dim of the dots; ``upcast``: fp32 dots
-    (the interpreter, or operands without a tensor-core type)."""
+    (the interpreter, or operands without a tensor-core type); ``interpreted``: the kernels run
+    on Triton's CPU interpreter (no inline PTX there)."""
     n, heads, d = q.shape
     t = k.shape[0]
     cfg = INDEXER_TOPK
@@ -329,27 +418,30 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
     scale_s = k_scale[::st].contiguous() if k_scale is not None else None
     xs = sample_logits(q, w, k[::st], scale_s, kss, kes)
     # 2. the floor
-    floor = torch.empty(n, dtype=torch.int32, device=dev)
+    floor = torch.empty(n, dtype=torch.float32, device=dev)
     _sample_floor_kernel[(n,)](xs, ks, ke, floor, t, topk, lay.sample_cols, st, xs.stride(0),
                                SP=_pow2(lay.sample_cols, 1), num_warps=4)
+    del xs
     # 3. the filter in the indexer's epilogue
-    cand = torch.empty(n * lay.splits * lay.cap, dtype=torch.int64, device=dev)
-    count = torch.empty(n, lay.splits, dtype=torch.int32, device=dev)
+    compiled = q.is_cuda and not interpreted
+    val = torch.empty(n * lay.cap, dtype=torch.float32, device=dev)
+    col = torch.empty(n * lay.cap, dtype=torch.int32, device=dev)
+    count = torch.zeros(n, dtype=torch.int32, device=dev)
     scale = k_scale.contiguous() if k_scale is not None else floor  # unused for float keys
     bm = min(cfg["BLOCK_M"], _pow2(n))
     bn = cfg["BLOCK_N"]
     launch(("indexer_topk", q.dtype, k.dtype, heads, d, bm, bn, upcast),
-           _fused_filter_kernel, (lay.splits, triton.cdiv(n, bm)),
-           (q, w, k, scale, ks, ke, floor, cand, count, n, t, topk, lay.split_cols, lay.splits,
-            lay.cap, q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0),
+           _fused_filter_kernel, (triton.cdiv(t, bn), triton.cdiv(n, bm)),
+           (q, w, k, scale, ks, ke, floor, val, col, count, n, t, topk, lay.cap,
+            q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0),
             k.stride(1)),
            {"H": heads, "D": d, "DP": dot_width, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
-            "UPCAST": upcast},
+            "UPCAST": upcast, "ASM": compiled, **({"maxnreg": cfg["MAXNREG"]} if compiled else {})},
            cfg["num_warps"], cfg["num_stages"])
     # 4. the select; 5. the flagged rows, exactly
     out = torch.empty(n, topk, dtype=torch.int32, device=dev)
     meta = torch.empty(n, 2, dtype=torch.int32, device=dev)
-    select_candidates(cand, count, ks, ke, out, meta, t, topk, lay.cap)
+    select_fused(val, col, count, ks, ke, out, meta, t, topk, lay.cap)
     _fused_exact_kernel[(n,)](q, w, k, scale, ks, ke, out, meta, t, topk,
                               q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                               k.stride(0), k.stride(1), H=heads, HP=_pow2(heads), D=d,

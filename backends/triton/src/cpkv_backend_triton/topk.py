@@ -42,8 +42,8 @@ from cpkv.ops.api import FallbackReason, check_topk_args, report_fallback
 
 from .tuning import DeviceTuned, Op
 
-__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "ord_key", "radix_digit", "radix_step",
-           "row_range", "select_candidates", "topk"]
+__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "key_value", "list_short_row", "ord_key",
+           "radix_digit", "radix_step", "row_range", "select_candidates", "topk"]
 
 TOPK_BLOCK = 1024
 #: "radix" (the exact kernels, default) or "torch" (mask, torch.topk, fix-up)
@@ -512,8 +512,11 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
 
 
 #: the pieces the fused indexer top-k (:mod:`cpkv_backend_triton.indexer_topk`) builds on: the
-#: order-preserving key, the radix rounds and a row's clipped range (Triton helpers)
+#: order-preserving key and its inverse, the radix rounds, a row's clipped range and the listing
+#: of a row holding at most k keys (Triton helpers)
 ord_key = _ord_key
+key_value = _key_value
+list_short_row = _list_short_row
 radix_digit = _radix_digit
 radix_step = _radix_step
 row_range = _row_range

@@ -31,7 +31,8 @@ from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["TABLE", "TUNING_ENV", "DeviceKey", "DeviceTuned", "IndexerParams", "MLAParams", "Op",
+__all__ = ["TABLE", "TUNING_ENV", "DeviceKey", "DeviceTuned", "IndexerParams",
+           "IndexerTopkParams", "MLAParams", "Op",
            "Row", "TopkLongParams", "TopkParams", "cache_clear", "device_of", "overrides", "row",
            "tuned"]
 
@@ -53,6 +54,8 @@ class Op(StrEnum):
     TOPK = "topk"
     #: ``topk``'s one-read path for long rows
     TOPK_LONG = "topk_long"
+    #: ``indexer_topk``'s fused path (the indexer's epilogue filters: the logits never stored)
+    INDEXER_TOPK = "indexer_topk"
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,32 @@ class TopkLongParams(_Params):
     select_warps: int
 
 
-P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams)
+@dataclass(frozen=True)
+class IndexerTopkParams(_Params):
+    """``indexer_topk``'s fused path (:mod:`.indexer_topk`): views of at least MIN_T keys take
+    it; SAMPLE columns place the floor; a row's CAP the power of two at least SAFETY x the
+    candidates the floor keeps on average, within [CAP_MIN, CAP_MAX]; the filter's BLOCK_M x
+    BLOCK_N tiles, num_warps, num_stages (the plain indexer's) and register bound MAXNREG; the
+    select's SELECT_BLOCK candidates a step and select_warps; the exact pass's EXACT_BLOCK_N
+    keys a step and exact_warps."""
+
+    MIN_T: int
+    SAMPLE: int
+    SAFETY: int
+    CAP_MIN: int
+    CAP_MAX: int
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    MAXNREG: int
+    SELECT_BLOCK: int
+    select_warps: int
+    EXACT_BLOCK_N: int
+    exact_warps: int
+
+
+P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams, IndexerTopkParams)
 
 
 @dataclass(frozen=True)
@@ -239,8 +267,23 @@ _TOPK_LONG_SRC = (
     "1.47x at 1024 x 480K, 1.42x a decode step's (benchmarks/results/session16/"
     "topk_sweep_h100.json, session16_gpu.sh)")
 
+_INDEXER_TOPK_H200 = IndexerTopkParams(
+    MIN_T=196608, SAMPLE=4096, SAFETY=2, CAP_MIN=1024, CAP_MAX=16384, BLOCK_M=64, BLOCK_N=128,
+    num_warps=4, num_stages=3, MAXNREG=168, SELECT_BLOCK=1024, select_warps=4,
+    EXACT_BLOCK_N=128, exact_warps=4)
+_INDEXER_TOPK_SRC = (
+    "the filter's tiles, warps and stages the plain indexer's (Op.INDEXER); MAXNREG 168: 3 CTAs "
+    "of 128 threads an SM as the plain kernel (Triton 3.9 gives the filter 176 registers "
+    "unbounded: tests/test_triton_indexer_topk_codegen.py); SAMPLE the long-row top-k's; MIN_T "
+    "196608 (the long-row top-k's): on an H100 the fused path 1.07-1.08x the plain path (Triton "
+    "indexer + Gluon-filter top-k) at 1024 x 512K, 4096 x 256K, 8192 x 512K with the same "
+    "output, its filter 0.95-1.07x the plain indexer kernel; cpkv bench long at 512K: "
+    "long_512k_topk_share 0.132 -> 0.056, long_512k_fp8_mfu 0.488 -> 0.510 "
+    "(benchmarks/results/session17/, benchmarks/session17_fused_gpu.sh)")
+
 #: every row; each op has exactly one default row (``DeviceKey()``)
-TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams], ...] = (
+TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
+             | Row[IndexerTopkParams], ...] = (
     Row(Op.INDEXER, _H200, _INDEXER_H200, _INDEXER_SRC),
     Row(Op.INDEXER, DeviceKey(), _INDEXER_H200, _NONE_ELSE.format(_INDEXER_SRC)),
     Row(Op.SPARSE_MLA, _H200, _MLA_H200, _MLA_SRC),
@@ -251,6 +294,9 @@ TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLon
     Row(Op.TOPK, DeviceKey(), _TOPK_H200, _NONE_ELSE.format(_TOPK_SRC)),
     Row(Op.TOPK_LONG, _H200, _TOPK_LONG_H200, _TOPK_LONG_SRC),
     Row(Op.TOPK_LONG, DeviceKey(), _TOPK_LONG_H200, _NONE_ELSE.format(_TOPK_LONG_SRC)),
+    Row(Op.INDEXER_TOPK, _H200, _INDEXER_TOPK_H200, _INDEXER_TOPK_SRC),
+    Row(Op.INDEXER_TOPK, DeviceKey(), _INDEXER_TOPK_H200,
+        _NONE_ELSE.format(_INDEXER_TOPK_SRC)),
 )
 
 
@@ -273,7 +319,8 @@ def _cuda_device(idx: int) -> tuple[str, tuple[int, int] | None]:
 
 
 def row(op: Op, name: str = "", capability: tuple[int, int] | None = None
-        ) -> Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]:
+        ) -> (Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
+              | Row[IndexerTopkParams]):
     """The most specific row of ``op`` for a device of ``name`` and ``capability``."""
     best = None
     for r in TABLE:

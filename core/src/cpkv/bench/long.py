@@ -42,11 +42,11 @@ PRESETS = ("v32-attention", "glm5-attention")
 
 #: kernel-name fragments of the top-k's kernels and of the indexer's (Triton); the fused
 #: indexer top-k's filter (the indexer with the candidate filter in its epilogue) and its
-#: top-k-only kernels (the sample's floor, the flagged rows' exact pass)
+#: top-k-only kernels (the sample's floor, the select, the flagged rows' exact pass)
 _TOPK_KERNELS = ("_topk_", "_mask_kernel")
 _INDEXER_KERNELS = ("_indexer_kernel", "_indexer_few_rows_kernel")
 _FUSED_FILTER = "_fused_filter_kernel"
-_FUSED_TOPK_KERNELS = ("_sample_floor_kernel", "_fused_exact_kernel")
+_FUSED_TOPK_KERNELS = ("_sample_floor_kernel", "_fused_select_kernel", "_fused_exact_kernel")
 
 
 @dataclass(frozen=True)
