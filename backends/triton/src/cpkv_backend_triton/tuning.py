@@ -279,7 +279,8 @@ _INDEXER_TOPK_SRC = (
     "indexer + Gluon-filter top-k) at 1024 x 512K, 4096 x 256K, 8192 x 512K with the same "
     "output, its filter 0.95-1.07x the plain indexer kernel; cpkv bench long at 512K: "
     "long_512k_topk_share 0.132 -> 0.056, long_512k_fp8_mfu 0.488 -> 0.510 "
-    "(benchmarks/results/session17/, benchmarks/session17_fused_gpu.sh)")
+    "(benchmarks/results/session17/indexer_topk_h100.json, long_512k_fused_h100.json, "
+    "benchmarks/session17_fused_gpu.sh)")
 
 #: every row; each op has exactly one default row (``DeviceKey()``)
 TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
