@@ -420,7 +420,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
     # 2. the floor
     floor = torch.empty(n, dtype=torch.float32, device=dev)
     _sample_floor_kernel[(n,)](xs, ks, ke, floor, t, topk, lay.sample_cols, st, xs.stride(0),
-                               SP=_pow2(lay.sample_cols, 1), num_warps=4)
+                               SP=_pow2(lay.sample_cols, 1), num_warps=cfg["floor_warps"])
     del xs
     # 3. the filter in the indexer's epilogue
     compiled = q.is_cuda and not interpreted

@@ -183,7 +183,7 @@ class IndexerTopkParams(_Params):
     candidates the floor keeps on average, within [CAP_MIN, CAP_MAX]; the filter's BLOCK_M x
     BLOCK_N tiles, num_warps, num_stages (the plain indexer's) and register bound MAXNREG; the
     select's SELECT_BLOCK candidates a step and select_warps; the exact pass's EXACT_BLOCK_N
-    keys a step and exact_warps."""
+    keys a step and exact_warps; floor_warps of the sample's floor."""
 
     MIN_T: int
     SAMPLE: int
@@ -199,6 +199,7 @@ class IndexerTopkParams(_Params):
     select_warps: int
     EXACT_BLOCK_N: int
     exact_warps: int
+    floor_warps: int
 
 
 P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams, IndexerTopkParams)
@@ -269,8 +270,8 @@ _TOPK_LONG_SRC = (
 
 _INDEXER_TOPK_H200 = IndexerTopkParams(
     MIN_T=196608, SAMPLE=4096, SAFETY=2, CAP_MIN=1024, CAP_MAX=16384, BLOCK_M=64, BLOCK_N=128,
-    num_warps=4, num_stages=3, MAXNREG=168, SELECT_BLOCK=1024, select_warps=4,
-    EXACT_BLOCK_N=128, exact_warps=4)
+    num_warps=4, num_stages=3, MAXNREG=168, SELECT_BLOCK=1024, select_warps=8,
+    EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4)
 _INDEXER_TOPK_SRC = (
     "the filter's tiles, warps and stages the plain indexer's (Op.INDEXER); MAXNREG 168: 3 CTAs "
     "of 128 threads an SM as the plain kernel (Triton 3.9 gives the filter 176 registers "
@@ -280,7 +281,12 @@ _INDEXER_TOPK_SRC = (
     "output, its filter 0.95-1.07x the plain indexer kernel; cpkv bench long at 512K: "
     "long_512k_topk_share 0.132 -> 0.056, long_512k_fp8_mfu 0.488 -> 0.510 "
     "(benchmarks/results/session17/indexer_topk_h100.json, long_512k_fused_h100.json, "
-    "benchmarks/session17_fused_gpu.sh)")
+    "benchmarks/session17_fused_gpu.sh); select_warps 8: the select 1.92 ms against 2.38 at 4 "
+    "warps at 8192 x 512K, the best of 2/4/8 warps x 512/1024/2048 candidates a step "
+    "(benchmarks/results/session17/select_sweep_h100.json), long_512k_topk_share 0.0564 -> "
+    "0.0504 (benchmarks/results/session17/long_select8_h100.json); floor_warps 4: the floor "
+    "11.5 ms a 512K prompt on the H200 against 14.1 at 8 warps and 13.9 at 16 "
+    "(benchmarks/results/session17/long_floor8_h200.json, rows_long_h200.json)")
 
 #: every row; each op has exactly one default row (``DeviceKey()``)
 TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
