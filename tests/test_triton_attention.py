@@ -690,6 +690,51 @@ def test_indexer_page_tiles_gpu(ref: Any, cfg: dict[str, int]) -> None:
 
 
 @pytest.mark.gpu
+def test_fused_indexer_topk_forced_small_gpu(ref: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused indexer top-k compiled (its inline-PTX append: the interpreter runs the Triton
+    ops instead) at small sizes with the path forced on every view: the conformance suite's
+    ``indexer_topk`` (the reference's set, ties by the lower column), and every long row
+    overflowing a 16-slot CAP taken exactly by the flagged-row pass."""
+    fused = import_kernels("cpkv_backend_triton.indexer_topk", "_fused_filter_kernel")
+    cfg = {**fused.INDEXER_TOPK, "MIN_T": 1, "SAMPLE": 64, "CAP_MIN": 16, "BLOCK_M": 16,
+           "BLOCK_N": 32, "SELECT_BLOCK": 32, "EXACT_BLOCK_N": 32}
+    monkeypatch.setattr(fused, "INDEXER_TOPK", cfg)
+    monkeypatch.setattr(attention, "INDEXER_TOPK", cfg)
+    impl = AttentionKernels(indexer_config={"FEW_ROWS": 0})
+    conf.check_op(impl, ref, "indexer_topk", device="cuda")
+    monkeypatch.setitem(cfg, "CAP_MAX", 16)
+    g = torch.Generator().manual_seed(7)
+    n, t, k = 12, 1024, 16
+    q = torch.randn(n, 4, 32, generator=g).round().cuda()
+    w = torch.full((n, 4), 2.0 ** -6, device="cuda")
+    keys = torch.randn(t, 32, generator=g).round().cuda()
+    ks = torch.zeros(n, dtype=torch.int64, device="cuda")
+    ke = torch.arange(t - n + 1, t + 1, device="cuda")
+    got = impl.indexer_topk(q, w, keys, None, ks, ke, k)
+    want = ref.topk(ref.indexer_logits(q, w, keys, None, ks, ke), k, ks, ke)
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "t"), [(300, 200001), (64, 262144)])
+def test_fused_indexer_topk_equals_the_plain_path_gpu(n: int, t: int) -> None:
+    """DeepSeek's fp8 indexer at the fused path's default lengths (at least 192K keys), causal
+    tails: the fused op's output equals the plain path's (the Triton indexer, then the Triton
+    top-k) column for column: the same logits, the same set, ascending."""
+    assert t >= attention.INDEXER_TOPK["MIN_T"]
+    g = torch.Generator().manual_seed(n)
+    q8 = torch.randn(n, 64, 128, generator=g).to("cuda", torch.float8_e4m3fn)
+    w = (torch.randn(n, 64, generator=g) * (64 * 128) ** -0.5).cuda()
+    k8, scale = quantize_fp8(torch.randn(t, 128, generator=g).cuda(), None, "ue8m0")
+    ks = torch.zeros(n, dtype=torch.int64, device="cuda")
+    ke = torch.arange(t - n + 1, t + 1, device="cuda")
+    impl = AttentionKernels()
+    got = impl.indexer_topk(q8, w, k8, scale, ks, ke, 2048)
+    want = impl.topk(impl.indexer_logits(q8, w, k8, scale, ks, ke), 2048, ks, ke)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("n", "t", "kind"), [(256, 8192, "bf16"), (256, 8192, "fp8"),
                                              (1000, 4099, "fp8"), (77, 20000, "bf16"),
                                              (1, 65536, "fp8"), (2, 65536, "bf16"),
