@@ -214,6 +214,30 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
 
 
 @triton.jit
+def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.constexpr):
+    """The need-th largest order key of a row's ``nc`` candidates (values at ``vrow``), or with
+    ``COLS`` the need-th largest ``2^31 - 1 - column`` (columns at ``crow``) among those whose
+    key is ``key``: 4 radix rounds of 8 bits in steps of RB candidates. Returns how many of the
+    candidates equal to it are still needed, its bits, and the last round's histogram."""
+    prefix = tl.zeros([], tl.int32)  # the bits found so far
+    hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(0, nc, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < nc
+            s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
+            if COLS:
+                inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
+                d, mm = radix_digit(inv, m & (s == key), prefix, p)
+            else:
+                d, mm = radix_digit(s, m, prefix, p)
+            hist += tl.histogram(d, 256, mask=mm)
+        need, prefix = radix_step(hist, need, prefix, p)
+    return need, prefix, hist
+
+
+@triton.jit
 def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
                          CAP, KP: tl.constexpr, RB: tl.constexpr):
     """Step 4 (one program per row): rows holding at most K keys list them ascending; the
@@ -233,36 +257,16 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
         else:
             vrow = val_ptr + row * CAP
             crow = col_ptr + row * CAP
-            need = K + tl.zeros([], tl.int32)
-            prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
-            hist = tl.zeros([256], tl.int32)
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(0, nc, RB):
-                    i = c0 + tl.arange(0, RB)
-                    m = i < nc
-                    s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
-                    d, mm = radix_digit(s, m, prefix, p)
-                    hist += tl.histogram(d, 256, mask=mm)
-                need, prefix = radix_step(hist, need, prefix, p)
+            # the K-th key, and how many candidates equal to it to take
+            need, prefix, hist = _radix_candidates(vrow, crow, nc, K + tl.zeros([], tl.int32),
+                                                   0, False, RB)
             # candidates equal to the K-th key: the last round's bin of its low 8 bits
             tied = tl.sum(tl.where(tl.arange(0, 256) == (prefix & 255), hist, 0), axis=0)
             # the tied candidates kept: those whose 2^31 - 1 - column is at least cut (all of
             # them unless fewer are needed: then the need-th largest, i.e. the lowest columns)
             cut = tl.full([], -2147483648, tl.int32)
             if need < tied:
-                need2 = need
-                cut = tl.zeros([], tl.int32)
-                for p in tl.static_range(4):
-                    hist = tl.zeros([256], tl.int32)
-                    for c0 in range(0, nc, RB):
-                        i = c0 + tl.arange(0, RB)
-                        m = i < nc
-                        s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
-                        inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
-                        d, mm = radix_digit(inv, m & (s == prefix), cut, p)
-                        hist += tl.histogram(d, 256, mask=mm)
-                    need2, cut = radix_step(hist, need2, cut, p)
+                _, cut, _ = _radix_candidates(vrow, crow, nc, need, prefix, True, RB)
             orow = out_ptr + row * K
             wpos = tl.zeros([], tl.int32)
             for c0 in range(0, nc, RB):
