@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cpkv.testing.conformance as conf
 from triton_interp import CUDA, import_kernels, interpreter_env
@@ -103,6 +105,27 @@ def test_layout_caps_a_row_at_twice_the_floors_keys() -> None:
     assert fused.layout(1024, 1 << 20, 2048).cap == 16384
     assert fused.layout(64, 262144, 2048).cap == 8192  # ~3.1K kept at 256K
     assert fused.layout(3, 100, 8, {**fused.INDEXER_TOPK, **SMALL}).cap <= 128
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 1 << 17), t=st.integers(1, 1 << 21), k=st.integers(1, 4096))
+def test_layout_bounds_the_scratch_and_covers_the_floors_keys(n: int, t: int, k: int) -> None:
+    """For any call: CAP a power of two in [CAP_MIN, CAP_MAX], at most the row's length rounded
+    up to one, and SAFETY times the keys the floor keeps on average unless that bound cut it;
+    the sample's columns ``i * stride`` cover the row (at most SAMPLE of them)."""
+    cfg = dict(fused.INDEXER_TOPK)
+    lay = fused.layout(n, t, k, cfg)
+    cap = lay.cap
+    assert cap & (cap - 1) == 0
+    row = 1 << max(0, (t - 1).bit_length())
+    assert cap <= max(cfg["CAP_MAX"], 16) and cap <= max(row, 16)
+    assert cap >= min(cfg["CAP_MIN"], max(row, 16))
+    assert lay.sample_cols <= cfg["SAMPLE"] and (lay.sample_cols - 1) * lay.stride < t
+    assert lay.sample_cols * lay.stride >= t
+    est = k * lay.sample_cols // t
+    kept = (est + int(4 * (est + 1) ** 0.5) + 9) / lay.sample_cols * t
+    if cap < min(cfg["CAP_MAX"], row):
+        assert cap >= min(cfg["SAFETY"] * kept, t)
 
 
 @pytest.mark.slow  # ~25 s on the interpreter: the suite's attention sizes
