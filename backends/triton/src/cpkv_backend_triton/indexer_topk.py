@@ -427,7 +427,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
                                SP=_pow2(lay.sample_cols, 1), num_warps=cfg["floor_warps"])
     del xs
     # 3. the filter in the indexer's epilogue
-    compiled = q.is_cuda and not interpreted
+    # inline PTX on NVIDIA GPUs only (a ROCm device is "cuda" to torch too)
+    ptx = q.is_cuda and not interpreted and torch.version.hip is None
     val = torch.empty(n * lay.cap, dtype=torch.float32, device=dev)
     col = torch.empty(n * lay.cap, dtype=torch.int32, device=dev)
     count = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -440,7 +441,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
             q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0),
             k.stride(1)),
            {"H": heads, "D": d, "DP": dot_width, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
-            "UPCAST": upcast, "ASM": compiled, **({"maxnreg": cfg["MAXNREG"]} if compiled else {})},
+            "UPCAST": upcast, "ASM": ptx, **({"maxnreg": cfg["MAXNREG"]} if ptx else {})},
            cfg["num_warps"], cfg["num_stages"])
     # 4. the select; 5. the flagged rows, exactly
     out = torch.empty(n, topk, dtype=torch.int32, device=dev)
