@@ -1,7 +1,8 @@
 """The fused indexer top-k's select and floor launches on one GPU (issue 38's top-k share):
 at 8192 rows x 512K keys (DeepSeek fp8 numerics, causal tails, k = 2048), each kernel's device
-ms from a profile of one fused call, by the select's warps and candidates a step. Writes a JSON
-list to OUT (argv[1]).
+ms from a profile of one fused call, by the select's warps and candidates a step, then by the
+floor's radix rounds (FLOOR_ROUNDS 3: a floor 2^-15 lower, one histogram fewer; the output must
+stay equal). Writes a JSON list to OUT (argv[1]).
 
     python benchmarks/fused_select_sweep_gpu.py OUT.json
 """
@@ -39,6 +40,15 @@ def main() -> None:
                  **{k: v for k, v in ms.items() if k.startswith("_")}}
             print(json.dumps(r), flush=True)
             rows.append(r)
+    for rounds in (4, 3):
+        use({**base, "FLOOR_ROUNDS": rounds})
+        got = impl.indexer_topk(q8, w8, k8, sc, ks, ke, K)
+        prof = kernel_profile(partial(impl.indexer_topk, q8, w8, k8, sc, ks, ke, K), top=8)
+        ms = {r["kernel"]: r["ms"] for r in prof if "kernel" in r}
+        r = {"FLOOR_ROUNDS": rounds, "equal": bool(torch.equal(got, want)),
+             **{k: v for k, v in ms.items() if k.startswith("_")}}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
     use(base)
     with open(sys.argv[1], "w") as f:
         json.dump(rows, f, indent=1)

@@ -148,6 +148,20 @@ def test_causal_tail_equals_the_plain_path(ref: Any, small: dict[str, int],
 
 
 @pytest.mark.slow  # 4-7 s in the interpreter
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_a_floor_from_fewer_radix_rounds_keeps_the_set(ref: Any, small: dict[str, int],
+                                                       flags: list[torch.Tensor],
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       rounds: int) -> None:
+    """FLOOR_ROUNDS < 4: the floor is the place's sample key with its low bits cleared (lower,
+    so more candidates, never fewer): the same set as the plain path, no row flagged."""
+    monkeypatch.setitem(small, "FLOOR_ROUNDS", rounds)
+    q, w, keys, ks, ke = _inputs(12, 500, seed=11)
+    _check(_impl(), ref, (q, w, keys, None, ks, ke), 16)
+    assert len(flags) == 1 and not bool(flags[0].any())
+
+
+@pytest.mark.slow  # 4-7 s in the interpreter
 def test_fp8_queries_and_keys(ref: Any, small: dict[str, int], flags: list[torch.Tensor]) -> None:
     """DeepSeek's fp8 numerics: e4m3 integer grids (exact dots) with power-of-two key scales."""
     g = torch.Generator().manual_seed(3)

@@ -53,7 +53,7 @@ filt, ptx = build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64, "ASM": True},
                   maxnreg=F.INDEXER_TOPK["MAXNREG"])
 out = {"plain": plain, "filter": filt,
        "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32")[0],
-       "floor": build(F._sample_floor_kernel, {"SP": 4096})[0],
+       "floor": build(F._sample_floor_kernel, {"SP": 4096, "ROUNDS": 4})[0],
        "select": build(F._fused_select_kernel, {"KP": 2048, "RB": 1024}, "*i32")[0],
        "filter_ptx": ptx}
 print(json.dumps(out))

@@ -72,10 +72,12 @@ def _pow2(x: int, lo: int = 16) -> int:
 # ---- kernels ---------------------------------------------------------------------------------
 @triton.jit
 def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, sx0,
-                         SP: tl.constexpr):
+                         SP: tl.constexpr, ROUNDS: tl.constexpr):
     """Step 2 (one program per row): the floor from the row's sampled logits (``xs`` [N, NSC],
     -inf outside the range), a float; -inf (every key) when the sample has no key at the
-    floor's place; not written for rows holding at most K keys (no filter needed)."""
+    floor's place; not written for rows holding at most K keys (no filter needed). ROUNDS < 4
+    radix rounds give the place's key with its low ``32 - 8 ROUNDS`` bits cleared: a floor at
+    or below it (a lower floor only adds candidates; a finite key stays finite)."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
@@ -91,7 +93,7 @@ def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, s
         place = est + margin  # 0-based, descending
         need = place + 1
         prefix = tl.zeros([], tl.int32)
-        for p in tl.static_range(4):
+        for p in tl.static_range(ROUNDS):
             d, mm = radix_digit(s, valid, prefix, p)
             need, prefix = radix_step(tl.histogram(d, 256, mask=mm), need, prefix, p)
         tl.store(floor_ptr + row, tl.where(place < m, key_value(prefix), float("-inf")))
@@ -424,7 +426,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
     # 2. the floor
     floor = torch.empty(n, dtype=torch.float32, device=dev)
     _sample_floor_kernel[(n,)](xs, ks, ke, floor, t, topk, lay.sample_cols, st, xs.stride(0),
-                               SP=_pow2(lay.sample_cols, 1), num_warps=cfg["floor_warps"])
+                               SP=_pow2(lay.sample_cols, 1), ROUNDS=cfg["FLOOR_ROUNDS"],
+                               num_warps=cfg["floor_warps"])
     del xs
     # 3. the filter in the indexer's epilogue
     # inline PTX on NVIDIA GPUs only (a ROCm device is "cuda" to torch too)

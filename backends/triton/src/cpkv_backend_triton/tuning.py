@@ -183,7 +183,9 @@ class IndexerTopkParams(_Params):
     candidates the floor keeps on average, within [CAP_MIN, CAP_MAX]; the filter's BLOCK_M x
     BLOCK_N tiles, num_warps, num_stages (the plain indexer's) and register bound MAXNREG; the
     select's SELECT_BLOCK candidates a step and select_warps; the exact pass's EXACT_BLOCK_N
-    keys a step and exact_warps; floor_warps of the sample's floor."""
+    keys a step and exact_warps; floor_warps of the sample's floor, FLOOR_ROUNDS its radix
+    rounds (4: the sample key at the floor's place; fewer: that key with its low bits cleared,
+    a floor up to 2^(9 - 8 ROUNDS) relatively lower, the same result)."""
 
     MIN_T: int
     SAMPLE: int
@@ -200,6 +202,7 @@ class IndexerTopkParams(_Params):
     EXACT_BLOCK_N: int
     exact_warps: int
     floor_warps: int
+    FLOOR_ROUNDS: int
 
 
 P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams, IndexerTopkParams)
@@ -271,7 +274,9 @@ _TOPK_LONG_SRC = (
 _INDEXER_TOPK_H200 = IndexerTopkParams(
     MIN_T=196608, SAMPLE=4096, SAFETY=2, CAP_MIN=1024, CAP_MAX=16384, BLOCK_M=64, BLOCK_N=128,
     num_warps=4, num_stages=3, MAXNREG=168, SELECT_BLOCK=1024, select_warps=8,
-    EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4)
+    EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4,
+    # 3 rounds predicted -25 % of the floor kernel for ~0.01 % more candidates: not measured yet
+    FLOOR_ROUNDS=4)
 _INDEXER_TOPK_SRC = (
     "the filter's tiles, warps and stages the plain indexer's (Op.INDEXER); MAXNREG 168: 3 CTAs "
     "of 128 threads an SM as the plain kernel (Triton 3.9 gives the filter 176 registers "
