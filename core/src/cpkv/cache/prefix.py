@@ -19,6 +19,7 @@ the next batch. When the host tier is full its least recently used nodes are dro
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,18 @@ class HostLoads(Protocol):
         ...
 
 
+class _WeakReclaim:
+    """The page table's reclaim hook to a cache it does not keep alive: the cache's
+    :meth:`PrefixCache.evict_for` while the cache lives, else nothing reclaimed."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self._cache = weakref.ref(cache)
+
+    def __call__(self, needs: Sequence[int]) -> bool:
+        cache = self._cache()
+        return cache is not None and cache.evict_for(needs)
+
+
 class PrefixCache:
     """Radix prefix cache over one rank's page table (see the module docstring).
 
@@ -114,7 +127,10 @@ class PrefixCache:
         #: nodes no eviction may take right now (a hit being attached)
         self._keep: set[_Node] = set()
         if evict:
-            pages.reclaim = self.evict_for
+            # weakly: the table is the cache's, so a bound method there made a reference cycle
+            # that only the cyclic collector freed, with the CP group in it (at interpreter exit,
+            # after Gloo's teardown: a rank aborted there, docs/lessons.md session 17)
+            pages.reclaim = _WeakReclaim(self)
 
     @property
     def page_size(self) -> int:
