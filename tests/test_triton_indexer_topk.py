@@ -107,6 +107,25 @@ def test_layout_caps_a_row_at_twice_the_floors_keys() -> None:
     assert fused.layout(3, 100, 8, {**fused.INDEXER_TOPK, **SMALL}).cap <= 128
 
 
+def test_the_ptx_append_declines_rocm_visibly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inline-PTX append on NVIDIA devices only: the interpreter takes the Triton ops
+    silently (its design), a ROCm device (also "cuda" to torch) takes them with one
+    ``kernel_variant`` fallback however many calls."""
+    from cpkv.contracts import FallbackReason
+    from cpkv.fallback import recording
+
+    monkeypatch.setattr(fused, "_PTX_DECLINED", set())
+    monkeypatch.setattr(torch.version, "hip", None)
+    with recording() as rec:
+        assert fused.ptx_append(True, False)
+        assert not fused.ptx_append(False, False) and not fused.ptx_append(True, True)
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert not fused.ptx_append(True, False) and not fused.ptx_append(True, False)
+    events = [e for e in rec.events if e.op == "triton:indexer_topk"]
+    assert len(events) == 1, events
+    assert events[0].reason is FallbackReason.KERNEL_VARIANT and "ROCm" in events[0].detail
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 1 << 17), t=st.integers(1, 1 << 21), k=st.integers(1, 4096))
 def test_layout_bounds_the_scratch_and_covers_the_floors_keys(n: int, t: int, k: int) -> None:

@@ -53,16 +53,39 @@ import torch
 import triton
 import triton.language as tl
 
+from cpkv.ops.api import FallbackReason, report_fallback
+
 from .topk import key_value, list_short_row, ord_key, radix_digit, radix_step, row_range
 from .tuning import DeviceTuned, Op
 
-__all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout", "select_fused"]
+__all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout", "ptx_append", "select_fused"]
 
 #: the fused path's launch constants on this process's device (MIN_T, SAMPLE, SAFETY, CAP_MIN,
 #: CAP_MAX, the filter's tiles, warps, stages and MAXNREG, the select's and the exact pass's
 #: steps and warps): the tuning table's row (:class:`.tuning.IndexerTopkParams`, each value's
 #: measurement named there): views of at least MIN_T keys (the long-row top-k's) take it
 INDEXER_TOPK: Mapping[str, int] = DeviceTuned(Op.INDEXER_TOPK)
+
+
+#: the reasons the inline-PTX append was not taken on a GPU, each reported once a process
+_PTX_DECLINED: set[str] = set()
+
+
+def ptx_append(is_cuda: bool, interpreted: bool) -> bool:
+    """Whether the filter appends with inline PTX: compiled kernels on NVIDIA devices. Off a
+    GPU (the interpreter) the Triton-op append runs, as designed; a "cuda" device that runs no
+    PTX (ROCm) takes it too, reported once as fallback ``kernel_variant``."""
+    if not is_cuda or interpreted:
+        return False
+    if torch.version.hip is None:
+        return True
+    why = f"a ROCm device (HIP {torch.version.hip}) runs no inline PTX"
+    if why not in _PTX_DECLINED:
+        _PTX_DECLINED.add(why)
+        report_fallback(op="triton:indexer_topk", requested="the inline-PTX candidate append",
+                        selected="the Triton-op append", reason=FallbackReason.KERNEL_VARIANT,
+                        detail=why)
+    return False
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -430,8 +453,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
                                num_warps=cfg["floor_warps"])
     del xs
     # 3. the filter in the indexer's epilogue
-    # inline PTX on NVIDIA GPUs only (a ROCm device is "cuda" to torch too)
-    ptx = q.is_cuda and not interpreted and torch.version.hip is None
+    ptx = ptx_append(q.is_cuda, interpreted)
     val = torch.empty(n * lay.cap, dtype=torch.float32, device=dev)
     col = torch.empty(n * lay.cap, dtype=torch.int32, device=dev)
     count = torch.zeros(n, dtype=torch.int32, device=dev)
