@@ -158,12 +158,17 @@ def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
         _small_topk_config(monkeypatch)
     elif config == "long":
         _long_topk_config(monkeypatch)
+    elif config == "long_few":  # every call a decode step's: the few-row splits and caps
+        _long_topk_config(monkeypatch)
+        monkeypatch.setattr(topk_mod, "TOPK_LONG", {
+            **topk_mod.TOPK_LONG, "FEW_ROWS": 1 << 20, "few_floor_warps": 2,
+            "few_select_warps": 2, "few_SPLIT_MIN": 16, "few_CAP": 16})
 
 
 @interp
 @pytest.mark.usefixtures("small_sizes")
 @pytest.mark.parametrize("config", [pytest.param("default", marks=pytest.mark.slow), "small",
-                                    "long"])
+                                    "long", "long_few"])
 def test_topk_conformance_exact(ref: Any, monkeypatch: pytest.MonkeyPatch,
                                 config: str) -> None:
     """The suite's top-k inputs (indexer logits with relu ties, coarse-grid ties, finite logits

@@ -101,7 +101,10 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
     assert h200[Op.TOPK] == {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
                              "BINS": 64}
     assert h200[Op.TOPK_LONG]["MIN_T"] == 196608 and h200[Op.TOPK_LONG]["SCRATCH_MB"] == 64
-    assert h200[Op.TOPK_LONG]["HELD"] == 0  # the register-held select: not measured yet
+    assert h200[Op.TOPK_LONG]["HELD"] == 0  # the register-held select: slower (session 18)
+    # a decode step's rows (fewer programs than SMs): 8 warps for the floor and the select
+    assert h200[Op.TOPK_LONG]["FEW_ROWS"] == 128
+    assert h200[Op.TOPK_LONG]["few_floor_warps"] == h200[Op.TOPK_LONG]["few_select_warps"] == 8
     assert h200[Op.TOPK_LONG]["GLUON"] == 1  # the Gluon filter: 1.56x (session 16, an H100)
     assert h200[Op.SPARSE_MLA]["P_SPLIT"] == 2 and h200[Op.SPARSE_MLA_LOWP]["P_SPLIT"] == 1
     # the fused indexer top-k: from the long-row top-k's length (1.07x the plain path, session

@@ -62,7 +62,8 @@ TOPK_REFINE_BLOCK = 256
 #: columns, spread evenly over a row's range, whose sorted keys place the bins' bracket
 TOPK_SAMPLE = 512
 #: the one-read path for long rows (MIN_T, SAMPLE, CAP, BLOCK, PROGRAMS, SPLIT_MIN, SCRATCH_MB,
-#: REFINE, num_warps, select_warps; :class:`.tuning.TopkLongParams`) on this process's device
+#: REFINE, num_warps, select_warps, a decode step's FEW_ROWS launches;
+#: :class:`.tuning.TopkLongParams`) on this process's device
 TOPK_LONG: Mapping[str, int] = DeviceTuned(Op.TOPK_LONG)
 _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -525,13 +526,14 @@ row_range = _row_range
 # ---- the op ----------------------------------------------------------------------------------
 def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.Tensor,
                       key_end: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, t: int,
-                      k: int, cap: int) -> None:
+                      k: int, cap: int, warps: int = 0) -> None:
     """The long rows' select (``_topk_select_kernel``) over candidates a filter left: ``cand``
     int64 ``key << 32 | (2^31 - 1 - column)``, split j of row i at ``(i * NS + j) * cap``, in
     column order within a split and splits in column order, ``count`` int32 [N, NS] (past
     ``cap``: the split overflowed). Rows holding at most k keys are listed ascending; a row with
     fewer than k candidates or an overflowed split gets ``meta[i, 0] = -1`` (its ``out`` row
-    left for an exact pass), the others their k columns in ``out`` and ``meta[i, 0] = k``."""
+    left for an exact pass), the others their k columns in ``out`` and ``meta[i, 0] = k``.
+    ``warps``: the select's (0: the table's ``select_warps``)."""
     cfg = TOPK_LONG
     n, ns = count.shape
     nsp = _pow2(ns, 1)
@@ -539,20 +541,21 @@ def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.
     slot = min(cfg["HELD"] // nsp, _pow2(cap, 1)) if cfg["HELD"] >= nsp else 0
     _topk_select_kernel[(n,)](key_start, key_end, out, cand, count, meta, t, k, ns,
                               KP=_pow2(k), CAP=cap, NSP=nsp, RB=min(cfg["REFINE"], cap),
-                              SLOT=slot, num_warps=cfg["select_warps"])
+                              SLOT=slot, num_warps=warps or cfg["select_warps"])
 
 
-def _splits(n: int, t: int, cap: int) -> int:
+def _splits(n: int, t: int, cap: int, split_min: int = 0) -> int:
     """(row, split) programs for the filter: enough to fill the GPU when a call has few rows,
     splits of at least SPLIT_MIN columns, and the candidates' scratch (``cap`` int64 a split) at
     most an eighth of the logits' bytes (the caller's memory budget is sized by the logits: at
     1M keys and a 512 MiB budget, 16 splits of 128 rows took 268 MB more than the budget) or
     SCRATCH_MB, whichever is larger (a decode step's few rows: one row of 256K logits alone
-    would allow one split, and one program streamed the row)."""
+    would allow one split, and one program streamed the row). ``split_min``: the table's
+    SPLIT_MIN when 0."""
     cfg = TOPK_LONG
     want = triton.cdiv(cfg["PROGRAMS"], max(n, 1))
     by_memory = max((4 * t) // (8 * 8 * cap), (cfg["SCRATCH_MB"] << 20) // (8 * cap * max(n, 1)))
-    return max(1, min(want, triton.cdiv(t, cfg["SPLIT_MIN"]), by_memory))
+    return max(1, min(want, triton.cdiv(t, split_min or cfg["SPLIT_MIN"]), by_memory))
 
 
 def _radix(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
@@ -591,9 +594,15 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     """The one-read path for long rows (floor, filter, select, exact)."""
     n, t = logits.shape
     cfg = TOPK_LONG
-    cap = max(cfg["CAP"], _pow2(k))
+    # a decode step's few rows (each kernel's time one program's latency): the few_ launches
+    few = n <= cfg["FEW_ROWS"]
+
+    def pick(field: str, many: int) -> int:
+        return cfg[field] if few and cfg[field] else many
+
+    cap = max(pick("few_CAP", cfg["CAP"]), _pow2(k))
     blk = min(cfg["BLOCK"], _pow2(t))
-    ns = _splits(n, t, cap)
+    ns = _splits(n, t, cap, pick("few_SPLIT_MIN", cfg["SPLIT_MIN"]))
     cs = triton.cdiv(triton.cdiv(t, ns), blk) * blk  # columns per split
     ns = triton.cdiv(t, cs)
     dev = logits.device
@@ -604,12 +613,13 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     sx0, sx1 = logits.stride(0), logits.stride(1)
     warps = cfg["num_warps"]
     _topk_floor_kernel[(n,)](logits, ks, ke, floor, t, k, sx0, sx1, SAMPLE=cfg["SAMPLE"],
-                             num_warps=warps)
+                             num_warps=pick("few_floor_warps", warps))
     if not (cfg["GLUON"] and _gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk,
                                            cap, warps)):
         _topk_filter_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, sx0, sx1,
                                      BLOCK=blk, CAP=cap, num_warps=warps)
-    select_candidates(cand, count, ks, ke, out, meta, t, k, cap)
+    select_candidates(cand, count, ks, ke, out, meta, t, k, cap,
+                      pick("few_select_warps", cfg["select_warps"]))
     _topk_exact_kernel[(n,)](logits, ks, ke, out, meta, t, k, sx0, sx1,
                              BLOCK=min(TOPK_CONFIG["BLOCK"], _pow2(t)), num_warps=warps)
 

@@ -160,7 +160,11 @@ class TopkLongParams(_Params):
     splits each hold at most HELD / splits candidates is refined from registers, all loaded
     once (0: always the loop over memory); GLUON 1: the filter of
     :mod:`.topk_filter_gluon` (fp32 logits of column stride 1 on a GPU; the Triton filter
-    otherwise, reported); num_warps of the filter, select_warps of the select kernel."""
+    otherwise, reported); num_warps of the floor and the filter, select_warps of the select
+    kernel. A call of at most FEW_ROWS rows (a decode step's: fewer programs a kernel than SMs,
+    each one's latency is the kernel's) launches the floor with few_floor_warps and the select
+    with few_select_warps, splits rows into splits of at least few_SPLIT_MIN columns holding
+    at most few_CAP candidates each (0: the many-row value)."""
 
     MIN_T: int
     SAMPLE: int
@@ -174,6 +178,11 @@ class TopkLongParams(_Params):
     GLUON: int
     num_warps: int
     select_warps: int
+    FEW_ROWS: int = 0
+    few_floor_warps: int = 0
+    few_select_warps: int = 0
+    few_SPLIT_MIN: int = 0
+    few_CAP: int = 0
 
 
 @dataclass(frozen=True)
@@ -259,7 +268,8 @@ _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=102
                                  SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024,
                                  # HELD off until measured (benchmarks/topk_sweep_gpu.py)
                                  HELD=0,
-                                 GLUON=1, num_warps=4, select_warps=4)
+                                 GLUON=1, num_warps=4, select_warps=4,
+                                 FEW_ROWS=128, few_floor_warps=8, few_select_warps=8)
 _TOPK_LONG_SRC = (
     "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
     "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
@@ -269,14 +279,16 @@ _TOPK_LONG_SRC = (
     "rows and a decode step (benchmarks/results/session15/topk_sweep_h100.json); GLUON 1: the "
     "Gluon filter bit-equal to the Triton one and 1.56x faster at 4096 x 480K (2.85 vs 4.43 ms), "
     "1.47x at 1024 x 480K, 1.42x a decode step's (benchmarks/results/session16/"
-    "topk_sweep_h100.json, session16_gpu.sh)")
+    "topk_sweep_h100.json, session16_gpu.sh); FEW_ROWS 128 (fewer programs than SMs): at 64 rows "
+    "x 128K an H100's floor 24 -> 14 us at 8 warps (15 at 16, 19 at 32), the select 42 -> 35 at "
+    "8 (40 at 16), the op 0.105 ms; more splits (few_SPLIT_MIN 8K / 4K, few_CAP 2K) and HELD "
+    "4K / 8K made the select 1.1-5x slower: 0 (benchmarks/results/session18/"
+    "topk_decode_sweep_h100.json, topk_decode_sweep_gpu.py)")
 
 _INDEXER_TOPK_H200 = IndexerTopkParams(
     MIN_T=196608, SAMPLE=4096, SAFETY=2, CAP_MIN=1024, CAP_MAX=16384, BLOCK_M=64, BLOCK_N=128,
     num_warps=4, num_stages=3, MAXNREG=168, SELECT_BLOCK=1024, select_warps=8,
-    EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4,
-    # 3 rounds predicted -25 % of the floor kernel for ~0.01 % more candidates: not measured yet
-    FLOOR_ROUNDS=4)
+    EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4, FLOOR_ROUNDS=3)
 _INDEXER_TOPK_SRC = (
     "the filter's tiles, warps and stages the plain indexer's (Op.INDEXER); MAXNREG 168: 3 CTAs "
     "of 128 threads an SM as the plain kernel (Triton 3.9 gives the filter 176 registers "
@@ -291,7 +303,9 @@ _INDEXER_TOPK_SRC = (
     "(benchmarks/results/session17/select_sweep_h100.json), long_512k_topk_share 0.0564 -> "
     "0.0504 (benchmarks/results/session17/long_select8_h100.json); floor_warps 4: the floor "
     "11.5 ms a 512K prompt on the H200 against 14.1 at 8 warps and 13.9 at 16 "
-    "(benchmarks/results/session17/long_floor8_h200.json, rows_long_h200.json)")
+    "(benchmarks/results/session17/long_floor8_h200.json, rows_long_h200.json); FLOOR_ROUNDS 3: "
+    "the floor kernel 0.526 ms against 0.657 at 4 rounds at 8192 x 512K on an H100, the output "
+    "equal (benchmarks/results/session18/fused_select_sweep_h100.json)")
 
 #: every row; each op has exactly one default row (``DeviceKey()``)
 TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]

@@ -1,0 +1,125 @@
+"""SM clock and board power while the fp8 matmul ceiling and the prefill indexer run (issue 38).
+
+Question: is the fp8 indexer (cpkv's, DeepGEMM's: both ~0.65 of ``torch._scaled_mm``'s rate) held
+back by its schedule, or by the card's power limit (the epilogue's FP32 work beside the tensor
+cores)? Each phase loops one kernel for ~PHASE seconds while ``nvidia-smi`` samples clocks.sm,
+power.draw and the active clock-event reasons every 50 ms; a phase's row gives the median clock and
+power of its samples and its TFLOP/s. If the indexer's clock sits well under the matmul's at the
+power limit, a faster schedule buys less than its issue counts suggest.
+
+    python benchmarks/clock_probe_gpu.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+from indexer_prefill_sweep_gpu import fp8_inputs
+
+PHASE = 4.0
+_Q = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float, str]] = []
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={_Q}", "--format=csv,noheader,nounits", "-lms", "50"],
+            stdout=subprocess.PIPE, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                self.samples.append((time.monotonic(), float(parts[0]), float(parts[1]), parts[2]))
+            except (ValueError, IndexError):
+                continue
+
+    def window(self, t0: float, t1: float) -> dict[str, object]:
+        got = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not got:
+            return {"samples": 0}
+        reasons: dict[str, int] = {}
+        for s in got:
+            reasons[s[3]] = reasons.get(s[3], 0) + 1
+        return {"samples": len(got), "sm_mhz": statistics.median(s[1] for s in got),
+                "power_w": statistics.median(s[2] for s in got), "reasons": reasons}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+
+
+def phase(name: str, fn: Callable[[], object], flops: float, sampler: Sampler) -> dict[str, object]:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    n = 0
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    while time.monotonic() - t0 < PHASE:
+        for _ in range(4):
+            fn()
+            n += 1
+        torch.cuda.synchronize()
+    b.record()
+    b.synchronize()
+    t1 = time.monotonic()
+    ms = a.elapsed_time(b) / n
+    row = {"phase": name, "ms": ms, "tflops": flops / ms / 1e9, "calls": n,
+           **sampler.window(t0 + 0.5, t1)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    from cpkv_backend_triton.attention import AttentionKernels
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    sampler = Sampler()
+    time.sleep(1.0)
+    rows = [{"phase": "idle", **sampler.window(0, time.monotonic())}]
+    n = 8192
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+    rows.append(phase("scaled_mm_8192", lambda: torch._scaled_mm(a, b, one, one,
+                                                                 out_dtype=torch.bfloat16),
+                      2 * n ** 3, sampler))
+    bb = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    rows.append(phase("bf16_mm_8192", lambda: bb @ bb, 2 * n ** 3, sampler))
+    q8, w8, k8, sc, ks, ke = fp8_inputs(4096, 131072, dev, g)
+    flops = 2 * 64 * 128 * float((ke - ks).sum())
+    ak = AttentionKernels()
+    rows.append(phase("cpkv_indexer_4096x128K", lambda: ak.indexer_logits(q8, w8, k8, sc, ks, ke),
+                      flops, sampler))
+    try:
+        from cpkv_backend_cuda.plugin import deepgemm_ops
+
+        dgo = deepgemm_ops()
+        ks32, ke32 = ks.to(torch.int32), ke.to(torch.int32)
+        rows.append(phase("deepgemm_4096x128K",
+                          lambda: dgo.compressed_logits(q8, w8, k8, sc, ks32, ke32), flops,
+                          sampler))
+    except Exception as e:  # DeepGEMM absent: the row says so
+        rows.append({"phase": "deepgemm_4096x128K", "absent": f"{type(e).__name__}: {e}"[:200]})
+    sampler.stop()
+    with open(sys.argv[1], "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
