@@ -118,6 +118,20 @@ def test_default_fp8_rows_against_the_fp8_ceiling_and_the_bf16_run() -> None:
     assert rows["long_1m_mfu"].ratio == pytest.approx(1e3 / 42.0 / 800.0)
 
 
+def test_a_sustained_fp8_ceiling_adds_a_twin_row() -> None:
+    """With the matmul's rate at the power limit measured (``fp8_matmul_sustained_tflops``),
+    each fp8 MFU row gets a ``_sustained`` twin over it; the burst row is unchanged."""
+    ceil = {"matmul_tflops": 800.0, "fp8_matmul_tflops": 1500.0,
+            "fp8_matmul_sustained_tflops": 1200.0}
+    res = {"indexer_dtype": "fp8", "runs": {"1048576/65536": _run(1 << 20, 65536, 28.0),
+                                            "524288/65536": _run(1 << 19, 65536, 8.0)}}
+    rows = {r.name: r for r in long_rows(res, ceil, 150.0)}
+    assert rows["long_1m_fp8_mfu"].ratio == pytest.approx(1e3 / 28.0 / 1500.0)
+    assert rows["long_1m_fp8_mfu_sustained"].ratio == pytest.approx(1e3 / 28.0 / 1200.0)
+    assert rows["long_512k_fp8_mfu_sustained"].ratio == pytest.approx(1e3 / 8.0 / 1200.0)
+    assert "long_1m_mfu_sustained" not in rows
+
+
 def test_layer_choices_compare_both_indexers_on_the_same_inputs() -> None:
     """bf16 vs DeepSeek's fp8 indexer on one layer's inputs: most of the top-k shared, every
     swapped-in key at or below the bf16 k-th logit (gap >= 0)."""

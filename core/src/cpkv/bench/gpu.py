@@ -72,10 +72,14 @@ def cuda_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
     return median_ms(fn, "cuda", warmup, iters)
 
 
-def ceilings(dev: torch.device) -> dict[str, float]:
+def ceilings(dev: torch.device, sustained_s: float = 0.0) -> dict[str, float]:
     """Device copy bandwidth (read + write, GB/s) of 1 GiB, the bf16 matmul rate and (GPUs with
     fp8 tensor cores) the fp8 e4m3 ``torch._scaled_mm`` rate at 8192^3 (TFLOP/s), GPU time,
-    measured now."""
+    measured now: each call after an idle lead (:func:`device_ms`), so at the card's boost
+    clock. ``sustained_s > 0`` adds ``fp8_matmul_sustained_tflops``: the same matmul back to
+    back for that long, then timed over 64 more calls: the rate at the card's power limit, the
+    ceiling of a workload that runs for seconds (an H100 at 700 W: ~1230 against ~1450 in
+    bursts, its SM clock 1260-1305 MHz against 1980; benchmarks/clock_probe_gpu.py)."""
     src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     ms = device_ms(lambda: dst.copy_(src))
@@ -90,7 +94,28 @@ def ceilings(dev: torch.device) -> dict[str, float]:
         mm8 = device_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
                         iters=10)
         out["fp8_matmul_tflops"] = 2 * 8192 ** 3 / mm8 / 1e9
+        if sustained_s > 0:
+            out["fp8_matmul_sustained_tflops"] = 2 * 8192 ** 3 / sustained_ms(
+                lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                sustained_s) / 1e9
     return out
+
+
+def sustained_ms(fn: Callable[[], Any], seconds: float, iters: int = 64) -> float:
+    """Mean GPU milliseconds of ``fn`` after running it back to back for ``seconds`` (the card
+    at its power limit, as in a long prompt's prefill), over ``iters`` more back-to-back calls."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        for _ in range(8):
+            fn()
+        torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / iters
 
 
 def _backends() -> tuple[KVOps, KVOps | None, str]:
