@@ -50,7 +50,7 @@ def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[str, in
     monkeypatch.setattr(cpkv.models, "write_tiny_checkpoint", lambda path, **_: path)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(gpu, "ceilings", lambda dev: {"copy_gbps": 1.0, "matmul_tflops": 4.0,
+    monkeypatch.setattr(gpu, "ceilings", lambda dev, **_: {"copy_gbps": 1.0, "matmul_tflops": 4.0,
                                                       "fp8_matmul_tflops": 8.0})
     monkeypatch.setattr(gpu, "kernel_rows", lambda dev, ceil, detail: [])
     monkeypatch.setattr(gpu, "decode_steps", lambda *a, **k: {"kernels": [
