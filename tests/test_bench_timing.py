@@ -62,3 +62,27 @@ def test_host_timeline_sees_host_work_before_the_first_kernel() -> None:
     assert 9.0 <= t["gaps_between_kernels_ms"] < 100
     assert 0 < t["kernel_busy_ms"] < 5
     assert t["wall_ms"] >= 20
+
+
+def _glue(x: torch.Tensor) -> torch.Tensor:
+    return (x @ x).relu()
+
+
+def _outer(x: torch.Tensor) -> torch.Tensor:
+    return _glue(x).sum()
+
+
+def test_op_sources_names_the_functions_that_ran_each_op() -> None:
+    """Each top-level torch op with the innermost frames of the named package that ran it, its
+    time and calls; ops outside the package are left out."""
+    from cpkv.bench.gpu import op_sources
+
+    x = torch.randn(64, 64)
+    rows = op_sources(lambda: (_outer(x), _outer(x), x.sin()), package="test_bench_timing")
+    by_op = {r["op"]: r for r in rows}
+    assert {"aten::matmul", "aten::relu", "aten::sum"} <= set(by_op)
+    mm = by_op["aten::matmul"]
+    assert mm["calls"] == 2 and mm["ms"] > 0
+    assert "_glue" in mm["source"][0] and "_outer" in mm["source"][1]
+    assert "_outer" in by_op["aten::sum"]["source"][0]
+    assert all(len(r["source"]) <= 3 for r in rows)

@@ -188,6 +188,38 @@ def test_absorbed_equals_expanded(tiny_ckpt: Path) -> None:
     torch.testing.assert_close(torch.einsum("nhc,tc->nht", a.q, a.latent), expanded, rtol=1e-5, atol=1e-5)
 
 
+def test_projections_sharing_an_input_are_one_weight_without_a_copy(tiny_ckpt: Path) -> None:
+    """[q_a; kv_a; wk], [q_b; wq_b] and [gate; up] are each one weight whose parts are views of
+    it (no second copy), and the layer's outputs are the separate projections'."""
+    import torch.nn.functional as F
+
+    m = DeepseekV32.load(tiny_ckpt)
+    c = m.config
+    w = m._layers[0]
+    assert w.h_proj is not None and w.r_proj is not None and w.gate_up is not None
+    assert w.idx_wk is not None and w.idx_wq_b is not None
+    for fused, parts in ((w.h_proj, (w.q_a, w.kv_a, w.idx_wk)), (w.r_proj, (w.q_b, w.idx_wq_b)),
+                         (w.gate_up, (w.gate, w.up))):
+        assert all(p is not None and p.untyped_storage().data_ptr()
+                   == fused.untyped_storage().data_ptr() for p in parts)
+        assert torch.equal(fused, torch.cat(parts))  # type: ignore[arg-type]
+    x, pos = torch.randn(5, c.hidden_size), torch.arange(5)
+    a = m.attention_inputs(0, x, pos)
+    h = _rms_norm(x, w.input_norm, c.rms_norm_eps)
+    q_resid = _rms_norm(F.linear(h, w.q_a), w.q_a_norm, 1e-6)
+    iq = F.linear(q_resid, w.idx_wq_b).view(5, c.index_n_heads, c.index_head_dim)
+    assert a.index_q is not None and a.index_k is not None
+    torch.testing.assert_close(a.index_q[..., c.qk_rope_head_dim:], iq[..., c.qk_rope_head_dim:])
+    ik = F.layer_norm(F.linear(h, w.idx_wk), (c.index_head_dim,), w.idx_k_norm_w,
+                      w.idx_k_norm_b, 1e-6)
+    torch.testing.assert_close(a.index_k[..., c.qk_rope_head_dim:], ik[..., c.qk_rope_head_dim:])
+    xm = torch.randn(5, c.hidden_size)
+    hm = _rms_norm(xm, w.post_norm, c.rms_norm_eps)
+    assert w.gate is not None and w.up is not None and w.down is not None
+    want = F.linear(F.silu(F.linear(hm, w.gate)) * F.linear(hm, w.up), w.down)
+    torch.testing.assert_close(m.mlp(0, xm), want)
+
+
 def test_packed_experts_and_tied_head_and_mtp(tmp_path: Path, tiny_ckpt: Path) -> None:
     state = safetensors_torch.load_file(tiny_ckpt / "model.safetensors")
     cfg = json.loads((tiny_ckpt / "config.json").read_text())

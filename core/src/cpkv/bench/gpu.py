@@ -446,6 +446,46 @@ def kernel_profile(run: Callable[[], Any], top: int | None = 14) -> list[dict[st
     return [{"total_ms": total}, *rows[:top]]
 
 
+def op_sources(run: Callable[[], Any], frames: int = 3, top: int | None = 40,
+               package: str = "cpkv") -> list[dict[str, Any]]:
+    """Where the torch ops of one call of ``run`` come from: per (top-level torch op, the
+    innermost ``frames`` Python frames of ``package`` under which it ran), the device time of the
+    kernels it launched (its own and its sub-ops'; CPU time on a CPU) and its calls, largest
+    first. The glue between a step's own kernels (casts, gathers, index arithmetic, norms) is
+    many small torch ops whose kernel names (``elementwise_kernel<...>``) do not say which line
+    launched them; this does. Kernels launched outside a torch op (Triton's) are not listed:
+    :func:`kernel_profile` names them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts, with_stack=True) as prof:
+        run()
+        if gpu:
+            torch.cuda.synchronize()
+    sums: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for e in prof.events():
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None
+                                               and parent.name.startswith("aten::")):
+            continue  # sub-ops are inside their top-level op's time
+        where: list[str] = []
+        while parent is not None and len(where) < frames:
+            if package in parent.name:
+                where.append(parent.name)
+            parent = parent.cpu_parent
+        if not where:
+            continue
+        us = e.device_time_total if gpu else e.cpu_time_total
+        acc = sums.setdefault((e.name, tuple(where)), [0.0, 0])
+        acc[0] += us
+        acc[1] += 1
+    ranked = sorted(((us, n, op, src) for (op, src), (us, n) in sums.items() if us),
+                    reverse=True)
+    return [{"op": op, "ms": us / 1e3, "calls": int(n), "source": list(src)}
+            for us, n, op, src in ranked[:top]]
+
+
 def host_timeline(run: Callable[[], Any]) -> dict[str, float]:
     """Where one call of ``run`` leaves the GPU idle (torch.profiler trace, ms): host time
     before its first kernel (per-batch host work the GPU waits for), after its last kernel,

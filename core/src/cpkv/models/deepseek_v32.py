@@ -107,6 +107,35 @@ class _Layer:
     shared_gate: torch.Tensor | None = None
     shared_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
+    #: set by :func:`_fuse_projections` (the fields they hold become views into them): one GEMM
+    #: for the projections that share an input. ``h_proj`` [q_a; kv_a; idx_wk] of the normed
+    #: hidden state, ``r_proj`` [q_b; idx_wq_b] of the normed q_a output, ``gate_up`` and
+    #: ``shared_gate_up`` [gate; up] of the MLP's input
+    h_proj: torch.Tensor | None = None
+    r_proj: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None
+    shared_gate_up: torch.Tensor | None = None
+
+
+#: the fused weights and their parts, per :class:`_Layer` field (:func:`_fuse_projections`)
+_FUSED = {"h_proj": ("q_a", "kv_a", "idx_wk"), "r_proj": ("q_b", "idx_wq_b"),
+          "gate_up": ("gate", "up"), "shared_gate_up": ("shared_gate", "shared_up")}
+
+
+def _fuse_projections(layer: _Layer) -> None:
+    """Each group of :data:`_FUSED` whose parts the layer has, concatenated by output rows into
+    one weight, the parts replaced by views of it (no second copy). A decode step's GEMMs of 64
+    rows are a few microseconds each of launch and split-K reduction: one call per input
+    instead of 3 (q_a, kv_a, the indexer's wk), 2 (q_b, wq_b) and 2 (gate, up)."""
+    for fused, names in _FUSED.items():
+        parts = [getattr(layer, n) for n in names]
+        have = [(n, t) for n, t in zip(names, parts, strict=True) if t is not None]
+        if not have:  # a MoE layer's dense MLP, a layer without shared experts
+            continue
+        w = torch.cat([t for _, t in have]) if len(have) > 1 else have[0][1]
+        setattr(layer, fused, w)
+        for (n, _), view in zip(have, w.split([t.shape[0] for _, t in have]), strict=True):
+            setattr(layer, n, view)
 
 
 @dataclass
@@ -135,8 +164,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dt)
 
 
-def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with ``gate_up`` = [gate; up] (one GEMM)."""
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, down)
 
 
 class DeepseekV32:
@@ -171,6 +202,8 @@ class DeepseekV32:
         #: per KV layer: whether it runs its own indexer and caches index-K (False: a GLM-5
         #: shared-indexer layer; the MTP layer runs its own)
         self.index_layers = c.index_k_layers(mtp is not None)
+        for layer in layers:
+            _fuse_projections(layer)
         if self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
             for layer in layers:
                 if layer.idx_w is None:
@@ -328,19 +361,27 @@ class DeepseekV32:
         cos, sin = rope if rope is not None else self.rope_cos_sin(positions, self.dtype)
         rot: RopeFn = rotate if rotate is not None else apply_rope
 
-        q_resid = _rms_norm(F.linear(h, w.q_a), w.q_a_norm, _SUB_NORM_EPS)
-        q = F.linear(q_resid, w.q_b).view(n, c.num_attention_heads, c.qk_head_dim)
+        # one GEMM of h for q_a, kv_a and the indexer's wk; one of q_resid for q_b and wq_b
+        # (:func:`_fuse_projections`); the parts are column slices of their outputs
+        assert w.h_proj is not None and w.r_proj is not None
+        lr = c.kv_lora_rank
+        q_a, kv_a, h_k = F.linear(h, w.h_proj).split(
+            [c.q_lora_rank, lr + c.qk_rope_head_dim, w.h_proj.shape[0] - w.q_a.shape[0]
+             - w.kv_a.shape[0]], dim=-1)
+        q_resid = _rms_norm(q_a, w.q_a_norm, _SUB_NORM_EPS)
+        hq = c.num_attention_heads * c.qk_head_dim
+        q_r = F.linear(q_resid, w.r_proj)
+        q = q_r[:, :hq].view(n, c.num_attention_heads, c.qk_head_dim)
         q_nope, q_rot = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         # q_nope absorbed by W_UK written straight into the first kv_lora_rank columns of the
         # [N, H, kv_lora_rank + rope] query (a strided batched-GEMM output), the rope part after
         # it: no concatenation pass over the largest tensor of the layer (9.7 GB at 64K rows)
-        lr = c.kv_lora_rank
         q_out = torch.empty(n, c.num_attention_heads, lr + c.qk_rope_head_dim, dtype=q.dtype,
                             device=q.device)
         torch.matmul(q_nope.transpose(0, 1), w.w_uk, out=q_out.transpose(0, 1)[..., :lr])
         rot(q_rot, cos, sin, "interleave", q_out[..., lr:])
 
-        kv_pass, k_rot = F.linear(h, w.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_pass, k_rot = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = torch.cat([_rms_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS),
                             rot(k_rot, cos, sin, "interleave", None)], dim=-1)
         if w.idx_wq_b is None or w.idx_wk is None or w.idx_w is None:  # a shared-indexer layer
@@ -348,9 +389,9 @@ class DeepseekV32:
                                    index_k=None)
 
         r, style = c.qk_rope_head_dim, c.index_rope
-        iq = F.linear(q_resid, w.idx_wq_b).view(n, c.index_n_heads, c.index_head_dim)
+        iq = q_r[:, hq:].view(n, c.index_n_heads, c.index_head_dim)
         rot(iq[..., :r], cos, sin, style, iq[..., :r])  # in place
-        ik = F.layer_norm(F.linear(h, w.idx_wk), (c.index_head_dim,), w.idx_k_norm_w, w.idx_k_norm_b,
+        ik = F.layer_norm(h_k, (c.index_head_dim,), w.idx_k_norm_w, w.idx_k_norm_b,
                           _SUB_NORM_EPS)
         rot(ik[..., :r], cos, sin, style, ik[..., :r])
         iw = self._index_weights(w, h)
@@ -413,8 +454,8 @@ class DeepseekV32:
         w = self._layer(layer)
         h = _rms_norm(x.to(self.dtype), w.post_norm, self.config.rms_norm_eps)
         if w.router is None:
-            assert w.gate is not None and w.up is not None and w.down is not None
-            return _swiglu(h, w.gate, w.up, w.down)
+            assert w.gate_up is not None and w.down is not None
+            return _swiglu(h, w.gate_up, w.down)
         assert w.experts_gate_up is not None and w.experts_down is not None
         weights, idx = self.route(layer, h)
         # Every expert over every row, weighted by its routing weight (0 when not chosen): no
@@ -428,9 +469,9 @@ class DeepseekV32:
             gate, up = F.linear(h, w.experts_gate_up[j]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, w.experts_down[j])
             out = out + (y * gates[:, j:j + 1]).to(out.dtype)
-        if w.shared_gate is not None:
-            assert w.shared_up is not None and w.shared_down is not None
-            out = out + _swiglu(h, w.shared_gate, w.shared_up, w.shared_down)
+        if w.shared_gate_up is not None:
+            assert w.shared_down is not None
+            out = out + _swiglu(h, w.shared_gate_up, w.shared_down)
         return out
 
     def final_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -477,7 +518,8 @@ class DeepseekV32:
             tensors += list(vars(self._mtp).values())
         for layer in self._layers:
             tensors += [t for k, t in vars(layer).items()
-                        if isinstance(t, torch.Tensor) and k != "idx_w_split"]  # a copy
+                        if isinstance(t, torch.Tensor) and k != "idx_w_split"  # a copy
+                        and k not in _FUSED]  # its parts are counted
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
