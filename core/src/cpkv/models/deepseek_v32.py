@@ -365,9 +365,9 @@ class DeepseekV32:
         # (:func:`_fuse_projections`); the parts are column slices of their outputs
         assert w.h_proj is not None and w.r_proj is not None
         lr = c.kv_lora_rank
+        k_dim = 0 if w.idx_wk is None else w.idx_wk.shape[0]  # a shared-indexer layer: none
         q_a, kv_a, h_k = F.linear(h, w.h_proj).split(
-            [c.q_lora_rank, lr + c.qk_rope_head_dim, w.h_proj.shape[0] - w.q_a.shape[0]
-             - w.kv_a.shape[0]], dim=-1)
+            [c.q_lora_rank, lr + c.qk_rope_head_dim, k_dim], dim=-1)
         q_resid = _rms_norm(q_a, w.q_a_norm, _SUB_NORM_EPS)
         hq = c.num_attention_heads * c.qk_head_dim
         q_r = F.linear(q_resid, w.r_proj)
