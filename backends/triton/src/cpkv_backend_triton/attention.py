@@ -36,6 +36,7 @@ from .indexer_topk import indexer_topk as fused_indexer_topk
 from .topk import TOPK_METHOD, TOPK_RADIX_MAX_K
 from .topk import topk as select_topk
 from .tuning import DeviceTuned, Op
+from .variants import report_variant_declined
 
 if TYPE_CHECKING:
     from cpkv.ops.api import KVPart
@@ -663,11 +664,8 @@ class AttentionKernels:
         if why is None:
             async_indexer_logits(q, w, k, scale, ks, ke, out, cfg)
             return True
-        if why not in self._async_said:
-            self._async_said.add(why)
-            report_fallback(op="triton:indexer_logits", requested="the async Gluon kernel (ASYNC=1)",
-                            selected="the Triton kernel", reason=FallbackReason.KERNEL_VARIANT,
-                            detail=why)
+        report_variant_declined(self._async_said, "triton:indexer_logits",
+                                "the async Gluon kernel (ASYNC=1)", "the Triton kernel", why)
         return False
 
     def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,

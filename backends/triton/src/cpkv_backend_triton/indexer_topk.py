@@ -53,10 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.ops.api import FallbackReason, report_fallback
-
 from .topk import key_value, list_short_row, ord_key, radix_digit, radix_step, row_range
 from .tuning import DeviceTuned, Op
+from .variants import report_variant_declined
 
 __all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout", "ptx_append", "select_fused"]
 
@@ -79,12 +78,9 @@ def ptx_append(is_cuda: bool, interpreted: bool) -> bool:
         return False
     if torch.version.hip is None:
         return True
-    why = f"a ROCm device (HIP {torch.version.hip}) runs no inline PTX"
-    if why not in _PTX_DECLINED:
-        _PTX_DECLINED.add(why)
-        report_fallback(op="triton:indexer_topk", requested="the inline-PTX candidate append",
-                        selected="the Triton-op append", reason=FallbackReason.KERNEL_VARIANT,
-                        detail=why)
+    report_variant_declined(_PTX_DECLINED, "triton:indexer_topk",
+                            "the inline-PTX candidate append", "the Triton-op append",
+                            f"a ROCm device (HIP {torch.version.hip}) runs no inline PTX")
     return False
 
 

@@ -38,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.ops.api import FallbackReason, check_topk_args, report_fallback
+from cpkv.ops.api import check_topk_args
 
 from .tuning import DeviceTuned, Op
+from .variants import report_variant_declined
 
 __all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "key_value", "list_short_row", "ord_key",
            "radix_digit", "radix_step", "row_range", "select_candidates", "topk"]
@@ -526,14 +527,14 @@ row_range = _row_range
 # ---- the op ----------------------------------------------------------------------------------
 def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.Tensor,
                       key_end: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, t: int,
-                      k: int, cap: int, warps: int = 0) -> None:
+                      k: int, cap: int, warps: int) -> None:
     """The long rows' select (``_topk_select_kernel``) over candidates a filter left: ``cand``
     int64 ``key << 32 | (2^31 - 1 - column)``, split j of row i at ``(i * NS + j) * cap``, in
     column order within a split and splits in column order, ``count`` int32 [N, NS] (past
     ``cap``: the split overflowed). Rows holding at most k keys are listed ascending; a row with
     fewer than k candidates or an overflowed split gets ``meta[i, 0] = -1`` (its ``out`` row
     left for an exact pass), the others their k columns in ``out`` and ``meta[i, 0] = k``.
-    ``warps``: the select's (0: the table's ``select_warps``)."""
+    ``warps``: the select kernel's."""
     cfg = TOPK_LONG
     n, ns = count.shape
     nsp = _pow2(ns, 1)
@@ -541,7 +542,7 @@ def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.
     slot = min(cfg["HELD"] // nsp, _pow2(cap, 1)) if cfg["HELD"] >= nsp else 0
     _topk_select_kernel[(n,)](key_start, key_end, out, cand, count, meta, t, k, ns,
                               KP=_pow2(k), CAP=cap, NSP=nsp, RB=min(cfg["REFINE"], cap),
-                              SLOT=slot, num_warps=warps or cfg["select_warps"])
+                              SLOT=slot, num_warps=warps)
 
 
 def _splits(n: int, t: int, cap: int, split_min: int = 0) -> int:
@@ -648,11 +649,8 @@ def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floo
     if why is None:
         gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk, cap, warps)
         return True
-    if why not in _GLUON_DECLINED:
-        _GLUON_DECLINED.add(why)
-        report_fallback(op="triton:topk", requested="the Gluon filter (TOPK_LONG GLUON=1)",
-                        selected="the Triton filter", reason=FallbackReason.KERNEL_VARIANT,
-                        detail=why)
+    report_variant_declined(_GLUON_DECLINED, "triton:topk",
+                            "the Gluon filter (TOPK_LONG GLUON=1)", "the Triton filter", why)
     return False
 
 
