@@ -61,25 +61,20 @@ class Sampler:
         self.proc.terminate()
 
 
-def phase(name: str, fn: Callable[[], object], flops: float, sampler: Sampler) -> dict[str, object]:
-    fn()
-    torch.cuda.synchronize()
+def sustained(fn: Callable[[], object], seconds: float, sampler: Sampler) -> dict[str, object]:
+    """``fn``'s mean ms at the card's power limit (:func:`cpkv.bench.gpu.sustained_ms`: back to
+    back for ``seconds``, then timed) and the clock and power sampled meanwhile (the first
+    0.5 s, while the clock settles, left out)."""
+    from cpkv.bench.gpu import sustained_ms
+
     t0 = time.monotonic()
-    n = 0
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    a.record()
-    while time.monotonic() - t0 < PHASE:
-        for _ in range(4):
-            fn()
-            n += 1
-        torch.cuda.synchronize()
-    b.record()
-    b.synchronize()
-    t1 = time.monotonic()
-    ms = a.elapsed_time(b) / n
-    row = {"phase": name, "ms": ms, "tflops": flops / ms / 1e9, "calls": n,
-           **sampler.window(t0 + 0.5, t1)}
+    ms = sustained_ms(fn, seconds)
+    return {"ms": ms, **sampler.window(t0 + 0.5, time.monotonic())}
+
+
+def phase(name: str, fn: Callable[[], object], flops: float, sampler: Sampler) -> dict[str, object]:
+    got = sustained(fn, PHASE, sampler)
+    row = {"phase": name, "tflops": flops / float(got["ms"]) / 1e9, **got}  # type: ignore[arg-type]
     print(json.dumps(row), flush=True)
     return row
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 
 import torch
 import triton
@@ -39,7 +38,7 @@ import triton.language as tl
 from cpkv_backend_triton.attention import AttentionKernels, _key_span, _key_tile, _qk_dot, _store_in_range
 
 sys.path.insert(0, "benchmarks")
-from clock_probe_gpu import Sampler
+from clock_probe_gpu import Sampler, sustained
 from indexer_prefill_sweep_gpu import fp8_inputs, median_ms
 
 SHAPES = ((4096, 131072), (2048, 524288), (1024, 32768), (8192, 65536))
@@ -119,23 +118,6 @@ def abs_logits(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, scale: torch
                               H=heads, D=d, DP=d, BLOCK_M=64, BLOCK_N=128,
                               num_warps=4, num_stages=3)
     return out
-
-
-def sustained(fn, seconds: float, sampler: Sampler) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.monotonic()
-    n = 0
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    while time.monotonic() - t0 < seconds:
-        for _ in range(4):
-            fn()
-            n += 1
-        torch.cuda.synchronize()
-    b.record()
-    b.synchronize()
-    return {"ms": a.elapsed_time(b) / n, **sampler.window(t0 + 0.5, time.monotonic())}
 
 
 def _shape(ak: AttentionKernels, n: int, t: int, dev: torch.device, g: torch.Generator,

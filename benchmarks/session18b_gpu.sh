@@ -11,7 +11,10 @@ few="$few,TOPK_LONG.few_SPLIT_MIN=8192,TOPK_LONG.few_CAP=2048,TOPK_LONG.HELD=819
 for v in table few; do
   if [ $v = few ]; then export TRITON_CPKV_TUNING=$few; fi
   timeout 80 "$py" -m cpkv.cli bench decode --batches 64 --contexts 131072 --no-mtp \
-    --out "$out/decode_$v.json" 2>&1 | grep -i "gpu_vs_bytes" | tail -2
+    --out "$out/decode_$v.json" > /dev/null 2>&1
+  "$py" -c "import json,sys; [print(sys.argv[2], r['name'], round(r['ratio'], 4)) for r in
+json.load(open(sys.argv[1]))['results'] if r['name'].endswith('gpu_vs_bytes')]" \
+    "$out/decode_$v.json" "$v"
 done
 unset TRITON_CPKV_TUNING
 timeout 60 "$py" benchmarks/clock_probe_gpu.py "$out/clock_probe.json" 2>&1 | tail -6
