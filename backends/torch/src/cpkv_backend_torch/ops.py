@@ -33,6 +33,8 @@ formulas here are the definition:
 * ``indexer_topk``: ``topk`` of ``indexer_logits`` (the two ops composed: the definition).
 * ``sparse_mla_paged``: the selected latent rows read from the part-major pages through
   :func:`cpkv.ops.api.paged_latent`, dequantized to float32, then ``sparse_mla``.
+* ``index_q_fp8``: :func:`cpkv.ops.api.quantize_index_q` of
+  :func:`cpkv.ops.api.hadamard_rotate` ``(q)`` (or of ``q`` without the rotation).
 * ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
   -inf, a max-subtracted softmax over the valid slots, and ``p @ kv[:, :dv]``; a row without a
   valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Its temporaries are
@@ -52,6 +54,7 @@ import torch
 from cpkv.models.rope import apply_rope
 from cpkv.ops.api import (
     KVFormat,
+    check_index_q_args,
     check_indexer_args,
     check_indexer_index_pages_args,
     check_indexer_paged_args,
@@ -63,11 +66,13 @@ from cpkv.ops.api import (
     check_sparse_mla_paged_args,
     check_topk_args,
     fp8_layout,
+    hadamard_rotate,
     index_page_keys,
     paged_index_keys,
     paged_index_tokens,
     paged_latent,
     quantize_fp8,
+    quantize_index_q,
     scale_format,
 )
 
@@ -339,6 +344,17 @@ class TorchOps:
         """
         check_rope_args(x, cos, sin, style, out)
         return apply_rope(x, cos, sin, style, out)
+
+    def index_q_fp8(self, q: torch.Tensor, w: torch.Tensor,
+                    rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's fp8 queries and folded weights (see :class:`cpkv.ops.api.KVOps`):
+        :func:`~cpkv.ops.api.quantize_index_q` of the rotated (``rotate``) or given ``q``.
+
+        Raises:
+            ValueError: a shape or dtype does not fit (as every backend).
+        """
+        check_index_q_args(q, w, rotate)
+        return quantize_index_q(hadamard_rotate(q) if rotate else q, w)
 
     def indexer_logits_index_pages(self, q: torch.Tensor, w: torch.Tensor,
                                    index_pages: torch.Tensor, fmt: KVFormat,

@@ -18,7 +18,8 @@ OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, O
                                 Op.FP8_UNPACK, Op.PEER_GATHER, Op.INDEXER_LOGITS,
                                 Op.INDEXER_LOGITS_PAGED, Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK,
                                 Op.INDEXER_TOPK,
-                                Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE})
+                                Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,
+                                Op.INDEX_Q_FP8})
 
 
 def probe() -> Availability:

@@ -8,9 +8,10 @@ row is its bytes, moved in the widest unit (8, 4, 2 or 1 bytes) that the row byt
 pointers and the row strides allow, with a ``VEC``-unit (up to 16 B) alignment hint so that the
 compiler can issue 16-byte accesses. One program per (block of rows, block of columns).
 
-fp8 is bit-exact with the reference formula (:func:`cpkv.ops.api.quantize_fp8`, in the part's scale
-format: "amax" for the latent, "ue8m0" powers of two for the index-K, taken from the fp32 bits
-as the reference does) by construction: every
+fp8 (its helpers in :mod:`cpkv_backend_triton.quant`) is bit-exact with the reference formula
+(:func:`cpkv.ops.api.quantize_fp8`, in the part's scale format: "amax" for the latent, "ue8m0"
+powers of two for the index-K, taken from the fp32 bits as the reference does) by construction:
+every
 rounding the reference does is done here with IEEE fp32 ops (``div_rn`` for both divisions) or
 with integer bit manipulation that copies c10's conversions (fp32 -> e4m3fn round-to-nearest-even
 with subnormals, fp32 -> bf16 round-to-nearest-even), so the result does not depend on how a
@@ -28,9 +29,6 @@ import triton
 import triton.language as tl
 
 from cpkv.ops.api import (
-    FP8_AMAX_FLOOR,
-    FP8_E4M3_MAX,
-    UE8M0_AMAX_FLOOR,
     FallbackReason,
     check_page_copy_args,
     check_peer_gather_args,
@@ -39,17 +37,19 @@ from cpkv.ops.api import (
     scale_format,
 )
 
+from .quant import (
+    AMAX_FLOOR_F32,
+    INV_E4M3_MAX_F32,
+    UE8M0_FLOOR_F32,
+    bf16_bits,
+    e4m3_bits,
+    e4m3_value,
+)
+
 if TYPE_CHECKING:
     from cpkv.ops.api import KVFormat, KVPart
 
 __all__ = ["KVKernels"]
-
-#: the reference's clamp_min(FP8_AMAX_FLOOR) on an fp32 tensor clamps at its float32 value
-AMAX_FLOOR_F32 = float(torch.tensor(FP8_AMAX_FLOOR, dtype=torch.float32).item())
-UE8M0_FLOOR_F32 = float(torch.tensor(UE8M0_AMAX_FLOOR, dtype=torch.float32).item())
-#: the reference's ``amax * (1/448)`` multiplies by this fp32 value
-INV_E4M3_MAX_F32 = float(torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32).item())
-
 
 # ---- row movement ----------------------------------------------------------------------------
 @triton.jit
@@ -270,50 +270,6 @@ def _gather(op: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 # ---- fp8 -------------------------------------------------------------------------------------
 @triton.jit
-def _bf16_bits(v):
-    """fp32 -> bf16 bits (uint32 in [0, 0xFFFF]), round to nearest even; NaN -> 0x7FC0 (c10)."""
-    u = v.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return tl.where(v != v, 0x7FC0, r)
-
-
-@triton.jit
-def _e4m3_bits(y):
-    """fp32 (already clamped to [-448, 448]) -> float8_e4m3fn code (int32 in [0, 255]), round to
-    nearest even with subnormals: c10's ``fp8e4m3fn_from_fp32_value`` in integer ops."""
-    u = y.to(tl.int32, bitcast=True)
-    a = u & 0x7FFFFFFF
-    sign = (u >> 24) & 0x80
-    # normal (|y| >= 2^-6): round the 23-bit mantissa to 3 bits, rebias 127 -> 7
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
-    # subnormal: round(|y| * 2^9) to an integer, half to even (0 .. 8; 8 is the smallest normal)
-    e = a >> 23
-    m = (a & 0x7FFFFF) | 0x800000
-    s = tl.minimum(141 - e, 31)  # >= 21 here
-    q = m >> s
-    rem = m & ((1 << s) - 1)
-    half = 1 << (s - 1)
-    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    sub = tl.where(e == 0, 0, q + up.to(tl.int32))
-    code = tl.where(a >= 0x3C800000, normal, sub)
-    code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN stays NaN
-    return code | sign
-
-
-@triton.jit
-def _e4m3_value(c):
-    """float8_e4m3fn code (int32 in [0, 255]) -> its exact fp32 value."""
-    e = (c >> 3) & 15
-    m = c & 7
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,  # m * 2^-9, exact
-                   ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True))
-    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
-    # the sign as a bit: Triton lowers ``-x`` as ``0 - x``, which turns -0.0 (code 0x80) into +0.0
-    bits = mag.to(tl.uint32, bitcast=True) | ((c & 0x80).to(tl.uint32) << 24)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
                      DIMS: tl.constexpr, QB: tl.constexpr, NBLK: tl.constexpr,
                      ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -341,7 +297,7 @@ def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
             scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # IEEE, as torch
         y = tl.math.div_rn(v, scale[:, None])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(o_row + d[None, :], _e4m3_bits(y).to(tl.uint8), mask=mask)
+        tl.store(o_row + d[None, :], e4m3_bits(y).to(tl.uint8), mask=mask)
         sb = tl.arange(0, 4)
         sbits = scale.to(tl.int32, bitcast=True)
         sbytes = (sbits[:, None] >> (sb[None, :] * 8)) & 0xFF  # little-endian
@@ -351,7 +307,7 @@ def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
         rc = tl.arange(0, BLOCK_RB)  # output byte of the rope: value rc // 2, byte rc % 2
         rmask2 = rmask[:, None] & (rc < 2 * ROPE)[None, :]
         rv = tl.load(x_row + (DIMS + rc // 2)[None, :] * sx_d, mask=rmask2, other=0.0).to(tl.float32)
-        rbits = _bf16_bits(rv)
+        rbits = bf16_bits(rv)
         rbyte = (rbits >> ((rc % 2) * 8).to(tl.uint32)[None, :]) & 0xFF
         tl.store(o_row + DIMS + 4 * NBLK + rc[None, :], rbyte.to(tl.uint8), mask=rmask2)
 
@@ -383,11 +339,11 @@ def _fp8_unpack_kernel(p_ptr, out_ptr, idx_ptr, n_rows, sp_n, sp_b, so_n,
         for k in tl.static_range(1, 4):  # little-endian fp32 scale, at any byte alignment
             sbits |= tl.load(s_ptr + k * sp_b, mask=rmask, other=0).to(tl.int32) << (8 * k)
         scale = sbits.to(tl.float32, bitcast=True)
-        v = _e4m3_value(code) * scale[:, None]
+        v = e4m3_value(code) * scale[:, None]
         if OUT == 0:
             tl.store(o_row + d[None, :], v, mask=mask)
         elif OUT == 1:
-            tl.store(o_row + d[None, :], _bf16_bits(v).to(tl.int16), mask=mask)
+            tl.store(o_row + d[None, :], bf16_bits(v).to(tl.int16), mask=mask)
         else:
             tl.store(o_row + d[None, :], v.to(tl.float16), mask=mask)
     else:

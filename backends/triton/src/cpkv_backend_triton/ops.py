@@ -1,12 +1,13 @@
-"""``TritonOps``: the object the ``triton`` backend loads, three kernel objects composed.
+"""``TritonOps``: the object the ``triton`` backend loads, four kernel objects composed.
 
-``TritonOps(kv=KVKernels(), attention=AttentionKernels(kv=...), rope=RopeKernels())``: each op is
-the bound method of the part implementing it (an :class:`~cpkv.ops.api.OpMethods`). Each kernel
-module is imported on its own: one that cannot be imported (``ImportError``) leaves its class
-None here (:data:`KV_KERNELS`,
-:data:`ATTENTION_KERNELS`, :data:`ROPE_KERNELS`) and its error in :data:`IMPORT_ERRORS`, so the
-KV, attention and rope kernels land independently. :attr:`TritonOps.provided` names the ops of
-the parts present; ``plugin.load`` checks it against the plugin's static list.
+``TritonOps(kv=KVKernels(), attention=AttentionKernels(kv=...), rope=RopeKernels(),
+quant=QuantKernels())``: each op is the bound method of the part implementing it (an
+:class:`~cpkv.ops.api.OpMethods`). Each kernel module is imported on its own: one that cannot be
+imported (``ImportError``) leaves its class None here (:data:`KV_KERNELS`,
+:data:`ATTENTION_KERNELS`, :data:`ROPE_KERNELS`, :data:`QUANT_KERNELS`) and its error in
+:data:`IMPORT_ERRORS`, so the parts land independently (``kv`` uses ``quant``'s fp8 helpers).
+:attr:`TritonOps.provided` names the ops of the parts present; ``plugin.load`` checks it
+against the plugin's static list.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from cpkv.ops.api import Op, OpMethods
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_OPS", "IMPORT_ERRORS", "KV_KERNELS", "KV_OPS",
-           "ROPE_KERNELS", "ROPE_OPS", "TritonOps"]
+           "QUANT_KERNELS", "QUANT_OPS", "ROPE_KERNELS", "ROPE_OPS", "TritonOps"]
 
 #: kernel module name -> repr of the ImportError that kept its part out
 IMPORT_ERRORS: dict[str, str] = {}
@@ -29,10 +30,12 @@ ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_P
                                           Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
                                           Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
 ROPE_OPS: frozenset[Op] = frozenset({Op.ROPE})
+QUANT_OPS: frozenset[Op] = frozenset({Op.INDEX_Q_FP8})
 
 KV_KERNELS: type[KVKernels] | None
 ATTENTION_KERNELS: type[AttentionKernels] | None
 ROPE_KERNELS: type[RopeKernels] | None
+QUANT_KERNELS: type[QuantKernels] | None
 try:
     from .kv import KVKernels
 except ImportError as exc:
@@ -54,6 +57,13 @@ except ImportError as exc:
     ROPE_KERNELS = None
 else:
     ROPE_KERNELS = RopeKernels
+try:
+    from .quant import QuantKernels
+except ImportError as exc:
+    IMPORT_ERRORS["quant"] = repr(exc)
+    QUANT_KERNELS = None
+else:
+    QUANT_KERNELS = QuantKernels
 
 class TritonOps(OpMethods):
     """cpkv's compute ops as Triton kernels: the bound methods of its parts, one per op (no
@@ -66,20 +76,25 @@ class TritonOps(OpMethods):
             :class:`~cpkv_backend_triton.attention.AttentionKernels` reading pages through
             ``kv`` (configure precision and launches by passing your own).
         rope: the rope kernel; None: a default :class:`~cpkv_backend_triton.rope.RopeKernels`.
+        quant: the index-query quantization; None: a default
+            :class:`~cpkv_backend_triton.quant.QuantKernels`.
 
     A part whose module did not import stays None: its ops are not in :attr:`provided`, and
     looking one up raises AttributeError naming the import error.
     """
 
     def __init__(self, kv: KVKernels | None = None, attention: AttentionKernels | None = None,
-                 rope: RopeKernels | None = None) -> None:
+                 rope: RopeKernels | None = None, quant: QuantKernels | None = None) -> None:
         if kv is None and KV_KERNELS is not None:
             kv = KV_KERNELS()
         if attention is None and ATTENTION_KERNELS is not None and kv is not None:
             attention = ATTENTION_KERNELS(kv=kv)
         if rope is None and ROPE_KERNELS is not None:
             rope = ROPE_KERNELS()
+        if quant is None and QUANT_KERNELS is not None:
+            quant = QUANT_KERNELS()
         self.kv_kernels, self.attention_kernels, self.rope_kernels = kv, attention, rope
+        self.quant_kernels = quant
         methods: dict[Op, Callable[..., Any]] = {}
         if kv is not None:
             methods |= {Op.PAGE_GATHER: kv.page_gather, Op.PAGE_SCATTER: kv.page_scatter,
@@ -95,11 +110,14 @@ class TritonOps(OpMethods):
                         Op.SPARSE_MLA_PAGED: attention.sparse_mla_paged}
         if rope is not None:
             methods[Op.ROPE] = rope.rope
+        if quant is not None:
+            methods[Op.INDEX_Q_FP8] = quant.index_q_fp8
         super().__init__(methods)
 
     def missing_reason(self, op: str) -> str:
         """The import error of the part that implements ``op``."""
         part = next(name for name, ops in (("kv", KV_OPS), ("attention", ATTENTION_OPS),
-                                           ("rope", ROPE_OPS)) if Op(op) in ops)
+                                           ("rope", ROPE_OPS), ("quant", QUANT_OPS))
+                    if Op(op) in ops)
         why = IMPORT_ERRORS.get(part, "its module did not import (or kv did not)")
         return f"the triton backend has no {part} kernels: {why}"

@@ -46,6 +46,7 @@ class Op(StrEnum):
     SPARSE_MLA = "sparse_mla"
     SPARSE_MLA_PAGED = "sparse_mla_paged"
     ROPE = "rope"
+    INDEX_Q_FP8 = "index_q_fp8"
 
 
 class OpDeclined(Exception):
@@ -322,5 +323,27 @@ class KVOps(Protocol):
         Raises:
             ValueError: ``style`` unknown, x not [N, R] / [N, H, R] with R even, cos / sin /
                 out not of x's dtype and shape (:func:`cpkv.ops.check_rope_args`).
+        """
+        ...
+
+    def index_q_fp8(self, q: torch.Tensor, w: torch.Tensor,
+                    rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's queries in fp8 with their scales folded into the head weights, one pass.
+
+        q float [N, H, D] (any strides; D a power of two when ``rotate``), w float32 [N, H].
+        Returns ``(q8, w')``: float8_e4m3fn [N, H, D] and float32 [N, H], new tensors, defined as
+        :func:`cpkv.ops.api.quantize_index_q` of :func:`cpkv.ops.api.hadamard_rotate` ``(q)``
+        (``rotate``: DeepSeek's ``rotate_activation``, for an fp8 pool's rotated index-K) or of
+        ``q``: per (row, head) a "ue8m0" power-of-two scale ``s``, ``q8 = e4m3(q / s)``, ``w' = w
+        * s``. Without ``rotate`` a backend gives the reference's bits. With it, the rotation's
+        fp32 sums may run in another order (a tensor-core dot): a value can land one bf16 ulp
+        away where the sum sits at a rounding boundary, so conformance asks for the reference's
+        codes on almost every element and, on every one, ``|float(q8) s - ref| <= 2^-3 |ref|``
+        plus one e4m3 subnormal step of the larger scale. The model's index query path: 13
+        torch kernels per layer before (the decode step's glue).
+
+        Raises:
+            ValueError: q is not float [N, H, D], w not float32 [N, H], or ``rotate`` with D not
+                a power of two (:func:`cpkv.ops.check_index_q_args`).
         """
         ...

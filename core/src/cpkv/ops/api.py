@@ -25,7 +25,8 @@ Argument checks (run them first: one wording of the errors in every backend; met
     :func:`check_page_copy_args`, :func:`check_peer_gather_args`, :func:`check_indexer_args`,
     :func:`check_indexer_paged_args`, :func:`check_indexer_index_pages_args`,
     :func:`check_indexer_topk_args`, :func:`check_topk_args`,
-    :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`.
+    :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`,
+    :func:`check_index_q_args`.
 
 Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     :func:`fp8_layout` (dims, block, rope dims and bytes of a packed fp8 row), :func:`part_view`
@@ -66,6 +67,7 @@ from cpkv.contracts import (
 from cpkv.fallback import report_fallback
 
 from .checks import (
+    check_index_q_args,
     check_indexer_args,
     check_indexer_index_pages_args,
     check_indexer_paged_args,
@@ -116,6 +118,7 @@ __all__ = [
     "PageLayout",
     "RopeStyle",
     "ScaleFormat",
+    "check_index_q_args",
     "check_indexer_args",
     "check_indexer_index_pages_args",
     "check_indexer_paged_args",

@@ -16,11 +16,10 @@ if TYPE_CHECKING:
 
     from cpkv.contracts import KVFormat, RopeStyle
 
-__all__ = ["check_indexer_args", "check_indexer_index_pages_args", "check_indexer_paged_args",
-           "check_indexer_topk_args",
-           "check_page_copy_args", "check_peer_gather_args",
-           "check_rope_args", "check_sparse_mla_args", "check_sparse_mla_paged_args",
-           "check_topk_args"]
+__all__ = ["check_index_q_args", "check_indexer_args", "check_indexer_index_pages_args",
+           "check_indexer_paged_args", "check_indexer_topk_args", "check_page_copy_args",
+           "check_peer_gather_args", "check_rope_args", "check_sparse_mla_args",
+           "check_sparse_mla_paged_args", "check_topk_args"]
 
 
 def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
@@ -70,6 +69,27 @@ def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"rope: out must be {x.dtype} {tuple(x.shape)}, got {out.dtype} "
                          f"{tuple(out.shape)}")
+
+
+def check_index_q_args(q: torch.Tensor, w: torch.Tensor, rotate: bool) -> None:
+    """Validate ``index_q_fp8`` arguments.
+
+    Raises:
+        ValueError: q is not float [N, H, D] (D >= 1), w is not float32 [N, H], or ``rotate``
+            with D not a power of two.
+    """
+    import torch
+
+    if q.dim() != 3 or not q.dtype.is_floating_point or q.dtype == torch.float8_e4m3fn \
+            or q.shape[2] < 1:
+        raise ValueError(f"index_q_fp8: expected q float [N, H, D] with D >= 1, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    if w.dtype != torch.float32 or tuple(w.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"index_q_fp8: expected w float32 {list(q.shape[:2])}, got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    d = q.shape[2]
+    if rotate and (d < 1 or d & (d - 1)):
+        raise ValueError(f"index_q_fp8: the rotation needs a power-of-two head dim, got {d}")
 
 
 def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,

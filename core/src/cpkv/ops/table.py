@@ -33,7 +33,8 @@ KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERA
 #: the sparse-attention ops of one layer (issue #4)
 ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
                             Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
-                            Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE)
+                            Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,
+                            Op.INDEX_Q_FP8)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 
 

@@ -48,7 +48,7 @@ import torch
 from cpkv.contracts import BufferLayout, FallbackReason, KVDtype, KVFormat
 from cpkv.fallback import report_fallback
 from cpkv.logs import get_logger
-from cpkv.ops import hadamard_rotate, quantize_index_q
+from cpkv.ops import hadamard_rotate
 
 if TYPE_CHECKING:
     from cpkv.kv import KVStore, PageTable, RequestPages
@@ -475,10 +475,10 @@ class LeanDecoder:
         else:
             iq, iw = a.index_q, a.index_w
             assert lp.index is not None, f"layer {layer} runs the indexer: the pool holds its index-K"
-            if rot:
+            if self.indexer_fp8:  # rotated (an fp8 pool's index-K is) and quantized, one op
+                iq, iw = ops.index_q_fp8(iq, iw, rot)
+            elif rot:
                 iq = hadamard_rotate(iq)
-            if self.indexer_fp8:
-                iq, iw = quantize_index_q(iq, iw)
             read = ops.indexer_logits_index_pages if lp.index_pages else ops.indexer_logits_paged
             logits = read(iq, iw, lp.index, lp.fmt, buf.table, buf.request, key_end)
             top = ops.topk(logits, self.topk, buf.key_start, key_end)

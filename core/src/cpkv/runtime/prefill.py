@@ -32,7 +32,7 @@ from cpkv.contracts import CPPlan, FallbackReason, KVDtype, Op, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.kv import BatchKV, ShardedKVPool, to_device_at_once
 from cpkv.logs import get_logger
-from cpkv.ops import hadamard_rotate, quantize_index_q
+from cpkv.ops import hadamard_rotate
 from cpkv.planning import plan_batch
 
 if TYPE_CHECKING:
@@ -546,10 +546,10 @@ class CPPrefill:
         the indexer logits in row chunks, and the captured scores (``capture``)."""
         ops, ks, ke = self.ops, inputs.key_start, inputs.key_end
         scores: list[torch.Tensor] = []
-        if self.rotate_index:  # an fp8 pool's rotated index-K: rotated queries (one GEMM pass)
+        if self.indexer_fp8:  # fp8 keys: fp8 queries, rotated as an fp8 pool's index-K is
+            iq, iw = ops.index_q_fp8(iq, iw, self.rotate_index)
+        elif self.rotate_index:
             iq = hadamard_rotate(iq)
-        if self.indexer_fp8:  # fp8 keys: fp8 queries too
-            iq, iw = quantize_index_q(iq, iw)
         # each row block's choice written into one buffer (a list then a concatenation held
         # both: 2 x 537 MB at 64K rows)
         top = torch.empty(iq.shape[0], self.topk, dtype=torch.int32, device=self.device)

@@ -87,6 +87,7 @@ __all__ = [
     "FORMATS",
     "FP8_ROUND_TRIP_ABS",
     "FP8_ROUND_TRIP_REL",
+    "INDEX_Q_SAME_CODES",
     "TOPK_TIE_REL",
     "BaseAllOpsTests",
     "BaseAttentionOpsTests",
@@ -94,6 +95,7 @@ __all__ = [
     "BaseKVOpsTests",
     "BaseOpsTests",
     "BasePageOpsTests",
+    "BaseQuantOpsTests",
     "BaseRopeOpsTests",
     "abs_fp8",
     "abs_index_pages",
@@ -1072,6 +1074,70 @@ def _check_rope(impl: Any, ref: Any, device: str, seed: int) -> None:
                             f"{diff.flatten()[i].item():.3g} > {bound.flatten()[i].item():.3g}")
 
 
+#: ``index_q_fp8`` with the rotation: the least share of codes that must be the reference's
+#: (a sum at a bf16 rounding boundary may land one ulp away, rarely: ~1e-5 of elements measured)
+INDEX_Q_SAME_CODES = 0.999
+
+
+def _check_index_q_fp8(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """q [N, H, D] as a strided slice of wider rows (the model's index query is a column slice
+    of the fused projection), bf16 / fp16 / fp32, D 128 (DeepSeek's) and 32, rows of very
+    different magnitudes (scales over many binades), an all-zero (row, head) (the floor's
+    scale), w with negative values. Without the rotation: the reference's bits. With it: the
+    scales, w' and the codes of at least :data:`INDEX_Q_SAME_CODES` of the elements are the
+    reference's, and every dequantized value ``float(q8) * s`` is within ``2^-3 |ref|`` plus
+    one e4m3 subnormal step (``2^-9``) of the larger scale of the reference's (a value one bf16
+    ulp away can round to the next e4m3 code, or move a scale to the next power of two)."""
+    op = "index_q_fp8"
+    g = _gen(seed + 13)
+    j = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n, heads, d in ((0, 4, 128), (1, 64, 128), (37, 8, 128), (19, 3, 32)):
+            j += 1
+            base = _nonzero((n, heads, d + 8), dtype, g, spread=True)
+            if n > 2:
+                base[2, 1] = 0  # an all-zero (row, head): amax at the floor
+            w = torch.randn(n, heads, generator=g)
+            base, w = _to(device, base, w)
+            q = base[..., 8:]
+            keep = [base.clone(), w.clone()]
+            for rotate in (False, True):
+                case = f"{dtype} q {list(q.shape)} rotate={rotate} #{j}"
+                want_q, want_w = ref.index_q_fp8(q, w, rotate)
+                res = _call(op, case, impl.index_q_fp8, q, w, rotate)
+                _unchanged(op, case, keep, [base, w])
+                if not isinstance(res, tuple) or len(res) != 2:
+                    raise AssertionError(f"{op} [{case}]: expected a (q8, w') pair, got "
+                                         f"{type(res).__name__}")
+                got_q, got_w = res
+                if not rotate:
+                    _assert_same(op, case, "q8", got_q, want_q)
+                    _assert_same(op, case, "w'", got_w, want_w)
+                    continue
+                _assert_like(f"{op} [{case}] q8", got_q, want_q)
+                _assert_like(f"{op} [{case}] w'", got_w, want_w)
+                if n == 0:
+                    continue
+                wq, ww = got_q.cpu(), got_w.cpu()
+                rq, rw = want_q.cpu(), want_w.cpu()
+                same = (wq.view(torch.uint8) == rq.view(torch.uint8)).double().mean().item()
+                if same < INDEX_Q_SAME_CODES:
+                    raise AssertionError(f"{op} [{case}]: {same:.5f} of the codes are the "
+                                         f"reference's (< {INDEX_Q_SAME_CODES}); max difference "
+                                         f"{_max_diff(wq, rq)}")
+                s_got = (ww / w.cpu()).double()[..., None]
+                s_ref = (rw / w.cpu()).double()[..., None]
+                deq, rdeq = wq.double() * s_got, rq.double() * s_ref
+                bound = rdeq.abs() * 2.0 ** -3 + torch.maximum(s_got, s_ref) * 2.0 ** -9
+                over = (deq - rdeq).abs() > bound
+                if bool(over.any()):
+                    i = int(((deq - rdeq).abs() - bound).flatten().argmax())
+                    raise AssertionError(
+                        f"{op} [{case}]: {int(over.sum())} dequantized value(s) beyond 2^-3 |ref| "
+                        f"+ 2^-9 s; worst at flat index {i}: {deq.flatten()[i].item():.6g} vs "
+                        f"{rdeq.flatten()[i].item():.6g}")
+
+
 def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
     """Inputs of one layer's attention ops at a realistic shape, for the GPU tests that run the
     ops under ``torch.cuda.set_sync_debug_mode("error")``: 64 query rows x 64 indexer heads x 128
@@ -1107,6 +1173,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.SPARSE_MLA.value: _check_sparse_mla,
     Op.SPARSE_MLA_PAGED.value: _check_sparse_mla_paged,
     Op.ROPE.value: _check_rope,
+    Op.INDEX_Q_FP8.value: _check_index_q_fp8,
 }
 
 
@@ -1334,7 +1401,15 @@ class BaseRopeOpsTests(BaseOpsTests):
         self.check(Op.ROPE)
 
 
-class BaseAllOpsTests(BaseKVOpsTests, BaseAttentionOpsTests, BaseRopeOpsTests):
+class BaseQuantOpsTests(BaseOpsTests):
+    """The index query's rotation and fp8 quantization."""
+
+    def test_index_q_fp8(self) -> None:
+        self.check(Op.INDEX_Q_FP8)
+
+
+class BaseAllOpsTests(BaseKVOpsTests, BaseAttentionOpsTests, BaseRopeOpsTests,
+                      BaseQuantOpsTests):
     """Every op the suite knows."""
 
 
