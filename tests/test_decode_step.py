@@ -117,6 +117,34 @@ def test_lean_step_equals_driver_greedy(ckpt: Path, dtype: str, layout: str) -> 
     assert got == want
 
 
+def _decode_resized(runner: _Driver | _Lean, steps: int = 12) -> list[list[int]]:
+    """Four requests (one shape: a bucket of 4); one leaves after 3 steps (a padding row), a
+    new one joins after 6 (none), so the staged block-table rows change under one shape."""
+    prompts = _prompts(4) + _prompts(1, seed=3)
+    cur = {rid: runner.prefill(rid, prompts[i]) for i, rid in enumerate("abcd")}
+    out: list[list[int]] = []
+    for t in range(steps):
+        if t == 3:
+            runner.release("a")
+            del cur["a"]
+        if t == 6:
+            cur["e"] = runner.prefill("e", prompts[4])
+        batch = list(cur.items())
+        nxt = runner.step(batch)
+        out.append(nxt)
+        cur = {rid: tok for (rid, _), tok in zip(batch, nxt, strict=True)}
+    return out
+
+
+def test_block_table_rows_follow_the_batch(ckpt: Path) -> None:
+    """A step uploads only the block-table rows that changed: a request leaving (its row now
+    repeats row 0), one joining, page boundaries crossed, all as the driver decodes."""
+    model = DeepseekV32.load(ckpt)
+    want = _decode_resized(_Driver(model, _settings("bf16")))
+    got = _decode_resized(_Lean(model, _settings("bf16")))
+    assert got == want
+
+
 def test_step_pool_exhausted_changes_nothing(ckpt: Path) -> None:
     model = DeepseekV32.load(ckpt)
     lean = _Lean(model, _settings("bf16", pages=2))  # 2 pages of 8 tokens in the decode pool

@@ -97,8 +97,8 @@ def _index_q_kernel(q_ptr, w_ptr, q8_ptr, wo_ptr, P, H, sq0, sq1, sq2, sw0, sw1,
                     BLOCK: tl.constexpr):
     """Pairs ``[pid * BLOCK, ...)`` of the [P = N * H] (row, head) pairs. ``OUT``: q's dtype
     (0 bf16, 1 fp16, 2 fp32), the rotation's rounding. ``F32_DOT``: the rotation as an fp32
-    dot (fp32 queries; and the CPU interpreter, whose 16-bit dot is wrong). q8 is written as uint8 codes, [P, D]
-    contiguous; w' as float32 [P]."""
+    dot (fp32 queries; and the CPU interpreter, whose 16-bit dot is wrong). q8 is written as
+    uint8 codes, [P, D] contiguous; w' as float32 [P]."""
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     pm = p < P
     row = p // H
