@@ -22,7 +22,7 @@ from cpkv.kv import PoolExhausted, RequestPages, ShardedKVPool
 from cpkv.models import DeepseekV32, write_tiny_checkpoint
 from cpkv.models.tiny import ARCHS
 from cpkv.runtime.decode import DecodeWorker, decode_step, generate, greedy
-from cpkv.runtime.decoder import DecodeShape, bucket_of, pick_bases, pick_rows
+from cpkv.runtime.decoder import DecodeShape, bucket_of
 from cpkv.runtime.session import PrefillSession
 from cpkv.runtime.speculative import speculative_generate
 from cpkv.settings import Settings, load_settings
@@ -332,9 +332,12 @@ def test_failed_capture_runs_eagerly_reported(ckpt: Path, monkeypatch: pytest.Mo
 
 @hyp_settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_pick_rows_maps_request_keys_to_token_rows(data: st.DataObject) -> None:
-    """Request-local key j of a row -> ``table[request[row], j // S] * S + j % S``, int32; -1
-    (an empty pick) stays -1: the decode step's mapping, every page size and key."""
+def test_page_rows_maps_request_keys_to_token_rows(data: st.DataObject) -> None:
+    """The reference ``page_rows`` (the decode step's picks to token rows): request-local key j
+    of a row -> ``table[request[row], j // S] * S + j % S``, int32; -1 (an empty pick) stays
+    -1, every page size and key."""
+    from cpkv.testing.conformance import reference_backend
+
     s = data.draw(st.sampled_from([1, 2, 16, 64]))
     b, m, r, k = (data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6)),
                   data.draw(st.integers(1, 3)), data.draw(st.integers(1, 9)))
@@ -342,7 +345,7 @@ def test_pick_rows_maps_request_keys_to_token_rows(data: st.DataObject) -> None:
     table = torch.randint(0, 1000, (b, m), generator=g, dtype=torch.int32)
     request = torch.arange(b, dtype=torch.int32).repeat_interleave(r)
     top = torch.randint(-1, m * s, (b * r, k), generator=g, dtype=torch.int32)
-    got = pick_rows(top, pick_bases(table, request, s), s)
+    got = reference_backend().page_rows(top, table, request, s)
     assert got.dtype == torch.int32
     for i in range(b * r):
         for c in range(k):

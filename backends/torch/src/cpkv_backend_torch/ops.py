@@ -33,6 +33,8 @@ formulas here are the definition:
 * ``indexer_topk``: ``topk`` of ``indexer_logits`` (the two ops composed: the definition).
 * ``sparse_mla_paged``: the selected latent rows read from the part-major pages through
   :func:`cpkv.ops.api.paged_latent`, dequantized to float32, then ``sparse_mla``.
+* ``page_rows``: ``block_table[row_request][i, j // S] * S + j % S`` in int64 (a gather of the
+  rows' block-table rows), -1 where the key is -1, cast to int32.
 * ``index_q_fp8``: :func:`cpkv.ops.api.quantize_index_q` of
   :func:`cpkv.ops.api.hadamard_rotate` ``(q)`` (or of ``q`` without the rotation).
 * ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
@@ -60,6 +62,7 @@ from cpkv.ops.api import (
     check_indexer_paged_args,
     check_indexer_topk_args,
     check_page_copy_args,
+    check_page_rows_args,
     check_peer_gather_args,
     check_rope_args,
     check_sparse_mla_args,
@@ -344,6 +347,22 @@ class TorchOps:
         """
         check_rope_args(x, cos, sin, style, out)
         return apply_rope(x, cos, sin, style, out)
+
+    def page_rows(self, keys: torch.Tensor, block_table: torch.Tensor,
+                  row_request: torch.Tensor, page_size: int) -> torch.Tensor:
+        """Request-local keys as the pool's token rows (see :class:`cpkv.ops.api.KVOps`): the
+        formula in int64, -1 kept.
+
+        Raises:
+            ValueError: a shape or dtype does not fit (as every backend).
+        """
+        check_page_rows_args(keys, block_table, row_request, page_size)
+        k = keys.long()
+        valid = k >= 0
+        page = torch.where(valid, k, 0) // page_size
+        slot = block_table.index_select(0, row_request).long().gather(1, page)
+        rows = slot * page_size + torch.where(valid, k, 0) % page_size
+        return torch.where(valid, rows, -1).to(torch.int32)
 
     def index_q_fp8(self, q: torch.Tensor, w: torch.Tensor,
                     rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:

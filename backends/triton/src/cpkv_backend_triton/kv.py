@@ -1,5 +1,5 @@
-"""Triton kernels of the KV ops (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack) and
-their thin wrappers, :class:`KVKernels` (a part of :class:`cpkv_backend_triton.ops.TritonOps`).
+"""Triton kernels of the KV ops (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack,
+page_rows) and their thin wrappers, :class:`KVKernels` (a part of :class:`cpkv_backend_triton.ops.TritonOps`).
 
 Imports triton and torch: the plugin imports this module only when the backend is loaded.
 
@@ -31,6 +31,7 @@ import triton.language as tl
 from cpkv.ops.api import (
     FallbackReason,
     check_page_copy_args,
+    check_page_rows_args,
     check_peer_gather_args,
     fp8_layout,
     report_fallback,
@@ -268,6 +269,25 @@ def _gather(op: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# ---- page rows -------------------------------------------------------------------------------
+@triton.jit
+def _page_rows_kernel(keys_ptr, table_ptr, req_ptr, out_ptr, K, sk0, sk1, st0, st1, so0, S,
+                      BLOCK: tl.constexpr):
+    """Program (row, block of k): each key's page slot from the row's request's block-table
+    row, ``slot * S + key % S``; -1 kept."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    jm = j < K
+    key = tl.load(keys_ptr + row * sk0 + j * sk1, mask=jm, other=-1)
+    valid = key >= 0
+    kk = tl.where(valid, key, 0)
+    req = tl.load(req_ptr + row).to(tl.int64)
+    slot = tl.load(table_ptr + req * st0 + (kk // S).to(tl.int64) * st1, mask=jm & valid,
+                   other=0).to(tl.int64)
+    rows = tl.where(valid, slot * S + kk % S, -1)
+    tl.store(out_ptr + row * so0 + j, rows.to(tl.int32), mask=jm)
+
+
 # ---- fp8 -------------------------------------------------------------------------------------
 @triton.jit
 def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
@@ -450,6 +470,22 @@ class KVKernels:
                                    f"{[tuple(s.stride()) for s in srcs]}")
             views = [_contiguous_rows(s) for s in srcs]
         _launch_peer_copy(views, out.view(n, -1), owner.contiguous(), rows.contiguous(), n)
+        return out
+
+    def page_rows(self, keys: torch.Tensor, block_table: torch.Tensor,
+                  row_request: torch.Tensor, page_size: int) -> torch.Tensor:
+        """Request-local keys as the pool's token rows in one pass (see
+        :class:`cpkv.ops.api.KVOps`); keys are not range-checked on the device."""
+        check_page_rows_args(keys, block_table, row_request, page_size)
+        n, k = keys.shape
+        out = torch.empty((n, k), dtype=torch.int32, device=keys.device)
+        if n == 0 or k == 0:
+            return out
+        block = min(1024, triton.next_power_of_2(k))
+        _page_rows_kernel[(n, triton.cdiv(k, block))](
+            keys, block_table, row_request, out, k, keys.stride(0), keys.stride(1),
+            block_table.stride(0), block_table.stride(1), out.stride(0), page_size,
+            BLOCK=block, num_warps=4)
         return out
 
     # ---- fp8 ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ OPS: frozenset[Op] = frozenset({
     Op.SPARSE_MLA_PAGED,
     Op.ROPE,
     Op.INDEX_Q_FP8,
+    Op.PAGE_ROWS,
 })
 
 

@@ -47,6 +47,7 @@ class Op(StrEnum):
     SPARSE_MLA_PAGED = "sparse_mla_paged"
     ROPE = "rope"
     INDEX_Q_FP8 = "index_q_fp8"
+    PAGE_ROWS = "page_rows"
 
 
 class OpDeclined(Exception):
@@ -323,6 +324,23 @@ class KVOps(Protocol):
         Raises:
             ValueError: ``style`` unknown, x not [N, R] / [N, H, R] with R even, cos / sin /
                 out not of x's dtype and shape (:func:`cpkv.ops.check_rope_args`).
+        """
+        ...
+
+    def page_rows(self, keys: torch.Tensor, block_table: torch.Tensor, row_request: torch.Tensor,
+                  page_size: int) -> torch.Tensor:
+        """Request-local keys as token rows of the pool: int32 [N, k] -> a new int32 [N, k].
+
+        Key ``j`` of row ``i`` becomes ``block_table[row_request[i], j // page_size] *
+        page_size + j % page_size`` (the block table and row requests of
+        ``indexer_logits_paged``: int32 [R, M] and int32 [N]); -1 (an empty pick) stays -1.
+        Keys are expected in ``[-1, M * page_size)`` (values are not checked: no host sync). A
+        decode step maps its top-k picks for ``sparse_mla_paged`` with it (five torch kernels a
+        layer as index arithmetic; one pass in a kernel).
+
+        Raises:
+            ValueError: keys, block_table or row_request not int32 of these shapes, or
+                ``page_size < 1`` (:func:`cpkv.ops.check_page_rows_args`).
         """
         ...
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["check_index_q_args", "check_indexer_args", "check_indexer_index_pages_args",
            "check_indexer_paged_args", "check_indexer_topk_args", "check_page_copy_args",
-           "check_peer_gather_args", "check_rope_args", "check_sparse_mla_args",
+           "check_page_rows_args", "check_peer_gather_args", "check_rope_args", "check_sparse_mla_args",
            "check_sparse_mla_paged_args", "check_topk_args"]
 
 
@@ -90,6 +90,29 @@ def check_index_q_args(q: torch.Tensor, w: torch.Tensor, rotate: bool) -> None:
     d = q.shape[2]
     if rotate and (d < 1 or d & (d - 1)):
         raise ValueError(f"index_q_fp8: the rotation needs a power-of-two head dim, got {d}")
+
+
+def check_page_rows_args(keys: torch.Tensor, block_table: torch.Tensor,
+                         row_request: torch.Tensor, page_size: int) -> None:
+    """Validate ``page_rows`` arguments.
+
+    Raises:
+        ValueError: keys is not int32 [N, k], block_table not int32 [R, M], row_request not
+            int32 [N], or ``page_size < 1``.
+    """
+    import torch
+
+    if keys.dim() != 2 or keys.dtype != torch.int32:
+        raise ValueError(f"page_rows: expected keys int32 [N, k], got {keys.dtype} "
+                         f"{tuple(keys.shape)}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"page_rows: expected block_table int32 [R, M], got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if row_request.dtype != torch.int32 or tuple(row_request.shape) != (keys.shape[0],):
+        raise ValueError(f"page_rows: expected row_request int32 [{keys.shape[0]}], got "
+                         f"{row_request.dtype} {tuple(row_request.shape)}")
+    if page_size < 1:
+        raise ValueError(f"page_rows: page_size must be >= 1, got {page_size}")
 
 
 def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,

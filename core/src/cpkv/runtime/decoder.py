@@ -125,26 +125,6 @@ class Verified:
     hidden: torch.Tensor
 
 
-def pick_bases(table: torch.Tensor, request: torch.Tensor, page_size: int) -> torch.Tensor:
-    """int64 ``[rows, 1 + M]``: column 0 ``-page_size``, column ``1 + p`` the first token row of
-    page ``p`` of the row's request (``table[request[row], p] * page_size``); once a step, for
-    :func:`pick_rows` in every layer."""
-    first = table.index_select(0, request).long() * page_size
-    return torch.cat([first.new_full((first.shape[0], 1), -page_size), first], dim=1)
-
-
-def pick_rows(top: torch.Tensor, bases: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The top-k's request-local keys (int32 ``[rows, k]``, -1 empty) as token rows of the pool
-    (int32, -1 kept): key j -> ``bases[row, 1 + j // S] + j % S``. Shifting every key by S sends
-    -1 to column 0, whose ``-S`` plus ``S - 1`` is -1 again: five elementwise kernels a layer and
-    no compare or select (the clamp / where form took ten)."""
-    t = torch.add(top, page_size, out=torch.empty(top.shape, dtype=torch.int64,
-                                                  device=top.device))
-    base = bases.gather(1, torch.div(t, page_size, rounding_mode="floor"))
-    return torch.add(base, torch.remainder(t, page_size),
-                     out=torch.empty(top.shape, dtype=torch.int32, device=top.device))
-
-
 class _Buffers:
     """The persistent inputs and outputs of one shape (device), with their host staging."""
 
@@ -444,14 +424,11 @@ class LeanDecoder:
         m = self.model
         ids, pos = buf.rows[0], buf.rows[1]
         rope = m.rope_cos_sin(pos, m.dtype, shape.pages * self.page_size - 1)
-        # the picks' token rows, every layer: each row's request's first token row of every
-        # page, after a column of -S (:func:`pick_rows`)
-        row_pages = pick_bases(buf.table, buf.request, self.page_size)
         mtp = m.mtp_layer
         if shape.draft:  # the MTP layer alone, fed the draft tokens and the previous h'
             assert mtp is not None
             x = m.draft_input(m.draft_embed(ids), buf.h_in.repeat_interleave(shape.rows, 0))
-            x, _ = self._layer(mtp, x, rope, row_pages, buf)
+            x, _ = self._layer(mtp, x, rope, buf)
             hd = m.draft_hidden(x)
             buf.guess.copy_(m.draft_logits(hd).argmax(dim=-1))
             buf.hidden.copy_(hd)
@@ -459,20 +436,19 @@ class LeanDecoder:
         x = m.embed(ids)
         picks: torch.Tensor | None = None  # the last full layer's picks (shared layers reuse)
         for layer in range(m.num_layers):
-            x, picks = self._layer(layer, x, rope, row_pages, buf, picks)
+            x, picks = self._layer(layer, x, rope, buf, picks)
         buf.choice.copy_(m.final_logits(x).argmax(dim=-1))
         if mtp is not None:  # the MTP layer on the same rows, the target's choice next
             xd = m.draft_input(m.draft_embed(buf.choice), m.final_hidden(x))
-            hd = m.draft_hidden(self._layer(mtp, xd, rope, row_pages, buf)[0])
+            hd = m.draft_hidden(self._layer(mtp, xd, rope, buf)[0])
             buf.guess.copy_(m.draft_logits(hd).argmax(dim=-1))
             buf.hidden.copy_(hd)
 
     def _layer(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               row_pages: torch.Tensor, buf: _Buffers, shared: torch.Tensor | None = None,
+               buf: _Buffers, shared: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer (pool layer ``layer``) on the step's rows (``rope`` and
-        ``row_pages``, :func:`pick_bases`, computed once per step). Returns the residual stream
-        and the layer's picks
+        """One decoder layer (pool layer ``layer``) on the step's rows (``rope`` computed once
+        per step). Returns the residual stream and the layer's picks
         (int32 [rows, k] token rows of the pages, -1 empty); a shared-indexer layer (GLM-5)
         reads ``shared``, the last full layer's picks: the same token rows in its own pages."""
         m, ops, store, s = self.model, self.ops, self.store, self.page_size
@@ -498,7 +474,7 @@ class LeanDecoder:
             read = ops.indexer_logits_index_pages if lp.index_pages else ops.indexer_logits_paged
             logits = read(iq, iw, lp.index, lp.fmt, buf.table, buf.request, key_end)
             top = ops.topk(logits, self.topk, buf.key_start, key_end)
-            rows = pick_rows(top, row_pages, s)
+            rows = ops.page_rows(top, buf.table, buf.request, s)  # request keys -> token rows
         o = ops.sparse_mla_paged(a.q, lp.latent, rows, lp.latent_fmt, m.softmax_scale,
                                  m.config.kv_lora_rank)
         x = x + m.attention_output(layer, o)

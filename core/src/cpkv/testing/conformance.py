@@ -363,6 +363,27 @@ def _check_page_copy(impl: Any, ref: Any, device: str, seed: int) -> None:
                     _unchanged(op, case, keep, [dst_index, src_index, src])
 
 
+def _check_page_rows(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """Keys in [-1, M * S) (a strided slice of wider rows, -1 among them), block tables of
+    random slots, rows of several requests, page sizes 1, 7 (not a power of two), 16 and 64,
+    no rows and no keys: the reference's int32 rows exactly, inputs unchanged."""
+    op = "page_rows"
+    g = _gen(seed + 17)
+    for s, (n, k, reqs, m) in ((1, (5, 3, 2, 4)), (7, (9, 33, 3, 5)), (16, (64, 2048, 64, 40)),
+                               (64, (17, 100, 4, 9)), (16, (0, 8, 2, 3)), (16, (3, 0, 2, 3))):
+        case = f"S={s} keys [{n}, {k}] over {reqs} requests x {m} pages"
+        table = torch.randint(0, 5000, (reqs, m), generator=g, dtype=torch.int32)
+        request = torch.randint(0, reqs, (n,), generator=g, dtype=torch.int32)
+        wide = torch.randint(-1, m * s, (n, k + 3), generator=g, dtype=torch.int32)
+        table, request, wide = _to(device, table, request, wide)
+        keys = wide[:, 3:]
+        keep = [table.clone(), request.clone(), wide.clone()]
+        want = ref.page_rows(keys, table, request, s)
+        got = _call(op, case, impl.page_rows, keys, table, request, s)
+        _unchanged(op, case, keep, [table, request, wide])
+        _assert_same(op, case, "rows", got, want)
+
+
 def _check_rerange(impl: Any, ref: Any, device: str, seed: int) -> None:
     op = "rerange"
     for k, (label, row, dtype, counts) in enumerate(_row_shapes()):
@@ -1174,6 +1195,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.SPARSE_MLA_PAGED.value: _check_sparse_mla_paged,
     Op.ROPE.value: _check_rope,
     Op.INDEX_Q_FP8.value: _check_index_q_fp8,
+    Op.PAGE_ROWS.value: _check_page_rows,
 }
 
 
@@ -1326,7 +1348,8 @@ class BaseOpsTests:
 
 
 class BasePageOpsTests(BaseOpsTests):
-    """The page-movement ops: page_gather, page_scatter, page_copy, rerange, peer_gather."""
+    """The page-movement ops: page_gather, page_scatter, page_copy, rerange, peer_gather, and
+    page_rows (keys to token rows)."""
 
     def test_page_gather(self) -> None:
         self.check(Op.PAGE_GATHER)
@@ -1342,6 +1365,9 @@ class BasePageOpsTests(BaseOpsTests):
 
     def test_peer_gather(self) -> None:
         self.check(Op.PEER_GATHER)
+
+    def test_page_rows(self) -> None:
+        self.check(Op.PAGE_ROWS)
 
 
 class BaseFP8OpsTests(BaseOpsTests):
