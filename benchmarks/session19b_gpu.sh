@@ -15,4 +15,5 @@ timeout 70 "$py" -m cpkv.cli bench decode --batches 64 --contexts 131072 --no-mt
   --out "$out/decode_64x128k.json" 2>&1 | grep -A3 "gpu_vs_bytes" | head -4
 timeout 60 "$py" benchmarks/decode_profile_gpu.py "$out/decode_profile.json" 64 131072 2>&1 \
   | grep -v Warn | tail -4
+timeout 40 "$py" benchmarks/rmsnorm_probe_gpu.py "$out/rmsnorm_probe.json" 2>&1 | tail -3
 timeout 200 "$py" benchmarks/indexer_abs_gpu.py "$out/indexer_abs.json" 2>&1 | tail -25
