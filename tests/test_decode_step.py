@@ -85,16 +85,21 @@ class _Lean:
         self.worker.release(rid)
 
 
-def _decode(runner: _Driver | _Lean, steps: int = 14) -> list[list[int]]:
-    """Three requests decode; after 4 steps one leaves and another joins."""
-    prompts = _prompts(4)
-    cur = {rid: runner.prefill(rid, prompts[i]) for i, rid in enumerate("abc")}
+def _decode(runner: _Driver | _Lean, steps: int = 14, first: str = "abc",
+            leave: tuple[int, str] = (4, "b"), join: tuple[int, str] = (4, "d"),
+            ) -> list[list[int]]:
+    """Requests ``first`` decode; at step ``leave[0]`` request ``leave[1]`` leaves, at step
+    ``join[0]`` request ``join[1]`` joins (default: three requests, after 4 steps one leaves
+    and another joins). Prompts by request letter."""
+    prompts = dict(zip("abcde", _prompts(4) + _prompts(1, seed=3), strict=True))
+    cur = {rid: runner.prefill(rid, prompts[rid]) for rid in first}
     out: list[list[int]] = []
     for t in range(steps):
-        if t == 4:
-            runner.release("b")
-            del cur["b"]
-            cur["d"] = runner.prefill("d", prompts[3])
+        if t == leave[0]:
+            runner.release(leave[1])
+            del cur[leave[1]]
+        if t == join[0]:
+            cur[join[1]] = runner.prefill(join[1], prompts[join[1]])
         batch = list(cur.items())
         nxt = runner.step(batch)
         out.append(nxt)
@@ -117,31 +122,14 @@ def test_lean_step_equals_driver_greedy(ckpt: Path, dtype: str, layout: str) -> 
     assert got == want
 
 
-def _decode_resized(runner: _Driver | _Lean, steps: int = 12) -> list[list[int]]:
-    """Four requests (one shape: a bucket of 4); one leaves after 3 steps (a padding row), a
-    new one joins after 6 (none), so the staged block-table rows change under one shape."""
-    prompts = _prompts(4) + _prompts(1, seed=3)
-    cur = {rid: runner.prefill(rid, prompts[i]) for i, rid in enumerate("abcd")}
-    out: list[list[int]] = []
-    for t in range(steps):
-        if t == 3:
-            runner.release("a")
-            del cur["a"]
-        if t == 6:
-            cur["e"] = runner.prefill("e", prompts[4])
-        batch = list(cur.items())
-        nxt = runner.step(batch)
-        out.append(nxt)
-        cur = {rid: tok for (rid, _), tok in zip(batch, nxt, strict=True)}
-    return out
-
-
 def test_block_table_rows_follow_the_batch(ckpt: Path) -> None:
-    """A step uploads only the block-table rows that changed: a request leaving (its row now
-    repeats row 0), one joining, page boundaries crossed, all as the driver decodes."""
+    """A step uploads only the block-table rows that changed: four requests (one shape, a
+    bucket of 4), one leaving after 3 steps (its row now a padding row repeating row 0), a new
+    one joining after 6, page boundaries crossed, all as the driver decodes."""
     model = DeepseekV32.load(ckpt)
-    want = _decode_resized(_Driver(model, _settings("bf16")))
-    got = _decode_resized(_Lean(model, _settings("bf16")))
+    want, got = (_decode(runner, 12, first="abcd", leave=(3, "a"), join=(6, "e"))
+                 for runner in (_Driver(model, _settings("bf16")),
+                                _Lean(model, _settings("bf16"))))
     assert got == want
 
 

@@ -12,10 +12,17 @@ against the plugin's static list.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpkv.ops.api import Op, OpMethods
+
+if TYPE_CHECKING:
+    from .attention import AttentionKernels
+    from .kv import KVKernels
+    from .quant import QuantKernels
+    from .rope import RopeKernels
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_OPS", "IMPORT_ERRORS", "KV_KERNELS", "KV_OPS",
            "QUANT_KERNELS", "QUANT_OPS", "ROPE_KERNELS", "ROPE_OPS", "TritonOps"]
@@ -32,38 +39,20 @@ ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_P
 ROPE_OPS: frozenset[Op] = frozenset({Op.ROPE})
 QUANT_OPS: frozenset[Op] = frozenset({Op.INDEX_Q_FP8})
 
-KV_KERNELS: type[KVKernels] | None
-ATTENTION_KERNELS: type[AttentionKernels] | None
-ROPE_KERNELS: type[RopeKernels] | None
-QUANT_KERNELS: type[QuantKernels] | None
-try:
-    from .kv import KVKernels
-except ImportError as exc:
-    IMPORT_ERRORS["kv"] = repr(exc)
-    KV_KERNELS = None
-else:
-    KV_KERNELS = KVKernels
-try:
-    from .attention import AttentionKernels
-except ImportError as exc:
-    IMPORT_ERRORS["attention"] = repr(exc)
-    ATTENTION_KERNELS = None
-else:
-    ATTENTION_KERNELS = AttentionKernels
-try:
-    from .rope import RopeKernels
-except ImportError as exc:
-    IMPORT_ERRORS["rope"] = repr(exc)
-    ROPE_KERNELS = None
-else:
-    ROPE_KERNELS = RopeKernels
-try:
-    from .quant import QuantKernels
-except ImportError as exc:
-    IMPORT_ERRORS["quant"] = repr(exc)
-    QUANT_KERNELS = None
-else:
-    QUANT_KERNELS = QuantKernels
+def _part(module: str, cls: str) -> Any:
+    """The kernel class ``cls`` of ``.<module>``, or None with the ImportError kept."""
+    try:
+        return getattr(importlib.import_module(f".{module}", __package__), cls)
+    except ImportError as exc:
+        IMPORT_ERRORS[module] = repr(exc)
+        return None
+
+
+KV_KERNELS: type[KVKernels] | None = _part("kv", "KVKernels")
+ATTENTION_KERNELS: type[AttentionKernels] | None = _part("attention", "AttentionKernels")
+ROPE_KERNELS: type[RopeKernels] | None = _part("rope", "RopeKernels")
+QUANT_KERNELS: type[QuantKernels] | None = _part("quant", "QuantKernels")
+
 
 class TritonOps(OpMethods):
     """cpkv's compute ops as Triton kernels: the bound methods of its parts, one per op (no
