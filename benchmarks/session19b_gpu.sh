@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Session 19, the second call (.whl with --flashmla): page_rows / index_q_fp8 conformance on the
-# GPU, the decode row and profile after the block-table upload change and page_rows, then the |s|-split indexer
-# experiment (benchmarks/indexer_abs_gpu.py: speed, clocks, top-k recall).
+# Session 19, the second call (.whl with --flashmla): page_rows / index_q_fp8 / rms_norm
+# conformance on the GPU, the decode row and profile after the block-table upload change,
+# page_rows and rms_norm, the RMSNorm probe, then the |s|-split indexer experiment (benchmarks/indexer_abs_gpu.py: speed, clocks, top-k recall).
 # Usage: bash benchmarks/session19b_gpu.sh OUT_DIR
 source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" > /dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
 timeout 60 "$py" -c "
 import cpkv.testing.conformance as c
 from cpkv_backend_triton.ops import TritonOps
-for op in ('page_rows', 'index_q_fp8'):
+for op in ('page_rows', 'index_q_fp8', 'rms_norm'):
     c.check_op(TritonOps(), c.reference_backend(), op, device='cuda'); print(op, 'conforms on the GPU')
 " 2>&1 | tail -3
 timeout 70 "$py" -m cpkv.cli bench decode --batches 64 --contexts 131072 --no-mtp \

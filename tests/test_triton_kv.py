@@ -93,7 +93,7 @@ def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.Mon
     # as if attention.py had failed to import
     monkeypatch.setattr(ops, "ATTENTION_KERNELS", None)
     monkeypatch.setattr(ops, "IMPORT_ERRORS", {"attention": "ImportError('no attention')"})
-    assert ops.TritonOps().provided == ops.KV_OPS | ops.ROPE_OPS | ops.QUANT_OPS
+    assert ops.TritonOps().provided == ops.KV_OPS | ops.ROPE_OPS | ops.QUANT_OPS | ops.NORM_OPS
     assert not hasattr(ops.TritonOps(), "topk")
     with pytest.raises(AttributeError, match=r"no attention kernels: .*no attention"):
         ops.TritonOps().topk(torch.zeros(1, 1), 1, torch.zeros(1, dtype=torch.int64),

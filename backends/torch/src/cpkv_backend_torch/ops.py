@@ -35,6 +35,7 @@ formulas here are the definition:
   :func:`cpkv.ops.api.paged_latent`, dequantized to float32, then ``sparse_mla``.
 * ``page_rows``: ``block_table[row_request][i, j // S] * S + j % S`` in int64 (a gather of the
   rows' block-table rows), -1 where the key is -1, cast to int32.
+* ``rms_norm``: ``x * rsqrt(mean(x^2) + eps) * weight`` in fp32, rounded once to x's dtype.
 * ``index_q_fp8``: :func:`cpkv.ops.api.quantize_index_q` of
   :func:`cpkv.ops.api.hadamard_rotate` ``(q)`` (or of ``q`` without the rotation).
 * ``sparse_mla``: gathers ``kv[max(index, 0)]``, fp32 scores ``scale * q . kv`` with -1 slots at
@@ -64,6 +65,7 @@ from cpkv.ops.api import (
     check_page_copy_args,
     check_page_rows_args,
     check_peer_gather_args,
+    check_rms_norm_args,
     check_rope_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
@@ -363,6 +365,16 @@ class TorchOps:
         slot = block_table.index_select(0, row_request).long().gather(1, page)
         rows = slot * page_size + torch.where(valid, k, 0) % page_size
         return torch.where(valid, rows, -1).to(torch.int32)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of rows in fp32, rounded once (see :class:`cpkv.ops.api.KVOps`).
+
+        Raises:
+            ValueError: a shape or dtype does not fit (as every backend).
+        """
+        check_rms_norm_args(x, weight)
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
     def index_q_fp8(self, q: torch.Tensor, w: torch.Tensor,
                     rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:

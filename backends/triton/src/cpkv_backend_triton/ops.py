@@ -1,11 +1,12 @@
-"""``TritonOps``: the object the ``triton`` backend loads, four kernel objects composed.
+"""``TritonOps``: the object the ``triton`` backend loads, five kernel objects composed.
 
 ``TritonOps(kv=KVKernels(), attention=AttentionKernels(kv=...), rope=RopeKernels(),
-quant=QuantKernels())``: each op is the bound method of the part implementing it (an
-:class:`~cpkv.ops.api.OpMethods`). Each kernel module is imported on its own: one that cannot be
-imported (``ImportError``) leaves its class None here (:data:`KV_KERNELS`,
-:data:`ATTENTION_KERNELS`, :data:`ROPE_KERNELS`, :data:`QUANT_KERNELS`) and its error in
-:data:`IMPORT_ERRORS`, so the parts land independently (``kv`` uses ``quant``'s fp8 helpers).
+quant=QuantKernels(), norm=NormKernels())``: each op is the bound method of the part
+implementing it (an :class:`~cpkv.ops.api.OpMethods`). Each kernel module is imported on its
+own: one that cannot be imported (``ImportError``) leaves its class None here
+(:data:`KV_KERNELS`, :data:`ATTENTION_KERNELS`, :data:`ROPE_KERNELS`, :data:`QUANT_KERNELS`,
+:data:`NORM_KERNELS`) and its error in :data:`IMPORT_ERRORS`, so the parts land independently
+(``kv`` uses ``quant``'s fp8 helpers).
 :attr:`TritonOps.provided` names the ops of the parts present; ``plugin.load`` checks it
 against the plugin's static list.
 """
@@ -21,11 +22,12 @@ from cpkv.ops.api import Op, OpMethods
 if TYPE_CHECKING:
     from .attention import AttentionKernels
     from .kv import KVKernels
+    from .norm import NormKernels
     from .quant import QuantKernels
     from .rope import RopeKernels
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_OPS", "IMPORT_ERRORS", "KV_KERNELS", "KV_OPS",
-           "QUANT_KERNELS", "QUANT_OPS", "ROPE_KERNELS", "ROPE_OPS", "TritonOps"]
+           "NORM_KERNELS", "NORM_OPS", "QUANT_KERNELS", "QUANT_OPS", "ROPE_KERNELS", "ROPE_OPS", "TritonOps"]
 
 #: kernel module name -> repr of the ImportError that kept its part out
 IMPORT_ERRORS: dict[str, str] = {}
@@ -38,6 +40,7 @@ ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_P
                                           Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
 ROPE_OPS: frozenset[Op] = frozenset({Op.ROPE})
 QUANT_OPS: frozenset[Op] = frozenset({Op.INDEX_Q_FP8})
+NORM_OPS: frozenset[Op] = frozenset({Op.RMS_NORM})
 
 def _part(module: str, cls: str) -> Any:
     """The kernel class ``cls`` of ``.<module>``, or None with the ImportError kept."""
@@ -52,6 +55,7 @@ KV_KERNELS: type[KVKernels] | None = _part("kv", "KVKernels")
 ATTENTION_KERNELS: type[AttentionKernels] | None = _part("attention", "AttentionKernels")
 ROPE_KERNELS: type[RopeKernels] | None = _part("rope", "RopeKernels")
 QUANT_KERNELS: type[QuantKernels] | None = _part("quant", "QuantKernels")
+NORM_KERNELS: type[NormKernels] | None = _part("norm", "NormKernels")
 
 
 class TritonOps(OpMethods):
@@ -67,13 +71,15 @@ class TritonOps(OpMethods):
         rope: the rope kernel; None: a default :class:`~cpkv_backend_triton.rope.RopeKernels`.
         quant: the index-query quantization; None: a default
             :class:`~cpkv_backend_triton.quant.QuantKernels`.
+        norm: the RMSNorm; None: a default :class:`~cpkv_backend_triton.norm.NormKernels`.
 
     A part whose module did not import stays None: its ops are not in :attr:`provided`, and
     looking one up raises AttributeError naming the import error.
     """
 
     def __init__(self, kv: KVKernels | None = None, attention: AttentionKernels | None = None,
-                 rope: RopeKernels | None = None, quant: QuantKernels | None = None) -> None:
+                 rope: RopeKernels | None = None, quant: QuantKernels | None = None,
+                 norm: NormKernels | None = None) -> None:
         if kv is None and KV_KERNELS is not None:
             kv = KV_KERNELS()
         if attention is None and ATTENTION_KERNELS is not None and kv is not None:
@@ -83,7 +89,9 @@ class TritonOps(OpMethods):
         if quant is None and QUANT_KERNELS is not None:
             quant = QUANT_KERNELS()
         self.kv_kernels, self.attention_kernels, self.rope_kernels = kv, attention, rope
-        self.quant_kernels = quant
+        if norm is None and NORM_KERNELS is not None:
+            norm = NORM_KERNELS()
+        self.quant_kernels, self.norm_kernels = quant, norm
         methods: dict[Op, Callable[..., Any]] = {}
         if kv is not None:
             methods |= {Op.PAGE_GATHER: kv.page_gather, Op.PAGE_SCATTER: kv.page_scatter,
@@ -101,12 +109,15 @@ class TritonOps(OpMethods):
             methods[Op.ROPE] = rope.rope
         if quant is not None:
             methods[Op.INDEX_Q_FP8] = quant.index_q_fp8
+        if norm is not None:
+            methods[Op.RMS_NORM] = norm.rms_norm
         super().__init__(methods)
 
     def missing_reason(self, op: str) -> str:
         """The import error of the part that implements ``op``."""
         part = next(name for name, ops in (("kv", KV_OPS), ("attention", ATTENTION_OPS),
-                                           ("rope", ROPE_OPS), ("quant", QUANT_OPS))
+                                           ("rope", ROPE_OPS), ("quant", QUANT_OPS),
+                                           ("norm", NORM_OPS))
                     if Op(op) in ops)
         why = IMPORT_ERRORS.get(part, "its module did not import (or kv did not)")
         return f"the triton backend has no {part} kernels: {why}"

@@ -1,7 +1,8 @@
 """Declares the ``triton`` backend (entry point ``cpkv.backends: triton``).
 
 Importing this module imports neither triton nor torch. The ops are the static list :data:`OPS`,
-the ops of the kernel objects (``kv.py``, ``attention.py``, ``rope.py``, ``quant.py``) that ``ops.TritonOps``
+the ops of the kernel objects (``kv.py``, ``attention.py``, ``rope.py``, ``quant.py``,
+``norm.py``) that ``ops.TritonOps``
 composes; ``load`` builds one and checks that every listed op is provided
 (``tests/test_triton_kv.py`` checks that the list equals the ops ``TritonOps`` provides).
 """
@@ -16,8 +17,8 @@ from cpkv.contracts import Availability, KVOps, Op
 from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
 
 NAME = "triton"
-#: the ops of ``kv.KVKernels``, ``attention.AttentionKernels``, ``rope.RopeKernels`` and
-#: ``quant.QuantKernels``, the parts of ``TritonOps``
+#: the ops of ``kv.KVKernels``, ``attention.AttentionKernels``, ``rope.RopeKernels``,
+#: ``quant.QuantKernels`` and ``norm.NormKernels``, the parts of ``TritonOps``
 OPS: frozenset[Op] = frozenset({
     Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK,
     Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK,
@@ -26,6 +27,7 @@ OPS: frozenset[Op] = frozenset({
     Op.ROPE,
     Op.INDEX_Q_FP8,
     Op.PAGE_ROWS,
+    Op.RMS_NORM,
 })
 
 

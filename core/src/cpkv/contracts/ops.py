@@ -48,6 +48,7 @@ class Op(StrEnum):
     ROPE = "rope"
     INDEX_Q_FP8 = "index_q_fp8"
     PAGE_ROWS = "page_rows"
+    RMS_NORM = "rms_norm"
 
 
 class OpDeclined(Exception):
@@ -341,6 +342,22 @@ class KVOps(Protocol):
         Raises:
             ValueError: keys, block_table or row_request not int32 of these shapes, or
                 ``page_size < 1`` (:func:`cpkv.ops.check_page_rows_args`).
+        """
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of rows: a new [N, D] tensor of x's dtype.
+
+        x float [N, D] (any row stride, unit column stride: a column slice of a wider
+        projection), weight [D] of x's dtype. ``out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) *
+        weight`` in fp32, rounded once (torch's fused ``F.rms_norm``, the models' GPU path;
+        transformers rounds before the weight). The mean's order of summation is the backend's:
+        conformance allows ``2 u |ref| + 2 u`` per element (u the unit roundoff of x's dtype).
+        Model math, but a decode step's norms are nine small kernels of ~6 us each.
+
+        Raises:
+            ValueError: x not float [N, D] with unit column stride, or weight not [D] of x's
+                dtype (:func:`cpkv.ops.check_rms_norm_args`).
         """
         ...
 

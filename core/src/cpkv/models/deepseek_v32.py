@@ -34,6 +34,7 @@ what SGLang and vLLM feed their MTP layers); chaining feeds ``h'_i`` back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from .config import DeepseekV32Config
 from .loader import CheckpointReader, read_config
 from .rope import RopeFn, apply_rope, mla_softmax_scale, rope_inv_freq
 
-__all__ = ["AttentionInputs", "DeepseekV32"]
+__all__ = ["AttentionInputs", "DeepseekV32", "NormFn"]
 
 _SUB_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm, indexer k_norm: fixed eps in the reference
 
@@ -162,6 +163,20 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dt)
+
+
+#: the ``rms_norm`` op's signature: ``(x [N, D], weight [D], eps) -> [N, D]``
+#: (``cpkv.ops.KVOps.rms_norm``)
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, op: NormFn | None) -> torch.Tensor:
+    """:func:`_rms_norm`, through ``op`` (the ``rms_norm`` op: one Triton pass on GPUs) for 2-D
+    GPU rows of the weight's dtype: the fused torch path's formula (fp32, rounded once); the
+    CPU keeps HF's sequence."""
+    if op is not None and x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype:
+        return op(x, weight, eps)
+    return _rms_norm(x, weight, eps)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -343,21 +358,23 @@ class DeepseekV32:
 
     def attention_inputs(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         rotate: RopeFn | None = None) -> AttentionInputs:
+                         rotate: RopeFn | None = None, norm: NormFn | None = None,
+                         ) -> AttentionInputs:
         """MLA + indexer inputs of ``N`` rows; ``x`` is the residual stream before ``input_layernorm``.
 
         ``rope``: ``rope_cos_sin(positions, dtype, max_position)`` computed once per batch by the
         caller (every layer uses the same); computed here when omitted. ``rotate``: the ``rope``
         op to apply it with (the driver passes its op table's: one Triton pass per rotation on
         GPUs instead of six strided torch ops); :func:`~cpkv.models.rope.apply_rope`, the
-        op's reference, when omitted.
+        op's reference, when omitted. ``norm``: the ``rms_norm`` op for the three norms (GPU
+        rows; the fused torch path when omitted).
         """
         c, w = self.config, self._layer(layer)
         n = x.shape[0]
         if positions.shape != (n,):
             raise ValueError(f"positions must have shape [{n}], got {list(positions.shape)}")
         x = x.to(self.dtype)
-        h = _rms_norm(x, w.input_norm, c.rms_norm_eps)
+        h = _norm(x, w.input_norm, c.rms_norm_eps, norm)
         cos, sin = rope if rope is not None else self.rope_cos_sin(positions, self.dtype)
         rot: RopeFn = rotate if rotate is not None else apply_rope
 
@@ -368,7 +385,7 @@ class DeepseekV32:
         k_dim = 0 if w.idx_wk is None else w.idx_wk.shape[0]  # a shared-indexer layer: none
         q_a, kv_a, h_k = F.linear(h, w.h_proj).split(
             [c.q_lora_rank, lr + c.qk_rope_head_dim, k_dim], dim=-1)
-        q_resid = _rms_norm(q_a, w.q_a_norm, _SUB_NORM_EPS)
+        q_resid = _norm(q_a, w.q_a_norm, _SUB_NORM_EPS, norm)
         hq = c.num_attention_heads * c.qk_head_dim
         q_r = F.linear(q_resid, w.r_proj)
         q = q_r[:, :hq].view(n, c.num_attention_heads, c.qk_head_dim)
@@ -382,7 +399,7 @@ class DeepseekV32:
         rot(q_rot, cos, sin, "interleave", q_out[..., lr:])
 
         kv_pass, k_rot = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        latent = torch.cat([_rms_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS),
+        latent = torch.cat([_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS, norm),
                             rot(k_rot, cos, sin, "interleave", None)], dim=-1)
         if w.idx_wq_b is None or w.idx_wk is None or w.idx_w is None:  # a shared-indexer layer
             return AttentionInputs(q=q_out, latent=latent, index_q=None, index_w=None,
@@ -449,10 +466,11 @@ class DeepseekV32:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * c.routed_scaling_factor, idx
 
-    def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``post_attention_layernorm`` then the dense MLP or the MoE (routed + shared experts)."""
+    def mlp(self, layer: int, x: torch.Tensor, norm: NormFn | None = None) -> torch.Tensor:
+        """``post_attention_layernorm`` (through ``norm``, the ``rms_norm`` op, when given) then
+        the dense MLP or the MoE (routed + shared experts)."""
         w = self._layer(layer)
-        h = _rms_norm(x.to(self.dtype), w.post_norm, self.config.rms_norm_eps)
+        h = _norm(x.to(self.dtype), w.post_norm, self.config.rms_norm_eps, norm)
         if w.router is None:
             assert w.gate_up is not None and w.down is not None
             return _swiglu(h, w.gate_up, w.down)
@@ -474,13 +492,14 @@ class DeepseekV32:
             out = out + _swiglu(h, w.shared_gate_up, w.shared_down)
         return out
 
-    def final_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final RMSNorm and ``lm_head``: ``[N, hidden]`` -> ``[N, vocab]`` float32."""
-        return self.logits(self.final_hidden(x))
+    def final_logits(self, x: torch.Tensor, norm: NormFn | None = None) -> torch.Tensor:
+        """Final RMSNorm (through ``norm`` when given) and ``lm_head``: ``[N, hidden]`` ->
+        ``[N, vocab]`` float32."""
+        return self.logits(self.final_hidden(x, norm))
 
-    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+    def final_hidden(self, x: torch.Tensor, norm: NormFn | None = None) -> torch.Tensor:
         """The final RMSNorm of the residual stream: the target's ``h`` the MTP layer takes."""
-        return _rms_norm(x.to(self.dtype), self._norm, self.config.rms_norm_eps)
+        return _norm(x.to(self.dtype), self._norm, self.config.rms_norm_eps, norm)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``lm_head`` of normed rows: ``[N, hidden]`` -> ``[N, vocab]`` float32."""

@@ -26,7 +26,7 @@ Argument checks (run them first: one wording of the errors in every backend; met
     :func:`check_indexer_paged_args`, :func:`check_indexer_index_pages_args`,
     :func:`check_indexer_topk_args`, :func:`check_topk_args`,
     :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`,
-    :func:`check_index_q_args`, :func:`check_page_rows_args`.
+    :func:`check_index_q_args`, :func:`check_page_rows_args`, :func:`check_rms_norm_args`.
 
 Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     :func:`fp8_layout` (dims, block, rope dims and bytes of a packed fp8 row), :func:`part_view`
@@ -75,6 +75,7 @@ from .checks import (
     check_page_copy_args,
     check_page_rows_args,
     check_peer_gather_args,
+    check_rms_norm_args,
     check_rope_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
@@ -127,6 +128,7 @@ __all__ = [
     "check_page_copy_args",
     "check_page_rows_args",
     "check_peer_gather_args",
+    "check_rms_norm_args",
     "check_rope_args",
     "check_sparse_mla_args",
     "check_sparse_mla_paged_args",

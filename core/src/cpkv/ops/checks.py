@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 __all__ = ["check_index_q_args", "check_indexer_args", "check_indexer_index_pages_args",
            "check_indexer_paged_args", "check_indexer_topk_args", "check_page_copy_args",
-           "check_page_rows_args", "check_peer_gather_args", "check_rope_args", "check_sparse_mla_args",
-           "check_sparse_mla_paged_args", "check_topk_args"]
+           "check_page_rows_args", "check_peer_gather_args", "check_rms_norm_args",
+           "check_rope_args", "check_sparse_mla_args", "check_sparse_mla_paged_args",
+           "check_topk_args"]
 
 
 def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
@@ -113,6 +114,21 @@ def check_page_rows_args(keys: torch.Tensor, block_table: torch.Tensor,
                          f"{row_request.dtype} {tuple(row_request.shape)}")
     if page_size < 1:
         raise ValueError(f"page_rows: page_size must be >= 1, got {page_size}")
+
+
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Validate ``rms_norm`` arguments.
+
+    Raises:
+        ValueError: x is not float [N, D] with unit column stride, or weight is not [D] of
+            x's dtype.
+    """
+    if x.dim() != 2 or not x.dtype.is_floating_point or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"rms_norm: expected x float [N, D] with unit column stride, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {tuple(x.stride())}")
+    if weight.dtype != x.dtype or tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"rms_norm: expected weight {x.dtype} [{x.shape[1]}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
 
 
 def check_indexer_args(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,

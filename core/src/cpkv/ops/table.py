@@ -34,7 +34,7 @@ KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERA
 ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
                             Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
                             Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,
-                            Op.INDEX_Q_FP8)
+                            Op.INDEX_Q_FP8, Op.RMS_NORM)
 ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 
 

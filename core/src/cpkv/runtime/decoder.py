@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cpkv.contracts import BufferLayout, FallbackReason, KVDtype, KVFormat
+from cpkv.contracts import BufferLayout, FallbackReason, KVDtype, KVFormat, Op
 from cpkv.fallback import report_fallback
 from cpkv.logs import get_logger
 from cpkv.ops import hadamard_rotate
@@ -189,6 +189,8 @@ class LeanDecoder:
             raise ValueError("the lean decode step needs a one-rank pool in the two_part or "
                              "part_major layout")
         self.model, self.pages, self.store, self.ops = model, pages, store, ops
+        #: the norms through the op table's ``rms_norm`` (one Triton pass a norm on GPUs)
+        self.norm = ops.rms_norm if ops.has(Op.RMS_NORM) else None
         #: per layer, the tensors the kernels read in place
         self.layers = _layer_pages(store)
         self.device = store.group.device
@@ -437,7 +439,7 @@ class LeanDecoder:
         picks: torch.Tensor | None = None  # the last full layer's picks (shared layers reuse)
         for layer in range(m.num_layers):
             x, picks = self._layer(layer, x, rope, buf, picks)
-        buf.choice.copy_(m.final_logits(x).argmax(dim=-1))
+        buf.choice.copy_(m.final_logits(x, self.norm).argmax(dim=-1))
         if mtp is not None:  # the MTP layer on the same rows, the target's choice next
             xd = m.draft_input(m.draft_embed(buf.choice), m.final_hidden(x))
             hd = m.draft_hidden(self._layer(mtp, xd, rope, buf)[0])
@@ -453,7 +455,7 @@ class LeanDecoder:
         reads ``shared``, the last full layer's picks: the same token rows in its own pages."""
         m, ops, store, s = self.model, self.ops, self.store, self.page_size
         pos, dst, key_end = buf.rows[1], buf.rows[2], buf.rows[3]
-        a = m.attention_inputs(layer, x, pos, rope, ops.rope)
+        a = m.attention_inputs(layer, x, pos, rope, ops.rope, self.norm)
         rot = self.rotate_index
         store.write_rows(layer, dst, a.latent,
                          None if a.index_k is None else
@@ -478,4 +480,4 @@ class LeanDecoder:
         o = ops.sparse_mla_paged(a.q, lp.latent, rows, lp.latent_fmt, m.softmax_scale,
                                  m.config.kv_lora_rank)
         x = x + m.attention_output(layer, o)
-        return x + m.mlp(layer, x), rows
+        return x + m.mlp(layer, x, self.norm), rows

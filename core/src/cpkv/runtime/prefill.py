@@ -459,6 +459,7 @@ class CPPrefill:
         # the rotations through the op table's ``rope`` when it has one (one Triton pass each
         # on GPUs), else the model's reference sequence
         rotate = ops.rope if ops.has(Op.ROPE) else None
+        norm = ops.rms_norm if ops.has(Op.RMS_NORM) else None
         chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, self.budget)
         # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
         # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
@@ -484,7 +485,7 @@ class CPPrefill:
         shared_top: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         for layer in layers:
             t0 = time.perf_counter()
-            a = m.attention_inputs(layer, x, pos, rope, rotate)
+            a = m.attention_inputs(layer, x, pos, rope, rotate, norm)
             t1 = time.perf_counter()
             rot = self.rotate_index
             pool.write(layer, kv, a.latent,
@@ -529,7 +530,7 @@ class CPPrefill:
             if kv.rows.num_local:  # a rank may hold no rows of a tiny batch
                 x = x + m.output_projection(layer, values)
             t5 = time.perf_counter()
-            x = x + m.mlp(layer, x)
+            x = x + m.mlp(layer, x, norm)
             t6 = time.perf_counter()
             note_progress()
             for k, v in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),

@@ -93,6 +93,7 @@ __all__ = [
     "BaseAttentionOpsTests",
     "BaseFP8OpsTests",
     "BaseKVOpsTests",
+    "BaseNormOpsTests",
     "BaseOpsTests",
     "BasePageOpsTests",
     "BaseQuantOpsTests",
@@ -1095,6 +1096,43 @@ def _check_rope(impl: Any, ref: Any, device: str, seed: int) -> None:
                             f"{diff.flatten()[i].item():.3g} > {bound.flatten()[i].item():.3g}")
 
 
+def _check_rms_norm(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """x [N, D] as a column slice of wider rows (the model's q_a / kv_a are slices of one
+    projection) and contiguous, bf16 / fp16 / fp32, DeepSeek's widths (7168, 1536, 512) and an
+    odd one, rows of very different magnitudes, an all-zero row (eps alone), no rows. Bound per
+    element: ``(2 u + 2^-20) |ref|`` (u the unit roundoff of x's dtype: one rounding of a value
+    whose fp32 sum of squares ran in another order, or through an approximate rsqrt)."""
+    op = "rms_norm"
+    g = _gen(seed + 19)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}[dtype]
+        for n, d, sliced in ((64, 7168, False), (64, 1536, True), (5, 512, True), (3, 37, False),
+                             (0, 512, False)):
+            case = f"{dtype} x [{n}, {d}]{' a column slice' if sliced else ''}"
+            base = _nonzero((n, d + (9 if sliced else 0)), dtype, g, spread=True)
+            if dtype == torch.float16:
+                base = base.clamp(-200, 200)  # its squares' mean stays finite in fp32 either way
+            if n > 2:
+                base[1] = 0
+            w = _nonzero((d,), dtype, g)
+            base, w = _to(device, base, w)
+            x = base[:, 9:] if sliced else base
+            keep = [base.clone(), w.clone()]
+            want = ref.rms_norm(x, w, 1e-6)
+            got = _call(op, case, impl.rms_norm, x, w, 1e-6)
+            _unchanged(op, case, keep, [base, w])
+            _assert_like(f"{op} [{case}] output", got, want)
+            diff = (got.double() - want.double()).abs().cpu()
+            bound = (2 * u + 2.0 ** -20) * want.double().abs().cpu()
+            over = diff > bound
+            if bool(over.any()):
+                i = int((diff - bound).flatten().argmax())
+                raise AssertionError(f"{op} [{case}]: {int(over.sum())} element(s) beyond "
+                                     f"(2u + 2^-20) |ref|; worst at flat index {i}: "
+                                     f"{got.flatten()[i].item():.6g} vs "
+                                     f"{want.flatten()[i].item():.6g}")
+
+
 #: ``index_q_fp8`` with the rotation: the least share of codes that must be the reference's
 #: (a sum at a bf16 rounding boundary may land one ulp away, rarely: ~1e-5 of elements measured)
 INDEX_Q_SAME_CODES = 0.999
@@ -1196,6 +1234,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.ROPE.value: _check_rope,
     Op.INDEX_Q_FP8.value: _check_index_q_fp8,
     Op.PAGE_ROWS.value: _check_page_rows,
+    Op.RMS_NORM.value: _check_rms_norm,
 }
 
 
@@ -1434,8 +1473,15 @@ class BaseQuantOpsTests(BaseOpsTests):
         self.check(Op.INDEX_Q_FP8)
 
 
+class BaseNormOpsTests(BaseOpsTests):
+    """The RMSNorm op."""
+
+    def test_rms_norm(self) -> None:
+        self.check(Op.RMS_NORM)
+
+
 class BaseAllOpsTests(BaseKVOpsTests, BaseAttentionOpsTests, BaseRopeOpsTests,
-                      BaseQuantOpsTests):
+                      BaseQuantOpsTests, BaseNormOpsTests):
     """Every op the suite knows."""
 
 

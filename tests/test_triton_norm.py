@@ -1,0 +1,64 @@
+"""The Triton ``rms_norm`` kernel (cpkv_backend_triton.norm) against the torch reference through
+the conformance suite (the CPU interpreter here, the GPU where there is one), and a kernel that
+skips the weight failing it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import cpkv.testing.conformance as conf
+from cpkv.contracts import Op
+from triton_interp import CUDA, import_kernels, interpreter_env
+
+NormKernels = import_kernels("cpkv_backend_triton.norm", "_rms_norm_kernel").NormKernels
+interp = pytest.mark.skipif(CUDA, reason="CUDA present: the kernel is compiled for the GPU (the "
+                                         "gpu tests cover it)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_env():  # type: ignore[no-untyped-def]
+    with interpreter_env():
+        yield
+
+
+@pytest.fixture(scope="module")
+def ref() -> Any:
+    return conf.reference_backend()
+
+
+def test_op_declared_and_mixed_in() -> None:
+    from cpkv_backend_triton.ops import TritonOps
+    from cpkv_backend_triton.plugin import OPS
+
+    assert Op.RMS_NORM in OPS
+    assert callable(getattr(TritonOps(), Op.RMS_NORM.value))
+
+
+def test_bad_inputs_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="unit column stride"):
+        NormKernels().rms_norm(torch.zeros(4, 8).t(), torch.zeros(4), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        NormKernels().rms_norm(torch.zeros(4, 8), torch.zeros(8, dtype=torch.float64), 1e-6)
+
+
+@interp
+def test_conformance_interpreter(ref: Any) -> None:
+    conf.check_op(NormKernels(), ref, "rms_norm", device="cpu")
+
+
+@interp
+def test_a_norm_without_its_weight_fails_the_check(ref: Any) -> None:
+    class Unweighted:
+        def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+            return ref.rms_norm(x, torch.ones_like(w), eps)
+
+    with pytest.raises(AssertionError, match="rms_norm"):
+        conf.check_op(Unweighted(), ref, "rms_norm", device="cpu")
+
+
+@pytest.mark.gpu
+def test_conformance_gpu(ref: Any) -> None:
+    conf.check_op(NormKernels(), ref, "rms_norm", device="cuda")
