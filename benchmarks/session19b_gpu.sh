@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 19, the second call (.whl with --flashmla): page_rows / index_q_fp8 / rms_norm
 # conformance on the GPU, the decode row and profile after the block-table upload change,
-# page_rows and rms_norm, the RMSNorm probe, then the |s|-split indexer experiment (benchmarks/indexer_abs_gpu.py: speed, clocks, top-k recall).
+# page_rows and rms_norm, the RMSNorm probe, then the |s|-split indexer experiment
+# (benchmarks/indexer_abs_gpu.py: speed, clocks, top-k recall).
 # Usage: bash benchmarks/session19b_gpu.sh OUT_DIR
 source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" > /dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
@@ -11,6 +12,8 @@ from cpkv_backend_triton.ops import TritonOps
 for op in ('page_rows', 'index_q_fp8', 'rms_norm'):
     c.check_op(TritonOps(), c.reference_backend(), op, device='cuda'); print(op, 'conforms on the GPU')
 " 2>&1 | tail -3
+timeout 90 "$py" -m pytest tests/test_decode_step.py tests/test_triton_norm.py -m gpu -q \
+  -p no:cacheprovider --tb=short 2>&1 | tail -3
 timeout 70 "$py" -m cpkv.cli bench decode --batches 64 --contexts 131072 --no-mtp \
   --out "$out/decode_64x128k.json" 2>&1 | grep -A3 "gpu_vs_bytes" | head -4
 timeout 60 "$py" benchmarks/decode_profile_gpu.py "$out/decode_profile.json" 64 131072 2>&1 \
