@@ -180,10 +180,10 @@ def test_a_failed_prefill_tells_the_decode_at_once(tiny: Path, monkeypatch: pyte
     session, dec = _session(tiny)
     real = session.model.mlp
 
-    def boom(layer: int, x: Any) -> Any:
+    def boom(layer: int, x: Any, norm: Any = None) -> Any:
         if layer == 1:
             raise RuntimeError("out of memory (simulated)")
-        return real(layer, x)
+        return real(layer, x, norm)
 
     monkeypatch.setattr(session.model, "mlp", boom)
     with recording(), pytest.raises(RuntimeError, match="simulated"):
