@@ -1224,6 +1224,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.FP8_PACK.value: _check_fp8_pack,
     Op.FP8_UNPACK.value: _check_fp8_unpack,
     Op.PEER_GATHER.value: _check_peer_gather,
+    Op.PAGE_ROWS.value: _check_page_rows,
     Op.INDEXER_LOGITS.value: _check_indexer_logits,
     Op.INDEXER_LOGITS_PAGED.value: _check_indexer_logits_paged,
     Op.INDEXER_LOGITS_INDEX_PAGES.value: _check_indexer_logits_index_pages,
@@ -1233,7 +1234,6 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.SPARSE_MLA_PAGED.value: _check_sparse_mla_paged,
     Op.ROPE.value: _check_rope,
     Op.INDEX_Q_FP8.value: _check_index_q_fp8,
-    Op.PAGE_ROWS.value: _check_page_rows,
     Op.RMS_NORM.value: _check_rms_norm,
 }
 
