@@ -441,7 +441,7 @@ class LeanDecoder:
             x, picks = self._layer(layer, x, rope, buf, picks)
         buf.choice.copy_(m.final_logits(x, self.norm).argmax(dim=-1))
         if mtp is not None:  # the MTP layer on the same rows, the target's choice next
-            xd = m.draft_input(m.draft_embed(buf.choice), m.final_hidden(x))
+            xd = m.draft_input(m.draft_embed(buf.choice), m.final_hidden(x, self.norm))
             hd = m.draft_hidden(self._layer(mtp, xd, rope, buf)[0])
             buf.guess.copy_(m.draft_logits(hd).argmax(dim=-1))
             buf.hidden.copy_(hd)
