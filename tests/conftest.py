@@ -117,6 +117,16 @@ def arch(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
+def triton_interpreter() -> Any:
+    """``TRITON_INTERPRET=1`` (without CUDA) for one Triton kernel module's tests, which name it
+    in ``pytestmark``: the interpreter also reads it at launch (``triton_interp``)."""
+    from triton_interp import interpreter_env
+
+    with interpreter_env():
+        yield
+
+
+@pytest.fixture(scope="module")
 def ref() -> Any:
     """The torch reference backend, loaded through the plugin registry (one per module).
 

@@ -22,21 +22,15 @@ from hypothesis import strategies as st
 import cpkv.testing.conformance as conf
 from cpkv.contracts import KVDtype, KVFormat, Op, OpDeclined
 from cpkv.ops.api import quantize_fp8
-from triton_interp import CUDA, import_kernels, interpreter_env
+from triton_interp import CUDA, import_kernels, interp
 
 topk_mod = import_kernels("cpkv_backend_triton.topk", "_topk_filter_kernel")
 attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
 AttentionKernels = attention.AttentionKernels
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():  # type: ignore[no-untyped-def]
-    """The interpreter also reads TRITON_INTERPRET at launch: set it for this module only."""
-    with interpreter_env():
-        yield
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
-interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
-                                         "gpu tests cover them)")
 
 #: a subset of the suite's sizes that the interpreter runs in seconds (0 rows, empty view, tiny,
 #: short ranges, k = 2048 with every row shorter than k)

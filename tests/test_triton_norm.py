@@ -11,22 +11,12 @@ import torch
 
 import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
-from triton_interp import CUDA, import_kernels, interpreter_env
+from triton_interp import import_kernels, interp
 
 NormKernels = import_kernels("cpkv_backend_triton.norm", "_rms_norm_kernel").NormKernels
-interp = pytest.mark.skipif(CUDA, reason="CUDA present: the kernel is compiled for the GPU (the "
-                                         "gpu tests cover it)")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():  # type: ignore[no-untyped-def]
-    with interpreter_env():
-        yield
-
-
-@pytest.fixture(scope="module")
-def ref() -> Any:
-    return conf.reference_backend()
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def test_op_declared_and_mixed_in() -> None:

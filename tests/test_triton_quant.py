@@ -16,23 +16,13 @@ import torch
 import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
 from cpkv.ops import hadamard_rotate, quantize_index_q
-from triton_interp import CUDA, import_kernels, interpreter_env
+from triton_interp import import_kernels, interp
 
 quant_mod = import_kernels("cpkv_backend_triton.quant", "_index_q_kernel")
 QuantKernels = quant_mod.QuantKernels
-interp = pytest.mark.skipif(CUDA, reason="CUDA present: the kernel is compiled for the GPU (the "
-                                         "gpu tests cover it)")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():  # type: ignore[no-untyped-def]
-    with interpreter_env():
-        yield
-
-
-@pytest.fixture(scope="module")
-def ref() -> Any:
-    return conf.reference_backend()
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def test_op_declared_and_mixed_in() -> None:

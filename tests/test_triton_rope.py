@@ -17,23 +17,13 @@ import torch
 import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
 from cpkv.models import load_model, write_tiny_checkpoint
-from triton_interp import CUDA, import_kernels, interpreter_env
+from triton_interp import import_kernels, interp
 
 rope_mod = import_kernels("cpkv_backend_triton.rope", "_rope_kernel")
 RopeKernels = rope_mod.RopeKernels
-interp = pytest.mark.skipif(CUDA, reason="CUDA present: the kernel is compiled for the GPU (the "
-                                         "gpu tests cover it)")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():  # type: ignore[no-untyped-def]
-    with interpreter_env():
-        yield
-
-
-@pytest.fixture(scope="module")
-def ref() -> Any:
-    return conf.reference_backend()
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def test_op_declared_and_mixed_in() -> None:

@@ -22,9 +22,12 @@ from types import ModuleType
 import pytest
 import torch
 
-__all__ = ["CUDA", "import_kernels", "interpreter_env", "ptxas_report"]
+__all__ = ["CUDA", "import_kernels", "interp", "interpreter_env", "ptxas_report"]
 
 CUDA = torch.cuda.is_available()
+#: a test of the interpreted kernels (with CUDA the kernels are compiled: the gpu tests run)
+interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
+                                         "gpu tests cover them)")
 
 
 @contextmanager
