@@ -151,32 +151,27 @@ class _MTP:
     head: torch.Tensor
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF DeepSeek's RMSNorm: normalized in fp32, rounded to x's dtype, times the weight. On a
-    GPU through torch's fused ``rms_norm`` with the weight inside (fp32 throughout, rounded
-    once: one pass instead of seven over the residual stream, 1.82 -> 0.67 ms per norm of 64K x
-    7168 bf16 on the H200; HF rounds before the weight, so a quarter of the elements differ by
-    one ulp); the CPU keeps HF's exact op sequence."""
-    dt = x.dtype
-    if x.is_cuda and weight.dtype == dt:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dt)
-
-
 #: the ``rms_norm`` op's signature: ``(x [N, D], weight [D], eps) -> [N, D]``
 #: (``cpkv.ops.KVOps.rms_norm``)
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, op: NormFn | None) -> torch.Tensor:
-    """:func:`_rms_norm`, through ``op`` (the ``rms_norm`` op: one Triton pass on GPUs) for 2-D
-    GPU rows of the weight's dtype: the fused torch path's formula (fp32, rounded once); the
-    CPU keeps HF's sequence."""
-    if op is not None and x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype:
-        return op(x, weight, eps)
-    return _rms_norm(x, weight, eps)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              op: NormFn | None = None) -> torch.Tensor:
+    """HF DeepSeek's RMSNorm: normalized in fp32, rounded to x's dtype, times the weight. On a
+    GPU (x of the weight's dtype) in fp32 throughout, rounded once: through ``op`` (the
+    ``rms_norm`` op, one Triton pass a norm) for 2-D rows, else torch's fused ``rms_norm`` (one
+    pass instead of seven over the residual stream, 1.82 -> 0.67 ms per norm of 64K x 7168 bf16
+    on the H200; HF rounds before the weight, so a quarter of the elements differ by one ulp);
+    the CPU keeps HF's exact op sequence."""
+    dt = x.dtype
+    if x.is_cuda and weight.dtype == dt:
+        if op is not None and x.dim() == 2:
+            return op(x, weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dt)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -374,7 +369,7 @@ class DeepseekV32:
         if positions.shape != (n,):
             raise ValueError(f"positions must have shape [{n}], got {list(positions.shape)}")
         x = x.to(self.dtype)
-        h = _norm(x, w.input_norm, c.rms_norm_eps, norm)
+        h = _rms_norm(x, w.input_norm, c.rms_norm_eps, norm)
         cos, sin = rope if rope is not None else self.rope_cos_sin(positions, self.dtype)
         rot: RopeFn = rotate if rotate is not None else apply_rope
 
@@ -385,7 +380,7 @@ class DeepseekV32:
         k_dim = 0 if w.idx_wk is None else w.idx_wk.shape[0]  # a shared-indexer layer: none
         q_a, kv_a, h_k = F.linear(h, w.h_proj).split(
             [c.q_lora_rank, lr + c.qk_rope_head_dim, k_dim], dim=-1)
-        q_resid = _norm(q_a, w.q_a_norm, _SUB_NORM_EPS, norm)
+        q_resid = _rms_norm(q_a, w.q_a_norm, _SUB_NORM_EPS, norm)
         hq = c.num_attention_heads * c.qk_head_dim
         q_r = F.linear(q_resid, w.r_proj)
         q = q_r[:, :hq].view(n, c.num_attention_heads, c.qk_head_dim)
@@ -399,7 +394,7 @@ class DeepseekV32:
         rot(q_rot, cos, sin, "interleave", q_out[..., lr:])
 
         kv_pass, k_rot = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        latent = torch.cat([_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS, norm),
+        latent = torch.cat([_rms_norm(kv_pass, w.kv_a_norm, _SUB_NORM_EPS, norm),
                             rot(k_rot, cos, sin, "interleave", None)], dim=-1)
         if w.idx_wq_b is None or w.idx_wk is None or w.idx_w is None:  # a shared-indexer layer
             return AttentionInputs(q=q_out, latent=latent, index_q=None, index_w=None,
@@ -470,7 +465,7 @@ class DeepseekV32:
         """``post_attention_layernorm`` (through ``norm``, the ``rms_norm`` op, when given) then
         the dense MLP or the MoE (routed + shared experts)."""
         w = self._layer(layer)
-        h = _norm(x.to(self.dtype), w.post_norm, self.config.rms_norm_eps, norm)
+        h = _rms_norm(x.to(self.dtype), w.post_norm, self.config.rms_norm_eps, norm)
         if w.router is None:
             assert w.gate_up is not None and w.down is not None
             return _swiglu(h, w.gate_up, w.down)
@@ -499,7 +494,7 @@ class DeepseekV32:
 
     def final_hidden(self, x: torch.Tensor, norm: NormFn | None = None) -> torch.Tensor:
         """The final RMSNorm of the residual stream: the target's ``h`` the MTP layer takes."""
-        return _norm(x.to(self.dtype), self._norm, self.config.rms_norm_eps, norm)
+        return _rms_norm(x.to(self.dtype), self._norm, self.config.rms_norm_eps, norm)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``lm_head`` of normed rows: ``[N, hidden]`` -> ``[N, vocab]`` float32."""
