@@ -20,6 +20,8 @@ Semantics are :class:`cpkv.ops.api.KVOps`'s ``index_q_fp8``, checked by
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -33,13 +35,19 @@ from cpkv.ops.api import (
 )
 
 __all__ = ["AMAX_FLOOR_F32", "INDEX_Q_BLOCK", "INV_E4M3_MAX_F32", "UE8M0_FLOOR_F32",
-           "QuantKernels", "bf16_bits", "e4m3_bits", "e4m3_value"]
+           "QuantKernels", "bf16_bits", "e4m3_bits", "e4m3_value", "f32"]
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (what an fp32 tensor op does with a Python scalar)."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
+
 
 #: the reference's clamp_min(FP8_AMAX_FLOOR) on an fp32 tensor clamps at its float32 value
-AMAX_FLOOR_F32 = float(torch.tensor(FP8_AMAX_FLOOR, dtype=torch.float32).item())
-UE8M0_FLOOR_F32 = float(torch.tensor(UE8M0_AMAX_FLOOR, dtype=torch.float32).item())
+AMAX_FLOOR_F32 = f32(FP8_AMAX_FLOOR)
+UE8M0_FLOOR_F32 = f32(UE8M0_AMAX_FLOOR)
 #: the reference's ``amax * (1/448)`` multiplies by this fp32 value
-INV_E4M3_MAX_F32 = float(torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32).item())
+INV_E4M3_MAX_F32 = f32(1.0 / FP8_E4M3_MAX)
 #: (row, head) pairs per ``index_q_fp8`` program (a tensor-core dot needs >= 16)
 INDEX_Q_BLOCK = 32
 
@@ -169,12 +177,11 @@ class QuantKernels:
         pairs = n * h
         if pairs == 0:
             return q8, wo
-        norm = float(torch.tensor(d ** -0.5, dtype=torch.float32).item())
         grid = (triton.cdiv(pairs, self.block),)
         _index_q_kernel[grid](q, w, q8.view(torch.uint8), wo, pairs, h,
                               q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                               D=d, DP=triton.next_power_of_2(d), ROTATE=rotate, OUT=out,
                               F32_DOT=out == 2 or q.device.type == "cpu",
-                              NORM=norm, FLOOR=UE8M0_FLOOR_F32, INV_MAX=INV_E4M3_MAX_F32,
+                              NORM=f32(d ** -0.5), FLOOR=UE8M0_FLOOR_F32, INV_MAX=INV_E4M3_MAX_F32,
                               BLOCK=self.block, num_warps=4)
         return q8, wo
