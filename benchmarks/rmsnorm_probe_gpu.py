@@ -1,8 +1,8 @@
 """Probe (session 19): is a decode step's RMSNorm worth a kernel? torch's fused ``F.rms_norm``
-(the model's GPU path) against a one-pass Triton RMSNorm, 64 rows of the DeepSeek-V3.2 widths
-(7168 hidden, 1536 q_lora, 512 kv_lora), bf16 with a bf16 weight; each timed as a CUDA graph of
-20 calls (a decode step replays a graph: launch gaps as there). Prints and writes one JSON row a
-shape: us a call for both and their max difference.
+(the model's GPU path before session 19) against the ``rms_norm`` op's Triton kernel, 64 rows
+of the DeepSeek-V3.2 widths (7168 hidden, 1536 q_lora, 512 kv_lora), bf16 with a bf16 weight;
+each timed as a CUDA graph of 20 calls (a decode step replays a graph: launch gaps as there).
+Prints and writes one JSON row a shape: us a call for both and their max difference.
 
 Usage (one GPU, .whl carried): python benchmarks/rmsnorm_probe_gpu.py OUT.json
 """
@@ -14,28 +14,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
+from cpkv_backend_triton.norm import NormKernels
 
-@triton.jit
-def _rms_kernel(x_ptr, w_ptr, out_ptr, D, sx, so, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    m = d < D
-    x = tl.load(x_ptr + row * sx + d, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    tl.store(out_ptr + row * so + d, (x * r * w).to(out_ptr.dtype.element_ty), mask=m)
-
-
-def triton_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    out = torch.empty_like(x)
-    d = x.shape[1]
-    block = triton.next_power_of_2(d)
-    _rms_kernel[(x.shape[0],)](x, w, out, d, x.stride(0), out.stride(0), eps, BLOCK=block,
-                               num_warps=8 if block >= 4096 else 4)
-    return out
+triton_rms = NormKernels().rms_norm
 
 
 def graph_us(fn, calls: int = 20, reps: int = 50) -> float:
