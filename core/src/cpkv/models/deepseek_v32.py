@@ -160,13 +160,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
               op: NormFn | None = None) -> torch.Tensor:
     """HF DeepSeek's RMSNorm: normalized in fp32, rounded to x's dtype, times the weight. On a
     GPU (x of the weight's dtype) in fp32 throughout, rounded once: through ``op`` (the
-    ``rms_norm`` op, one Triton pass a norm) for 2-D rows, else torch's fused ``rms_norm`` (one
-    pass instead of seven over the residual stream, 1.82 -> 0.67 ms per norm of 64K x 7168 bf16
-    on the H200; HF rounds before the weight, so a quarter of the elements differ by one ulp);
-    the CPU keeps HF's exact op sequence."""
+    ``rms_norm`` op on [N, D] rows, one Triton pass a norm) when given, else torch's fused
+    ``rms_norm`` (one pass instead of seven over the residual stream, 1.82 -> 0.67 ms per norm
+    of 64K x 7168 bf16 on the H200; HF rounds before the weight, so a quarter of the elements
+    differ by one ulp); the CPU keeps HF's exact op sequence."""
     dt = x.dtype
     if x.is_cuda and weight.dtype == dt:
-        if op is not None and x.dim() == 2:
+        if op is not None:
             return op(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     h = x.to(torch.float32)
