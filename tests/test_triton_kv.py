@@ -288,6 +288,49 @@ def test_fp8_ops_reject_bad_shapes(impl: TritonOps) -> None:
         impl.fp8_pack(torch.zeros(2, 3, device=DEVICE), DS, "nope")  # type: ignore[arg-type]
 
 
+def test_fp8_store_rejects_bad_arguments_and_declines_a_small_rotation(impl: TritonOps) -> None:
+    from cpkv.contracts import OpDeclined
+
+    dst = torch.zeros(2, 64, 132, dtype=torch.uint8, device=DEVICE)
+    rows = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    x = torch.randn(3, 128, device=DEVICE)
+    with pytest.raises(ValueError, match="index-K only"):
+        impl.fp8_store(torch.randn(3, 576, device=DEVICE), DS, "latent",
+                       torch.zeros(2, 64, 656, dtype=torch.uint8, device=DEVICE), rows, True)
+    with pytest.raises(ValueError, match=r"dst uint8 \[S, P, 132\]"):
+        impl.fp8_store(x, DS, "index_k", dst[..., :131], rows, False)
+    with pytest.raises(ValueError, match="rows int64"):
+        impl.fp8_store(x, DS, "index_k", dst, rows.int(), False)
+    with pytest.raises(ValueError, match=r"x float \[N, 128\]"):
+        impl.fp8_store(x[:, :64], DS, "index_k", dst, rows, False)
+    tiny = KVFormat(dtype=KVDtype.FP8, kv_lora_rank=64, rope_dim=16, index_head_dim=8,
+                    quant_block=32, page_size=64)
+    with pytest.raises(OpDeclined, match="head dim 8"):
+        impl.fp8_store(torch.randn(3, 8, device=DEVICE), tiny, "index_k",
+                       torch.zeros(2, 64, 12, dtype=torch.uint8, device=DEVICE), rows, True)
+
+
+def test_fp8_store_check_catches_a_misplaced_or_unrotated_write(ref: Any) -> None:
+    """The conformance check fails a store one token off, and one that skips the rotation."""
+    from cpkv_backend_torch.ops import TorchOps
+
+    class OneOff(TorchOps):
+        def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: Any, dst: torch.Tensor,
+                      rows: torch.Tensor, rotate: bool) -> None:
+            super().fp8_store(x, fmt, part, dst, (rows + 1) % (dst.shape[0] * dst.shape[1]),
+                              rotate)
+
+    class Unrotated(TorchOps):
+        def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: Any, dst: torch.Tensor,
+                      rows: torch.Tensor, rotate: bool) -> None:
+            super().fp8_store(x, fmt, part, dst, rows, False)
+
+    with pytest.raises(AssertionError, match=r"fp8_store .* pages"):
+        check_op(OneOff(), ref, "fp8_store")
+    with pytest.raises(AssertionError, match=r"rotated.*codes are the reference"):
+        check_op(Unrotated(), ref, "fp8_store")
+
+
 # ---- benchmark smoke test --------------------------------------------------------------------
 def test_bench_kv_smoke() -> None:
     from cpkv_backend_triton.bench import bench_kv

@@ -11,6 +11,8 @@ formulas here are the definition:
   stored as 4 little-endian bytes; ``q = e4m3(clamp(x_block / scale, +-448))``, round to
   nearest even); rope (latent only) is ``x[:, kv_lora_rank:]`` cast to bf16 and stored as 2
   bytes per value. The index-K arrives rotated (the driver's :func:`cpkv.ops.api.hadamard_rotate`).
+* ``fp8_store``: ``fp8_pack`` of the rows (rotated first by :func:`cpkv.ops.api.hadamard_rotate`
+  when asked), written with ``index_put_`` at ``(rows // P, rows % P)`` of the [S, P, B] part.
 * ``fp8_unpack``: ``(float32(q) * scale)`` then one cast to the requested dtype; rope is the stored
   bf16 cast to the requested dtype.
 
@@ -57,6 +59,7 @@ import torch
 from cpkv.models.rope import apply_rope
 from cpkv.ops.api import (
     KVFormat,
+    check_fp8_store_args,
     check_index_q_args,
     check_indexer_args,
     check_indexer_index_pages_args,
@@ -100,6 +103,20 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """[N, D] of any dtype -> [N, D * itemsize] uint8 (native byte order: little-endian)."""
     return t.contiguous().view(torch.uint8)
+
+
+def _pack(x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
+    """``fp8_pack``'s formula (the module docstring), shared by ``fp8_store``."""
+    dims, block, rope, _ = fp8_layout(fmt, part)
+    if x.dim() != 2 or x.shape[1] != dims + rope:
+        raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for {fmt!r}, "
+                         f"got {tuple(x.shape)}")
+    # [N, dims] e4m3, [N, blocks] fp32
+    q, scale = quantize_fp8(x[:, :dims], block, scale_format(part))
+    parts = [q.view(torch.uint8), _bytes(scale)]
+    if rope:
+        parts.append(_bytes(x[:, dims:].to(torch.bfloat16)))
+    return torch.cat(parts, dim=1)
 
 
 class TorchOps:
@@ -176,16 +193,21 @@ class TorchOps:
         Raises:
             ValueError: ``x`` is not 2-D or its last dim does not match ``fmt`` and ``part``.
         """
-        dims, block, rope, _ = fp8_layout(fmt, part)
-        if x.dim() != 2 or x.shape[1] != dims + rope:
-            raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for {fmt!r}, "
-                             f"got {tuple(x.shape)}")
-        # [N, dims] e4m3, [N, blocks] fp32
-        q, scale = quantize_fp8(x[:, :dims], block, scale_format(part))
-        parts = [q.view(torch.uint8), _bytes(scale)]
-        if rope:
-            parts.append(_bytes(x[:, dims:].to(torch.bfloat16)))
-        return torch.cat(parts, dim=1)
+        return _pack(x, fmt, part)
+
+    def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
+                  rows: torch.Tensor, rotate: bool) -> None:
+        """Quantize rows into a part's pages in place (see :class:`cpkv.ops.api.KVOps`):
+        :meth:`fp8_pack` of ``x`` (rotated first when ``rotate``), ``index_put_`` at (page,
+        offset).
+
+        Raises:
+            ValueError: a shape or dtype does not fit (as every backend).
+        """
+        check_fp8_store_args(x, fmt, part, dst, rows, rotate)
+        packed = _pack(hadamard_rotate(x) if rotate else x, fmt, part)
+        ps = dst.shape[1]
+        dst.index_put_((rows // ps, rows % ps), packed)
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
                    dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Triton kernels of the KV ops (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack,
-page_rows) and their thin wrappers, :class:`KVKernels` (a part of :class:`cpkv_backend_triton.ops.TritonOps`).
+"""Triton kernels of the KV ops (page_gather, page_scatter, rerange, fp8_pack, fp8_store,
+fp8_unpack, page_rows) and their thin wrappers, :class:`KVKernels` (a part of
+:class:`cpkv_backend_triton.ops.TritonOps`).
 
 Imports triton and torch: the plugin imports this module only when the backend is loaded.
 
@@ -30,6 +31,8 @@ import triton.language as tl
 
 from cpkv.ops.api import (
     FallbackReason,
+    OpDeclined,
+    check_fp8_store_args,
     check_page_copy_args,
     check_page_rows_args,
     check_peer_gather_args,
@@ -41,10 +44,13 @@ from cpkv.ops.api import (
 from .quant import (
     AMAX_FLOOR_F32,
     INV_E4M3_MAX_F32,
+    OUT_DTYPES,
     UE8M0_FLOOR_F32,
     bf16_bits,
     e4m3_bits,
     e4m3_value,
+    f32,
+    hadamard_rows,
 )
 
 if TYPE_CHECKING:
@@ -290,25 +296,38 @@ def _page_rows_kernel(keys_ptr, table_ptr, req_ptr, out_ptr, K, sk0, sk1, st0, s
 
 # ---- fp8 -------------------------------------------------------------------------------------
 @triton.jit
-def _fp8_pack_kernel(x_ptr, out_ptr, n_rows, sx_n, sx_d, so_n,
+def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, n_rows, sx_n, sx_d, so_n, so_t, PS,
                      DIMS: tl.constexpr, QB: tl.constexpr, NBLK: tl.constexpr,
                      ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_RB: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
-                     INV_MAX: tl.constexpr):
+                     INV_MAX: tl.constexpr, SCATTER: tl.constexpr, ROTATE: tl.constexpr,
+                     OUT: tl.constexpr, F32_DOT: tl.constexpr, NORM: tl.constexpr):
     """Program (i, b): rows [i * BLOCK_N, ...) x quant block b, or the rope when b == NBLK.
-    ``POW2``: "ue8m0" scales (the smallest power of two >= amax * INV_MAX, from its bits)."""
+    ``POW2``: "ue8m0" scales (the smallest power of two >= amax * INV_MAX, from its bits).
+    Row i goes to ``out + i * so_n``, or with ``SCATTER`` (``fp8_store``) to page
+    ``rows[i] // PS`` (stride ``so_n``), token ``rows[i] % PS`` (stride ``so_t``). ``ROTATE``
+    (one block of QB = D, a power of two, BLOCK_N >= 16): the rows' Hadamard rotation first
+    (:func:`.quant.hadamard_rows`, rounded to their dtype ``OUT``)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     x_row = x_ptr + rows[:, None] * sx_n
-    o_row = out_ptr + rows[:, None] * so_n
+    if SCATTER:
+        dst = tl.load(rows_ptr + rows, mask=rmask, other=0)
+        o_row = out_ptr + ((dst // PS) * so_n + (dst % PS) * so_t)[:, None]
+    else:
+        o_row = out_ptr + rows[:, None] * so_n
     if b < NBLK:
         cols = tl.arange(0, BLOCK_Q)
         cmask = cols < QB
         mask = rmask[:, None] & cmask[None, :]
         d = b * QB + cols
-        v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
+        if ROTATE:
+            v = hadamard_rows(tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0), cols,
+                              F32_DOT, NORM, OUT)
+        else:
+            v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
         if POW2:  # the exponent + 1 when any mantissa bit is set, as the reference
             r = (amax * INV_MAX).to(tl.int32, bitcast=True)
@@ -383,6 +402,32 @@ def _fp8_unpack_kernel(p_ptr, out_ptr, idx_ptr, n_rows, sp_n, sp_b, so_n,
                 tl.store(o_row + rd[None, :], rv, mask=rmask2)
             else:
                 tl.store(o_row + rd[None, :], rv.to(tl.float16), mask=rmask2)
+
+
+def _launch_pack(x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
+                 rows: torch.Tensor | None, rotate: bool) -> None:
+    """``_fp8_pack_kernel`` over the N >= 1 rows of ``x`` (fp32 / bf16 / fp16) into ``dst``
+    uint8 [N, 1, B] (row i at ``dst[i]``: ``rows`` None) or [S, P, B] (row i at page / token
+    ``rows[i] // P``, ``rows[i] % P``)."""
+    dims, block, rope, _ = fp8_layout(fmt, part)
+    n = x.shape[0]
+    nblk = dims // block
+    pow2 = scale_format(part) == "ue8m0"
+    block_q = triton.next_power_of_2(block)
+    # the rotation's dot needs >= 16 rows; at 32 its registers spill (sm_90: 255 and 48 B,
+    # 156 and none at 16)
+    block_n = 16 if rotate else max(1, min(32, 4096 // block_q, triton.next_power_of_2(n)))
+    grid = (triton.cdiv(n, block_n), nblk + (1 if rope else 0))
+    out = OUT_DTYPES.get(x.dtype, 2)
+    _fp8_pack_kernel[grid](x, dst, x if rows is None else rows, n, x.stride(0), x.stride(1),
+                           dst.stride(0), dst.stride(1), dst.shape[1],
+                           DIMS=dims, QB=block, NBLK=nblk, ROPE=rope, BLOCK_N=block_n,
+                           BLOCK_Q=block_q,
+                           BLOCK_RB=triton.next_power_of_2(max(2 * rope, 1)),
+                           FLOOR=UE8M0_FLOOR_F32 if pow2 else AMAX_FLOOR_F32, POW2=pow2,
+                           INV_MAX=INV_E4M3_MAX_F32, SCATTER=rows is not None, ROTATE=rotate,
+                           OUT=out, F32_DOT=out == 2 or x.device.type == "cpu",
+                           NORM=f32(dims ** -0.5), num_warps=4)
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -491,7 +536,7 @@ class KVKernels:
     # ---- fp8 ---------------------------------------------------------------------------------
     def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
         """Quantise rows to the fp8 pool layout; bytes identical to the torch reference."""
-        dims, block, rope, nbytes = fp8_layout(fmt, part)
+        dims, _, rope, nbytes = fp8_layout(fmt, part)
         if x.dim() != 2 or x.shape[1] != dims + rope:
             raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for "
                              f"{fmt!r}, got {tuple(x.shape)}")
@@ -503,23 +548,32 @@ class KVKernels:
             x = x.float()
         n = x.shape[0]
         out = torch.empty((n, nbytes), dtype=torch.uint8, device=x.device)
-        if n == 0:
-            return out
-        nblk = dims // block
-        pow2 = scale_format(part) == "ue8m0"
-        block_q = triton.next_power_of_2(block)
-        block_n = max(1, min(32, 4096 // block_q, triton.next_power_of_2(n)))
-        grid = (triton.cdiv(n, block_n), nblk + (1 if rope else 0))
-        _fp8_pack_kernel[grid](x, out, n, x.stride(0), x.stride(1), out.stride(0),
-                               DIMS=dims, QB=block, NBLK=nblk, ROPE=rope, BLOCK_N=block_n,
-                               BLOCK_Q=block_q,
-                               BLOCK_RB=triton.next_power_of_2(max(2 * rope, 1)),
-                               FLOOR=UE8M0_FLOOR_F32 if pow2 else AMAX_FLOOR_F32, POW2=pow2,
-                               INV_MAX=INV_E4M3_MAX_F32, num_warps=4)
+        if n:
+            _launch_pack(x, fmt, part, out.view(n, 1, nbytes), None, False)
         if wide and rope:  # the reference casts float64 rope straight to bf16 (one rounding)
             out[:, nbytes - 2 * rope:] = x_in[:, dims:].to(torch.bfloat16).contiguous().view(
                 torch.uint8)
         return out
+
+    def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
+                  rows: torch.Tensor, rotate: bool) -> None:
+        """Quantize rows straight into a part's pages at (``rows // P``, ``rows % P``), the
+        index-K rotated first when asked: the pack kernel with a scattered destination (the
+        reference's bytes without ``rotate``). See :class:`cpkv.ops.api.KVOps`.
+
+        Raises:
+            ValueError: a shape or dtype does not fit (as every backend).
+            OpDeclined: float64 rows, or the rotation of a head dim under 16 (a tensor-core
+                dot's least).
+        """
+        check_fp8_store_args(x, fmt, part, dst, rows, rotate)
+        if x.dtype not in OUT_DTYPES:
+            raise OpDeclined(f"fp8_store: {x.dtype} rows (the kernel takes bf16, fp16, fp32)")
+        if rotate and x.shape[1] < 16:
+            raise OpDeclined(f"fp8_store: the rotation of head dim {x.shape[1]} (the dot needs "
+                             f">= 16)")
+        if x.shape[0]:
+            _launch_pack(x, fmt, part, dst, rows, rotate)
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
                    dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:

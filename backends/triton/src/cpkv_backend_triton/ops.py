@@ -34,7 +34,8 @@ IMPORT_ERRORS: dict[str, str] = {}
 
 #: the ops each part implements
 KV_OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE,
-                                   Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK, Op.PAGE_ROWS})
+                                   Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK, Op.PAGE_ROWS,
+                                   Op.FP8_STORE})
 ATTENTION_OPS: frozenset[Op] = frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
                                           Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
                                           Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED})
@@ -97,7 +98,8 @@ class TritonOps(OpMethods):
             methods |= {Op.PAGE_GATHER: kv.page_gather, Op.PAGE_SCATTER: kv.page_scatter,
                         Op.PAGE_COPY: kv.page_copy, Op.RERANGE: kv.rerange,
                         Op.PEER_GATHER: kv.peer_gather, Op.FP8_PACK: kv.fp8_pack,
-                        Op.FP8_UNPACK: kv.fp8_unpack, Op.PAGE_ROWS: kv.page_rows}
+                        Op.FP8_UNPACK: kv.fp8_unpack, Op.PAGE_ROWS: kv.page_rows,
+                        Op.FP8_STORE: kv.fp8_store}
         if attention is not None:
             methods |= {Op.INDEXER_LOGITS: attention.indexer_logits,
                         Op.INDEXER_LOGITS_PAGED: attention.indexer_logits_paged,

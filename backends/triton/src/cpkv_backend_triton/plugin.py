@@ -27,6 +27,7 @@ OPS: frozenset[Op] = frozenset({
     Op.ROPE,
     Op.INDEX_Q_FP8,
     Op.PAGE_ROWS,
+    Op.FP8_STORE,
     Op.RMS_NORM,
 })
 

@@ -34,8 +34,8 @@ from cpkv.ops.api import (
     check_index_q_args,
 )
 
-__all__ = ["AMAX_FLOOR_F32", "INDEX_Q_BLOCK", "INV_E4M3_MAX_F32", "UE8M0_FLOOR_F32",
-           "QuantKernels", "bf16_bits", "e4m3_bits", "e4m3_value", "f32"]
+__all__ = ["AMAX_FLOOR_F32", "INDEX_Q_BLOCK", "INV_E4M3_MAX_F32", "OUT_DTYPES", "UE8M0_FLOOR_F32",
+           "QuantKernels", "bf16_bits", "e4m3_bits", "e4m3_value", "f32", "hadamard_rows"]
 
 
 def f32(x: float) -> float:
@@ -51,7 +51,8 @@ INV_E4M3_MAX_F32 = f32(1.0 / FP8_E4M3_MAX)
 #: (row, head) pairs per ``index_q_fp8`` program (a tensor-core dot needs >= 16)
 INDEX_Q_BLOCK = 32
 
-_OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+#: a kernel's code of a 16/32-bit float dtype (the rotation's rounding)
+OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @triton.jit
@@ -99,6 +100,32 @@ def e4m3_value(c):
 
 
 @triton.jit
+def hadamard_rows(x, d, F32_DOT: tl.constexpr, NORM: tl.constexpr, OUT: tl.constexpr):
+    """DeepSeek's ``rotate_activation`` of rows ``x`` [BLOCK >= 16, D] (``d = arange(D)``, D a
+    power of two): the Sylvester matrix built from index bits in registers (``H[i, j] =
+    (-1)^popcount(i & j)``, exact in any dtype), one tensor-core dot with fp32 sums (as the
+    reference's ``mm(..., out_dtype=float32)``; ``F32_DOT``: an fp32 dot, for fp32 rows and the
+    CPU interpreter, whose 16-bit dot is wrong), times ``NORM`` (D^-1/2), rounded to the rows'
+    dtype ``OUT`` (0 bf16, 1 fp16, 2 fp32) and returned as fp32."""
+    b = d[:, None] & d[None, :]
+    b = b ^ (b >> 8)
+    b = b ^ (b >> 4)
+    b = b ^ (b >> 2)
+    b = b ^ (b >> 1)
+    sign = 1.0 - 2.0 * (b & 1).to(tl.float32)
+    if F32_DOT:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
+        y = tl.dot(x.to(tl.float32), sign, input_precision="ieee")
+    else:
+        y = tl.dot(x, sign.to(x.dtype))
+    y = y * NORM
+    if OUT == 0:  # to nearest even in integer ops (the interpreter's cast truncates)
+        y = (bf16_bits(y) << 16).to(tl.float32, bitcast=True)
+    elif OUT == 1:
+        y = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    return y
+
+
+@triton.jit
 def _index_q_kernel(q_ptr, w_ptr, q8_ptr, wo_ptr, P, H, sq0, sq1, sq2, sw0, sw1,
                     D: tl.constexpr, DP: tl.constexpr, ROTATE: tl.constexpr, OUT: tl.constexpr,
                     F32_DOT: tl.constexpr, NORM: tl.constexpr, FLOOR: tl.constexpr, INV_MAX: tl.constexpr,
@@ -115,24 +142,8 @@ def _index_q_kernel(q_ptr, w_ptr, q8_ptr, wo_ptr, P, H, sq0, sq1, sq2, sw0, sw1,
     m2 = pm[:, None] & (d[None, :] < D)
     x = tl.load(q_ptr + row[:, None] * sq0 + head[:, None] * sq1 + d[None, :] * sq2, mask=m2,
                 other=0.0)
-    if ROTATE:  # D == DP here (a power of two)
-        b = d[:, None] & d[None, :]
-        b = b ^ (b >> 8)
-        b = b ^ (b >> 4)
-        b = b ^ (b >> 2)
-        b = b ^ (b >> 1)
-        sign = 1.0 - 2.0 * (b & 1).to(tl.float32)  # the Sylvester matrix, exact in any dtype
-        if F32_DOT:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
-            y = tl.dot(x.to(tl.float32), sign, input_precision="ieee")
-        else:  # fp32 sums of 16-bit products, as the reference's mm(..., out_dtype=float32)
-            y = tl.dot(x, sign.to(x.dtype))
-        y = y * NORM
-        if OUT == 0:  # to nearest even in integer ops (the interpreter's cast truncates)
-            y = (bf16_bits(y) << 16).to(tl.float32, bitcast=True)
-        elif OUT == 1:
-            y = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-    else:
-        y = x.to(tl.float32)
+    # D == DP with ROTATE (a power of two)
+    y = hadamard_rows(x, d, F32_DOT, NORM, OUT) if ROTATE else x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), FLOOR)
     r = (amax * INV_MAX).to(tl.int32, bitcast=True)
     scale = ((r + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)  # ue8m0, as the reference
@@ -167,7 +178,7 @@ class QuantKernels:
         """
         check_index_q_args(q, w, rotate)
         n, h, d = q.shape
-        out = _OUT_DTYPES.get(q.dtype)
+        out = OUT_DTYPES.get(q.dtype)
         if out is None:
             raise OpDeclined(f"index_q_fp8: a {q.dtype} query (the kernel takes bf16, fp16, fp32)")
         if rotate and d < 16:

@@ -37,6 +37,7 @@ class Op(StrEnum):
     RERANGE = "rerange"
     FP8_PACK = "fp8_pack"
     FP8_UNPACK = "fp8_unpack"
+    FP8_STORE = "fp8_store"
     PEER_GATHER = "peer_gather"
     INDEXER_LOGITS = "indexer_logits"
     INDEXER_LOGITS_PAGED = "indexer_logits_paged"
@@ -147,6 +148,32 @@ class KVOps(Protocol):
 
         Raises:
             ValueError: ``packed`` is not 2-D uint8 with B bytes per row.
+        """
+        ...
+
+    def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
+                  rows: torch.Tensor, rotate: bool) -> None:
+        """Quantize rows and write them into a part's pages in place, one pass: a decode step's
+        KV write (the pack, the page / offset arithmetic and the scatter: five to eight torch
+        kernels a part, three more for the index-K's rotation).
+
+        ``dst[rows[i] // P, rows[i] % P] = fp8_pack(x', fmt, part)[i]`` with ``P = dst.shape[1]``
+        (the page size) and ``x' = hadamard_rotate(x)`` when ``rotate`` (``part="index_k"``
+        only: an fp8 pool stores DeepSeek's rotated index-K), else ``x``. ``dst`` uint8 [S, P, B]
+        (B: :meth:`fp8_pack`'s bytes) with unit byte stride and any page and token strides
+        (one part of part-major page blocks, or a column slice of token-major rows); ``rows``
+        int64 [N] in ``[0, S * P)`` (values not checked: no host sync); a row named twice must
+        carry equal rows of ``x`` (a padded decode batch repeats its first request). Every
+        other byte of ``dst`` is unchanged. Without ``rotate`` the bytes are :meth:`fp8_pack`'s
+        exactly. With it the rotation's fp32 sums may run in another order, as in
+        :meth:`index_q_fp8`: conformance asks for the reference's codes on almost every element
+        and bounds every dequantized value.
+
+        Raises:
+            ValueError: ``x`` not float [N, D] of ``fmt`` and ``part``, ``dst`` not uint8
+                [S, P, B] with unit byte stride, ``rows`` not int64 [N], ``rotate`` for the
+                latent or with a head dim that is not a power of two
+                (:func:`cpkv.ops.check_fp8_store_args`).
         """
         ...
 

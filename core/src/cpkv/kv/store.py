@@ -29,13 +29,14 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import (
     BufferLayout,
     CPPlan,
+    KVDtype,
     KVFormat,
     MaterializeMode,
     PageLayout,
     layer_formats,
     pages_nbytes,
 )
-from cpkv.ops import page_blocks
+from cpkv.ops import hadamard_rotate, page_blocks
 
 from .batch import BatchKV, build_batch
 from .buffers import KVBufferSpec
@@ -213,12 +214,25 @@ class KVStore:
             self.index_k[layer].index_put_((page, off), index_k)
 
     def write_rows(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
-                   index_k: torch.Tensor | None) -> None:
+                   index_k: torch.Tensor | None, rotate: bool = False) -> None:
         """Store KV rows (compute dtype, [N, D]) at token rows ``rows`` (int64 [N], page slot x
         ps + offset) of ``layer``, read from the device each call: the decode step's write
         (device work only; ``rows`` is a persistent buffer whose values change between calls).
-        ``index_k`` is None for a layer without index-K."""
-        lat_b, idx_b = self._pack(layer, latent, index_k)
+        ``index_k`` is None for a layer without index-K; ``rotate``: store it Hadamard-rotated
+        (an fp8 pool's index-K, DeepSeek's ``rotate_activation``). An fp8 pool in a one-tensor
+        layout takes the ``fp8_store`` op, a part a call (the pack and scatter in one pass);
+        others pack, then write."""
+        fmt = self.fmts[layer]
+        if self.latent and fmt.dtype is KVDtype.FP8:
+            self.ops.fp8_store(latent, fmt, "latent", self.latent[layer], rows, False)
+            if fmt.index_k:
+                if index_k is None:
+                    raise ValueError(f"layer {layer} caches index-K: its index_k rows are needed")
+                self.ops.fp8_store(index_k, fmt, "index_k", self.index_k[layer], rows, rotate)
+            return
+        lat_b, idx_b = self._pack(layer, latent,
+                                  hadamard_rotate(index_k) if rotate and index_k is not None
+                                  else index_k)
         if self.layout is PageLayout.TOKEN_MAJOR:  # two_part too (its own writes)
             self._store(layer, rows, lat_b, idx_b)
             return

@@ -26,7 +26,8 @@ Argument checks (run them first: one wording of the errors in every backend; met
     :func:`check_indexer_paged_args`, :func:`check_indexer_index_pages_args`,
     :func:`check_indexer_topk_args`, :func:`check_topk_args`,
     :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`,
-    :func:`check_index_q_args`, :func:`check_page_rows_args`, :func:`check_rms_norm_args`.
+    :func:`check_index_q_args`, :func:`check_page_rows_args`, :func:`check_fp8_store_args`,
+    :func:`check_rms_norm_args`.
 
 Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     :func:`fp8_layout` (dims, block, rope dims and bytes of a packed fp8 row), :func:`part_view`
@@ -67,6 +68,7 @@ from cpkv.contracts import (
 from cpkv.fallback import report_fallback
 
 from .checks import (
+    check_fp8_store_args,
     check_index_q_args,
     check_indexer_args,
     check_indexer_index_pages_args,
@@ -120,6 +122,7 @@ __all__ = [
     "PageLayout",
     "RopeStyle",
     "ScaleFormat",
+    "check_fp8_store_args",
     "check_index_q_args",
     "check_indexer_args",
     "check_indexer_index_pages_args",

@@ -14,13 +14,13 @@ from cpkv.contracts import KVDtype
 if TYPE_CHECKING:
     import torch
 
-    from cpkv.contracts import KVFormat, RopeStyle
+    from cpkv.contracts import KVFormat, KVPart, RopeStyle
 
-__all__ = ["check_index_q_args", "check_indexer_args", "check_indexer_index_pages_args",
-           "check_indexer_paged_args", "check_indexer_topk_args", "check_page_copy_args",
-           "check_page_rows_args", "check_peer_gather_args", "check_rms_norm_args",
-           "check_rope_args", "check_sparse_mla_args", "check_sparse_mla_paged_args",
-           "check_topk_args"]
+__all__ = ["check_fp8_store_args", "check_index_q_args", "check_indexer_args",
+           "check_indexer_index_pages_args", "check_indexer_paged_args", "check_indexer_topk_args",
+           "check_page_copy_args", "check_page_rows_args", "check_peer_gather_args",
+           "check_rms_norm_args", "check_rope_args", "check_sparse_mla_args",
+           "check_sparse_mla_paged_args", "check_topk_args"]
 
 
 def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
@@ -91,6 +91,39 @@ def check_index_q_args(q: torch.Tensor, w: torch.Tensor, rotate: bool) -> None:
     d = q.shape[2]
     if rotate and (d < 1 or d & (d - 1)):
         raise ValueError(f"index_q_fp8: the rotation needs a power-of-two head dim, got {d}")
+
+
+def check_fp8_store_args(x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
+                         rows: torch.Tensor, rotate: bool) -> None:
+    """Validate ``fp8_store`` arguments.
+
+    Raises:
+        ValueError: x not float [N, D] (D: ``fmt``'s dims of ``part``), dst not uint8 [S, P, B]
+            (B: the packed bytes) with unit byte stride, rows not int64 [N], ``rotate`` for the
+            latent or with a head dim that is not a power of two.
+    """
+    import torch
+
+    from .layout import fp8_layout
+
+    dims, _, rope, nbytes = fp8_layout(fmt, part)
+    d = dims + rope
+    if x.dim() != 2 or x.shape[1] != d or not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise ValueError(f"fp8_store({part}): expected x float [N, {d}] for {fmt!r}, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if dst.dim() != 3 or dst.dtype != torch.uint8 or dst.shape[2] != nbytes or (
+            nbytes > 1 and dst.stride(2) != 1):
+        raise ValueError(f"fp8_store({part}): expected dst uint8 [S, P, {nbytes}] with unit "
+                         f"byte stride, got {dst.dtype} {tuple(dst.shape)} strides "
+                         f"{dst.stride()}")
+    if rows.dtype != torch.int64 or tuple(rows.shape) != (x.shape[0],):
+        raise ValueError(f"fp8_store({part}): expected rows int64 [{x.shape[0]}], got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    if rotate and part != "index_k":
+        raise ValueError(f"fp8_store({part}): the rotation applies to the index-K only")
+    if rotate and (d < 1 or d & (d - 1)):
+        raise ValueError(f"fp8_store({part}): the rotation needs a power-of-two head dim, "
+                         f"got {d}")
 
 
 def check_page_rows_args(keys: torch.Tensor, block_table: torch.Tensor,

@@ -457,9 +457,7 @@ class LeanDecoder:
         pos, dst, key_end = buf.rows[1], buf.rows[2], buf.rows[3]
         a = m.attention_inputs(layer, x, pos, rope, ops.rope, self.norm)
         rot = self.rotate_index
-        store.write_rows(layer, dst, a.latent,
-                         None if a.index_k is None else
-                         hadamard_rotate(a.index_k) if rot else a.index_k)
+        store.write_rows(layer, dst, a.latent, a.index_k, rot)
         lp = self.layers[layer]
         if a.index_q is None or a.index_w is None:
             if shared is None:

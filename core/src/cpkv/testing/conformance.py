@@ -75,9 +75,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from cpkv.contracts import KVDtype, KVFormat, KVOps, Op
+from cpkv.contracts import KVDtype, KVFormat, KVOps, KVPart, Op
 from cpkv.kv import pack_rows
-from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
+from cpkv.ops.api import fp8_layout, hadamard_rotate, quantize_fp8, quantize_index_q
 from cpkv.plugin import PluginHost
 
 __all__ = [
@@ -426,6 +426,64 @@ def _check_fp8_pack(impl: Any, ref: Any, device: str, seed: int) -> None:
             got = _call(op, case, impl.fp8_pack, x, fmt, part)
             _assert_same(op, case, "bytes", got, want)
             _unchanged(op, case, keep, [x])
+
+
+def _store_view(b: torch.Tensor, ps: int, nbytes: int) -> torch.Tensor:
+    """``fp8_store``'s destination in the test buffers: [S, P, nbytes] of a page block (2-D:
+    after 7 tokens' bytes of another part) or of token rows (3-D: a column slice)."""
+    if b.dim() == 2:
+        return b[:, 7 * ps:7 * ps + ps * nbytes].view(-1, ps, nbytes)
+    return b[:, :, 5:5 + nbytes]
+
+
+def _check_fp8_store(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """Rows (bf16, fp32) quantized into pages full of other bytes: one part of part-major page
+    blocks (a page stride wider than its tokens) and a column slice of token-major rows (token
+    stride wider than the part), rows in random order with one named twice (equal x rows, a
+    padded decode batch), an empty call. Without ``rotate`` every byte of the pages equals the
+    reference's; with it (index-K) the bytes outside the written rows do, and the written rows'
+    codes and scales pass :func:`_assert_rotated_codes`."""
+    op = "fp8_store"
+    for k, (label, fmt, part_name, n) in enumerate(_fp8_cases()):
+        part: KVPart = "latent" if part_name == "latent" else "index_k"
+        dims, _, _, nbytes = fp8_layout(fmt, part)
+        ps, slots = fmt.page_size, n // 8 + 3
+        g = _gen(seed * 1000 + 600 + k)
+        for dtype in (torch.bfloat16, torch.float32):
+            x = _fp8_input(fmt, part, n, dtype, g)
+            rows = torch.randperm(slots * ps, generator=g)[:n]
+            if n > 2:
+                rows[-1] = rows[0]
+                x[-1] = x[0]
+            blocks = torch.randint(0, 256, (slots, ps * (nbytes + 12)), dtype=torch.uint8,
+                                   generator=g)
+            tokens = torch.randint(0, 256, (slots, ps, nbytes + 9), dtype=torch.uint8,
+                                   generator=g)
+            x, rows, blocks, tokens = _to(device, x, rows, blocks, tokens)
+            for where, buf in (("part-major block", blocks), ("token-major slice", tokens)):
+                for rotate in (False, True) if part == "index_k" else (False,):
+                    case = (f"{label}, {str(dtype).removeprefix('torch.')} rows into a {where}"
+                            f"{', rotated' if rotate else ''}")
+                    keep = [x.clone(), rows.clone()]
+                    want, got = buf.clone(), buf.clone()
+                    ref.fp8_store(x, fmt, part, _store_view(want, ps, nbytes), rows, rotate)
+                    _call(op, case, impl.fp8_store, x, fmt, part, _store_view(got, ps, nbytes),
+                          rows, rotate)
+                    _unchanged(op, case, keep, [x, rows])
+                    if not rotate or n == 0:
+                        _assert_same(op, case, "pages", got, want)
+                        continue
+                    gv, wv = _store_view(got, ps, nbytes), _store_view(want, ps, nbytes)
+                    page, off = rows // ps, rows % ps
+                    g_rows, w_rows = gv[page, off].cpu(), wv[page, off].cpu()
+                    gv[page, off] = 0
+                    wv[page, off] = 0
+                    _assert_same(op, case, "bytes outside the written rows", got, want)
+                    _assert_rotated_codes(
+                        op, case, g_rows[:, :dims],
+                        g_rows[:, dims:dims + 4].contiguous().view(torch.float32).double(),
+                        w_rows[:, :dims],
+                        w_rows[:, dims:dims + 4].contiguous().view(torch.float32).double())
 
 
 def _check_fp8_unpack(impl: Any, ref: Any, device: str, seed: int) -> None:
@@ -1177,24 +1235,35 @@ def _check_index_q_fp8(impl: Any, ref: Any, device: str, seed: int) -> None:
                 _assert_like(f"{op} [{case}] w'", got_w, want_w)
                 if n == 0:
                     continue
-                wq, ww = got_q.cpu(), got_w.cpu()
-                rq, rw = want_q.cpu(), want_w.cpu()
-                same = (wq.view(torch.uint8) == rq.view(torch.uint8)).double().mean().item()
-                if same < INDEX_Q_SAME_CODES:
-                    raise AssertionError(f"{op} [{case}]: {same:.5f} of the codes are the "
-                                         f"reference's (< {INDEX_Q_SAME_CODES}); max difference "
-                                         f"{_max_diff(wq, rq)}")
-                s_got = (ww / w.cpu()).double()[..., None]
-                s_ref = (rw / w.cpu()).double()[..., None]
-                deq, rdeq = wq.double() * s_got, rq.double() * s_ref
-                bound = rdeq.abs() * 2.0 ** -3 + torch.maximum(s_got, s_ref) * 2.0 ** -9
-                over = (deq - rdeq).abs() > bound
-                if bool(over.any()):
-                    i = int(((deq - rdeq).abs() - bound).flatten().argmax())
-                    raise AssertionError(
-                        f"{op} [{case}]: {int(over.sum())} dequantized value(s) beyond 2^-3 |ref| "
-                        f"+ 2^-9 s; worst at flat index {i}: {deq.flatten()[i].item():.6g} vs "
-                        f"{rdeq.flatten()[i].item():.6g}")
+                ww, rw = got_w.cpu(), want_w.cpu()
+                _assert_rotated_codes(op, case, got_q.cpu().view(torch.uint8),
+                                      (ww / w.cpu()).double()[..., None],
+                                      want_q.cpu().view(torch.uint8),
+                                      (rw / w.cpu()).double()[..., None])
+
+
+def _assert_rotated_codes(op: str, case: str, codes: torch.Tensor, scale: torch.Tensor,
+                          ref_codes: torch.Tensor, ref_scale: torch.Tensor) -> None:
+    """fp8 codes (uint8 [..., D], CPU) of Hadamard-rotated values against the reference's: the
+    same code on at least :data:`INDEX_Q_SAME_CODES` of the elements, and every dequantized
+    value ``e4m3(code) * scale`` (float64 scales [..., 1]) within ``2^-3 |ref|`` plus one e4m3
+    subnormal step (``2^-9``) of the larger scale of the reference's (a rotated value one bf16
+    ulp away, the sums in another order, can round to the next code or move a power-of-two
+    scale)."""
+    same = (codes == ref_codes).double().mean().item()
+    deq = codes.view(torch.float8_e4m3fn).double() * scale
+    rdeq = ref_codes.view(torch.float8_e4m3fn).double() * ref_scale
+    if same < INDEX_Q_SAME_CODES:
+        raise AssertionError(f"{op} [{case}]: {same:.5f} of the codes are the reference's "
+                             f"(< {INDEX_Q_SAME_CODES}); max difference {_max_diff(deq, rdeq)}")
+    bound = rdeq.abs() * 2.0 ** -3 + torch.maximum(scale, ref_scale) * 2.0 ** -9
+    over = (deq - rdeq).abs() > bound
+    if bool(over.any()):
+        i = int(((deq - rdeq).abs() - bound).flatten().argmax())
+        raise AssertionError(
+            f"{op} [{case}]: {int(over.sum())} dequantized value(s) beyond 2^-3 |ref| "
+            f"+ 2^-9 s; worst at flat index {i}: {deq.flatten()[i].item():.6g} vs "
+            f"{rdeq.flatten()[i].item():.6g}")
 
 
 def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
@@ -1225,6 +1294,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.FP8_UNPACK.value: _check_fp8_unpack,
     Op.PEER_GATHER.value: _check_peer_gather,
     Op.PAGE_ROWS.value: _check_page_rows,
+    Op.FP8_STORE.value: _check_fp8_store,
     Op.INDEXER_LOGITS.value: _check_indexer_logits,
     Op.INDEXER_LOGITS_PAGED.value: _check_indexer_logits_paged,
     Op.INDEXER_LOGITS_INDEX_PAGES.value: _check_indexer_logits_index_pages,
@@ -1410,7 +1480,8 @@ class BasePageOpsTests(BaseOpsTests):
 
 
 class BaseFP8OpsTests(BaseOpsTests):
-    """fp8_pack and fp8_unpack against the reference (bit for bit), and the round-trip bound of
+    """fp8_pack, fp8_store and fp8_unpack against the reference (bit for bit; fp8_store's
+    rotation within its bound), and the round-trip bound of
     :func:`check_fp8_round_trip` on every format and part."""
 
     def test_fp8_pack(self) -> None:
@@ -1418,6 +1489,9 @@ class BaseFP8OpsTests(BaseOpsTests):
 
     def test_fp8_unpack(self) -> None:
         self.check(Op.FP8_UNPACK)
+
+    def test_fp8_store(self) -> None:
+        self.check(Op.FP8_STORE)
 
     def test_fp8_round_trip(self) -> None:
         if self.provides is not None and not {Op.FP8_PACK, Op.FP8_UNPACK} <= self.provides:
