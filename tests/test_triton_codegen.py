@@ -252,10 +252,12 @@ from cpkv_backend_triton.tuning import Op, row
 cfg = row(Op.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
 names = list(inspect.signature(K.fn).parameters)
 ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-        "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32"}
+        "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32", "qw_ptr": "*fp8e4nv",
+        "sh_ptr": "*fp32"}
 # what a real launch specializes: unit strides, 16-byte aligned pointers and row strides
 const = {"sq2": 1, "sk1": 1, "sw1": 1, "H": 64, "D": 128, "DP": 128,
-         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "FP8": True, "UPCAST": False}
+         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "FP8": True, "UPCAST": False,
+         "PARTS": cfg["ABS_PARTS"], "ASM": True}
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
 aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
 src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},

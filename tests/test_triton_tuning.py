@@ -97,7 +97,7 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
                                 "PAGED_MAJOR_PAGES": 16, "PAGED_MAJOR_STAGES": 3,
                                 # the async Gluon kernel: off until an H200 run measures it
                                 "ASYNC": 0, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64,
-                                "ASYNC_STAGES": 4, "ASYNC_GROUP": 4}
+                                "ASYNC_STAGES": 4, "ASYNC_GROUP": 4, "ABS_PARTS": 0}
     assert h200[Op.TOPK] == {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
                              "BINS": 64}
     assert h200[Op.TOPK_LONG]["MIN_T"] == 196608 and h200[Op.TOPK_LONG]["SCRATCH_MB"] == 64

@@ -31,6 +31,7 @@ from cpkv.ops.api import (
     report_fallback,
 )
 
+from .indexer_tile import head_sum, key_tile, qk_dot, split_queries
 from .indexer_topk import INDEXER_TOPK
 from .indexer_topk import indexer_topk as fused_indexer_topk
 from .topk import TOPK_METHOD, TOPK_RADIX_MAX_K
@@ -82,34 +83,6 @@ def _key_span(ks_ptr, ke_ptr, rows, rmask):
 
 
 @triton.jit
-def _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST: tl.constexpr):
-    """The key tile ``[BLOCK_N, DP]`` transposed for ``q @ k^T``, in the dot's input type: fp32
-    (``UPCAST``), else the query's type (fp8 keys convert exactly to 16 bits; fp8 queries keep
-    fp8)."""
-    kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
-                 mask=cmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        kt = kt.to(tl.float32)
-    else:
-        kt = kt.to(q_ptr.dtype.element_ty)
-    return tl.trans(kt)
-
-
-@triton.jit
-def _qk_dot(q, kt, UPCAST: tl.constexpr, PRECISE: tl.constexpr):
-    """``q @ kt`` of a query tile and a :func:`_key_tile`: fp32 IEEE (``UPCAST``), else on the
-    tensor cores in the operands' type; ``PRECISE`` k > 0 (fp8 x fp8 only): the partial sums
-    promoted into fp32 every k of the reduction (``max_num_imprecise_acc``)."""
-    if UPCAST:
-        s = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
-    elif PRECISE:
-        s = tl.dot(q, kt, max_num_imprecise_acc=PRECISE)
-    else:
-        s = tl.dot(q, kt)
-    return s
-
-
-@triton.jit
 def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
     """``acc`` inside each row's key range, -inf outside, into the logits tile."""
     inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
@@ -118,12 +91,16 @@ def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, qw_ptr, sh_ptr,
                     N, T,
                     sq0, sq1, sq2, sw0, sw1, sk0, sk1, so0,
                     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP8: tl.constexpr, UPCAST: tl.constexpr):
+                    FP8: tl.constexpr, UPCAST: tl.constexpr, PARTS: tl.constexpr,
+                    ASM: tl.constexpr):
+    """Program (key tile, row block): the tile's logits (:func:`.indexer_tile.head_sum`; with
+    ``PARTS`` the signed half's query parts ``qw_ptr`` / ``sh_ptr`` and ``w / 2``), the keys'
+    fp8 scale, -inf outside each row's range."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -138,14 +115,9 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
     if (n0 < hi) & (n0 + BLOCK_N > lo):  # the tile meets some row's range: compute it
         d = tl.arange(0, DP)
         dmask = d < D
-        ktt = _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
-        qbase = q_ptr + rows64[:, None] * sq0 + d[None, :] * sq2
-        qmask = rmask[:, None] & dmask[None, :]
-        for h in range(H):
-            qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
-            wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
-            s = _qk_dot(qh, ktt, UPCAST, 0)
-            acc += wh[:, None] * tl.maximum(s, 0.0)
+        ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
+        acc = head_sum(q_ptr, w_ptr, qw_ptr, sh_ptr, ktt, rows64, rmask, d, dmask,
+                       sq0, sq1, sq2, sw0, sw1, H, D, BLOCK_M, BLOCK_N, UPCAST, PARTS, ASM)
         if FP8:
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
             acc = acc * c[None, :]
@@ -180,10 +152,10 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
         rmask = (pid_q * BQ + m // HP < N) & (head < H)
         d = tl.arange(0, DP)
         dmask = d < D
-        ktt = _key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
+        ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
         qt = tl.load(q_ptr + rows64[:, None] * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                      mask=rmask[:, None] & dmask[None, :], other=0.0)
-        s = _qk_dot(qt, ktt, UPCAST, 0)
+        s = qk_dot(qt, ktt, UPCAST, 0)
         wv = tl.load(w_ptr + rows64 * sw0 + head * sw1, mask=rmask, other=0.0)
         acc = tl.sum(tl.reshape(wv[:, None] * tl.maximum(s, 0.0), [BQ, HP, BLOCK_N]), axis=1)
         if FP8:
@@ -228,10 +200,10 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                                other=0).to(tl.int64)
                 slot = (cols % S).to(tl.int64)
                 base = tl.multiple_of(page * k_page + k_first + slot * k_row, KALIGN)
-                ktt = _key_tile(k_ptr, q_ptr, base, inr, d, dmask, 1, 1, UPCAST)
+                ktt = key_tile(k_ptr, q_ptr, base, inr, d, dmask, 1, 1, UPCAST)
                 qt = tl.load(q_ptr + row64 * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                              mask=hmask[:, None] & dmask[None, :], other=0.0)
-                s = _qk_dot(qt, ktt, UPCAST, 0)
+                s = qk_dot(qt, ktt, UPCAST, 0)
                 wv = tl.load(w_ptr + row64 * sw0 + head * sw1, mask=hmask, other=0.0)
                 acc = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
                 if FP8:
@@ -301,10 +273,10 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             else:
                 kt = kt.to(q_ptr.dtype.element_ty)
             if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
-                sc = _qk_dot(kt, tl.trans(qt), UPCAST, PRECISE)
+                sc = qk_dot(kt, tl.trans(qt), UPCAST, PRECISE)
                 acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
             else:  # [HP, S]: the heads the rows (as the key-tile kernel)
-                sc = _qk_dot(qt, tl.trans(kt), UPCAST, PRECISE)
+                sc = qk_dot(qt, tl.trans(kt), UPCAST, PRECISE)
                 acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
             if FP8:
                 c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
@@ -639,15 +611,29 @@ class AttentionKernels:
                                                                              ke, out):
             return out
         grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
-        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast)
+        parts = self.abs_parts(q, fp8)
+        qw, sh = out, out  # unused pointers of the plain sum
+        if parts:
+            qw, sh, w = split_queries(q, w, parts)
+        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast, parts)
         self._launch(key, _indexer_kernel, grid,
-                     (q, w, k, scale, ks, ke, out, n, t,
+                     (q, w, k, scale, ks, ke, out, qw, sh, n, t,
                       q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                       k.stride(0), k.stride(1), out.stride(0)),
                      {"H": heads, "D": d, "DP": dp, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
-                      "UPCAST": upcast},
+                      "UPCAST": upcast, "PARTS": parts, "ASM": not interp},
                      cfg["num_warps"], cfg["num_stages"])
         return out
+
+    def abs_parts(self, q: torch.Tensor, fp8_keys: bool) -> int:
+        """The fp8 parts of the signed half the row-tile indexer (and the fused indexer +
+        top-k filter, which must match it) sums with (:mod:`.indexer_tile`): the tuning
+        table's ``ABS_PARTS`` for fp8 queries on fp8 keys with a power-of-two head dim, else 0
+        (the plain ``w * relu(s)``)."""
+        d = q.shape[-1]
+        if not (fp8_keys and q.dtype == torch.float8_e4m3fn) or d & (d - 1):
+            return 0
+        return int(self.indexer_config["ABS_PARTS"])
 
     def _async_indexer(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                        scale: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
@@ -827,7 +813,7 @@ class AttentionKernels:
             return fused_indexer_topk(q, w, k, k_scale, key_start, key_end, topk, fp8=fp8,
                                       dot_width=_dot_width(d, both_fp8, upcast), upcast=upcast,
                                       interpreted=interp, sample_logits=self.indexer_logits,
-                                      launch=self._launch)
+                                      launch=self._launch, parts=self.abs_parts(q, fp8))
         logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
         return self.topk(logits, topk, key_start, key_end)
 

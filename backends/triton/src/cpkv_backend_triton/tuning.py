@@ -96,7 +96,9 @@ class IndexerParams(_Params):
     calls take the Gluon kernel that overlaps each head's wgmma with the previous head's sum
     (:mod:`cpkv_backend_triton.indexer_async`: ASYNC_BLOCK_M rows (64 a warpgroup) x
     ASYNC_BLOCK_N keys a program, ASYNC_STAGES query tiles in flight, ASYNC_GROUP heads a
-    pipelined group); 0: the Triton kernel."""
+    pipelined group); 0: the Triton kernel. ABS_PARTS k > 0: fp8 x fp8 row tiles (the plain
+    kernel and the fused indexer + top-k filter) sum ``relu`` as ``(s + |s|) / 2``, the signed
+    half k fp8 dots of the rows' weighted query sum (:mod:`.indexer_tile`); 0: ``w * relu(s)``."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -120,6 +122,7 @@ class IndexerParams(_Params):
     ASYNC_BLOCK_N: int
     ASYNC_STAGES: int
     ASYNC_GROUP: int
+    ABS_PARTS: int = 0
 
 
 @dataclass(frozen=True)
