@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv_backend_triton.attention import AttentionKernels, _key_span, _key_tile, _qk_dot, _store_in_range
+from cpkv_backend_triton.attention import AttentionKernels, _key_span, _store_in_range
+from cpkv_backend_triton.indexer_tile import key_tile as _key_tile
+from cpkv_backend_triton.indexer_tile import qk_dot as _qk_dot
 
 sys.path.insert(0, "benchmarks")
 from clock_probe_gpu import Sampler, sustained
