@@ -2,7 +2,7 @@
 # Session 19, the second call (.whl with --flashmla): page_rows / index_q_fp8 / rms_norm
 # conformance on the GPU, the decode row and profile after the block-table upload change,
 # page_rows and rms_norm, the RMSNorm probe, then the |s|-split indexer experiment
-# (benchmarks/indexer_abs_gpu.py: speed, clocks, top-k recall).
+# (speed, clocks, top-k recall; the script is gone, see the last line).
 # Usage: bash benchmarks/session19b_gpu.sh OUT_DIR
 source benchmarks/gpu_setup.sh "${1:?OUT_DIR}" > /dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
@@ -19,4 +19,6 @@ timeout 70 "$py" -m cpkv.cli bench decode --batches 64 --contexts 131072 --no-mt
 timeout 60 "$py" benchmarks/decode_profile_gpu.py "$out/decode_profile.json" 64 131072 2>&1 \
   | grep -v Warn | tail -4
 timeout 40 "$py" benchmarks/rmsnorm_probe_gpu.py "$out/rmsnorm_probe.json" 2>&1 | tail -3
-timeout 200 "$py" benchmarks/indexer_abs_gpu.py "$out/indexer_abs.json" 2>&1 | tail -25
+# The |s|-split experiment ran here (benchmarks/results/session20/a/indexer_abs.json); its script
+# was removed in session 20: the kernel is ABS_PARTS 2 of cpkv_backend_triton.indexer_tile, timed
+# against DeepGEMM by benchmarks/indexer_parts_gpu.py (with .dg built).
