@@ -24,10 +24,13 @@ NEW = KVStore.write_rows
 
 def _old(self: KVStore, layer: int, rows: torch.Tensor, latent: torch.Tensor,
          index_k: torch.Tensor | None, rotate: bool = False) -> None:
+    """Session 19's write: the index-K's rotation as torch ops, ``fp8_pack`` a part, then the
+    buffers' row write (any layout: two_part's values and scales apart)."""
+    from cpkv.kv.buffers import write_rows
+
     lat_b, idx_b = self._pack(layer, latent, hadamard_rotate(index_k)
                               if rotate and index_k is not None else index_k)
-    ps = self.fmt.page_size
-    self._put(layer, rows // ps, rows % ps, lat_b, idx_b)
+    write_rows(self.spec, layer, rows, lat_b, idx_b if idx_b.shape[1] else None)
 
 
 def _measure(worker: Any, rids: list[Hashable]) -> dict[str, Any]:

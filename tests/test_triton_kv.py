@@ -301,6 +301,9 @@ def test_fp8_store_rejects_bad_arguments_and_declines_a_small_rotation(impl: Tri
         impl.fp8_store(x, DS, "index_k", dst[..., :131], rows, False)
     with pytest.raises(ValueError, match="rows int64"):
         impl.fp8_store(x, DS, "index_k", dst, rows.int(), False)
+    with pytest.raises(ValueError, match=r"scale_dst uint8 \[2, 64, 4\]"):  # two_part's scales
+        impl.fp8_store(x, DS, "index_k", dst[..., :128], rows, False,
+                       torch.zeros(2, 64, 8, dtype=torch.uint8, device=DEVICE))
     with pytest.raises(ValueError, match=r"x float \[N, 128\]"):
         impl.fp8_store(x[:, :64], DS, "index_k", dst, rows, False)
     tiny = KVFormat(dtype=KVDtype.FP8, kv_lora_rank=64, rope_dim=16, index_head_dim=8,
@@ -316,14 +319,16 @@ def test_fp8_store_check_catches_a_misplaced_or_unrotated_write(ref: Any) -> Non
 
     class OneOff(TorchOps):
         def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: Any, dst: torch.Tensor,
-                      rows: torch.Tensor, rotate: bool) -> None:
+                      rows: torch.Tensor, rotate: bool,
+                      scale_dst: torch.Tensor | None = None) -> None:
             super().fp8_store(x, fmt, part, dst, (rows + 1) % (dst.shape[0] * dst.shape[1]),
-                              rotate)
+                              rotate, scale_dst)
 
     class Unrotated(TorchOps):
         def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: Any, dst: torch.Tensor,
-                      rows: torch.Tensor, rotate: bool) -> None:
-            super().fp8_store(x, fmt, part, dst, rows, False)
+                      rows: torch.Tensor, rotate: bool,
+                      scale_dst: torch.Tensor | None = None) -> None:
+            super().fp8_store(x, fmt, part, dst, rows, False, scale_dst)
 
     with pytest.raises(AssertionError, match=r"fp8_store .* pages"):
         check_op(OneOff(), ref, "fp8_store")

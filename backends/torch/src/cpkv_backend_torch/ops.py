@@ -12,7 +12,8 @@ formulas here are the definition:
   nearest even); rope (latent only) is ``x[:, kv_lora_rank:]`` cast to bf16 and stored as 2
   bytes per value. The index-K arrives rotated (the driver's :func:`cpkv.ops.api.hadamard_rotate`).
 * ``fp8_store``: ``fp8_pack`` of the rows (rotated first by :func:`cpkv.ops.api.hadamard_rotate`
-  when asked), written with ``index_put_`` at ``(rows // P, rows % P)`` of the [S, P, B] part.
+  when asked), written with ``index_put_`` at ``(rows // P, rows % P)`` of the [S, P, B] part
+  (with ``scale_dst``: the scales' bytes there, the rest in ``dst``).
 * ``fp8_unpack``: ``(float32(q) * scale)`` then one cast to the requested dtype; rope is the stored
   bf16 cast to the requested dtype.
 
@@ -196,7 +197,8 @@ class TorchOps:
         return _pack(x, fmt, part)
 
     def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
-                  rows: torch.Tensor, rotate: bool) -> None:
+                  rows: torch.Tensor, rotate: bool,
+                  scale_dst: torch.Tensor | None = None) -> None:
         """Quantize rows into a part's pages in place (see :class:`cpkv.ops.api.KVOps`):
         :meth:`fp8_pack` of ``x`` (rotated first when ``rotate``), ``index_put_`` at (page,
         offset).
@@ -204,10 +206,17 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
         """
-        check_fp8_store_args(x, fmt, part, dst, rows, rotate)
+        check_fp8_store_args(x, fmt, part, dst, rows, rotate, scale_dst)
         packed = _pack(hadamard_rotate(x) if rotate else x, fmt, part)
         ps = dst.shape[1]
-        dst.index_put_((rows // ps, rows % ps), packed)
+        at = (rows // ps, rows % ps)
+        if scale_dst is None:
+            dst.index_put_(at, packed)
+            return
+        dims, block, _, _ = fp8_layout(fmt, part)
+        end = dims + 4 * (dims // block)
+        dst.index_put_(at, torch.cat([packed[:, :dims], packed[:, end:]], dim=1))
+        scale_dst.index_put_(at, packed[:, dims:end])
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
                    dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:

@@ -296,18 +296,22 @@ def _page_rows_kernel(keys_ptr, table_ptr, req_ptr, out_ptr, K, sk0, sk1, st0, s
 
 # ---- fp8 -------------------------------------------------------------------------------------
 @triton.jit
-def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, n_rows, sx_n, sx_d, so_n, so_t, PS,
+def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so_n, so_t,
+                     ss_n, ss_t, PS,
                      DIMS: tl.constexpr, QB: tl.constexpr, NBLK: tl.constexpr,
                      ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_RB: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
                      INV_MAX: tl.constexpr, SCATTER: tl.constexpr, ROTATE: tl.constexpr,
-                     OUT: tl.constexpr, F32_DOT: tl.constexpr, NORM: tl.constexpr):
+                     OUT: tl.constexpr, F32_DOT: tl.constexpr, NORM: tl.constexpr,
+                     SPLIT: tl.constexpr):
     """Program (i, b): rows [i * BLOCK_N, ...) x quant block b, or the rope when b == NBLK.
     ``POW2``: "ue8m0" scales (the smallest power of two >= amax * INV_MAX, from its bits).
     Row i goes to ``out + i * so_n``, or with ``SCATTER`` (``fp8_store``) to page
     ``rows[i] // PS`` (stride ``so_n``), token ``rows[i] % PS`` (stride ``so_t``). ``ROTATE``
     (one block of QB = D, a power of two, BLOCK_N >= 16): the rows' Hadamard rotation first
-    (:func:`.quant.hadamard_rows`, rounded to their dtype ``OUT``)."""
+    (:func:`.quant.hadamard_rows`, rounded to their dtype ``OUT``). ``SPLIT`` (with
+    ``SCATTER``): the scales go to ``scale_ptr`` at (page, token) strides ``ss_n`` / ``ss_t``,
+    the rope's bytes right after the values."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -315,9 +319,15 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, n_rows, sx_n, sx_d, so_n, so_t, P
     x_row = x_ptr + rows[:, None] * sx_n
     if SCATTER:
         dst = tl.load(rows_ptr + rows, mask=rmask, other=0)
-        o_row = out_ptr + ((dst // PS) * so_n + (dst % PS) * so_t)[:, None]
+        page, tok = dst // PS, dst % PS
+        o_row = out_ptr + (page * so_n + tok * so_t)[:, None]
+        if SPLIT:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
+            s_row = scale_ptr + (page * ss_n + tok * ss_t)[:, None]
+        else:
+            s_row = o_row + DIMS
     else:
         o_row = out_ptr + rows[:, None] * so_n
+        s_row = o_row + DIMS
     if b < NBLK:
         cols = tl.arange(0, BLOCK_Q)
         cmask = cols < QB
@@ -340,7 +350,7 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, n_rows, sx_n, sx_d, so_n, so_t, P
         sb = tl.arange(0, 4)
         sbits = scale.to(tl.int32, bitcast=True)
         sbytes = (sbits[:, None] >> (sb[None, :] * 8)) & 0xFF  # little-endian
-        tl.store(o_row + DIMS + b * 4 + sb[None, :], sbytes.to(tl.uint8), mask=rmask[:, None])
+        tl.store(s_row + b * 4 + sb[None, :], sbytes.to(tl.uint8), mask=rmask[:, None])
     else:
         # names differ from the other branch: Triton wants a name to keep one type across branches
         rc = tl.arange(0, BLOCK_RB)  # output byte of the rope: value rc // 2, byte rc % 2
@@ -348,7 +358,8 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, n_rows, sx_n, sx_d, so_n, so_t, P
         rv = tl.load(x_row + (DIMS + rc // 2)[None, :] * sx_d, mask=rmask2, other=0.0).to(tl.float32)
         rbits = bf16_bits(rv)
         rbyte = (rbits >> ((rc % 2) * 8).to(tl.uint32)[None, :]) & 0xFF
-        tl.store(o_row + DIMS + 4 * NBLK + rc[None, :], rbyte.to(tl.uint8), mask=rmask2)
+        tl.store(o_row + DIMS + (0 if SPLIT else 4 * NBLK) + rc[None, :], rbyte.to(tl.uint8),
+                 mask=rmask2)
 
 
 @triton.jit
@@ -405,10 +416,12 @@ def _fp8_unpack_kernel(p_ptr, out_ptr, idx_ptr, n_rows, sp_n, sp_b, so_n,
 
 
 def _launch_pack(x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
-                 rows: torch.Tensor | None, rotate: bool) -> None:
+                 rows: torch.Tensor | None, rotate: bool,
+                 scale_dst: torch.Tensor | None = None) -> None:
     """``_fp8_pack_kernel`` over the N >= 1 rows of ``x`` (fp32 / bf16 / fp16) into ``dst``
     uint8 [N, 1, B] (row i at ``dst[i]``: ``rows`` None) or [S, P, B] (row i at page / token
-    ``rows[i] // P``, ``rows[i] % P``)."""
+    ``rows[i] // P``, ``rows[i] % P``; the scales at the same place of ``scale_dst`` when
+    given)."""
     dims, block, rope, _ = fp8_layout(fmt, part)
     n = x.shape[0]
     nblk = dims // block
@@ -419,15 +432,16 @@ def _launch_pack(x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor
     block_n = 16 if rotate else max(1, min(32, 4096 // block_q, triton.next_power_of_2(n)))
     grid = (triton.cdiv(n, block_n), nblk + (1 if rope else 0))
     out = OUT_DTYPES.get(x.dtype, 2)
-    _fp8_pack_kernel[grid](x, dst, x if rows is None else rows, n, x.stride(0), x.stride(1),
-                           dst.stride(0), dst.stride(1), dst.shape[1],
+    sd = dst if scale_dst is None else scale_dst
+    _fp8_pack_kernel[grid](x, dst, x if rows is None else rows, sd, n, x.stride(0), x.stride(1),
+                           dst.stride(0), dst.stride(1), sd.stride(0), sd.stride(1), dst.shape[1],
                            DIMS=dims, QB=block, NBLK=nblk, ROPE=rope, BLOCK_N=block_n,
                            BLOCK_Q=block_q,
                            BLOCK_RB=triton.next_power_of_2(max(2 * rope, 1)),
                            FLOOR=UE8M0_FLOOR_F32 if pow2 else AMAX_FLOOR_F32, POW2=pow2,
                            INV_MAX=INV_E4M3_MAX_F32, SCATTER=rows is not None, ROTATE=rotate,
                            OUT=out, F32_DOT=out == 2 or x.device.type == "cpu",
-                           NORM=f32(dims ** -0.5), num_warps=4)
+                           NORM=f32(dims ** -0.5), SPLIT=scale_dst is not None, num_warps=4)
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -556,7 +570,8 @@ class KVKernels:
         return out
 
     def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
-                  rows: torch.Tensor, rotate: bool) -> None:
+                  rows: torch.Tensor, rotate: bool,
+                  scale_dst: torch.Tensor | None = None) -> None:
         """Quantize rows straight into a part's pages at (``rows // P``, ``rows % P``), the
         index-K rotated first when asked: the pack kernel with a scattered destination (the
         reference's bytes without ``rotate``). See :class:`cpkv.ops.api.KVOps`.
@@ -566,14 +581,14 @@ class KVKernels:
             OpDeclined: float64 rows, or the rotation of a head dim under 16 (a tensor-core
                 dot's least).
         """
-        check_fp8_store_args(x, fmt, part, dst, rows, rotate)
+        check_fp8_store_args(x, fmt, part, dst, rows, rotate, scale_dst)
         if x.dtype not in OUT_DTYPES:
             raise OpDeclined(f"fp8_store: {x.dtype} rows (the kernel takes bf16, fp16, fp32)")
         if rotate and x.shape[1] < 16:
             raise OpDeclined(f"fp8_store: the rotation of head dim {x.shape[1]} (the dot needs "
                              f">= 16)")
         if x.shape[0]:
-            _launch_pack(x, fmt, part, dst, rows, rotate)
+            _launch_pack(x, fmt, part, dst, rows, rotate, scale_dst)
 
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
                    dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:

@@ -152,7 +152,8 @@ class KVOps(Protocol):
         ...
 
     def fp8_store(self, x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
-                  rows: torch.Tensor, rotate: bool) -> None:
+                  rows: torch.Tensor, rotate: bool,
+                  scale_dst: torch.Tensor | None = None) -> None:
         """Quantize rows and write them into a part's pages in place, one pass: a decode step's
         KV write (the pack, the page / offset arithmetic and the scatter: five to eight torch
         kernels a part, three more for the index-K's rotation).
@@ -167,12 +168,15 @@ class KVOps(Protocol):
         other byte of ``dst`` is unchanged. Without ``rotate`` the bytes are :meth:`fp8_pack`'s
         exactly. With it the rotation's fp32 sums may run in another order, as in
         :meth:`index_q_fp8`: conformance asks for the reference's codes on almost every element
-        and bounds every dequantized value.
+        and bounds every dequantized value. ``scale_dst`` uint8 [S, P, 4 x blocks] (same S, P,
+        unit byte stride): the scales' own rows (the engines' ``two_part`` index-K keeps a
+        page's values, then its scales, DeepGEMM's order); ``dst`` then takes the packed row
+        without them (values, then the rope's bytes), [S, P, B - 4 x blocks].
 
         Raises:
-            ValueError: ``x`` not float [N, D] of ``fmt`` and ``part``, ``dst`` not uint8
-                [S, P, B] with unit byte stride, ``rows`` not int64 [N], ``rotate`` for the
-                latent or with a head dim that is not a power of two
+            ValueError: ``x`` not float [N, D] of ``fmt`` and ``part``, ``dst`` (or
+                ``scale_dst``) not uint8 [S, P, bytes] with unit byte stride, ``rows`` not int64
+                [N], ``rotate`` for the latent or with a head dim that is not a power of two
                 (:func:`cpkv.ops.check_fp8_store_args`).
         """
         ...

@@ -30,8 +30,20 @@ import torch
 
 from cpkv.contracts import BufferLayout, KVDtype, KVFormat, KVPart, LayerFormats, layer_formats
 
-__all__ = ["BufferLayout", "KVBufferSpec", "LayerBuffers", "index_split", "read_pages",
-           "read_part", "read_rows", "region_bytes", "write_pages", "write_part", "write_rows"]
+__all__ = [
+    "BufferLayout",
+    "KVBufferSpec",
+    "LayerBuffers",
+    "index_split",
+    "part_rows",
+    "read_pages",
+    "read_part",
+    "read_rows",
+    "region_bytes",
+    "write_pages",
+    "write_part",
+    "write_rows",
+]
 
 
 def index_split(fmt: KVFormat) -> tuple[int, int]:
@@ -192,7 +204,7 @@ class KVBufferSpec:
 
 
 # ---- row and page movement ------------------------------------------------------------------
-def _part_rows(spec: KVBufferSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor | None,
+def part_rows(spec: KVBufferSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor | None,
                                                          torch.Tensor | None]:
     """Writable views of a two-part layer, each [pages, ps, bytes] (a token at (page, offset)):
     latent rows, index-K value rows (None without index-K), index-K scale rows (None without
@@ -239,7 +251,7 @@ def write_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor, latent: torch
                          f"{'with' if spec.has_index_k(layer) else 'without'} index-K")
     page, off = rows // ps, rows % ps
     if spec.layout is BufferLayout.TWO_PART:
-        lat, vals, scales = _part_rows(spec, layer)
+        lat, vals, scales = part_rows(spec, layer)
         lat.index_put_((page, off), latent)
         if index_k is not None and vals is not None:
             vb = vals.shape[2]
@@ -260,7 +272,7 @@ def read_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor
     ps = spec.fmt.page_size
     page, off = rows // ps, rows % ps
     if spec.layout is BufferLayout.TWO_PART:
-        lat, vals, scales = _part_rows(spec, layer)
+        lat, vals, scales = part_rows(spec, layer)
         la = lat[page, off]
         if vals is None:
             return la, None
@@ -278,7 +290,7 @@ def _part_pages(spec: KVBufferSpec, layer: int, part: KVPart
     if spec.layout is not BufferLayout.TWO_PART:
         lat3, idx3 = _one_tensor_parts(spec, layer)
         return (lat3 if part == "latent" else idx3), None
-    lat, vals, scales = _part_rows(spec, layer)
+    lat, vals, scales = part_rows(spec, layer)
     if part == "latent":
         return lat, None
     if vals is None:  # no index-K: an empty part

@@ -94,20 +94,31 @@ def check_index_q_args(q: torch.Tensor, w: torch.Tensor, rotate: bool) -> None:
 
 
 def check_fp8_store_args(x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
-                         rows: torch.Tensor, rotate: bool) -> None:
+                         rows: torch.Tensor, rotate: bool,
+                         scale_dst: torch.Tensor | None = None) -> None:
     """Validate ``fp8_store`` arguments.
 
     Raises:
         ValueError: x not float [N, D] (D: ``fmt``'s dims of ``part``), dst not uint8 [S, P, B]
-            (B: the packed bytes) with unit byte stride, rows not int64 [N], ``rotate`` for the
+            (B: the packed bytes, less the scales' with ``scale_dst``) or scale_dst not uint8
+            [S, P, 4 x blocks], with unit byte strides, rows not int64 [N], ``rotate`` for the
             latent or with a head dim that is not a power of two.
     """
     import torch
 
     from .layout import fp8_layout
 
-    dims, _, rope, nbytes = fp8_layout(fmt, part)
+    dims, block, rope, nbytes = fp8_layout(fmt, part)
     d = dims + rope
+    sbytes = 4 * (dims // block)
+    if scale_dst is not None:
+        nbytes -= sbytes
+        if scale_dst.dim() != 3 or scale_dst.dtype != torch.uint8 or tuple(
+                scale_dst.shape) != (*dst.shape[:2], sbytes) or scale_dst.stride(2) != 1:
+            raise ValueError(f"fp8_store({part}): expected scale_dst uint8 "
+                             f"[{', '.join(map(str, dst.shape[:2]))}, {sbytes}] with unit byte "
+                             f"stride, got {scale_dst.dtype} {tuple(scale_dst.shape)} strides "
+                             f"{scale_dst.stride()}")
     if x.dim() != 2 or x.shape[1] != d or not x.dtype.is_floating_point or x.dtype.itemsize == 1:
         raise ValueError(f"fp8_store({part}): expected x float [N, {d}] for {fmt!r}, got "
                          f"{x.dtype} {tuple(x.shape)}")

@@ -428,25 +428,33 @@ def _check_fp8_pack(impl: Any, ref: Any, device: str, seed: int) -> None:
             _unchanged(op, case, keep, [x])
 
 
-def _store_view(b: torch.Tensor, ps: int, nbytes: int) -> torch.Tensor:
-    """``fp8_store``'s destination in the test buffers: [S, P, nbytes] of a page block (2-D:
-    after 7 tokens' bytes of another part) or of token rows (3-D: a column slice)."""
-    if b.dim() == 2:
-        return b[:, 7 * ps:7 * ps + ps * nbytes].view(-1, ps, nbytes)
-    return b[:, :, 5:5 + nbytes]
+def _store_views(b: torch.Tensor, ps: int, nbytes: int, sbytes: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fp8_store``'s destinations in a test buffer: [S, P, nbytes] rows of a page block (2-D:
+    after 7 tokens' bytes of another part), of token rows (3-D: a column slice), or (2-D with
+    ``sbytes``: the two_part index-K's page) the values' rows then the scales' rows."""
+    if b.dim() == 3:
+        return b[:, :, 5:5 + nbytes], None
+    if not sbytes:
+        return b[:, 7 * ps:7 * ps + ps * nbytes].view(-1, ps, nbytes), None
+    vb = nbytes - sbytes
+    return (b[:, :ps * vb].view(-1, ps, vb),
+            b[:, ps * vb:ps * nbytes].view(-1, ps, sbytes))
 
 
 def _check_fp8_store(impl: Any, ref: Any, device: str, seed: int) -> None:
     """Rows (bf16, fp32) quantized into pages full of other bytes: one part of part-major page
-    blocks (a page stride wider than its tokens) and a column slice of token-major rows (token
-    stride wider than the part), rows in random order with one named twice (equal x rows, a
-    padded decode batch), an empty call. Without ``rotate`` every byte of the pages equals the
-    reference's; with it (index-K) the bytes outside the written rows do, and the written rows'
-    codes and scales pass :func:`_assert_rotated_codes`."""
+    blocks (a page stride wider than its tokens), a column slice of token-major rows (token
+    stride wider than the part) and the two_part layout's pages (values, then scales:
+    ``scale_dst``), rows in random order with one named twice (equal x rows, a padded decode
+    batch), an empty call. Without ``rotate`` every byte of the pages equals the reference's;
+    with it (index-K) the bytes outside the written rows do, and the written rows' codes and
+    scales pass :func:`_assert_rotated_codes`."""
     op = "fp8_store"
     for k, (label, fmt, part_name, n) in enumerate(_fp8_cases()):
         part: KVPart = "latent" if part_name == "latent" else "index_k"
-        dims, _, _, nbytes = fp8_layout(fmt, part)
+        dims, block, _, nbytes = fp8_layout(fmt, part)
+        sbytes = 4 * (dims // block)
         ps, slots = fmt.page_size, n // 8 + 3
         g = _gen(seed * 1000 + 600 + k)
         for dtype in (torch.bfloat16, torch.float32):
@@ -460,30 +468,37 @@ def _check_fp8_store(impl: Any, ref: Any, device: str, seed: int) -> None:
             tokens = torch.randint(0, 256, (slots, ps, nbytes + 9), dtype=torch.uint8,
                                    generator=g)
             x, rows, blocks, tokens = _to(device, x, rows, blocks, tokens)
-            for where, buf in (("part-major block", blocks), ("token-major slice", tokens)):
+            for where, buf, sb in (("part-major block", blocks, 0),
+                                   ("token-major slice", tokens, 0),
+                                   ("two_part page (scales apart)", blocks, sbytes)):
                 for rotate in (False, True) if part == "index_k" else (False,):
                     case = (f"{label}, {str(dtype).removeprefix('torch.')} rows into a {where}"
                             f"{', rotated' if rotate else ''}")
                     keep = [x.clone(), rows.clone()]
                     want, got = buf.clone(), buf.clone()
-                    ref.fp8_store(x, fmt, part, _store_view(want, ps, nbytes), rows, rotate)
-                    _call(op, case, impl.fp8_store, x, fmt, part, _store_view(got, ps, nbytes),
-                          rows, rotate)
+                    ref.fp8_store(x, fmt, part, *_store_views(want, ps, nbytes, sb)[:1], rows,
+                                  rotate, _store_views(want, ps, nbytes, sb)[1])
+                    gd, gs = _store_views(got, ps, nbytes, sb)
+                    _call(op, case, impl.fp8_store, x, fmt, part, gd, rows, rotate,
+                          *(() if gs is None else (gs,)))
                     _unchanged(op, case, keep, [x, rows])
                     if not rotate or n == 0:
                         _assert_same(op, case, "pages", got, want)
                         continue
-                    gv, wv = _store_view(got, ps, nbytes), _store_view(want, ps, nbytes)
+                    (gv, gsv), (wv, wsv) = (_store_views(got, ps, nbytes, sb),
+                                            _store_views(want, ps, nbytes, sb))
                     page, off = rows // ps, rows % ps
                     g_rows, w_rows = gv[page, off].cpu(), wv[page, off].cpu()
-                    gv[page, off] = 0
-                    wv[page, off] = 0
+                    g_sc = (g_rows[:, dims:dims + 4] if gsv is None else gsv[page, off].cpu())
+                    w_sc = (w_rows[:, dims:dims + 4] if wsv is None else wsv[page, off].cpu())
+                    for v in (gv, wv, gsv, wsv):
+                        if v is not None:
+                            v[page, off] = 0
                     _assert_same(op, case, "bytes outside the written rows", got, want)
                     _assert_rotated_codes(
                         op, case, g_rows[:, :dims],
-                        g_rows[:, dims:dims + 4].contiguous().view(torch.float32).double(),
-                        w_rows[:, :dims],
-                        w_rows[:, dims:dims + 4].contiguous().view(torch.float32).double())
+                        g_sc.contiguous().view(torch.float32).double(), w_rows[:, :dims],
+                        w_sc.contiguous().view(torch.float32).double())
 
 
 def _check_fp8_unpack(impl: Any, ref: Any, device: str, seed: int) -> None:
