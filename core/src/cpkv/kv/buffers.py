@@ -28,14 +28,22 @@ from dataclasses import dataclass
 
 import torch
 
-from cpkv.contracts import BufferLayout, KVDtype, KVFormat, KVPart, LayerFormats, layer_formats
+from cpkv.contracts import (
+    BufferLayout,
+    KVDtype,
+    KVFormat,
+    KVOps,
+    KVPart,
+    LayerFormats,
+    layer_formats,
+)
 
 __all__ = [
     "BufferLayout",
     "KVBufferSpec",
     "LayerBuffers",
     "index_split",
-    "part_rows",
+    "quantize_rows",
     "read_pages",
     "read_part",
     "read_rows",
@@ -204,7 +212,7 @@ class KVBufferSpec:
 
 
 # ---- row and page movement ------------------------------------------------------------------
-def part_rows(spec: KVBufferSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor | None,
+def _part_rows(spec: KVBufferSpec, layer: int) -> tuple[torch.Tensor, torch.Tensor | None,
                                                          torch.Tensor | None]:
     """Writable views of a two-part layer, each [pages, ps, bytes] (a token at (page, offset)):
     latent rows, index-K value rows (None without index-K), index-K scale rows (None without
@@ -251,7 +259,7 @@ def write_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor, latent: torch
                          f"{'with' if spec.has_index_k(layer) else 'without'} index-K")
     page, off = rows // ps, rows % ps
     if spec.layout is BufferLayout.TWO_PART:
-        lat, vals, scales = part_rows(spec, layer)
+        lat, vals, scales = _part_rows(spec, layer)
         lat.index_put_((page, off), latent)
         if index_k is not None and vals is not None:
             vb = vals.shape[2]
@@ -265,6 +273,31 @@ def write_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor, latent: torch
         idx3.index_put_((page, off), index_k)
 
 
+def quantize_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor, latent: torch.Tensor,
+                  index_k: torch.Tensor | None, rotate: bool, ops: KVOps) -> None:
+    """:func:`write_rows` of an fp8 layer from compute rows ([N, D]) in one pass a part: the
+    ``fp8_store`` op quantizes them into their place in any layout (two_part: the index-K's
+    scales into their own rows); ``rotate``: the index-K Hadamard-rotated first. Device ops.
+
+    Raises:
+        ValueError: the layer is not fp8, or index-K rows are missing for a layer with index-K.
+    """
+    fmt = spec.fmts[layer]
+    if fmt.dtype is not KVDtype.FP8:
+        raise ValueError(f"layer {layer} is {fmt.dtype.value}: quantize_rows writes fp8 layers")
+    if spec.has_index_k(layer) and index_k is None:
+        raise ValueError(f"layer {layer} caches index-K: its index_k rows are needed")
+    scales: torch.Tensor | None = None
+    idx: torch.Tensor | None
+    if spec.layout is BufferLayout.TWO_PART:  # the index-K's values, then its scales
+        lat, idx, scales = _part_rows(spec, layer)
+    else:
+        lat, idx = _one_tensor_parts(spec, layer)
+    ops.fp8_store(latent, fmt, "latent", lat, rows, False)
+    if spec.has_index_k(layer) and idx is not None and index_k is not None:
+        ops.fp8_store(index_k, fmt, "index_k", idx, rows, rotate, scales)
+
+
 def read_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The packed rows at token rows ``rows`` (int64 [N]) of ``layer``: uint8 [N, latent bytes]
@@ -272,7 +305,7 @@ def read_rows(spec: KVBufferSpec, layer: int, rows: torch.Tensor
     ps = spec.fmt.page_size
     page, off = rows // ps, rows % ps
     if spec.layout is BufferLayout.TWO_PART:
-        lat, vals, scales = part_rows(spec, layer)
+        lat, vals, scales = _part_rows(spec, layer)
         la = lat[page, off]
         if vals is None:
             return la, None
@@ -290,7 +323,7 @@ def _part_pages(spec: KVBufferSpec, layer: int, part: KVPart
     if spec.layout is not BufferLayout.TWO_PART:
         lat3, idx3 = _one_tensor_parts(spec, layer)
         return (lat3 if part == "latent" else idx3), None
-    lat, vals, scales = part_rows(spec, layer)
+    lat, vals, scales = _part_rows(spec, layer)
     if part == "latent":
         return lat, None
     if vals is None:  # no index-K: an empty part

@@ -39,7 +39,7 @@ from cpkv.contracts import (
 from cpkv.ops import hadamard_rotate, page_blocks
 
 from .batch import BatchKV, build_batch
-from .buffers import KVBufferSpec, part_rows
+from .buffers import KVBufferSpec, quantize_rows
 from .buffers import write_rows as put_rows
 from .materialize import Materializer, Prefetch, open_materializer
 from .pages import RequestPages, Reservation
@@ -219,22 +219,11 @@ class KVStore:
         ps + offset) of ``layer``, read from the device each call: the decode step's write
         (device work only; ``rows`` is a persistent buffer whose values change between calls).
         ``index_k`` is None for a layer without index-K; ``rotate``: store it Hadamard-rotated
-        (an fp8 pool's index-K, DeepSeek's ``rotate_activation``). An fp8 pool takes the
-        ``fp8_store`` op, a part a call (the pack and scatter in one pass; two_part's index-K
-        scales into their own rows); a bf16 pool packs, then writes."""
-        fmt = self.fmts[layer]
-        if fmt.dtype is KVDtype.FP8:
-            if fmt.index_k and index_k is None:
-                raise ValueError(f"layer {layer} caches index-K: its index_k rows are needed")
-            scales: torch.Tensor | None = None
-            idx: torch.Tensor | None
-            if self.latent:  # one tensor: a token's parts are packed rows
-                lat, idx = self.latent[layer], self.index_k[layer]
-            else:  # two_part: the index-K's values, then its scales, DeepGEMM's page order
-                lat, idx, scales = part_rows(self.spec, layer)
-            self.ops.fp8_store(latent, fmt, "latent", lat, rows, False)
-            if fmt.index_k and idx is not None and index_k is not None:
-                self.ops.fp8_store(index_k, fmt, "index_k", idx, rows, rotate, scales)
+        (an fp8 pool's index-K, DeepSeek's ``rotate_activation``). An fp8 pool quantizes them
+        into place (:func:`~cpkv.kv.buffers.quantize_rows`: the ``fp8_store`` op, a part a
+        call); a bf16 pool packs, then writes."""
+        if self.fmts[layer].dtype is KVDtype.FP8:
+            quantize_rows(self.spec, layer, rows, latent, index_k, rotate, self.ops)
             return
         lat_b, idx_b = self._pack(layer, latent,
                                   hadamard_rotate(index_k) if rotate and index_k is not None
