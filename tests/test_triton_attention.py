@@ -156,7 +156,8 @@ def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
         _long_topk_config(monkeypatch)
         monkeypatch.setattr(topk_mod, "TOPK_LONG", {
             **topk_mod.TOPK_LONG, "FEW_ROWS": 1 << 20, "few_floor_warps": 2,
-            "few_select_warps": 2, "few_SPLIT_MIN": 16, "few_CAP": 16})
+            "few_select_warps": 2, "few_SPLIT_MIN": 16, "few_CAP": 16, "few_BLOCK": 32,
+            "FLOOR_ROUNDS": 2})
 
 
 @interp
@@ -238,12 +239,19 @@ def test_topk_select_from_registers_or_memory(ref: Any, monkeypatch: pytest.Monk
         assert _same_choice(got, ref.topk(x, k, ks, ke), x, ks, ke, k), (held, kind, k)
 
 
+def _ord_keys(v: torch.Tensor) -> torch.Tensor:
+    b = v.view(torch.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
 @interp
-def test_topk_floor_is_the_sample_key_at_its_place() -> None:
+@pytest.mark.parametrize("rounds", [4, 3, 2])
+def test_topk_floor_is_the_sample_key_at_its_place(rounds: int) -> None:
     """The long path's floor (a radix select over the sample's keys) is the key a descending
     sort of the sample has at ``est + margin`` (-inf when the sample has no such place), with
-    ties, -0.0 and -inf in the rows: the floor only changes how many candidates a row has, so
-    no equality test of the top-k would see it go wrong."""
+    ties, -0.0 and -inf in the rows; with fewer radix rounds that key with its low
+    ``32 - 8 rounds`` order bits cleared (never above it): the floor only changes how many
+    candidates a row has, so no equality test of the top-k would see it go wrong."""
     sample, k, t = 64, 40, 900
     g = torch.Generator().manual_seed(11)
     x = torch.randn(6, t, generator=g)
@@ -254,7 +262,7 @@ def test_topk_floor_is_the_sample_key_at_its_place() -> None:
     ke = torch.tensor([t, 850, t, 700, 5 + 3 * k, t // 2])  # row 4: est + margin past the sample
     floor = torch.empty(6)
     topk_mod._topk_floor_kernel[(6,)](x, ks, ke, floor, t, k, x.stride(0), x.stride(1),
-                                      SAMPLE=sample)
+                                      SAMPLE=sample, ROUNDS=rounds)
     for r in range(6):
         cnt = int(ke[r] - ks[r])
         cols = int(ks[r]) + (torch.arange(sample) * cnt) // sample
@@ -262,6 +270,10 @@ def test_topk_floor_is_the_sample_key_at_its_place() -> None:
         est = k * sample // cnt
         place = est + int(4.0 * float(torch.tensor(est + 1.0).sqrt())) + 8
         want = float(keys[place]) if place < sample else float("-inf")
+        if place < sample and rounds < 4:  # the key's low order bits cleared
+            s = _ord_keys(keys[place].reshape(1)) & -(1 << (32 - 8 * rounds))
+            want = float((s ^ ((s >> 31) & 0x7FFFFFFF)).view(torch.float32))
+            assert want <= float(keys[place])
         assert float(floor[r]) == want, (r, float(floor[r]), want)
         assert not (floor[r] == 0 and torch.signbit(floor[r]))  # -0.0 folded into 0.0
 

@@ -190,38 +190,60 @@ def _list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constexpr):
+def _flat_split(cnt0, NS, NSP: tl.constexpr):
+    """A row's splits as one run of candidates: each split's count and the flat index just past
+    it (splits in column order; ``cnt0 + j``: split j's count)."""
+    js = tl.arange(0, NSP)
+    cnts = tl.load(cnt0 + js, mask=js < NS, other=0)
+    return cnts, tl.cumsum(cnts, 0)
+
+
+@triton.jit
+def _flat_load(crow0, i, m, cnts, ends, CAP: tl.constexpr):
+    """The candidates at flat indices ``i`` (masked by m) of a row's splits (split j's at
+    ``crow0 + j * CAP``): the split holding i is the number of splits ending at or before it,
+    its offset i less their counts. One step over any number of splits (a loop over the
+    splits took a dependent load a split a step: 16 splits made the select 2.4x slower)."""
+    before = ends[None, :] <= i[:, None]
+    j = tl.sum(before.to(tl.int32), axis=1)
+    off = i - tl.sum(tl.where(before, cnts[None, :], 0), axis=1)
+    return tl.load(crow0 + j.to(tl.int64) * CAP + off, mask=m, other=0)
+
+
+@triton.jit
+def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constexpr,
+            NSP: tl.constexpr):
     """Take ``need`` of a row's candidates (int64 ``key << 32 | (2^31 - 1 - column)``, in column
-    order across ``NS`` splits: split j's at ``crow0 + j * CAP``, its count at ``cnt0 + j``):
-    an exact radix select (4 histograms of 8 bits) finds the need-th largest key, then the keys
-    above it and the first ones equal to it by column are written from ``orow + wpos``."""
+    order across ``NS`` splits: split j's at ``crow0 + j * CAP``, its count at ``cnt0 + j``;
+    ``NSP`` the power of two at least NS): an exact radix select (4 histograms of 8 bits) finds
+    the need-th largest key, then the keys above it and the first ones equal to it by column are
+    written from ``orow + wpos``. The splits are read as one run (:func:`_flat_load`), RB
+    candidates a step."""
+    cnts, ends = _flat_split(cnt0, NS, NSP)
+    total = tl.sum(cnts, axis=0)
     prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
     for p in tl.static_range(4):
         hist = tl.zeros([256], tl.int32)
-        for j in range(0, NS):
-            nc = tl.load(cnt0 + j)
-            for c0 in range(0, nc, RB):
-                i = c0 + tl.arange(0, RB)
-                m = i < nc
-                s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
-                d, m = _radix_digit(s, m, prefix, p)
-                hist += tl.histogram(d, 256, mask=m)
+        for c0 in range(0, total, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < total
+            s = (_flat_load(crow0, i, m, cnts, ends, CAP) >> 32).to(tl.int32)
+            d, m = _radix_digit(s, m, prefix, p)
+            hist += tl.histogram(d, 256, mask=m)
         need, prefix = _radix_step(hist, need, prefix, p)
     eq_seen = tl.zeros([], tl.int32)
-    for j in range(0, NS):
-        nc = tl.load(cnt0 + j)
-        for c0 in range(0, nc, RB):
-            i = c0 + tl.arange(0, RB)
-            m = i < nc
-            comp = tl.load(crow0 + j * CAP + i, mask=m, other=0)
-            s = (comp >> 32).to(tl.int32)
-            eq = m & (s == prefix)
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-            take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-            tl.store(orow + wpos + tl.cumsum(take, 0) - 1, 2147483647 - comp.to(tl.int32),
-                     mask=take != 0)
-            wpos += tl.sum(take, axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    for c0 in range(0, total, RB):
+        i = c0 + tl.arange(0, RB)
+        m = i < total
+        comp = _flat_load(crow0, i, m, cnts, ends, CAP)
+        s = (comp >> 32).to(tl.int32)
+        eq = m & (s == prefix)
+        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
+        take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
+        tl.store(orow + wpos + tl.cumsum(take, 0) - 1, 2147483647 - comp.to(tl.int32),
+                 mask=take != 0)
+        wpos += tl.sum(take, axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -382,7 +404,7 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
     else:
         above = tl.load(meta_ptr + row * 2)  # ncand (next): 0 for the rows the exact kernel took
         _refine(cand_ptr + row * CAP, meta_ptr + row * 2 + 1, 1, out_ptr + row * K, K - above,
-                above, CAP, RB)
+                above, CAP, RB, 1)
 
 
 @triton.jit
@@ -393,14 +415,17 @@ def _key_value(s):
 
 
 @triton.jit
-def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE: tl.constexpr):
+def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE: tl.constexpr,
+                       ROUNDS: tl.constexpr):
     """Long rows, kernel 1 of 4 (one program per row holding more than K keys): the candidates'
     floor. SAMPLE columns spread evenly over the range; the k-th largest key is expected near
     sample place ``est = SAMPLE * K / count`` (descending); the floor is the sample key 4
     standard deviations of that estimate plus 8 places further down (-inf when the sample has
     no such place: every key is a candidate), found by a radix select over the sample's keys
-    (4 histograms of 8 bits: a sort of a 4096-key sample was 0.1 ms of a decode layer, a
-    latency of one program)."""
+    (histograms of 8 bits: a sort of a 4096-key sample was 0.1 ms of a decode layer, a
+    latency of one program). ROUNDS < 4 of them give that key with its low ``32 - 8 ROUNDS``
+    bits cleared: a floor at most ``2^(9 - 8 ROUNDS)`` relatively lower (a few more
+    candidates), the same result."""
     row = tl.program_id(0).to(tl.int64)
     start, end = _row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
@@ -413,7 +438,7 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
         need = place + 1  # the floor is the need-th largest sample key
         prefix = tl.zeros([], tl.int32)
         every = i >= 0
-        for p in tl.static_range(4):
+        for p in tl.static_range(ROUNDS):
             d, m = _radix_digit(s, every, prefix, p)
             need, prefix = _radix_step(tl.histogram(d, 256, mask=m), need, prefix, p)
         lo = tl.where(place < SAMPLE, _key_value(prefix), float("-inf"))
@@ -506,10 +531,10 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
                 else:
                     _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS,
                             out_ptr + row * K, K + tl.zeros([], tl.int32),
-                            tl.zeros([], tl.int32), CAP, RB)
+                            tl.zeros([], tl.int32), CAP, RB, NSP)
             else:
                 _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS, out_ptr + row * K,
-                        K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB)
+                        K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB, NSP)
             tl.store(meta_ptr + row * 2, K)
 
 
@@ -602,7 +627,7 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
         return cfg[field] if few and cfg[field] else many
 
     cap = max(pick("few_CAP", cfg["CAP"]), _pow2(k))
-    blk = min(cfg["BLOCK"], _pow2(t))
+    blk = min(pick("few_BLOCK", cfg["BLOCK"]), _pow2(t))
     ns = _splits(n, t, cap, pick("few_SPLIT_MIN", cfg["SPLIT_MIN"]))
     cs = triton.cdiv(triton.cdiv(t, ns), blk) * blk  # columns per split
     ns = triton.cdiv(t, cs)
@@ -614,7 +639,7 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     sx0, sx1 = logits.stride(0), logits.stride(1)
     warps = cfg["num_warps"]
     _topk_floor_kernel[(n,)](logits, ks, ke, floor, t, k, sx0, sx1, SAMPLE=cfg["SAMPLE"],
-                             num_warps=pick("few_floor_warps", warps))
+                             ROUNDS=cfg["FLOOR_ROUNDS"], num_warps=pick("few_floor_warps", warps))
     if not (cfg["GLUON"] and _gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk,
                                            cap, warps)):
         _topk_filter_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns, sx0, sx1,

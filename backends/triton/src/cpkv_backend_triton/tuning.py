@@ -167,7 +167,10 @@ class TopkLongParams(_Params):
     kernel. A call of at most FEW_ROWS rows (a decode step's: fewer programs a kernel than SMs,
     each one's latency is the kernel's) launches the floor with few_floor_warps and the select
     with few_select_warps, splits rows into splits of at least few_SPLIT_MIN columns holding
-    at most few_CAP candidates each (0: the many-row value)."""
+    at most few_CAP candidates each and filters them few_BLOCK columns a step (0: the many-row
+    value). FLOOR_ROUNDS: the floor's radix rounds (4: the sample key at the floor's place;
+    fewer: that key with its low bits cleared, a floor up to 2^(9 - 8 ROUNDS) relatively lower,
+    the same result)."""
 
     MIN_T: int
     SAMPLE: int
@@ -186,6 +189,8 @@ class TopkLongParams(_Params):
     few_select_warps: int = 0
     few_SPLIT_MIN: int = 0
     few_CAP: int = 0
+    few_BLOCK: int = 0
+    FLOOR_ROUNDS: int = 4
 
 
 @dataclass(frozen=True)
