@@ -1,7 +1,8 @@
 """The long-row top-k at a decode step's few rows after session 21's changes: the select reads a
 row's splits as one run (``_flat_load``: one step over any number of splits, where the loop over
 splits made 16 splits 2.4x slower in session 18), the floor from fewer radix rounds
-(``FLOOR_ROUNDS``), the filter in larger blocks for few rows (``few_BLOCK``). Configurations one
+(``FLOOR_ROUNDS``), the filter in larger blocks for few rows (``few_BLOCK``), the select's last
+two radix rounds over the keys of the k-th key's 16-bit bin only (``COMPACT``). Configurations one
 at a time, then combined, at 64 and 256 rows of ~128K keys in a 256K-column bucket (session 18's
 ``topk_decode_sweep_gpu.py`` inputs); device ms of the op and each kernel's, exact against
 ``torch.topk``'s sets. JSON -> OUT (argv[1]); the fastest exact configuration at 64 rows as a
@@ -10,7 +11,8 @@ at a time, then combined, at 64 and 256 rows of ~128K keys in a 256K-column buck
 Predicted (H100, session 20's profile: floor 17.2, filter 32.7, select 36.6 us a layer): the
 floor at 2 rounds ~9 us; the filter at 4096-column blocks ~14 us (16 KB in flight a program
 where 4 KB kept ~1 TB/s); 16K-column splits with the flat select: the filter ~20, the select
-~36; the op ~0.088 -> ~0.06 ms.
+~36; COMPACT: the select ~36 -> ~26 (two of its five passes histogram a few percent of the
+candidates; one more pass copies them); the op ~0.088 -> ~0.05 ms.
 
     python benchmarks/topk_decode_flat_gpu.py OUT.json BEST.env
 """
@@ -39,6 +41,10 @@ CONFIGS = {
                     "few_CAP": 4096},
     "r2_b4k_rf2k": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 4096, "REFINE": 2048},
     "r2_b1k_s8k": {**_FEW, "FLOOR_ROUNDS": 2, "few_SPLIT_MIN": 8192, "few_CAP": 2048},
+    "compact": {"COMPACT": 1},
+    "r2_b4k_c": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 4096, "COMPACT": 1},
+    "r2_b2k_s16k_c": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 2048, "few_SPLIT_MIN": 16384,
+                      "few_CAP": 4096, "COMPACT": 1},
 }
 
 
@@ -50,7 +56,8 @@ def main() -> None:
     for n in (64, 256):
         ke = torch.randint(131072 - 4096, 131073, (n,), generator=g, device="cuda")
         confs = CONFIGS if n == 64 else {k: CONFIGS[k] for k in
-                                         ("table", "r2_b4k", "r2_b2k_s16k", "r2_b4k_rf2k")}
+                                         ("table", "compact", "r2_b4k", "r2_b4k_c",
+                                          "r2_b2k_s16k_c")}
         res = _case(f"decode{n}", n, t, ke, confs, g)
         out[f"decode_{n}x128k"] = res
         if n == 64:

@@ -157,7 +157,7 @@ def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
         monkeypatch.setattr(topk_mod, "TOPK_LONG", {
             **topk_mod.TOPK_LONG, "FEW_ROWS": 1 << 20, "few_floor_warps": 2,
             "few_select_warps": 2, "few_SPLIT_MIN": 16, "few_CAP": 16, "few_BLOCK": 32,
-            "FLOOR_ROUNDS": 2})
+            "FLOOR_ROUNDS": 2, "COMPACT": 1})
 
 
 @interp
@@ -221,14 +221,17 @@ def test_topk_exact_edge_cases(ref: Any, monkeypatch: pytest.MonkeyPatch, kind: 
 
 
 @interp
-@pytest.mark.parametrize("held", [0, 4096], ids=["loop", "held"])
+@pytest.mark.parametrize(("held", "compact"), [(0, 0), (0, 1), (4096, 0)],
+                         ids=["loop", "loop-compact", "held"])
 @pytest.mark.parametrize("kind", ["ties", "neg_inf", "randn"])
 def test_topk_select_from_registers_or_memory(ref: Any, monkeypatch: pytest.MonkeyPatch,
-                                              held: int, kind: str) -> None:
-    """The long path's select either way: every row refined from registers (``HELD`` larger
-    than every split's CAP) or every row by the loop over memory (``HELD`` 0): the reference's
-    sets, ties by ascending column, flagged rows still exact."""
+                                              held: int, compact: int, kind: str) -> None:
+    """The long path's select each way: every row refined from registers (``HELD`` larger
+    than every split's CAP) or every row by the loop over memory (``HELD`` 0), its last two
+    rounds over every candidate or (``COMPACT``) over the keys copied out after two rounds:
+    the reference's sets, ties by ascending column, flagged rows still exact."""
     _long_topk_config(monkeypatch, held=held)
+    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "COMPACT": compact})
     g = torch.Generator().manual_seed(5)
     n, t = 9, 150
     x = _topk_case(g, n, t, kind)
@@ -237,6 +240,66 @@ def test_topk_select_from_registers_or_memory(ref: Any, monkeypatch: pytest.Monk
     for k in (1, 24, 64):
         got = AttentionKernels().topk(x, k, ks, ke)
         assert _same_choice(got, ref.topk(x, k, ks, ke), x, ks, ke, k), (held, kind, k)
+
+
+def _split_candidates(g: torch.Generator, n: int, ns: int, cap: int, kind: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates as the filter leaves them: per (row, split) up to ``cap`` int64
+    ``key << 32 | (2^31 - 1 - column)`` in column order (splits of 100 columns), some splits
+    empty; ``kind`` "spread" (distinct keys: few share 16 bits), "mixed" (most keys in eight
+    16-bit bins, each holding several: the k-th key's bin copied, the last rounds decide) or
+    "clustered" (every key in one 16-bit bin: more than the slots at small k)."""
+    cand = torch.zeros(n * ns * cap, dtype=torch.int64)
+    count = torch.zeros(n, ns, dtype=torch.int32)
+    for r in range(n):
+        for j in range(ns):
+            c = 0 if (r + j) % 4 == 3 else int(torch.randint(1, cap + 1, (1,), generator=g))
+            cols = (j * 100 + torch.randperm(100, generator=g)[:c].sort().values).to(torch.int64)
+            if kind == "spread":
+                v = torch.randn(c, generator=g) * 4
+            elif kind == "mixed":  # a quarter above 2, the rest over eight 16-bit bins at 1
+                v = torch.where(torch.rand(c, generator=g) < 0.25,
+                                2 + 8 * torch.rand(c, generator=g),
+                                1 + torch.randint(0, 4096, (c,), generator=g).float() / 65536)
+            else:
+                v = 1.0 + torch.randint(0, 24, (c,), generator=g).float() / 4096
+            key = _ord_keys(v).to(torch.int64)
+            cand[(r * ns + j) * cap:(r * ns + j) * cap + c] = (key << 32) | (2147483647 - cols)
+            count[r, j] = c
+    return cand, count
+
+
+@interp
+@pytest.mark.parametrize("compact", [0, 1])
+@pytest.mark.parametrize("kind", ["spread", "mixed", "clustered"])
+def test_topk_select_over_split_candidates(monkeypatch: pytest.MonkeyPatch, compact: int,
+                                           kind: str) -> None:
+    """The long path's select (``select_candidates``) over candidates in splits, some empty:
+    each row's k largest keys, ties by ascending column, with its last two radix rounds over
+    every candidate or (``COMPACT``) over the keys copied out after two: the 16-bit bin of the
+    k-th key small ("spread", "mixed": copied) or larger than the row's slots ("clustered":
+    the rounds over every candidate)."""
+    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "COMPACT": compact,
+                                                "REFINE": 16, "HELD": 0})
+    g = torch.Generator().manual_seed(17)
+    n, ns, cap, t = 5, 6, 24, 600
+    cand, count = _split_candidates(g, n, ns, cap, kind)
+    for k in (8, 40):
+        ks, ke = torch.zeros(n, dtype=torch.int64), torch.full((n,), t, dtype=torch.int64)
+        out = torch.full((n, k), -2, dtype=torch.int32)
+        meta = torch.zeros(n, 2, dtype=torch.int32)
+        topk_mod.select_candidates(cand, count, ks, ke, out, meta, t, k, cap, 2)
+        for r in range(n):
+            rows = [cand[(r * ns + j) * cap:(r * ns + j) * cap + int(count[r, j])]
+                    for j in range(ns)]
+            c = torch.cat(rows)
+            if c.numel() < k:
+                assert int(meta[r, 0]) == -1
+                continue
+            want = sorted(c.tolist(), reverse=True)[:k]  # key desc, then column asc
+            assert int(meta[r, 0]) == k
+            assert sorted(out[r].tolist()) == sorted(2147483647 - (w & 0xFFFFFFFF)
+                                                     for w in want), (kind, compact, k, r)
 
 
 def _ord_keys(v: torch.Tensor) -> torch.Tensor:

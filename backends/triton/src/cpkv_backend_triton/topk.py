@@ -211,26 +211,83 @@ def _flat_load(crow0, i, m, cnts, ends, CAP: tl.constexpr):
 
 
 @triton.jit
+def _split_round(crow0, total, cnts, ends, prefix, p: tl.constexpr, CAP: tl.constexpr,
+                 RB: tl.constexpr):
+    """Round p's histogram over a row's candidates in its splits (:func:`_flat_load`)."""
+    hist = tl.zeros([256], tl.int32)
+    for c0 in range(0, total, RB):
+        i = c0 + tl.arange(0, RB)
+        m = i < total
+        s = (_flat_load(crow0, i, m, cnts, ends, CAP) >> 32).to(tl.int32)
+        d, m = _radix_digit(s, m, prefix, p)
+        hist += tl.histogram(d, 256, mask=m)
+    return hist
+
+
+@triton.jit
+def _key_round(kptr, nk, prefix, p: tl.constexpr, RB: tl.constexpr):
+    """Round p's histogram over ``nk`` order keys at ``kptr`` (int32)."""
+    hist = tl.zeros([256], tl.int32)
+    for c0 in range(0, nk, RB):
+        i = c0 + tl.arange(0, RB)
+        m = i < nk
+        d, m = _radix_digit(tl.load(kptr + i, mask=m, other=0), m, prefix, p)
+        hist += tl.histogram(d, 256, mask=m)
+    return hist
+
+
+@triton.jit
+def _bin_count(hist, prefix, p: tl.constexpr):
+    """How many keys round p's histogram put in the bin the prefix chose (the keys matching
+    the prefix's top ``8 (p + 1)`` bits)."""
+    b = (prefix >> (24 - 8 * p)) & 255
+    return tl.sum(tl.where(tl.arange(0, 256) == b, hist, 0), axis=0)
+
+
+@triton.jit
 def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constexpr,
-            NSP: tl.constexpr):
+            NSP: tl.constexpr, COMPACT: tl.constexpr):
     """Take ``need`` of a row's candidates (int64 ``key << 32 | (2^31 - 1 - column)``, in column
     order across ``NS`` splits: split j's at ``crow0 + j * CAP``, its count at ``cnt0 + j``;
     ``NSP`` the power of two at least NS): an exact radix select (4 histograms of 8 bits) finds
     the need-th largest key, then the keys above it and the first ones equal to it by column are
     written from ``orow + wpos``. The splits are read as one run (:func:`_flat_load`), RB
-    candidates a step."""
+    candidates a step. ``COMPACT``: after two rounds the keys matching the 16 bits found (round
+    1's bin, typically a few percent of the candidates) are copied into the ``need`` output
+    slots the row is about to fill, and rounds 2 and 3 histogram only them (the output is
+    written after; when the bin holds more keys than slots, the rounds run over every
+    candidate)."""
     cnts, ends = _flat_split(cnt0, NS, NSP)
     total = tl.sum(cnts, axis=0)
+    room = need
     prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
-    for p in tl.static_range(4):
-        hist = tl.zeros([256], tl.int32)
-        for c0 in range(0, total, RB):
-            i = c0 + tl.arange(0, RB)
-            m = i < total
-            s = (_flat_load(crow0, i, m, cnts, ends, CAP) >> 32).to(tl.int32)
-            d, m = _radix_digit(s, m, prefix, p)
-            hist += tl.histogram(d, 256, mask=m)
-        need, prefix = _radix_step(hist, need, prefix, p)
+    if COMPACT:
+        for p in tl.static_range(2):
+            hist = _split_round(crow0, total, cnts, ends, prefix, p, CAP, RB)
+            need, prefix = _radix_step(hist, need, prefix, p)
+        nk = _bin_count(hist, prefix, 1)
+        if nk <= room:
+            kptr = orow + wpos
+            nput = tl.zeros([], tl.int32)
+            for c0 in range(0, total, RB):
+                i = c0 + tl.arange(0, RB)
+                m = i < total
+                s = (_flat_load(crow0, i, m, cnts, ends, CAP) >> 32).to(tl.int32)
+                put = m & (((s ^ prefix) & -65536) == 0)
+                tl.store(kptr + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
+                nput += tl.sum(put.to(tl.int32), axis=0)
+            tl.debug_barrier()  # the copied keys visible to every thread
+            for p in tl.static_range(2, 4):
+                need, prefix = _radix_step(_key_round(kptr, nk, prefix, p, RB), need, prefix, p)
+            tl.debug_barrier()  # read by every thread before the output overwrites them
+        else:
+            for p in tl.static_range(2, 4):
+                hist = _split_round(crow0, total, cnts, ends, prefix, p, CAP, RB)
+                need, prefix = _radix_step(hist, need, prefix, p)
+    else:
+        for p in tl.static_range(4):
+            hist = _split_round(crow0, total, cnts, ends, prefix, p, CAP, RB)
+            need, prefix = _radix_step(hist, need, prefix, p)
     eq_seen = tl.zeros([], tl.int32)
     for c0 in range(0, total, RB):
         i = c0 + tl.arange(0, RB)
@@ -404,7 +461,7 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
     else:
         above = tl.load(meta_ptr + row * 2)  # ncand (next): 0 for the rows the exact kernel took
         _refine(cand_ptr + row * CAP, meta_ptr + row * 2 + 1, 1, out_ptr + row * K, K - above,
-                above, CAP, RB, 1)
+                above, CAP, RB, 1, False)
 
 
 @triton.jit
@@ -505,7 +562,7 @@ def _refine_held(crow0, cnts, orow, K, CAP: tl.constexpr, NSP: tl.constexpr,
 @triton.jit
 def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, T, K, NS,
                         KP: tl.constexpr, CAP: tl.constexpr, NSP: tl.constexpr,
-                        RB: tl.constexpr, SLOT: tl.constexpr):
+                        RB: tl.constexpr, SLOT: tl.constexpr, COMPACT: tl.constexpr):
     """Long rows, kernel 3 of 4 (one program per row): rows holding at most K keys list them
     ascending (-1 padded); the others refine their candidates, splits in column order (exact
     radix select, 4 histograms of 8 bits, then the keys above the K-th and the first ones equal
@@ -531,10 +588,11 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
                 else:
                     _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS,
                             out_ptr + row * K, K + tl.zeros([], tl.int32),
-                            tl.zeros([], tl.int32), CAP, RB, NSP)
+                            tl.zeros([], tl.int32), CAP, RB, NSP, COMPACT)
             else:
                 _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS, out_ptr + row * K,
-                        K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB, NSP)
+                        K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB, NSP,
+                        COMPACT)
             tl.store(meta_ptr + row * 2, K)
 
 
@@ -567,7 +625,7 @@ def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.
     slot = min(cfg["HELD"] // nsp, _pow2(cap, 1)) if cfg["HELD"] >= nsp else 0
     _topk_select_kernel[(n,)](key_start, key_end, out, cand, count, meta, t, k, ns,
                               KP=_pow2(k), CAP=cap, NSP=nsp, RB=min(cfg["REFINE"], cap),
-                              SLOT=slot, num_warps=warps)
+                              SLOT=slot, COMPACT=bool(cfg["COMPACT"]), num_warps=warps)
 
 
 def _splits(n: int, t: int, cap: int, split_min: int = 0) -> int:

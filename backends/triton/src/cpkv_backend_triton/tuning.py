@@ -170,7 +170,9 @@ class TopkLongParams(_Params):
     at most few_CAP candidates each and filters them few_BLOCK columns a step (0: the many-row
     value). FLOOR_ROUNDS: the floor's radix rounds (4: the sample key at the floor's place;
     fewer: that key with its low bits cleared, a floor up to 2^(9 - 8 ROUNDS) relatively lower,
-    the same result)."""
+    the same result). COMPACT 1: the select's last two radix rounds over only the keys
+    matching the first two rounds' 16 bits, copied into the row's output slots first (0: all
+    four rounds over every candidate)."""
 
     MIN_T: int
     SAMPLE: int
@@ -191,6 +193,7 @@ class TopkLongParams(_Params):
     few_CAP: int = 0
     few_BLOCK: int = 0
     FLOOR_ROUNDS: int = 4
+    COMPACT: int = 0
 
 
 @dataclass(frozen=True)
