@@ -246,6 +246,47 @@ def test_ties_within_cap_break_by_the_lower_column(ref: Any, small: dict[str, in
     assert torch.equal(got, torch.arange(100, 116, dtype=torch.int32).expand(8, 16))
 
 
+@pytest.mark.parametrize("compact", [0, 1])
+@pytest.mark.parametrize("kind", ["spread", "mixed", "clustered"])
+def test_select_over_unordered_candidates(small: dict[str, int], compact: int,
+                                          kind: str) -> None:
+    """The select (``select_fused``) over candidates in no order, each row's k largest logits
+    by value, ties by the lower column, listed ascending; its last two radix rounds over every
+    candidate or (``COMPACT``) over the keys of the k-th key's 16-bit bin copied into the row's
+    output slots: that bin small ("spread"), holding several keys ("mixed"), or larger than the
+    slots ("clustered": every round over every candidate). Rows with fewer than k candidates
+    or over CAP are flagged."""
+    small["COMPACT"] = compact
+    g = torch.Generator().manual_seed(23)
+    n, cap, t, k = 7, 96, 5000, 24
+    val = torch.zeros(n * cap)
+    col = torch.zeros(n * cap, dtype=torch.int32)
+    count = torch.randint(k, cap + 1, (n,), generator=g, dtype=torch.int32)
+    count[0], count[1] = k - 1, cap + 3  # flagged: too few, overflowed
+    for r in range(n):
+        c = min(int(count[r]), cap)
+        if kind == "spread":
+            v = torch.randn(c, generator=g) * 4
+        elif kind == "mixed":  # a quarter above 2, the rest over eight 16-bit bins at 1
+            v = torch.where(torch.rand(c, generator=g) < 0.25, 2 + 8 * torch.rand(c, generator=g),
+                            1 + torch.randint(0, 4096, (c,), generator=g).float() / 65536)
+        else:
+            v = 1.0 + torch.randint(0, 24, (c,), generator=g).float() / 4096
+        val[r * cap:r * cap + c] = v
+        col[r * cap:r * cap + c] = torch.randperm(t, generator=g)[:c].to(torch.int32)
+    ks, ke = torch.zeros(n, dtype=torch.int64), torch.full((n,), t, dtype=torch.int64)
+    out = torch.full((n, k), -2, dtype=torch.int32)
+    meta = torch.zeros(n, 2, dtype=torch.int32)
+    fused.select_fused(val, col, count, ks, ke, out, meta, t, k, cap)
+    assert meta[:2, 0].tolist() == [-1, -1]
+    for r in range(2, n):
+        c = int(count[r])
+        pairs = sorted(zip(val[r * cap:r * cap + c].tolist(), col[r * cap:r * cap + c].tolist(),
+                           strict=True), key=lambda vc: (-vc[0], vc[1]))
+        assert int(meta[r, 0]) == k
+        assert out[r].tolist() == sorted(cc for _, cc in pairs[:k]), (kind, compact, r)
+
+
 @pytest.mark.slow  # 4-7 s in the interpreter
 def test_short_views_take_the_plain_path(ref: Any, flags: list[torch.Tensor]) -> None:
     q, w, keys, ks, ke = _inputs(12, 300)

@@ -54,7 +54,16 @@ import triton
 import triton.language as tl
 
 from .indexer_tile import head_sum, key_tile, split_queries
-from .topk import key_value, list_short_row, ord_key, radix_digit, radix_step, row_range
+from .topk import (
+    bin_count,
+    key_round,
+    key_value,
+    list_short_row,
+    ord_key,
+    radix_digit,
+    radix_step,
+    row_range,
+)
 from .tuning import DeviceTuned, Op
 from .variants import report_variant_declined
 
@@ -246,8 +255,54 @@ def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.cons
 
 
 @triton.jit
+def _value_round(vrow, nc, prefix, p: tl.constexpr, RB: tl.constexpr):
+    """Round p's histogram over a row's ``nc`` candidate values (fp32 at ``vrow``)."""
+    hist = tl.zeros([256], tl.int32)
+    for c0 in range(0, nc, RB):
+        i = c0 + tl.arange(0, RB)
+        m = i < nc
+        d, m = radix_digit(ord_key(tl.load(vrow + i, mask=m, other=0.0)), m, prefix, p)
+        hist += tl.histogram(d, 256, mask=m)
+    return hist
+
+
+@triton.jit
+def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
+    """:func:`_radix_candidates` of the keys (``COLS`` off) with its last two rounds over the
+    keys matching the first two rounds' 16 bits only: those (round 1's bin) are copied into the
+    row's ``need`` output slots at ``orow`` first (the output is written after); a bin larger
+    than the slots keeps the rounds over every candidate."""
+    room = need
+    prefix = tl.zeros([], tl.int32)
+    hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range(2):
+        hist = _value_round(vrow, nc, prefix, p, RB)
+        need, prefix = radix_step(hist, need, prefix, p)
+    nk = bin_count(hist, prefix, 1)
+    if nk <= room:
+        nput = tl.zeros([], tl.int32)
+        for c0 in range(0, nc, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < nc
+            s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
+            put = m & (((s ^ prefix) & -65536) == 0)
+            tl.store(orow + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
+            nput += tl.sum(put.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the copied keys visible to every thread
+        for p in tl.static_range(2, 4):
+            hist = key_round(orow, nk, prefix, p, RB)
+            need, prefix = radix_step(hist, need, prefix, p)
+        tl.debug_barrier()  # read by every thread before the output overwrites them
+    else:
+        for p in tl.static_range(2, 4):
+            hist = _value_round(vrow, nc, prefix, p, RB)
+            need, prefix = radix_step(hist, need, prefix, p)
+    return need, prefix, hist
+
+
+@triton.jit
 def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
-                         CAP, KP: tl.constexpr, RB: tl.constexpr):
+                         CAP, KP: tl.constexpr, RB: tl.constexpr, COMPACT: tl.constexpr):
     """Step 4 (one program per row): rows holding at most K keys list them ascending; the
     others take the exact K of their candidates (in no order: a radix select over the keys,
     then, when the K-th key ties, one over the tied candidates' columns keeps the lowest),
@@ -265,9 +320,14 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
         else:
             vrow = val_ptr + row * CAP
             crow = col_ptr + row * CAP
+            orow = out_ptr + row * K
             # the K-th key, and how many candidates equal to it to take
-            need, prefix, hist = _radix_candidates(vrow, crow, nc, K + tl.zeros([], tl.int32),
-                                                   0, False, RB)
+            if COMPACT:
+                need, prefix, hist = _kth_key_compact(vrow, nc, K + tl.zeros([], tl.int32),
+                                                      orow, RB)
+            else:
+                need, prefix, hist = _radix_candidates(vrow, crow, nc,
+                                                       K + tl.zeros([], tl.int32), 0, False, RB)
             # candidates equal to the K-th key: the last round's bin of its low 8 bits
             tied = tl.sum(tl.where(tl.arange(0, 256) == (prefix & 255), hist, 0), axis=0)
             # the tied candidates kept: those whose 2^31 - 1 - column is at least cut (all of
@@ -275,7 +335,6 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
             cut = tl.full([], -2147483648, tl.int32)
             if need < tied:
                 _, cut, _ = _radix_candidates(vrow, crow, nc, need, prefix, True, RB)
-            orow = out_ptr + row * K
             wpos = tl.zeros([], tl.int32)
             for c0 in range(0, nc, RB):
                 i = c0 + tl.arange(0, RB)
@@ -406,6 +465,7 @@ def select_fused(val: torch.Tensor, col: torch.Tensor, count: torch.Tensor,
     _fused_select_kernel[(count.shape[0],)](val, col, count, key_start, key_end, out, meta, t, k,
                                             cap, KP=_pow2(k), RB=min(cfg["SELECT_BLOCK"],
                                                                      _pow2(cap)),
+                                            COMPACT=bool(cfg["COMPACT"]),
                                             num_warps=cfg["select_warps"])
 
 

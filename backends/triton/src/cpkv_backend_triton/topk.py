@@ -43,8 +43,9 @@ from cpkv.ops.api import check_topk_args
 from .tuning import DeviceTuned, Op
 from .variants import report_variant_declined
 
-__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "key_value", "list_short_row", "ord_key",
-           "radix_digit", "radix_step", "row_range", "select_candidates", "topk"]
+__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "bin_count", "key_round", "key_value",
+           "list_short_row", "ord_key", "radix_digit", "radix_step", "row_range",
+           "select_candidates", "topk"]
 
 TOPK_BLOCK = 1024
 #: "radix" (the exact kernels, default) or "torch" (mask, torch.topk, fix-up)
@@ -597,10 +598,12 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
 
 
 #: the pieces the fused indexer top-k (:mod:`cpkv_backend_triton.indexer_topk`) builds on: the
-#: order-preserving key and its inverse, the radix rounds, a row's clipped range and the listing
-#: of a row holding at most k keys (Triton helpers)
+#: order-preserving key and its inverse, the radix rounds (a round over copied keys, a bin's
+#: count), a row's clipped range and the listing of a row holding at most k keys (Triton helpers)
 ord_key = _ord_key
 key_value = _key_value
+key_round = _key_round
+bin_count = _bin_count
 list_short_row = _list_short_row
 radix_digit = _radix_digit
 radix_step = _radix_step

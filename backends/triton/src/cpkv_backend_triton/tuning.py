@@ -205,7 +205,9 @@ class IndexerTopkParams(_Params):
     select's SELECT_BLOCK candidates a step and select_warps; the exact pass's EXACT_BLOCK_N
     keys a step and exact_warps; floor_warps of the sample's floor, FLOOR_ROUNDS its radix
     rounds (4: the sample key at the floor's place; fewer: that key with its low bits cleared,
-    a floor up to 2^(9 - 8 ROUNDS) relatively lower, the same result)."""
+    a floor up to 2^(9 - 8 ROUNDS) relatively lower, the same result); COMPACT 1: the
+    select's last two radix rounds over the keys of the K-th key's 16-bit bin only (copied into
+    the row's output first; 0: four rounds over every candidate)."""
 
     MIN_T: int
     SAMPLE: int
@@ -223,6 +225,7 @@ class IndexerTopkParams(_Params):
     exact_warps: int
     floor_warps: int
     FLOOR_ROUNDS: int
+    COMPACT: int = 0
 
 
 P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams, IndexerTopkParams)
