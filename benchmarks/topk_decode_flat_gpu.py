@@ -27,24 +27,15 @@ import torch
 sys.path.insert(0, "benchmarks")
 from topk_sweep_gpu import _case
 
-_FEW = {"FEW_ROWS": 256}
+#: session 21's second call (the table: the per-split select, COMPACT 1, few_BLOCK 2048; the
+#: first call's configurations, on the flat select since reverted, are in its JSON)
 CONFIGS = {
     "table": {},
-    "rounds2": {"FLOOR_ROUNDS": 2},
-    "block2k": {**_FEW, "few_BLOCK": 2048},
-    "block4k": {**_FEW, "few_BLOCK": 4096},
-    "split16k": {**_FEW, "few_SPLIT_MIN": 16384, "few_CAP": 4096},
-    "split8k": {**_FEW, "few_SPLIT_MIN": 8192, "few_CAP": 2048},
-    "refine2k": {"REFINE": 2048},
-    "r2_b4k": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 4096},
-    "r2_b2k_s16k": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 2048, "few_SPLIT_MIN": 16384,
-                    "few_CAP": 4096},
-    "r2_b4k_rf2k": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 4096, "REFINE": 2048},
-    "r2_b1k_s8k": {**_FEW, "FLOOR_ROUNDS": 2, "few_SPLIT_MIN": 8192, "few_CAP": 2048},
-    "compact": {"COMPACT": 1},
-    "r2_b4k_c": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 4096, "COMPACT": 1},
-    "r2_b2k_s16k_c": {**_FEW, "FLOOR_ROUNDS": 2, "few_BLOCK": 2048, "few_SPLIT_MIN": 16384,
-                      "few_CAP": 4096, "COMPACT": 1},
+    "session20": {"COMPACT": 0, "few_BLOCK": 0},
+    "compact0": {"COMPACT": 0},
+    "block0": {"few_BLOCK": 0},
+    "block4k": {"few_BLOCK": 4096},
+    "rounds3": {"FLOOR_ROUNDS": 3},
 }
 
 
@@ -55,9 +46,7 @@ def main() -> None:
     best: tuple[float, str] = (float("inf"), "table")
     for n in (64, 256):
         ke = torch.randint(131072 - 4096, 131073, (n,), generator=g, device="cuda")
-        confs = CONFIGS if n == 64 else {k: CONFIGS[k] for k in
-                                         ("table", "compact", "r2_b4k", "r2_b4k_c",
-                                          "r2_b2k_s16k_c")}
+        confs = CONFIGS if n == 64 else {k: CONFIGS[k] for k in ("table", "session20")}
         res = _case(f"decode{n}", n, t, ke, confs, g)
         out[f"decode_{n}x128k"] = res
         if n == 64:

@@ -191,37 +191,21 @@ def _list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _flat_split(cnt0, NS, NSP: tl.constexpr):
-    """A row's splits as one run of candidates: each split's count and the flat index just past
-    it (splits in column order; ``cnt0 + j``: split j's count)."""
-    js = tl.arange(0, NSP)
-    cnts = tl.load(cnt0 + js, mask=js < NS, other=0)
-    return cnts, tl.cumsum(cnts, 0)
-
-
-@triton.jit
-def _flat_load(crow0, i, m, cnts, ends, CAP: tl.constexpr):
-    """The candidates at flat indices ``i`` (masked by m) of a row's splits (split j's at
-    ``crow0 + j * CAP``): the split holding i is the number of splits ending at or before it,
-    its offset i less their counts. One step over any number of splits (a loop over the
-    splits took a dependent load a split a step: 16 splits made the select 2.4x slower)."""
-    before = ends[None, :] <= i[:, None]
-    j = tl.sum(before.to(tl.int32), axis=1)
-    off = i - tl.sum(tl.where(before, cnts[None, :], 0), axis=1)
-    return tl.load(crow0 + j.to(tl.int64) * CAP + off, mask=m, other=0)
-
-
-@triton.jit
-def _split_round(crow0, total, cnts, ends, prefix, p: tl.constexpr, CAP: tl.constexpr,
+def _split_round(crow0, cnt0, NS, prefix, p: tl.constexpr, CAP: tl.constexpr,
                  RB: tl.constexpr):
-    """Round p's histogram over a row's candidates in its splits (:func:`_flat_load`)."""
+    """Round p's histogram over a row's candidates, split by split (split j's at ``crow0 + j *
+    CAP``, its count at ``cnt0 + j``), RB a step. (One flat run over the splits, each element's
+    split found by comparing it with the splits' ends, made the decode select 1.7x slower on
+    an H100: 62 against 36 us, docs/perf.md session 21.)"""
     hist = tl.zeros([256], tl.int32)
-    for c0 in range(0, total, RB):
-        i = c0 + tl.arange(0, RB)
-        m = i < total
-        s = (_flat_load(crow0, i, m, cnts, ends, CAP) >> 32).to(tl.int32)
-        d, m = _radix_digit(s, m, prefix, p)
-        hist += tl.histogram(d, 256, mask=m)
+    for j in range(0, NS):
+        nc = tl.load(cnt0 + j)
+        for c0 in range(0, nc, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < nc
+            s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
+            d, m = _radix_digit(s, m, prefix, p)
+            hist += tl.histogram(d, 256, mask=m)
     return hist
 
 
@@ -247,61 +231,62 @@ def _bin_count(hist, prefix, p: tl.constexpr):
 
 @triton.jit
 def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constexpr,
-            NSP: tl.constexpr, COMPACT: tl.constexpr):
+            COMPACT: tl.constexpr):
     """Take ``need`` of a row's candidates (int64 ``key << 32 | (2^31 - 1 - column)``, in column
-    order across ``NS`` splits: split j's at ``crow0 + j * CAP``, its count at ``cnt0 + j``;
-    ``NSP`` the power of two at least NS): an exact radix select (4 histograms of 8 bits) finds
-    the need-th largest key, then the keys above it and the first ones equal to it by column are
-    written from ``orow + wpos``. The splits are read as one run (:func:`_flat_load`), RB
-    candidates a step. ``COMPACT``: after two rounds the keys matching the 16 bits found (round
-    1's bin, typically a few percent of the candidates) are copied into the ``need`` output
-    slots the row is about to fill, and rounds 2 and 3 histogram only them (the output is
-    written after; when the bin holds more keys than slots, the rounds run over every
-    candidate)."""
-    cnts, ends = _flat_split(cnt0, NS, NSP)
-    total = tl.sum(cnts, axis=0)
+    order across ``NS`` splits: split j's at ``crow0 + j * CAP``, its count at ``cnt0 + j``):
+    an exact radix select (4 histograms of 8 bits) finds the need-th largest key, then the keys
+    above it and the first ones equal to it by column are written from ``orow + wpos``.
+    ``COMPACT``: after two rounds the keys matching the 16 bits found (round 1's bin, typically
+    a few percent of the candidates) are copied into the ``need`` output slots the row is about
+    to fill, and rounds 2 and 3 histogram only them (the output is written after; when the bin
+    holds more keys than slots, the rounds run over every candidate)."""
     room = need
     prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
     if COMPACT:
+        hist = tl.zeros([256], tl.int32)
         for p in tl.static_range(2):
-            hist = _split_round(crow0, total, cnts, ends, prefix, p, CAP, RB)
+            hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
             need, prefix = _radix_step(hist, need, prefix, p)
         nk = _bin_count(hist, prefix, 1)
         if nk <= room:
             kptr = orow + wpos
             nput = tl.zeros([], tl.int32)
-            for c0 in range(0, total, RB):
-                i = c0 + tl.arange(0, RB)
-                m = i < total
-                s = (_flat_load(crow0, i, m, cnts, ends, CAP) >> 32).to(tl.int32)
-                put = m & (((s ^ prefix) & -65536) == 0)
-                tl.store(kptr + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
-                nput += tl.sum(put.to(tl.int32), axis=0)
+            for j in range(0, NS):
+                nc = tl.load(cnt0 + j)
+                for c0 in range(0, nc, RB):
+                    i = c0 + tl.arange(0, RB)
+                    m = i < nc
+                    s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
+                    put = m & (((s ^ prefix) & -65536) == 0)
+                    tl.store(kptr + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
+                    nput += tl.sum(put.to(tl.int32), axis=0)
             tl.debug_barrier()  # the copied keys visible to every thread
             for p in tl.static_range(2, 4):
                 need, prefix = _radix_step(_key_round(kptr, nk, prefix, p, RB), need, prefix, p)
             tl.debug_barrier()  # read by every thread before the output overwrites them
         else:
             for p in tl.static_range(2, 4):
-                hist = _split_round(crow0, total, cnts, ends, prefix, p, CAP, RB)
+                hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
                 need, prefix = _radix_step(hist, need, prefix, p)
     else:
         for p in tl.static_range(4):
-            hist = _split_round(crow0, total, cnts, ends, prefix, p, CAP, RB)
+            hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
             need, prefix = _radix_step(hist, need, prefix, p)
     eq_seen = tl.zeros([], tl.int32)
-    for c0 in range(0, total, RB):
-        i = c0 + tl.arange(0, RB)
-        m = i < total
-        comp = _flat_load(crow0, i, m, cnts, ends, CAP)
-        s = (comp >> 32).to(tl.int32)
-        eq = m & (s == prefix)
-        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-        take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-        tl.store(orow + wpos + tl.cumsum(take, 0) - 1, 2147483647 - comp.to(tl.int32),
-                 mask=take != 0)
-        wpos += tl.sum(take, axis=0)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    for j in range(0, NS):
+        nc = tl.load(cnt0 + j)
+        for c0 in range(0, nc, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < nc
+            comp = tl.load(crow0 + j * CAP + i, mask=m, other=0)
+            s = (comp >> 32).to(tl.int32)
+            eq = m & (s == prefix)
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
+            take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
+            tl.store(orow + wpos + tl.cumsum(take, 0) - 1, 2147483647 - comp.to(tl.int32),
+                     mask=take != 0)
+            wpos += tl.sum(take, axis=0)
+            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -462,7 +447,7 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
     else:
         above = tl.load(meta_ptr + row * 2)  # ncand (next): 0 for the rows the exact kernel took
         _refine(cand_ptr + row * CAP, meta_ptr + row * 2 + 1, 1, out_ptr + row * K, K - above,
-                above, CAP, RB, 1, False)
+                above, CAP, RB, False)
 
 
 @triton.jit
@@ -589,10 +574,10 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
                 else:
                     _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS,
                             out_ptr + row * K, K + tl.zeros([], tl.int32),
-                            tl.zeros([], tl.int32), CAP, RB, NSP, COMPACT)
+                            tl.zeros([], tl.int32), CAP, RB, COMPACT)
             else:
                 _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS, out_ptr + row * K,
-                        K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB, NSP,
+                        K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB,
                         COMPACT)
             tl.store(meta_ptr + row * 2, K)
 

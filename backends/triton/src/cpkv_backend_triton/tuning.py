@@ -283,7 +283,8 @@ _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=102
                                  # HELD off until measured (benchmarks/topk_sweep_gpu.py)
                                  HELD=0,
                                  GLUON=1, num_warps=4, select_warps=4,
-                                 FEW_ROWS=128, few_floor_warps=8, few_select_warps=8)
+                                 FEW_ROWS=128, few_floor_warps=8, few_select_warps=8,
+                                 few_BLOCK=2048, COMPACT=1)
 _TOPK_LONG_SRC = (
     "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
     "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
@@ -297,7 +298,11 @@ _TOPK_LONG_SRC = (
     "x 128K an H100's floor 24 -> 14 us at 8 warps (15 at 16, 19 at 32), the select 42 -> 35 at "
     "8 (40 at 16), the op 0.105 ms; more splits (few_SPLIT_MIN 8K / 4K, few_CAP 2K) and HELD "
     "4K / 8K made the select 1.1-5x slower: 0 (benchmarks/results/session18/"
-    "topk_decode_sweep_h100.json, topk_decode_sweep_gpu.py)")
+    "topk_decode_sweep_h100.json, topk_decode_sweep_gpu.py); at 64 rows x 128K on an H100 "
+    "(benchmarks/results/session21/call1/h100/topk_decode_flat.json, topk_decode_flat_gpu.py): "
+    "few_BLOCK 2048 the filter 32.3 -> 24.3 us (4096: 25.2), COMPACT 1 the select 62.4 -> 52.7 "
+    "(measured on the flat select, since reverted), FLOOR_ROUNDS 2 the floor 14.9 -> 9.8 but "
+    "the select +12 (more candidates): 4")
 
 _INDEXER_TOPK_H200 = IndexerTopkParams(
     MIN_T=196608, SAMPLE=4096, SAFETY=2, CAP_MIN=1024, CAP_MAX=16384, BLOCK_M=64, BLOCK_N=128,
