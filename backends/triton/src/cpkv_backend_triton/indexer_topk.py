@@ -56,6 +56,7 @@ import triton.language as tl
 from .indexer_tile import head_sum, key_tile, split_queries
 from .topk import (
     bin_count,
+    copy_bin,
     key_round,
     key_value,
     list_short_row,
@@ -255,18 +256,6 @@ def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.cons
 
 
 @triton.jit
-def _value_round(vrow, nc, prefix, p: tl.constexpr, RB: tl.constexpr):
-    """Round p's histogram over a row's ``nc`` candidate values (fp32 at ``vrow``)."""
-    hist = tl.zeros([256], tl.int32)
-    for c0 in range(0, nc, RB):
-        i = c0 + tl.arange(0, RB)
-        m = i < nc
-        d, m = radix_digit(ord_key(tl.load(vrow + i, mask=m, other=0.0)), m, prefix, p)
-        hist += tl.histogram(d, 256, mask=m)
-    return hist
-
-
-@triton.jit
 def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
     """:func:`_radix_candidates` of the keys (``COLS`` off) with its last two rounds over the
     keys matching the first two rounds' 16 bits only: those (round 1's bin) are copied into the
@@ -276,7 +265,7 @@ def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
     prefix = tl.zeros([], tl.int32)
     hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(2):
-        hist = _value_round(vrow, nc, prefix, p, RB)
+        hist = key_round(vrow, nc, prefix, p, RB, True)
         need, prefix = radix_step(hist, need, prefix, p)
     nk = bin_count(hist, prefix, 1)
     if nk <= room:
@@ -284,18 +273,15 @@ def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
         for c0 in range(0, nc, RB):
             i = c0 + tl.arange(0, RB)
             m = i < nc
-            s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
-            put = m & (((s ^ prefix) & -65536) == 0)
-            tl.store(orow + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
-            nput += tl.sum(put.to(tl.int32), axis=0)
+            nput = copy_bin(orow, nput, ord_key(tl.load(vrow + i, mask=m, other=0.0)), m, prefix)
         tl.debug_barrier()  # the copied keys visible to every thread
         for p in tl.static_range(2, 4):
-            hist = key_round(orow, nk, prefix, p, RB)
+            hist = key_round(orow, nk, prefix, p, RB, False)
             need, prefix = radix_step(hist, need, prefix, p)
         tl.debug_barrier()  # read by every thread before the output overwrites them
     else:
         for p in tl.static_range(2, 4):
-            hist = _value_round(vrow, nc, prefix, p, RB)
+            hist = key_round(vrow, nc, prefix, p, RB, True)
             need, prefix = radix_step(hist, need, prefix, p)
     return need, prefix, hist
 

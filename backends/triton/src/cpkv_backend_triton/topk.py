@@ -43,7 +43,8 @@ from cpkv.ops.api import check_topk_args
 from .tuning import DeviceTuned, Op
 from .variants import report_variant_declined
 
-__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "bin_count", "key_round", "key_value",
+__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "bin_count", "copy_bin", "key_round",
+           "key_value",
            "list_short_row", "ord_key", "radix_digit", "radix_step", "row_range",
            "select_candidates", "topk"]
 
@@ -210,15 +211,27 @@ def _split_round(crow0, cnt0, NS, prefix, p: tl.constexpr, CAP: tl.constexpr,
 
 
 @triton.jit
-def _key_round(kptr, nk, prefix, p: tl.constexpr, RB: tl.constexpr):
-    """Round p's histogram over ``nk`` order keys at ``kptr`` (int32)."""
+def _key_round(kptr, nk, prefix, p: tl.constexpr, RB: tl.constexpr, FLOATS: tl.constexpr):
+    """Round p's histogram over ``nk`` order keys at ``kptr`` (int32; ``FLOATS``: fp32 values,
+    keyed here)."""
     hist = tl.zeros([256], tl.int32)
     for c0 in range(0, nk, RB):
         i = c0 + tl.arange(0, RB)
         m = i < nk
-        d, m = _radix_digit(tl.load(kptr + i, mask=m, other=0), m, prefix, p)
+        s = _ord_key(tl.load(kptr + i, mask=m, other=0.0)) if FLOATS else tl.load(kptr + i,
+                                                                                  mask=m, other=0)
+        d, m = _radix_digit(s, m, prefix, p)
         hist += tl.histogram(d, 256, mask=m)
     return hist
+
+
+@triton.jit
+def _copy_bin(kptr, nput, s, m, prefix):
+    """Append the keys ``s`` (masked by m) whose top 16 bits are the prefix's to ``kptr`` from
+    place ``nput``, in order; the new count."""
+    put = m & (((s ^ prefix) & -65536) == 0)
+    tl.store(kptr + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
+    return nput + tl.sum(put.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -257,12 +270,11 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
                     i = c0 + tl.arange(0, RB)
                     m = i < nc
                     s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
-                    put = m & (((s ^ prefix) & -65536) == 0)
-                    tl.store(kptr + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
-                    nput += tl.sum(put.to(tl.int32), axis=0)
+                    nput = _copy_bin(kptr, nput, s, m, prefix)
             tl.debug_barrier()  # the copied keys visible to every thread
             for p in tl.static_range(2, 4):
-                need, prefix = _radix_step(_key_round(kptr, nk, prefix, p, RB), need, prefix, p)
+                hist = _key_round(kptr, nk, prefix, p, RB, False)
+                need, prefix = _radix_step(hist, need, prefix, p)
             tl.debug_barrier()  # read by every thread before the output overwrites them
         else:
             for p in tl.static_range(2, 4):
@@ -583,12 +595,13 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
 
 
 #: the pieces the fused indexer top-k (:mod:`cpkv_backend_triton.indexer_topk`) builds on: the
-#: order-preserving key and its inverse, the radix rounds (a round over copied keys, a bin's
-#: count), a row's clipped range and the listing of a row holding at most k keys (Triton helpers)
+#: order-preserving key and its inverse, the radix rounds (a round over keys or values, a bin's
+#: count and its copy), a row's clipped range and the listing of a row holding at most k keys (Triton helpers)
 ord_key = _ord_key
 key_value = _key_value
 key_round = _key_round
 bin_count = _bin_count
+copy_bin = _copy_bin
 list_short_row = _list_short_row
 radix_digit = _radix_digit
 radix_step = _radix_step

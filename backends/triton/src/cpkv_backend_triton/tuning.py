@@ -284,7 +284,7 @@ _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=102
                                  HELD=0,
                                  GLUON=1, num_warps=4, select_warps=4,
                                  FEW_ROWS=128, few_floor_warps=8, few_select_warps=8,
-                                 few_BLOCK=2048, COMPACT=1)
+                                 few_BLOCK=2048, COMPACT=1, FLOOR_ROUNDS=3)
 _TOPK_LONG_SRC = (
     "benchmarks/results/topk_long_h200.jsonl (docs/triton.md topk): MIN_T at 1024 rows one read "
     "0.84 ms at 64K columns (two reads 0.49), 1.07 at 128K (0.92), 2.16 at 512K (11.75); "
@@ -302,12 +302,14 @@ _TOPK_LONG_SRC = (
     "(benchmarks/results/session21/call1/h100/topk_decode_flat.json, topk_decode_flat_gpu.py): "
     "few_BLOCK 2048 the filter 32.3 -> 24.3 us (4096: 25.2), COMPACT 1 the select 62.4 -> 52.7 "
     "(measured on the flat select, since reverted), FLOOR_ROUNDS 2 the floor 14.9 -> 9.8 but "
-    "the select +12 (more candidates): 4")
+    "the select +12 (more candidates); on the per-split select (session21/call2/"
+    "topk_decode_select.json): the op 0.088 ms with session 20's launches, 0.075 with the "
+    "table, 0.073 with FLOOR_ROUNDS 3 (the floor 15 -> 12 us, the select level): 3")
 
 _INDEXER_TOPK_H200 = IndexerTopkParams(
     MIN_T=196608, SAMPLE=4096, SAFETY=2, CAP_MIN=1024, CAP_MAX=16384, BLOCK_M=64, BLOCK_N=128,
     num_warps=4, num_stages=3, MAXNREG=168, SELECT_BLOCK=1024, select_warps=8,
-    EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4, FLOOR_ROUNDS=3)
+    EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4, FLOOR_ROUNDS=3, COMPACT=1)
 _INDEXER_TOPK_SRC = (
     "the filter's tiles, warps and stages the plain indexer's (Op.INDEXER); MAXNREG 168: 3 CTAs "
     "of 128 threads an SM as the plain kernel (Triton 3.9 gives the filter 176 registers "
@@ -324,7 +326,10 @@ _INDEXER_TOPK_SRC = (
     "11.5 ms a 512K prompt on the H200 against 14.1 at 8 warps and 13.9 at 16 "
     "(benchmarks/results/session17/long_floor8_h200.json, rows_long_h200.json); FLOOR_ROUNDS 3: "
     "the floor kernel 0.526 ms against 0.657 at 4 rounds at 8192 x 512K on an H100, the output "
-    "equal (benchmarks/results/session18/fused_select_sweep_h100.json)")
+    "equal (benchmarks/results/session18/fused_select_sweep_h100.json); COMPACT 1: the select "
+    "1.78 ms against 1.91-1.95 at 8192 x 512K and 0.73 against 0.75-0.77 at 4096 x 256K on an "
+    "H100, the op level within its noise, outputs equal (benchmarks/results/session21/call2/"
+    "fused_compact_ab.json)")
 
 #: every row; each op has exactly one default row (``DeviceKey()``)
 TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
