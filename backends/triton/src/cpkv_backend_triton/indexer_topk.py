@@ -56,6 +56,7 @@ import triton.language as tl
 from .indexer_tile import head_sum, key_tile, split_queries
 from .topk import (
     bin_count,
+    copied_rounds,
     copy_bin,
     key_round,
     key_value,
@@ -274,11 +275,7 @@ def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
             i = c0 + tl.arange(0, RB)
             m = i < nc
             nput = copy_bin(orow, nput, ord_key(tl.load(vrow + i, mask=m, other=0.0)), m, prefix)
-        tl.debug_barrier()  # the copied keys visible to every thread
-        for p in tl.static_range(2, 4):
-            hist = key_round(orow, nk, prefix, p, RB, False)
-            need, prefix = radix_step(hist, need, prefix, p)
-        tl.debug_barrier()  # read by every thread before the output overwrites them
+        need, prefix, hist = copied_rounds(orow, nk, need, prefix, RB)
     else:
         for p in tl.static_range(2, 4):
             hist = key_round(vrow, nc, prefix, p, RB, True)

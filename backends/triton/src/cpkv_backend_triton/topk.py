@@ -43,8 +43,8 @@ from cpkv.ops.api import check_topk_args
 from .tuning import DeviceTuned, Op
 from .variants import report_variant_declined
 
-__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "bin_count", "copy_bin", "key_round",
-           "key_value",
+__all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "bin_count", "copied_rounds", "copy_bin",
+           "key_round", "key_value",
            "list_short_row", "ord_key", "radix_digit", "radix_step", "row_range",
            "select_candidates", "topk"]
 
@@ -226,6 +226,20 @@ def _key_round(kptr, nk, prefix, p: tl.constexpr, RB: tl.constexpr, FLOATS: tl.c
 
 
 @triton.jit
+def _copied_rounds(kptr, nk, need, prefix, RB: tl.constexpr):
+    """Radix rounds 2 and 3 over the ``nk`` keys a select copied to ``kptr`` (:func:`_copy_bin`),
+    between the barriers that make the copy visible to every thread and keep the output from
+    overwriting it before every thread has read it: need, prefix and round 3's histogram."""
+    tl.debug_barrier()
+    hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range(2, 4):
+        hist = _key_round(kptr, nk, prefix, p, RB, False)
+        need, prefix = _radix_step(hist, need, prefix, p)
+    tl.debug_barrier()
+    return need, prefix, hist
+
+
+@triton.jit
 def _copy_bin(kptr, nput, s, m, prefix):
     """Append the keys ``s`` (masked by m) whose top 16 bits are the prefix's to ``kptr`` from
     place ``nput``, in order; the new count."""
@@ -271,11 +285,7 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
                     m = i < nc
                     s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
                     nput = _copy_bin(kptr, nput, s, m, prefix)
-            tl.debug_barrier()  # the copied keys visible to every thread
-            for p in tl.static_range(2, 4):
-                hist = _key_round(kptr, nk, prefix, p, RB, False)
-                need, prefix = _radix_step(hist, need, prefix, p)
-            tl.debug_barrier()  # read by every thread before the output overwrites them
+            need, prefix, hist = _copied_rounds(kptr, nk, need, prefix, RB)
         else:
             for p in tl.static_range(2, 4):
                 hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
@@ -602,6 +612,7 @@ key_value = _key_value
 key_round = _key_round
 bin_count = _bin_count
 copy_bin = _copy_bin
+copied_rounds = _copied_rounds
 list_short_row = _list_short_row
 radix_digit = _radix_digit
 radix_step = _radix_step
