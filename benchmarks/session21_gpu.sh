@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 21's one call (.whl with --flashmla, .dg), by the card that comes:
 # - an H200: every issue-38 row (benchmarks/issue38_rows_gpu.sh, ~9 min);
-# - otherwise (~8 min): fp8_store's GPU conformance, the KV write A/B and the decode row
-#   (session21a_gpu.sh less the profile), the decode top-k sweep, the decode row with its
-#   fastest exact configuration and the top-k's GPU tests (session21b_gpu.sh less its table row).
+# - otherwise (~8 min): fp8_store's GPU conformance (60 s: too short, it printed nothing on an
+#   H100; give it 150), the KV write A/B and the decode row, the decode top-k sweep, the decode
+#   row with its fastest exact configuration and the top-k's GPU tests.
 # Usage: bash benchmarks/session21_gpu.sh OUT_DIR
 out=${1:?OUT_DIR}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
