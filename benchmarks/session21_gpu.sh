@@ -21,7 +21,7 @@ timeout 150 "$py" benchmarks/decode_write_ab_gpu.py "$out/decode_write_ab.json" 
   | grep -v Warn | tail -5
 timeout 70 "$py" -m cpkv.cli bench decode --batches 64 --contexts 131072 --no-mtp \
   --out "$out/decode_64x128k_table.json" 2>&1 | grep -A4 "gpu_vs_bytes" | head -5
-timeout 150 "$py" benchmarks/topk_decode_flat_gpu.py "$out/topk_decode_flat.json" \
+timeout 150 "$py" benchmarks/topk_decode_select_gpu.py "$out/topk_decode_flat.json" \
   "$out/best.env" 2>&1 | grep -v Warn | tail -18
 TRITON_CPKV_TUNING=$(cat "$out/best.env") timeout 70 "$py" -m cpkv.cli bench decode \
   --batches 64 --contexts 131072 --no-mtp --out "$out/decode_64x128k_best.json" 2>&1 \

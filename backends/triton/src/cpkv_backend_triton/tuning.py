@@ -299,7 +299,7 @@ _TOPK_LONG_SRC = (
     "8 (40 at 16), the op 0.105 ms; more splits (few_SPLIT_MIN 8K / 4K, few_CAP 2K) and HELD "
     "4K / 8K made the select 1.1-5x slower: 0 (benchmarks/results/session18/"
     "topk_decode_sweep_h100.json, topk_decode_sweep_gpu.py); at 64 rows x 128K on an H100 "
-    "(benchmarks/results/session21/call1/h100/topk_decode_flat.json, topk_decode_flat_gpu.py): "
+    "(benchmarks/results/session21/call1/h100/topk_decode_flat.json, topk_decode_select_gpu.py): "
     "few_BLOCK 2048 the filter 32.3 -> 24.3 us (4096: 25.2), COMPACT 1 the select 62.4 -> 52.7 "
     "(measured on the flat select, since reverted), FLOOR_ROUNDS 2 the floor 14.9 -> 9.8 but "
     "the select +12 (more candidates); on the per-split select (session21/call2/"

@@ -1,20 +1,18 @@
-"""The long-row top-k at a decode step's few rows after session 21's changes: the select reads a
-row's splits as one run (``_flat_load``: one step over any number of splits, where the loop over
-splits made 16 splits 2.4x slower in session 18), the floor from fewer radix rounds
-(``FLOOR_ROUNDS``), the filter in larger blocks for few rows (``few_BLOCK``), the select's last
-two radix rounds over the keys of the k-th key's 16-bit bin only (``COMPACT``). Configurations one
-at a time, then combined, at 64 and 256 rows of ~128K keys in a 256K-column bucket (session 18's
+"""The long-row top-k at a decode step's few rows (issue 38's ``decode_64x128k_gpu_vs_bytes``):
+the select's ``COMPACT`` (its last two radix rounds over the keys of the k-th key's 16-bit bin
+only), the floor's ``FLOOR_ROUNDS``, the filter's ``few_BLOCK`` for few rows, each against the
+table, at 64 and 256 rows of ~128K keys in a 256K-column bucket (session 18's
 ``topk_decode_sweep_gpu.py`` inputs); device ms of the op and each kernel's, exact against
 ``torch.topk``'s sets. JSON -> OUT (argv[1]); the fastest exact configuration at 64 rows as a
-``TRITON_CPKV_TUNING`` value -> argv[2] (for the decode row that follows in the same call).
+``TRITON_CPKV_TUNING`` value -> argv[2] (for a decode row that follows in the same call).
 
-Predicted (H100, session 20's profile: floor 17.2, filter 32.7, select 36.6 us a layer): the
-floor at 2 rounds ~9 us; the filter at 4096-column blocks ~14 us (16 KB in flight a program
-where 4 KB kept ~1 TB/s); 16K-column splits with the flat select: the filter ~20, the select
-~36; COMPACT: the select ~36 -> ~26 (two of its five passes histogram a few percent of the
-candidates; one more pass copies them); the op ~0.088 -> ~0.05 ms.
+Session 21 ran it twice on H100s (docs/perf.md): first as ``topk_decode_flat_gpu.py``, with a
+select that read a row's splits as one flat run (1.7x slower, reverted; those configurations
+are in ``results/session21/call1/h100/topk_decode_flat.json``), then with the per-split select
+and these configurations: the op 0.088 ms with session 20's launches, 0.073 with COMPACT 1,
+few_BLOCK 2048 and FLOOR_ROUNDS 3 (the table since).
 
-    python benchmarks/topk_decode_flat_gpu.py OUT.json BEST.env
+    python benchmarks/topk_decode_select_gpu.py OUT.json BEST.env
 """
 
 from __future__ import annotations
@@ -27,15 +25,15 @@ import torch
 sys.path.insert(0, "benchmarks")
 from topk_sweep_gpu import _case
 
-#: session 21's second call (the table: the per-split select, COMPACT 1, few_BLOCK 2048; the
-#: first call's configurations, on the flat select since reverted, are in its JSON)
+#: against the table (COMPACT 1, few_BLOCK 2048, FLOOR_ROUNDS 3 since session 21): session
+#: 20's launches and each field back
 CONFIGS = {
     "table": {},
-    "session20": {"COMPACT": 0, "few_BLOCK": 0},
+    "session20": {"COMPACT": 0, "few_BLOCK": 0, "FLOOR_ROUNDS": 4},
     "compact0": {"COMPACT": 0},
     "block0": {"few_BLOCK": 0},
     "block4k": {"few_BLOCK": 4096},
-    "rounds3": {"FLOOR_ROUNDS": 3},
+    "rounds4": {"FLOOR_ROUNDS": 4},
 }
 
 
