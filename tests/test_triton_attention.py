@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import cpkv.testing.conformance as conf
 from cpkv.contracts import KVDtype, KVFormat, Op, OpDeclined
 from cpkv.ops.api import quantize_fp8
-from triton_interp import CUDA, import_kernels, interp
+from triton_interp import CUDA, bin_values, import_kernels, interp
 
 topk_mod = import_kernels("cpkv_backend_triton.topk", "_topk_filter_kernel")
 attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
@@ -246,24 +246,15 @@ def _split_candidates(g: torch.Generator, n: int, ns: int, cap: int, kind: str
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates as the filter leaves them: per (row, split) up to ``cap`` int64
     ``key << 32 | (2^31 - 1 - column)`` in column order (splits of 100 columns), some splits
-    empty; ``kind`` "spread" (distinct keys: few share 16 bits), "mixed" (most keys in eight
-    16-bit bins, each holding several: the k-th key's bin copied, the last rounds decide) or
-    "clustered" (every key in one 16-bit bin: more than the slots at small k)."""
+    empty; ``kind`` one of :func:`triton_interp.bin_values`' (the k-th key's bin copied when
+    "spread" or "mixed", more keys than the slots when "clustered")."""
     cand = torch.zeros(n * ns * cap, dtype=torch.int64)
     count = torch.zeros(n, ns, dtype=torch.int32)
     for r in range(n):
         for j in range(ns):
             c = 0 if (r + j) % 4 == 3 else int(torch.randint(1, cap + 1, (1,), generator=g))
             cols = (j * 100 + torch.randperm(100, generator=g)[:c].sort().values).to(torch.int64)
-            if kind == "spread":
-                v = torch.randn(c, generator=g) * 4
-            elif kind == "mixed":  # a quarter above 2, the rest over eight 16-bit bins at 1
-                v = torch.where(torch.rand(c, generator=g) < 0.25,
-                                2 + 8 * torch.rand(c, generator=g),
-                                1 + torch.randint(0, 4096, (c,), generator=g).float() / 65536)
-            else:
-                v = 1.0 + torch.randint(0, 24, (c,), generator=g).float() / 4096
-            key = _ord_keys(v).to(torch.int64)
+            key = _ord_keys(bin_values(kind, c, g)).to(torch.int64)
             cand[(r * ns + j) * cap:(r * ns + j) * cap + c] = (key << 32) | (2147483647 - cols)
             count[r, j] = c
     return cand, count

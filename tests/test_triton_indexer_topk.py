@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpkv.testing.conformance as conf
-from triton_interp import CUDA, import_kernels, interpreter_env
+from triton_interp import CUDA, bin_values, import_kernels, interpreter_env
 
 fused = import_kernels("cpkv_backend_triton.indexer_topk", "_fused_filter_kernel")
 attention = import_kernels("cpkv_backend_triton.attention", "_indexer_kernel")
@@ -265,14 +265,7 @@ def test_select_over_unordered_candidates(small: dict[str, int], compact: int,
     count[0], count[1] = k - 1, cap + 3  # flagged: too few, overflowed
     for r in range(n):
         c = min(int(count[r]), cap)
-        if kind == "spread":
-            v = torch.randn(c, generator=g) * 4
-        elif kind == "mixed":  # a quarter above 2, the rest over eight 16-bit bins at 1
-            v = torch.where(torch.rand(c, generator=g) < 0.25, 2 + 8 * torch.rand(c, generator=g),
-                            1 + torch.randint(0, 4096, (c,), generator=g).float() / 65536)
-        else:
-            v = 1.0 + torch.randint(0, 24, (c,), generator=g).float() / 4096
-        val[r * cap:r * cap + c] = v
+        val[r * cap:r * cap + c] = bin_values(kind, c, g)
         col[r * cap:r * cap + c] = torch.randperm(t, generator=g)[:c].to(torch.int32)
     ks, ke = torch.zeros(n, dtype=torch.int64), torch.full((n,), t, dtype=torch.int64)
     out = torch.full((n, k), -2, dtype=torch.int32)

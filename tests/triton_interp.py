@@ -22,12 +22,24 @@ from types import ModuleType
 import pytest
 import torch
 
-__all__ = ["CUDA", "import_kernels", "interp", "interpreter_env", "ptxas_report"]
+__all__ = ["CUDA", "bin_values", "import_kernels", "interp", "interpreter_env", "ptxas_report"]
 
 CUDA = torch.cuda.is_available()
 #: a test of the interpreted kernels (with CUDA the kernels are compiled: the gpu tests run)
 interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
                                          "gpu tests cover them)")
+
+
+def bin_values(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
+    """n fp32 logits for the top-k selects' radix rounds: "spread" (distinct keys, few share
+    16 bits), "mixed" (a quarter above 2, the rest over eight 16-bit bins at 1, each holding
+    several keys: the last two rounds decide) or "clustered" (every key in one 16-bit bin)."""
+    if kind == "spread":
+        return torch.randn(n, generator=g) * 4
+    if kind == "mixed":
+        return torch.where(torch.rand(n, generator=g) < 0.25, 2 + 8 * torch.rand(n, generator=g),
+                           1 + torch.randint(0, 4096, (n,), generator=g).float() / 65536)
+    return 1.0 + torch.randint(0, 24, (n,), generator=g).float() / 4096
 
 
 @contextmanager

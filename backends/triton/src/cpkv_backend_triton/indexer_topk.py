@@ -264,7 +264,6 @@ def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
     than the slots keeps the rounds over every candidate."""
     room = need
     prefix = tl.zeros([], tl.int32)
-    hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(2):
         hist = key_round(vrow, nc, prefix, p, RB, True)
         need, prefix = radix_step(hist, need, prefix, p)

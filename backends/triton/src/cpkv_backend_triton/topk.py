@@ -192,6 +192,16 @@ def _list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
 
 
 @triton.jit
+def _split_block(crow0, j, c0, nc, CAP: tl.constexpr, RB: tl.constexpr):
+    """Split j's candidates [c0, c0 + RB) of its ``nc`` (at ``crow0 + j * CAP``): the int64
+    composites (0 past nc), their keys and the mask."""
+    i = c0 + tl.arange(0, RB)
+    m = i < nc
+    comp = tl.load(crow0 + j * CAP + i, mask=m, other=0)
+    return comp, (comp >> 32).to(tl.int32), m
+
+
+@triton.jit
 def _split_round(crow0, cnt0, NS, prefix, p: tl.constexpr, CAP: tl.constexpr,
                  RB: tl.constexpr):
     """Round p's histogram over a row's candidates, split by split (split j's at ``crow0 + j *
@@ -202,9 +212,7 @@ def _split_round(crow0, cnt0, NS, prefix, p: tl.constexpr, CAP: tl.constexpr,
     for j in range(0, NS):
         nc = tl.load(cnt0 + j)
         for c0 in range(0, nc, RB):
-            i = c0 + tl.arange(0, RB)
-            m = i < nc
-            s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
+            _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
             d, m = _radix_digit(s, m, prefix, p)
             hist += tl.histogram(d, 256, mask=m)
     return hist
@@ -231,7 +239,6 @@ def _copied_rounds(kptr, nk, need, prefix, RB: tl.constexpr):
     between the barriers that make the copy visible to every thread and keep the output from
     overwriting it before every thread has read it: need, prefix and round 3's histogram."""
     tl.debug_barrier()
-    hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(2, 4):
         hist = _key_round(kptr, nk, prefix, p, RB, False)
         need, prefix = _radix_step(hist, need, prefix, p)
@@ -270,7 +277,6 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
     room = need
     prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
     if COMPACT:
-        hist = tl.zeros([256], tl.int32)
         for p in tl.static_range(2):
             hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
             need, prefix = _radix_step(hist, need, prefix, p)
@@ -281,9 +287,7 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
             for j in range(0, NS):
                 nc = tl.load(cnt0 + j)
                 for c0 in range(0, nc, RB):
-                    i = c0 + tl.arange(0, RB)
-                    m = i < nc
-                    s = (tl.load(crow0 + j * CAP + i, mask=m, other=0) >> 32).to(tl.int32)
+                    _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
                     nput = _copy_bin(kptr, nput, s, m, prefix)
             need, prefix, hist = _copied_rounds(kptr, nk, need, prefix, RB)
         else:
@@ -298,10 +302,7 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
     for j in range(0, NS):
         nc = tl.load(cnt0 + j)
         for c0 in range(0, nc, RB):
-            i = c0 + tl.arange(0, RB)
-            m = i < nc
-            comp = tl.load(crow0 + j * CAP + i, mask=m, other=0)
-            s = (comp >> 32).to(tl.int32)
+            comp, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
             eq = m & (s == prefix)
             eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
             take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
