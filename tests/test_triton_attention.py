@@ -419,12 +419,13 @@ def test_topk_gluon_filter_declines_visibly_on_the_interpreter(ref: Any,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("kind", ["randn", "ties"])
 def test_topk_gluon_filter_equals_the_triton_filter_gpu(monkeypatch: pytest.MonkeyPatch,
-                                                        kind: str) -> None:
-    """``GLUON = 1`` on a GPU: the same output as the Triton filter, bit for bit (the same
-    candidates in the same column order), over long rows starting off the 16-column
-    boundaries, ending inside a block, several splits a row; nothing reported."""
+                                                        kind: str, prefetch: int) -> None:
+    """``GLUON = 1`` on a GPU (``PREFETCH`` 0 and 1): the same output as the Triton filter, bit
+    for bit (the same candidates in the same column order), over long rows starting off the
+    16-column boundaries, ending inside a block, several splits a row; nothing reported."""
     from cpkv.fallback import recording
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -435,8 +436,10 @@ def test_topk_gluon_filter_equals_the_triton_filter_gpu(monkeypatch: pytest.Monk
     ks = torch.randint(0, 5000, (n,), device="cuda", generator=g)
     ke = torch.randint(t - 20000, t + 1, (n,), device="cuda", generator=g)
     assert t >= topk_mod.TOPK_LONG["MIN_T"]
+    table = dict(topk_mod.TOPK_LONG)
+    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**table, "GLUON": 0})  # the table's is 1
     want = AttentionKernels().topk(x, 2048, ks, ke)
-    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**topk_mod.TOPK_LONG, "GLUON": 1})
+    monkeypatch.setattr(topk_mod, "TOPK_LONG", {**table, "GLUON": 1, "PREFETCH": prefetch})
     with recording() as rec:
         got = AttentionKernels().topk(x, 2048, ks, ke)
     assert not [e for e in rec.events if e.op == "triton:topk"], rec.events

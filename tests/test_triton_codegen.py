@@ -210,7 +210,7 @@ from cpkv_backend_triton.topk_filter_gluon import _topk_filter_gluon_kernel as K
 names = list(inspect.signature(K.fn).parameters)
 ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
         "cand_ptr": "*i64", "count_ptr": "*i32"}
-const = {"BLOCK": 1024, "CAP": 16384, "num_warps": 4}
+const = {"BLOCK": 1024, "CAP": 16384, "num_warps": 4, "PREFETCH": PREFETCH}
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
 src = GluonASTSource(fn=K, signature=sig,
                      constexprs={(names.index(k),): v for k, v in const.items()},
@@ -224,18 +224,24 @@ print(json.dumps(out))
 
 
 @pytest.mark.multiprocess
-def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
-    """The Gluon filter at the tuned block (1024 columns, 4 warps): each thread's 8 consecutive
-    columns come in 2 16-byte loads (the unmasked blocks), the block's scan is one warp scan
-    (the Triton filter's coalesced layout needs 8: 48 shuffles a block) and one exchange across
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path, prefetch: bool) -> None:
+    """The Gluon filter at 1024 columns a block, 4 warps: each thread's 8 consecutive columns
+    come in 2 16-byte loads (the unmasked blocks; with ``PREFETCH`` the first block's load
+    before the loop and the next block's in it: 4), the block's scan is one warp scan (the
+    Triton filter's coalesced layout needs 8: 48 shuffles a block) and one exchange across
     warps (a few barriers: the Triton filter with 16-byte loads converted the block through
     shared memory, 24 barriers); no spill where a ptxas reads the PTX."""
     _needs_gluon()
-    res = _run_script(_GLUON_FILTER_SCRIPT)
+    res = _run_script(f"PREFETCH = {prefetch}\n" + _GLUON_FILTER_SCRIPT)
     res["ptxas"] = ptxas_report(res.pop("ptx"), tmp_path)
-    assert res["v4"] == 2, res  # the unmasked blocks' loop; the masked last block is scalar
-    # two bodies (the unmasked loop, the last block), each: a sum and a scan across warps
-    assert res["shfl"] <= 2 * 8 and res["bar"] <= 2 * 5 and res["st_shared"] <= 2 * 3, res
+    # the unmasked blocks' loads; the masked last block's are scalar
+    assert res["v4"] == (4 if prefetch else 2), res
+    # the scanned bodies (the unmasked loop, with PREFETCH its last block after the loop, the
+    # masked last block), each: a sum and a scan across warps
+    bodies = 3 if prefetch else 2
+    assert res["shfl"] <= bodies * 8 and res["bar"] <= bodies * 5, res
+    assert res["st_shared"] <= bodies * 3, res
     if res["ptxas"] is None:
         pytest.skip("no ptxas here reads this PTX version: spills not checked")
     assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]

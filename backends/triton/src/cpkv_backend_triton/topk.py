@@ -743,7 +743,8 @@ def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floo
         else:
             why = gluon_filter_declines(logits, blk, warps)
     if why is None:
-        gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk, cap, warps)
+        gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk, cap, warps,
+                     bool(TOPK_LONG["PREFETCH"]))
         return True
     report_variant_declined(_GLUON_DECLINED, "triton:topk",
                             "the Gluon filter (TOPK_LONG GLUON=1)", "the Triton filter", why)

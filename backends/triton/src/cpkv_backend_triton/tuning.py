@@ -172,7 +172,9 @@ class TopkLongParams(_Params):
     fewer: that key with its low bits cleared, a floor up to 2^(9 - 8 ROUNDS) relatively lower,
     the same result). COMPACT 1: the select's last two radix rounds over only the keys
     matching the first two rounds' 16 bits, copied into the row's output slots first (0: all
-    four rounds over every candidate)."""
+    four rounds over every candidate). PREFETCH 1: the Gluon filter issues each block's load
+    before the previous block's scan (two blocks a program in flight; the Triton filter has no
+    such variant)."""
 
     MIN_T: int
     SAMPLE: int
@@ -194,6 +196,7 @@ class TopkLongParams(_Params):
     few_BLOCK: int = 0
     FLOOR_ROUNDS: int = 4
     COMPACT: int = 0
+    PREFETCH: int = 0
 
 
 @dataclass(frozen=True)
