@@ -6,11 +6,7 @@
 #   row with its fastest exact configuration and the top-k's GPU tests.
 # Usage: bash benchmarks/session21_gpu.sh OUT_DIR
 out=${1:?OUT_DIR}
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "GPU: $gpu"
-if [[ $gpu == *H200* ]]; then
-  exec bash benchmarks/issue38_rows_gpu.sh "$out/rows"
-fi
+source benchmarks/by_card_gpu.sh "$out"  # an H200: the issue-38 rows instead of what follows
 source benchmarks/gpu_setup.sh "$out/h100" > /dev/null  # out is now OUT_DIR/h100
 timeout 60 "$py" -c "
 import cpkv.testing.conformance as c
