@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from topk_sweep_gpu import _case
+from topk_sweep_gpu import sweep_case
 
 #: against the table (COMPACT 1, few_BLOCK 2048, FLOOR_ROUNDS 3 since session 21): session
 #: 20's launches and each field back
@@ -45,7 +45,7 @@ def main() -> None:
     for n in (64, 256):
         ke = torch.randint(131072 - 4096, 131073, (n,), generator=g, device="cuda")
         confs = CONFIGS if n == 64 else {k: CONFIGS[k] for k in ("table", "session20")}
-        res = _case(f"decode{n}", n, t, ke, confs, g)
+        res = sweep_case(f"decode{n}", n, t, ke, confs, g)
         out[f"decode_{n}x128k"] = res
         if n == 64:
             best = min((r["ms"], k) for k, r in res.items()

@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from topk_sweep_gpu import _case
+from topk_sweep_gpu import sweep_case
 
 _FEW = {"FEW_ROWS": 256}
 CONFIGS = {
@@ -57,7 +57,7 @@ def main() -> None:
         confs = CONFIGS if n == 64 else {k: CONFIGS[k] for k in
                                          ("table", "f16_s16_8k", "f16_s16_8k_held8k",
                                           "f16_s8_8k_held8k")}
-        out[f"decode_{n}x128k"] = _case(f"decode{n}", n, t, ke, confs, g)
+        out[f"decode_{n}x128k"] = sweep_case(f"decode{n}", n, t, ke, confs, g)
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, "benchmarks")
-from topk_sweep_gpu import _case
+from topk_sweep_gpu import sweep_case
 
 from cpkv.bench.gpu import ceilings
 from cpkv.bench.timing import device_ms
@@ -69,7 +69,7 @@ def main() -> None:
     ke = torch.randint(131072 - 4096, 131073, (n,), generator=g, device="cuda")
     out: dict[str, object] = {"device": torch.cuda.get_device_name(), "configs": CONFIGS,
                               "copy_gbps": ceilings(torch.device("cuda"))["copy_gbps"]}
-    out["decode_64x128k"] = _case("decode64", n, t, ke, CONFIGS, g)
+    out["decode_64x128k"] = sweep_case("decode64", n, t, ke, CONFIGS, g)
     x = torch.randn(n, t, device="cuda", generator=g)
     gb = float(ke.sum()) * 4 / 1e9
     reads = {}

@@ -47,7 +47,7 @@ def _exact(got: torch.Tensor, x: torch.Tensor, ke: torch.Tensor) -> bool:
     return bool(torch.equal(got.long().sort(1).values, want)) and bool((got < ke[:, None]).all())
 
 
-def _case(name: str, n: int, t: int, ke: torch.Tensor, configs: dict[str, dict[str, int]],
+def sweep_case(name: str, n: int, t: int, ke: torch.Tensor, configs: dict[str, dict[str, int]],
           g: torch.Generator) -> dict[str, Any]:
     x = _indexer_logits(n, t, ke, g)
     ks = torch.zeros(n, dtype=torch.int64, device="cuda")
@@ -84,12 +84,12 @@ def main() -> None:
               "programs_2048": {"PROGRAMS": 2048}}
     n, t = 1024, 1 << 19
     ke = torch.arange(t - n + 1, t + 1, device="cuda") - 32768  # rows at 448K-480K keys
-    out["prompt_1024x480k"] = _case("prompt", n, t, ke, prompt, g)
+    out["prompt_1024x480k"] = sweep_case("prompt", n, t, ke, prompt, g)
     # the row blocks `cpkv bench long` gives the top-k at 512K keys on an H100 (a 9.2 GB logits
     # budget: ~4.4K rows a call): PROGRAMS 2048 made one split a row, 2.08 waves of programs
     n = 4096
     ke = torch.arange(t - n + 1, t + 1, device="cuda") - 32768
-    out["prompt_4096x480k"] = _case("prompt4k", n, t, ke, prompt, g)
+    out["prompt_4096x480k"] = sweep_case("prompt4k", n, t, ke, prompt, g)
     # session 14's variants (split_4k/8k, CAP 2K/4K, HELD) measured on an H100 in
     # results/session15/topk_sweep_before_h100.json: none beat the table by more than 7 %
     decode = {"table": {}, "gluon": {"GLUON": 1}, "gluon_block_512": {"GLUON": 1, "BLOCK": 512},
@@ -98,7 +98,7 @@ def main() -> None:
               "sample_2048_sel8": {"SAMPLE": 2048, "select_warps": 8}}
     n, t = 64, 1 << 18
     ke = torch.randint(131072 - 4096, 131073, (n,), generator=g, device="cuda")
-    out["decode_64x128k"] = _case("decode", n, t, ke, decode, g)
+    out["decode_64x128k"] = sweep_case("decode", n, t, ke, decode, g)
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)
 

@@ -9,14 +9,15 @@ the indexer's epilogue does the filter:
    every row at ``SAMPLE`` columns spread evenly over the T keys (the columns ``i * stride``, one
    grid for all rows, so the indexer's row tiles share their key tiles): N x SAMPLE floats.
 2. **Floor** (``_sample_floor_kernel``, one program per row holding more than k keys): the rule
-   of ``topk._topk_floor_kernel``: with ``m`` of the row's range among the sample, the k-th
-   largest key is expected near sample place ``est = k * m / count``; the floor is the sample
-   key ``4 sqrt(est + 1) + 8`` places further down (-inf, every key, when the sample has no
-   such place), found by a radix select over the sample (4 histograms of 8 bits), as a float.
+   of the long-row top-k's floor (:func:`.topk.topk`): with ``m`` of the row's range among the
+   sample, the k-th largest key is expected near sample place ``est = k * m / count``; the floor
+   is the sample key ``4 sqrt(est + 1) + 8`` places further down (-inf, every key, when the
+   sample has no such place), found by a radix select over the sample (4 histograms of 8 bits),
+   as a float.
 3. **Filter** (``_fused_filter_kernel``): the plain indexer kernel's grid and tiles (program
-   (key tile, row block), the key tiles of a row block side by side), each tile computed as
-   ``attention._indexer_kernel`` computes it (the same per-head dots, relu, weight and scale,
-   in the same order: the same logits); instead of the tile, the logits at or above their
+   (key tile, row block), the key tiles of a row block side by side), each tile computed as the
+   plain indexer op (:mod:`.attention`) computes it (the same per-head dots, relu, weight and
+   scale, in the same order: the same logits); instead of the tile, the logits at or above their
    row's floor are appended to the row's CAP slots (value and column, a slot from one relaxed
    atomic add per candidate on the row's count: ~1 % of the logits, in no particular order).
    Everything else of the tile stays in registers.
@@ -136,7 +137,7 @@ def _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, qw_ptr, sh_ptr, rows64, rmask, 
                  H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
                  PARTS: tl.constexpr, ASM: tl.constexpr):
-    """A [BLOCK_M, BLOCK_N] tile of logits as ``attention._indexer_kernel`` computes it: the
+    """A [BLOCK_M, BLOCK_N] tile of logits as the plain indexer op computes it: the
     same helpers (:func:`.indexer_tile.key_tile`, :func:`.indexer_tile.head_sum`), then the
     keys' fp8 scale, so the fused path chooses from the plain path's logits bit for bit."""
     d = tl.arange(0, DP)
@@ -181,7 +182,7 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FP8: tl.constexpr, UPCAST: tl.constexpr, PARTS: tl.constexpr,
                          ASM: tl.constexpr):
-    """Step 3 (program (key tile, row block), as ``attention._indexer_kernel``'s): the tile's
+    """Step 3 (program (key tile, row block), as the plain indexer op's): the tile's
     logits for the block's rows holding more than K keys; those at or above the row's floor
     appended to the row's candidates (value, column) at a slot from a relaxed atomic add on
     the row's count (at most CAP kept: a slot past it writes the last one, and the count goes

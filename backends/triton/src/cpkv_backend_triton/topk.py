@@ -226,8 +226,8 @@ def _key_round(kptr, nk, prefix, p: tl.constexpr, RB: tl.constexpr, FLOATS: tl.c
     for c0 in range(0, nk, RB):
         i = c0 + tl.arange(0, RB)
         m = i < nk
-        s = _ord_key(tl.load(kptr + i, mask=m, other=0.0)) if FLOATS else tl.load(kptr + i,
-                                                                                  mask=m, other=0)
+        x = tl.load(kptr + i, mask=m, other=0)
+        s = _ord_key(x) if FLOATS else x
         d, m = _radix_digit(s, m, prefix, p)
         hist += tl.histogram(d, 256, mask=m)
     return hist
