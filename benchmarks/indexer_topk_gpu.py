@@ -11,7 +11,7 @@ causal ranges of a prompt's last rows. Writes one JSON object to OUT (argv[1]):
   rows that differ), the rows the select flagged, no host sync (``set_sync_debug_mode``),
   device milliseconds (median, CUDA events after a spin kernel) of the plain indexer, the
   plain top-k on its logits, both, and the fused op; ``fused_topk_share`` = (fused - plain
-  indexer) / plain indexer, the issue's share with the filter's epilogue counted as top-k
+  indexer) / plain indexer, the top-k share with the filter's epilogue counted as top-k
   work; a per-kernel profile of one fused call.
   ``filter_over_indexer``: the fused filter kernel's time (the profile's) over the plain
   indexer kernel's: what the candidate append in the epilogue costs.
@@ -21,7 +21,10 @@ causal ranges of a prompt's last rows. Writes one JSON object to OUT (argv[1]):
 
 The fused path is forced on (MIN_T 196608, the long-row top-k's) whatever the table says.
 
-    python benchmarks/indexer_topk_gpu.py OUT.json
+Command: bash benchmarks/gpu.sh OUT indexer_topk   (python benchmarks/indexer_topk_gpu.py OUT.json)
+Card: one GPU with fp8 tensor cores.
+Writes: OUT.json {device, k, config, edge, cases, flagged, recent};
+        docs/perf.md "The fused indexer top-k".
 """
 
 from __future__ import annotations

@@ -4,7 +4,12 @@ q/k (the v32-attention shapes: 64 heads x 128 dims, fp8 keys) and on Gaussian on
 ranges of the last rows of a prompt. Prints one JSON line per case (device ms, exact against the
 reference) and writes them to OUT (argv[1]).
 
-    python benchmarks/topk_long_gpu.py OUT.jsonl
+The ``TOPK_LONG`` row's ``MIN_T`` (where the one-read path takes over) comes from it.
+
+Command: bash benchmarks/gpu.sh OUT topk_long   (python benchmarks/topk_long_gpu.py OUT.jsonl)
+Card: one GPU.
+Writes: OUT.jsonl, one line a case {kind, rows, keys, one_read_ms, two_read_ms, *_exact};
+        docs/perf.md "Tuning sweeps".
 """
 
 from __future__ import annotations
