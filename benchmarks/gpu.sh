@@ -38,6 +38,7 @@
 #   topk_long            benchmarks/topk_long_gpu.py            -> topk_long_<card>.jsonl
 #   indexer_sweep, indexer_paged_sweep [dg], topk_long_sweep, topk_long_decode_sweep,
 #   indexer_topk_sweep   the tuning tables' sweeps (benchmarks/<step>_gpu.py) -> <step>_<card>.json
+#   (not a step: python benchmarks/plot_gpu.py OUT_DIR/gpu_<card>x2.json plots a report, no GPU)
 set -u
 out=${1:?usage: bash benchmarks/gpu.sh OUT_DIR STEP...}
 shift
@@ -125,8 +126,9 @@ step() {
     numerics) timeout 300 "$py" benchmarks/numerics_vs_transformers.py --device cuda \
                 --out "$out/numerics_vs_transformers_$card.json" ;;
     topk_long) timeout 150 "$py" benchmarks/topk_long_gpu.py "$out/topk_long_$card.jsonl" ;;
-    indexer_sweep|topk_long_sweep|indexer_topk_sweep)
-      timeout 300 "$py" "benchmarks/$1_gpu.py" "$out/$1_$card.json" ;;
+    indexer_sweep) timeout 300 "$py" benchmarks/indexer_sweep_gpu.py "$out/$1_$card.json" ;;
+    topk_long_sweep) timeout 200 "$py" benchmarks/topk_long_sweep_gpu.py "$out/$1_$card.json" ;;
+    indexer_topk_sweep) timeout 200 "$py" benchmarks/indexer_topk_sweep_gpu.py "$out/$1_$card.json" ;;
     indexer_paged_sweep)
       deepgemm
       timeout 200 "$py" benchmarks/indexer_paged_sweep_gpu.py --pages \
