@@ -19,17 +19,16 @@ from typing import Any
 
 import torch
 
-import cpkv_backend_triton.attention as A
-import cpkv_backend_triton.indexer_topk as F
 from cpkv.bench.gpu import kernel_profile
 
 sys.path.insert(0, "benchmarks")
-from indexer_topk_gpu import K, inputs, use
+from indexer_topk_gpu import DEFAULT, OPS, K, inputs, use
 
 
 def main() -> None:
-    impl = A.AttentionKernels()
-    base = {**F.INDEXER_TOPK}
+    impl = OPS
+    base = DEFAULT  # the table's row, the fused path on from 192K keys
+    use(base)
     q8, w8, k8, sc, ks, ke = inputs(8192, 524288, seed=3)
     want = impl.indexer_topk(q8, w8, k8, sc, ks, ke, K)
     rows: list[dict[str, Any]] = []

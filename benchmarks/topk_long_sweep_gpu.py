@@ -14,24 +14,40 @@ Writes: OUT.json {device, k, table, <case>: {<config>: {ms, exact, config, kerne
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-import cpkv_backend_triton.topk as T
 from cpkv.bench.gpu import kernel_profile
 from cpkv.bench.timing import device_ms
+from cpkv_backend_triton import tuning
+from cpkv_backend_triton.attention import AttentionKernels
 
 K = 2048
+#: the Triton backend's ops (``topk``, ``indexer_logits``), launched with the tuning table's
+#: row of this process's device, or the row :func:`override` put in force
+OPS = AttentionKernels()
+
+
+def override(op: str, cfg: Mapping[str, int]) -> None:
+    """The launch constants of tuning row ``op`` (an ``Op`` name, e.g. ``TOPK_LONG``) for the
+    calls that follow, through the backend's own override (``TRITON_CPKV_TUNING``, read again
+    after ``tuning.cache_clear()``); an empty ``cfg`` puts the table back."""
+    spec = ",".join(f"{op}.{k}={v}" for k, v in cfg.items())
+    if spec:
+        os.environ[tuning.TUNING_ENV] = spec
+    else:
+        os.environ.pop(tuning.TUNING_ENV, None)
+    tuning.cache_clear()
 
 
 def _indexer_logits(n: int, t: int, ke: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """fp32 [n, t] logits of a 64 x 128 fp8 indexer, -inf past each row's end (in blocks of
     rows: one [n, t] output, no bigger temporary)."""
-    from cpkv_backend_triton.attention import AttentionKernels
-
-    tri = AttentionKernels()
+    tri = OPS
     k = torch.randn(t, 128, generator=g, device="cuda").to(torch.float8_e4m3fn)
     sc = torch.rand(t, generator=g, device="cuda") + 0.5
     out = torch.empty(n, t, device="cuda")
@@ -54,30 +70,29 @@ def sweep_case(name: str, n: int, t: int, ke: torch.Tensor, configs: dict[str, d
           g: torch.Generator) -> dict[str, Any]:
     x = _indexer_logits(n, t, ke, g)
     ks = torch.zeros(n, dtype=torch.int64, device="cuda")
-    saved = dict(T.TOPK_LONG)
     res: dict[str, Any] = {"rows": n, "columns": t, "mean_keys": float(ke.float().mean()),
                            "logits_gb": float(ke.sum()) * 4 / 1e9}
     try:
         for label, over in configs.items():
-            T.TOPK_LONG = {**saved, **over}  # type: ignore[assignment]
-            got = T.topk(x, K, ks, ke)
+            override("TOPK_LONG", over)
+            got = OPS.topk(x, K, ks, ke)
             ok = _exact(got, x, ke)
-            ms = device_ms(lambda: T.topk(x, K, ks, ke), iters=10)
-            kern = kernel_profile(lambda: T.topk(x, K, ks, ke), top=None)
+            ms = device_ms(lambda: OPS.topk(x, K, ks, ke), iters=10)
+            kern = kernel_profile(lambda: OPS.topk(x, K, ks, ke), top=None)
             res[label] = {"ms": ms, "exact": ok, "config": over,
                           "kernels": {k["kernel"]: round(k["ms"], 4) for k in kern[1:]}}
             parts = " ".join(f"{k['kernel'].replace('_kernel', '')}={k['ms']:.3f}"
                              for k in kern[1:5])
             print(f"{name:8s} {label:14s} {ms:8.3f} ms exact={ok} {parts}", flush=True)
     finally:
-        T.TOPK_LONG = saved  # type: ignore[assignment]
+        override("TOPK_LONG", {})
     return res
 
 
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "k": K,
-                           "table": dict(T.TOPK_LONG)}
+                           "table": dict(tuning.tuned(tuning.Op.TOPK_LONG))}
     prompt = {"table": {}, "gluon": {"GLUON": 1}, "gluon_block_2048": {"GLUON": 1, "BLOCK": 2048},
               "gluon_warps_8": {"GLUON": 1, "num_warps": 8},
               "block_2048": {"BLOCK": 2048}, "block_4096": {"BLOCK": 4096},
