@@ -1,13 +1,13 @@
-"""SM clock and board power while the fp8 matmul ceiling and the prefill indexer run (issue 38).
+"""SM clock and board power while the fp8 matmul, the bf16 matmul, cpkv's prefill indexer and
+DeepGEMM's (when built) each run back to back for PHASE seconds: ``nvidia-smi`` samples the SM
+clock, the power draw and the clock-event reasons every 50 ms; a phase's row gives its TFLOP/s
+and the median clock and power of its samples. Says whether a kernel is held by its schedule or
+by the card's power limit.
 
-Question: is the fp8 indexer (cpkv's, DeepGEMM's: both ~0.65 of ``torch._scaled_mm``'s rate) held
-back by its schedule, or by the card's power limit (the epilogue's FP32 work beside the tensor
-cores)? Each phase loops one kernel for ~PHASE seconds while ``nvidia-smi`` samples clocks.sm,
-power.draw and the active clock-event reasons every 50 ms; a phase's row gives the median clock and
-power of its samples and its TFLOP/s. If the indexer's clock sits well under the matmul's at the
-power limit, a faster schedule buys less than its issue counts suggest.
-
-    python benchmarks/clock_probe_gpu.py OUT.json
+Command: bash benchmarks/gpu.sh OUT clock   (python benchmarks/clock_probe_gpu.py OUT.json)
+Card: one GPU; DeepGEMM's phase needs .dg (gpu.sh builds it).
+Writes: OUT.json {gpu, rows: [{phase, tflops, ms, samples, sm_mhz, power_w, reasons}]};
+        docs/perf.md "Clock at the power limit".
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, "benchmarks")
-from indexer_prefill_sweep_gpu import fp8_inputs
+from indexer_sweep_gpu import fp8_inputs
 
 PHASE = 4.0
 _Q = "clocks.sm,power.draw,clocks_event_reasons.active"

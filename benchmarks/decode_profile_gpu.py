@@ -3,7 +3,10 @@ of CTX tokens each (the 2-layer ``v32-attention`` stack, fp8 pool), largest firs
 in the JSON) the step's torch ops by the cpkv functions that ran them
 (:func:`cpkv.bench.gpu.op_sources`: which line's casts, gathers and norms the small kernels are).
 
-Usage: python benchmarks/decode_profile_gpu.py OUT.json [B] [CTX]
+Command: bash benchmarks/gpu.sh OUT decode_profile   (64 x 128K; or
+         python benchmarks/decode_profile_gpu.py OUT.json [B] [CTX])
+Card: one GPU (FlashMLA's wheel carried, or the step runs Triton's sparse MLA).
+Writes: OUT.json {kernels: [{total_ms}, {kernel, ms, calls}...], glue}; docs/perf.md "Decode steps".
 """
 
 from __future__ import annotations

@@ -11,8 +11,13 @@ page-major ones (``indexer_logits_index_pages``, the engines' two_part index-K),
 permuted block table, with the same run's copy bandwidth. Every output is checked against the
 key-tile default's (max difference over the largest logit, -inf at the same places).
 
-Usage: python benchmarks/indexer_paged_sweep_gpu.py OUT.json [B] [CTX]
-       python benchmarks/indexer_paged_sweep_gpu.py --pages OUT.json B CTX
+Decides the ``INDEXER`` tuning row's paged fields (``PAGED_*``).
+
+Command: bash benchmarks/gpu.sh OUT indexer_paged_sweep   (--pages at 64 x 128K; or
+         python benchmarks/indexer_paged_sweep_gpu.py [--pages] OUT.json [B] [CTX])
+Card: one GPU; DeepGEMM's rows need .dg (gpu.sh builds it).
+Writes: OUT.json {ceilings, device, shape: {requests, keys, rows: [{kind, PAGED_*, ms, GBps,
+        vs_copy, deepgemm_ms_over_this}]}}; docs/perf.md "Tuning sweeps".
 """
 
 from __future__ import annotations

@@ -5,7 +5,11 @@ logits budget (the ``long_1m_budget512_peak_gb`` row of ``cpkv bench long``); th
 under ``torch.cuda.memory._record_memory_history``: the live allocations at its peak, grouped by
 the innermost cpkv frame that made them, largest first.
 
-Usage: python benchmarks/memory_peak_gpu.py OUT.json [TOKENS] [CHUNK] [BUDGET_MB]
+Command: bash benchmarks/gpu.sh OUT memory   (1M tokens, 64K chunks, 512 MiB; or
+         python benchmarks/memory_peak_gpu.py OUT.json [TOKENS] [CHUNK] [BUDGET_MB])
+Card: one GPU with ~40 GB free.
+Writes: OUT.json {peak_last_gb, held_before_last_gb, traced_peak_gb, live_at_peak_mb: {line: MB}};
+        docs/perf.md "Long prompts".
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
-"""Issue 34's criterion in distribution: last-token logits of cpkv's KV / indexer numerics
+"""Last-token logits of cpkv's KV / indexer numerics
 against transformers' own fp32 forward pass, over several checkpoints (seeds) and prompts.
 
 Numerics (cpkv prefill, one rank, the model in ``--dtype``): ``bf16`` pool + bf16 indexer,
 ``fp8_pool_bf16_indexer``, ``fp8_default`` (fp8 pool + fp8 indexer: the GPU default) and the
 same three with ``index_topk`` raised past the prompt (``*_allkeys``: every key selected, so
-the error left is the KV numerics', not the selection's). The pre-issue-34 numerics (amax
-index-K scales, no rotation) are not reachable from the settings any more, so they are not run.
+the error left is the KV numerics', not the selection's).
 
 CPU (default): random transformers checkpoints of a tiny DeepSeek-V3.2 shape with DeepSeek's
 index head (128 dims, 16 heads), fp32 model. ``--device cuda``: the 2-layer v32-attention stack
 written by transformers, bf16 model, ``--tokens 4096``.
 
-Run: ``python benchmarks/numerics_vs_transformers.py --out FILE [--seeds 4] [--prompts 3]``.
+Command: python benchmarks/numerics_vs_transformers.py --out FILE [--seeds 6] [--prompts 3]
+         (GPU: bash benchmarks/gpu.sh OUT numerics, which adds --device cuda)
+Card: the CPU (default) or one GPU.
+Writes: FILE (docs/perf.md "Numerics against transformers").
 Prints per numerics the median / max over all (seed, prompt) of the max relative error and the
 argmax agreement; the JSON holds every value.
 """

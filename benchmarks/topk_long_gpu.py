@@ -4,7 +4,12 @@ q/k (the v32-attention shapes: 64 heads x 128 dims, fp8 keys) and on Gaussian on
 ranges of the last rows of a prompt. Prints one JSON line per case (device ms, exact against the
 reference) and writes them to OUT (argv[1]).
 
-    python benchmarks/topk_long_gpu.py OUT.jsonl
+The ``TOPK_LONG`` row's ``MIN_T`` (where the one-read path takes over) comes from it.
+
+Command: bash benchmarks/gpu.sh OUT topk_long   (python benchmarks/topk_long_gpu.py OUT.jsonl)
+Card: one GPU.
+Writes: OUT.jsonl, one line a case {kind, rows, keys, one_read_ms, two_read_ms, *_exact};
+        docs/perf.md "Tuning sweeps".
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import sys
 from functools import partial
 
 import torch
+from topk_long_sweep_gpu import OPS, override  # benchmarks/ is the script's sys.path[0]
 
-import cpkv_backend_triton.topk as T
 from cpkv.bench.timing import device_ms
 from cpkv.plugin import PluginHost
 
@@ -37,14 +42,13 @@ def logits_of(kind: str, n: int, t: int, g: torch.Generator,
 def small_cases(ref: object) -> dict[str, bool]:
     """The interpreter tests' edge cases, compiled: ties, -inf, one value, signed zeros, ranges
     empty / clipped / shorter than k, with the long path forced (tiny sample, CAP, splits)."""
-    saved = T.TOPK_LONG
     out = {}
     g = torch.Generator().manual_seed(7)
     ks = torch.tensor([0, 0, 5, 30, -3, 100, 0, 149, 10], device="cuda")
     ke = torch.tensor([150, 80, 5, 140, 200, 90, 3, 150, 137], device="cuda")
     for config in ("long", "default"):
-        T.TOPK_LONG = ({**saved, "MIN_T": 1, "SAMPLE": 16, "CAP": 32, "BLOCK": 16, "PROGRAMS": 64,
-                        "SPLIT_MIN": 32, "REFINE": 16} if config == "long" else saved)
+        override("TOPK_LONG", {"MIN_T": 1, "SAMPLE": 16, "CAP": 32, "BLOCK": 16, "PROGRAMS": 64,
+                               "SPLIT_MIN": 32, "REFINE": 16} if config == "long" else {})
         for kind in ("randn", "ties", "neg_inf", "equal", "zeros"):
             x = torch.randn(9, 150, generator=g) * 3
             if kind == "ties":
@@ -59,10 +63,10 @@ def small_cases(ref: object) -> dict[str, bool]:
             x = x.cuda()
             ok = True
             for k in (1, 24, 150, 200):
-                got, want = T.topk(x, k, ks, ke), ref.topk(x, k, ks, ke)
+                got, want = OPS.topk(x, k, ks, ke), ref.topk(x, k, ks, ke)
                 ok &= bool(torch.equal(got.sort(1).values, want.sort(1).values))
             out[f"{config}/{kind}"] = ok
-    T.TOPK_LONG = saved
+    override("TOPK_LONG", {})
     return out
 
 
@@ -73,20 +77,19 @@ def sweep(tri: object) -> None:
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x, ks, ke = logits_of("indexer", 1024, 524288, g, tri)
-    saved = dict(T.TOPK_LONG)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        T.topk(x, 2048, ks, ke)
+        OPS.topk(x, 2048, ks, ke)
         torch.cuda.synchronize()
     print(json.dumps({e.key[:40]: round(e.self_device_time_total / 1e3, 3)
                       for e in prof.key_averages() if e.self_device_time_total}), flush=True)
     for blk in (1024, 2048, 4096):
         for warps in (4, 8):
             for progs in (2048, 8192):
-                T.TOPK_LONG = {**saved, "BLOCK": blk, "num_warps": warps, "PROGRAMS": progs}
-                ms = device_ms(partial(T.topk, x, 2048, ks, ke), iters=10)
+                override("TOPK_LONG", {"BLOCK": blk, "num_warps": warps, "PROGRAMS": progs})
+                ms = device_ms(partial(OPS.topk, x, 2048, ks, ke), iters=10)
                 print(json.dumps({"BLOCK": blk, "num_warps": warps, "PROGRAMS": progs,
                                   "ms": round(ms, 3)}), flush=True)
-    T.TOPK_LONG = saved
+    override("TOPK_LONG", {})
 
 
 def main() -> None:
@@ -107,11 +110,11 @@ def main() -> None:
         want = ref.topk(x, 2048, ks, ke).sort(1).values
         res = {"kind": kind, "rows": n, "keys": t}
         for name, min_t in (("one_read", 1), ("two_read", 1 << 40)):
-            T.TOPK_LONG = {**T.TOPK_LONG, "MIN_T": min_t}
-            got = T.topk(x, 2048, ks, ke)
+            override("TOPK_LONG", {"MIN_T": min_t})
+            got = OPS.topk(x, 2048, ks, ke)
             res[f"{name}_exact"] = bool(torch.equal(got.sort(1).values, want))
-            res[f"{name}_ms"] = device_ms(partial(T.topk, x, 2048, ks, ke), iters=10)
-        T.TOPK_LONG = {**T.TOPK_LONG, "MIN_T": 131072}
+            res[f"{name}_ms"] = device_ms(partial(OPS.topk, x, 2048, ks, ke), iters=10)
+        override("TOPK_LONG", {})
         res["indexer_or_gen_logits_gb"] = x.numel() * 4 / 1e9
         res["read_once_ms_at_3tbps"] = x.numel() * 4 / 3.0e9
         print(json.dumps(res), flush=True)

@@ -174,7 +174,7 @@ def test_a_batch_of_several_requests_chunks_each_and_stitches_the_rows(tiny: Pat
     assert torch.equal(whole.last_logits, chunked.last_logits)
     # rows of other chunks went through other matmul shapes: equal within float32 rounding
     assert torch.allclose(whole.all_logits, chunked.all_logits, rtol=1e-5, atol=1e-6)
-    # ... so keys tied at the k-th score within that rounding may swap (docs/lessons.md)
+    # ... so keys tied at the k-th score within that rounding may swap (docs/contract.md, departure E)
     assert compare_topk(chunked.topk.indices, chunked.topk.scores, whole.topk.indices,
                         whole.topk.scores) == 0
 

@@ -1,4 +1,4 @@
-"""cpkv's default indexer kernels against DeepGEMM's on the same inputs, one GPU (issue 38).
+"""cpkv's default indexer kernels against DeepGEMM's on the same inputs, one GPU.
 
 Rows (``ratio = value / baseline``; value and baseline are milliseconds, so a ratio above 1
 means cpkv is faster):
@@ -20,7 +20,7 @@ means cpkv is faster):
 Every pair is checked against each other first (fp8 tolerance, -inf at the same places).
 Where DeepGEMM cannot be used the report says why and has no DeepGEMM rows.
 
-Run: ``python -m cpkv_backend_cuda.bench --out FILE`` (benchmarks/deepgemm_gpu.sh).
+Run: ``python -m cpkv_backend_cuda.bench --out FILE`` (``bash benchmarks/gpu.sh OUT deepgemm``).
 """
 
 from __future__ import annotations

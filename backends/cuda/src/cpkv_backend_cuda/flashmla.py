@@ -2,14 +2,14 @@
 
 ``flash_mla_sparse_fwd(q [N, H, 576] bf16, kv [T, 1, 576] bf16, indices [N, 1, k] int32, scale,
 512, use_legacy=True)`` is the kernel SGLang and vLLM run for DeepSeek-V3.2's prefill on Hopper
-(601 TFLOP/s on the H200 at 1024 x 64K, top-2048; docs/perf.md). It takes 64 or 128 heads,
+(601 TFLOP/s on a Hopper GPU at 1024 x 64K, top-2048; docs/perf.md). It takes 64 or 128 heads,
 576-wide keys with 512-wide values, bf16, and a top-k that is a multiple of 64: any other call is
 declined (:class:`~cpkv.contracts.OpDeclined`) and runs on the next backend of the preference.
 
 The kernel accumulates in float32 and writes bf16 [N, H, 512], which the op returns as it is (the
 contract allows q's dtype for low-precision q; widening cost 0.4 ms of the kernel's 1.0 at 1024
 x 64K). A row with no valid index comes out as zeros from the kernel itself (its lse is +inf), as
-the contract says: measured on the H200 and checked by tests/test_cuda_backend.py; masking such
+the contract says: measured on a GPU and checked by tests/test_cuda_backend.py; masking such
 rows again would cost 0.18 ms per call at that size.
 """
 

@@ -64,17 +64,17 @@ LIBRARIES = (FLASH_MLA, DEEP_GEMM)
 
 #: ops a library provides that a measurement on the GPU put on another backend (the op table
 #: takes the first backend of the preference that lists an op): op -> the measurement
-#: (docs/perf.md, benchmarks/results/deepgemm_h200.json). DeepGEMM's paged indexer cannot read
+#: (docs/perf.md "Targets" and "Tuning sweeps"). DeepGEMM's paged indexer cannot read
 #: the part-major pool's index-K (:mod:`cpkv_backend_cuda.deepgemm`): it offers the two_part
 #: layout's op only.
 MEASURED: dict[Op, str] = {
-    Op.INDEXER_LOGITS: "H200 2026-12-03: DeepGEMM's fp8_fp4_mqa_logits 1.4-7.3 % slower than "
+    Op.INDEXER_LOGITS: "2026-12-03: DeepGEMM's fp8_fp4_mqa_logits 1.4-7.3 % slower than "
                        "the Triton fp8 indexer at 1Kx32K / 4Kx128K / 8Kx64K / 2Kx512K (the kernel "
                        "alone 0.4-6.6 %)",
-    Op.INDEXER_LOGITS_INDEX_PAGES: "H200 2026-12-04: DeepGEMM's fp8_fp4_paged_mqa_logits 0.330 ms "
+    Op.INDEXER_LOGITS_INDEX_PAGES: "2026-12-04: DeepGEMM's fp8_fp4_paged_mqa_logits 0.330 ms "
                                    "against the Triton page-tile kernel's 0.286 on the same "
                                    "page-major tensors, 64 requests x 128K keys "
-                                   "(results/session13/paged_sweep_64x128k_h200.json)",
+                                   "(docs/perf.md, Tuning sweeps)",
 }
 
 

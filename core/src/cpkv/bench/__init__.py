@@ -1,6 +1,6 @@
 """Benchmarks behind ``cpkv bench``: each writes a JSON report of rows measured against a
 baseline or ceiling taken in the same run."""
 
-from .report import BenchReport, BenchRow, machine_description
+from .report import BenchReport, BenchRow, card_name, machine_description, results_name
 
-__all__ = ["BenchReport", "BenchRow", "machine_description"]
+__all__ = ["BenchReport", "BenchRow", "card_name", "machine_description", "results_name"]

@@ -1,6 +1,5 @@
 """``long_1m_first_pass_ratio``: a fresh process's first pass over a long prompt against its
-second, after the warm-up (:func:`cpkv.runtime.warmup.warm_up`), whose own time is reported
-(issue 38).
+second, after the warm-up (:func:`cpkv.runtime.warmup.warm_up`), whose own time is reported.
 
 One process, one GPU, the 2-layer ``v32-attention`` stack with the default settings: the
 compile caches (Triton's and DeepGEMM's) pointed at ``--cache-dir`` (empty it for a fresh
@@ -11,7 +10,8 @@ the caches). Row: pass 1 seconds over pass 2 seconds; ``detail``: the warm-up's 
 chunk's time and compiles, and whether the last-token logits are equal across the passes and
 chunkings (bit for bit).
 
-Run: ``python -m cpkv.bench.first_pass --out FILE --cache-dir DIR`` (benchmarks/issue38_gpu.sh).
+Run: ``python -m cpkv.bench.first_pass --out FILE --cache-dir DIR``
+(``bash benchmarks/gpu.sh OUT first_pass``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU benchmarks (issue #5): kernels against the torch backend and the ceilings measured in the
+"""GPU benchmarks: kernels against the torch backend and the ceilings measured in the
 same run, materialization against a raw all-gather of the same bytes, CP2 against CP1 prefill.
 
 Backends are reached through the registry only (``load("triton")``, ``load("torch")``). Timings:
@@ -78,8 +78,8 @@ def ceilings(dev: torch.device, sustained_s: float = 0.0) -> dict[str, float]:
     measured now: each call after an idle lead (:func:`device_ms`), so at the card's boost
     clock. ``sustained_s > 0`` adds ``fp8_matmul_sustained_tflops``: the same matmul back to
     back for that long, then timed over 64 more calls: the rate at the card's power limit, the
-    ceiling of a workload that runs for seconds (an H100 at 700 W: ~1230 against ~1450 in
-    bursts, its SM clock 1260-1305 MHz against 1980; benchmarks/clock_probe_gpu.py)."""
+    ceiling of a workload that runs for seconds (on a 700 W card ~0.85 of the burst rate, at
+    ~0.65 of the boost clock: docs/perf.md "Clock at the power limit")."""
     src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     ms = device_ms(lambda: dst.copy_(src))

@@ -30,8 +30,7 @@ from .gpu import kernel_profile, stack_flops
 
 #: seconds the fp8 matmul runs back to back before its sustained rate is timed: a prompt's
 #: prefill runs for seconds at the card's power limit, a 10-call ceiling at its boost clock
-#: (H100, 700 W: 1260-1305 MHz under the matmul, 1980 in bursts; the indexer 1545-1605 MHz:
-#: benchmarks/results/session18/clock_probe_h100.json); each ``long_<n>_fp8_mfu`` row gets a
+#: (docs/perf.md "Clock at the power limit"); each ``long_<n>_fp8_mfu`` row gets a
 #: ``_sustained`` twin against it
 SUSTAINED_S = 3.0
 
@@ -77,8 +76,8 @@ def topk_share(kernels: list[dict[str, Any]]) -> dict[str, float]:
     """From a kernel profile (``name``/``ms`` rows): the top-k kernels' and the indexer kernel's
     device milliseconds. A profile with the fused indexer top-k's filter counts the filter as
     the indexer and the plain indexer kernels as top-k work (in a fused chunk they compute the
-    sample's logits); the filter's epilogue itself is inside the indexer's time (the GPU
-    micro-benchmark, benchmarks/session11_topk_gpu.sh, measures it against the plain indexer)."""
+    sample's logits); the filter's epilogue itself is inside the indexer's time
+    (benchmarks/indexer_topk_gpu.py measures it against the plain indexer)."""
     named = [r for r in kernels if "kernel" in r]
 
     def ms(parts: tuple[str, ...]) -> float:

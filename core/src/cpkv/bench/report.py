@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any, Self
@@ -12,7 +13,7 @@ from pydantic import Field, model_validator
 
 from cpkv.contracts import Contract
 
-__all__ = ["BenchReport", "BenchRow", "machine_description"]
+__all__ = ["BenchReport", "BenchRow", "card_name", "machine_description", "results_name"]
 
 
 class BenchRow(Contract):
@@ -76,3 +77,26 @@ def machine_description() -> str:
     except ImportError:
         pass
     return ", ".join(parts)
+
+
+def card_name(gpus: int = 1, device_name: str | None = None) -> str:
+    """The short name of the machine a bench ran on, for its report's file name: ``cpu`` without
+    a CUDA device, else the GPU's model token in lower case (the first word of the device name
+    that mixes letters and digits, e.g. ``a100``), with ``x<gpus>`` when the bench used several.
+    ``device_name`` stands in for ``torch.cuda.get_device_name(0)``."""
+    if device_name is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "cpu"
+        device_name = torch.cuda.get_device_name(0)
+    words = re.findall(r"[A-Za-z0-9]+", device_name)
+    model = next((w for w in words if re.search(r"[A-Za-z]", w) and re.search(r"[0-9]", w)
+                  and not re.fullmatch(r"[0-9]+[GMT]B", w, re.I)), words[-1] if words else "gpu")
+    return model.lower() + (f"x{gpus}" if gpus > 1 else "")
+
+
+def results_name(bench: str, gpus: int = 1, device_name: str | None = None) -> str:
+    """``benchmarks/results/<bench>_<card>.json``: where a bench's report goes by default
+    (:func:`card_name`)."""
+    return f"benchmarks/results/{bench}_{card_name(gpus, device_name)}.json"

@@ -129,7 +129,7 @@ class PrefixCache:
         if evict:
             # weakly: the table is the cache's, so a bound method there made a reference cycle
             # that only the cyclic collector freed, with the CP group in it (at interpreter exit,
-            # after Gloo's teardown: a rank aborted there, docs/lessons.md session 17)
+            # after Gloo's teardown: a rank aborted there)
             pages.reclaim = _WeakReclaim(self)
 
     @property

@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from cpkv.bench import BenchReport, BenchRow, machine_description
+from cpkv.bench import BenchReport, BenchRow, machine_description, results_name
 
 
 def _show(rows: list[BenchRow]) -> None:
@@ -80,9 +80,10 @@ def _check_out(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def _out_option(default: str | None, file: str = "") -> Any:
-    """The benches' ``--out``: ``default`` is the tracked file it names (None: chosen by the
-    machine, ``file`` says how), but without ``--out`` the report goes to the cache directory
-    (:func:`bench_out`), which the help says; checked before the bench runs."""
+    """The benches' ``--out``: ``default`` is the tracked file it names (None: named after the
+    card the bench runs on, ``<bench>_<card>.json`` (:func:`cpkv.bench.results_name`), ``file``
+    says how), but without ``--out`` the report goes to the cache directory (:func:`bench_out`),
+    which the help says; checked before the bench runs."""
     name = Path(default).name if default else file
     return click.option(
         "--out", type=click.Path(dir_okay=False), default=default, callback=_check_out,
@@ -93,8 +94,9 @@ def _out_option(default: str | None, file: str = "") -> Any:
 @click.group("bench")
 @click.pass_context
 def command(ctx: click.Context) -> None:
-    """Run benchmarks; each writes a JSON report: to --out (benchmarks/results/<name>.json to
-    update the tracked results), else to ~/.cache/cpkv/bench/<name>.json."""
+    """Run benchmarks; each writes a JSON report: to --out (benchmarks/results/<bench>_<card>.json
+    to update the tracked results; <card> is cpu or the GPU's model, e.g. a100, with x2 for two
+    GPUs), else to ~/.cache/cpkv/bench/<bench>_<card>.json."""
     import logging
 
     from ._logging import configure_logging, level_from_flags
@@ -154,7 +156,7 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
 
 
 @command.command("transfer")
-@_out_option(None, "transfer_{cpu,h200}.json")
+@_out_option(None, "transfer_<card>.json")
 @click.option("--plugins", default="nccl,mooncake", show_default=True,
               help="Transfer plugins, comma-separated (each its own run).")
 @click.option("--tokens", default="8192,32768", show_default=True,
@@ -218,12 +220,11 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
             rows += r
             # one protocol: keyed by the plugin as before; several: by plugin_protocol
             detail[name if len(protocols) == 1 or name != "mooncake" else label] = d
-    _report("transfer", rows, out or ("benchmarks/results/transfer_h200.json" if gpus
-                                      else "benchmarks/results/transfer_cpu.json"), detail)
+    _report("transfer", rows, out or results_name("transfer", 2 if gpus else 1), detail)
 
 
 @command.command("host")
-@_out_option(None, "host_{cpu,h200}.json")
+@_out_option(None, "host_<card>.json")
 @click.option("--pages", type=click.IntRange(min=1), default=None,
               help="Pages per layer moved (default: 1024 on a GPU, 128 on a CPU).")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
@@ -244,7 +245,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
         raise click.ClickException(f"--device {dev}: no CUDA device is available")
     pages = pages or (1024 if cuda else 128)
     layers = layers or (4 if cuda else 2)
-    out = out or f"benchmarks/results/host_{'h200' if cuda else 'cpu'}.json"
+    out = out or (results_name("host") if cuda else "benchmarks/results/host_cpu.json")
     err = _progress_console()
     try:
         rows, detail = host.run(dev, pages, layers, progress=lambda s: err.print(f"[dim]{s}[/]"))
@@ -260,7 +261,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
 
 
 @command.command("mtp")
-@_out_option(None, "mtp_{cpu,h200}.json")
+@_out_option(None, "mtp_<card>.json")
 @click.option("--tokens", type=click.IntRange(min=8), default=None,
               help="Prompt of the CP2 draft prefill memory run (default: 65536 on GPUs, 2048 on "
                    "CPUs).")
@@ -293,7 +294,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
     lens = tuple(int(x) for x in prompts.split(",")) if prompts else (
         (1024,) * 4 if gpu else (96, 96))
     decode_tokens = decode_tokens or (64 if gpu else 16)
-    out = out or f"benchmarks/results/mtp_{'h200' if gpu else 'cpu'}.json"
+    out = out or (results_name("mtp", 2) if gpu else "benchmarks/results/mtp_cpu.json")
     over = mtp.agree_config(tokens, layers, gpu)
     err = _progress_console()
     with tempfile.TemporaryDirectory() as tmp:
@@ -314,10 +315,11 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
 
 
 @command.command("gpu")
-@_out_option("benchmarks/results/gpu_h200.json")
+@_out_option(None, "gpu_<card>.json")
 @click.option("--sizes", default="16384,65536,131072", show_default=True,
               help="Prompt lengths for CP2 vs CP1 prefill.")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers of the prefill stack (DeepSeek-V3.2's attention sizes).")
 @click.option("--skip-prefill", is_flag=True, help="Kernels and materialization only.")
 @click.option("--prefetch-prefix", type=click.IntRange(min=0), default=65536, show_default=True,
               help="Cached prefix of the prefetch measurement (0 skips it).")
@@ -325,7 +327,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
               show_default=True, help="kv.materialize of the CP2 vs CP1 prefill runs.")
 @click.option("--backends", default="cuda,triton,torch", show_default=True,
               help="backend.preference of the CP2 vs CP1 prefill runs (comma-separated).")
-def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_prefix: int,
+def gpu_cmd(out: str | None, sizes: str, layers: int, skip_prefill: bool, prefetch_prefix: int,
             materialize: str, backends: str) -> None:
     """Kernels vs ceilings, materialization vs raw all-gather, CP2 vs CP1 prefill (needs GPUs)."""
     import torch
@@ -339,7 +341,8 @@ def gpu_cmd(out: str, sizes: str, layers: int, skip_prefill: bool, prefetch_pref
                                prefetch_prefix=prefetch_prefix, materialize=materialize,
                                backends=tuple(b for b in backends.split(",") if b))
     rows, detail = gpu.run(opts, progress=lambda s: err.print(f"[dim]{s}[/]"))
-    _report("gpu", rows, out, detail)
+    # the CP2 rows need two GPUs: the report is named after the GPUs the bench could use
+    _report("gpu", rows, out or results_name("gpu", min(torch.cuda.device_count(), 2)), detail)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -347,12 +350,14 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 @command.command("long")
-@_out_option(None, "long{,_glm5}_h200.json")
+@_out_option(None, "long{,_glm5}_<card>.json")
 @click.option("--tokens", default="262144,524288,1048576", show_default=True,
               help="Prompt lengths (comma-separated; empty: the recall only).")
 @click.option("--chunks", default="65536,131072", show_default=True,
               help="Chunk sizes each prompt is prefilled in (comma-separated).")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers of the stack (each at the preset's attention sizes, dense "
+                   "MLP); MFU counts the FLOPs of all of them.")
 @click.option("--budget-mb", type=click.IntRange(min=1), default=None,
               help="runtime.logits_budget_mb of the runs (default: the settings' default).")
 @click.option("--fixed-budget-mb", type=click.IntRange(min=0), default=512, show_default=True,
@@ -373,7 +378,7 @@ def _ints(text: str) -> tuple[int, ...]:
               default="v32-attention", show_default=True,
               help="The stack (cpkv init-model --preset): glm5-attention alternates full and "
                    "shared-indexer layers; its rows are named glm5_long_..., its report "
-                   "long_glm5_h200.json.")
+                   "long_glm5_<card>.json.")
 def long_cmd(out: str | None, tokens: str, chunks: str, layers: int, budget_mb: int | None,
              fixed_budget_mb: int, recall_tokens: str, hf: bool, hf_tokens: int,
              bf16_compare: bool, preset: str) -> None:
@@ -396,22 +401,23 @@ def long_cmd(out: str | None, tokens: str, chunks: str, layers: int, budget_mb: 
     shown = ProgressLine(None, quiet=err.quiet)  # a line per chunk at most every 10 s
     rows, detail, summary = long.run(opts, progress=lambda s: err.print(f"[dim]{s}[/]"),
                                      on_progress=shown)
-    name = "long_h200.json" if preset == "v32-attention" else "long_glm5_h200.json"
-    _report("long", rows, out or f"benchmarks/results/{name}", detail, summary)
+    name = "long" if preset == "v32-attention" else "long_glm5"
+    _report("long", rows, out or results_name(name), detail, summary)
 
 
 @command.command("decode")
-@_out_option("benchmarks/results/decode_h200.json")
+@_out_option(None, "decode_<card>.json")
 @click.option("--batches", default="1,8,64", show_default=True,
               help="Requests per decode step (comma-separated).")
 @click.option("--contexts", default="4096,65536,131072", show_default=True,
               help="Tokens of KV each request holds (comma-separated).")
 @click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True,
               help="Timed steps per run (median).")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers of the stack (DeepSeek-V3.2's attention sizes).")
 @click.option("--mtp/--no-mtp", default=True, show_default=True,
               help="Also speculative decoding (k = 1, 2) on the stack with an agreeing MTP layer.")
-def decode_cmd(out: str, batches: str, contexts: str, steps: int, layers: int, mtp: bool) -> None:
+def decode_cmd(out: str | None, batches: str, contexts: str, steps: int, layers: int, mtp: bool) -> None:
     """Decode steps on one GPU: CUDA graphs vs eager, wall time over GPU time, tokens/s."""
     import tempfile
 
@@ -439,4 +445,4 @@ def decode_cmd(out: str, batches: str, contexts: str, steps: int, layers: int, m
                                f"contexts {spec.contexts}, graphs and eager[/]")
     res = run_ranks(decode.decode_bench_rank, 1, args=(spec,), backend="nccl",
                     timeout_s=3600)[0].value
-    _report("decode", decode.decode_rows(res), out, res)
+    _report("decode", decode.decode_rows(res), out or results_name("decode"), res)

@@ -2,7 +2,7 @@
 
 NCCL puts one rank on a GPU (two ranks of one communicator on one GPU fail: "duplicate GPU").
 A Gloo group moves its collectives' bytes through host memory, so its ranks may compute on
-GPUs, several on one: CP2 on one GPU (issue 37), the CUDA code paths under CP tested while
+GPUs, several on one: CP2 on one GPU, the CUDA code paths under CP tested while
 multi-GPU machines are withheld. :func:`rank_gpu` is that decision, a pure function of the
 backend, the rank, the ranks and the GPUs visible; :func:`shared_gpus_line` is the line a
 shared placement is announced with (never a silent choice).

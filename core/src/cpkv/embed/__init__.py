@@ -1,4 +1,4 @@
-"""cpkv.embed: cpkv inside an engine's forward (issue 37; docs/embedding.md).
+"""cpkv.embed: cpkv inside an engine's forward (docs/embedding.md).
 
 The engine keeps its scheduler, its slot allocator, its KV tensors and its kernels; cpkv gives
 the plan, page ownership, the full view, the transfer manifest and the prefix-cache rules::

@@ -1,5 +1,5 @@
 """EngineKV: cpkv's plan, ownership, views and transfer manifest over an engine's own KV tensors
-and slots (issue 37). The engine keeps its scheduler, its slot allocator and its kernels.
+and slots. The engine keeps its scheduler, its slot allocator and its kernels.
 
 Per batch (host work, once): :meth:`EngineKV.plan` (the split plan, continuing what the table
 holds) -> :meth:`EngineKV.prepare` (the engine's (owner, slot) per new page checked and taken,

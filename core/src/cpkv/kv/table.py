@@ -160,7 +160,7 @@ class PageTable:
         for rid, k in cows:
             rp = self._requests[rid]
             old = rp.slots[k]
-            # allocation may have evicted the other holders (lessons: shared pages and pressure)
+            # allocation may have evicted the other holders (docs/cache.md, copy on write)
             if self._refs.count(self.key(rp.owners[k], old)) == 1:
                 continue
             fresh = take(rp.owners[k])

@@ -162,7 +162,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     GPU (x of the weight's dtype) in fp32 throughout, rounded once: through ``op`` (the
     ``rms_norm`` op on [N, D] rows, one Triton pass a norm) when given, else torch's fused
     ``rms_norm`` (one pass instead of seven over the residual stream, 1.82 -> 0.67 ms per norm
-    of 64K x 7168 bf16 on the H200; HF rounds before the weight, so a quarter of the elements
+    of 64K x 7168 bf16 on a GPU; HF rounds before the weight, so a quarter of the elements
     differ by one ulp); the CPU keeps HF's exact op sequence."""
     dt = x.dtype
     if x.is_cuda and weight.dtype == dt:
@@ -412,7 +412,7 @@ class DeepseekV32:
     def _index_weights(self, w: _Layer, h: torch.Tensor) -> torch.Tensor:
         """``weights_proj(h) * index_scale`` in float32 ``[N, index_n_heads]``. transformers keeps
         ``weights_proj`` in fp32 (an fp32 GEMM over an fp32 copy of ``h``: 2.77 ms per layer at
-        64K x 7168 on the H200); on GPUs one 16-bit GEMM with fp32 output over the weight's
+        64K x 7168 on a GPU); on GPUs one 16-bit GEMM with fp32 output over the weight's
         ``[hi; lo]`` halves, summed (0.56 ms; ~1e-5 of the largest value apart)."""
         assert w.idx_w is not None
         if w.idx_w_split is not None and h.is_cuda and h.dtype == w.idx_w_split.dtype:

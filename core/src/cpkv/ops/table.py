@@ -27,10 +27,10 @@ else:
 
 __all__ = ["ALL_OPS", "ATTN_OPS", "KV_OPS", "OpTable"]
 
-#: the ops the sharded pool and the CP runtime need (issue #3)
+#: the ops the sharded pool and the CP runtime need
 KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.FP8_PACK,
                           Op.FP8_UNPACK, Op.PEER_GATHER, Op.PAGE_ROWS, Op.FP8_STORE)
-#: the sparse-attention ops of one layer (issue #4)
+#: the sparse-attention ops of one layer
 ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
                             Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
                             Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,

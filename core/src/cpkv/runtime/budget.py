@@ -24,7 +24,7 @@ __all__ = ["AUTO_FRACTION", "AUTO_MAX_MB", "AUTO_MIN_MB", "CPU_AUTO_MB", "Logits
 
 #: "auto" on CUDA: this fraction of the free device memory at session start. The rest is for
 #: what a chunk's rows allocate besides the logits (a 128K-token chunk's activations at DeepSeek
-#: sizes: ~50 GB) and the allocator's slack. Measured on one H200 (135 GB free, 2-layer
+#: sizes: ~50 GB) and the allocator's slack. Measured on one GPU (135 GB free, 2-layer
 #: v32-attention stack, 1M tokens in 128K chunks): a quarter (32 GiB) ran out of memory with 57
 #: GB reserved but unallocated; 16 GiB peaked at 82 GB and ran as fast (``cpkv bench long``)
 AUTO_FRACTION = 0.125

@@ -307,7 +307,7 @@ def rank_threads(backend: str, size: int, cpus: int | None = None, *, gpu: bool 
     """torch CPU threads of one of ``size`` rank processes (unless ``OMP_NUM_THREADS`` is set;
     torchrun sets 1): CPU ranks share the cores equally; GPU ranks (NCCL, or ``gpu``) take at
     most :data:`GPU_RANK_THREADS` of their share. C processes with a thread per core each
-    oversubscribe the host: on 2x H200 CP2's per-batch host phase cost 5x CP1's with 32 threads
+    oversubscribe the host: on a 32-core two-GPU host CP2's per-batch host phase cost 5x CP1's with 32 threads
     per rank; 16 per rank still left CP1 4-16 % slower and CP2 noisier than 4 (docs/perf.md)."""
     share = max(1, (cpus or os.cpu_count() or 1) // size)
     return min(share, GPU_RANK_THREADS) if gpu or backend == "nccl" else share

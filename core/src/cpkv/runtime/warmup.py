@@ -1,11 +1,11 @@
 """Warm-up before serving: every kernel variant a session's prompts can meet compiled before
-the first request (issue 38).
+the first request.
 
 Triton compiles a kernel once per variant: the launch's constexprs (tile sizes picked from the
 row and key counts, the top-k's long-row path from 192K keys) and its integer arguments'
 specializations (divisible by 16 or not, 1, 32- or 64-bit). A fresh process meets a new variant
 whenever a prompt first reaches a new bucket of these, and pays the compile (seconds) inside
-that chunk: a 1M-token prompt on a fresh H200 spent 20.5 s in one 64K chunk. DeepGEMM's JIT
+that chunk: a 1M-token prompt on a fresh machine spent 20.5 s in one 64K chunk. DeepGEMM's JIT
 (the cuda backend's indexer) likewise compiles per variant.
 
 :func:`warm_up` runs, before serving, the prompts that meet every bucket up to ``tokens``: one

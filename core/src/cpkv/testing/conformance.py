@@ -132,7 +132,7 @@ FP8_ROUND_TRIP_ABS = 2.0**-10 + 2.0**-20
 ATTN_RTOL = 1e-5
 ATTN_ATOL = 1e-5
 #: fp8 x fp8 indexer dots: Hopper's fp8 tensor cores accumulate with fewer mantissa bits than
-#: fp32 (the H200 gave 6.3e-4 absolute on logits of a few units; 1.7e-4 of the row maximum at
+#: fp32 (a Hopper GPU gave 6.3e-4 absolute on logits of a few units; 1.7e-4 of the row maximum at
 #: 1024 x 32K), so each fp8-query logit is compared relative to its terms' absolute sum
 #: (``_assert_logits``)
 FP8_DOT_REL = 2e-3
