@@ -8,15 +8,19 @@ from .config import DeepseekV32Config, RopeConfig
 from .deepseek_v32 import AttentionInputs, DeepseekV32
 from .errors import ModelLoadError
 from .tiny import TINY_DEFAULTS, load_model, resolve_checkpoint, write_tiny_checkpoint
+from .v4_config import DeepseekV4Config
+from .v4_weights import read_v4_config
 
 __all__ = [
     "TINY_DEFAULTS",
     "AttentionInputs",
     "DeepseekV32",
     "DeepseekV32Config",
+    "DeepseekV4Config",
     "ModelLoadError",
     "RopeConfig",
     "load_model",
+    "read_v4_config",
     "resolve_checkpoint",
     "write_tiny_checkpoint",
 ]

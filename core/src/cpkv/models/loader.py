@@ -30,7 +30,7 @@ from cpkv.logs import get_logger
 from .config import DeepseekV32Config, config_class
 from .errors import ModelLoadError
 
-__all__ = ["CheckpointReader", "expected_shapes", "mtp_shapes", "read_config"]
+__all__ = ["CheckpointReader", "expected_shapes", "mtp_shapes", "read_config", "shard_files"]
 
 log = get_logger(__name__)
 
@@ -150,7 +150,12 @@ def expected_shapes(cfg: DeepseekV32Config, packed_layers: Iterable[int] = (), *
     return out
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (its index's, else every ``*.safetensors``).
+
+    Raises:
+        ModelLoadError: an unreadable index, missing shards, or no weight file.
+    """
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -194,7 +199,7 @@ class CheckpointReader:
         self._stack = ExitStack()
         self._where: dict[str, Any] = {}
         try:
-            for f in _shard_files(self.path):
+            for f in shard_files(self.path):
                 try:
                     handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
                 except (SafetensorError, OSError) as exc:
