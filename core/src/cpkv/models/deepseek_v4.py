@@ -298,8 +298,8 @@ class DeepseekV4:
         before the first (its Ca half is used); None: no such window (entry 0, or unknown)."""
         m, d = comp.rate, comp.dim
         n = kv.shape[0] // m
-        kv = kv[: n * m].view(n, m, -1)
-        gate = gate[: n * m].view(n, m, -1) + comp.ape
+        kv = kv[: n * m].view(n, m, kv.shape[-1])
+        gate = gate[: n * m].view(n, m, gate.shape[-1]) + comp.ape
         if comp.overlap:
             new_kv = kv.new_zeros((n, 2 * m, d))
             new_gate = gate.new_full((n, 2 * m, d), float("-inf"))
