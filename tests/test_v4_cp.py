@@ -82,3 +82,20 @@ def test_short_zigzag_falls_back_to_interleave_visibly(tiny_v4: Path) -> None:
     assert lay.plan.page_aligned
     assert [e["op"] for e in logs if e.get("event") == "cpkv.fallback"] == [
         "split_plan", "v4_split_plan"]
+
+
+@pytest.mark.parametrize(("cp", "mode", "length"), [(2, "zigzag", 77), (4, "interleave", 53),
+                                                    (3, "zigzag", 200), (2, "interleave", 31)])
+def test_kv_bytes_sum_to_replicated_plus_tail(tiny_v4: Path, cp: int, mode: str,
+                                              length: int) -> None:
+    from cpkv.models.v4_objects import v4_objects
+    from cpkv.runtime.v4_prefill import v4_kv_bytes
+
+    model = DeepseekV4.load(tiny_v4)
+    lay = v4_layout(model, length, cp, PAGE, mode)
+    per, replicated = v4_kv_bytes(model, lay)
+    tail = sum(o.bytes_for(length) for o in v4_objects(model.config) if o.kind != "entries")
+    assert sum(per) == replicated + tail
+    for m, owned in lay.entries.items():  # every complete entry computed by exactly one rank
+        flat = sorted(w for r in owned for w in r)
+        assert flat == list(range(length // m))

@@ -31,10 +31,11 @@ from cpkv.contracts import FallbackReason, RequestPlan, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor, stable_topk
 from cpkv.models.v4_config import CSA
+from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import gather_keys
 from cpkv.planning import plan_batch
 
-__all__ = ["V4Layout", "v4_layout", "v4_prefill_logits"]
+__all__ = ["V4Layout", "v4_kv_bytes", "v4_layout", "v4_prefill_logits"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,26 @@ def v4_layout(model: DeepseekV4, length: int, cp_size: int, page_size: int,
     return V4Layout(plan=rp, unit=unit, segments=tuple(tuple(x) for x in segs), halo_src=halo,
                     max_segments=max_seg, entries=entries, max_entries=max_e, entry_perm=perm,
                     max_rows=max_rows, row_perm=tuple(row_slot[p] for p in range(length)))
+
+
+def v4_kv_bytes(model: DeepseekV4, lay: V4Layout, elem_bytes: int = 4
+                ) -> tuple[list[int], int]:
+    """``(per-rank bytes, replicated entry bytes)`` of one request after the forward: each
+    rank holds the entries it computed (one owner each: the sum over ranks is the replicated
+    entry bytes) and the tail holder (the rank of the last token) also the window rows and
+    the carry state."""
+    length = lay.plan.prefix_len + lay.plan.extend_len
+    per = [0] * len(lay.segments)
+    replicated = 0
+    tail = lay.plan.segments[-1].rank
+    for obj in v4_objects(model.config, elem_bytes):
+        if obj.kind == "entries":
+            replicated += obj.bytes_for(length)
+            for r, owned in enumerate(lay.entries[obj.rate]):
+                per[r] += len(owned) * obj.row_bytes
+        else:
+            per[tail] += obj.bytes_for(length)
+    return per, replicated
 
 
 def _halo_parts(model: DeepseekV4, layer: int) -> list[V4Compressor]:
