@@ -235,7 +235,7 @@ class DeepseekV4:
         c = self.config
         fn, base, scale = self._layers[layer].hc[which]
         hc = c.hc_mult
-        flat = _rms(streams.reshape(streams.shape[0], -1).float(), None, c.rms_norm_eps)
+        flat = _rms(streams.flatten(1).float(), None, c.rms_norm_eps)
         mixes = F.linear(flat, fn)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
@@ -355,9 +355,10 @@ class DeepseekV4:
         cos, sin = self.rope_cos_sin(positions, self._layer_rope(layer))
         o = v4_rope(o, cos, -sin)
         g = c.o_groups
-        x = o.reshape(o.shape[0], g, -1).transpose(0, 1)  # [g, N, in]
-        wt = w.wo_a.view(g, -1, x.shape[-1]).transpose(1, 2)  # [g, in, o_lora]
-        y = torch.bmm(x, wt).transpose(0, 1).reshape(o.shape[0], -1)
+        per = c.num_attention_heads * c.head_dim // g
+        x = o.reshape(o.shape[0], g, per).transpose(0, 1)  # [g, N, in]
+        wt = w.wo_a.view(g, c.o_lora_rank, per).transpose(1, 2)  # [g, in, o_lora]
+        y = torch.bmm(x, wt).transpose(0, 1).reshape(o.shape[0], g * c.o_lora_rank)
         return F.linear(y, w.wo_b)
 
     # ------------------------------------------------------------------ MoE
@@ -393,7 +394,7 @@ class DeepseekV4:
         """Collapse the streams (``hc_head``), final norm, ``head``: -> ``[N, vocab]`` float32."""
         c = self.config
         fn, base, scale = self._hc_head
-        flat = _rms(streams.reshape(streams.shape[0], -1).float(), None, c.rms_norm_eps)
+        flat = _rms(streams.flatten(1).float(), None, c.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + c.hc_eps
         x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return F.linear(_rms(x, self._norm, c.rms_norm_eps), self._head).float()

@@ -22,12 +22,13 @@ predecessor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import FallbackReason, RequestPlan, SplitMode
+from cpkv.contracts import FallbackReason, RequestPlan, RequestSpec, SplitMode
 from cpkv.fallback import report_fallback
 from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor, stable_topk
 from cpkv.models.v4_config import CSA
@@ -40,7 +41,7 @@ __all__ = ["V4Layout", "v4_kv_bytes", "v4_layout", "v4_prefill_logits"]
 
 @dataclass(frozen=True)
 class V4Layout:
-    """Host-side layout of one prompt on the group, computed once per batch."""
+    """Host-side layout of one chunk of a prompt on the group, computed once per batch."""
 
     plan: RequestPlan
     unit: int
@@ -49,53 +50,87 @@ class V4Layout:
     #: per rank, per segment: the gathered halo row of its predecessor (-1: starts at 0)
     halo_src: tuple[tuple[int, ...], ...]
     max_segments: int
-    #: per rate: per rank the entries it computes; max per rank; natural order -> gathered row
+    #: per rate: per rank the entries it owns (earlier chunks' first); max per rank; entry
+    #: order -> gathered row
     entries: dict[int, tuple[tuple[int, ...], ...]]
     max_entries: dict[int, int]
     entry_perm: dict[int, tuple[int, ...]]
     max_rows: int
+    #: this chunk's positions in order -> gathered row
     row_perm: tuple[int, ...]
+    #: the rank holding the request's tail objects before this chunk (-1: no prefix)
+    carry_rank: int
+
+    @property
+    def tail_rank(self) -> int:
+        """The rank that computes the chunk's last token: it holds the tail objects after."""
+        return self.plan.segments[-1].rank
+
+
+def _plan(length: int, cp_size: int, page_size: int, unit: int, mode: SplitMode | str,
+          prefix: V4Layout | None) -> RequestPlan:
+    p = 0 if prefix is None else prefix.plan.prefix_len + prefix.plan.extend_len
+    owners = () if prefix is None else tuple(
+        r for r in prefix.plan.page_owners[: -(-p // page_size)] if r is not None)
+    spec = RequestSpec(prefix_len=p, extend_len=length, prefix_owners=owners)
+    rp = plan_batch([spec], cp_size, page_size, mode, unit=unit).requests[0]
+    if not rp.page_aligned:
+        report_fallback(op="v4_split_plan", requested=f"{SplitMode(mode).value} on units of {unit}",
+                        selected="interleave on units", reason=FallbackReason.SHORT_EXTEND,
+                        detail=f"{length} tokens are fewer than 2C={2 * cp_size} units of {unit}")
+        rp = plan_batch([spec], cp_size, page_size, SplitMode.INTERLEAVE, unit=unit).requests[0]
+    return rp
 
 
 def v4_layout(model: DeepseekV4, length: int, cp_size: int, page_size: int,
-              mode: SplitMode | str) -> V4Layout:
-    """Plan a prompt of ``length`` tokens and derive the halo and full-view layouts.
+              mode: SplitMode | str, prefix: V4Layout | None = None) -> V4Layout:
+    """Plan ``length`` tokens (after ``prefix``, the previous chunk's layout) and derive the
+    halo and full-view layouts.
 
     Raises:
-        ValueError: a sliding window wider than the ownership unit.
+        ValueError: a sliding window wider than the ownership unit; a prefix that does not end
+            on a unit boundary (rule 37).
     """
     c = model.config
     unit = c.ownership_unit(page_size)
     if c.sliding_window - 1 > unit:
         raise ValueError(f"sliding_window={c.sliding_window} spans more than one ownership unit "
                          f"({unit} tokens): a halo would come from several segments")
-    plan = plan_batch([(0, length)], cp_size, page_size, mode, unit=unit)
-    rp = plan.requests[0]
-    if not rp.page_aligned:
-        report_fallback(op="v4_split_plan", requested=f"{SplitMode(mode).value} on units of {unit}",
-                        selected="interleave on units", reason=FallbackReason.SHORT_EXTEND,
-                        detail=f"{length} tokens are fewer than 2C={2 * cp_size} units of {unit}")
-        plan = plan_batch([(0, length)], cp_size, page_size, SplitMode.INTERLEAVE, unit=unit)
-        rp = plan.requests[0]
+    start = 0 if prefix is None else prefix.plan.prefix_len + prefix.plan.extend_len
+    if start % unit:
+        raise ValueError(f"a chunk boundary at {start} is not on an ownership unit boundary "
+                         f"(unit {unit} tokens)")
+    rp = _plan(length, cp_size, page_size, unit, mode, prefix)
+    carry_rank = -1 if prefix is None else prefix.tail_rank
     segs: list[list[tuple[int, int]]] = [[] for _ in range(cp_size)]
     where: dict[int, tuple[int, int]] = {}  # segment end -> (rank, local index)
+    merged: list[list[int]] = []  # adjacent segments of one rank as one (a C = 1 zigzag)
     for s, t, r in rp.segments:
+        if merged and merged[-1][2] == r and merged[-1][1] == s:
+            merged[-1][1] = t
+        else:
+            merged.append([s, t, r])
+    for s, t, r in merged:
         where[t] = (r, len(segs[r]))
         segs[r].append((s, t))
-    max_seg = max(len(x) for x in segs)
+    if carry_rank >= 0:  # the carried tail: one more halo row of the previous tail holder
+        where[start] = (carry_rank, len(segs[carry_rank]))
+    max_seg = max(len(x) + (r == carry_rank) for r, x in enumerate(segs))
     halo = tuple(tuple(-1 if s == 0 else where[s][0] * max_seg + where[s][1] for s, _ in x)
                  for x in segs)
+    end = start + length
     entries: dict[int, tuple[tuple[int, ...], ...]] = {}
     max_e: dict[int, int] = {}
     perm: dict[int, tuple[int, ...]] = {}
     for m in c.rates:
-        per = tuple(tuple(w for s, t in x for w in range(-(-s // m), t // m)) for x in segs)
+        before = prefix.entries[m] if prefix is not None else ((),) * cp_size
+        per = tuple(before[r] + tuple(w for s, t in x for w in range(-(-s // m), t // m))
+                    for r, x in enumerate(segs))
         entries[m] = per
         max_e[m] = max(1, max(len(p) for p in per))
         slot = {w: r * max_e[m] + i for r, p in enumerate(per) for i, w in enumerate(p)}
-        perm[m] = tuple(slot[w] for w in range(length // m))
-    rows = [sum(t - s for s, t in x) for x in segs]
-    max_rows = max(rows)
+        perm[m] = tuple(slot[w] for w in range(end // m))
+    max_rows = max(sum(t - s for s, t in x) for x in segs)
     row_slot = {}
     for r, x in enumerate(segs):
         i = 0
@@ -105,7 +140,8 @@ def v4_layout(model: DeepseekV4, length: int, cp_size: int, page_size: int,
                 i += 1
     return V4Layout(plan=rp, unit=unit, segments=tuple(tuple(x) for x in segs), halo_src=halo,
                     max_segments=max_seg, entries=entries, max_entries=max_e, entry_perm=perm,
-                    max_rows=max_rows, row_perm=tuple(row_slot[p] for p in range(length)))
+                    max_rows=max_rows, row_perm=tuple(row_slot[p] for p in range(start, end)),
+                    carry_rank=carry_rank)
 
 
 def v4_kv_bytes(model: DeepseekV4, lay: V4Layout, elem_bytes: int = 4
@@ -133,19 +169,32 @@ def _halo_parts(model: DeepseekV4, layer: int) -> list[V4Compressor]:
     return [x for x in (main, index) if x is not None and x.overlap]
 
 
+@dataclass
+class V4Carry:
+    """What one rank keeps of a request between chunks (rule 37): the compressed entries it
+    owns per ``(layer, "main" | "index")``, in the order of ``V4Layout.entries[rate][rank]``
+    (its pages), and on the tail holder the tail objects: per layer the packed halo row (the
+    last ``W - 1`` window rows and CSA's last window's compressor rows, whose Ca half is the
+    next entry's overlap). A chunk boundary is on a unit boundary, so no window is open."""
+
+    owned: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    tail: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class _Rank:
     """One rank's per-batch state: its rows, segment bounds and the permutations as tensors
     (built once per batch, reused by every layer: rule 16, 22)."""
 
     def __init__(self, model: DeepseekV4, ids: torch.Tensor, group: CPGroup,
-                 lay: V4Layout) -> None:
-        self.model, self.group, self.lay = model, group, lay
+                 lay: V4Layout, carry: V4Carry) -> None:
+        self.model, self.group, self.lay, self.carry = model, group, lay, carry
+        self.next_tail: dict[int, torch.Tensor] = {}
         dev = model.device
         self.segs = lay.segments[group.rank]
         self.halo_src = lay.halo_src[group.rank]
         self.pos = (torch.cat([torch.arange(s, t) for s, t in self.segs]).to(dev) if self.segs
                     else torch.empty(0, dtype=torch.long, device=dev))
-        self.ids = ids.to(dev)[self.pos]
+        self.ids = ids.to(dev)[self.pos - lay.plan.prefix_len]
         self.bounds = [0]
         for s, t in self.segs:
             self.bounds.append(self.bounds[-1] + t - s)
@@ -154,10 +203,12 @@ class _Rank:
         self.row_perm = torch.tensor(lay.row_perm, dtype=torch.long, device=dev)
         self.halo_w = model.config.sliding_window - 1
 
-    def halo(self, kv: torch.Tensor, inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    def halo(self, layer: int, kv: torch.Tensor,
+             inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
              overlap: list[V4Compressor]) -> torch.Tensor:
         """Step 2: one collective of every segment's last ``W - 1`` window rows and its last
-        window's compressor rows (CSA); ``[C * max_segments, width]``, rank-major."""
+        window's compressor rows (CSA), and the carried tail of the previous chunk;
+        ``[C * max_segments, width]``, rank-major."""
         tails = []
         for j in range(len(self.segs)):
             a, b = self.bounds[j], self.bounds[j + 1]
@@ -166,6 +217,10 @@ class _Rank:
                 ckv, cg = inputs[id(comp)]
                 part += [_tail(ckv[a:b], comp.rate), _tail(cg[a:b], comp.rate)]
             tails.append(torch.cat([p.reshape(-1) for p in part]))
+        if tails and self.group.rank == self.lay.tail_rank:  # its last segment ends the chunk
+            self.next_tail[layer] = tails[-1]
+        if self.group.rank == self.lay.carry_rank:
+            tails.append(self.carry.tail[layer])
         width = self.halo_w * kv.shape[1] + sum(4 * comp.rate * comp.dim for comp in overlap)
         send = torch.stack(tails) if tails else kv.new_zeros((0, width))
         return self.group.all_gather_rows(send, self.lay.max_segments)
@@ -205,10 +260,18 @@ class _Rank:
                  else torch.zeros(0, window, dtype=torch.bool, device=kv.device))
         return out_k, out_m, {id(x): _cat(own[id(x)], x.dim, kv) for x in comps}
 
-    def full_view(self, main: V4Compressor, index: V4Compressor | None,
+    def full_view(self, layer: int, main: V4Compressor, index: V4Compressor | None,
                   own: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Step 4: one collective of the owned entries (main ++ index key), in entry order."""
-        parts = [own[id(main)]] + ([own[id(index)]] if index is not None else [])
+        """Step 4: one collective of the owned entries (earlier chunks' and this one's; main
+        ++ index key), in entry order."""
+        parts = []
+        for name, comp in (("main", main), ("index", index)):
+            if comp is None:
+                continue
+            before = self.carry.owned.get((layer, name))
+            mine = own[id(comp)] if before is None else torch.cat([before, own[id(comp)]])
+            self.carry.owned[(layer, name)] = mine
+            parts.append(mine)
         gathered = self.group.all_gather_rows(torch.cat(parts, dim=1),
                                               self.lay.max_entries[main.rate])
         return gathered[self.entry_perm[main.rate]]
@@ -224,10 +287,10 @@ class _Rank:
         inputs = {id(comp): model.compressor_inputs(comp, h)
                   for comp in (main, index) if comp is not None}
         overlap = _halo_parts(model, i)
-        halos = self.halo(kv, inputs, overlap)
+        halos = self.halo(i, kv, inputs, overlap)
         keys, mask, own = self.windows_and_entries(i, kv, halos, inputs, overlap)
         if main is not None:
-            full = self.full_view(main, index, own)
+            full = self.full_view(i, main, index, own)
             selected = None
             if model.layer_kind(i) == CSA:
                 ikeys = full[:, c.head_dim:]
@@ -242,21 +305,33 @@ class _Rank:
 
 
 def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
-                      page_size: int = 64, mode: SplitMode | str = SplitMode.ZIGZAG
-                      ) -> torch.Tensor:
+                      page_size: int = 64, mode: SplitMode | str = SplitMode.ZIGZAG,
+                      chunks: Sequence[int] | None = None) -> torch.Tensor:
     """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]``, computed context-parallel on
     ``group`` (every rank returns all of them).
 
+    ``chunks``: prefill in pieces of these lengths (summing to T), each a batch of its own, the
+    entries and the tail objects carried between them (:class:`V4Carry`); every piece but the
+    last a multiple of the ownership unit. Any chunking equals the one-piece prefill.
+
     Raises:
-        ValueError: a sliding window wider than the ownership unit.
+        ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
+            T or end off a unit boundary.
     """
-    lay = v4_layout(model, ids.shape[0], group.size, page_size, mode)
-    rank = _Rank(model, ids, group, lay)
-    x = model.embed(rank.ids)
-    for i in range(model.num_layers):
-        x = rank.layer(i, x)
-    logits = model.final_logits(x)
-    return group.all_gather_rows(logits, lay.max_rows)[rank.row_perm]
+    sizes = list(chunks) if chunks is not None else [ids.shape[0]]
+    if sum(sizes) != ids.shape[0] or min(sizes) < 1:
+        raise ValueError(f"chunks {sizes} do not split a prompt of {ids.shape[0]} tokens")
+    carry, lay, start, out = V4Carry(), None, 0, []
+    for n in sizes:
+        lay = v4_layout(model, n, group.size, page_size, mode, prefix=lay)
+        rank = _Rank(model, ids[start:start + n], group, lay, carry)
+        x = model.embed(rank.ids)
+        for i in range(model.num_layers):
+            x = rank.layer(i, x)
+        carry.tail = rank.next_tail  # the tail objects move to this chunk's last rank
+        out.append(group.all_gather_rows(model.final_logits(x), lay.max_rows)[rank.row_perm])
+        start += n
+    return torch.cat(out)
 
 
 def _cat(parts: list[torch.Tensor], dim: int, like: torch.Tensor) -> torch.Tensor:
