@@ -21,7 +21,7 @@ from .errors import ModelLoadError
 from .loader import shard_files
 from .v4_config import CSA, HCA, DeepseekV4Config
 
-__all__ = ["V4CheckpointReader", "read_v4_config", "v4_expected_shapes"]
+__all__ = ["V4CheckpointReader", "is_v4_checkpoint", "read_v4_config", "v4_expected_shapes"]
 
 _ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
             "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
@@ -32,6 +32,16 @@ def _canonical(name: str) -> str:
     if name.startswith("model."):
         name = name[len("model."):]
     return _ALIASES.get(name, name)
+
+
+def is_v4_checkpoint(path: str | Path) -> bool:
+    """Whether ``path/config.json`` says ``model_type: deepseek_v4`` (False when unreadable:
+    the family's own reader reports that)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == "deepseek_v4"
 
 
 def read_v4_config(path: str | Path) -> DeepseekV4Config:
