@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from .errors import ModelLoadError
-from .loader import shard_files
+from .loader import invalid_config, read_config_json, shard_files
 from .v4_config import CSA, HCA, DeepseekV4Config
 
 __all__ = ["V4CheckpointReader", "is_v4_checkpoint", "read_v4_config", "v4_expected_shapes"]
@@ -51,22 +51,11 @@ def read_v4_config(path: str | Path) -> DeepseekV4Config:
         ModelLoadError: no such directory or file, unreadable JSON, another model type, or a
             value cpkv cannot serve (the message names the field and the value).
     """
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"{path} has no config.json: not an HF-format checkpoint directory")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{cfg_file}: cannot read JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{cfg_file}: expected a JSON object")
+    cfg_file, raw = read_config_json(path)
     try:
         return DeepseekV4Config.model_validate(raw)
     except ValidationError as exc:
-        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                         for e in exc.errors())
-        raise ModelLoadError(f"{cfg_file}: invalid DeepSeek-V4 config: {msgs}") from exc
+        raise invalid_config(cfg_file, DeepseekV4Config.family, exc) from exc
 
 
 def _compressor(p: str, d: int, rate: int, hs: int, overlap: bool) -> dict[str, tuple[int, ...]]:
