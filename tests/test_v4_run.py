@@ -67,3 +67,11 @@ def test_chunk_off_the_unit_is_refused(v4_dir: tuple[Path, Path]) -> None:
                                     str(prompts), "--chunk", "8"], env=ENV)
     assert res.exit_code != 0
     assert "ownership units of 16" in res.output
+
+
+def test_gpu_or_mtp_is_refused_for_v4(v4_dir: tuple[Path, Path]) -> None:
+    ckpt, prompts = v4_dir
+    for extra in (["--device", "cuda"], ["--mtp"]):
+        res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
+                                        *extra], env=ENV)
+        assert res.exit_code != 0 and "CPU ranks only" in res.output, res.output

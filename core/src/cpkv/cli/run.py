@@ -308,6 +308,11 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
 
     from .run_v4 import run_v4
 
+    if settings.run.device == "cuda" or settings.run.mtp:
+        raise click.ClickException(
+            f"{ckpt} is a DeepSeek-V4 checkpoint: cpkv runs its prefill on CPU ranks only, "
+            f"without an MTP draft layer (run.device = {settings.run.device!r}, run.mtp = "
+            f"{settings.run.mtp}); use --device cpu and no --mtp")
     vocab = read_v4_config(ckpt).vocab_size
     token_lists = _prompts(settings.run.prompts, vocab, _prompts_source(prompts, config))
     check_output(report, "--report")
