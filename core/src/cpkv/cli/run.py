@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
@@ -25,6 +26,7 @@ from rich.table import Table
 from cpkv.contracts import SplitMode
 from cpkv.models import ModelLoadError, resolve_checkpoint
 from cpkv.models.loader import read_config
+from cpkv.models.v4_weights import is_v4_checkpoint
 from cpkv.runtime.job import Check, JobReport, Verdict, run_job
 from cpkv.runtime.job.run import check_plugin_names
 from cpkv.settings import SettingsError, load_settings
@@ -283,6 +285,42 @@ def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: 
     return over
 
 
+def _read_checkpoint(settings: Any) -> tuple[Path, Any]:
+    """The checkpoint directory and its DeepSeek-V3.2 / GLM-5 config (None for DeepSeek-V4).
+
+    Raises:
+        ModelLoadError: an unreadable checkpoint, or run.mtp without an MTP layer.
+    """
+    ckpt = resolve_checkpoint(settings.run.model)
+    if is_v4_checkpoint(ckpt):
+        return ckpt, None
+    cfg = read_config(ckpt)
+    if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
+        raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
+                             f"has none (config.json: num_nextn_predict_layers = "
+                             f"{cfg.num_nextn_predict_layers})")
+    return ckpt, cfg
+
+
+def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
+            decode_tokens: int, report: Path | None, save_logits: Path | None) -> None:
+    from cpkv.models.v4_weights import read_v4_config
+
+    from .run_v4 import run_v4
+
+    if settings.run.device == "cuda" or settings.run.mtp:
+        raise click.ClickException(
+            f"{ckpt} is a DeepSeek-V4 checkpoint: cpkv runs its prefill on CPU ranks only, "
+            f"without an MTP draft layer (run.device = {settings.run.device!r}, run.mtp = "
+            f"{settings.run.mtp}); use --device cpu and no --mtp")
+    vocab = read_v4_config(ckpt).vocab_size
+    token_lists = _prompts(settings.run.prompts, vocab, _prompts_source(prompts, config))
+    check_output(report, "--report")
+    check_output(save_logits, "--save-logits")
+    run_v4(ckpt, token_lists, settings.cp.size, settings.cp.mode.value, settings.kv.page_size,
+           settings.runtime.chunk_tokens, decode_tokens, Console(), report, save_logits)
+
+
 @click.command("run")
 @click.option("--config", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Settings TOML file (CPKV_* environment variables override it; flags override both).")
@@ -345,15 +383,13 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
                       draft_tokens=draft_tokens, chunk=chunk)
     try:
         settings = load_settings(config, **over)
-        ckpt = resolve_checkpoint(settings.run.model)
-        cfg = read_config(ckpt)
-        vocab = cfg.vocab_size
-        if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
-            raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
-                                 f"has none (config.json: num_nextn_predict_layers = "
-                                 f"{cfg.num_nextn_predict_layers})")
+        ckpt, cfg = _read_checkpoint(settings)
     except (SettingsError, ModelLoadError) as exc:
         raise click.ClickException(str(exc)) from exc
+    if cfg is None:  # DeepSeek-V4: its own prefill job (cli/run_v4.py)
+        _run_v4(settings, ckpt, prompts, config, decode_tokens, report, save_logits)
+        return
+    vocab = cfg.vocab_size
     level = level_from_flags(state.verbose, state.quiet, settings.log.level)
     # the report lists every fallback: by default they are not logged as well
     hide = frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset()

@@ -303,6 +303,11 @@ def config_class(model_type: object) -> type[DeepseekV32Config]:
         ValueError: a model type cpkv does not know (one line naming it and the known ones).
     """
     cls = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if model_type == "deepseek_v4":
+        raise ValueError("model_type 'deepseek_v4' (DeepSeek-V4) is read by "
+                         "cpkv.models.read_v4_config and loaded by cpkv.models.DeepseekV4 "
+                         "(cpkv run serves it through its own prefill job), not by the "
+                         "DeepSeek-V3.2 / GLM-5 loader")
     if cls is None:
         known = ", ".join(f"{k} ({c.family})" for k, c in MODEL_TYPES.items())
         raise ValueError(f"model_type {model_type!r} is not an architecture cpkv knows; it "

@@ -30,7 +30,8 @@ from cpkv.logs import get_logger
 from .config import DeepseekV32Config, config_class
 from .errors import ModelLoadError
 
-__all__ = ["CheckpointReader", "expected_shapes", "mtp_shapes", "read_config"]
+__all__ = ["CheckpointReader", "expected_shapes", "invalid_config", "mtp_shapes", "read_config",
+           "read_config_json", "shard_files"]
 
 log = get_logger(__name__)
 
@@ -38,8 +39,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _SCALE_SUFFIX = "_scale_inv"
 
 
-def read_config(path: str | Path) -> DeepseekV32Config:
-    """Parse ``path/config.json``; :class:`ModelLoadError` with a clear message for anything wrong."""
+def read_config_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """``(path/config.json, its JSON object)``; :class:`ModelLoadError` naming what is wrong
+    (no such directory, no config.json, unreadable JSON, not an object)."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
@@ -54,6 +56,18 @@ def read_config(path: str | Path) -> DeepseekV32Config:
         raise ModelLoadError(f"{cfg_file}: cannot read JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{cfg_file}: expected a JSON object")
+    return cfg_file, raw
+
+
+def invalid_config(cfg_file: Path, family: str, exc: ValidationError) -> ModelLoadError:
+    """The :class:`ModelLoadError` of a config that fails validation: every field and why."""
+    msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+    return ModelLoadError(f"{cfg_file}: invalid {family} config: {msgs}")
+
+
+def read_config(path: str | Path) -> DeepseekV32Config:
+    """Parse ``path/config.json``; :class:`ModelLoadError` with a clear message for anything wrong."""
+    cfg_file, raw = read_config_json(path)
     try:
         cls = config_class(raw.get("model_type"))
     except ValueError as exc:
@@ -61,8 +75,7 @@ def read_config(path: str | Path) -> DeepseekV32Config:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
-        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        raise ModelLoadError(f"{cfg_file}: invalid {cls.family} config: {msgs}") from exc
+        raise invalid_config(cfg_file, cls.family, exc) from exc
 
 
 def _few(names: Iterable[str], n: int = 5) -> str:
@@ -150,7 +163,12 @@ def expected_shapes(cfg: DeepseekV32Config, packed_layers: Iterable[int] = (), *
     return out
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (its index's, else every ``*.safetensors``).
+
+    Raises:
+        ModelLoadError: an unreadable index, missing shards, or no weight file.
+    """
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -194,7 +212,7 @@ class CheckpointReader:
         self._stack = ExitStack()
         self._where: dict[str, Any] = {}
         try:
-            for f in _shard_files(self.path):
+            for f in shard_files(self.path):
                 try:
                     handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
                 except (SafetensorError, OSError) as exc:

@@ -26,6 +26,8 @@ from .config import GLM_MODEL_TYPE, DeepseekV32Config, GlmMoeDsaConfig, config_c
 from .deepseek_v32 import DeepseekV32
 from .errors import ModelLoadError
 from .loader import expected_shapes
+from .v4_config import V4_MODEL_TYPE, DeepseekV4Config
+from .v4_tiny import V4_PRESETS, v4_tiny_config, v4_tiny_state
 
 __all__ = ["ARCHS", "PRESETS", "TINY_DEFAULTS", "checkpoint_num_parameters", "default_cache_dir",
            "load_model", "tiny_config", "write_tiny_checkpoint"]
@@ -68,6 +70,8 @@ ARCHS: dict[str, dict[str, Any]] = {
     "v32": {},
     "glm5": {"model_type": GLM_MODEL_TYPE, "num_hidden_layers": 4, "index_topk_freq": 3,
              "index_skip_topk_offset": 1, "rms_norm_eps": 1e-5},
+    # DeepSeek-V4: its own defaults (:data:`cpkv.models.v4_tiny.V4_TINY_DEFAULTS`)
+    "v4": {"model_type": V4_MODEL_TYPE},
 }
 
 #: named overrides of :data:`TINY_DEFAULTS` (``cpkv init-model --preset``)
@@ -94,6 +98,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         index_topk_freq=2, index_skip_topk_offset=1, rms_norm_eps=1e-5,
         max_position_embeddings=202752, num_nextn_predict_layers=0,
     ),
+    # DeepSeek-V4-Flash's / V4-Pro's attention at full size (:data:`V4_PRESETS`)
+    **{k: {"model_type": V4_MODEL_TYPE, **v} for k, v in V4_PRESETS.items() if k != "tiny"},
 }
 
 #: ``draft="agree"``: the residual branches (o_proj, down projections) of every layer are scaled
@@ -108,9 +114,12 @@ _ALLOWED = (set(DeepseekV32Config.model_fields) | set(GlmMoeDsaConfig.model_fiel
                "index_topk_freq", "index_skip_topk_offset"})
 
 
-def tiny_config(**overrides: Any) -> DeepseekV32Config:
+def tiny_config(**overrides: Any) -> DeepseekV32Config | DeepseekV4Config:
     """The tiny model's config: :data:`TINY_DEFAULTS` with ``overrides`` (config.json keys;
-    ``model_type`` picks the family, every form of a GLM-5 indexer schedule is taken)."""
+    ``model_type`` picks the family, every form of a GLM-5 indexer schedule is taken;
+    ``deepseek_v4``: :func:`~cpkv.models.v4_tiny.v4_tiny_config`)."""
+    if overrides.get("model_type") == V4_MODEL_TYPE:
+        return v4_tiny_config(**overrides)
     unknown = set(overrides) - _ALLOWED
     if unknown:
         raise TypeError(f"unknown tiny-model parameter(s): {sorted(unknown)}")
@@ -137,7 +146,10 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
     return std * torch.randn(shape, generator=gen)
 
 
-def _tiny_state(cfg: DeepseekV32Config, seed: int, draft: str = "random") -> dict[str, torch.Tensor]:
+def _tiny_state(cfg: DeepseekV32Config | DeepseekV4Config, seed: int,
+                draft: str = "random") -> dict[str, torch.Tensor]:
+    if isinstance(cfg, DeepseekV4Config):
+        return v4_tiny_state(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     # the MTP layer's weights come last: the target's are the same with or without it
     shapes = expected_shapes(cfg, mtp=cfg.num_nextn_predict_layers > 0)
@@ -174,7 +186,8 @@ def _agreeing_draft(state: dict[str, torch.Tensor], cfg: DeepseekV32Config) -> N
     state[f"{p}.shared_head.head.weight"] = head.clone()
 
 
-def _write_files(dst: Path, cfg: DeepseekV32Config, seed: int, draft: str = "random") -> None:
+def _write_files(dst: Path, cfg: DeepseekV32Config | DeepseekV4Config, seed: int,
+                 draft: str = "random") -> None:
     from safetensors.torch import save_file
 
     save_file(_tiny_state(cfg, seed, draft), str(dst / "model.safetensors"), metadata={"format": "pt"})

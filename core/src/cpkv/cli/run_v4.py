@@ -1,0 +1,100 @@
+"""``cpkv run`` on a DeepSeek-V4 checkpoint: the prefill job of :mod:`cpkv.runtime.v4_job` and
+its report (correctness against one rank, KV bytes per rank against the entries once plus the
+tail objects, bytes per token of context beside DeepSeek-V3.2's, fallbacks)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from cpkv.models.v4_config import CSA, HCA, SWA
+
+__all__ = ["PER_TOKEN_ROWS", "fp8_bytes_per_token", "run_v4"]
+
+TOLERANCE = 2e-3
+
+#: the bytes per token of context of the FP8 pools (per layer: V4's 584-B main entry over its
+#: rate, the 132-B index key over 4 on CSA layers; V3.2's 656-B latent + 132-B index key)
+_V4_FLASH = [SWA] * 2 + [CSA, HCA] * 20 + [CSA]
+_V4_PRO = [HCA] * 2 + [CSA, HCA] * 29 + [CSA]
+
+
+def fp8_bytes_per_token(layer_types: Sequence[str], csa: int = 4, hca: int = 128) -> float:
+    """Compressed-entry bytes per token of context of a V4 schedule in the FP8 layout."""
+    return sum(584 / csa + 132 / csa if t == CSA else 584 / hca if t == HCA else 0
+               for t in layer_types)
+
+
+#: the full models' schedules (a tiny checkpoint's dims are not the FP8 layout's)
+PER_TOKEN_ROWS = (("DeepSeek-V4-Flash (43 layers)", fp8_bytes_per_token(_V4_FLASH)),
+                  ("DeepSeek-V4-Pro (61 layers)", fp8_bytes_per_token(_V4_PRO)),
+                  ("DeepSeek-V3.2 (61 layers)", 61.0 * (656 + 132)))
+
+
+def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: int,
+           chunk: int, decode_tokens: int, console: Console, report: Path | None,
+           save_logits: Path | None) -> None:
+    """Run the V4 job and print its report; exit 1 when a prompt's last-position logits are
+    off the one-rank forward by more than :data:`TOLERANCE` (relative) or their argmax differs.
+
+    Raises:
+        click.ClickException: a chunk size off the ownership unit, a window wider than it.
+    """
+    from cpkv.runtime.v4_job import run_v4_job
+
+    console.print(f"model {ckpt} (DeepSeek-V4), CP{cp} {mode}, page {page_size}, "
+                  f"{len(prompts)} prompts, torch reference ops on CPU")
+    if decode_tokens:
+        console.print("decode after the prefill is not built for DeepSeek-V4: prefill only")
+    try:
+        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    t = Table()
+    for col in ("prompt", "tokens", "max |CP - one rank| / max |one rank|", "argmax equal"):
+        t.add_column(col, justify="right")
+    for i, (n, d, ok) in enumerate(zip(rep.lengths, rep.rel_diff(), rep.argmax_equal(),
+                                       strict=True)):
+        t.add_row(str(i), str(n), f"{d:.2e}", "yes" if ok else "NO")
+    console.print(t)
+    total = rep.entry_bytes + rep.tail_bytes
+    kv = Table(title="KV bytes per rank (fp32 pool): entries each once, tail objects on the "
+                     "last token's rank")
+    for col in ("rank", "bytes", "of entries + tail"):
+        kv.add_column(col, justify="right")
+    for r, b in enumerate(rep.rank_bytes):
+        kv.add_row(str(r), f"{b:,}", f"{b / max(1, total):.1%}")
+    kv.add_row("entries", f"{rep.entry_bytes:,}", "")
+    kv.add_row("tail", f"{rep.tail_bytes:,}", "")
+    console.print(kv)
+    pt = Table(title="KV bytes per token of context (FP8 pools)")
+    pt.add_column("model")
+    pt.add_column("bytes", justify="right")
+    for name, per_token in PER_TOKEN_ROWS:
+        pt.add_row(name, f"{per_token:,.1f}")
+    console.print(pt)
+    for f in rep.fallbacks:
+        console.print(f"fallback: {f.op}: {f.requested} -> {f.selected} ({f.reason}): {f.detail}")
+    passed = rep.passed(TOLERANCE)
+    console.print(f"prefill CP{cp} vs one rank: {'PASS' if passed else 'FAIL'} "
+                  f"(tolerance {TOLERANCE:g} relative, argmax equal); {rep.seconds:.1f} s")
+    if report:
+        body: dict[str, Any] = {
+            "model": str(ckpt), "family": "DeepSeek-V4", "cp": cp, "mode": mode,
+            "page_size": page_size, "prompt_lens": rep.lengths, "rel_diff": rep.rel_diff(),
+            "argmax_equal": rep.argmax_equal(), "kv_bytes_per_rank": rep.rank_bytes,
+            "kv_bytes_entries": rep.entry_bytes, "kv_bytes_tail": rep.tail_bytes,
+            "fallbacks": [f.model_dump(mode="json") for f in rep.fallbacks],
+            "tolerance": TOLERANCE, "correct": passed}
+        report.write_text(json.dumps(body, indent=2) + "\n")
+    if save_logits:
+        torch.save(rep.logits.float().contiguous(), save_logits)
+    if not passed:
+        raise SystemExit(1)

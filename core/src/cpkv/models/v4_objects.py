@@ -1,0 +1,72 @@
+"""The KV objects a DeepSeek-V4 layer keeps (contract rule 33) and their bytes.
+
+Per layer, by kind:
+
+* **compressed entries** (page-owned; one per ``m`` tokens): the main entry (``head_dim``) on
+  CSA and HCA layers, the index key (``index_head_dim``) on CSA layers;
+* **window rows** (a tail object): the last ``W - 1`` K = V rows (``head_dim``), every layer;
+* **carry state** (a tail object): per compressor the open window's raw ``(kv, gate)`` rows
+  (at most ``m - 1`` rows of the compressor's width, 2d on CSA), and on CSA the last complete
+  window's Ca half (``m`` rows of ``(kv, gate)`` at ``d``).
+
+The request's tail objects have one holder: the rank that computes the request's last token
+(the owner of its last unit), which is the rank that has them after the forward (rule 36).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .v4_config import CSA, HCA, DeepseekV4Config
+
+__all__ = ["V4Object", "v4_objects", "v4_per_token_bytes"]
+
+ObjectKind = Literal["entries", "window_rows", "carry_state"]
+
+
+@dataclass(frozen=True)
+class V4Object:
+    """One KV object of one layer."""
+
+    layer: int
+    name: str  # "main", "index", "window", "carry.main", "carry.index"
+    kind: ObjectKind
+    rate: int  # tokens per entry (entries); 0 otherwise
+    row_bytes: int  # bytes per entry / row at the pool's element size
+    rows: int  # tail objects: rows held per request (0 for entries: they scale with length)
+
+    def bytes_for(self, length: int) -> int:
+        """Bytes of this object for a request of ``length`` tokens (entries: complete ones)."""
+        if self.kind == "entries":
+            return (length // self.rate) * self.row_bytes
+        return self.rows * self.row_bytes
+
+
+def v4_objects(cfg: DeepseekV4Config, elem_bytes: int = 4) -> tuple[V4Object, ...]:
+    """Every layer's objects at ``elem_bytes`` per value (4: the fp32 pool the tests use).
+
+    The carry state is counted at its most (``m - 1`` open rows) and kept in fp32 whatever
+    the pool (vLLM does the same: its pooling is a softmax over raw projections)."""
+    out: list[V4Object] = []
+    hd, w = cfg.head_dim, cfg.sliding_window
+    for i, kind in enumerate(cfg.layer_types):
+        out.append(V4Object(i, "window", "window_rows", 0, hd * elem_bytes, w - 1))
+        comps: list[tuple[str, int, int, bool]] = []
+        if kind == CSA:
+            comps = [("main", cfg.compress_rate_csa, hd, True),
+                     ("index", cfg.compress_rate_csa, cfg.index_head_dim, True)]
+        elif kind == HCA:
+            comps = [("main", cfg.compress_rate_hca, hd, False)]
+        for name, m, d, overlap in comps:
+            out.append(V4Object(i, name, "entries", m, d * elem_bytes, 0))
+            width = 2 * d if overlap else d
+            rows_state = 2 * width * (m - 1) + (2 * d * m if overlap else 0)  # kv and gate
+            out.append(V4Object(i, f"carry.{name}", "carry_state", 0, 4, rows_state))
+    return tuple(out)
+
+
+def v4_per_token_bytes(cfg: DeepseekV4Config, elem_bytes: int = 1) -> float:
+    """Compressed-entry bytes per token of context over all layers (the part that grows with
+    the length; 1 byte a value approximates the FP8 pool, without its scales)."""
+    return sum(o.row_bytes / o.rate for o in v4_objects(cfg, elem_bytes) if o.kind == "entries")

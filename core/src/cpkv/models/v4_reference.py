@@ -1,0 +1,80 @@
+"""The one-rank DeepSeek-V4 forward of one prompt, from :class:`DeepseekV4`'s per-row API: the
+reference a context-parallel run is compared with, and the spelled-out order of the pieces.
+
+Per layer: mHC collapse -> ``attn_norm`` -> query, window rows, compressed entries (main; CSA
+also index keys) -> keys per row (window rows ``[t-W+1, t]`` + HCA's causal entries or CSA's
+top-k) -> attention with the sink -> output projection -> mHC expand; then the same for the MoE.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .v4_config import CSA, HCA
+
+if TYPE_CHECKING:
+    from .deepseek_v4 import DeepseekV4
+
+__all__ = ["gather_keys", "reference_forward", "window_rows"]
+
+
+def window_rows(kv: torch.Tensor, positions: torch.Tensor, first: int, window: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's window ``[t - window + 1, t]`` out of ``kv`` ``[R, D]`` (absolute positions
+    ``first .. first + R - 1``): ``(keys [N, window, D], mask [N, window])``; rows before
+    ``first`` or below 0 are masked."""
+    offs = torch.arange(window - 1, -1, -1, device=kv.device)  # oldest first
+    src = positions.to(kv.device)[:, None] - offs[None, :] - first
+    ok = src >= 0
+    return kv[src.clamp(min=0)], ok
+
+
+def gather_keys(model: DeepseekV4, layer: int, entries: torch.Tensor,
+                positions: torch.Tensor, selected: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed keys rows read: HCA every complete entry (``selected`` None:
+    ``(w + 1) * m <= t + 1``), CSA the ``selected`` ``[N, k]`` (-1: none)."""
+    if selected is None:
+        m = model.config.compress_rate_hca
+        limit = (positions.to(entries.device) + 1) // m
+        n = entries.shape[0]
+        mask = torch.arange(n, device=entries.device)[None, :] < limit[:, None]
+        return entries.unsqueeze(0).expand(positions.shape[0], -1, -1), mask
+    return entries[selected.clamp(min=0)], selected >= 0
+
+
+def reference_forward(model: DeepseekV4, ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]`` on one rank."""
+    from .deepseek_v4 import stable_topk
+
+    c = model.config
+    ids = ids.to(model.device)
+    pos = torch.arange(ids.shape[0], device=model.device)
+    x = model.embed(ids)
+    for i in range(model.num_layers):
+        kind = model.layer_kind(i)
+        post, comb, collapsed = model.hc_pre(i, "attn", x)
+        h = model.attn_norm(i, collapsed)
+        q, q_res = model.query(i, h, pos)
+        kv = model.window_kv(i, h, pos)
+        keys, mask = window_rows(kv, pos, 0, c.sliding_window)
+        main, index = model.compressors(i)
+        if main is not None:
+            entries = model.compress(main, *model.compressor_inputs(main, h), 0)
+            selected = None
+            if kind == CSA:
+                assert index is not None
+                ikeys = model.compress(index, *model.compressor_inputs(index, h), 0)
+                scores = model.index_scores(i, h, q_res, pos, ikeys)
+                selected = stable_topk(scores, min(c.index_topk, ikeys.shape[0]))
+            else:
+                assert kind == HCA
+            ck, cm = gather_keys(model, i, entries, pos, selected)
+            keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
+        o = model.attend(i, q, keys, mask)
+        x = model.hc_post(post, comb, model.attention_output(i, o, pos), x)
+        post, comb, collapsed = model.hc_pre(i, "ffn", x)
+        x = model.hc_post(post, comb, model.moe(i, collapsed, ids), x)
+    return model.final_logits(x)

@@ -1,0 +1,181 @@
+"""Reading a DeepSeek-V4 checkpoint directory (``model_type: deepseek_v4``): ``config.json`` +
+``*.safetensors`` in DeepSeek's release naming, the names transformers' ``DeepseekV4ForCausalLM``
+converts on load (``layers.{i}.attn.wq_a.weight``, ``layers.{i}.attn.compressor.wkv.weight``,
+``layers.{i}.ffn.experts.{e}.w1.weight``, ``hc_head_fn``, ``embed.weight``, ``head.weight``).
+A leading ``model.`` (what transformers' ``save_pretrained`` writes before some of them) is
+accepted, as is ``embed_tokens`` / ``hc_head.hc_fn`` spelling of the top-level ones. The MTP
+layer (``mtp.*``) is not read.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from .errors import ModelLoadError
+from .loader import invalid_config, read_config_json, shard_files
+from .v4_config import CSA, HCA, DeepseekV4Config
+
+__all__ = ["V4CheckpointReader", "is_v4_checkpoint", "read_v4_config", "v4_expected_shapes"]
+
+_ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+            "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+            "hc_head.hc_scale": "hc_head_scale"}
+
+
+def _canonical(name: str) -> str:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    return _ALIASES.get(name, name)
+
+
+def is_v4_checkpoint(path: str | Path) -> bool:
+    """Whether ``path/config.json`` says ``model_type: deepseek_v4`` (False when unreadable:
+    the family's own reader reports that)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == "deepseek_v4"
+
+
+def read_v4_config(path: str | Path) -> DeepseekV4Config:
+    """Parse ``path/config.json`` as a DeepSeek-V4 config.
+
+    Raises:
+        ModelLoadError: no such directory or file, unreadable JSON, another model type, or a
+            value cpkv cannot serve (the message names the field and the value).
+    """
+    cfg_file, raw = read_config_json(path)
+    try:
+        return DeepseekV4Config.model_validate(raw)
+    except ValidationError as exc:
+        raise invalid_config(cfg_file, DeepseekV4Config.family, exc) from exc
+
+
+def _compressor(p: str, d: int, rate: int, hs: int, overlap: bool) -> dict[str, tuple[int, ...]]:
+    w = 2 * d if overlap else d
+    return {f"{p}.wkv.weight": (w, hs), f"{p}.wgate.weight": (w, hs), f"{p}.ape": (rate, w),
+            f"{p}.norm.weight": (d,)}
+
+
+def v4_expected_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+    """Every weight the model reads (canonical names) and its shape, in a fixed order."""
+    hs, nh, hd, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    inter, e = cfg.moe_intermediate_size, cfg.n_routed_experts
+    mix = (2 + n) * n
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, hs)}
+    for i, kind in enumerate(cfg.layer_types):
+        p, a, f = f"layers.{i}", f"layers.{i}.attn", f"layers.{i}.ffn"
+        out |= {f"{p}.attn_norm.weight": (hs,), f"{p}.ffn_norm.weight": (hs,)}
+        for hc in ("attn", "ffn"):
+            out |= {f"{p}.hc_{hc}_fn": (mix, n * hs), f"{p}.hc_{hc}_base": (mix,),
+                    f"{p}.hc_{hc}_scale": (3,)}
+        out |= {f"{a}.wq_a.weight": (cfg.q_lora_rank, hs), f"{a}.q_norm.weight": (cfg.q_lora_rank,),
+                f"{a}.wq_b.weight": (nh * hd, cfg.q_lora_rank), f"{a}.wkv.weight": (hd, hs),
+                f"{a}.norm.weight": (hd,),
+                f"{a}.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, nh * hd // cfg.o_groups),
+                f"{a}.wo_b.weight": (hs, cfg.o_groups * cfg.o_lora_rank), f"{a}.attn_sink": (nh,)}
+        if kind == CSA:
+            out |= _compressor(f"{a}.compressor", hd, cfg.compress_rate_csa, hs, True)
+            out |= _compressor(f"{a}.indexer.compressor", cfg.index_head_dim,
+                               cfg.compress_rate_csa, hs, True)
+            out |= {f"{a}.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim,
+                                                 cfg.q_lora_rank),
+                    f"{a}.indexer.weights_proj.weight": (cfg.index_n_heads, hs)}
+        elif kind == HCA:
+            out |= _compressor(f"{a}.compressor", hd, cfg.compress_rate_hca, hs, False)
+        out[f"{f}.gate.weight"] = (e, hs)
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            out[f"{f}.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
+        else:
+            out[f"{f}.gate.bias"] = (e,)
+        for j in range(e):
+            out |= {f"{f}.experts.{j}.w1.weight": (inter, hs), f"{f}.experts.{j}.w3.weight": (inter, hs),
+                    f"{f}.experts.{j}.w2.weight": (hs, inter)}
+        out |= {f"{f}.shared_experts.w1.weight": (inter, hs),
+                f"{f}.shared_experts.w3.weight": (inter, hs),
+                f"{f}.shared_experts.w2.weight": (hs, inter)}
+    out |= {"norm.weight": (hs,), "head.weight": (cfg.vocab_size, hs),
+            "hc_head_fn": (n, n * hs), "hc_head_base": (n,), "hc_head_scale": (1,)}
+    return out
+
+
+class V4CheckpointReader:
+    """Validated, lazily read weights of one DeepSeek-V4 checkpoint (a context manager)."""
+
+    def __init__(self, path: str | Path, cfg: DeepseekV4Config | None = None) -> None:
+        """Open every shard and check names and shapes against the config.
+
+        Raises:
+            ModelLoadError: unreadable files, missing / unexpected / mis-shaped weights, or a
+                quantised weight (FP8 / FP4 with a scale: cpkv reads 16/32-bit floats).
+        """
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        self.config = cfg if cfg is not None else read_v4_config(self.path)
+        self._stack = ExitStack()
+        self._where: dict[str, tuple[Any, str]] = {}
+        try:
+            for f in shard_files(self.path):
+                try:
+                    handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
+                except (SafetensorError, OSError) as exc:
+                    raise ModelLoadError(f"{f}: not a readable safetensors file: {exc}") from exc
+                for k in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
+                    c = _canonical(k)
+                    if c.startswith("mtp."):
+                        continue
+                    if c in self._where:
+                        raise ModelLoadError(f"{self.path}: weight {c!r} is stored twice")
+                    self._where[c] = (handle, k)
+            self._validate()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def __enter__(self) -> V4CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _validate(self) -> None:
+        cfg = self.config
+        expected = v4_expected_shapes(cfg)
+        keys = set(self._where)
+        if cfg.tie_word_embeddings and "head.weight" not in keys:
+            del expected["head.weight"]
+        self.tied_head = "head.weight" not in expected
+        scales = sorted(k for k in keys if k.endswith((".scale", "_scale_inv")))
+        if scales:
+            raise ModelLoadError(f"{self.path}: quantised weights ({', '.join(scales[:3])}): cpkv "
+                                 "reads DeepSeek-V4 weights in 16/32-bit floats only")
+        problems = []
+        missing, unexpected = sorted(expected.keys() - keys), sorted(keys - expected.keys())
+        if missing:
+            problems.append(f"{len(missing)} missing weight(s): {', '.join(missing[:5])}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected weight(s): {', '.join(unexpected[:5])}")
+        for k in sorted(expected.keys() & keys):
+            h, raw = self._where[k]
+            got = tuple(h.get_slice(raw).get_shape())
+            if got != expected[k]:
+                problems.append(f"{k} has shape {list(got)}, expected {list(expected[k])}")
+        if problems:
+            raise ModelLoadError(f"{self.path}: checkpoint does not match its config.json "
+                                 f"(DeepSeek-V4, {cfg.num_hidden_layers} layers): "
+                                 + ". ".join(problems[:8]))
+
+    def get(self, name: str, dtype: torch.dtype | None,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+        """One weight (canonical name) in ``dtype`` (None: as stored) on ``device``."""
+        h, raw = self._where[name]
+        t = h.get_tensor(raw)
+        return t.to(device=device, dtype=dtype if dtype is not None else t.dtype)

@@ -1,0 +1,114 @@
+"""The DeepSeek-V4 job behind ``cpkv run --model DIR`` for a ``deepseek_v4`` checkpoint: CP
+prefill of each prompt on Gloo ranks (:func:`~cpkv.runtime.v4_prefill.v4_prefill_logits`,
+chunked when asked), the one-rank forward as the reference, and the KV bytes per rank against
+the replicated entries plus the tail objects.
+
+Decode after the prefill is not built for V4: the job runs the prefill phase only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cpkv.comm import CPGroup
+from cpkv.contracts import FallbackEvent, SplitMode
+from cpkv.models.deepseek_v4 import DeepseekV4
+from cpkv.models.v4_objects import v4_objects
+
+from .launch import run_ranks
+from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_logits
+
+__all__ = ["V4JobReport", "chunk_sizes", "run_v4_job"]
+
+
+def chunk_sizes(length: int, chunk: int) -> list[int]:
+    """Pieces of at most ``chunk`` tokens (0: one piece)."""
+    if chunk <= 0 or length <= chunk:
+        return [length]
+    return [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+
+
+@dataclass
+class V4JobReport:
+    """What the V4 job measured."""
+
+    lengths: list[int]
+    logits: torch.Tensor  # [prompts, vocab] float32: CP, last position
+    reference: torch.Tensor  # [prompts, vocab] float32: one rank, last position
+    rank_bytes: list[int]  # per rank, summed over the prompts
+    entry_bytes: int  # every compressed entry once
+    tail_bytes: int  # the tail objects (window rows, carry state)
+    seconds: float
+    fallbacks: list[FallbackEvent] = field(default_factory=list)
+
+    def rel_diff(self) -> list[float]:
+        """Per prompt ``max |cp - ref| / max |ref|`` of the last-position logits."""
+        return [float((a - b).abs().max() / b.abs().max())
+                for a, b in zip(self.logits, self.reference, strict=True)]
+
+    def argmax_equal(self) -> list[bool]:
+        return [int(a.argmax()) == int(b.argmax())
+                for a, b in zip(self.logits, self.reference, strict=True)]
+
+    def passed(self, tolerance: float = 2e-3) -> bool:
+        return all(d <= tolerance for d in self.rel_diff()) and all(self.argmax_equal())
+
+
+def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
+             chunk: int) -> V4Layout:
+    lay = None
+    for n in chunk_sizes(length, chunk):
+        lay = v4_layout(model, n, cp, page_size, mode, prefix=lay)
+    assert lay is not None
+    return lay
+
+
+def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
+          chunk: int) -> torch.Tensor:
+    model = DeepseekV4.load(ckpt)
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor(p, dtype=torch.long)
+            logits = v4_prefill_logits(model, ids, group, page_size=page_size, mode=mode,
+                                       chunks=chunk_sizes(len(p), chunk))
+            out.append(logits[-1])
+    return torch.stack(out)
+
+
+def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | str,
+               page_size: int, chunk: int = 0, timeout_s: float = 600.0) -> V4JobReport:
+    """Prefill ``prompts`` on ``cp`` Gloo ranks and on one rank; measure.
+
+    Raises:
+        ValueError: a chunk that is not a multiple of the model's ownership unit, a window
+            wider than the unit.
+    """
+    model = DeepseekV4.load(ckpt)
+    unit = model.config.ownership_unit(page_size)
+    if chunk and chunk % unit:
+        raise ValueError(f"runtime.chunk_tokens = {chunk}: DeepSeek-V4 chunks end on ownership "
+                         f"units of {unit} tokens (lcm of kv.page_size = {page_size} and the "
+                         f"compress rates {list(model.config.rates)}); use a multiple of {unit}")
+    mode = SplitMode(mode).value
+    per = [0] * cp
+    entries = tail = 0
+    for p in prompts:  # host-side: the plan layouts, checked before any rank starts
+        lay = _layouts(model, len(p), cp, page_size, mode, chunk)
+        ranks, rep = v4_kv_bytes(model, lay)
+        per = [a + b for a, b in zip(per, ranks, strict=True)]
+        entries += rep
+        tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config) if o.kind != "entries")
+    t0 = time.perf_counter()
+    results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk),
+                        timeout_s=timeout_s)
+    seconds = time.perf_counter() - t0
+    with torch.no_grad():
+        ref = torch.stack([model.reference_logits(torch.tensor(p, dtype=torch.long))[-1]
+                           for p in prompts])
+    return V4JobReport(lengths=[len(p) for p in prompts], logits=results[0].value, reference=ref,
+                       rank_bytes=per, entry_bytes=entries, tail_bytes=tail, seconds=seconds,
+                       fallbacks=list(results[0].fallbacks))

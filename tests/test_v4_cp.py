@@ -1,0 +1,145 @@
+"""DeepSeek-V4 context-parallel prefill on Gloo (torch reference ops): CP2 zigzag and CP4
+interleave equal the one-rank forward bit for bit and transformers within 2e-3 relative on
+prompts whose lengths are multiples of no rate; one halo collective a layer and one full-view
+collective a compressed layer; a prompt too short for zigzag on units falls back visibly;
+chunked prefill (unit-aligned chunks, entries and tail objects carried) equals one piece up to
+fp32 rounding, on one rank and on CP2 zigzag / CP4 interleave; per-rank bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpkv.comm import CPGroup
+from cpkv.contracts import SplitMode
+from cpkv.models.deepseek_v4 import DeepseekV4
+from cpkv.models.tiny import write_tiny_checkpoint
+from cpkv.runtime import run_ranks
+from cpkv.runtime.v4_prefill import v4_layout, v4_prefill_logits
+
+transformers = pytest.importorskip("transformers")
+
+PAGE = 4  # unit = lcm(4, 4, 16) = 16 tokens: windows of 4 and 16 and the 7-row halo cross ranks
+
+
+def _ids(length: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length))
+
+
+def _rank(group: CPGroup, path: str, length: int, mode: str,
+          chunks: list[int] | None = None) -> dict[str, object]:
+    model = DeepseekV4.load(path)
+    ids = _ids(length, model.config.vocab_size)
+    calls: list[int] = []
+    gather = group.all_gather_rows
+
+    def counted(local: torch.Tensor, max_rows: int, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        calls.append(max_rows)
+        return gather(local, max_rows, out)
+
+    group.all_gather_rows = counted  # type: ignore[method-assign]
+    with torch.no_grad():
+        logits = v4_prefill_logits(model, ids, group, page_size=PAGE, mode=mode, chunks=chunks)
+    return {"logits": logits, "collectives": len(calls)}
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("v4cp") / "tiny", seed=11,
+                                 model_type="deepseek_v4")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode", "length"), [(2, "zigzag", 77), (4, "interleave", 53)])
+def test_cp_equals_one_rank_and_transformers(tiny_v4: Path, cp: int, mode: str,
+                                             length: int) -> None:
+    results = run_ranks(_rank, cp, args=(str(tiny_v4), length, mode), timeout_s=120.0)
+    model = DeepseekV4.load(tiny_v4)
+    ids = _ids(length, model.config.vocab_size)
+    with torch.no_grad():
+        one = model.reference_logits(ids)
+        hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_v4).eval()
+        ref = hf(ids[None], use_cache=False).logits[0]
+    compressed = sum(model.layer_kind(i) != "sliding_attention" for i in range(model.num_layers))
+    for res in results:  # the key axis is shorter in early chunks: sums associate otherwise
+        got = res.value["logits"]
+        torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), one.argmax(-1)), res.rank
+        # per layer: the halo (every layer) + the full view (compressed layers); the logits
+        assert res.value["collectives"] == model.num_layers + compressed + 1
+    assert (one[-1] - ref[-1]).abs().max() <= 2e-3 * ref[-1].abs().max()
+    assert int(one[-1].argmax()) == int(ref[-1].argmax())
+    lay = v4_layout(model, length, cp, PAGE, mode)
+    assert len({r for _, _, r in lay.plan.segments}) == cp  # every rank computes something
+
+
+def test_short_zigzag_falls_back_to_interleave_visibly(tiny_v4: Path) -> None:
+    from structlog.testing import capture_logs
+
+    model = DeepseekV4.load(tiny_v4)
+    with capture_logs() as logs:
+        lay = v4_layout(model, 40, 2, PAGE, SplitMode.ZIGZAG)  # 3 units < 2C = 4
+    assert lay.plan.page_aligned
+    assert [e["op"] for e in logs if e.get("event") == "cpkv.fallback"] == [
+        "split_plan", "v4_split_plan"]
+
+
+@pytest.mark.parametrize(("cp", "mode", "length"), [(2, "zigzag", 77), (4, "interleave", 53),
+                                                    (3, "zigzag", 200), (2, "interleave", 31)])
+def test_kv_bytes_sum_to_replicated_plus_tail(tiny_v4: Path, cp: int, mode: str,
+                                              length: int) -> None:
+    from cpkv.models.v4_objects import v4_objects
+    from cpkv.runtime.v4_prefill import v4_kv_bytes
+
+    model = DeepseekV4.load(tiny_v4)
+    lay = v4_layout(model, length, cp, PAGE, mode)
+    per, replicated = v4_kv_bytes(model, lay)
+    tail = sum(o.bytes_for(length) for o in v4_objects(model.config) if o.kind != "entries")
+    assert sum(per) == replicated + tail
+    for m, owned in lay.entries.items():  # every complete entry computed by exactly one rank
+        flat = sorted(w for r in owned for w in r)
+        assert flat == list(range(length // m))
+
+
+@pytest.mark.parametrize("chunks", [[16, 37], [32, 21], [16, 16, 21], [48, 5]])
+def test_chunked_equals_one_piece_on_one_rank(tiny_v4: Path, chunks: list[int]) -> None:
+    """Any unit-aligned chunking carries entries and tail objects (rule 37): the same logits
+    up to fp32 rounding (not bit for bit: an early chunk's key axis is shorter, so its
+    softmax sums associate otherwise, and the CPU GEMM takes another kernel below 8 rows)."""
+    model = DeepseekV4.load(tiny_v4)
+    ids = _ids(53, model.config.vocab_size)
+    group = CPGroup.single()
+    with torch.no_grad():
+        whole = v4_prefill_logits(model, ids, group, page_size=PAGE)
+        parts = v4_prefill_logits(model, ids, group, page_size=PAGE, chunks=chunks)
+        one = model.reference_logits(ids)
+    assert torch.equal(whole, one)
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(parts.argmax(-1), whole.argmax(-1))
+
+
+def test_chunks_off_the_unit_are_refused(tiny_v4: Path) -> None:
+    model = DeepseekV4.load(tiny_v4)
+    with pytest.raises(ValueError, match="not on an ownership unit boundary"):
+        v4_prefill_logits(model, _ids(53, 256), CPGroup.single(), page_size=PAGE,
+                          chunks=[20, 33])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode", "length", "chunks"), [
+    (2, "zigzag", 150, [64, 86]), (4, "interleave", 77, [16, 32, 29])])
+def test_chunked_cp_equals_one_rank(tiny_v4: Path, cp: int, mode: str, length: int,
+                                    chunks: list[int]) -> None:
+    results = run_ranks(_rank, cp, args=(str(tiny_v4), length, mode, chunks), timeout_s=120.0)
+    model = DeepseekV4.load(tiny_v4)
+    with torch.no_grad():
+        one = model.reference_logits(_ids(length, model.config.vocab_size))
+    for res in results:  # the key axis is shorter in early chunks: sums associate otherwise
+        got = res.value["logits"]
+        torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), one.argmax(-1)), res.rank

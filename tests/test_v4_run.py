@@ -1,0 +1,77 @@
+"""``cpkv run --model DIR`` on a DeepSeek-V4 checkpoint: the last-token logits it saves equal
+transformers' ``DeepseekV4ForCausalLM`` within 2e-3 relative (argmax equal) at CP2 zigzag and
+CP4 interleave, with and without ``--chunk``, on prompts whose lengths are multiples of no rate;
+the report's per-rank KV bytes sum to the entries once plus the tail objects; V4 and V3.2
+bytes per token side by side; a chunk off the ownership unit is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cpkv.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = (53, 77)
+ENV = {"CPKV_KV__PAGE_SIZE": "4"}  # ownership unit lcm(4, 4, 16) = 16 tokens
+
+
+@pytest.fixture(scope="module")
+def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("v4run")
+    res = CliRunner().invoke(main, ["init-model", str(root / "ckpt"), "--arch", "v4",
+                                    "--seed", "5"])
+    assert res.exit_code == 0, res.output
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
+    (root / "prompts.json").write_text(json.dumps(prompts))
+    return root / "ckpt", root / "prompts.json"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode", "chunk"), [(2, "zigzag", None), (2, "zigzag", 32),
+                                                   (4, "interleave", None),
+                                                   (4, "interleave", 16)])
+def test_run_equals_transformers(v4_dir: tuple[Path, Path], tmp_path: Path, cp: int, mode: str,
+                                 chunk: int | None) -> None:
+    ckpt, prompts = v4_dir
+    out, rep = tmp_path / "logits.pt", tmp_path / "report.json"
+    args = ["run", "--model", str(ckpt), "--cp", str(cp), "--mode", mode, "--prompts",
+            str(prompts), "--save-logits", str(out), "--report", str(rep)]
+    if chunk:
+        args += ["--chunk", str(chunk)]
+    res = CliRunner().invoke(main, args, env=ENV)
+    assert res.exit_code == 0, res.output
+    assert "DeepSeek-V3.2 (61 layers)" in res.output and "DeepSeek-V4-Flash" in res.output
+    got = torch.load(out)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        for i, p in enumerate(json.loads(prompts.read_text())):
+            ref = hf(torch.tensor([p]), use_cache=False).logits[0, -1]
+            assert (got[i] - ref).abs().max() <= 2e-3 * ref.abs().max()
+            assert int(got[i].argmax()) == int(ref.argmax())
+    body = json.loads(rep.read_text())
+    assert body["correct"] and body["family"] == "DeepSeek-V4"
+    assert sum(body["kv_bytes_per_rank"]) == body["kv_bytes_entries"] + body["kv_bytes_tail"]
+
+
+def test_chunk_off_the_unit_is_refused(v4_dir: tuple[Path, Path]) -> None:
+    ckpt, prompts = v4_dir
+    res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--cp", "2", "--prompts",
+                                    str(prompts), "--chunk", "8"], env=ENV)
+    assert res.exit_code != 0
+    assert "ownership units of 16" in res.output
+
+
+def test_gpu_or_mtp_is_refused_for_v4(v4_dir: tuple[Path, Path]) -> None:
+    ckpt, prompts = v4_dir
+    for extra in (["--device", "cuda"], ["--mtp"]):
+        res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
+                                        *extra], env=ENV)
+        assert res.exit_code != 0 and "CPU ranks only" in res.output, res.output
