@@ -20,7 +20,7 @@ implementation.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,11 +128,11 @@ class EngineKV:
             collective). :func:`cpkv.embed.backend_ops` only when the engine also wants cpkv's
             kernels (or cpkv's GPU page movers).
         mode: the split mode of the plans.
-        fallback: the fallback policy of :meth:`prepare` (``"warn"``: a request that is not
-            page-aligned is written by its owners after one row all-gather, reported through
-            ``cpkv.fallback``; ``"error"``: raises :class:`cpkv.FallbackError` instead); None:
-            the active policy (:func:`cpkv.fallback.recording`). Events are kept in
-            :attr:`fallbacks`.
+        fallback: the fallback policy of :meth:`plan` and :meth:`prepare` (``"warn"``: an
+            extend too short for the page-aligned split is split by tokens and its rows written
+            by their owners after one row all-gather, reported through ``cpkv.fallback``;
+            ``"error"``: raises :class:`cpkv.FallbackError` instead); None: the active policy
+            (:func:`cpkv.fallback.recording`). Events are kept in :attr:`fallbacks`.
 
     Raises:
         ValueError: the tensors and the group are on different devices.
@@ -215,9 +215,27 @@ class EngineKV:
     # ---- per batch -----------------------------------------------------------------------------
     def plan(self, batch: Sequence[tuple[Hashable, int]]) -> CPPlan:
         """The split plan of ``batch`` ((request id, new tokens)), continuing what each request
-        holds (its committed tokens, an adopted hit). Pure host work, the same on every rank."""
+        holds (its committed tokens, an adopted hit). Pure host work, the same on every rank.
+
+        Raises:
+            cpkv.FallbackError: an extend too short for the page-aligned split under the
+                policy ``error``.
+        """
         specs = [self._pool.pages.request_spec(rid, n) for rid, n in batch]
-        return plan_batch(specs, self.group.size, self.fmt.page_size, self.mode)
+        with self._policy():
+            return plan_batch(specs, self.group.size, self.fmt.page_size, self.mode)
+
+    @contextlib.contextmanager
+    def _policy(self) -> Iterator[None]:
+        """Run under :attr:`fallback` (keeping its events), or the active policy when None."""
+        if self.fallback is None:
+            yield
+            return
+        with recording(self.fallback) as rec:
+            try:
+                yield
+            finally:
+                self.fallbacks.extend(rec.events)
 
     def owners_to_give(self, plan: CPPlan, rids: Sequence[Hashable]
                        ) -> dict[Hashable, tuple[int, ...]]:
@@ -245,12 +263,8 @@ class EngineKV:
                 wrong (naming it); nothing changed.
             cpkv.FallbackError: a request is not page-aligned under the policy ``error``.
         """
-        ctx = (recording(self.fallback) if self.fallback is not None
-               else contextlib.nullcontext(None))
-        with ctx as rec:
+        with self._policy():
             kv = self._pool.prepare(plan, rids, given=given)
-        if rec is not None:
-            self.fallbacks.extend(rec.events)
         for layer in range(self.spec.num_layers):  # copies on write, before any layer writes
             kv.stage.ready(layer)
         dev = self.group.device
