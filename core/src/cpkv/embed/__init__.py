@@ -55,11 +55,13 @@ from .rules import (
     tail_copy,
     token_valid_hit,
 )
+from .write import quantize, rotate_index_q
 
 __all__ = ["BufferLayout", "DecodeMetadata", "EngineBatch", "EngineKV", "FullView", "GpuPlacement",
            "KVBufferSpec", "KeyRanges", "LayerBuffers", "LayerKV", "LogitsRows", "TailCopy",
            "backend_ops", "hit_pages", "key_ranges", "kv_ops", "library", "logits_rows",
-           "pack_rows", "ragged_to_paged", "rank_gpu", "read_pages", "read_rows",
+           "pack_rows", "quantize", "ragged_to_paged", "rank_gpu", "read_pages", "read_rows",
+           "rotate_index_q",
            "shared_gpus_line", "tail_copy", "token_valid_hit", "unpack_rows", "write_pages",
            "write_rows"]
 

@@ -36,6 +36,7 @@ from cpkv.planning import plan_batch
 
 from . import library
 from .rules import KeyRanges, LogitsRows, key_ranges, logits_rows
+from .write import quantize
 
 __all__ = ["EngineBatch", "EngineKV", "LayerKV", "kv_ops"]
 
@@ -287,6 +288,13 @@ class EngineKV:
         return self._pool.abort(batch.kv)
 
     # ---- per layer -----------------------------------------------------------------------------
+    def quantize(self, latent: torch.Tensor, index_k: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """New rows -> the stored bytes :meth:`put_bytes` takes, in this KV's format
+        (:func:`cpkv.embed.quantize`: fp8 index-K rotated; pass None for a layer without
+        index-K)."""
+        return quantize(self.fmt, latent, index_k)
+
     def layer(self, layer: int) -> LayerKV:
         """Layer ``layer``'s tensors (and format) as the per-layer calls take them: bind them
         once, outside a compiled forward, and pass them instead of the index."""
