@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import CPPlan, FallbackEvent, FallbackPolicy, PageLayout, SplitMode
+from cpkv.contracts import (
+    CPPlan,
+    FallbackEvent,
+    FallbackPolicy,
+    KVFormat,
+    PageLayout,
+    SplitMode,
+)
 from cpkv.disagg import TransferManifest, manifest_for
 from cpkv.fallback import recording
 from cpkv.kv import BatchKV, FullView, ShardedKVPool
@@ -64,10 +71,12 @@ class LayerKV:
         latent: the layer's latent (two-part) or whole-page (one-tensor layouts) tensor.
         index_k: its index-K tensor; an empty uint8 tensor for a one-tensor layout or a layer
             without index-K.
+        fmt: the layer's stored format.
     """
 
     latent: torch.Tensor
     index_k: torch.Tensor
+    fmt: KVFormat
 
 
 @dataclass(frozen=True)
@@ -157,8 +166,8 @@ class EngineKV:
         empty = torch.empty(0, dtype=torch.uint8, device=group.device)
         self._layers = tuple(
             LayerKV(latent=lb.kv if lb.kv is not None else lb.latent,  # type: ignore[arg-type]
-                    index_k=lb.index_k if lb.index_k is not None else empty)
-            for lb in spec.layers)
+                    index_k=lb.index_k if lb.index_k is not None else empty, fmt=f)
+            for lb, f in zip(spec.layers, spec.fmts, strict=True))
 
     def close(self) -> None:
         """Forget the ops' handle (before the process group is destroyed)."""
@@ -345,8 +354,7 @@ class EngineKV:
         """``layer``'s full view (:meth:`view_rows`) as a :class:`~cpkv.kv.FullView`: its
         ``keys(dtype)`` gives (latent, index-K, index scales) for an indexer and sparse MLA."""
         m, lk = batch.kv.materialize, self._bufs(layer)
-        fmt = library.layer_format(self.handle, lk.latent, lk.index_k)
-        return FullView(pages=self.view_rows(lk, batch).unsqueeze(1), index=None, fmt=fmt,
+        return FullView(pages=self.view_rows(lk, batch).unsqueeze(1), index=None, fmt=lk.fmt,
                         layout=PageLayout.TOKEN_MAJOR, cu_seqlens=m.cu_seqlens,
                         seq_lens=m.seq_lens, ops=self.ops)
 
