@@ -36,7 +36,7 @@ from cpkv.contracts import (
 )
 from cpkv.disagg import TransferManifest, manifest_for
 from cpkv.fallback import recording
-from cpkv.kv import BatchKV, FullView, ShardedKVPool
+from cpkv.kv import BatchKV, FullView, ShardedKVPool, ragged_to_paged
 from cpkv.kv.buffers import KVBufferSpec, read_pages
 from cpkv.ops import KV_OPS, OpTable
 from cpkv.planning import plan_batch
@@ -121,6 +121,11 @@ class EngineBatch:
         """The copies on write :meth:`EngineKV.prepare` made: (rid, logical page, old slot, new
         slot)."""
         return self.kv.copies
+
+    def paged(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owner rank, physical token row) of each full-view index of ``indices`` (int [N, k],
+        -1 padded: -1 stays -1), for kernels that read the owners' pages in place (PAGED)."""
+        return ragged_to_paged(indices, self.kv)
 
     def gather_last(self, local: torch.Tensor) -> torch.Tensor:
         """Each request's last-token row of ``local`` ([local rows, ...], every rank's own) on
