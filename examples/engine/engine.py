@@ -37,8 +37,8 @@ from cpkv.embed import (
     KVBufferSpec,
     backend_ops,
     hit_pages,
-    pack_rows,
     rank_gpu,
+    rotate_index_q,
     shared_gpus_line,
     token_valid_hit,
 )
@@ -157,10 +157,11 @@ class Engine:
         for layer in range(m.num_layers):
             lk = kv.layer(layer)
             a = m.attention_inputs(layer, x, pos, rope)
-            kv.put_bytes(lk, b, pack_rows(a.latent, self.fmt, "latent", ops),
-                         pack_rows(a.index_k, self.fmt, "index_k", ops))
+            kv.put_bytes(lk, b, *kv.quantize(a.latent, a.index_k))  # the stored bytes
             lat, idx, scale = kv.view(lk, b).keys(a.q.dtype)
-            logits = ops.indexer_logits(a.index_q, a.index_w, idx, scale, ks, ke)
+            assert a.index_q is not None and a.index_w is not None
+            logits = ops.indexer_logits(rotate_index_q(self.fmt, a.index_q), a.index_w, idx,
+                                        scale, ks, ke)
             top = ops.topk(logits, cfg.index_topk, ks, ke)
             out = ops.sparse_mla(a.q, lat, top, m.softmax_scale, cfg.kv_lora_rank)
             if pos.numel():
