@@ -172,8 +172,7 @@ def _two_part_vs_pool(group: CPGroup, mode: str) -> dict[str, object]:
         rids = [r for r, _ in batch_spec]
         pb = pool.prepare(plan, rids)
         given = {rid: _interleaved_pages(req.page_owners,
-                                         len(kv.pages.requests[rid].slots)
-                                         if rid in kv.pages.requests else 0,
+                                         len(kv.request_pages(rid)),
                                          12 * i)
                  for i, (rid, req) in enumerate(zip(rids, plan.requests, strict=True))}
         eb = kv.prepare(plan, rids, given=given)
@@ -236,7 +235,7 @@ def test_decode_metadata_is_filled_in_place() -> None:
     lat, idx = (torch.full((3, FP8.latent_bytes_per_token), 7, dtype=torch.uint8),
                 torch.full((3, FP8.index_bytes_per_token), 9, dtype=torch.uint8))
     a, b = spec.layers[0].parts()
-    torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle, 0)
+    torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle)
     got_l, got_i = read_rows(spec, 0, torch.tensor([10]))
     assert bool((got_l == 7).all()) and got_i is not None and bool((got_i == 9).all())
     touched = {int(p) for p in (a.view(10, -1) != 0).any(1).nonzero().flatten()}

@@ -156,10 +156,10 @@ def test_decode_write_replays_in_a_cuda_graph() -> None:
     lat = torch.zeros(4, DS.latent_bytes_per_token, dtype=torch.uint8, device=dev)
     idx = torch.zeros(4, DS.index_bytes_per_token, dtype=torch.uint8, device=dev)
     md.fill([[0]], [1])
-    torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle, 0)  # warm up
+    torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle)  # warm up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle, 0)
+        torch.ops.cpkv.put_bytes(a, b, md.write_rows, lat, idx, kv.handle)
     for step, (slots, lens) in enumerate((([[2], [5, 6]], [3, 70]), ([[2], [5, 6], [8]], [4, 71, 1]))):
         md.fill(slots, lens)
         lat.fill_(step + 1)

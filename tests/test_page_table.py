@@ -1,10 +1,12 @@
 """The host-side page table (cpkv.kv.table) alone: no tensors, no device, hypothesis only.
 
-A state machine drives reservations (committed or aborted), adopt / truncate / free, pages held
-outside requests (retain / release / take, as the prefix cache does) and a reclaim hook that
-drops those outside holds under pressure; after every step the reference counts must equal the
-holders, no count is below one, every slot is either free exactly once or held, and a request's
-pages are where the plan put them."""
+A state machine drives reservations (committed or aborted; from the table's free lists or from
+an external allocator's slots, ``given`` in the order ``owners_to_give`` asks), adopt / truncate
+/ free, pages held outside requests (retain / release / take, as the prefix cache does) and a
+reclaim hook that drops those outside holds under pressure; after every step the reference
+counts must equal the holders, no count is below one, every slot is either free exactly once or
+held, and a request's pages are where the plan put them; ``free`` / ``release_pages`` /
+``abort`` return exactly the pages that became free (what an external allocator takes back)."""
 
 from __future__ import annotations
 
@@ -53,10 +55,32 @@ class PageTableMachine(RuleBasedStateMachine):
     def _rids(self) -> list[Hashable]:
         return sorted(self.table.requests, key=str)
 
+    def _free(self) -> set[tuple[int, int]]:
+        return {(a, s) for a, free in enumerate(self.table.allocator.snapshot()) for s in free}
+
+    def _given(self, plan: object, rids: list[Hashable]
+               ) -> dict[Hashable, list[tuple[int, int]]] | None:
+        """An external allocator's slots for the batch (the highest free slot of each page's
+        owner), or None when they do not fit."""
+        from cpkv.contracts import CPPlan
+
+        assert isinstance(plan, CPPlan)
+        free = [sorted(f) for f in self.table.allocator.snapshot()]
+        given: dict[Hashable, list[tuple[int, int]]] = {}
+        for rid, owners in self.table.owners_to_give(plan, rids).items():
+            given[rid] = []
+            for o in owners:
+                a = self.table.alloc_rank(o)
+                if not free[a]:
+                    return None
+                given[rid].append((o, free[a].pop()))
+        return given
+
     # ---- a batch -------------------------------------------------------------------------------
     @rule(data=st.data(), n_new=st.integers(0, 2), commit=st.booleans(),
-          mode=st.sampled_from(list(SplitMode)))
-    def batch(self, data: st.DataObject, n_new: int, commit: bool, mode: SplitMode) -> None:
+          mode=st.sampled_from(list(SplitMode)), external=st.booleans())
+    def batch(self, data: st.DataObject, n_new: int, commit: bool, mode: SplitMode,
+              external: bool) -> None:
         old = data.draw(st.lists(st.sampled_from(self._rids()), unique=True, max_size=2)
                         if self.table.requests else st.just([]))
         rids: list[Hashable] = [*old]
@@ -68,8 +92,11 @@ class PageTableMachine(RuleBasedStateMachine):
             plan = plan_batch(specs, self.cp, PS, mode)
         outside_before = Counter(self.outside)
         before = self._state()
+        given = self._given(plan, rids) if external else None
+        if external and given is None:
+            return
         try:
-            res = self.table.reserve(plan, rids)
+            res = self.table.reserve(plan, rids, given=given)
         except PoolExhausted:
             # the reclaimer may have dropped the outside holds; nothing else changed
             if Counter(self.outside) == outside_before:
@@ -84,13 +111,21 @@ class PageTableMachine(RuleBasedStateMachine):
         for rid, k, old_slot, fresh in res.copies:  # copies on write left the others' page alone
             assert self.table.requests[rid].slots[k] == fresh != old_slot
             assert self.table.refcount(self.table.requests[rid].owners[k], old_slot) >= 1
+        if given is not None:  # exactly the given slots: the tail copy first, then new pages
+            for rid, first_new in res.new_pages:
+                rp = self.table.requests[rid]
+                cow = [(rp.owners[k], f) for r, k, _, f in res.copies if r == rid]
+                assert cow + list(zip(rp.owners[first_new:], rp.slots[first_new:],
+                                      strict=True)) == given[rid]
         if commit:
             self.table.commit(res)
             for rid, req in zip(rids, plan.requests, strict=True):
                 assert self.table.requests[rid].valid_len == req.end
                 assert not self.table.requests[rid].pending
         else:
-            self.table.abort(res)
+            free_before = self._free()
+            freed = self.table.abort(res)
+            assert set(freed) == self._free() - free_before and len(set(freed)) == len(freed)
             if Counter(self.outside) == outside_before:
                 assert self._state() == before
 
@@ -108,7 +143,9 @@ class PageTableMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.table.requests))
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
-        self.table.free(data.draw(st.sampled_from(self._rids())))
+        before = self._free()
+        freed = self.table.free(data.draw(st.sampled_from(self._rids())))
+        assert sorted(freed) == sorted(self._free() - before)
 
     @precondition(lambda self: bool(self.table.requests))
     @rule(data=st.data())
@@ -134,7 +171,9 @@ class PageTableMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         i = data.draw(st.integers(0, len(self.outside) - 1))
-        self.table.release([self.outside.pop(i)])
+        before = self._free()
+        freed = self.table.release_pages([self.outside.pop(i)])
+        assert freed == sorted(self._free() - before)
 
     @rule(data=st.data())
     def take(self, data: st.DataObject) -> None:

@@ -1,4 +1,4 @@
-"""A small engine that embeds cpkv (issue 37): its own scheduler, slot allocator, KV tensors in
+"""A small engine that embeds cpkv: its own scheduler, slot allocator, KV tensors in
 the engines' two-part layout and attention calls; cpkv only through ``cpkv.embed``.
 
 Run on CPUs (Gloo):
@@ -37,10 +37,9 @@ from cpkv.embed import (
     KVBufferSpec,
     backend_ops,
     hit_pages,
-    pack_rows,
     rank_gpu,
+    rotate_index_q,
     shared_gpus_line,
-    tail_copy,
     token_valid_hit,
 )
 
@@ -49,13 +48,18 @@ PAGE = 16
 
 class SlotAllocator:
     """The engine's own allocator: one free list per rank, the same on every rank (every rank
-    runs the same scheduler), a page's slot chosen here and handed to cpkv."""
+    runs the same scheduler), a page's slot chosen here and handed to cpkv; a slot comes back
+    when cpkv says nothing holds it any more (``kv.free`` / ``kv.release`` / ``kv.abort``)."""
 
     def __init__(self, ranks: int, capacity: int) -> None:
         self.free = [list(range(capacity - 1, -1, -1)) for _ in range(ranks)]
 
     def take(self, owner: int) -> tuple[int, int]:
         return owner, self.free[owner].pop()
+
+    def give_back(self, pages: Sequence[tuple[int, int]]) -> None:
+        for owner, slot in pages:
+            self.free[owner].append(slot)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class Engine:
         self.index_k = [torch.zeros(self.capacity, PAGE * f.index_bytes_per_token,
                                     dtype=torch.uint8, device=dev) for _ in range(m.kv_layers)]
         spec = KVBufferSpec.wrap(f, "two_part", list(zip(self.latent, self.index_k, strict=True)))
+        # cpkv's kernels for the attention (the engine could bring its own and pass no ops)
         self.ops = backend_ops(self.group, self.backends)
         self.kv = EngineKV(spec, self.group, self.ops)
         self.slots = SlotAllocator(self.group.size, self.capacity)
@@ -104,8 +109,7 @@ class Engine:
             self.step(batch)
             todo = [(rid, ids[self.chunk:]) for rid, ids in todo if len(ids) > self.chunk]
         for rid, prompt in requests:  # the cache keeps every finished prompt's pages
-            rp = self.kv.pages.requests[rid]
-            self.kv.pages.retain(zip(rp.owners, rp.slots, strict=True))
+            self.kv.retain(self.kv.request_pages(rid))
             self.cache.append(CacheEntry(tuple(prompt), rid))
 
     def _attach(self, rid: Hashable, prompt: list[int]) -> int:
@@ -115,44 +119,32 @@ class Engine:
             n = 0
             while n < min(len(e.tokens), len(prompt)) and e.tokens[n] == prompt[n]:
                 n += 1
-            valid = self.kv.pages.requests[e.rid].valid_len
-            h = token_valid_hit(n, valid, len(prompt))
+            h = token_valid_hit(n, self.kv.valid_len(e.rid), len(prompt))
             h = min(self.group.agree_min([h]))  # every rank uses the same hit (rule 29)
             if h > hit:
                 best, hit = e, h
         if best is None:
             return 0
-        rp = self.kv.pages.requests[best.rid]
-        self.kv.pages.adopt(rid, hit_pages(hit, rp.owners, rp.slots, PAGE), hit)
+        owners, slots = zip(*self.kv.request_pages(best.rid), strict=True)
+        self.kv.adopt(rid, hit_pages(hit, owners, slots, PAGE), hit)  # before the plan
         return hit
 
     def step(self, batch: Sequence[tuple[Hashable, list[int]]]) -> None:
         kv = self.kv
+        rids = [rid for rid, _ in batch]
         plan = kv.plan([(rid, len(ids)) for rid, ids in batch])
-        given: dict[Hashable, list[tuple[int, int]]] = {}
-        for (rid, _), req in zip(batch, plan.requests, strict=True):
-            rp = kv.pages.requests.get(rid)
-            have = 0 if rp is None else len(rp.slots)
-            pages: list[tuple[int, int]] = []
-            if rp is not None:
-                k = req.prefix_len // PAGE  # the tail page a mid-page prefix ends in
-                shared = bool(req.prefix_len % PAGE) and \
-                    kv.pages.refcount(rp.owners[k], rp.slots[k]) > 1  # the cache holds it too
-                tc = tail_copy(req.prefix_len, list(zip(rp.owners, rp.slots, strict=True)), PAGE,
-                               shared=shared)
-                if tc is not None:
-                    pages.append(self.slots.take(tc.owner))
-            pages += [self.slots.take(o) for o in req.page_owners[have:] if o is not None]
-            given[rid] = pages
-        b = kv.prepare(plan, [rid for rid, _ in batch], given)
-        kv.copy_tail_pages(b)
-        self.tail_copies += len(b.kv.copies)
+        # the engine's allocator gives a slot on each page's owner (a shared tail page's copy
+        # first, then the new pages), cpkv checks them
+        given = {rid: [self.slots.take(o) for o in owners]
+                 for rid, owners in kv.owners_to_give(plan, rids).items()}
+        b = kv.prepare(plan, rids, given)  # the copies on write are made here
+        self.tail_copies += len(b.copies)
         self.batches += 1
-        ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64,
-                           device=self.group.device)
-        logits = self.forward(b, b.kv.split(ids))
+        new_ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.int64,
+                               device=self.group.device)
+        logits = self.forward(b, new_ids[b.token_index])
         kv.commit(b)
-        for (rid, _), row in zip(batch, logits, strict=True):
+        for rid, row in zip(rids, logits, strict=True):
             self.logits[rid] = row
 
     # ---- the forward: the engine's layer loop ----------------------------------------------------
@@ -163,20 +155,19 @@ class Engine:
         rope = m.rope_cos_sin(pos, m.dtype, max(b.ranges.position, default=0))
         x = m.embed(ids)
         for layer in range(m.num_layers):
+            lk = kv.layer(layer)
             a = m.attention_inputs(layer, x, pos, rope)
-            kv.put_bytes(layer, b, pack_rows(a.latent, self.fmt, "latent", ops),
-                         pack_rows(a.index_k, self.fmt, "index_k", ops))
-            lat, idx, scale = kv.view(layer, b).keys(a.q.dtype)
-            logits = ops.indexer_logits(a.index_q, a.index_w, idx, scale, ks, ke)
+            kv.put_bytes(lk, b, *kv.quantize(a.latent, a.index_k))  # the stored bytes
+            lat, idx, scale = kv.view(lk, b).keys(a.q.dtype)
+            assert a.index_q is not None and a.index_w is not None
+            logits = ops.indexer_logits(rotate_index_q(self.fmt, a.index_q), a.index_w, idx,
+                                        scale, ks, ke)
             top = ops.topk(logits, cfg.index_topk, ks, ke)
             out = ops.sparse_mla(a.q, lat, top, m.softmax_scale, cfg.kv_lora_rank)
             if pos.numel():
                 x = x + m.output_projection(layer, m.attention_values(layer, out))
             x = x + m.mlp(layer, x)
-        last = torch.tensor([o + r.extend_len - 1 for o, r in
-                             zip(b.plan.natural_offsets(), b.plan.requests, strict=True)],
-                            device=self.group.device)
-        return m.final_logits(b.kv.gather_rows(x, last))
+        return m.final_logits(b.gather_last(x))
 
 
 def transfer_check(engine: Engine, rid: Hashable) -> bool:
@@ -228,9 +219,8 @@ def main() -> int:
     engine.serve([("a", a)])
     engine.serve([("b", b), ("c", c)])
     ok_transfer = transfer_check(engine, "b")
-    layers = engine.kv.spec.layers  # cpkv's parts are the engine's tensors, never copied
-    no_copy = data_ptrs == [lb.parts()[0].data_ptr() for lb in layers] + \
-        [lb.parts()[1].data_ptr() for lb in layers]
+    # cpkv's writes went into the engine's tensors, never copied
+    no_copy = data_ptrs == [t.data_ptr() for t in engine.latent + engine.index_k]
 
     settings = cpkv.load_settings(cp={"size": group.size}, backend={"preference": list(backends)},
                                   kv={"dtype": "fp32", "page_size": PAGE, "pages_per_rank": 96})

@@ -77,12 +77,11 @@ from cpkv.ops.api import (
     fp8_layout,
     hadamard_rotate,
     index_page_keys,
+    pack_fp8,
     paged_index_keys,
     paged_index_tokens,
     paged_latent,
-    quantize_fp8,
     quantize_index_q,
-    scale_format,
 )
 
 if TYPE_CHECKING:
@@ -107,17 +106,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
-    """``fp8_pack``'s formula (the module docstring), shared by ``fp8_store``."""
-    dims, block, rope, _ = fp8_layout(fmt, part)
-    if x.dim() != 2 or x.shape[1] != dims + rope:
-        raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for {fmt!r}, "
-                         f"got {tuple(x.shape)}")
-    # [N, dims] e4m3, [N, blocks] fp32
-    q, scale = quantize_fp8(x[:, :dims], block, scale_format(part))
-    parts = [q.view(torch.uint8), _bytes(scale)]
-    if rope:
-        parts.append(_bytes(x[:, dims:].to(torch.bfloat16)))
-    return torch.cat(parts, dim=1)
+    """``fp8_pack``'s formula (:func:`cpkv.ops.api.pack_fp8`), shared by ``fp8_store``."""
+    return pack_fp8(x, fmt, part)
 
 
 class TorchOps:

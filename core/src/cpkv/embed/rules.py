@@ -1,7 +1,10 @@
 """Pure host-side rules an engine's own scheduler and prefix cache call (no tensors, no device).
 
-* :func:`key_ranges`: each local row's request, absolute position and causal key range in the
-  full view (rule 7: ``[0, pos + 1)`` of its request, offset by the request's first key).
+* :func:`key_ranges`: each local row's request, absolute position, index in its request's new
+  tokens and causal key range in the full view (rule 7: ``[0, pos + 1)`` of its request, offset
+  by the request's first key).
+* :func:`logits_rows`: per request, the rank and local row holding its last new token (the row
+  whose logits are asked for).
 * :func:`token_valid_hit`: how many tokens of a prefix-cache match may be used (rule 28: the
   valid token length, which may end inside the tail page; at least one token left to compute;
   the minimum over ranks when they disagree, rule 29).
@@ -19,20 +22,28 @@ from dataclasses import dataclass
 
 from cpkv.contracts import CPPlan, cdiv
 
-__all__ = ["KeyRanges", "TailCopy", "hit_pages", "key_ranges", "tail_copy", "token_valid_hit"]
+__all__ = ["KeyRanges", "LogitsRows", "TailCopy", "hit_pages", "key_ranges", "logits_rows",
+           "tail_copy", "token_valid_hit"]
 
 
 @dataclass(frozen=True)
 class KeyRanges:
-    """One rank's local rows of a plan, in local order (host lists, one entry per row).
+    """One rank's local rows of a plan, in local order (host tuples, one entry per row).
 
-    ``request``: its request's index in the batch; ``position``: absolute position;
-    ``key_start`` / ``key_end``: the causal key range ``[key_start, key_end)`` of the row in
-    the full view (requests' keys concatenated in batch order); ``num_keys``: the view's keys.
+    Attributes:
+        request: the row's request, as its index in the batch (``plan.requests``).
+        position: the row's absolute position in its request (prefix included).
+        token: the row's index in its request's new tokens (``position - prefix_len``): the
+            engine's token id of the row is ``new_tokens[request][token]``.
+        key_start: first key of the row's causal range in the full view (requests' keys
+            concatenated in batch order).
+        key_end: one past its last key (``key_start + position + 1``).
+        num_keys: keys in the full view.
     """
 
     request: tuple[int, ...]
     position: tuple[int, ...]
+    token: tuple[int, ...]
     key_start: tuple[int, ...]
     key_end: tuple[int, ...]
     num_keys: int
@@ -50,8 +61,38 @@ def key_ranges(plan: CPPlan, rank: int) -> KeyRanges:
         req.extend([b.request] * (b.end - b.start))
         pos.extend(range(b.start, b.end))
     ks = tuple(first[i] for i in req)
-    return KeyRanges(request=tuple(req), position=tuple(pos), key_start=ks,
+    tok = tuple(p - plan.requests[i].prefix_len for i, p in zip(req, pos, strict=True))
+    return KeyRanges(request=tuple(req), position=tuple(pos), token=tok, key_start=ks,
                      key_end=tuple(s + p + 1 for s, p in zip(ks, pos, strict=True)), num_keys=acc)
+
+
+@dataclass(frozen=True)
+class LogitsRows:
+    """Where each request's last new token lies (its logits row), one entry per request of the
+    plan, in batch order.
+
+    Attributes:
+        rank: the rank whose local rows hold it.
+        row: its index among that rank's local rows (:func:`key_ranges` order).
+    """
+
+    rank: tuple[int, ...]
+    row: tuple[int, ...]
+
+
+def logits_rows(plan: CPPlan) -> LogitsRows:
+    """The rank and local row of each request's last new token in ``plan`` (pure: every rank
+    computes the same, no collective)."""
+    n = len(plan.requests)
+    rank, row = [-1] * n, [-1] * n
+    for r in range(plan.cp_size):
+        i = 0
+        for b in plan.rank_blocks(r):
+            last = plan.requests[b.request].end - 1
+            if b.start <= last < b.end:
+                rank[b.request], row[b.request] = r, i + last - b.start
+            i += b.end - b.start
+    return LogitsRows(rank=tuple(rank), row=tuple(row))
 
 
 def token_valid_hit(match_tokens: int, cached_valid_len: int, prompt_len: int,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["PageAllocator", "PageRefs", "PoolExhausted", "drop_refs", "hold_new"]
+__all__ = ["PageAllocator", "PageRefs", "PoolExhausted", "drop_pages", "drop_refs", "hold_new"]
 
 
 class PoolExhausted(RuntimeError):
@@ -103,7 +103,15 @@ def drop_refs(refs: Refs, keys: Iterable[tuple[int, int]], allocator: PageAlloca
     """One reference less to each (allocation rank, slot); slots at zero go back to
     ``allocator``'s free lists. Returns how many did (the device pool and the host tier
     count their pages alike)."""
+    return len(drop_pages(refs, keys, allocator))
+
+
+def drop_pages(refs: Refs, keys: Iterable[tuple[int, int]], allocator: PageAllocator
+               ) -> list[tuple[int, int]]:
+    """:func:`drop_refs`, returning the (allocation rank, slot) of each page whose last
+    reference went (now free), in the order they went."""
     freed: dict[int, list[int]] = {}
+    order: list[tuple[int, int]] = []
     for key in keys:
         n = refs[key] - 1
         if n:
@@ -111,9 +119,10 @@ def drop_refs(refs: Refs, keys: Iterable[tuple[int, int]], allocator: PageAlloca
         else:
             del refs[key]
             freed.setdefault(key[0], []).append(key[1])
+            order.append(key)
     for a, slots in freed.items():
         allocator.release(a, slots)
-    return sum(len(v) for v in freed.values())
+    return order
 
 
 class PageRefs:
@@ -182,6 +191,11 @@ class PageRefs:
     def drop(self, keys: Iterable[tuple[int, int]]) -> int:
         """One reference less to each page; returns how many went back to the free lists."""
         return drop_refs(self._refs, keys, self.allocator)
+
+    def drop_pages(self, keys: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """One reference less to each page; returns the pages that went back to the free
+        lists."""
+        return drop_pages(self._refs, keys, self.allocator)
 
     def give_back(self, rank: int, slots: Sequence[int]) -> None:
         """Slots taken by :meth:`take` and never used: dropped (one reference each)."""

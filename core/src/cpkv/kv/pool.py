@@ -15,7 +15,7 @@ page table and the store's host loads, the decode receiver a page table and a st
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,11 +130,18 @@ class ShardedKVPool:
                            replicated_bytes=logical * per_page)
 
     # ---- per batch -----------------------------------------------------------------------------
-    def prepare(self, plan: CPPlan, rids: Sequence[Hashable]) -> BatchKV:
+    def prepare(self, plan: CPPlan, rids: Sequence[Hashable], *,
+                given: Mapping[Hashable, Sequence[tuple[int, int]]] | None = None) -> BatchKV:
         """Reserve the batch's new pages and compute its out-cache locations (once per batch).
+        The one per-batch lifecycle over the page table (``prepare`` -> per layer -> ``commit``
+        or ``abort``), also :class:`cpkv.embed.EngineKV`'s.
+
+        ``given``: the caller's own slots for the pages (an engine's allocator; see
+        :meth:`PageTable.reserve`), or None for the table's free lists.
 
         Raises:
-            ValueError: plan and pool disagree (page size, CP size, a request's prefix or owners).
+            ValueError: plan and pool disagree (page size, CP size, a request's prefix or
+                owners), or a given page is wrong; nothing changed.
             PoolExhausted: not enough pages; raised alike on every rank, nothing changed.
         """
         ps, c = self.fmt.page_size, self.group.size
@@ -153,8 +160,12 @@ class ShardedKVPool:
                             selected="owner write from the gathered rows",
                             reason=FallbackReason.OWNER_WRITE,
                             detail=f"{len(bad)} requests not page-aligned: {', '.join(bad[:8])}")
-        res = self.pages.reserve(plan, rids)
-        batch = self.store.batch(plan, res, self.pages.requests)
+        res = self.pages.reserve(plan, rids, given=given)
+        try:
+            batch = self.store.batch(plan, res, self.pages.requests)
+        except BaseException:
+            self.pages.abort(res)
+            raise
         if self._debug:
             self.store.verify_out_cache(batch, self.pages.requests)
             if not self.group.all_equal(repr(self.pages.allocator.snapshot())):
@@ -190,9 +201,10 @@ class ShardedKVPool:
         self.store.end(batch)
         self.pages.commit(batch.reservation)
 
-    def abort(self, batch: BatchKV) -> None:
+    def abort(self, batch: BatchKV) -> list[tuple[int, int]]:
         """Give back the pages the batch reserved (its copies on write too); its requests hold
         what they held before. Host pages the batch was loading land anyway (the cache already
-        points at their new slots)."""
+        points at their new slots). Returns the pages back on the free lists ((allocation rank,
+        slot))."""
         self.store.end(batch)
-        self.pages.abort(batch.reservation)
+        return self.pages.abort(batch.reservation)

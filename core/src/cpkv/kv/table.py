@@ -106,24 +106,15 @@ class PageTable:
                 raise ValueError(f"request {rid!r}: plan says page {k} is owned by rank "
                                  f"{req.page_owners[k]}, the pool by {rp.owners[k]}")
 
-    def reserve(self, plan: CPPlan, rids: Sequence[Hashable], *,
-                given: Mapping[Hashable, Sequence[tuple[int, int]]] | None = None) -> Reservation:
-        """Take the pages the batch ``plan`` of requests ``rids`` writes, all or nothing, and
-        put them in the requests' tables (pending until :meth:`commit`).
-
-        ``given`` (external allocation: an engine's own slot allocator): per request the
-        (owner rank, slot) of each page it needs, in order: first the copy of its shared tail
-        page when it writes into one (:func:`cpkv.embed.tail_copy` says whether, on which
-        owner), then its new logical pages. Each is checked against the plan (the page's owner
-        must be the plan's, one page per slot, the slot free on that owner); the table takes
-        exactly those slots and never asks the reclaimer.
+    def _batch_needs(self, plan: CPPlan, rids: Sequence[Hashable]
+                     ) -> tuple[list[int], list[tuple[Hashable, int, list[int]]],
+                                list[tuple[Hashable, int]]]:
+        """What the batch takes: pages per allocation rank, per request its first new logical
+        page and the owners of its new pages, and the shared tail pages it writes into
+        ((rid, logical page): copies on write, on the page's owner).
 
         Raises:
-            ValueError: plan and table disagree (a request's prefix or owners, a request in an
-                uncommitted batch), or a given page is wrong (its owner, its slot, how many);
-                nothing changed.
-            PoolExhausted: not enough pages even after the reclaimer; nothing changed.
-        """
+            ValueError: plan and table disagree (see :meth:`_check_agrees`)."""
         ps = self.page_size
         needs = [0] * self.allocator.num_ranks
         new: list[tuple[Hashable, int, list[int]]] = []
@@ -145,6 +136,50 @@ class PageTable:
                 owners.append(o)
                 needs[self.alloc_rank(o)] += 1
             new.append((rid, existing, owners))
+        return needs, new, cows
+
+    def owners_to_give(self, plan: CPPlan, rids: Sequence[Hashable]
+                       ) -> dict[Hashable, tuple[int, ...]]:
+        """Per request of the batch, the owner rank of each page an external allocator gives
+        :meth:`reserve` (``given``), in that order: first the copy of its shared tail page when
+        it writes into one, then its new logical pages. Pure (nothing taken).
+
+        Raises:
+            ValueError: plan and table disagree (a request's prefix or owners, a request in an
+                uncommitted batch).
+        """
+        _, new, cows = self._batch_needs(plan, rids)
+        return {rid: tuple(o) for rid, o in self._want(cows, new).items()}
+
+    def _want(self, cows: Sequence[tuple[Hashable, int]],
+              new: Sequence[tuple[Hashable, int, list[int]]]) -> dict[Hashable, list[int]]:
+        """Per request, the owners of the pages it takes: its tail copy's, then its new ones."""
+        want: dict[Hashable, list[int]] = {rid: [] for rid, _, _ in new}
+        for rid, k in cows:
+            want[rid].append(self._requests[rid].owners[k])
+        for rid, _, owners in new:
+            want[rid].extend(owners)
+        return want
+
+    def reserve(self, plan: CPPlan, rids: Sequence[Hashable], *,
+                given: Mapping[Hashable, Sequence[tuple[int, int]]] | None = None) -> Reservation:
+        """Take the pages the batch ``plan`` of requests ``rids`` writes, all or nothing, and
+        put them in the requests' tables (pending until :meth:`commit`).
+
+        ``given`` (external allocation: an engine's own slot allocator): per request the
+        (owner rank, slot) of each page it needs, in order: first the copy of its shared tail
+        page when it writes into one, then its new logical pages (:meth:`owners_to_give` lists
+        the owners). Each is checked against the plan (the page's owner
+        must be the plan's, one page per slot, the slot free on that owner); the table takes
+        exactly those slots and never asks the reclaimer.
+
+        Raises:
+            ValueError: plan and table disagree (a request's prefix or owners, a request in an
+                uncommitted batch), or a given page is wrong (its owner, its slot, how many);
+                nothing changed.
+            PoolExhausted: not enough pages even after the reclaimer; nothing changed.
+        """
+        needs, new, cows = self._batch_needs(plan, rids)
         what = f"a batch of {len(rids)} requests"
         slots = (self._refs.take(needs, what) if given is None
                  else self._refs.take_given(self._given_slots(given, cows, new), what))
@@ -188,11 +223,7 @@ class PageTable:
 
         Raises:
             ValueError: a request's given pages do not match what it needs (naming them)."""
-        want: dict[Hashable, list[int]] = {}
-        for rid, k in cows:
-            want.setdefault(rid, []).append(self._requests[rid].owners[k])
-        for rid, _, owners in new:
-            want.setdefault(rid, []).extend(owners)
+        want = self._want(cows, new)
         extra = [rid for rid in given if rid not in want]
         if extra:
             raise ValueError(f"given pages for requests not in the batch: {extra[:8]}")
@@ -228,33 +259,38 @@ class PageTable:
             rp.valid_len = end
             rp.pending.clear()
 
-    def abort(self, res: Reservation) -> None:
-        """Undo :meth:`reserve`: the requests hold what they held before."""
+    def abort(self, res: Reservation) -> list[PageKey]:
+        """Undo :meth:`reserve`: the requests hold what they held before. Returns the pages
+        that went back to the free lists ((allocation rank, slot): the reserved ones)."""
+        freed: list[PageKey] = []
         for rid, k, old, fresh in res.copies:
             rp = self._requests[rid]
             self.retain([(rp.owners[k], old)])
-            self._refs.drop([self.key(rp.owners[k], fresh)])
+            freed += self._refs.drop_pages([self.key(rp.owners[k], fresh)])
             rp.slots[k] = old
             rp.version += 1
         for rid, first_new in res.new_pages:
             rp = self._requests[rid]
-            self._refs.drop(self.key(rp.owners[k], rp.slots[k])
-                            for k in range(first_new, len(rp.slots)))
+            freed += self._refs.drop_pages(self.key(rp.owners[k], rp.slots[k])
+                                           for k in range(first_new, len(rp.slots)))
             del rp.owners[first_new:], rp.slots[first_new:]
             rp.version += 1
             rp.pending.clear()
             if not rp.slots:
                 del self._requests[rid]
+        return freed
 
     # ---- requests ------------------------------------------------------------------------------
-    def free(self, rid: Hashable) -> None:
-        """Release request ``rid``'s references to its pages.
+    def free(self, rid: Hashable) -> list[PageKey]:
+        """Release request ``rid``'s references to its pages. Returns the pages that went back
+        to the free lists ((allocation rank, slot): those nothing else held).
 
         Raises:
             KeyError: ``rid`` is not in the table.
         """
         rp = self._requests.pop(rid)
-        self._refs.drop(self.key(o, s) for o, s in zip(rp.owners, rp.slots, strict=True))
+        return self._refs.drop_pages(self.key(o, s)
+                                     for o, s in zip(rp.owners, rp.slots, strict=True))
 
     def truncate(self, rid: Hashable, valid_len: int) -> int:
         """Keep ``rid``'s first ``valid_len`` tokens; its pages past them lose its reference.
@@ -325,6 +361,11 @@ class PageTable:
         """One reference less to each (owner rank, slot) page; returns how many went back to the
         free lists."""
         return self._refs.drop(self.key(o, s) for o, s in pages)
+
+    def release_pages(self, pages: Iterable[tuple[int, int]]) -> list[PageKey]:
+        """:meth:`release`, returning the pages that went back to the free lists ((allocation
+        rank, slot))."""
+        return self._refs.drop_pages(self.key(o, s) for o, s in pages)
 
     def take_pages(self, needs: Sequence[int], what: str = "pages") -> list[list[int]]:
         """``needs[a]`` new pages on every allocation rank ``a``, all or nothing, one reference

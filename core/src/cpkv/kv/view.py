@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpkv.contracts import KVDtype, KVFormat, PageLayout
-from cpkv.ops import fp8_index_keys, gather_latent, part_index, part_view
+from cpkv.ops import fp8_index_keys, gather_latent, pack_fp8, part_index, part_view
 
 if TYPE_CHECKING:
     from cpkv.ops import KVPart, OpTable
@@ -26,13 +26,16 @@ def row_dims(fmt: KVFormat, part: KVPart) -> tuple[int, int]:
     return fmt.index_head_dim, fmt.index_bytes_per_token
 
 
-def pack_rows(x: torch.Tensor, fmt: KVFormat, part: KVPart, ops: OpTable) -> torch.Tensor:
-    """Compute rows [N, D] -> stored bytes [N, B] (bf16/fp32: a byte view; fp8: the backend's pack)."""
+def pack_rows(x: torch.Tensor, fmt: KVFormat, part: KVPart, ops: OpTable | None = None
+              ) -> torch.Tensor:
+    """Compute rows [N, D] -> stored bytes [N, B] (bf16/fp32: a byte view; fp8: the backend's
+    pack, or with no ``ops`` the reference formula :func:`cpkv.ops.pack_fp8`, which every
+    backend's equals bit for bit)."""
     d, _ = row_dims(fmt, part)
     if x.dim() != 2 or x.shape[1] != d:
         raise ValueError(f"{part} rows must be [N, {d}] for {fmt.dtype.value}, got {tuple(x.shape)}")
     if fmt.dtype is KVDtype.FP8:
-        return ops.fp8_pack(x, fmt, part)
+        return pack_fp8(x, fmt, part) if ops is None else ops.fp8_pack(x, fmt, part)
     return x.to(_FLOAT[fmt.dtype]).contiguous().view(torch.uint8)
 
 

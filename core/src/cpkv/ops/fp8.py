@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
+    from cpkv.contracts import KVFormat
     from cpkv.contracts.ops import KVPart
 
 __all__ = ["FP8_AMAX_FLOOR", "FP8_E4M3_MAX", "UE8M0_AMAX_FLOOR", "ScaleFormat",
-           "hadamard_rotate", "quantize_fp8", "quantize_index_q", "scale_format"]
+           "hadamard_rotate", "pack_fp8", "quantize_fp8", "quantize_index_q", "scale_format"]
 
 #: largest finite float8_e4m3fn value; a block's amax maps onto it
 FP8_E4M3_MAX = 448.0
@@ -169,3 +170,31 @@ def quantize_index_q(q: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, to
     """
     q8, s = quantize_fp8(q, None, scale_format("index_k"))
     return q8, w * s
+
+
+def pack_fp8(x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
+    """Rows -> the packed fp8 bytes of ``part`` (:func:`~cpkv.ops.layout.fp8_layout`): the e4m3
+    values of :func:`quantize_fp8` (the part's :func:`scale_format`), their fp32 scales, then
+    (latent) the rope dims as bf16; little-endian. What every backend's ``fp8_pack`` must equal
+    bit for bit (656 B latent, 132 B index-K at DeepSeek-V3.2's sizes). Plain torch, no host
+    sync; the caller rotates an index-K first (:func:`hadamard_rotate`) when the pool's is.
+
+    Args:
+        x: float [N, dims + rope dims] (latent) or [N, index dims] (index-K).
+
+    Raises:
+        ValueError: ``x`` is not 2-D or its last dim does not match ``fmt`` and ``part``.
+    """
+    import torch
+
+    from .layout import fp8_layout
+
+    dims, block, rope, _ = fp8_layout(fmt, part)
+    if x.dim() != 2 or x.shape[1] != dims + rope:
+        raise ValueError(f"fp8_pack({part}): expected x of shape [N, {dims + rope}] for {fmt!r}, "
+                         f"got {tuple(x.shape)}")
+    q, scale = quantize_fp8(x[:, :dims], block, scale_format(part))
+    parts = [q.view(torch.uint8), scale.contiguous().view(torch.uint8)]
+    if rope:
+        parts.append(x[:, dims:].to(torch.bfloat16).contiguous().view(torch.uint8))
+    return torch.cat(parts, dim=1)
