@@ -149,6 +149,14 @@ class LayerHook(Protocol):
     def layer_written(self, layer: int) -> None: ...
 
 
+#: on a CPU, the indexer's row chunks are also kept under this many logits bytes (2^23 row x key
+#: pairs): a CPU computes them at a few GFLOP/s, so a chunk of the budget's size (512 MiB: 2,048
+#: rows of a 65,536-key view) ran for minutes between two progress notes; smaller chunks change
+#: no result (rows are independent) and cost nothing measurable there (the torch backend's
+#: indexer already works in row pieces of ~4 MB)
+CPU_PROGRESS_CHUNK_BYTES = 32 << 20
+
+
 def row_chunks(num_rows: int, bytes_per_row: int, budget_bytes: int) -> list[tuple[int, int]]:
     """Row ranges whose temporaries (``bytes_per_row`` each) stay under ``budget_bytes`` (rule 21:
     indexer logits are 4 x keys bytes per row). Rank-local compute only: the budget may differ
@@ -470,7 +478,9 @@ class CPPrefill:
         # on GPUs), else the model's reference sequence
         rotate = ops.rope if ops.has(Op.ROPE) else None
         norm = ops.rms_norm if ops.has(Op.RMS_NORM) else None
-        chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, self.budget)
+        budget = self.budget if self.device.type != "cpu" \
+            else min(self.budget, CPU_PROGRESS_CHUNK_BYTES)
+        chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, budget)
         # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
         # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
         # chunking by those made FlashMLA calls of 37 rows at DeepSeek sizes: half the GPU idle)
