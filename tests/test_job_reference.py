@@ -5,8 +5,12 @@ progress reaches the caller's sink with the CP ranks'."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,3 +188,18 @@ def test_a_sample_catches_a_difference_in_its_rows_and_says_what_it_left(job: An
             r0, topk_indices=idx)), *cp.prefill[1:]))
         rep = job_report(spec, place, bad, ref)
         assert (Check.TOPK in rep.verdict().failed) is caught, row
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one `cpkv run`: ~15 s on 2 cores
+def test_cpkv_run_with_the_reference_off_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "cpkv.cli", "run", "--decode-tokens", "0",
+                        "--reference", "off", "--report", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "reference check: run.reference = 'off'" in p.stdout
+    assert "not compared: anything: run.reference = 'off'" in p.stdout
+    rep = json.loads(out.read_text())
+    assert rep["correct"] is None and rep["reference"]["mode"] == "off"
+    assert rep["max_rel_err_vs_reference"] is None and rep["seconds"]["reference_total"] == 0

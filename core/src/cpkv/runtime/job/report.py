@@ -244,9 +244,9 @@ def _reference(settings: Settings, prompts: Sequence[Sequence[int]], ref: Refere
     run = settings.run
     if ref is None:
         return Reference(mode="off", sample_tokens=None, prompt_tokens=[0] * len(prompts),
-                         checked=[], not_checked=["nothing was compared: run.reference = 'off' "
-                                                  "(the CP run's outputs were not checked "
-                                                  "against one rank's)"], seconds=0.0)
+                         checked=[], not_checked=["anything: run.reference = 'off' (the CP "
+                                                  "run's outputs were not checked against one "
+                                                  "rank's)"], seconds=0.0)
     n = len(prompts)
     cut = [i for i in range(n) if not ref.computed_whole(i)]
     checked: list[str] = []
