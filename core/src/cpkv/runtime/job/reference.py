@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cpkv.comm import CPGroup
+from cpkv.contracts import MaterializeMode
 from cpkv.settings import Settings
 
 from ..decode import DecodeWorker, greedy
@@ -42,9 +43,13 @@ class ReferencePlan:
 def reference_settings(settings: Settings) -> Settings:
     """The job's settings on one rank without a prefix cache or a warm-up (the CP ranks compiled
     the kernels): the same backends, pool format and layout, split mode and chunking as the job,
-    so the reference runs the kernels the job does."""
+    so the reference runs the kernels the job does ("p2p" views read one rank's pool as
+    "all_gather" does: one rank has no peers to map)."""
+    kv = settings.kv
+    if kv.materialize is MaterializeMode.P2P:  # one rank has no peers to map
+        kv = kv.model_copy(update={"materialize": MaterializeMode.ALL_GATHER})
     return settings.with_cp_size(1).model_copy(update={
-        "cache": settings.cache.model_copy(update={"enabled": False}),
+        "kv": kv, "cache": settings.cache.model_copy(update={"enabled": False}),
         "runtime": settings.runtime.model_copy(update={"warmup_tokens": 0})})
 
 
@@ -76,11 +81,10 @@ def reference_rank(spec: JobSpec, generate: Sequence[int] | None = None
     tokens for each prompt of ``generate`` (indices; None: every prompt) with the same batched
     steps as the decode rank: a :class:`DecodeWorker`'s (its one-rank session prefills, its
     lean steps decode), so that the comparison isolates what CP prefill and the transfer do.
-    Without tokens to generate
-    the prefill runs on a one-rank :class:`PrefillSession` of the job's own settings (its pool
-    layout). ``spec.settings.cp.size`` must be 1. Progress is noted as "prefill" and "decode"
-    (tokens). The report's ``seconds`` has "load", "prefill" and "decode" (generation) wall
-    times; the tokens are per prompt (None: not generated)."""
+    Without tokens to generate the prefill runs on a one-rank :class:`PrefillSession` of the
+    job's own settings (its pool layout). ``spec.settings.cp.size`` must be 1. Progress is
+    noted as "prefill" and "decode" (tokens). The report's ``seconds`` has "load", "prefill"
+    and "decode" (generation) wall times; the tokens are per prompt (None: not generated)."""
     t0 = time.perf_counter()
     s = spec.settings
     model = job_model(spec, "cuda:0" if spec.device == "cuda" else "cpu")
