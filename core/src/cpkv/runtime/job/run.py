@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,7 +18,7 @@ from cpkv.logs import get_logger
 from cpkv.plugin import PluginHost
 from cpkv.settings import Settings, SettingsError
 
-from ..launch import LogSetup, ProgressSink, RankResult, run_ranks
+from ..launch import LogSetup, ProgressSink, RankResult, rank_threads, run_ranks
 from ..progress import relayed_progress
 from ..setup import has_fp8_tensor_cores
 from ..world import launched_world, run_in_world
@@ -259,12 +260,32 @@ def reference_run(spec: JobSpec, on_progress: ProgressSink | None = None
     # its events name it as the ranks' name theirs (where the caller's logging merges contextvars)
     with recording(s.fallback.policy) as rec, \
             structlog.contextvars.bound_contextvars(rank="reference"), \
-            relayed_progress(on_progress, prefix="reference "):
+            relayed_progress(on_progress, prefix="reference "), _cpu_threads(spec):
         rep, tokens = reference_rank(plan.spec, [i for i, w in enumerate(plan.whole) if w])
     return ReferenceRun(report=rep, tokens=tokens, fallbacks=tuple(rec.events),
                         wall_seconds=time.perf_counter() - t, mode=plan.mode,
                         lengths=plan.lengths, whole=plan.whole,
                         last_batch=tuple(i for i, n in enumerate(spec.batches()[-1]) if n))
+
+
+@contextmanager
+def _cpu_threads(spec: JobSpec) -> Iterator[None]:
+    """On CPUs, the reference computes with the torch threads a CP rank had (the cores shared
+    by the C ranks, at least one; unless ``OMP_NUM_THREADS`` is set): torch's default, a thread
+    per core, made a 4,096-token one-piece prefill 7-11x slower than one thread on a 2-core
+    machine that other processes kept busy (each parallel op waits for its slowest thread),
+    and so the reference of a 65,536-token prompt ran for 20 minutes after a 7-minute CP run."""
+    import torch
+
+    if spec.device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(rank_threads("gloo", spec.settings.cp.size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def job_report(spec: JobSpec, place: JobPlacement, cp: CPRun, ref: ReferenceRun | None,
