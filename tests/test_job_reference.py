@@ -131,6 +131,17 @@ def _report(job: Any, mode: str) -> tuple[JobReport, list[tuple[int, str, int, i
     return job_report(spec, place, cp, ref), notes
 
 
+def _shown(rep: JobReport) -> str:
+    """What ``cpkv run`` prints of the report."""
+    from rich.console import Console
+
+    from cpkv.cli.run import _render
+
+    console = Console(record=True, width=200)
+    _render(rep, rep.verdict(), console)
+    return console.export_text()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow  # a CP2 run with a decode rank and three references: ~25 s on 2 cores
 def test_each_mode_checks_what_it_says(job: Any) -> None:
@@ -162,6 +173,10 @@ def test_each_mode_checks_what_it_says(job: Any) -> None:
     assert mine and mine[-1][2:] == (SHORT + SAMPLE, SHORT + SAMPLE)
     assert [d for _, _, d, _ in mine] == sorted(d for _, _, d, _ in mine)
 
+    text = _shown(sample)
+    assert "reference check: run.reference = 'sample' (each prompt up to 256 tokens)" in text
+    assert "not compared: the last-token logits, decode tokens of prompt(s) [1]" in text
+
     off, notes = _report(job, "off")
     v = off.verdict()
     assert v.passed and not v.checked and not notes
@@ -169,6 +184,8 @@ def test_each_mode_checks_what_it_says(job: Any) -> None:
     assert off.decode is not None and off.decode.tokens_match_reference is None
     assert off.reference is not None and off.reference.mode == "off"
     assert off.seconds.reference_total == 0.0 and off.to_json()["reference"]["mode"] == "off"
+    text = _shown(off)
+    assert "CP logits vs one rank" not in text and "not checked: decode greedy tokens" in text
 
 
 @pytest.mark.multiprocess
