@@ -77,7 +77,7 @@ def _runs(*, decode: bool, mtp: bool, chunks: bool) -> tuple[CPRun, ReferenceRun
                     for r, rep in enumerate(ranks))
     tokens = [[1, 2], [3, 4], [5, 6], [7, 8]]
     ref = ReferenceRun(report=_rank(0, draft=mtp, chunks=False), tokens=tokens if decode else [],
-                       fallbacks=(), wall_seconds=3.0)
+                       fallbacks=(), wall_seconds=3.0, mode="sample")
     ref.report.seconds["decode"] = 0.25
     if not decode:
         return CPRun(prefill=prefill, wall_seconds=4.0), ref

@@ -398,6 +398,16 @@ class RunSettings(_Section):
         "cpu", description="where the job runs: 'cpu' (Gloo ranks, float32 model), 'cuda' (NCCL "
                            "ranks, rank r on GPU r, bfloat16 model, the reference on GPU 0) or "
                            "'auto' (cuda when there is a GPU per process, else cpu)")
+    reference: Literal["full", "sample", "off"] = Field(
+        "sample", description="the one-rank reference check: 'full' computes every prompt whole "
+                              "on one rank (logits, top-k sets, decode tokens checked); 'sample' "
+                              "computes each prompt up to reference_tokens (a prompt no longer "
+                              "is checked whole; a longer one on its first reference_tokens "
+                              "rows' top-k sets in every layer, its last-token logits and decode "
+                              "tokens unchecked); 'off' checks nothing. The report says which")
+    reference_tokens: int = Field(
+        32768, ge=1, description="with reference = 'sample': tokens of each prompt the "
+                                 "reference computes")
 
 
 # The TOML file of the load in progress. A context variable, not a class attribute, so concurrent

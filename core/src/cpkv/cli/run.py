@@ -205,9 +205,13 @@ def _render(rep: JobReport, verdict: Verdict, console: Console, pool_tokens: int
             console.print(f"[yellow]fallback[/] {f.op}: {f.requested} -> {f.selected} "
                           f"({f.reason.value}): {f.detail}", soft_wrap=True)
     ok = not failed & {Check.LOGITS, Check.TOPK}
-    console.print(f"{_mark(ok)}: CP logits vs one rank: max relative error "
-                  f"{rep.max_rel_err_vs_reference:.2e} (tolerance {tol:.0e}); rows with different "
-                  f"top-k sets: {rep.topk_rows_differing}")
+    err = rep.max_rel_err_vs_reference
+    if verdict.checked & {Check.LOGITS, Check.TOPK}:
+        console.print(f"{_mark(ok)}: CP logits vs one rank: max relative error "
+                      + (f"{err:.2e} (tolerance {tol:.0e})" if err is not None else "not checked")
+                      + f"; rows with different top-k sets: {rep.topk_rows_differing}",
+                      soft_wrap=True)
+    _render_reference(rep, console)
     by: dict[str, list[str]] = {}
     for op, name in rep.backends.chosen.items():
         by.setdefault(name, []).append(op)
@@ -248,35 +252,58 @@ def _render(rep: JobReport, verdict: Verdict, console: Console, pool_tokens: int
         st = rep.decode.steps
         how = (f"CUDA graphs ({st.captured} step shapes captured)" if st is not None and st.graphs
                else "eager")
-        console.print(f"{_mark(Check.DECODE_TOKENS not in failed)}: decode greedy tokens vs "
-                      f"one-process generation ({how} steps): {rep.decode.tokens}",
-                      soft_wrap=True)
-    if rep.draft is not None:
-        d = rep.draft
-        console.print(f"{_mark(Check.DRAFT_LOGITS not in failed)}: MTP draft logits (CP prefill) "
-                      f"vs one rank: max relative error "
-                      f"{d.prefill_max_rel_err_vs_reference:.2e}")
-        sp = d.speculation
-        if sp is not None:
-            console.print(f"{_mark(Check.SPECULATIVE_TOKENS not in failed)}: speculative decoding "
-                          f"(k = {sp.draft_tokens}): accept rate "
-                          f"{sp.accept_rate:.1%}, mean accepted length "
-                          f"{sp.mean_accepted_length:.2f}, {sp.steps} decode steps instead of "
-                          f"{sp.plain_steps} ({sp.steps_saved} saved); tokens equal plain "
-                          f"greedy on one rank: {d.tokens_match_reference}", soft_wrap=True)
+        mark = _mark(Check.DECODE_TOKENS not in failed) \
+            if Check.DECODE_TOKENS in verdict.checked else "not checked"
+        console.print(f"{mark}: decode greedy tokens vs one-process generation ({how} steps): "
+                      f"{rep.decode.tokens}", soft_wrap=True)
+    _render_draft(rep, verdict, console)
     for why in verdict.failures:
         console.print(f"[red]failed[/]: {why}", soft_wrap=True)
 
 
+def _render_draft(rep: JobReport, verdict: Verdict, console: Console) -> None:
+    """The MTP draft layer's checks."""
+    d = rep.draft
+    if d is None:
+        return
+    failed = verdict.failed
+    derr = d.prefill_max_rel_err_vs_reference
+    if derr is not None:
+        console.print(f"{_mark(Check.DRAFT_LOGITS not in failed)}: MTP draft logits (CP "
+                      f"prefill) vs one rank: max relative error {derr:.2e}")
+    sp = d.speculation
+    if sp is not None:
+        console.print(f"{_mark(Check.SPECULATIVE_TOKENS not in failed)}: speculative decoding "
+                      f"(k = {sp.draft_tokens}): accept rate "
+                      f"{sp.accept_rate:.1%}, mean accepted length "
+                      f"{sp.mean_accepted_length:.2f}, {sp.steps} decode steps instead of "
+                      f"{sp.plain_steps} ({sp.steps_saved} saved); tokens equal plain "
+                      f"greedy on one rank: {d.tokens_match_reference}", soft_wrap=True)
+
+
+def _render_reference(rep: JobReport, console: Console) -> None:
+    """What the one-rank reference computed, what was compared with it and what not."""
+    ref = rep.reference
+    if ref is None:
+        return
+    what = f"run.reference = {ref.mode!r}"
+    if ref.mode == "sample":
+        what += f" (each prompt up to {ref.sample_tokens:,} tokens)"
+    console.print(f"reference check: {what}, {ref.seconds:.1f} s; compared: "
+                  + ("; ".join(ref.checked) or "nothing")
+                  + "".join(f"\n  not compared: {why}" for why in ref.not_checked),
+                  soft_wrap=True)
+
+
 def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: str | None,
                device: str | None, mtp: bool | None, draft_tokens: int | None,
-               chunk: int | None) -> dict[str, dict[str, object]]:
+               chunk: int | None, reference: str | None = None) -> dict[str, dict[str, object]]:
     """The settings overrides the command line gives (sections of the options set, None: unset)."""
     over: dict[str, dict[str, object]] = {}
     if cp is not None or mode is not None:
         over["cp"] = {k: v for k, v in {"size": cp, "mode": mode}.items() if v is not None}
     given: dict[str, object] = {"model": model, "prompts": prompts, "device": device, "mtp": mtp,
-                                "draft_tokens": draft_tokens}
+                                "draft_tokens": draft_tokens, "reference": reference}
     run_over = {k: v for k, v in given.items() if v is not None}
     if run_over:
         over["run"] = run_over
@@ -347,6 +374,9 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
               help="Chunked prefill: prefill a prompt longer than N tokens in chunks of at most N "
                    "(a multiple of kv.page_size; 0: off) and list each chunk's time "
                    "(runtime.chunk_tokens).")
+@click.option("--reference", type=click.Choice(["full", "sample", "off"]), default=None,
+              help="The one-rank reference check: full (every prompt whole), sample (each prompt "
+                   "up to run.reference_tokens) or off (run.reference).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the report as JSON here.")
 @click.option("--save-logits", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -355,7 +385,7 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
 def command(state: CliState | None, config: Path | None, model: str | None, cp: int | None,
             mode: str | None, prompts: str | None, decode_tokens: int, device: str | None,
             mtp: bool | None, draft_tokens: int | None, chunk: int | None,
-            report: Path | None,
+            reference: str | None, report: Path | None,
             save_logits: Path | None) -> None:
     """CP prefill of prompts on a CP group, transfer of the pages to a decode rank and greedy
     decoding there, checked against one rank; prints a report.
@@ -380,7 +410,7 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
             raise click.ClickException(f"torchrun started {launched[1]} process(es): the job needs "
                                        f"at least {2 if decode_tokens > 0 else 1}")
     over = _overrides(cp=cp, mode=mode, model=model, prompts=prompts, device=device, mtp=mtp,
-                      draft_tokens=draft_tokens, chunk=chunk)
+                      draft_tokens=draft_tokens, chunk=chunk, reference=reference)
     try:
         settings = load_settings(config, **over)
         ckpt, cfg = _read_checkpoint(settings)
@@ -432,7 +462,9 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     _render(rep, verdict, console, settings.kv.pages_per_rank * settings.kv.page_size)
     if report:
         text = json.dumps({**rep.to_json(), "model": str(ckpt), "tolerance": verdict.tolerance,
-                           "correct": verdict.passed, **report_context(settings)},
+                           # None: nothing was compared (run.reference = "off")
+                           "correct": verdict.passed if verdict.checked else None,
+                           **report_context(settings)},
                           indent=2) + "\n"
         _write("--report", report, lambda tmp: tmp.write_text(text))
     if save_logits:

@@ -35,6 +35,8 @@ from cpkv.logs import get_logger
 from cpkv.ops import hadamard_rotate
 from cpkv.planning import plan_batch
 
+from .progress import BatchProgress
+
 if TYPE_CHECKING:
     from cpkv.comm import CPGroup
     from cpkv.models import DeepseekV32
@@ -145,6 +147,14 @@ class LayerHook(Protocol):
     def batch_ready(self, plan: CPPlan, rids: Sequence[Hashable]) -> None: ...
 
     def layer_written(self, layer: int) -> None: ...
+
+
+#: on a CPU, the indexer's row chunks are also kept under this many logits bytes (2^23 row x key
+#: pairs): a CPU computes them at a few GFLOP/s, so a chunk of the budget's size (512 MiB: 2,048
+#: rows of a 65,536-key view) ran for minutes between two progress notes; smaller chunks change
+#: no result (rows are independent) and cost nothing measurable there (the torch backend's
+#: indexer already works in row pieces of ~4 MB)
+CPU_PROGRESS_CHUNK_BYTES = 32 << 20
 
 
 def row_chunks(num_rows: int, bytes_per_row: int, budget_bytes: int) -> list[tuple[int, int]]:
@@ -263,8 +273,10 @@ class CPPrefill:
                 hook.batch_ready(plan, [rid for rid, _ in batch])
             seconds["plan"] = time.perf_counter() - t
             m = self.model
+            # the batch's tokens counted done layer by layer and row chunk by row chunk
+            progress = BatchProgress(plan.num_tokens, m.num_layers)
             x, topk = self._layers(kv, inputs, seconds, capture_topk, m.embed(inputs.ids),
-                                   range(m.num_layers), hook)
+                                   range(m.num_layers), hook, progress)
             t = time.perf_counter()
             last = inputs.last
             whole = all_logits or (draft and draft_next == "greedy")
@@ -442,25 +454,33 @@ class CPPrefill:
 
     def _layers(self, kv: BatchKV, inputs: RankInputs, seconds: dict[str, float],
                 capture: bool, x: torch.Tensor, layers: range,
-                hook: LayerHook | None = None) -> tuple[torch.Tensor, TopkCapture | None]:
+                hook: LayerHook | None = None, progress: BatchProgress | None = None
+                ) -> tuple[torch.Tensor, TopkCapture | None]:
         """``layers`` (consecutive pool layers) on this rank's rows, residual stream ``x``;
         ``hook.layer_written(layer)`` after each layer's KV write (the layer-pipelined send).
         Returns the residual stream after the last layer and the captured top-k (``capture``).
-        Runs inside :attr:`sync_free_region` ``("layers")``."""
+        ``progress`` counts the batch's tokens done per layer and row chunk (host counters;
+        None: bare notes). Runs inside :attr:`sync_free_region` ``("layers")``."""
         with self.sync_free_region("layers"):
-            return self._layer_loop(kv, inputs, seconds, capture, x, layers, hook)
+            return self._layer_loop(kv, inputs, seconds, capture, x, layers, hook, progress)
 
     def _layer_loop(self, kv: BatchKV, inputs: RankInputs, seconds: dict[str, float],
                     capture: bool, x: torch.Tensor, layers: range,
-                    hook: LayerHook | None) -> tuple[torch.Tensor, TopkCapture | None]:
+                    hook: LayerHook | None, progress: BatchProgress | None
+                    ) -> tuple[torch.Tensor, TopkCapture | None]:
         m, ops, pool = self.model, self.ops, self.pool
+        step: Callable[[], None] = progress.step if progress is not None else note_progress
+        end_layer: Callable[[], None] = progress.end_layer if progress is not None \
+            else note_progress
         pos = inputs.positions
         rope = m.rope_cos_sin(pos, m.dtype, inputs.max_position)  # once per batch
         # the rotations through the op table's ``rope`` when it has one (one Triton pass each
         # on GPUs), else the model's reference sequence
         rotate = ops.rope if ops.has(Op.ROPE) else None
         norm = ops.rms_norm if ops.has(Op.RMS_NORM) else None
-        chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, self.budget)
+        budget = self.budget if self.device.type != "cpu" \
+            else min(self.budget, CPU_PROGRESS_CHUNK_BYTES)
+        chunks = row_chunks(kv.rows.num_local, 4 * inputs.num_keys, budget)
         # sparse MLA outputs per row: [H, dv] fp32 at most, then the model dtype (a backend with
         # temporaries of its own, like the torch reference's gathered rows, bounds them itself;
         # chunking by those made FlashMLA calls of 37 rows at DeepSeek sizes: half the GPU idle)
@@ -485,6 +505,9 @@ class CPPrefill:
         shared_top: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         for layer in layers:
             t0 = time.perf_counter()
+            if progress is not None:  # units of the layer: its row chunks, its MLP (a shared-
+                # indexer layer has no indexer chunks: its end_layer counts them done)
+                progress.start_layer(len(chunks) + len(mla_chunks) + 1)
             a = m.attention_inputs(layer, x, pos, rope, rotate, norm)
             t1 = time.perf_counter()
             rot = self.rotate_index
@@ -508,7 +531,7 @@ class CPPrefill:
                 top, scores = shared_top
             else:
                 top, scores = self._select(a.index_q, a.index_w, idx_k, idx_scale, inputs,
-                                           chunks, cap is not None)
+                                           chunks, cap is not None, step)
                 shared_top = (top, scores)
             t4 = time.perf_counter()
             # row chunks bound the sparse-attention temporaries (latent outputs are fp32 [H, 512]
@@ -516,7 +539,7 @@ class CPPrefill:
             for s, e in mla_chunks:
                 m.attention_values(layer, keys.sparse_mla(a.q[s:e], top[s:e], m.softmax_scale,
                                                           self.dv), out=values[s:e])
-                note_progress()
+                step()
             if cap is not None:
                 cap.indices.append(kv.gather(top))
                 cap.scores.append(kv.gather(torch.cat(scores) if scores else
@@ -532,7 +555,7 @@ class CPPrefill:
             t5 = time.perf_counter()
             x = x + m.mlp(layer, x, norm)
             t6 = time.perf_counter()
-            note_progress()
+            end_layer()
             for k, v in zip(phase, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
                             strict=True):
                 phase[k] += v
@@ -542,9 +565,11 @@ class CPPrefill:
     def _select(self, iq: torch.Tensor, iw: torch.Tensor, idx_k: torch.Tensor,
                 idx_scale: torch.Tensor | None, inputs: RankInputs,
                 chunks: list[tuple[int, int]], capture: bool,
+                step: Callable[[], None] = note_progress,
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A full layer's top-k choice of this rank's rows (int32 [rows, topk] view keys) from
-        the indexer logits in row chunks, and the captured scores (``capture``)."""
+        the indexer logits in row chunks, and the captured scores (``capture``); ``step()``
+        after each chunk (the progress notes)."""
         ops, ks, ke = self.ops, inputs.key_start, inputs.key_end
         scores: list[torch.Tensor] = []
         if self.indexer_fp8:  # fp8 keys: fp8 queries, rotated as an fp8 pool's index-K is
@@ -561,11 +586,11 @@ class CPPrefill:
             if fused:
                 top[s:e] = ops.indexer_topk(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e],
                                             ke[s:e], self.topk)
-                note_progress()
+                step()
                 continue
             logits = ops.indexer_logits(iq[s:e], iw[s:e], idx_k, idx_scale, ks[s:e], ke[s:e])
             top[s:e] = ops.topk(logits, self.topk, ks[s:e], ke[s:e])
-            note_progress()  # the launcher's and the transfer's bounds are on silence
+            step()  # the launcher's and the transfer's bounds are on silence
             if capture:
                 scores.append(torch.where(top[s:e] >= 0,
                                           logits.gather(1, top[s:e].clamp_min(0).long()),

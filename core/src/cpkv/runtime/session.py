@@ -215,6 +215,7 @@ class PrefillSession:
                 ends = {batch[p.index][0] for p in pieces}
                 hook_send = send if send and all(rid in ends for rid in send) else None
             t = time.perf_counter()
+            base = last_progress().done  # the driver counts the chunk's tokens from here
             results.append(self._prefill_batch(sub, all_logits=all_logits,
                                                capture_topk=capture_topk, next_ids=nxt,
                                                draft_next=draft_next, draft_plan=draft_plan,
@@ -223,7 +224,7 @@ class PrefillSession:
                 torch.cuda.synchronize(self.group.device)
             seconds.append(time.perf_counter() - t)
             # the progress display's tokens: this chunk's are done
-            note_progress(done=last_progress().done + sum(len(ids) for _, ids in sub))
+            note_progress(done=base + sum(len(ids) for _, ids in sub))
             for rid in partial:  # whole pages only: the tail page is the next chunk's
                 self.chunk_sends += (self.send(rid, final=False),)
         return merge_results(rounds, results, len(batch), seconds)

@@ -19,7 +19,7 @@ from ..warmup import WarmupReport
 from .spec import Served
 
 __all__ = ["Backends", "CPRun", "DecodeReport", "PrefillResult", "RankReport", "ReferenceRun",
-           "SenderReport", "compare_topk", "rank_report", "tail_rows"]
+           "SenderReport", "compare_topk", "overlap_rows", "rank_report"]
 
 
 @dataclass(frozen=True)
@@ -137,17 +137,23 @@ class SenderReport:
     send_seconds: float = 0.0
 
 
-def tail_rows(have: list[int], want: list[int]) -> torch.Tensor:
-    """Rows of a capture whose requests extended ``have`` tokens each (batch order) that are the
-    last ``want`` tokens of each: a cached run's rows inside an uncached run's capture."""
-    rows: list[int] = []
-    off = 0
-    for h, w in zip(have, want, strict=True):
-        if w > h:
-            raise ValueError(f"cannot take the last {w} rows of a request that extended {h}")
-        rows.extend(range(off + h - w, off + h))
-        off += h
-    return torch.tensor(rows, dtype=torch.int64)
+def overlap_rows(a: list[tuple[int, int]], b: list[tuple[int, int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows two captures both hold: capture ``a`` holds, request by request (batch order),
+    the rows of the positions ``[start, end)`` of ``a[i]``, capture ``b`` those of ``b[i]``
+    (e.g. a cached run's tail of each prompt, and a reference's first tokens of it). Returns
+    int64 row indices into ``a`` and into ``b`` of the positions both hold, in the same order."""
+    ra: list[int] = []
+    rb: list[int] = []
+    oa = ob = 0
+    for (sa, ea), (sb, eb) in zip(a, b, strict=True):
+        lo, hi = max(sa, sb), min(ea, eb)
+        if hi > lo:
+            ra.extend(range(oa + lo - sa, oa + hi - sa))
+            rb.extend(range(ob + lo - sb, ob + hi - sb))
+        oa += ea - sa
+        ob += eb - sb
+    return torch.tensor(ra, dtype=torch.int64), torch.tensor(rb, dtype=torch.int64)
 
 
 def compare_topk(a: list[torch.Tensor], sa: list[torch.Tensor], b: list[torch.Tensor],
@@ -160,7 +166,10 @@ def compare_topk(a: list[torch.Tensor], sa: list[torch.Tensor], b: list[torch.Te
     """
     bad = 0
     for ia, xa, ib, xb in zip(a, sa, b, sb, strict=True):
-        for r in range(ia.shape[0]):
+        # rows whose sorted indices agree hold the same set (indices are distinct but for the
+        # -1 padding): only the others are looked at one by one
+        same = (ia.sort(dim=1).values == ib.sort(dim=1).values).all(dim=1)
+        for r in torch.nonzero(~same).flatten().tolist():
             pa = {int(i): float(s) for i, s in zip(ia[r], xa[r], strict=True) if i >= 0}
             pb = {int(i): float(s) for i, s in zip(ib[r], xb[r], strict=True) if i >= 0}
             if pa.keys() == pb.keys():
@@ -205,10 +214,23 @@ class CPRun:
 
 @dataclass(frozen=True)
 class ReferenceRun:
-    """What the one-rank reference handed back."""
+    """What the one-rank reference handed back (``run.reference``)."""
 
     report: RankReport
-    #: its greedy tokens per prompt (empty without decode)
-    tokens: list[list[int]]
+    #: its greedy tokens per prompt (None: not generated: no decode, or a prompt computed on a
+    #: prefix only)
+    tokens: list[list[int] | None]
     fallbacks: tuple[FallbackEvent, ...]
     wall_seconds: float
+    #: "full" or "sample"
+    mode: str = "full"
+    #: per prompt, the tokens it computed (the prompt's first ones; empty: every prompt whole)
+    lengths: tuple[int, ...] = ()
+    #: per prompt, whether it computed it whole (empty: every prompt)
+    whole: tuple[bool, ...] = ()
+    #: the prompts of the job's last batch (whose top-k sets both runs captured), in order
+    last_batch: tuple[int, ...] = ()
+
+    def computed_whole(self, prompt: int) -> bool:
+        """Whether the reference computed prompt ``prompt`` whole."""
+        return not self.whole or self.whole[prompt]

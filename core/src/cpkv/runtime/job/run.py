@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,12 +18,13 @@ from cpkv.logs import get_logger
 from cpkv.plugin import PluginHost
 from cpkv.settings import Settings, SettingsError
 
-from ..launch import LogSetup, ProgressSink, RankResult, run_ranks
+from ..launch import LogSetup, ProgressSink, RankResult, rank_threads, run_ranks
+from ..progress import relayed_progress
 from ..setup import has_fp8_tensor_cores
 from ..world import launched_world, run_in_world
 from .decode_rank import decode_rank
 from .prefill_rank import prefill_rank, prefill_sender_rank
-from .reference import reference_rank
+from .reference import reference_plan, reference_rank
 from .report import JobReport
 from .results import CPRun, DecodeReport, PrefillResult, ReferenceRun, SenderReport
 from .spec import JobSpec
@@ -241,27 +243,52 @@ def cp_run(spec: JobSpec, place: JobPlacement, *,
                  decode_startup_seconds=last.startup_seconds)
 
 
-def reference_run(spec: JobSpec) -> ReferenceRun:
-    """The job's prompts on one rank, in this process: whole prompts, unchunked and without a
-    cache (chunked and cached prefill are checked against the one-piece prefill), greedy
-    decoding plain (its draft layer only gives the prefill's draft logits)."""
+def reference_run(spec: JobSpec, on_progress: ProgressSink | None = None
+                  ) -> ReferenceRun | None:
+    """The job's reference (``run.reference``, :func:`~.reference.reference_plan`) on one rank,
+    in this process, on the job's device with its backends: its prompts (whole, or their first
+    ``run.reference_tokens`` with "sample") without a cache, in the job's chunks (chunking and
+    the cache change no logit and no top-k choice); greedy decoding plain for the prompts
+    computed whole (its draft layer only gives the prefill's draft logits). ``on_progress``
+    gets its progress as rank 0's "reference prefill" and "reference decode" (tokens done of
+    all, at most every half second). None with ``run.reference = "off"``."""
+    plan = reference_plan(spec)
+    if plan.spec is None:
+        return None
     s = spec.settings
-    no_cache = spec.holding_all(s.with_cp_size(1).model_copy(
-        update={"cache": s.cache.model_copy(update={"enabled": False}),
-                "runtime": s.runtime.model_copy(update={"chunk_tokens": 0})}), 1)
-    ref_spec = JobSpec(spec.model_dir, spec.prompts, no_cache, spec.capture_topk,
-                       spec.prefix_lens, spec.decode_tokens, spec.batch_size, mtp=spec.mtp,
-                       device=spec.device)
     t = time.perf_counter()
     # its events name it as the ranks' name theirs (where the caller's logging merges contextvars)
     with recording(s.fallback.policy) as rec, \
-            structlog.contextvars.bound_contextvars(rank="reference"):
-        rep, tokens = reference_rank(ref_spec)
+            structlog.contextvars.bound_contextvars(rank="reference"), \
+            relayed_progress(on_progress, prefix="reference "), _cpu_threads(spec):
+        rep, tokens = reference_rank(plan.spec, [i for i, w in enumerate(plan.whole) if w])
     return ReferenceRun(report=rep, tokens=tokens, fallbacks=tuple(rec.events),
-                        wall_seconds=time.perf_counter() - t)
+                        wall_seconds=time.perf_counter() - t, mode=plan.mode,
+                        lengths=plan.lengths, whole=plan.whole,
+                        last_batch=tuple(i for i, n in enumerate(spec.batches()[-1]) if n))
 
 
-def job_report(spec: JobSpec, place: JobPlacement, cp: CPRun, ref: ReferenceRun,
+@contextmanager
+def _cpu_threads(spec: JobSpec) -> Iterator[None]:
+    """On CPUs, the reference computes with the torch threads a CP rank had (the cores shared
+    by the C ranks, at least one; unless ``OMP_NUM_THREADS`` is set): torch's default, a thread
+    per core, made a 4,096-token one-piece prefill 7-11x slower than one thread on a 2-core
+    machine that other processes kept busy (each parallel op waits for its slowest thread),
+    and so the reference of a 65,536-token prompt ran for 20 minutes after a 7-minute CP run."""
+    import torch
+
+    if spec.device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(rank_threads("gloo", spec.settings.cp.size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def job_report(spec: JobSpec, place: JobPlacement, cp: CPRun, ref: ReferenceRun | None,
                tolerances: Tolerances = DEFAULT_TOLERANCES) -> JobReport:
     """The report of the CP run against the reference (:meth:`JobReport.of`).
 
@@ -280,7 +307,8 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
             log_setup: LogSetup | None = None,
             on_progress: ProgressSink | None = None,
             tolerances: Tolerances = DEFAULT_TOLERANCES) -> JobReport | None:
-    """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference; compare.
+    """CP prefill on ``settings.cp.size`` ranks, then the one-rank reference
+    (``run.reference``: "full", "sample" or "off"; :func:`reference_run`); compare.
 
     The prompts are served in order, ``batch_size`` per prefill batch (0: all in one); with the
     prefix cache on (``cache.enabled``) each one starts from the longest prefix earlier batches
@@ -301,8 +329,9 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
 
     ``log_setup`` is handed to the rank launcher (:func:`~cpkv.runtime.launch.run_ranks`): how
     the rank processes log (the CLI sends their events to its own stream); so is
-    ``on_progress``, called with each rank's progress notes (tokens done of all per batch and
-    chunk; not under torchrun).
+    ``on_progress``, called with each rank's progress notes (tokens done of all, per layer and
+    indexer row chunk; not under torchrun) and the reference's (rank 0's "reference prefill"
+    and "reference decode").
 
     The report's :meth:`~JobReport.verdict` (pass or fail, with the failures) is what
     ``cpkv run`` prints and exits with; ``tolerances``: the top-k comparison's ties. Its
@@ -323,6 +352,7 @@ def run_job(settings: Settings, model_dir: str, prompts: Sequence[Sequence[int]]
     launched = launched_world()
     if launched is not None and launched[0] != 0:
         return None  # rank 0 checks against the reference and reports
-    progress("single-rank reference")
-    ref = reference_run(spec)
+    if spec.settings.run.reference != "off":
+        progress("single-rank reference")
+    ref = reference_run(spec, on_progress)
     return job_report(spec, place, cp, ref, tolerances)

@@ -16,13 +16,21 @@ from ..decode import DecodeSteps
 from ..speculative import SpeculationStats
 from .results import CPRun, ReferenceRun
 
-__all__ = ["Cache", "Chunks", "Decode", "Draft", "FallbackRow", "LogitsBudget", "Seconds",
-           "Transfer", "Warmup", "max_rel_err"]
+__all__ = ["Cache", "Chunks", "Decode", "Draft", "FallbackRow", "LogitsBudget", "Reference",
+           "Seconds", "Transfer", "Warmup", "max_rel_err", "rows_rel_err", "tokens_match"]
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest, over rows, of a row's largest |a - b| relative to its largest |b|."""
     return ((a - b).abs().amax(dim=-1) / b.abs().amax(dim=-1).clamp_min(1e-30)).max().item()
+
+
+def rows_rel_err(a: torch.Tensor, b: torch.Tensor, rows: Sequence[int]) -> float | None:
+    """:func:`max_rel_err` over ``rows`` of ``a`` and ``b`` (None: no rows)."""
+    if not rows:
+        return None
+    idx = torch.tensor(list(rows), dtype=torch.int64)
+    return max_rel_err(a[idx], b[idx])
 
 
 @dataclass(frozen=True)
@@ -34,11 +42,11 @@ class FallbackRow:
     event: FallbackEvent
 
     @classmethod
-    def rows(cls, cp: CPRun, ref: ReferenceRun) -> tuple[FallbackRow, ...]:
-        """Each prefill rank's, the decode rank's, then the reference's."""
+    def rows(cls, cp: CPRun, ref: ReferenceRun | None) -> tuple[FallbackRow, ...]:
+        """Each prefill rank's, the decode rank's, then the reference's (None: it did not run)."""
         return (*(cls(p.rank, e) for p in cp.prefill for e in p.fallbacks),
                 *(cls("decode", e) for e in cp.decode_fallbacks),
-                *(cls("reference", e) for e in ref.fallbacks))
+                *(cls("reference", e) for e in (ref.fallbacks if ref is not None else ())))
 
     def to_json(self) -> dict[str, object]:
         return {"rank": self.rank, **self.event.model_dump(mode="json")}
@@ -49,9 +57,9 @@ class Seconds:
     """Time per phase: ``cp_startup`` (spawning the processes, imports, joining the group and
     loading the model: the slowest process), ``cp_prefill`` (every batch, the slowest prefill
     rank), ``cp_decode`` (the decode rank's generation); ``reference_startup`` (its model load,
-    in the caller's process), ``reference_prefill``, ``reference_decode``; ``cp_total`` and
-    ``reference_total`` (wall); and the detail of the last batch (``cp_plan``, ...) and of the
-    decode rank (``decode_load``, ``decode_receive``, ``decode_decode``)."""
+    in the caller's process), ``reference_prefill``, ``reference_decode`` (0 with the reference
+    off); ``cp_total`` and ``reference_total`` (wall); and the detail of the last batch
+    (``cp_plan``, ...) and of the decode rank (``decode_load``, ``decode_receive``, ``decode_decode``)."""
 
     #: spawning a process to its model being loaded, the slowest process
     cp_startup: float
@@ -71,19 +79,20 @@ class Seconds:
     decode_phases: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, cp: CPRun, ref: ReferenceRun) -> Seconds:
+    def of(cls, cp: CPRun, ref: ReferenceRun | None) -> Seconds:
         phases = {k: max(p.report.seconds.get(k, 0.0) for p in cp.prefill)
                   for k in cp.rank0.seconds}
         starts = [p.startup_seconds + p.report.seconds["load"] for p in cp.prefill]
         dec = cp.decode
         if dec is not None:
             starts.append(cp.decode_startup_seconds + dec.seconds["load"])
-        rs = ref.report.seconds
+        rs = ref.report.seconds if ref is not None else {}
         return cls(cp_startup=max(starts), cp_prefill=phases["prefill"],
                    cp_decode=dec.seconds["decode"] if dec is not None else 0.0,
-                   reference_startup=rs["load"], reference_prefill=rs["prefill"],
-                   reference_decode=rs.get("decode", 0.0),
-                   cp_total=cp.wall_seconds, reference_total=ref.wall_seconds,
+                   reference_startup=rs.get("load", 0.0),
+                   reference_prefill=rs.get("prefill", 0.0),
+                   reference_decode=rs.get("decode", 0.0), cp_total=cp.wall_seconds,
+                   reference_total=ref.wall_seconds if ref is not None else 0.0,
                    cp_phases={k: v for k, v in phases.items() if k not in ("load", "prefill")},
                    decode_phases=dict(dec.seconds) if dec is not None else {})
 
@@ -150,25 +159,37 @@ class Transfer:
                 "ready_seconds_per_request": self.ready_seconds_per_request}
 
 
+def tokens_match(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int] | None]
+                 ) -> bool | None:
+    """Whether each prompt's tokens equal the reference's, over the prompts it generated for
+    (None: none)."""
+    pairs = [(t, r) for t, r in zip(tokens, reference, strict=True) if r is not None]
+    return all(list(t) == list(r) for t, r in pairs) if pairs else None
+
+
 @dataclass(frozen=True)
 class Decode:
     """The decode phase: the decode rank's greedy tokens against the reference's."""
 
     tokens: list[list[int]]
-    reference_tokens: list[list[int]]
+    #: per prompt (None: the reference did not generate for it: off, or a prompt it computed
+    #: on a prefix only)
+    reference_tokens: list[list[int] | None]
     #: how the decode steps ran (None: not told)
     steps: DecodeSteps | None = None
 
     @property
-    def tokens_match_reference(self) -> bool:
-        return self.tokens == self.reference_tokens
+    def tokens_match_reference(self) -> bool | None:
+        """Whether the tokens equal the reference's where it generated (None: it did not)."""
+        return tokens_match(self.tokens, self.reference_tokens)
 
     @classmethod
-    def of(cls, cp: CPRun, ref: ReferenceRun) -> Decode | None:
+    def of(cls, cp: CPRun, ref: ReferenceRun | None) -> Decode | None:
         """None without the decode phase."""
         if cp.decode is None:
             return None
-        return cls(tokens=cp.decode.tokens, reference_tokens=ref.tokens, steps=cp.decode.steps)
+        theirs = ref.tokens if ref is not None else [None] * len(cp.decode.tokens)
+        return cls(tokens=cp.decode.tokens, reference_tokens=list(theirs), steps=cp.decode.steps)
 
     def to_json(self) -> dict[str, object]:
         return {"tokens": self.tokens, "reference_tokens": self.reference_tokens,
@@ -219,23 +240,31 @@ class Draft:
 
     #: drafts verified per speculative step (k)
     draft_tokens: int
-    prefill_max_rel_err_vs_reference: float
+    #: over the prompts the reference computed whole (None: none)
+    prefill_max_rel_err_vs_reference: float | None
     #: None without speculative decoding (no decode phase)
     speculation: SpeculationStats | None = None
-    #: the speculative tokens equal the reference's plain greedy ones (None: no decode)
+    #: the speculative tokens equal the reference's plain greedy ones (None: no decode, or the
+    #: reference generated for no prompt)
     tokens_match_reference: bool | None = None
     #: layers of the decode rank's pool (the MTP layer's included)
     decode_kv_layers: int = 0
 
     @classmethod
-    def of(cls, draft_tokens: int, cp: CPRun, ref: ReferenceRun) -> Draft:
-        a, b = cp.rank0.draft_logits, ref.report.draft_logits
-        assert a is not None and b is not None
+    def of(cls, draft_tokens: int, cp: CPRun, ref: ReferenceRun | None) -> Draft:
+        a = cp.rank0.draft_logits
+        assert a is not None
+        err = None
+        if ref is not None:
+            b = ref.report.draft_logits
+            assert b is not None
+            err = rows_rel_err(a, b, [i for i in range(a.shape[0]) if ref.computed_whole(i)])
         dec = cp.decode
         if dec is None or dec.speculation is None:
-            return cls(draft_tokens, max_rel_err(a, b))
-        return cls(draft_tokens, max_rel_err(a, b), speculation=dec.speculation,
-                   tokens_match_reference=dec.tokens == ref.tokens,
+            return cls(draft_tokens, err)
+        theirs = ref.tokens if ref is not None else [None] * len(dec.tokens)
+        return cls(draft_tokens, err, speculation=dec.speculation,
+                   tokens_match_reference=tokens_match(dec.tokens, theirs),
                    decode_kv_layers=dec.kv_layers)
 
     def to_json(self) -> dict[str, object]:
@@ -311,3 +340,27 @@ class Warmup:
     def to_json(self) -> dict[str, object]:
         return {"tokens": self.tokens, "seconds_per_rank": self.seconds_per_rank,
                 "compiled_per_rank": self.compiled_per_rank}
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The one-rank reference (``run.reference``): what it computed, what the verdict compared
+    with it and what it did not."""
+
+    #: "full", "sample" or "off"
+    mode: str
+    #: with "sample": ``run.reference_tokens``, the tokens of a prompt it computes at most
+    sample_tokens: int | None
+    #: per prompt, the tokens it computed (its first ones; 0: none)
+    prompt_tokens: list[int]
+    #: what was compared, one line each (e.g. "last-token logits of 4 prompts")
+    checked: list[str]
+    #: what was not compared and why, one line each
+    not_checked: list[str]
+    #: its wall time (model load, prefill, decode), seconds
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return {"mode": self.mode, "sample_tokens": self.sample_tokens,
+                "prompt_tokens": self.prompt_tokens, "checked": self.checked,
+                "not_checked": self.not_checked, "seconds": self.seconds}

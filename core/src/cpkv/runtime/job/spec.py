@@ -121,13 +121,15 @@ class Served:
 
 
 def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _nothing, *,
-                    use_cache: bool = True, sending: bool = False) -> Served:
+                    use_cache: bool = True, sending: bool = False, what: str = "prefill"
+                    ) -> Served:
     """Prefill the job's batches in order, calling ``after`` after each. A prompt served whole in
     a batch first takes the longest cached prefix (``session.admit``; with ``use_cache`` and
     a session cache), and a prompt whose final chunk ran is finished into the cache after
     ``after`` (which may still send its pages); without ``use_cache`` requests stay in the pool
     (the reference decodes them later). ``sending``: ``after`` sends every request of the
-    batch (the session learns it up front: ``PrefillSession.prefill(send=...)``).
+    batch (the session learns it up front: ``PrefillSession.prefill(send=...)``). ``what``
+    names the work in the progress notes (tokens done of all prompts' tokens).
 
     Raises:
         ValueError: the job has no prompts.
@@ -155,7 +157,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
         extends = [e - done[i] for i, e in zip(idx, ends, strict=True)]
         last = b == len(batches) - 1
         # tokens done (cache hits included) of all: what the progress display shows
-        note_progress("prefill", sum(done), total)
+        note_progress(what, sum(done), total)
         hang_if_asked("prefill", session.group.rank)
         # the draft layer's last row of a non-final chunk takes the prompt's next token
         nxt = [spec.prompts[i][e] if e < len(spec.prompts[i]) else None
@@ -172,7 +174,7 @@ def prefill_batches(session: PrefillSession, spec: JobSpec, after: BatchDone = _
             if res.draft_logits is not None:
                 draft_logits[i] = res.draft_logits[j].float()
         finished = [(i, done[i] == len(spec.prompts[i])) for i in idx]
-        note_progress("prefill", sum(done), total)
+        note_progress(what, sum(done), total)
         after(finished, res)
         if cache:
             for i, final in finished:
