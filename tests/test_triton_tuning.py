@@ -93,15 +93,11 @@ def test_the_tables_values_are_what_the_kernels_had() -> None:
                                 "FEW_ROWS": 8, "FEW_BLOCK_N": 128, "few_warps": 4,
                                 "PAGED_BLOCK_N": 128, "PAGED_ROWS": 1, "paged_warps": 4,
                                 "PAGED_KERNEL": 1, "PAGED_PAGES": 8, "PAGED_STAGES": 1,
-                                "PAGED_KEYS_M": 1, "PAGED_PRECISE": 0,
-                                "PAGED_MAJOR_PAGES": 16, "PAGED_MAJOR_STAGES": 3,
-                                # the async Gluon kernel: off until an H200 run measures it
-                                "ASYNC": 0, "ASYNC_BLOCK_M": 64, "ASYNC_BLOCK_N": 64,
-                                "ASYNC_STAGES": 4, "ASYNC_GROUP": 4, "ABS_PARTS": 0}
+                                "PAGED_KEYS_M": 1, "PAGED_MAJOR_PAGES": 16,
+                                "PAGED_MAJOR_STAGES": 3}
     assert h200[Op.TOPK] == {"BLOCK": 512, "CHUNK": 8192, "num_warps": 4, "final_warps": 4,
                              "BINS": 64}
     assert h200[Op.TOPK_LONG]["MIN_T"] == 196608 and h200[Op.TOPK_LONG]["SCRATCH_MB"] == 64
-    assert h200[Op.TOPK_LONG]["HELD"] == 0  # the register-held select: slower (session 18)
     # a decode step's rows (fewer programs than SMs): 8 warps for the floor and the select
     assert h200[Op.TOPK_LONG]["FEW_ROWS"] == 128
     assert h200[Op.TOPK_LONG]["few_floor_warps"] == h200[Op.TOPK_LONG]["few_select_warps"] == 8
@@ -122,7 +118,7 @@ def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.Monk
     """``TRITON_CPKV_TUNING`` (a tuning session's values, inherited by the processes a run
     starts) changes the named fields of every device's row and nothing else, said once in a
     warning; unset, the table's values again."""
-    spec = "TOPK_LONG.GLUON=1, INDEXER.ASYNC=1,TOPK_LONG.BLOCK=512"
+    spec = "TOPK_LONG.GLUON=1, INDEXER.FEW_ROWS=1,TOPK_LONG.BLOCK=512"
     monkeypatch.setenv(tuning.TUNING_ENV, spec)
     tuning.cache_clear()
     try:
@@ -130,7 +126,7 @@ def test_the_environment_overrides_a_field_of_every_row(monkeypatch: pytest.Monk
             long_row = tuning._tuned(Op.TOPK_LONG, name, cap)
             table = tuning.row(Op.TOPK_LONG, name, cap).params.as_dict()
             assert dict(long_row) == {**table, "GLUON": 1, "BLOCK": 512}
-            assert tuning._tuned(Op.INDEXER, name, cap)["ASYNC"] == 1
+            assert tuning._tuned(Op.INDEXER, name, cap)["FEW_ROWS"] == 1
             assert dict(tuning._tuned(Op.TOPK, name, cap)) == tuning.row(Op.TOPK).params.as_dict()
         said = [r for r in caplog.records if r.name == "cpkv.tuning"]
         assert len(said) == 1 and spec in said[0].getMessage(), said

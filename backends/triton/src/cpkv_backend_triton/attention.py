@@ -31,13 +31,12 @@ from cpkv.ops.api import (
     report_fallback,
 )
 
-from .indexer_tile import head_sum, key_tile, qk_dot, split_queries
+from .indexer_tile import head_sum, key_tile, qk_dot
 from .indexer_topk import INDEXER_TOPK
 from .indexer_topk import indexer_topk as fused_indexer_topk
 from .topk import TOPK_METHOD, TOPK_RADIX_MAX_K
 from .topk import topk as select_topk
 from .tuning import DeviceTuned, Op
-from .variants import report_variant_declined
 
 if TYPE_CHECKING:
     from cpkv.ops.api import KVPart
@@ -91,16 +90,14 @@ def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, qw_ptr, sh_ptr,
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
                     N, T,
                     sq0, sq1, sq2, sw0, sw1, sk0, sk1, so0,
                     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP8: tl.constexpr, UPCAST: tl.constexpr, PARTS: tl.constexpr,
-                    ASM: tl.constexpr):
-    """Program (key tile, row block): the tile's logits (:func:`.indexer_tile.head_sum`; with
-    ``PARTS`` the signed half's query parts ``qw_ptr`` / ``sh_ptr`` and ``w / 2``), the keys'
-    fp8 scale, -inf outside each row's range."""
+                    FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (key tile, row block): the tile's logits (:func:`.indexer_tile.head_sum`), the
+    keys' fp8 scale, -inf outside each row's range."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,8 +113,8 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, qw_
         d = tl.arange(0, DP)
         dmask = d < D
         ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
-        acc = head_sum(q_ptr, w_ptr, qw_ptr, sh_ptr, ktt, rows64, rmask, d, dmask,
-                       sq0, sq1, sq2, sw0, sw1, H, D, BLOCK_M, BLOCK_N, UPCAST, PARTS, ASM)
+        acc = head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask,
+                       sq0, sq1, sq2, sw0, sw1, H, BLOCK_M, BLOCK_N, UPCAST)
         if FP8:
             c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
             acc = acc * c[None, :]
@@ -155,7 +152,7 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
         ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
         qt = tl.load(q_ptr + rows64[:, None] * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                      mask=rmask[:, None] & dmask[None, :], other=0.0)
-        s = qk_dot(qt, ktt, UPCAST, 0)
+        s = qk_dot(qt, ktt, UPCAST)
         wv = tl.load(w_ptr + rows64 * sw0 + head * sw1, mask=rmask, other=0.0)
         acc = tl.sum(tl.reshape(wv[:, None] * tl.maximum(s, 0.0), [BQ, HP, BLOCK_N]), axis=1)
         if FP8:
@@ -203,7 +200,7 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                 ktt = key_tile(k_ptr, q_ptr, base, inr, d, dmask, 1, 1, UPCAST)
                 qt = tl.load(q_ptr + row64 * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
                              mask=hmask[:, None] & dmask[None, :], other=0.0)
-                s = qk_dot(qt, ktt, UPCAST, 0)
+                s = qk_dot(qt, ktt, UPCAST)
                 wv = tl.load(w_ptr + row64 * sw0 + head * sw1, mask=hmask, other=0.0)
                 acc = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
                 if FP8:
@@ -222,7 +219,7 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                           S: tl.constexpr, KROW: tl.constexpr, SROW: tl.constexpr,
                           PAGES: tl.constexpr, STAGES: tl.constexpr, KEYS_M: tl.constexpr,
-                          PRECISE: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+                          FP8: tl.constexpr, UPCAST: tl.constexpr,
                           KALIGN: tl.constexpr):
     """The indexer of one query row against ``PAGES`` whole pages of its request's keys, a page
     a step: the page's ``S`` keys are one run in the pool (slot ``s``'s values at element
@@ -235,11 +232,7 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
     software-pipelined ``STAGES`` deep (1: loads into registers); pages at or past ``key_end``
     store -inf and load nothing. ``KEYS_M``: the dot is ``keys @ q^T`` (the key tile its
     register-fed left operand, the head sum a reduction within warps) instead of ``q @ keys^T``
-    (the key tile through shared memory, the head sum across warps). ``PRECISE`` (fp8 x fp8
-    dots on the tensor cores): 0, Triton's default accumulation (on sm90 the wgmma
-    accumulator's reduced-precision adds over the whole dot); k > 0, the partial sums promoted
-    into fp32 every k of the dot's reduction (``max_num_imprecise_acc``; 32 = every wgmma, as
-    DeepGEMM promotes)."""
+    (the key tile through shared memory, the head sum across warps)."""
     row = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0) * PAGES
     ke = tl.load(ke_ptr + row)
@@ -273,10 +266,10 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             else:
                 kt = kt.to(q_ptr.dtype.element_ty)
             if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
-                sc = qk_dot(kt, tl.trans(qt), UPCAST, PRECISE)
+                sc = qk_dot(kt, tl.trans(qt), UPCAST)
                 acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
             else:  # [HP, S]: the heads the rows (as the key-tile kernel)
-                sc = qk_dot(qt, tl.trans(kt), UPCAST, PRECISE)
+                sc = qk_dot(qt, tl.trans(kt), UPCAST)
                 acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
             if FP8:
                 c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
@@ -539,8 +532,6 @@ class AttentionKernels:
         # num_stages that compiled, per kernel specialisation (an out-of-resource compile retries
         # with fewer stages once, on the host, without touching device data)
         self._stages: dict[tuple[Any, ...], int] = {}
-        #: why the async indexer declined, each said once
-        self._async_said: set[str] = set()
 
     def _launch(self, key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
                 consts: dict[str, Any], num_warps: int, num_stages: int) -> None:
@@ -607,52 +598,16 @@ class AttentionKernels:
                           "FP8": fp8, "UPCAST": upcast},
                          cfg["few_warps"], cfg["num_stages"])
             return out
-        if cfg["ASYNC"] and both_fp8 and not interp and self._async_indexer(q, w, k, scale, ks,
-                                                                             ke, out):
-            return out
         grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
-        parts = self.abs_parts(q, fp8)
-        qw, sh = out, out  # unused pointers of the plain sum
-        if parts:
-            qw, sh, w = split_queries(q, w, parts)
-        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast, parts)
+        key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast)
         self._launch(key, _indexer_kernel, grid,
-                     (q, w, k, scale, ks, ke, out, qw, sh, n, t,
+                     (q, w, k, scale, ks, ke, out, n, t,
                       q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
                       k.stride(0), k.stride(1), out.stride(0)),
                      {"H": heads, "D": d, "DP": dp, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
-                      "UPCAST": upcast, "PARTS": parts, "ASM": not interp},
+                      "UPCAST": upcast},
                      cfg["num_warps"], cfg["num_stages"])
         return out
-
-    def abs_parts(self, q: torch.Tensor, fp8_keys: bool) -> int:
-        """The fp8 parts of the signed half the row-tile indexer (and the fused indexer +
-        top-k filter, which must match it) sums with (:mod:`.indexer_tile`): the tuning
-        table's ``ABS_PARTS`` for fp8 queries on fp8 keys with a power-of-two head dim, else 0
-        (the plain ``w * relu(s)``)."""
-        d = q.shape[-1]
-        if not (fp8_keys and q.dtype == torch.float8_e4m3fn) or d & (d - 1):
-            return 0
-        return int(self.indexer_config["ABS_PARTS"])
-
-    def _async_indexer(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
-                       scale: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
-                       out: torch.Tensor) -> bool:
-        """``ASYNC = 1``: the Gluon kernel of :mod:`.indexer_async` into ``out``; False (reported
-        once per reason, the Triton kernel runs) when it cannot take the call."""
-        cfg = self.indexer_config
-        try:
-            from .indexer_async import async_indexer_declines, async_indexer_logits
-        except ImportError as exc:  # a Triton without Gluon's Hopper modules
-            why: str | None = f"Gluon cannot be imported ({exc})"
-        else:
-            why = async_indexer_declines(q, k, scale, int(cfg["ASYNC_BLOCK_M"]))
-        if why is None:
-            async_indexer_logits(q, w, k, scale, ks, ke, out, cfg)
-            return True
-        report_variant_declined(self._async_said, "triton:indexer_logits",
-                                "the async Gluon kernel (ASYNC=1)", "the Triton kernel", why)
-        return False
 
     def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
                              fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
@@ -754,10 +709,8 @@ class AttentionKernels:
         major = kst[2] == d
         pp = max(1, min(cfg["PAGED_MAJOR_PAGES" if major else "PAGED_PAGES"], m))
         stages = cfg["PAGED_MAJOR_STAGES" if major else "PAGED_STAGES"]
-        # promotion applies to fp8 x fp8 tensor-core dots only (and is at most the dot's width)
-        precise = min(cfg["PAGED_PRECISE"], d) if both_fp8 and not upcast else 0
         self._launch(("indexer_pages", q.dtype, keys.dtype, heads, d, fmt.page_size, kst[2],
-                      sst[2], pp, stages, cfg["PAGED_KEYS_M"], precise, upcast),
+                      sst[2], pp, stages, cfg["PAGED_KEYS_M"], upcast),
                      _indexer_pages_kernel, (triton.cdiv(m, pp), n),
                      (q, w, keys, scales, block_table, row_request, key_end, out, m,
                       m * fmt.page_size, q.stride(0), q.stride(1), q.stride(2), w.stride(0),
@@ -766,7 +719,7 @@ class AttentionKernels:
                      {"H": heads, "HP": _pow2(heads), "D": d,
                       "DP": _dot_width(d, both_fp8, upcast), "S": fmt.page_size,
                       "KROW": kst[2], "SROW": sst[2], "PAGES": pp, "STAGES": stages,
-                      "KEYS_M": cfg["PAGED_KEYS_M"], "PRECISE": precise, "FP8": fp8,
+                      "KEYS_M": cfg["PAGED_KEYS_M"], "FP8": fp8,
                       "UPCAST": upcast,
                       "KALIGN": _row_alignment((kst[0], kst[1]), keys.element_size())},
                      cfg["paged_warps"], 1)
@@ -813,7 +766,7 @@ class AttentionKernels:
             return fused_indexer_topk(q, w, k, k_scale, key_start, key_end, topk, fp8=fp8,
                                       dot_width=_dot_width(d, both_fp8, upcast), upcast=upcast,
                                       interpreted=interp, sample_logits=self.indexer_logits,
-                                      launch=self._launch, parts=self.abs_parts(q, fp8))
+                                      launch=self._launch)
         logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
         return self.topk(logits, topk, key_start, key_end)
 

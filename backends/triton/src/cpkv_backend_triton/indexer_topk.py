@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .indexer_tile import head_sum, key_tile, split_queries
+from .indexer_tile import head_sum, key_tile
 from .topk import (
     bin_count,
     copied_rounds,
@@ -132,19 +132,18 @@ def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, s
 
 
 @triton.jit
-def _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, qw_ptr, sh_ptr, rows64, rmask, cols64, cmask,
+def _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
                  sq0, sq1, sq2, sw0, sw1, sk0, sk1,
                  H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
-                 PARTS: tl.constexpr, ASM: tl.constexpr):
+                 BLOCK_N: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
     """A [BLOCK_M, BLOCK_N] tile of logits as the plain indexer op computes it: the
     same helpers (:func:`.indexer_tile.key_tile`, :func:`.indexer_tile.head_sum`), then the
     keys' fp8 scale, so the fused path chooses from the plain path's logits bit for bit."""
     d = tl.arange(0, DP)
     dmask = d < D
     ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
-    acc = head_sum(q_ptr, w_ptr, qw_ptr, sh_ptr, ktt, rows64, rmask, d, dmask,
-                   sq0, sq1, sq2, sw0, sw1, H, D, BLOCK_M, BLOCK_N, UPCAST, PARTS, ASM)
+    acc = head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask,
+                   sq0, sq1, sq2, sw0, sw1, H, BLOCK_M, BLOCK_N, UPCAST)
     if FP8:
         c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
         acc = acc * c[None, :]
@@ -176,12 +175,11 @@ SKIP:
 
 @triton.jit
 def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_ptr, val_ptr,
-                         col_ptr, count_ptr, qw_ptr, sh_ptr, N, T, K, CAP,
+                         col_ptr, count_ptr, N, T, K, CAP,
                          sq0, sq1, sq2, sw0, sw1, sk0, sk1,
                          H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         FP8: tl.constexpr, UPCAST: tl.constexpr, PARTS: tl.constexpr,
-                         ASM: tl.constexpr):
+                         FP8: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr):
     """Step 3 (program (key tile, row block), as the plain indexer op's): the tile's
     logits for the block's rows holding more than K keys; those at or above the row's floor
     appended to the row's candidates (value, column) at a slot from a relaxed atomic add on
@@ -208,9 +206,9 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
     # it): computing and using the tile inside the branch took 223 registers instead of 166
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if (n0 < hi) & (n0 + BLOCK_N > lo):
-        acc = _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, qw_ptr, sh_ptr, rows64, rmask,
+        acc = _tile_logits(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask,
                            cols.to(tl.int64), cmask, sq0, sq1, sq2, sw0, sw1, sk0, sk1, H, D, DP,
-                           BLOCK_M, BLOCK_N, FP8, UPCAST, PARTS, ASM)
+                           BLOCK_M, BLOCK_N, FP8, UPCAST)
     # +inf: a row holding at most K keys (or none) takes no candidate
     fl = tl.load(floor_ptr + rows64, mask=long, other=float("inf"))
     inr = (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
@@ -455,12 +453,11 @@ def select_fused(val: torch.Tensor, col: torch.Tensor, count: torch.Tensor,
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None,
                  key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, fp8: bool,
                  dot_width: int, upcast: bool, interpreted: bool, sample_logits: SampleLogits,
-                 launch: Launch, parts: int = 0) -> torch.Tensor:
+                 launch: Launch) -> torch.Tensor:
     """The fused path (module docstring) for checked arguments, ``0 < topk < T``, N > 0:
     int32 [N, topk]. ``dot_width``: the padded head dim of the dots; ``upcast``: fp32 dots
     (the interpreter, or operands without a tensor-core type); ``interpreted``: the kernels run
-    on Triton's CPU interpreter (no inline PTX there); ``parts``: the plain indexer's
-    ``ABS_PARTS`` for these arguments (its tile, :mod:`.indexer_tile`)."""
+    on Triton's CPU interpreter (no inline PTX there)."""
     n, heads, d = q.shape
     t = k.shape[0]
     cfg = INDEXER_TOPK
@@ -487,16 +484,13 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: tor
     scale = k_scale.contiguous() if k_scale is not None else floor  # unused for float keys
     bm = min(cfg["BLOCK_M"], _pow2(n))
     bn = cfg["BLOCK_N"]
-    wf, qw, sh = w, floor, floor  # the parts' pointers unused by the plain sum
-    if parts:
-        qw, sh, wf = split_queries(q, w, parts)
-    launch(("indexer_topk", q.dtype, k.dtype, heads, d, bm, bn, upcast, parts),
+    launch(("indexer_topk", q.dtype, k.dtype, heads, d, bm, bn, upcast),
            _fused_filter_kernel, (triton.cdiv(t, bn), triton.cdiv(n, bm)),
-           (q, wf, k, scale, ks, ke, floor, val, col, count, qw, sh, n, t, topk, lay.cap,
-            q.stride(0), q.stride(1), q.stride(2), wf.stride(0), wf.stride(1), k.stride(0),
+           (q, w, k, scale, ks, ke, floor, val, col, count, n, t, topk, lay.cap,
+            q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0),
             k.stride(1)),
            {"H": heads, "D": d, "DP": dot_width, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
-            "UPCAST": upcast, "PARTS": parts, "ASM": ptx,
+            "UPCAST": upcast, "ASM": ptx,
             **({"maxnreg": cfg["MAXNREG"]} if ptx else {})},
            cfg["num_warps"], cfg["num_stages"])
     # 4. the select; 5. the flagged rows, exactly

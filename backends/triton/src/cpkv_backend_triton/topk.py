@@ -544,34 +544,9 @@ def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T
 
 
 @triton.jit
-def _refine_held(crow0, cnts, orow, K, CAP: tl.constexpr, NSP: tl.constexpr,
-                 SLOT: tl.constexpr):
-    """:func:`_refine` of a row whose splits each hold at most SLOT candidates: all of them
-    loaded once into one ``[NSP * SLOT]`` block (splits in column order, each in column order),
-    the 4 radix rounds and the final pass over registers (the loop version reads every split
-    from memory 5 times in RB-wide steps: ~40 steps for a decode row's 8 splits)."""
-    j = tl.arange(0, NSP)
-    i = tl.arange(0, SLOT)
-    m2 = i[None, :] < cnts[:, None]
-    comp = tl.load(crow0 + j[:, None] * CAP + i[None, :], mask=m2, other=0)
-    s = tl.reshape((comp >> 32).to(tl.int32), [NSP * SLOT])
-    col = tl.reshape(2147483647 - comp.to(tl.int32), [NSP * SLOT])
-    m = tl.reshape(m2, [NSP * SLOT])
-    need = K + tl.zeros([], tl.int32)
-    prefix = tl.zeros([], tl.int32)
-    for p in tl.static_range(4):
-        d, mm = _radix_digit(s, m, prefix, p)
-        need, prefix = _radix_step(tl.histogram(d, 256, mask=mm), need, prefix, p)
-    eq = m & (s == prefix)
-    eq_rank = tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys, column order
-    take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-    tl.store(orow + tl.cumsum(take, 0) - 1, col, mask=take != 0)
-
-
-@triton.jit
 def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, T, K, NS,
                         KP: tl.constexpr, CAP: tl.constexpr, NSP: tl.constexpr,
-                        RB: tl.constexpr, SLOT: tl.constexpr, COMPACT: tl.constexpr):
+                        RB: tl.constexpr, COMPACT: tl.constexpr):
     """Long rows, kernel 3 of 4 (one program per row): rows holding at most K keys list them
     ascending (-1 padded); the others refine their candidates, splits in column order (exact
     radix select, 4 histograms of 8 bits, then the keys above the K-th and the first ones equal
@@ -590,18 +565,8 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
         if bad:
             tl.store(meta_ptr + row * 2, -1)
         else:
-            if SLOT > 0:  # a constexpr branch, then a per-row one
-                if most <= SLOT:
-                    _refine_held(cand_ptr + row * NS * CAP, cnts, out_ptr + row * K, K, CAP,
-                                 NSP, SLOT)
-                else:
-                    _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS,
-                            out_ptr + row * K, K + tl.zeros([], tl.int32),
-                            tl.zeros([], tl.int32), CAP, RB, COMPACT)
-            else:
-                _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS, out_ptr + row * K,
-                        K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB,
-                        COMPACT)
+            _refine(cand_ptr + row * NS * CAP, count_ptr + row * NS, NS, out_ptr + row * K,
+                    K + tl.zeros([], tl.int32), tl.zeros([], tl.int32), CAP, RB, COMPACT)
             tl.store(meta_ptr + row * 2, K)
 
 
@@ -634,11 +599,9 @@ def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.
     cfg = TOPK_LONG
     n, ns = count.shape
     nsp = _pow2(ns, 1)
-    # candidates held in registers: HELD in all, HELD / NSP a split (0: the loop always)
-    slot = min(cfg["HELD"] // nsp, _pow2(cap, 1)) if cfg["HELD"] >= nsp else 0
     _topk_select_kernel[(n,)](key_start, key_end, out, cand, count, meta, t, k, ns,
                               KP=_pow2(k), CAP=cap, NSP=nsp, RB=min(cfg["REFINE"], cap),
-                              SLOT=slot, COMPACT=bool(cfg["COMPACT"]), num_warps=warps)
+                              COMPACT=bool(cfg["COMPACT"]), num_warps=warps)
 
 
 def _splits(n: int, t: int, cap: int, split_min: int = 0) -> int:
@@ -743,8 +706,7 @@ def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floo
         else:
             why = gluon_filter_declines(logits, blk, warps)
     if why is None:
-        gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk, cap, warps,
-                     bool(TOPK_LONG["PREFETCH"]))
+        gluon_filter(logits, ks, ke, floor, cand, count, k, cs, ns, blk, cap, warps)
         return True
     report_variant_declined(_GLUON_DECLINED, "triton:topk",
                             "the Gluon filter (TOPK_LONG GLUON=1)", "the Triton filter", why)

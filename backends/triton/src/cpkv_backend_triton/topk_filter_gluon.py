@@ -54,7 +54,7 @@ def _keep(x, cols, take, cnt, crow, CAP: gl.constexpr):
 @gluon.jit
 def _topk_filter_gluon_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS,
                               NS, sx0, BLOCK: gl.constexpr, CAP: gl.constexpr,
-                              PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                              num_warps: gl.constexpr):
     lay: gl.constexpr = gl.BlockedLayout([BLOCK // (32 * num_warps)], [32], [num_warps], [0])
     row = gl.program_id(0).to(gl.int64)
     j = gl.program_id(1)
@@ -71,23 +71,11 @@ def _topk_filter_gluon_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_
         a_lo = (c_lo // 16) * 16
         full = a_lo + ((c_hi - a_lo) // BLOCK) * BLOCK  # blocks wholly below c_hi (<= T)
         idx = gl.arange(0, BLOCK, layout=lay)
-        if PREFETCH:  # block i + 1's load issued before block i's scan: two blocks in flight
-            if a_lo < full:
-                x = gl.load(xrow + a_lo + idx)
-                for c0 in range(a_lo, full - BLOCK, BLOCK):
-                    c0 = gl.multiple_of(c0, 16)
-                    nxt = gl.load(xrow + (c0 + BLOCK) + idx)
-                    cols = c0 + idx
-                    cnt = _keep(x, cols, (cols >= c_lo) & (x >= lo), cnt, crow, CAP)
-                    x = nxt
-                cols = gl.multiple_of(full - BLOCK, 16) + idx
-                cnt = _keep(x, cols, (cols >= c_lo) & (x >= lo), cnt, crow, CAP)
-        else:
-            for c0 in range(a_lo, full, BLOCK):
-                c0 = gl.multiple_of(c0, 16)
-                cols = c0 + idx
-                x = gl.load(xrow + cols)
-                cnt = _keep(x, cols, (cols >= c_lo) & (x >= lo), cnt, crow, CAP)
+        for c0 in range(a_lo, full, BLOCK):
+            c0 = gl.multiple_of(c0, 16)
+            cols = c0 + idx
+            x = gl.load(xrow + cols)
+            cnt = _keep(x, cols, (cols >= c_lo) & (x >= lo), cnt, crow, CAP)
         for c0 in range(full, c_hi, BLOCK):  # the last block, masked (at most one)
             cols = c0 + idx
             m = (cols < c_hi) & (cols >= c_lo)
@@ -113,12 +101,10 @@ def gluon_filter_declines(logits: torch.Tensor, block: int, warps: int) -> str |
 
 def gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floor: torch.Tensor,
                  cand: torch.Tensor, count: torch.Tensor, k: int, cs: int, ns: int, block: int,
-                 cap: int, warps: int, prefetch: bool = False) -> None:
+                 cap: int, warps: int) -> None:
     """:func:`_topk_filter_gluon_kernel` over ``logits`` [N, T] fp32 (the caller checked
-    :func:`gluon_filter_declines`): the same arguments and results as the Triton filter.
-    ``prefetch``: each block's load issued before the previous block's scan (the table's
-    ``PREFETCH``)."""
+    :func:`gluon_filter_declines`): the same arguments and results as the Triton filter."""
     n, t = logits.shape
     _topk_filter_gluon_kernel[(n, ns)](logits, ks, ke, floor, cand, count, t, k, cs, ns,
                                        logits.stride(0), BLOCK=block, CAP=cap,
-                                       PREFETCH=prefetch, num_warps=warps)
+                                       num_warps=warps)

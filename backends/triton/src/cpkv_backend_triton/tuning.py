@@ -114,15 +114,8 @@ class IndexerParams(_Params):
     PAGED_PAGES: int
     PAGED_STAGES: int
     PAGED_KEYS_M: int
-    PAGED_PRECISE: int
     PAGED_MAJOR_PAGES: int
     PAGED_MAJOR_STAGES: int
-    ASYNC: int
-    ASYNC_BLOCK_M: int
-    ASYNC_BLOCK_N: int
-    ASYNC_STAGES: int
-    ASYNC_GROUP: int
-    ABS_PARTS: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,7 +177,6 @@ class TopkLongParams(_Params):
     SPLIT_MIN: int
     SCRATCH_MB: int
     REFINE: int
-    HELD: int
     GLUON: int
     num_warps: int
     select_warps: int
@@ -196,7 +188,6 @@ class TopkLongParams(_Params):
     few_BLOCK: int = 0
     FLOOR_ROUNDS: int = 4
     COMPACT: int = 0
-    PREFETCH: int = 0
 
 
 @dataclass(frozen=True)
@@ -251,10 +242,7 @@ _NONE_ELSE = "no other device measured: the H200's values ({})"
 _INDEXER_H200 = IndexerParams(
     BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, FEW_ROWS=8, FEW_BLOCK_N=128, few_warps=4,
     PAGED_BLOCK_N=128, PAGED_ROWS=1, paged_warps=4, PAGED_KERNEL=1, PAGED_PAGES=8, PAGED_STAGES=1,
-    PAGED_KEYS_M=1, PAGED_PRECISE=0, PAGED_MAJOR_PAGES=16, PAGED_MAJOR_STAGES=3,
-    # the async Gluon kernel measured on an H100 (results/session15/indexer_async_sweep_h100.json):
-    # 0.81-0.88x the Triton kernel at this launch, 0.86-1.07x at 64 x 128 in 2-head groups: off
-    ASYNC=0, ASYNC_BLOCK_M=64, ASYNC_BLOCK_N=64, ASYNC_STAGES=4, ASYNC_GROUP=4)
+    PAGED_KEYS_M=1, PAGED_MAJOR_PAGES=16, PAGED_MAJOR_STAGES=3)
 _INDEXER_SRC = (
     "docs/perf.md Kernels, indexer_logits_32k_speedup: num_warps 4 598 vs 497 TFLOP/s at 1024 x "
     "32K x 64 x 128; the few-rows kernel at 64K fp8 keys x 64 heads: 1-4 rows ~2x the row-tile "
@@ -283,8 +271,6 @@ _TOPK_SRC = ("docs/perf.md Long prompts / docs/triton.md topk, 1024 x 64K on the
              "warps the best of a sweep")
 _TOPK_LONG_H200 = TopkLongParams(MIN_T=196608, SAMPLE=4096, CAP=16384, BLOCK=1024, PROGRAMS=8192,
                                  SPLIT_MIN=32768, SCRATCH_MB=64, REFINE=1024,
-                                 # HELD off until measured (benchmarks/topk_sweep_gpu.py)
-                                 HELD=0,
                                  GLUON=1, num_warps=4, select_warps=4,
                                  FEW_ROWS=128, few_floor_warps=8, few_select_warps=8,
                                  few_BLOCK=2048, COMPACT=1, FLOOR_ROUNDS=3)
