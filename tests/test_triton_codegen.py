@@ -43,7 +43,8 @@ import inspect, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cpkv_backend_triton.attention import _indexer_paged_kernel, _row_alignment
+from cpkv_backend_triton.index_views import row_alignment as _row_alignment
+from cpkv_backend_triton.kernels.indexer import _indexer_paged_kernel
 
 names = list(inspect.signature(_indexer_paged_kernel.fn).parameters)
 ptrs = {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
@@ -83,7 +84,8 @@ import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cpkv_backend_triton.attention import _indexer_pages_kernel, _row_alignment
+from cpkv_backend_triton.index_views import row_alignment as _row_alignment
+from cpkv_backend_triton.kernels.indexer import _indexer_pages_kernel
 
 names = list(inspect.signature(_indexer_pages_kernel.fn).parameters)
 ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
@@ -142,7 +144,7 @@ import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from cpkv_backend_triton.topk_filter_gluon import _topk_filter_gluon_kernel as K
+from cpkv_backend_triton.kernels.topk_gluon import _topk_filter_gluon_kernel as K
 
 names = list(inspect.signature(K.fn).parameters)
 ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
@@ -187,10 +189,10 @@ import inspect, json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cpkv_backend_triton.attention import _indexer_kernel as K
-from cpkv_backend_triton.tuning import Op, row
+from cpkv_backend_triton.kernels.indexer import _indexer_kernel as K
+from cpkv_backend_triton.tuning import Launch, row
 
-cfg = row(Op.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
+cfg = row(Launch.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
 names = list(inspect.signature(K.fn).parameters)
 ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
         "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32"}
@@ -211,7 +213,7 @@ print(json.dumps({"ptx": k.asm["ptx"], "threads": 32 * cfg["num_warps"]}))
 def test_prefill_indexer_keeps_three_ctas_an_sm(tmp_path: Path) -> None:
     """The fp8 prefill indexer at its tuned launch (DeepSeek's 64 heads x 128) fits 3 CTAs an
     SM in registers, without spills: Nsight Compute found it latency-bound at 3 warps a
-    scheduler (docs/perf.md, session 16), and every variant measured above ~170 registers
+    scheduler (docs/triton.md), and every variant measured above ~170 registers
     (2 CTAs an SM) was slower whatever it saved (the ``|s|`` split at 201: 0.86x)."""
     res = _run_script(_INDEXER_SCRIPT)
     report = ptxas_report(res["ptx"], tmp_path)

@@ -25,8 +25,9 @@ import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import cpkv_backend_triton.attention as A
-import cpkv_backend_triton.indexer_topk as F
+import cpkv_backend_triton.kernels.indexer as A
+import cpkv_backend_triton.kernels.indexer_topk as F
+from cpkv_backend_triton.indexer_topk import INDEXER_TOPK
 
 PTRS = {"xs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv",
         "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
@@ -50,7 +51,7 @@ def build(fn, const, out_ptr="*fp32", **opts):
 
 plain, _ = build(A._indexer_kernel, {**TILE, "BLOCK_M": 64})
 filt, ptx = build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64, "ASM": True},
-                  maxnreg=F.INDEXER_TOPK["MAXNREG"])
+                  maxnreg=INDEXER_TOPK["MAXNREG"])
 out = {"plain": plain, "filter": filt,
        "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32")[0],
        "floor": build(F._sample_floor_kernel, {"SP": 4096, "ROUNDS": 4})[0],

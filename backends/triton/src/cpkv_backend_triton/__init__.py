@@ -1,8 +1,8 @@
-"""cpkv Triton backend: Triton kernels for cpkv's ops (issue #5).
+"""cpkv Triton backend: Triton kernels for cpkv's ops.
 
-``kv.py`` holds the KV kernels (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack),
-``attention.py`` the sparse-attention ones, ``rope.py`` the rotary embedding; ``ops.TritonOps``
-composes them. Without a CUDA device
+:mod:`.kernels` holds the ``@triton.jit`` kernels by op family; the modules here are their thin
+wrappers (``kv``, ``attention``, ``topk``, ``indexer_topk``, ``rope``, ``quant``, ``norm``),
+composed by ``ops.TritonOps``; :mod:`.tuning` holds the launch constants. Without a CUDA device
 the kernels run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is
 imported. Kept light: importing this package imports neither triton nor torch.
 """
