@@ -1,10 +1,7 @@
-"""The sparse-attention ops of one layer as thin wrappers over :mod:`.kernels`: the lightning
-indexer's logits (dense and paged), top-k selection, the fused indexer + top-k, and sparse MLA
-prefill. Each wrapper checks its arguments, picks a kernel and a launch from the tuning table
-(:mod:`.tuning`) and launches; shape-driven throughout: no ``.item()``, no data-dependent shapes,
-no host tensors, any number of rows including 0. Semantics are :class:`cpkv.ops.api.KVOps`'s,
-checked against the torch reference by ``cpkv.testing.conformance``; docs/triton.md describes
-the kernels and the measured choices behind the defaults.
+"""The sparse-attention ops of one layer as thin wrappers over :mod:`.kernels`: the indexer's
+logits (dense and paged), top-k, the fused indexer + top-k, sparse MLA prefill. Each checks its
+arguments, picks a kernel and a launch from :mod:`.tuning` and launches; shape-driven: no
+``.item()``, no host tensors, any number of rows. Semantics: :class:`cpkv.ops.api.KVOps`.
 """
 
 from __future__ import annotations
@@ -27,7 +24,14 @@ from cpkv.ops.api import (
     paged_latent,
 )
 
-from .index_views import dot_width, index_page_views, paged_index_views, pages_tileable, row_alignment
+from .index_views import (
+    dot_types,
+    dot_width,
+    index_page_views,
+    paged_index_views,
+    pages_tileable,
+    row_alignment,
+)
 from .indexer_topk import INDEXER_TOPK
 from .indexer_topk import indexer_topk as fused_indexer_topk
 from .kernels.indexer import (
@@ -44,6 +48,7 @@ from .tuning import DeviceTuned, Launch
 
 if TYPE_CHECKING:
     from cpkv.ops.api import KVPart
+
 
 __all__ = ["AttentionKernels", "MLAPrecision", "PageReader"]
 
@@ -69,32 +74,23 @@ class PageReader(Protocol):
     def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
                    dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor: ...
 
+
 class AttentionKernels:
-    """The sparse-attention ops (indexer_logits, indexer_logits_paged, topk, indexer_topk,
-    sparse_mla, sparse_mla_paged), on CUDA
-    tensors (or CPU tensors under ``TRITON_INTERPRET=1``); docs/triton.md describes the kernels.
+    """The sparse-attention ops (indexer_logits, the paged indexers, topk, indexer_topk,
+    sparse_mla, sparse_mla_paged) on CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``).
 
     Args:
-        indexer_config: overrides of :data:`INDEXER_DEFAULT`, the tuning table's row for the
-            current device when the object is made (:mod:`.tuning`: BLOCK_M, BLOCK_N, num_warps,
-            num_stages, FEW_ROWS, FEW_BLOCK_N, few_warps, PAGED_BLOCK_N, PAGED_ROWS,
-            paged_warps).
-        mla_config: overrides of the sparse-MLA launch and probability split (BLOCK_H,
-            BLOCK_K, num_warps, num_stages, P_SPLIT, P_FP16, P_CAT, HEADS_FAST), applied on top
-            of the configuration ``mla_precision`` picks.
-        mla_precision: the precision of ``sparse_mla`` on 16-bit (bf16 / fp16) q and kv.
-            ``"bf16"`` (default): one bf16 probability matrix, FlashMLA's precision
-            (:data:`MLA_LOWP_DEFAULT`), within bf16 tolerance of the fp32 reference and ~5x
-            faster. ``"exact"``: the probabilities as a sum of 16-bit pieces
-            (:data:`MLA_DEFAULT`), within 1e-5 of the fp32 reference. fp32 inputs always take
-            :data:`MLA_DEFAULT`.
-        topk_method: ``"radix"`` (default, exact) or ``"torch"`` (torch.topk; ties may differ),
-            see :data:`TOPK_METHOD`.
+        indexer_config: overrides of :data:`INDEXER_DEFAULT` (:class:`.tuning.IndexerParams`).
+        mla_config: overrides of sparse MLA's launch and probability split
+            (:class:`.tuning.MLAParams`), on top of the row ``mla_precision`` picks.
+        mla_precision: sparse MLA on 16-bit q and kv: ``"bf16"`` (default) one bf16 probability
+            matrix, FlashMLA's precision (:data:`MLA_LOWP_DEFAULT`); ``"exact"`` 16-bit pieces,
+            within 1e-5 of the fp32 reference (:data:`MLA_DEFAULT`, also every fp32 input's).
+        topk_method: ``"radix"`` (default, exact) or ``"torch"`` (torch.topk; ties may differ).
         kv: the KV ops ``sparse_mla_paged`` reads pages with; None: a new :class:`KVKernels`.
 
     Raises:
-        ValueError: an unknown ``topk_method`` or ``mla_precision``.
-    """
+        ValueError: an unknown ``topk_method`` or ``mla_precision``."""
 
     def __init__(self, indexer_config: dict[str, int] | None = None,
                  mla_config: dict[str, int] | None = None, topk_method: str = TOPK_METHOD,
@@ -138,11 +134,7 @@ class AttentionKernels:
         cfg = self.indexer_config
         bm = min(cfg["BLOCK_M"], pow2(n))
         bn = min(cfg["BLOCK_N"], pow2(t))
-        interp = interpreted(_indexer_kernel)
-        # 16-bit tensor-core dot when q and (converted) k share a 16-bit type; fp32 otherwise
-        # (fp8 q and keys: an fp8 x fp8 dot with fp32 accumulation)
-        both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
-        upcast = interp or not (both_fp8 or (q.dtype in _LOWP and (fp8 or k.dtype == q.dtype)))
+        both_fp8, upcast = dot_types(_indexer_kernel, q, k.dtype, fp8)
         ks, ke = key_start.contiguous(), key_end.contiguous()
         # unused pointer for float keys (the check gives fp8 keys, and only them, a scale)
         scale = k_scale.contiguous() if k_scale is not None else out
@@ -176,15 +168,12 @@ class AttentionKernels:
                              fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
                              key_end: torch.Tensor) -> torch.Tensor:
         """The lightning indexer over each row's request keys ``[0, key_end[i])`` read in place
-        from part-major pages through the block table; float32 [N, M * S], -inf past key_end.
-        See :class:`cpkv.ops.api.KVOps`. One launch, no host sync; the output is its only
-        allocation (capturable in a CUDA graph).
+        from part-major pages through the block table; float32 [N, M * S], -inf past key_end. One
+        launch, no host sync, the output its only allocation. See :class:`cpkv.ops.api.KVOps`.
 
         Raises:
             ValueError: a shape or dtype does not match (as the reference).
-            OpDeclined: the index-K byte offsets do not fit typed views (see
-                :func:`paged_index_views`).
-        """
+            OpDeclined: the index-K byte offsets do not fit typed views."""
         fp8 = check_indexer_paged_args(q, w, pages, fmt, block_table, row_request, key_end)
         n, heads, d = q.shape
         ms = block_table.shape[1] * fmt.page_size
@@ -198,9 +187,7 @@ class AttentionKernels:
                                 key_end, out, fp8)
             return out
         cfg = self.indexer_config
-        both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
-        upcast = interpreted(_indexer_paged_kernel) or not (
-            both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
+        both_fp8, upcast = dot_types(_indexer_paged_kernel, q, keys.dtype, fp8)
         bn = min(cfg["PAGED_BLOCK_N"], pow2(ms))
         bq = max(1, min(cfg["PAGED_ROWS"], n))
         hp = pow2(heads)  # a dot takes at least 16 rows
@@ -221,18 +208,13 @@ class AttentionKernels:
                                    index_pages: torch.Tensor, fmt: KVFormat,
                                    block_table: torch.Tensor, row_request: torch.Tensor,
                                    key_end: torch.Tensor) -> torch.Tensor:
-        """``indexer_logits_paged`` (the same block table, row requests and key ends, the same
-        result) over index-K pages in DeepGEMM's page-major order, the engines' ``two_part``
-        index-K tensor (:mod:`cpkv.kv.buffers`): uint8 ``[P, >= S x index bytes]``, page p's
-        ``S x D`` values, then (fp8) its ``S`` fp32 scales; float32 [N, M * S], -inf past
-        key_end. The page-tile kernel (:func:`_indexer_pages_kernel`) always: ``S`` a power of
-        two >= 16.
+        """``indexer_logits_paged`` over index-K in DeepGEMM's page-major order (the engines'
+        ``two_part`` tensor, uint8 ``[P, >= S x index bytes]``): the same result, always the
+        page-tile kernel.
 
         Raises:
             ValueError: a shape or dtype does not match.
-            OpDeclined: a page size the kernel cannot tile, or offsets the typed views cannot
-                address.
-        """
+            OpDeclined: a page size not a power of two >= 16, or offsets the views cannot address."""
         fp8 = check_indexer_index_pages_args(q, w, index_pages, fmt, block_table, row_request,
                                              key_end)
         if not pages_tileable(fmt.page_size):
@@ -264,9 +246,7 @@ class AttentionKernels:
         cfg = self.indexer_config
         n, heads, d = q.shape
         m = block_table.shape[1]
-        both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
-        upcast = interpreted(_indexer_pages_kernel) or not (
-            both_fp8 or (q.dtype in _LOWP and (fp8 or keys.dtype == q.dtype)))
+        both_fp8, upcast = dot_types(_indexer_pages_kernel, q, keys.dtype, fp8)
         # DeepGEMM's page-major order (rows of the values alone: 16-byte pieces, cp.async when
         # pipelined) has its own launch; the pool's part-major rows (4-byte pieces) theirs
         major = kst[2] == d
@@ -291,45 +271,32 @@ class AttentionKernels:
     def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
              key_end: torch.Tensor) -> torch.Tensor:
         """Columns of the k largest logits in each row's range; int32 [N, k], -1 padded; rows
-        holding at most k keys list them all ascending. See :class:`cpkv.ops.api.KVOps`.
-
-        Default (``topk_method="radix"``): the exact select of :mod:`cpkv_backend_triton.topk`, the
-        reference's set (ties by ascending column) in the kernels' order. ``"torch"``: a Triton
-        kernel masks the logits, ``torch.topk`` (sorted) selects, a Triton kernel fixes up short
-        rows and padding; ties at the k-th place may then resolve differently from the
-        reference.
+        holding at most k keys list them all ascending (:func:`.topk.topk`, ``topk_method``). See
+        :class:`cpkv.ops.api.KVOps`.
 
         Raises:
-            ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
-        """
+            ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped."""
         return select_topk(logits, k, key_start, key_end, self.topk_method)
 
     def indexer_topk(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                      k_scale: torch.Tensor | None, key_start: torch.Tensor,
                      key_end: torch.Tensor, topk: int) -> torch.Tensor:
-        """``topk(indexer_logits(...))`` as one op: int32 [N, topk]. See
-        :class:`cpkv.ops.api.KVOps`. Views of at least ``INDEXER_TOPK["MIN_T"]`` keys, more
-        than ``FEW_ROWS`` rows, the exact top-k (``topk_method="radix"``, ``topk`` <=
-        ``TOPK_RADIX_MAX_K``) take the fused path of :mod:`cpkv_backend_triton.indexer_topk`
-        (the logits never stored); other calls :meth:`indexer_logits` then :meth:`topk`. The
-        choice depends on shapes and settings only.
+        """``topk(indexer_logits(...))`` as one op: int32 [N, topk]. Views of at least
+        ``INDEXER_TOPK["MIN_T"]`` keys, more than ``FEW_ROWS`` rows and the exact top-k take the
+        fused path (:mod:`.indexer_topk`); the choice depends on shapes and settings only.
 
         Raises:
-            ValueError: an argument does not fit (as the reference).
-        """
+            ValueError: an argument does not fit (as the reference)."""
         fp8 = check_indexer_topk_args(q, w, k, k_scale, key_start, key_end, topk)
         n, _, d = q.shape
         t = k.shape[0]
         if (t >= INDEXER_TOPK["MIN_T"] and n > self.indexer_config["FEW_ROWS"]
                 and 0 < topk < t and topk <= TOPK_RADIX_MAX_K and self.topk_method == "radix"):
-            both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
-            interp = interpreted(_indexer_kernel)
-            upcast = interp or not (
-                both_fp8 or (q.dtype in _LOWP and (fp8 or k.dtype == q.dtype)))
+            both_fp8, upcast = dot_types(_indexer_kernel, q, k.dtype, fp8)
             return fused_indexer_topk(q, w, k, k_scale, key_start, key_end, topk, fp8=fp8,
                                       dot_width=dot_width(d, both_fp8, upcast), upcast=upcast,
-                                      interpreted=interp, sample_logits=self.indexer_logits,
-                                      launch=self._launch)
+                                      interpreted=interpreted(_indexer_kernel),
+                                      sample_logits=self.indexer_logits, launch=self._launch)
         logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
         return self.topk(logits, topk, key_start, key_end)
 
@@ -352,22 +319,17 @@ class AttentionKernels:
         cfg = self.mla_config if lowp else self.mla_fp32_config
         bh = min(cfg["BLOCK_H"], pow2(heads))
         bk = min(cfg["BLOCK_K"], pow2(nk))
-        interp = interpreted(_sparse_mla_kernel)
-        upcast = interp or not lowp
+        upcast = interpreted(_sparse_mla_kernel) or not lowp
         da, db = pow2(dv), pow2(dk - dv)
-        nhb = triton.cdiv(heads, bh)
-        heads_fast = bool(cfg.get("HEADS_FAST", 0))
-        grid = (n * nhb,) if heads_fast else (n, nhb)
-        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast, heads_fast)
-        self._launch(key, _sparse_mla_kernel, grid,
+        key = ("mla", q.dtype, kv.dtype, dk, dv, bh, bk, upcast)
+        self._launch(key, _sparse_mla_kernel, (n, triton.cdiv(heads, bh)),
                      (q, kv, indices, out, heads, nk, float(scale) * math.log2(math.e),
                       q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
                       indices.stride(0), indices.stride(1), out.stride(0), out.stride(1)),
                      {"DV": dv, "DK": dk, "DA": da, "DB": db, "HAS_B": dk > dv, "BLOCK_H": bh,
                       "BLOCK_K": bk, "UPCAST": upcast, "LOWP": lowp,
                       "P_SPLIT": cfg["P_SPLIT"], "P_FP16": cfg["P_FP16"] == 1,
-                      "P_CAT": cfg["P_CAT"] == 1 and cfg["P_SPLIT"] == 2,
-                      "HEADS_FAST": heads_fast, "NHB": nhb},
+                      "P_CAT": cfg["P_CAT"] == 1 and cfg["P_SPLIT"] == 2},
                      cfg["num_warps"], cfg["num_stages"])
         return out
 

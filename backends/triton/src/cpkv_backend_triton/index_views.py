@@ -6,14 +6,25 @@ padded head dim of an indexer dot. Views, not pointer casts: the interpreter run
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from cpkv.ops.api import KVDtype, KVFormat, OpDeclined
 
-from .launch import pow2
+from .launch import interpreted, pow2
 
-__all__ = ["dot_width", "index_page_views", "paged_index_views", "pages_tileable", "row_alignment"]
+__all__ = ["dot_types", "dot_width", "index_page_views", "paged_index_views", "pages_tileable",
+           "row_alignment"]
+
+
+def dot_types(kernel: Any, q: torch.Tensor, keys: torch.dtype, fp8: bool) -> tuple[bool, bool]:
+    """``(both_fp8, upcast)`` of an indexer dot of ``q`` against keys of dtype ``keys``: fp8
+    queries on fp8 keys take the fp8 x fp8 dot, q and (converted) keys of one 16-bit type the
+    16-bit dot, anything else (and every dot of an interpreted ``kernel``) fp32 (``upcast``)."""
+    both_fp8 = fp8 and q.dtype == torch.float8_e4m3fn
+    lowp = q.dtype in (torch.bfloat16, torch.float16) and (fp8 or keys == q.dtype)
+    return both_fp8, interpreted(kernel) or not (both_fp8 or lowp)
 
 
 def dot_width(d: int, fp8: bool, upcast: bool) -> int:
@@ -22,18 +33,15 @@ def dot_width(d: int, fp8: bool, upcast: bool) -> int:
     the fp32 (``UPCAST``) dot takes the power of two at or above 16."""
     return pow2(d, 32 if fp8 and not upcast else 16)
 
+
 def paged_index_views(pages: torch.Tensor, fmt: KVFormat
                        ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
-    """The pool layer ``pages`` as its index-K value type (float8_e4m3fn, bfloat16 or float32),
-    with ``(page, first, row)`` element steps: token row ``p * S + s``'s index-K values start at
-    element ``p * page + first + s * row``; and the fp8 scale's steps in a float32 view (zeros
-    for float pools). Views of the same storage, so the kernel reads the pool in place (and runs
-    in the Triton interpreter, which has no pointer casts).
+    """The pool layer ``pages`` as a flat view of its index-K value type, with ``(page,
+    first, row)`` element steps (token ``p * S + s`` at ``p * page + first + s * row``), and the
+    fp8 scales' steps in a float32 view (zeros for float pools).
 
     Raises:
-        OpDeclined: a byte offset is not a multiple of its element size (an fp8 index_head_dim
-            not divisible by 4, or a pool view at an odd storage offset).
-    """
+        OpDeclined: a byte offset is not a multiple of the view's element size."""
     s, nl, ib, b = (fmt.page_size, fmt.latent_bytes_per_token, fmt.index_bytes_per_token,
                     fmt.bytes_per_token)
     fp8 = fmt.dtype is KVDtype.FP8
@@ -53,6 +61,7 @@ def paged_index_views(pages: torch.Tensor, fmt: KVFormat
     sst = (s * b // 4, (s * nl + fmt.index_head_dim) // 4, ib // 4) if fp8 else (0, 0, 0)
     return k, kst, sst
 
+
 def row_alignment(steps: tuple[int, ...], itemsize: int) -> int:
     """The largest power of two (elements, at most 16 bytes' worth) dividing every step of a key
     row's first element: what each row's start is a multiple of."""
@@ -62,22 +71,21 @@ def row_alignment(steps: tuple[int, ...], itemsize: int) -> int:
         a *= 2
     return a
 
+
 def pages_tileable(page_size: int) -> bool:
     """Whether :func:`_indexer_pages_kernel` tiles pages of this size (a dot's key operand of
     ``page_size`` rows: a power of two, at least 16)."""
     return page_size >= 16 and page_size & (page_size - 1) == 0
 
+
 def index_page_views(index_pages: torch.Tensor, fmt: KVFormat
                       ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
-    """Page-major index-K pages (uint8 [P, >= S x index bytes], unit column stride) as a flat
-    view of the index-K value type with ``(page, first, row)`` element steps (page p, slot s:
-    element ``p * page + s * row``), and the fp8 scales' steps in a float32 view of the same
-    storage (``p * page + S * D / 4 + s``); zeros for float formats.
+    """Page-major index-K pages (uint8 [P, >= S x index bytes]) as a flat view of the
+    value type with ``(page, first, row)`` element steps, and the fp8 scales' steps in a float32
+    view (``p * page + S * D / 4 + s``; zeros for float formats).
 
     Raises:
-        OpDeclined: the row stride, the storage offset or (fp8) the values' bytes are not
-            multiples of the widest view's element size.
-    """
+        OpDeclined: the page stride, storage offset or value bytes misfit the view."""
     s, dim = fmt.page_size, fmt.index_head_dim
     fp8 = fmt.dtype is KVDtype.FP8
     kdt = torch.float8_e4m3fn if fp8 else (torch.float32 if fmt.dtype is KVDtype.FP32

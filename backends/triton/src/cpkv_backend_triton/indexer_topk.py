@@ -1,46 +1,21 @@
 """The lightning indexer and the top-k in one pass over the keys, for long rows: the [N, T]
-logits are never stored.
+logits are never stored (at 512K keys a 64K-row chunk's are 128 GB written and read back).
 
-At 512K keys a 64K-row chunk's logits are 128 GB written by the indexer and read back by the
-top-k (:mod:`cpkv_backend_triton.topk`'s long-row path: a sampled floor, a filter, a select). Here
-the indexer's epilogue does the filter:
+1. **Sample**: the plain indexer op at ``SAMPLE`` columns ``i * stride`` of every row.
+2. **Floor** (``_sample_floor_kernel``): the long-row top-k's rule, the sample key ``4 sqrt(est
+   + 1) + 8`` places below the k-th key's estimated place, by a radix select (-inf: every key).
+3. **Filter** (``_fused_filter_kernel``): the plain indexer kernel's grid and tile (the same
+   logits, bit for bit); the logits at or above their row's floor appended to the row's CAP
+   slots (a relaxed atomic add a candidate, in no order); nothing else stored.
+4. **Select** (``_fused_select_kernel``): the exact k of the candidates by a radix select over
+   the keys, ties by one over the tied candidates' columns, sorted ascending (the plain path's
+   order). Fewer than k candidates or more than CAP: the row is flagged.
+5. **Exact** (``_fused_exact_kernel``, flagged rows only): the row's logits recomputed in each
+   radix round: a misleading sample costs time, never the result.
 
-1. **Sample** (:func:`indexer_topk`'s ``sample_logits``, the plain indexer op): the logits of
-   every row at ``SAMPLE`` columns spread evenly over the T keys (the columns ``i * stride``, one
-   grid for all rows, so the indexer's row tiles share their key tiles): N x SAMPLE floats.
-2. **Floor** (``_sample_floor_kernel``, one program per row holding more than k keys): the rule
-   of the long-row top-k's floor (:func:`.topk.topk`): with ``m`` of the row's range among the
-   sample, the k-th largest key is expected near sample place ``est = k * m / count``; the floor
-   is the sample key ``4 sqrt(est + 1) + 8`` places further down (-inf, every key, when the
-   sample has no such place), found by a radix select over the sample (4 histograms of 8 bits),
-   as a float.
-3. **Filter** (``_fused_filter_kernel``): the plain indexer kernel's grid and tiles (program
-   (key tile, row block), the key tiles of a row block side by side), each tile computed as the
-   plain indexer op (:mod:`.attention`) computes it (the same per-head dots, relu, weight and
-   scale, in the same order: the same logits); instead of the tile, the logits at or above their
-   row's floor are appended to the row's CAP slots (value and column, a slot from one relaxed
-   atomic add per candidate on the row's count: ~1 % of the logits, in no particular order).
-   Everything else of the tile stays in registers.
-4. **Select** (``_fused_select_kernel``, one program per row): the exact k of the row's
-   candidates, order-free: a radix select over the keys (4 histograms of 8 bits) finds the
-   k-th key; when it ties, a second radix select over the tied candidates' columns keeps the
-   lowest ones (the contract's tie rule); the chosen columns sorted ascending (the plain path's
-   order, so the output does not depend on the atomics' order). A row with fewer than k
-   candidates (its floor was above its k-th key) or more than CAP is flagged.
-5. **Exact** (``_fused_exact_kernel``, one program per row, only flagged rows work): the row's
-   logits recomputed tile by tile (all heads in one dot) in each of a radix select's 4 rounds
-   and the final pass: exact, never stored. It costs ~5 indexer passes over one row on one SM,
-   so a misleading sample costs time (rare: the floor sits 4 standard deviations low), never
-   the result.
-
-Rows holding at most k keys list their range ascending. The result is the set ``topk(
-indexer_logits(...))`` chooses from this backend's logits, in the same (ascending) order; only a
-flagged row's logits may differ in the last bits (its dot has another shape), so its ties at the
-k-th place may resolve like the reference's rather than like the plain path's.
-
-CAP comes from the shapes only (:func:`layout`): SAFETY times the candidates the floor keeps on
-average, a power of two within [CAP_MIN, CAP_MAX]: the scratch is N x CAP x 8 bytes (at 512K
-keys and CAP 16384, 1/16 of the logits' bytes).
+Rows holding at most k keys list their range ascending. Only a flagged row's logits may differ
+in the last bits (another dot shape), so its ties may resolve like the reference's. CAP comes
+from the shapes only (:func:`layout`).
 """
 
 from __future__ import annotations
@@ -73,6 +48,7 @@ INDEXER_TOPK: Mapping[str, int] = DeviceTuned(Launch.INDEXER_TOPK)
 #: the reasons the inline-PTX append was not taken on a GPU, each reported once a process
 _PTX_DECLINED: set[str] = set()
 
+
 def ptx_append(is_cuda: bool, interpreted: bool) -> bool:
     """Whether the filter appends with inline PTX: compiled kernels on NVIDIA devices. Off a
     GPU (the interpreter) the Triton-op append runs, as designed; a "cuda" device that runs no
@@ -86,6 +62,7 @@ def ptx_append(is_cuda: bool, interpreted: bool) -> bool:
                             f"a ROCm device (HIP {torch.version.hip}) runs no inline PTX")
     return False
 
+
 @dataclass(frozen=True)
 class FusedLayout:
     """One call's scratch: ``cap`` candidate slots a row, the sample's column ``stride`` and its
@@ -94,6 +71,7 @@ class FusedLayout:
     cap: int
     stride: int
     sample_cols: int
+
 
 def layout(n: int, t: int, k: int, cfg: Mapping[str, int] | None = None) -> FusedLayout:
     """CAP of an [n, t] call with top-k ``k`` (shapes only: the same on every rank). The floor
@@ -109,9 +87,11 @@ def layout(n: int, t: int, k: int, cfg: Mapping[str, int] | None = None) -> Fuse
     cap = min(max(cap, c["CAP_MIN"]), pow2(t))
     return FusedLayout(cap=cap, stride=stride, sample_cols=sample)
 
+
 #: ``indexer_logits(q, w, k, k_scale, key_start, key_end)``: the plain indexer op (the sample)
 SampleLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
                          torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def select_fused(val: torch.Tensor, col: torch.Tensor, count: torch.Tensor,
                  key_start: torch.Tensor, key_end: torch.Tensor, out: torch.Tensor,
@@ -126,6 +106,7 @@ def select_fused(val: torch.Tensor, col: torch.Tensor, count: torch.Tensor,
                                                                      pow2(cap)),
                                             COMPACT=bool(cfg["COMPACT"]),
                                             num_warps=cfg["select_warps"])
+
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None,
                  key_start: torch.Tensor, key_end: torch.Tensor, topk: int, *, fp8: bool,

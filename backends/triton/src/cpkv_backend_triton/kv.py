@@ -2,21 +2,12 @@
 fp8_unpack, page_rows) as thin wrappers over :mod:`.kernels.kv`: :class:`KVKernels` (a part of
 :class:`cpkv_backend_triton.ops.TritonOps`).
 
-Imports triton and torch: the plugin imports this module only when the backend is loaded.
-
-Row movement (``page_gather`` / ``page_scatter`` / ``rerange``) is one kernel, ``_copy_rows``: a
-row is its bytes, moved in the widest unit (8, 4, 2 or 1 bytes) that the row byte count, the base
-pointers and the row strides allow, with a ``VEC``-unit (up to 16 B) alignment hint so that the
-compiler can issue 16-byte accesses. One program per (block of rows, block of columns).
-
-fp8 (its helpers in :mod:`cpkv_backend_triton.quant`) is bit-exact with the reference formula
-(:func:`cpkv.ops.api.quantize_fp8`, in the part's scale format: "amax" for the latent, "ue8m0"
-powers of two for the index-K, taken from the fp32 bits as the reference does) by construction:
-every
-rounding the reference does is done here with IEEE fp32 ops (``div_rn`` for both divisions) or
-with integer bit manipulation that copies c10's conversions (fp32 -> e4m3fn round-to-nearest-even
-with subnormals, fp32 -> bf16 round-to-nearest-even), so the result does not depend on how a
-Triton version lowers ``.to(float8e4nv)`` / ``.to(bfloat16)`` or ``/`` (which may be approximate).
+Row movement is one kernel, ``_copy_rows``: a row is its bytes, moved in the widest unit (8, 4,
+2 or 1 bytes) that the row bytes, the base pointers and the row strides allow, with a
+``VEC``-unit (up to 16 B) alignment hint. fp8 is bit-exact with the reference formula
+(:func:`cpkv.ops.api.quantize_fp8`, "amax" scales for the latent, "ue8m0" for the index-K) by
+construction: every rounding is an IEEE fp32 op (``div_rn``) or integer bit manipulation copying
+c10's conversions (:mod:`.kernels.fp8`), whatever a Triton version's lowering of casts.
 """
 
 from __future__ import annotations
@@ -53,10 +44,12 @@ from .quant import AMAX_FLOOR_F32, INV_E4M3_MAX_F32, OUT_DTYPES, UE8M0_FLOOR_F32
 if TYPE_CHECKING:
     from cpkv.ops.api import KVFormat, KVPart
 
+
 __all__ = ["KVKernels"]
 
 
 _UNIT_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
 
 class CopyTune(TypedDict):
     """The copy kernels' launch knobs (see :data:`COPY_TUNE`)."""
@@ -65,13 +58,16 @@ class CopyTune(TypedDict):
     col_bytes: int
     num_warps: int | None
 
+
 #: bytes one program of ``_copy_rows`` moves, at most ``col_bytes`` of a row per column block,
 #: and its warps (None: 8 from 8 KB up, 4 from 4 KB, else 2; docs/triton.md: the sweep)
 COPY_TUNE: CopyTune = {"program_bytes": 8192, "col_bytes": 4096, "num_warps": None}
 
+
 def _copy_warps(block_bytes: int) -> int:
     return COPY_TUNE["num_warps"] or (8 if block_bytes >= 8192 else 4 if block_bytes >= 4096
                                       else 2)
+
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` [P, ...] as a [P, R] view (R elements per row, any row stride) when each row is dense
@@ -85,17 +81,20 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
         expect *= size
     return t.as_strided((p, r), (t.stride(0) if p > 1 else r, 1))
 
+
 def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()`` [P, ...] as a [P, R] view (row stride R)."""
     v = _dense_rows(t.contiguous())
     assert v is not None  # a contiguous tensor's rows are dense
     return v
 
+
 def _dense_rows_or_copy(t: torch.Tensor) -> torch.Tensor:
     """``t`` [P, ...] as a [P, R] view (:func:`_dense_rows`), of a contiguous copy when its rows
     are not dense in memory."""
     v = _dense_rows(t)
     return v if v is not None else _contiguous_rows(t)
+
 
 class _CopyShape:
     """How ``_copy_rows`` / ``_peer_copy_rows`` move ``n`` rows of [*, R] views of one dtype
@@ -131,6 +130,7 @@ class _CopyShape:
         """``t``'s row stride in groups of ``vec`` units."""
         return t.stride(0) // self.vec
 
+
 def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, src_index: torch.Tensor | None,
                  dst_index: torch.Tensor | None, n: int) -> None:
     """Launch ``_copy_rows`` on [*, R] views of one dtype (rows dense, any row stride): rows
@@ -148,6 +148,7 @@ def _launch_copy(src2: torch.Tensor, dst2: torch.Tensor, src_index: torch.Tensor
                         VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
                         num_warps=sh.num_warps)
 
+
 def _launch_peer_copy(srcs: list[torch.Tensor], dst2: torch.Tensor, owner: torch.Tensor,
                       rows: torch.Tensor, n: int) -> None:
     """``_peer_copy_rows`` over [*, R] source views of one dtype and one row stride, in passes of
@@ -163,6 +164,7 @@ def _launch_peer_copy(srcs: list[torch.Tensor], dst2: torch.Tensor, owner: torch
                                  VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
                                  num_warps=sh.num_warps)
 
+
 def _check_index(op: str, index: torch.Tensor, t: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (
             torch.int64, torch.int32):
@@ -175,6 +177,7 @@ def _check_index(op: str, index: torch.Tensor, t: torch.Tensor, what: str) -> to
         raise ValueError(f"{op}: index on {index.device}, {what} on {t.device}")
     return index.contiguous()
 
+
 def _gather(op: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     index = _check_index(op, index, src, "src")
     n = index.shape[0]
@@ -183,6 +186,7 @@ def _gather(op: str, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return out
     _launch_copy(_dense_rows_or_copy(src), out.view(n, -1), index, None, n)
     return out
+
 
 def _launch_pack(x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor,
                  rows: torch.Tensor | None, rotate: bool,
@@ -212,7 +216,9 @@ def _launch_pack(x: torch.Tensor, fmt: KVFormat, part: KVPart, dst: torch.Tensor
                            OUT=out, F32_DOT=out == 2 or x.device.type == "cpu",
                            NORM=f32(dims ** -0.5), SPLIT=scale_dst is not None, num_warps=4)
 
+
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 
 class KVKernels:
     """The KV ops as Triton kernels (a part of ``TritonOps``). Same contract as
@@ -340,14 +346,11 @@ class KVKernels:
                   rows: torch.Tensor, rotate: bool,
                   scale_dst: torch.Tensor | None = None) -> None:
         """Quantize rows straight into a part's pages at (``rows // P``, ``rows % P``), the
-        index-K rotated first when asked: the pack kernel with a scattered destination (the
-        reference's bytes without ``rotate``). See :class:`cpkv.ops.api.KVOps`.
+        index-K rotated first when asked. See :class:`cpkv.ops.api.KVOps`.
 
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
-            OpDeclined: float64 rows, or the rotation of a head dim under 16 (a tensor-core
-                dot's least).
-        """
+            OpDeclined: float64 rows, or the rotation of a head dim under 16."""
         check_fp8_store_args(x, fmt, part, dst, rows, rotate, scale_dst)
         if x.dtype not in OUT_DTYPES:
             raise OpDeclined(f"fp8_store: {x.dtype} rows (the kernel takes bf16, fp16, fp32)")

@@ -1,10 +1,7 @@
-"""What the wrappers share: a launch's padded power of two, whether a kernel runs on Triton's CPU
-interpreter, the launcher that retries a specialisation with fewer pipeline stages when it runs
-out of shared memory, and the once-per-reason report of a kernel variant that declined a call.
-
-A variant the tuning table asks for that cannot take a call (Gluon absent, a ROCm device without
-inline PTX, a shape the variant does not cover) runs the plain kernel and says so once per
-reason through cpkv's fallback choke point (contract rule 30).
+"""What the wrappers share: a launch's padded power of two, whether a kernel runs on the CPU
+interpreter, the launcher that retries with fewer stages when a specialisation runs out of
+shared memory, and the once-per-reason report (fallback ``kernel_variant``, contract rule 30)
+of a kernel variant that cannot take a call (Gluon absent, a ROCm device without inline PTX).
 """
 
 from __future__ import annotations

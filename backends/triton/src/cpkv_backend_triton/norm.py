@@ -1,13 +1,5 @@
-"""The ``rms_norm`` op: a row's RMSNorm in one pass (:mod:`.kernels.norm`).
-
-A decode step's norms (64 rows of 7168, 1536 or 512 values) are each one small torch kernel,
-nine a step of two layers. One program here takes one row: it loads the row
-and the weight, sums the squares in fp32, and stores ``x * rsqrt(mean + eps) * weight`` rounded
-once (the op's definition; the mean's order of summation is the kernel's, within the op's
-conformance bound). Rows may be column slices of a wider tensor (any row stride).
-
-Semantics are :class:`cpkv.ops.api.KVOps`'s ``rms_norm``, checked by
-``cpkv.testing.conformance``.
+"""The ``rms_norm`` op (:mod:`.kernels.norm`): a row's RMSNorm in one pass, rows any column slice
+of a wider tensor; within the op's conformance bound (the kernel's summation order).
 """
 
 from __future__ import annotations

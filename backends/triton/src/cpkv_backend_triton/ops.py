@@ -1,12 +1,8 @@
-"""``TritonOps``: the object the ``triton`` backend loads, five kernel objects composed.
-
-``TritonOps(kv=KVKernels(), attention=AttentionKernels(kv=...), rope=RopeKernels(),
-quant=QuantKernels(), norm=NormKernels())``: each op of :data:`.parts.PART_OPS` is the bound
-method of its part named as the op (an :class:`~cpkv.ops.api.OpMethods`). Each part's module is
-imported on its own: one that cannot be imported (``ImportError``) leaves its class None in
-:data:`KERNELS` and its error in :data:`IMPORT_ERRORS`, so the parts land independently
-(``kv`` uses ``quant``'s constants). :attr:`TritonOps.provided` names the ops of the parts
-present; ``plugin.load`` checks it against :data:`.parts.OPS`.
+"""``TritonOps``: the object the ``triton`` backend loads, its parts composed; each op of
+:data:`.parts.PART_OPS` is the bound method of its part named as the op. Each part's module is
+imported on its own: one that cannot be (``ImportError``) leaves its class None in
+:data:`KERNELS` and its error in :data:`IMPORT_ERRORS`; ``plugin.load`` checks
+:attr:`TritonOps.provided` against :data:`.parts.OPS`.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ if TYPE_CHECKING:
     from .norm import NormKernels
     from .quant import QuantKernels
     from .rope import RopeKernels
+
 
 __all__ = ["IMPORT_ERRORS", "KERNELS", "TritonOps"]
 
@@ -53,20 +50,10 @@ def _new(part: str, **kwargs: Any) -> Any:
 
 class TritonOps(OpMethods):
     """cpkv's compute ops as Triton kernels: the bound methods of its parts, one per op (no
-    forwarding layer: the op table calls the kernel object's method itself).
-
-    Args:
-        kv: the KV kernels; None: a default :class:`~cpkv_backend_triton.kv.KVKernels` when its
-            module imported.
-        attention: the sparse-attention kernels; None: a default
-            :class:`~cpkv_backend_triton.attention.AttentionKernels` reading pages through
-            ``kv`` (configure precision and launches by passing your own).
-        rope, quant, norm: the rope, index-query quantization and RMSNorm kernels; None: the
-            defaults of their modules.
-
-    A part whose module did not import stays None: its ops are not in :attr:`provided`, and
-    looking one up raises AttributeError naming the import error.
-    """
+    forwarding layer). ``kv``, ``attention``, ``rope``, ``quant``, ``norm``: the parts; None: each
+    module's default (``attention`` reading pages through ``kv``). A part whose module did not
+    import stays None: its ops are not in :attr:`provided`, and looking one up raises
+    AttributeError naming the import error."""
 
     def __init__(self, kv: KVKernels | None = None, attention: AttentionKernels | None = None,
                  rope: RopeKernels | None = None, quant: QuantKernels | None = None,

@@ -1,18 +1,7 @@
-"""The ``index_q_fp8`` op over :mod:`.kernels.fp8`, and the fp32 constants of the fp8 formulas
-(the reference's floors and ``1 / 448`` as the float32 values an fp32 tensor op uses).
-
-``index_q_fp8``: the indexer's queries, rotated (DeepSeek's ``rotate_activation``, for an fp8
-pool's rotated index-K) and quantized per (row, head) with "ue8m0" scales folded into the head
-weights. As torch ops that is 13 kernels a layer (a GEMM, its scale and cast, then the amax,
-the power-of-two bits, the division, the clamp and the cast: the decode step's glue); here one
-program takes ``BLOCK`` (row, head) pairs: it loads their ``D`` values, multiplies by the
-Sylvester matrix built from index bits in registers (``H[i, j] = (-1)^popcount(i & j)``, one
-tensor-core dot with fp32 sums, as the reference's ``mm(..., out_dtype=float32)``), scales by
-``D^-0.5`` and rounds to the query's dtype as the reference does, then takes each pair's amax,
-scale, e4m3 codes and ``w * scale``.
-
-Semantics are :class:`cpkv.ops.api.KVOps`'s ``index_q_fp8``, checked by
-``cpkv.testing.conformance``.
+"""The ``index_q_fp8`` op over :mod:`.kernels.fp8` (the indexer's queries rotated and quantized per
+(row, head) with ue8m0 scales folded into the head weights: one kernel where torch ops take 13),
+and the fp32 constants of the fp8 formulas (the floors and ``1 / 448`` as an fp32 op uses them).
+Semantics are :class:`cpkv.ops.api.KVOps`'s, checked by ``cpkv.testing.conformance``.
 """
 
 from __future__ import annotations
@@ -40,6 +29,7 @@ def f32(x: float) -> float:
     """``x`` rounded to the nearest float32 (what an fp32 tensor op does with a Python scalar)."""
     return float(struct.unpack("f", struct.pack("f", x))[0])
 
+
 #: the reference's clamp_min(FP8_AMAX_FLOOR) on an fp32 tensor clamps at its float32 value
 AMAX_FLOOR_F32 = f32(FP8_AMAX_FLOOR)
 
@@ -53,6 +43,7 @@ INDEX_Q_BLOCK = 32
 
 #: a kernel's code of a 16/32-bit float dtype (the rotation's rounding)
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
 
 class QuantKernels:
     """The ``index_q_fp8`` op of the Triton backend (a part of ``TritonOps``).

@@ -1,16 +1,7 @@
-"""The ``rope`` op: a layer's rotary embedding in one pass (:mod:`.kernels.rope`).
-
-The model's rotations, as torch ops, are six strided elementwise passes each (products, then
-their sum and difference, each rounded to bf16); over the query of the DeepSeek-V3.2 stack
-(64K rows x 128 heads x 64 rope dims, a strided slice of the q projection) six passes a layer, the
-indexer's query two more. One program here takes ``BLOCK`` (row, head) pairs:
-it loads each pair's ``R`` values as one contiguous vector (the interleaved pairs split in
-registers), the row's cos / sin halves, computes in fp32 and stores both halves once (rounded
-once, where the reference rounds each product: within the op's conformance bound). In place
-(``out`` is ``x``) is safe: a program reads its pairs before writing them, and pairs are
-disjoint between programs.
-
-Semantics are :class:`cpkv.ops.api.KVOps`'s ``rope``, checked by ``cpkv.testing.conformance``.
+"""The ``rope`` op: a layer's rotary embedding in one pass (:mod:`.kernels.rope`), where torch ops
+take six strided passes. Rounded once where the reference rounds each product (within the op's
+conformance bound). In place (``out`` is ``x``) is safe: a program reads its (row, head) pairs
+before writing them, and pairs are disjoint between programs.
 """
 
 from __future__ import annotations
@@ -27,10 +18,12 @@ from .kernels.rope import _rope_kernel
 if TYPE_CHECKING:
     from cpkv.ops.api import RopeStyle
 
+
 __all__ = ["ROPE_BLOCK", "RopeKernels"]
 
 #: (row, head) pairs per program
 ROPE_BLOCK = 16
+
 
 class RopeKernels:
     """The ``rope`` op of the Triton backend (a part of ``TritonOps``).

@@ -1,27 +1,15 @@
-"""Triton top-k (rule 19): the columns of each row's k largest indexer logits inside its key range,
-the torch reference's set exactly (equal logits by ascending column), no host sync.
+"""Top-k: the columns of each row's k largest indexer logits inside its key range, the torch
+reference's set exactly (equal logits by ascending column), no host sync; wrappers over
+:mod:`.kernels.topk`.
 
-Logits (fp32, or bf16/fp16 converted exactly) map to order-preserving int32 keys (``radix.ord_key``:
--0.0 folded into 0.0, -inf the smallest key). Two exact paths share the final refinement
-(:mod:`.kernels.radix`: 4 histograms of 8 bits find the k-th key) and the exact
-fallback (``_topk_exact_kernel``: a radix select over a whole row):
-
-* **Long rows** (``T >= TOPK_LONG["MIN_T"]``, a long prompt's chunk against ~100K-1M keys): one read
-  of each logit. ``_topk_floor_kernel`` takes ``SAMPLE`` columns spread evenly over the row and
-  a floor a few standard deviations below the k-th key's estimated place in them (a radix
-  select over the sample's keys: the same key a sort would give);
-  ``_topk_filter_kernel`` (program (row, split)) streams the row once and keeps the keys at or
-  above the floor as candidates, in column order (int64 ``key << 32 | (2^31 - 1 - column)``;
-  ``TOPK_LONG["GLUON"]``: :mod:`.topk_filter_gluon`'s kernel instead, same contract);
-  ``_topk_select_kernel`` refines them to the exact k. A row whose floor turned out too high
-  (fewer than k candidates) or too low (a split over ``CAP`` candidates) is flagged and taken by
-  the exact kernel: the result never depends on the sample, only the time does.
-* **Shorter rows**: a 64-bin value histogram between two sample keys (``_topk_hist_kernel``), the
-  compaction of the k-th key's bin (``_topk_compact_kernel``) and the refinement
-  (``_topk_final_kernel``); two reads of each logit, few candidates.
-
-``method="torch"`` (and float64 logits, k > :data:`TOPK_RADIX_MAX_K`) masks the logits and calls
-``torch.topk``: ties at the k-th place may then differ from the reference.
+Logits map to order-preserving int32 keys (:mod:`.kernels.radix`); two exact paths share the
+refinement (4 histograms of 8 bits find the k-th key) and the exact fallback over a whole row
+(``_topk_exact_kernel``). Long rows (``T >= TOPK_LONG["MIN_T"]``): one read of each logit (a
+sampled floor, a filter keeping the keys above it in column order, a select; the Gluon filter
+when ``TOPK_LONG["GLUON"]``); a row whose floor misled is flagged to the exact kernel, so the
+sample changes the time, never the result. Shorter rows: two reads (a value histogram, the
+compaction of the k-th key's bin, the refinement). ``method="torch"`` (and float64 logits,
+k > :data:`TOPK_RADIX_MAX_K`): ``torch.topk`` over masked logits, ties may differ.
 """
 
 from __future__ import annotations
@@ -50,6 +38,7 @@ from .tuning import DeviceTuned, Launch, device_of
 
 __all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "TOPK_RADIX_MAX_K", "gluon_filter_declines",
            "select_candidates", "topk"]
+
 
 TOPK_BLOCK = 1024
 
@@ -99,18 +88,16 @@ def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.
                               KP=pow2(k), CAP=cap, NSP=nsp, RB=min(cfg["REFINE"], cap),
                               COMPACT=bool(cfg["COMPACT"]), num_warps=warps)
 
-def _splits(n: int, t: int, cap: int, split_min: int = 0) -> int:
+
+def _splits(n: int, t: int, cap: int) -> int:
     """(row, split) programs for the filter: enough to fill the GPU when a call has few rows,
-    splits of at least SPLIT_MIN columns, and the candidates' scratch (``cap`` int64 a split) at
-    most an eighth of the logits' bytes (the caller's memory budget is sized by the logits: at
-    1M keys and a 512 MiB budget, 16 splits of 128 rows took 268 MB more than the budget) or
-    SCRATCH_MB, whichever is larger (a decode step's few rows: one row of 256K logits alone
-    would allow one split, and one program streamed the row). ``split_min``: the table's
-    SPLIT_MIN when 0."""
+    splits of at least ``SPLIT_MIN`` columns, the candidates' scratch within an eighth of the
+    logits' bytes or ``SCRATCH_MB``, whichever is larger (a decode step's one row)."""
     cfg = TOPK_LONG
     want = triton.cdiv(cfg["PROGRAMS"], max(n, 1))
     by_memory = max((4 * t) // (8 * 8 * cap), (cfg["SCRATCH_MB"] << 20) // (8 * cap * max(n, 1)))
-    return max(1, min(want, triton.cdiv(t, split_min or cfg["SPLIT_MIN"]), by_memory))
+    return max(1, min(want, triton.cdiv(t, cfg["SPLIT_MIN"]), by_memory))
+
 
 def _radix(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
            out: torch.Tensor) -> None:
@@ -142,6 +129,7 @@ def _radix(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     _topk_final_kernel[(n,)](ks, ke, out, cand, meta, t, k, KP=kp, CAP=cap,
                              RB=min(TOPK_REFINE_BLOCK, cap), num_warps=cfg["final_warps"])
 
+
 def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
           out: torch.Tensor) -> None:
     """The one-read path for long rows (floor, filter, select, exact)."""
@@ -153,9 +141,9 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     def pick(field: str, many: int) -> int:
         return cfg[field] if few and cfg[field] else many
 
-    cap = max(pick("few_CAP", cfg["CAP"]), pow2(k))
+    cap = max(cfg["CAP"], pow2(k))
     blk = min(pick("few_BLOCK", cfg["BLOCK"]), pow2(t))
-    ns = _splits(n, t, cap, pick("few_SPLIT_MIN", cfg["SPLIT_MIN"]))
+    ns = _splits(n, t, cap)
     cs = triton.cdiv(triton.cdiv(t, ns), blk) * blk  # columns per split
     ns = triton.cdiv(t, cs)
     dev = logits.device
@@ -176,8 +164,10 @@ def _long(logits: torch.Tensor, k: int, ks: torch.Tensor, ke: torch.Tensor,
     _topk_exact_kernel[(n,)](logits, ks, ke, out, meta, t, k, sx0, sx1,
                              BLOCK=min(TOPK_CONFIG["BLOCK"], pow2(t)), num_warps=warps)
 
+
 #: the reasons the Gluon filter declined, each reported once a process
 _GLUON_DECLINED: set[str] = set()
+
 
 def gluon_filter_declines(logits: torch.Tensor, block: int, warps: int) -> str | None:
     """Why the Gluon filter cannot take these logits on a CUDA device and launch (metadata
@@ -191,6 +181,7 @@ def gluon_filter_declines(logits: torch.Tensor, block: int, warps: int) -> str |
     if block % (32 * warps):
         return f"BLOCK {block} is not a multiple of 32 x {warps} warps"
     return None
+
 
 def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floor: torch.Tensor,
                   cand: torch.Tensor, count: torch.Tensor, k: int, cs: int, ns: int, blk: int,
@@ -218,21 +209,17 @@ def _gluon_filter(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, floo
                             "the Gluon filter (TOPK_LONG GLUON=1)", "the Triton filter", why)
     return False
 
+
 def topk(logits: torch.Tensor, k: int, key_start: torch.Tensor, key_end: torch.Tensor,
          method: str = TOPK_METHOD) -> torch.Tensor:
-    """Columns of the k largest logits in each row's range; int32 [N, k], -1 padded; rows holding
-    at most k keys list them all ascending. See :class:`cpkv.ops.KVOps`.
-
-    ``method="radix"`` (default): the exact select of the module docstring, the reference's set
-    (ties by ascending column) in the kernels' order (chosen columns ascending within each
-    stage). ``"torch"``: a Triton kernel masks the logits, ``torch.topk`` (sorted) selects, a
-    Triton kernel fixes up short rows and padding; ties at the k-th place may then resolve
-    differently from the reference.
+    """Columns of the k largest logits in each row's range; int32 [N, k], -1 padded; rows
+    holding at most k keys list them all ascending. ``method``: ``"radix"`` (default) the exact
+    select, the reference's set in the kernels' order; ``"torch"`` ``torch.topk`` over masked
+    logits (ties at the k-th place may differ). See :class:`cpkv.ops.KVOps`.
 
     Raises:
         ValueError: ``logits`` is not 2-D float, ``k`` is negative, a range is mis-shaped, or
-            ``method`` is unknown.
-    """
+            ``method`` is unknown."""
     if method not in ("radix", "torch"):
         raise ValueError(f"topk method must be 'radix' or 'torch', got {method!r}")
     check_topk_args(logits, k, key_start, key_end)

@@ -1,16 +1,12 @@
 """The Triton kernels' launch constants: one table, a row per (launch, device) naming the
-measurement its values come from (docs/triton.md), and a default row per launch for devices no
-row names.
+measurement behind its values, and a default row per launch.
 
 A row's device is a substring of the CUDA device's name and/or its compute capability; a lookup
-takes the most specific matching row (name and capability, then name, then capability, then the
-default). The values are typed per launch (:class:`IndexerParams`, ...: the kernels' constexpr
-and launch names as fields); ``as_dict()`` is what a launch reads. :func:`tuned` looks rows up
-on the device a launch runs on (once per device, cached): the CPU interpreter and a device no
-row names take the default row. To try values before they are a row, set
-``TRITON_CPKV_TUNING="LAUNCH.FIELD=VALUE[,...]"`` (e.g. ``TOPK_LONG.GLUON=1``): every device's
-lookup of that launch takes them, in this process and the processes it starts; a name that is
-not a launch or field is an error.
+(:func:`tuned`: once per device, cached) takes the most specific matching row, else the default
+(the CPU interpreter's too). Values are typed per launch (:class:`IndexerParams`, ...: the
+kernels' constexpr and launch names). ``TRITON_CPKV_TUNING="LAUNCH.FIELD=VALUE[,...]"`` (e.g.
+``TOPK_LONG.GLUON=0``) overrides fields of every device's row, in this process and those it
+starts; a name that is no launch or field is an error.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import torch
 __all__ = ["TABLE", "TUNING_ENV", "DeviceKey", "DeviceTuned", "IndexerParams",
            "IndexerTopkParams", "Launch", "MLAParams", "Row", "TopkLongParams", "TopkParams",
            "cache_clear", "device_of", "overrides", "row", "tuned"]
+
 
 #: the environment variable of :func:`overrides` (not ``CPKV_*``: the settings refuse a
 #: ``CPKV_*`` variable that names no settings key)
@@ -150,8 +147,6 @@ class TopkLongParams(_Params):
     FEW_ROWS: int = 0
     few_floor_warps: int = 0
     few_select_warps: int = 0
-    few_SPLIT_MIN: int = 0
-    few_CAP: int = 0
     few_BLOCK: int = 0
     FLOOR_ROUNDS: int = 4
     COMPACT: int = 0
@@ -216,16 +211,16 @@ _INDEXER_TOPK = IndexerTopkParams(
     num_warps=4, num_stages=3, MAXNREG=168, SELECT_BLOCK=1024, select_warps=8,
     EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4, FLOOR_ROUNDS=3, COMPACT=1)
 
+
 #: every row; each launch has exactly one default row (``DeviceKey()``)
 TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
-             | Row[IndexerTopkParams], ...] = tuple(
-    Row(op, DeviceKey(), params, source) for op, params, source in (
-        (Launch.INDEXER, _INDEXER, "docs/triton.md: indexer"),
-        (Launch.SPARSE_MLA, _MLA, "docs/triton.md: sparse MLA"),
-        (Launch.SPARSE_MLA_LOWP, _MLA_LOWP, "docs/triton.md: sparse MLA"),
-        (Launch.TOPK, _TOPK, "docs/triton.md: top-k, shorter rows"),
-        (Launch.TOPK_LONG, _TOPK_LONG, "docs/triton.md: top-k, long rows"),
-        (Launch.INDEXER_TOPK, _INDEXER_TOPK, "docs/triton.md: the fused indexer top-k")))
+             | Row[IndexerTopkParams], ...] = (
+    Row(Launch.INDEXER, DeviceKey(), _INDEXER, "docs/triton.md: indexer"),
+    Row(Launch.SPARSE_MLA, DeviceKey(), _MLA, "docs/triton.md: sparse MLA"),
+    Row(Launch.SPARSE_MLA_LOWP, DeviceKey(), _MLA_LOWP, "docs/triton.md: sparse MLA"),
+    Row(Launch.TOPK, DeviceKey(), _TOPK, "docs/triton.md: top-k, shorter rows"),
+    Row(Launch.TOPK_LONG, DeviceKey(), _TOPK_LONG, "docs/triton.md: top-k, long rows"),
+    Row(Launch.INDEXER_TOPK, DeviceKey(), _INDEXER_TOPK, "docs/triton.md: the fused indexer top-k"))
 
 
 def device_of(device: torch.device | None = None) -> tuple[str, tuple[int, int] | None]:

@@ -21,6 +21,7 @@ def bf16_bits(v):
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     return tl.where(v != v, 0x7FC0, r)
 
+
 @triton.jit
 def e4m3_bits(y):
     """fp32 (already clamped to [-448, 448]) -> float8_e4m3fn code (int32 in [0, 255]), round to
@@ -43,6 +44,7 @@ def e4m3_bits(y):
     code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN stays NaN
     return code | sign
 
+
 @triton.jit
 def e4m3_value(c):
     """float8_e4m3fn code (int32 in [0, 255]) -> its exact fp32 value."""
@@ -54,6 +56,7 @@ def e4m3_value(c):
     # the sign as a bit: Triton lowers ``-x`` as ``0 - x``, which turns -0.0 (code 0x80) into +0.0
     bits = mag.to(tl.uint32, bitcast=True) | ((c & 0x80).to(tl.uint32) << 24)
     return bits.to(tl.float32, bitcast=True)
+
 
 @triton.jit
 def hadamard_rows(x, d, F32_DOT: tl.constexpr, NORM: tl.constexpr, OUT: tl.constexpr):
@@ -79,6 +82,7 @@ def hadamard_rows(x, d, F32_DOT: tl.constexpr, NORM: tl.constexpr, OUT: tl.const
     elif OUT == 1:
         y = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
     return y
+
 
 @triton.jit
 def _index_q_kernel(q_ptr, w_ptr, q8_ptr, wo_ptr, P, H, sq0, sq1, sq2, sw0, sw1,

@@ -25,6 +25,7 @@ def key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST: tl.constex
         kt = kt.to(q_ptr.dtype.element_ty)
     return tl.trans(kt)
 
+
 @triton.jit
 def qk_dot(q, kt, UPCAST: tl.constexpr):
     """``q @ kt`` of a query tile and a :func:`key_tile`: fp32 IEEE (``UPCAST``), else on the
@@ -34,6 +35,7 @@ def qk_dot(q, kt, UPCAST: tl.constexpr):
     else:
         s = tl.dot(q, kt)
     return s
+
 
 @triton.jit
 def head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask, sq0, sq1, sq2, sw0, sw1,
@@ -50,6 +52,7 @@ def head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask, sq0, sq1, sq2, sw0, sw1
         s = qk_dot(qh, ktt, UPCAST)
         acc += wh[:, None] * tl.maximum(s, 0.0)
     return acc
+
 
 @triton.jit
 def indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
@@ -69,6 +72,7 @@ def indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
         acc = acc * c[None, :]
     return acc
 
+
 @triton.jit
 def _key_span(ks_ptr, ke_ptr, rows, rmask):
     """The rows' key ranges ``[ks, ke)`` and the span ``[lo, hi)`` they cover together (empty
@@ -80,12 +84,14 @@ def _key_span(ks_ptr, ke_ptr, rows, rmask):
     hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
     return ks, ke, lo, hi
 
+
 @triton.jit
 def _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0):
     """``acc`` inside each row's key range, -inf outside, into the logits tile."""
     inr = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * so0 + cols.to(tl.int64)[None, :],
              tl.where(inr, acc, float("-inf")), mask=rmask[:, None] & cmask[None, :])
+
 
 @triton.jit
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
@@ -112,6 +118,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
                            sq0, sq1, sq2, sw0, sw1, sk0, sk1, H, D, DP, BLOCK_M, BLOCK_N, FP8,
                            UPCAST)
     _store_in_range(out_ptr, acc, rows, rmask, cols, cmask, ks, ke, so0)
+
 
 @triton.jit
 def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
@@ -152,6 +159,7 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
             acc = acc * c[None, :]
     _store_in_range(out_ptr, acc, qr, qmask, cols, cmask, ks, ke, so0)
 
+
 @triton.jit
 def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_ptr, out_ptr,
                           N, MS,
@@ -160,14 +168,11 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                           S: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
                           FP8: tl.constexpr, UPCAST: tl.constexpr, KALIGN: tl.constexpr):
-    """The indexer of ``BQ`` query rows against ``BLOCK_N`` keys of each row's own request,
-    read in place from part-major pages: key column j of request r is slot ``j % S`` of page
-    ``bt[r, j // S]``, its index-K values at element ``page * k_page + k_first + slot * k_row``
-    of ``k_ptr`` (a typed view of the pool; the fp8 scale likewise in the float32 view
-    ``scale_ptr``). A row's heads are one ``[HP, D]`` operand, one dot per key tile; a tile at or
-    past the row's ``key_end`` loads nothing and stores -inf. ``KALIGN``: every key row's first
-    element is a multiple of it (the host's gcd of the steps): without the hint the gathered
-    rows' fp8 bytes compile to one-byte loads (``ld.global.b8``), with it to 4-byte ones."""
+    """The indexer of ``BQ`` query rows against ``BLOCK_N`` keys of each row's request,
+    read in place from part-major pages (key j at slot ``j % S`` of page ``bt[r, j // S]``, at
+    element ``page * k_page + k_first + slot * k_row`` of the typed view ``k_ptr``); a row's
+    heads one ``[HP, D]`` operand; -inf past ``key_end``. ``KALIGN``: every key row's first
+    element is a multiple of it (without the hint fp8 rows compile to one-byte loads)."""
     n0 = tl.program_id(0) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < MS
@@ -201,6 +206,7 @@ def _indexer_paged_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             tl.store(out_ptr + row64 * so0 + cols, tl.where(cols < ke, acc, float("-inf")),
                      mask=cmask)
 
+
 @triton.jit
 def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_ptr, out_ptr,
                           M, MS,
@@ -211,18 +217,11 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                           PAGES: tl.constexpr, STAGES: tl.constexpr, KEYS_M: tl.constexpr,
                           FP8: tl.constexpr, UPCAST: tl.constexpr,
                           KALIGN: tl.constexpr):
-    """The indexer of one query row against ``PAGES`` whole pages of its request's keys, a page
-    a step: the page's ``S`` keys are one run in the pool (slot ``s``'s values at element
-    ``page * k_page + k_first + s * KROW`` of ``k_ptr``, its fp8 scale at ``page * s_page +
-    s_first + s * SROW`` of the float32 view ``scale_ptr``), so the block table is read once a
-    page and the row strides are constants: ``KROW`` = 132 for the pool's part-major rows
-    (values and scale interleaved: 4-byte loads), ``KROW`` = D, ``SROW`` = 1 for DeepGEMM's
-    page-major order (the page's values, then its scales: 16-byte loads). The row's queries and
-    head weights are loaded once a program; the loop over its pages before ``key_end`` is
-    software-pipelined ``STAGES`` deep (1: loads into registers); pages at or past ``key_end``
-    store -inf and load nothing. ``KEYS_M``: the dot is ``keys @ q^T`` (the key tile its
-    register-fed left operand, the head sum a reduction within warps) instead of ``q @ keys^T``
-    (the key tile through shared memory, the head sum across warps)."""
+    """The indexer of one query row against ``PAGES`` whole pages of its request, a page a
+    step: the block table read once a page, the key rows ``KROW`` elements apart (132 on the
+    pool's part-major pages, ``D`` on page-major ones), the scales ``SROW`` apart; the page loop
+    pipelined ``STAGES`` deep; pages past ``key_end`` store -inf. ``KEYS_M``: ``keys @ q^T``
+    (the head sum within warps) instead of ``q @ keys^T``."""
     row = tl.program_id(1).to(tl.int64)
     p0 = tl.program_id(0) * PAGES
     ke = tl.load(ke_ptr + row)

@@ -20,6 +20,7 @@ from .radix import (
     radix_digit,
     radix_step,
     row_range,
+    take_ranked,
 )
 
 
@@ -51,6 +52,7 @@ def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, s
             need, prefix = radix_step(tl.histogram(d, 256, mask=mm), need, prefix, p)
         tl.store(floor_ptr + row, tl.where(place < m, key_value(prefix), float("-inf")))
 
+
 #: one logit's candidate test and append, as PTX (``ASM``): ``$1`` the logit (-inf outside its
 #: row's range), ``$2`` the row's floor, ``$3`` the column, ``$4`` the row's count, ``$5`` /
 #: ``$6`` its value / column slots, ``$7`` CAP - 1. The append is a branch most lanes skip
@@ -73,6 +75,7 @@ st.global.u32 [a], $3;
 SKIP:
 }""")
 
+
 @triton.jit
 def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_ptr, val_ptr,
                          col_ptr, count_ptr, N, T, K, CAP,
@@ -80,14 +83,12 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
                          H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FP8: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr):
-    """Step 3 (program (key tile, row block), as the plain indexer op's): the tile's
-    logits for the block's rows holding more than K keys; those at or above the row's floor
-    appended to the row's candidates (value, column) at a slot from a relaxed atomic add on
-    the row's count (at most CAP kept: a slot past it writes the last one, and the count goes
-    on: the select flags the row). A tile outside every such row's range is skipped. ``ASM``:
-    the append as :data:`_APPEND_PTX` (compiled kernels); else Triton's tensor ops (the
-    interpreter). CAP is a runtime value: it changes with the call's shape, and each new value
-    would compile the kernel again mid-prompt."""
+    """Step 3 (program (key tile, row block), as the plain kernel's): the tile's logits for
+    the rows holding more than K keys; those at or above the row's floor appended to the row's
+    candidates at a slot from a relaxed atomic add on its count (past CAP the last slot is
+    rewritten and the count goes on: the select flags the row). ``ASM``: the append as
+    :data:`_APPEND_PTX`, else Triton's tensor ops (the interpreter). CAP is a runtime value (a
+    constexpr would compile the kernel again for each call shape)."""
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
@@ -130,6 +131,7 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
         tl.store((col_ptr + rows64 * CAP)[:, None] + slot, cols[None, :] + tl.zeros_like(slot),
                  mask=take)
 
+
 @triton.jit
 def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.constexpr):
     """The need-th largest order key of a row's ``nc`` candidates (values at ``vrow``), or with
@@ -152,6 +154,7 @@ def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.cons
             hist += tl.histogram(d, 256, mask=mm)
         need, prefix = radix_step(hist, need, prefix, p)
     return need, prefix, hist
+
 
 @triton.jit
 def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
@@ -177,6 +180,7 @@ def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
             hist = key_round(vrow, nc, prefix, p, RB, True)
             need, prefix = radix_step(hist, need, prefix, p)
     return need, prefix, hist
+
 
 @triton.jit
 def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
@@ -229,6 +233,7 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
             tl.store(orow + slot, tl.sort(chosen), mask=slot < K)
             tl.store(meta_ptr + row * 2, K)
 
+
 @triton.jit
 def _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8: tl.constexpr,
                 UPCAST: tl.constexpr):
@@ -244,6 +249,7 @@ def _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8: tl.c
     if FP8:
         x = x * tl.load(scale_ptr + cols64, mask=m, other=0.0)
     return x
+
 
 @triton.jit
 def _fused_exact_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
@@ -286,10 +292,5 @@ def _fused_exact_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
                 m = cols < end
                 s = ord_key(_row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1,
                                         FP8, UPCAST))
-                eq = m & (s == prefix)
-                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)
-                take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-                tl.store(orow + wpos + tl.cumsum(take, 0) - 1, cols, mask=take != 0)
-                wpos += tl.sum(take, axis=0)
-                eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+                wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m, cols, prefix, need)
             tl.store(meta_ptr + row * 2, K)

@@ -44,6 +44,7 @@ def _copy_rows(src_ptr, dst_ptr, sidx_ptr, didx_ptr, n_rows, row_v, src_stride_v
     vals = tl.load(src_ptr + s_off[:, None] + cols[None, :], mask=mask)
     tl.store(dst_ptr + d_off[:, None] + cols[None, :], vals, mask=mask)
 
+
 @triton.jit
 def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n_rows, row_v,
                     src_stride_v, dst_stride_v, base, NSRC: tl.constexpr, VEC: tl.constexpr,
@@ -81,6 +82,7 @@ def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n
     d_off = (rows * dst_stride_v) * VEC
     tl.store(dst_ptr + d_off[:, None] + cols[None, :], vals, mask=mask)
 
+
 @triton.jit
 def _page_rows_kernel(keys_ptr, table_ptr, req_ptr, out_ptr, K, sk0, sk1, st0, st1, so0, S,
                       BLOCK: tl.constexpr):
@@ -98,6 +100,7 @@ def _page_rows_kernel(keys_ptr, table_ptr, req_ptr, out_ptr, K, sk0, sk1, st0, s
     rows = tl.where(valid, slot * S + kk % S, -1)
     tl.store(out_ptr + row * so0 + j, rows.to(tl.int32), mask=jm)
 
+
 @triton.jit
 def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so_n, so_t,
                      ss_n, ss_t, PS,
@@ -108,13 +111,9 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so
                      OUT: tl.constexpr, F32_DOT: tl.constexpr, NORM: tl.constexpr,
                      SPLIT: tl.constexpr):
     """Program (i, b): rows [i * BLOCK_N, ...) x quant block b, or the rope when b == NBLK.
-    ``POW2``: "ue8m0" scales (the smallest power of two >= amax * INV_MAX, from its bits).
-    Row i goes to ``out + i * so_n``, or with ``SCATTER`` (``fp8_store``) to page
-    ``rows[i] // PS`` (stride ``so_n``), token ``rows[i] % PS`` (stride ``so_t``). ``ROTATE``
-    (one block of QB = D, a power of two, BLOCK_N >= 16): the rows' Hadamard rotation first
-    (:func:`.quant.hadamard_rows`, rounded to their dtype ``OUT``). ``SPLIT`` (with
-    ``SCATTER``): the scales go to ``scale_ptr`` at (page, token) strides ``ss_n`` / ``ss_t``,
-    the rope's bytes right after the values."""
+    ``POW2``: ue8m0 scales. ``SCATTER``: row i to page ``rows[i] // PS``, token ``rows[i] % PS``
+    (``fp8_store``). ``ROTATE``: the Hadamard rotation first. ``SPLIT``: the scales to
+    ``scale_ptr`` at (page, token) strides ``ss_n`` / ``ss_t``."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,6 +162,7 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so
         rbyte = (rbits >> ((rc % 2) * 8).to(tl.uint32)[None, :]) & 0xFF
         tl.store(o_row + DIMS + (0 if SPLIT else 4 * NBLK) + rc[None, :], rbyte.to(tl.uint8),
                  mask=rmask2)
+
 
 @triton.jit
 def _fp8_unpack_kernel(p_ptr, out_ptr, idx_ptr, n_rows, sp_n, sp_b, so_n,

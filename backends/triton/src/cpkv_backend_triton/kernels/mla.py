@@ -18,16 +18,9 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,  # noqa: C901
                        DV: tl.constexpr, DK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
                        HAS_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST: tl.constexpr, LOWP: tl.constexpr, P_SPLIT: tl.constexpr,
-                       P_FP16: tl.constexpr, P_CAT: tl.constexpr, HEADS_FAST: tl.constexpr,
-                       NHB: tl.constexpr):
-    if HEADS_FAST:  # 1-D grid, the head blocks of a row adjacent: they share its kv rows in L2
-        pid = tl.program_id(0)
-        row = (pid // NHB).to(tl.int64)
-        hb = pid % NHB
-    else:
-        row = tl.program_id(0).to(tl.int64)
-        hb = tl.program_id(1)
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+                       P_FP16: tl.constexpr, P_CAT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     h64 = h.to(tl.int64)
     da = tl.arange(0, DA)

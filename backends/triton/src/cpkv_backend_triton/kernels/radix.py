@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["bin_count", "copied_rounds", "copy_bin", "key_round", "key_value", "list_short_row",
-           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range"]
+           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "take_ranked"]
 
 
 @triton.jit
@@ -21,11 +21,13 @@ def ord_key(x):
     b = x.to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
+
 @triton.jit
 def key_value(s):
     """The fp32 whose order key (:func:`ord_key`) is ``s`` (the map is its own inverse on the
     bits; -0.0 comes back as 0.0)."""
     return (s ^ ((s >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
 
 @triton.jit
 def pick_bin(hist, need, NB: tl.constexpr):
@@ -34,6 +36,7 @@ def pick_bin(hist, need, NB: tl.constexpr):
     hit = (above < need) & (above + hist >= need)  # exactly one bin
     b = tl.sum(tl.where(hit, tl.arange(0, NB), 0), axis=0)
     return b, tl.sum(tl.where(hit, above, 0), axis=0)
+
 
 @triton.jit
 def radix_digit(s, m, prefix, p: tl.constexpr):
@@ -46,6 +49,7 @@ def radix_digit(s, m, prefix, p: tl.constexpr):
         d = (s >> (24 - 8 * p)) & 255
     return d, m
 
+
 @triton.jit
 def radix_step(hist, need, prefix, p: tl.constexpr):
     """After round p's histogram: keys still to take among those matching the longer prefix."""
@@ -53,6 +57,7 @@ def radix_step(hist, need, prefix, p: tl.constexpr):
     if p == 0:
         b = b ^ 128
     return need - above, prefix | (b << (24 - 8 * p))
+
 
 @triton.jit
 def row_range(ks_ptr, ke_ptr, row, T):
@@ -62,6 +67,7 @@ def row_range(ks_ptr, ke_ptr, row, T):
     end = tl.minimum(tl.maximum(ke, 0), T).to(tl.int32)
     return start, end
 
+
 @triton.jit
 def list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
     """A row holding at most K keys: its columns ascending, -1 padded."""
@@ -69,6 +75,7 @@ def list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
         slot = s0 + tl.arange(0, KP)
         tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
                  mask=slot < K)
+
 
 @triton.jit
 def key_round(kptr, nk, prefix, p: tl.constexpr, RB: tl.constexpr, FLOATS: tl.constexpr):
@@ -84,6 +91,7 @@ def key_round(kptr, nk, prefix, p: tl.constexpr, RB: tl.constexpr, FLOATS: tl.co
         hist += tl.histogram(d, 256, mask=m)
     return hist
 
+
 @triton.jit
 def copy_bin(kptr, nput, s, m, prefix):
     """Append the keys ``s`` (masked by m) whose top 16 bits are the prefix's to ``kptr`` from
@@ -91,6 +99,7 @@ def copy_bin(kptr, nput, s, m, prefix):
     put = m & (((s ^ prefix) & -65536) == 0)
     tl.store(kptr + nput + tl.cumsum(put.to(tl.int32), 0) - 1, s, mask=put)
     return nput + tl.sum(put.to(tl.int32), axis=0)
+
 
 @triton.jit
 def copied_rounds(kptr, nk, need, prefix, RB: tl.constexpr):
@@ -104,9 +113,23 @@ def copied_rounds(kptr, nk, need, prefix, RB: tl.constexpr):
     tl.debug_barrier()
     return need, prefix, hist
 
+
 @triton.jit
 def bin_count(hist, prefix, p: tl.constexpr):
     """How many keys round p's histogram put in the bin the prefix chose (the keys matching
     the prefix's top ``8 (p + 1)`` bits)."""
     b = (prefix >> (24 - 8 * p)) & 255
     return tl.sum(tl.where(tl.arange(0, 256) == b, hist, 0), axis=0)
+
+
+@triton.jit
+def take_ranked(orow, wpos, eq_seen, s, m, vals, prefix, need):
+    """A select's last pass over one block of keys ``s`` (mask ``m``, in column order): the keys
+    above the k-th key ``prefix`` and the first ``need`` equal to it (``eq_seen`` of them in
+    earlier blocks), their ``vals`` written in order from ``orow + wpos``; the new ``wpos`` and
+    ``eq_seen``."""
+    eq = m & (s == prefix)
+    eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
+    take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
+    tl.store(orow + wpos + tl.cumsum(take, 0) - 1, vals, mask=take != 0)
+    return wpos + tl.sum(take, axis=0), eq_seen + tl.sum(eq.to(tl.int32), axis=0)

@@ -19,6 +19,7 @@ from .radix import (
     radix_digit,
     radix_step,
     row_range,
+    take_ranked,
 )
 
 
@@ -32,6 +33,7 @@ def _mask_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, T, sx0, sx1, BLOCK: tl.constexp
     x = tl.load(x_ptr + row * sx0 + cols.to(tl.int64) * sx1, mask=cmask, other=0.0)
     inr = (cols >= ks) & (cols < ke)
     tl.store(out_ptr + row * T + cols, tl.where(inr, x, float("-inf")), mask=cmask)
+
 
 @triton.jit
 def _topk_fixup_kernel(chosen_ptr, ks_ptr, ke_ptr, out_ptr, T, K, KK,
@@ -52,6 +54,7 @@ def _topk_fixup_kernel(chosen_ptr, ks_ptr, ke_ptr, out_ptr, T, K, KK,
     res = tl.where(count <= K, asc, ch)
     tl.store(out_ptr + row * K + slot, res.to(tl.int32), mask=smask)
 
+
 @triton.jit
 def _value_bin(x, lo, inv, NB: tl.constexpr):
     """A monotone bin of the fp32 logit: 0 below the bracket's ``lo``, then ``NB - 2`` equal
@@ -61,6 +64,7 @@ def _value_bin(x, lo, inv, NB: tl.constexpr):
     # lo is finite (the bracket kernel clamps it), so nothing here is NaN: -inf keys sit below
     f = tl.minimum(tl.minimum(tl.maximum(x, lo) - lo, 3.0e38) * inv, NB - 2)
     return tl.where(below, 0, 1 + f.to(tl.int32))
+
 
 @triton.jit
 def _sorted_sample(x_ptr, row, start, cnt, K, sx0, sx1, SAMPLE: tl.constexpr):
@@ -76,6 +80,7 @@ def _sorted_sample(x_ptr, row, start, cnt, K, sx0, sx1, SAMPLE: tl.constexpr):
     margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
     return i, x, est, margin
 
+
 @triton.jit
 def _split_block(crow0, j, c0, nc, CAP: tl.constexpr, RB: tl.constexpr):
     """Split j's candidates [c0, c0 + RB) of its ``nc`` (at ``crow0 + j * CAP``): the int64
@@ -84,6 +89,7 @@ def _split_block(crow0, j, c0, nc, CAP: tl.constexpr, RB: tl.constexpr):
     m = i < nc
     comp = tl.load(crow0 + j * CAP + i, mask=m, other=0)
     return comp, (comp >> 32).to(tl.int32), m
+
 
 @triton.jit
 def _split_round(crow0, cnt0, NS, prefix, p: tl.constexpr, CAP: tl.constexpr,
@@ -99,17 +105,15 @@ def _split_round(crow0, cnt0, NS, prefix, p: tl.constexpr, CAP: tl.constexpr,
             hist += tl.histogram(d, 256, mask=m)
     return hist
 
+
 @triton.jit
 def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constexpr,
             COMPACT: tl.constexpr):
-    """Take ``need`` of a row's candidates (int64 ``key << 32 | (2^31 - 1 - column)``, in column
-    order across ``NS`` splits: split j's at ``crow0 + j * CAP``, its count at ``cnt0 + j``):
-    an exact radix select (4 histograms of 8 bits) finds the need-th largest key, then the keys
-    above it and the first ones equal to it by column are written from ``orow + wpos``.
-    ``COMPACT``: after two rounds the keys matching the 16 bits found (round 1's bin, typically
-    a few percent of the candidates) are copied into the ``need`` output slots the row is about
-    to fill, and rounds 2 and 3 histogram only them (the output is written after; when the bin
-    holds more keys than slots, the rounds run over every candidate)."""
+    """Take ``need`` of a row's candidates (int64 ``key << 32 | (2^31 - 1 - column)`` in
+    column order over ``NS`` splits at ``crow0 + j * CAP``, counts at ``cnt0 + j``) by an exact
+    radix select, written from ``orow + wpos``. ``COMPACT``: rounds 2 and 3 over round 1's
+    16-bit bin only, copied into the output slots first (over every candidate when it does not
+    fit)."""
     room = need
     prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
     if COMPACT:
@@ -139,13 +143,9 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
         nc = tl.load(cnt0 + j)
         for c0 in range(0, nc, RB):
             comp, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
-            eq = m & (s == prefix)
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-            take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-            tl.store(orow + wpos + tl.cumsum(take, 0) - 1, 2147483647 - comp.to(tl.int32),
-                     mask=take != 0)
-            wpos += tl.sum(take, axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+            wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m,
+                                        2147483647 - comp.to(tl.int32), prefix, need)
+
 
 @triton.jit
 def _topk_bracket_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, T, K, sx0, sx1, NB: tl.constexpr,
@@ -170,6 +170,7 @@ def _topk_bracket_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, T, K, sx0, sx1, NB: tl.c
         tl.store(br_ptr + row * 2, lo)
         tl.store(br_ptr + row * 2 + 1, inv)
 
+
 @triton.jit
 def _topk_hist_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, T, K, CH, sx0, sx1, NCH,
                       BLOCK: tl.constexpr, NB: tl.constexpr):
@@ -191,6 +192,7 @@ def _topk_hist_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, T, K, CH, sx0, sx
             x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32)
             hist += tl.histogram(_value_bin(x, lo, inv, NB), NB, mask=m)
     tl.store(hist_ptr + (row * NCH + j) * NB + tl.arange(0, NB), hist)
+
 
 @triton.jit
 def _topk_compact_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, out_ptr, cand_ptr, meta_ptr, T,
@@ -246,6 +248,7 @@ def _topk_compact_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, out_ptr, cand_
             tl.store(meta_ptr + row * 2, -1)
             tl.store(meta_ptr + row * 2 + 1, 0)
 
+
 @triton.jit
 def _topk_exact_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K, sx0, sx1,
                        BLOCK: tl.constexpr):
@@ -276,15 +279,11 @@ def _topk_exact_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K, sx0, sx1,
                 cols = c0 + tl.arange(0, BLOCK)
                 m = cols < end
                 x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                s = ord_key(x.to(tl.float32))
-                eq = m & (s == prefix)
-                eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among equal keys
-                take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
-                tl.store(orow + wpos + tl.cumsum(take, 0) - 1, cols, mask=take != 0)
-                wpos += tl.sum(take, axis=0)
-                eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+                wpos, eq_seen = take_ranked(orow, wpos, eq_seen, ord_key(x.to(tl.float32)), m,
+                                            cols, prefix, need)
             tl.store(meta_ptr + row * 2, K)
             tl.store(meta_ptr + row * 2 + 1, 0)
+
 
 @triton.jit
 def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl.constexpr,
@@ -303,18 +302,14 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
         _refine(cand_ptr + row * CAP, meta_ptr + row * 2 + 1, 1, out_ptr + row * K, K - above,
                 above, CAP, RB, False)
 
+
 @triton.jit
 def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE: tl.constexpr,
                        ROUNDS: tl.constexpr):
-    """Long rows, kernel 1 of 4 (one program per row holding more than K keys): the candidates'
-    floor. SAMPLE columns spread evenly over the range; the k-th largest key is expected near
-    sample place ``est = SAMPLE * K / count`` (descending); the floor is the sample key 4
-    standard deviations of that estimate plus 8 places further down (-inf when the sample has
-    no such place: every key is a candidate), found by a radix select over the sample's keys
-    (histograms of 8 bits: a sort of a 4096-key sample was 0.1 ms of a decode layer, a
-    latency of one program). ROUNDS < 4 of them give that key with its low ``32 - 8 ROUNDS``
-    bits cleared: a floor at most ``2^(9 - 8 ROUNDS)`` relatively lower (a few more
-    candidates), the same result."""
+    """Long rows, kernel 1 of 4 (a program a row holding more than K keys): the candidates'
+    floor, the sample key 4 standard deviations plus 8 places below the k-th key's estimated
+    place among SAMPLE columns (-inf when the sample has no such place), by a radix select;
+    ROUNDS < 4 clear its low ``32 - 8 ROUNDS`` bits (a lower floor, the same result)."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
@@ -332,6 +327,7 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
             need, prefix = radix_step(tl.histogram(d, 256, mask=m), need, prefix, p)
         lo = tl.where(place < SAMPLE, key_value(prefix), float("-inf"))
         tl.store(floor_ptr + row, lo)
+
 
 @triton.jit
 def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS, NS,
@@ -363,6 +359,7 @@ def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T
                 tl.store(crow + pos, comp, mask=take & (pos < CAP))
             cnt += nt
     tl.store(count_ptr + row * NS + j, cnt)
+
 
 @triton.jit
 def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, T, K, NS,

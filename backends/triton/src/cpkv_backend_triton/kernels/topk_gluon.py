@@ -1,14 +1,8 @@
-"""The long-row top-k's filter in Gluon, with the layout chosen instead of inferred: each thread
-holds ``BLOCK / (32 x warps)`` consecutive columns of a block, so the logits come in 16-byte
-loads, the candidates' positions are a scan inside the thread plus one across threads, and the
-candidates are stored from the same layout (docs/triton.md: why, and what it measured).
-
-Same contract as ``_topk_filter_kernel``: program (row, split of CS columns); the keys at or
-above the row's floor are candidates, ``key << 32 | (2^31 - 1 - column)`` int64 in column order
-from the split's scratch row (at most CAP stored, the count goes on). Blocks start on 16-column
-boundaries (the split's first block reaches back to one; those columns are not taken); every
-block but the last is read unmasked: contiguous fp32 rows (column stride 1) on a CUDA device.
-Imported only there: under the CPU interpreter importing Gluon raises.
+"""The long-row top-k's filter in Gluon, its layout chosen: each thread holds ``BLOCK / (32 x
+warps)`` consecutive columns of a block (16-byte loads; a scan inside the thread, then one
+across threads; the candidates stored from the same layout). The contract of
+``_topk_filter_kernel``; blocks start on 16-column boundaries (columns before the split are
+not taken), all but the last read unmasked: contiguous fp32 rows on a CUDA device only.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ from triton.experimental.gluon import language as gl
 @gluon.jit
 def _add(a, b):
     return a + b
+
 
 @gluon.jit
 def _keep(x, cols, take, cnt, crow, CAP: gl.constexpr):
@@ -35,6 +30,7 @@ def _keep(x, cols, take, cnt, crow, CAP: gl.constexpr):
         comp = (key.to(gl.int64) << 32) | (2147483647 - cols).to(gl.int64)
         gl.store(crow + pos, comp, mask=take & (pos < CAP))
     return cnt + nt
+
 
 @gluon.jit
 def _topk_filter_gluon_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS,
