@@ -54,9 +54,7 @@ __all__ = ["AttentionKernels", "MLAPrecision", "PageReader"]
 
 #: the precision of sparse MLA on 16-bit inputs (see :class:`AttentionKernels`)
 MLAPrecision = Literal["bf16", "exact"]
-
 _LOWP = (torch.bfloat16, torch.float16)
-
 #: the launch constants on this process's device (the tuning table's rows);
 #: :class:`AttentionKernels` takes overrides on top of them
 INDEXER_DEFAULT = DeviceTuned(Launch.INDEXER)

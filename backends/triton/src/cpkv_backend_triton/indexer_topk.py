@@ -44,7 +44,6 @@ __all__ = ["INDEXER_TOPK", "FusedLayout", "indexer_topk", "layout", "ptx_append"
 #: steps and warps): the tuning table's row (:class:`.tuning.IndexerTopkParams`, each value's
 #: measurement named there): views of at least MIN_T keys (the long-row top-k's) take it
 INDEXER_TOPK: Mapping[str, int] = DeviceTuned(Launch.INDEXER_TOPK)
-
 #: the reasons the inline-PTX append was not taken on a GPU, each reported once a process
 _PTX_DECLINED: set[str] = set()
 

@@ -32,15 +32,11 @@ def f32(x: float) -> float:
 
 #: the reference's clamp_min(FP8_AMAX_FLOOR) on an fp32 tensor clamps at its float32 value
 AMAX_FLOOR_F32 = f32(FP8_AMAX_FLOOR)
-
 UE8M0_FLOOR_F32 = f32(UE8M0_AMAX_FLOOR)
-
 #: the reference's ``amax * (1/448)`` multiplies by this fp32 value
 INV_E4M3_MAX_F32 = f32(1.0 / FP8_E4M3_MAX)
-
 #: (row, head) pairs per ``index_q_fp8`` program (a tensor-core dot needs >= 16)
 INDEX_Q_BLOCK = 32
-
 #: a kernel's code of a 16/32-bit float dtype (the rotation's rounding)
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 

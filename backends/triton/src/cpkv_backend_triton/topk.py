@@ -41,33 +41,25 @@ __all__ = ["TOPK_CONFIG", "TOPK_LONG", "TOPK_METHOD", "TOPK_RADIX_MAX_K", "gluon
 
 
 TOPK_BLOCK = 1024
-
 #: "radix" (the exact kernels, default) or "torch" (mask, torch.topk, fix-up)
 TOPK_METHOD = "radix"
-
 #: larger k (the candidates' scratch grows with it), and float64 logits (whose keys have 64
 #: bits), take the torch path
 TOPK_RADIX_MAX_K = 4096
-
 #: the two-read path's launch (BLOCK, CHUNK, num_warps, final_warps, BINS) on this process's
 #: device: the tuning table's row (:mod:`.tuning`, each value's measurement named there)
 TOPK_CONFIG: Mapping[str, int] = DeviceTuned(Launch.TOPK)
-
 #: candidates (keys in the K-th key's bin) a row may hand to the final kernel's refinement (at
 #: least the power of two >= k); more take the exact kernel's 4 passes
 TOPK_MIN_CAP = 1024
-
 #: candidates per step of the final kernel's refinement
 TOPK_REFINE_BLOCK = 256
-
 #: columns, spread evenly over a row's range, whose sorted keys place the bins' bracket
 TOPK_SAMPLE = 512
-
 #: the one-read path for long rows (MIN_T, SAMPLE, CAP, BLOCK, PROGRAMS, SPLIT_MIN, SCRATCH_MB,
 #: REFINE, num_warps, select_warps, a decode step's FEW_ROWS launches;
 #: :class:`.tuning.TopkLongParams`) on this process's device
 TOPK_LONG: Mapping[str, int] = DeviceTuned(Launch.TOPK_LONG)
-
 _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
