@@ -47,8 +47,8 @@ def test_topk_share_sums_the_kernels_by_name() -> None:
     assert topk_share(fused) == {"topk_ms": 1.875, "indexer_ms": 12.0}
 
 
-@pytest.mark.parametrize("module", ["cpkv_backend_triton.topk",
-                                    "cpkv_backend_triton.topk_filter_gluon"])
+@pytest.mark.parametrize("module", ["cpkv_backend_triton.kernels.topk",
+                                    "cpkv_backend_triton.kernels.topk_gluon"])
 def test_topk_share_counts_every_top_k_kernel(module: str) -> None:
     """Every kernel the top-k modules launch is top-k time in ``long_512k_topk_share``: the
     Gluon filter, first named ``_filter_kernel``, was left out of it (the row read 0.047 for
@@ -68,7 +68,7 @@ def test_fused_topk_share_counts_every_kernel_but_the_filter() -> None:
     """In a profile holding the fused indexer top-k's filter, every other kernel of the fused
     module is top-k time (its select, first left out of the names), the filter the indexer's
     (names read from the source, as above)."""
-    spec = importlib.util.find_spec("cpkv_backend_triton.indexer_topk")
+    spec = importlib.util.find_spec("cpkv_backend_triton.kernels.indexer_topk")
     if spec is None or spec.origin is None:
         pytest.skip("cpkv_backend_triton is not installed")
     tree = ast.parse(Path(spec.origin).read_text())

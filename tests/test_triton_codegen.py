@@ -43,7 +43,8 @@ import inspect, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cpkv_backend_triton.attention import _indexer_paged_kernel, _row_alignment
+from cpkv_backend_triton.index_views import row_alignment as _row_alignment
+from cpkv_backend_triton.kernels.indexer import _indexer_paged_kernel
 
 names = list(inspect.signature(_indexer_paged_kernel.fn).parameters)
 ptrs = {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
@@ -83,7 +84,8 @@ import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cpkv_backend_triton.attention import _indexer_pages_kernel, _row_alignment
+from cpkv_backend_triton.index_views import row_alignment as _row_alignment
+from cpkv_backend_triton.kernels.indexer import _indexer_pages_kernel
 
 names = list(inspect.signature(_indexer_pages_kernel.fn).parameters)
 ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
@@ -96,9 +98,9 @@ out = {}
 for lay, (kp, kf, krow, sp, sf, srow) in layouts.items():
     aligned = [*ptrs, "k_page", "s_page", "sq0", "sq1", "sw0", "sbt0", "so0"]
     aligned += ["k_first", "s_first"] if kf else []
-    for stages, km, precise in ((1, 1, 0), (3, 1, 0), (1, 0, 0), (1, 1, 32)):
+    for stages, km in ((1, 1), (3, 1), (1, 0)):
         const = {"H": 64, "HP": 64, "D": 128, "DP": 128, "S": 64, "KROW": krow, "SROW": srow,
-                 "PAGES": 4, "STAGES": stages, "KEYS_M": km, "PRECISE": precise, "FP8": True,
+                 "PAGES": 4, "STAGES": stages, "KEYS_M": km, "FP8": True,
                  "UPCAST": False,
                  "KALIGN": _row_alignment((kp, kf), 1), "sq2": 1, "sw1": 1, "sbt1": 1}
         sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
@@ -107,13 +109,11 @@ for lay, (kp, kf, krow, sp, sf, srow) in layouts.items():
                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
-        out[f"{lay}_s{stages}_km{km}" + (f"_p{precise}" if precise else "")] = {
+        out[f"{lay}_s{stages}_km{km}"] = {
             "b8": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.b8\s", ptx)),
             "v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
             "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[\w:.]* [^;]*, 0x10", ptx)),
             "bar": len(re.findall(r"bar\.sync", ptx)),
-            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-            "fadd": len(re.findall(r"add(?:\.rn)?\.f32\s", ptx)),
             "shfl": len(re.findall(r"shfl\.sync", ptx))}
 print(json.dumps(out))
 """
@@ -137,67 +137,6 @@ def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
     for lay in ("part_major", "page_major"):
         a, b = res[f"{lay}_s1_km1"], res[f"{lay}_s1_km0"]
         assert a["bar"] < b["bar"] and a["shfl"] < b["shfl"], res
-        # PRECISE 32: the dot as 4 wgmma of k 32, each partial added into the fp32 accumulator
-        # ([64 keys x 64 heads] over 128 threads: 32 values a thread a promotion)
-        p, a = res[f"{lay}_s1_km1_p32"], res[f"{lay}_s1_km1"]
-        assert p["wgmma"] >= 4 and p["fadd"] >= a["fadd"] + 3 * 32, res
-
-
-_ASYNC_SCRIPT = r"""
-import inspect, json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from cpkv_backend_triton.indexer_async import _indexer_async_kernel as K, _group
-from cpkv_backend_triton.tuning import Op, row
-
-cfg = row(Op.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
-bm, bn = cfg["ASYNC_BLOCK_M"], cfg["ASYNC_BLOCK_N"]
-
-
-def desc(shape):
-    lay = gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)
-    return f"tensordesc<fp8e4nv[{shape[0]},{shape[1]}],{lay!r}>"
-
-
-names = list(inspect.signature(K.fn).parameters)
-const = {"H": 64, "QSTAGES": cfg["ASYNC_STAGES"], "GROUP": _group(64, cfg["ASYNC_GROUP"]),
-         "num_warps": bm // 16}
-ptrs = {"w_ptr": "*fp32", "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64",
-        "out_ptr": "*fp32"}
-sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-sig["q_desc"], sig["k_desc"] = desc([bm, 128]), desc([bn, 128])
-src = GluonASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": bm // 16}).asm["ptx"]
-waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
-out = {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "wait1": waits.count("1"),
-       "wait0": waits.count("0"), "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-       "group": const["GROUP"], "ptx": ptx}
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.multiprocess
-def test_async_indexer_overlaps_wgmma_with_the_head_sums(tmp_path: Path) -> None:
-    """The Gluon indexer at its tuned launch: in each group of heads, head j+1's wgmma is in
-    flight while head j is summed (``wgmma.wait_group 1``, ``GROUP - 1`` a group), the query
-    tiles come by TMA; and where a ptxas can assemble the PTX, it neither serializes the wgmma
-    chain (its C7512-C7515 warnings: a register move out of an in-flight accumulator, not
-    enough registers) nor spills."""
-    _needs_gluon()
-    res = _run_script(_ASYNC_SCRIPT)
-    res["ptxas"] = ptxas_report(res.pop("ptx"), tmp_path)
-    # the group is the loop's body (unrolled): its GROUP - 1 overlapped waits, one full wait
-    assert res["wait1"] == res["group"] - 1 and res["wait0"] == 1
-    assert res["wgmma"] == 4 * res["group"]  # 4 wgmma (k = 32 each) a head of 128 dims
-    assert res["tma"] >= 2
-    if res["ptxas"] is None:
-        pytest.skip("no ptxas here reads this PTX version: registers and spills not checked")
-    assert "C751" not in res["ptxas"], res["ptxas"]
-    assert "0 bytes spill stores" in res["ptxas"], res["ptxas"]
 
 
 _GLUON_FILTER_SCRIPT = r"""
@@ -205,12 +144,12 @@ import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from cpkv_backend_triton.topk_filter_gluon import _topk_filter_gluon_kernel as K
+from cpkv_backend_triton.kernels.topk_gluon import _topk_filter_gluon_kernel as K
 
 names = list(inspect.signature(K.fn).parameters)
 ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
         "cand_ptr": "*i64", "count_ptr": "*i32"}
-const = {"BLOCK": 1024, "CAP": 16384, "num_warps": 4, "PREFETCH": PREFETCH}
+const = {"BLOCK": 1024, "CAP": 16384, "num_warps": 4}
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
 src = GluonASTSource(fn=K, signature=sig,
                      constexprs={(names.index(k),): v for k, v in const.items()},
@@ -224,22 +163,20 @@ print(json.dumps(out))
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path, prefetch: bool) -> None:
+def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
     """The Gluon filter at 1024 columns a block, 4 warps: each thread's 8 consecutive columns
-    come in 2 16-byte loads (the unmasked blocks; with ``PREFETCH`` the first block's load
-    before the loop and the next block's in it: 4), the block's scan is one warp scan (the
+    come in 2 16-byte loads (the unmasked blocks), the block's scan is one warp scan (the
     Triton filter's coalesced layout needs 8: 48 shuffles a block) and one exchange across
     warps (a few barriers: the Triton filter with 16-byte loads converted the block through
     shared memory, 24 barriers); no spill where a ptxas reads the PTX."""
     _needs_gluon()
-    res = _run_script(f"PREFETCH = {prefetch}\n" + _GLUON_FILTER_SCRIPT)
+    res = _run_script(_GLUON_FILTER_SCRIPT)
     res["ptxas"] = ptxas_report(res.pop("ptx"), tmp_path)
     # the unmasked blocks' loads; the masked last block's are scalar
-    assert res["v4"] == (4 if prefetch else 2), res
-    # the scanned bodies (the unmasked loop, with PREFETCH its last block after the loop, the
-    # masked last block), each: a sum and a scan across warps
-    bodies = 3 if prefetch else 2
+    assert res["v4"] == 2, res
+    # the scanned bodies (the unmasked loop, the masked last block), each: a sum and a scan
+    # across warps
+    bodies = 2
     assert res["shfl"] <= bodies * 8 and res["bar"] <= bodies * 5, res
     assert res["st_shared"] <= bodies * 3, res
     if res["ptxas"] is None:
@@ -252,18 +189,16 @@ import inspect, json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cpkv_backend_triton.attention import _indexer_kernel as K
-from cpkv_backend_triton.tuning import Op, row
+from cpkv_backend_triton.kernels.indexer import _indexer_kernel as K
+from cpkv_backend_triton.tuning import Launch, row
 
-cfg = row(Op.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
+cfg = row(Launch.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
 names = list(inspect.signature(K.fn).parameters)
 ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-        "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32", "qw_ptr": "*fp8e4nv",
-        "sh_ptr": "*fp32"}
+        "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32"}
 # what a real launch specializes: unit strides, 16-byte aligned pointers and row strides
 const = {"sq2": 1, "sk1": 1, "sw1": 1, "H": 64, "D": 128, "DP": 128,
-         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "FP8": True, "UPCAST": False,
-         "PARTS": cfg["ABS_PARTS"], "ASM": True}
+         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "FP8": True, "UPCAST": False}
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
 aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
 src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
@@ -278,7 +213,7 @@ print(json.dumps({"ptx": k.asm["ptx"], "threads": 32 * cfg["num_warps"]}))
 def test_prefill_indexer_keeps_three_ctas_an_sm(tmp_path: Path) -> None:
     """The fp8 prefill indexer at its tuned launch (DeepSeek's 64 heads x 128) fits 3 CTAs an
     SM in registers, without spills: Nsight Compute found it latency-bound at 3 warps a
-    scheduler (docs/perf.md, session 16), and every variant measured above ~170 registers
+    scheduler (docs/triton.md), and every variant measured above ~170 registers
     (2 CTAs an SM) was slower whatever it saved (the ``|s|`` split at 201: 0.86x)."""
     res = _run_script(_INDEXER_SCRIPT)
     report = ptxas_report(res["ptx"], tmp_path)

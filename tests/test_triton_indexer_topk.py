@@ -58,8 +58,8 @@ def flags(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     return seen
 
 
-def _impl(parts: int = 0) -> Any:
-    return attention.AttentionKernels(indexer_config={"FEW_ROWS": 0, "ABS_PARTS": parts})
+def _impl() -> Any:
+    return attention.AttentionKernels(indexer_config={"FEW_ROWS": 0})
 
 
 def _inputs(n: int, t: int, heads: int = 4, d: int = 32, seed: int = 0
@@ -182,12 +182,9 @@ def test_a_floor_from_fewer_radix_rounds_keeps_the_set(ref: Any, small: dict[str
 
 
 @pytest.mark.slow  # 4-7 s in the interpreter
-@pytest.mark.parametrize("parts", [0, 3], ids=["relu", "abs_parts3"])
-def test_fp8_queries_and_keys(ref: Any, small: dict[str, int], flags: list[torch.Tensor],
-                              parts: int) -> None:
-    """DeepSeek's fp8 numerics: e4m3 integer grids (exact dots) with power-of-two key scales;
-    with ``ABS_PARTS`` 3 (the signed half as fp8 parts, :mod:`cpkv_backend_triton.indexer_tile`)
-    the fused path still picks the plain path's set, and the reference's within its logits'
+def test_fp8_queries_and_keys(ref: Any, small: dict[str, int], flags: list[torch.Tensor]) -> None:
+    """DeepSeek's fp8 numerics: e4m3 integer grids (exact dots) with power-of-two key scales:
+    the fused path picks the plain path's set, and the reference's within its logits'
     tolerance."""
     g = torch.Generator().manual_seed(3)
     n, t, heads, d = 12, 500, 8, 32
@@ -196,7 +193,7 @@ def test_fp8_queries_and_keys(ref: Any, small: dict[str, int], flags: list[torch
     scale = torch.pow(2.0, torch.randint(-8, -3, (t,), generator=g).float())
     w = torch.randn(n, heads, generator=g).abs()
     ks, ke = torch.zeros(n, dtype=torch.int64), torch.arange(t - n + 1, t + 1)
-    _check(_impl(parts), ref, (q8, w, k8, scale, ks, ke), 32)
+    _check(_impl(), ref, (q8, w, k8, scale, ks, ke), 32)
     assert len(flags) == 1
 
 

@@ -21,19 +21,18 @@ from triton_interp import ptxas_report
 triton = pytest.importorskip("triton")
 
 _SCRIPT = r"""
-import inspect, json, re, sys
+import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import cpkv_backend_triton.attention as A
-import cpkv_backend_triton.indexer_topk as F
+import cpkv_backend_triton.kernels.indexer as A
+import cpkv_backend_triton.kernels.indexer_topk as F
+from cpkv_backend_triton.indexer_topk import INDEXER_TOPK
 
 PTRS = {"xs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv",
         "scale_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
-        "val_ptr": "*fp32", "col_ptr": "*i32", "count_ptr": "*i32", "meta_ptr": "*i32",
-        "qw_ptr": "*fp8e4nv", "sh_ptr": "*fp32"}
-TILE = {"H": 64, "D": 128, "DP": 128, "BLOCK_N": 128, "FP8": True, "UPCAST": False,
-        "PARTS": int(sys.argv[1])}
+        "val_ptr": "*fp32", "col_ptr": "*i32", "count_ptr": "*i32", "meta_ptr": "*i32"}
+TILE = {"H": 64, "D": 128, "DP": 128, "BLOCK_N": 128, "FP8": True, "UPCAST": False}
 
 
 def build(fn, const, out_ptr="*fp32", **opts):
@@ -50,12 +49,11 @@ def build(fn, const, out_ptr="*fp32", **opts):
             "shared": k.metadata.shared}, k.asm["ptx"]
 
 
-plain, _ = build(A._indexer_kernel, {**TILE, "BLOCK_M": 64, "ASM": True})
+plain, _ = build(A._indexer_kernel, {**TILE, "BLOCK_M": 64})
 filt, ptx = build(F._fused_filter_kernel, {**TILE, "BLOCK_M": 64, "ASM": True},
-                  maxnreg=F.INDEXER_TOPK["MAXNREG"])
+                  maxnreg=INDEXER_TOPK["MAXNREG"])
 out = {"plain": plain, "filter": filt,
-       "exact": build(F._fused_exact_kernel,
-                      {k: v for k, v in {**TILE, "HP": 64}.items() if k != "PARTS"}, "*i32")[0],
+       "exact": build(F._fused_exact_kernel, {**TILE, "HP": 64}, "*i32")[0],
        "floor": build(F._sample_floor_kernel, {"SP": 4096, "ROUNDS": 4})[0],
        "select": build(F._fused_select_kernel, {"KP": 2048, "RB": 1024}, "*i32")[0],
        "filter_ptx": ptx}
@@ -65,16 +63,14 @@ print(json.dumps(out))
 
 @pytest.mark.slow  # 7 s of sm90 compiles
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("parts", [0, 3], ids=["relu", "abs_parts3"])
-def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores(tmp_path: Path,
-                                                                       parts: int) -> None:
-    """Both head sums (``ABS_PARTS`` 0 and 3): the filter's tiles are the plain kernel's."""
+def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores(tmp_path: Path) -> None:
+    """The filter's tiles are the plain kernel's."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(parts)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,12 +60,19 @@ def interpreter_env() -> Iterator[None]:
 
 def import_kernels(name: str, kernel: str) -> ModuleType:
     """Module ``name`` with its kernels defined for this machine (``kernel``: one of its
-    ``triton.jit`` functions, checked); the calling test module is skipped without triton."""
+    ``triton.jit`` functions, checked); the calling test module is skipped without triton.
+    Kernels imported earlier without the interpreter: every backend module that imports triton
+    is imported again (the wrappers and the :mod:`cpkv_backend_triton.kernels` they launch)."""
     with interpreter_env():
         pytest.importorskip("triton", reason="triton is not installed")
         mod = importlib.import_module(name)
         if not CUDA and type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
-            mod = importlib.reload(mod)  # imported before TRITON_INTERPRET was set
+            light = {"cpkv_backend_triton", "cpkv_backend_triton.plugin", "cpkv_backend_triton.parts",
+                     "cpkv_backend_triton.tuning"}
+            for m in [m for m in sys.modules
+                      if m.startswith("cpkv_backend_triton.") and m not in light]:
+                del sys.modules[m]
+            mod = importlib.import_module(name)
         return mod
 
 

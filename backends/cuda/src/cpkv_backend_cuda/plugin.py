@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 
 from cpkv.contracts import Availability, KVOps, Op
 from cpkv.ops.api import OpMethods
-from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
+from cpkv.plugin import BackendRegistrar, BackendSpec, cuda_device_missing, hookimpl
 
 if TYPE_CHECKING:
     from .deepgemm import DeepGEMMOps
@@ -93,12 +93,11 @@ def provided_ops(found: Callable[[Library], bool] = installed) -> frozenset[Op]:
 
 
 def _cuda_device_missing() -> str | None:
-    try:
-        import torch
-    except Exception as exc:  # a broken torch install is a reason, not a crash
-        return f"torch cannot be imported ({exc!r}), so no CUDA device can be used"
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
+    why = cuda_device_missing()
+    if why is not None:
+        return why
+    import torch
+
     cap = torch.cuda.get_device_capability()
     if cap not in CAPABILITIES:
         return (f"compute capability {cap[0]}.{cap[1]}: the kernels here (FlashMLA's sparse "

@@ -1,8 +1,5 @@
-"""cpkv Triton backend: Triton kernels for cpkv's ops (issue #5).
-
-``kv.py`` holds the KV kernels (page_gather, page_scatter, rerange, fp8_pack, fp8_unpack),
-``attention.py`` the sparse-attention ones, ``rope.py`` the rotary embedding; ``ops.TritonOps``
-composes them. Without a CUDA device
-the kernels run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is
-imported. Kept light: importing this package imports neither triton nor torch.
+"""cpkv Triton backend: :mod:`.kernels` holds the ``@triton.jit`` kernels by op family, the
+modules here their thin wrappers, composed by ``ops.TritonOps``; :mod:`.tuning` the launch
+constants. ``TRITON_INTERPRET=1`` (set before triton is imported) runs the kernels on the CPU.
+Importing this package imports neither triton nor torch.
 """

@@ -1,39 +1,17 @@
-"""Triton kernel of the ``rms_norm`` op: a row's RMSNorm in one pass.
-
-A decode step's norms (64 rows of 7168, 1536 or 512 values) are each one small torch kernel of
-~6 us on an H100, nine a step of two layers. One program here takes one row: it loads the row
-and the weight, sums the squares in fp32, and stores ``x * rsqrt(mean + eps) * weight`` rounded
-once (the op's definition; the mean's order of summation is the kernel's, within the op's
-conformance bound). Rows may be column slices of a wider tensor (any row stride).
-
-Semantics are :class:`cpkv.ops.api.KVOps`'s ``rms_norm``, checked by
-``cpkv.testing.conformance``.
+"""The ``rms_norm`` op (:mod:`.kernels.norm`): a row's RMSNorm in one pass, rows any column slice
+of a wider tensor; within the op's conformance bound (the kernel's summation order).
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from cpkv.ops.api import check_rms_norm_args
 
+from .kernels.norm import _rms_norm_kernel
+
 __all__ = ["NormKernels"]
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, sx, so, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    m = d < D
-    x = tl.load(x_ptr + row * sx + d, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = x * r * w
-    ty = out_ptr.dtype.element_ty
-    if ty != tl.float32:  # to nearest even on GPUs (the CPU interpreter truncates: in bound)
-        y = y.to(ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + row * so + d, y, mask=m)
 
 
 class NormKernels:

@@ -1,10 +1,7 @@
 """Declares the ``triton`` backend (entry point ``cpkv.backends: triton``).
 
-Importing this module imports neither triton nor torch. The ops are the static list :data:`OPS`,
-the ops of the kernel objects (``kv.py``, ``attention.py``, ``rope.py``, ``quant.py``,
-``norm.py``) that ``ops.TritonOps``
-composes; ``load`` builds one and checks that every listed op is provided
-(``tests/test_triton_kv.py`` checks that the list equals the ops ``TritonOps`` provides).
+Importing this module imports neither triton nor torch. The ops are :data:`.parts.OPS`;
+``load`` builds a ``TritonOps`` and checks that it has every listed op.
 """
 
 from __future__ import annotations
@@ -13,36 +10,14 @@ import importlib.util
 import os
 from typing import cast
 
-from cpkv.contracts import Availability, KVOps, Op
-from cpkv.plugin import BackendRegistrar, BackendSpec, hookimpl
+from cpkv.contracts import Availability, KVOps
+from cpkv.plugin import BackendRegistrar, BackendSpec, cuda_device_missing, hookimpl
+
+from .parts import OPS
+
+__all__ = ["NAME", "OPS", "device_types", "load", "probe"]
 
 NAME = "triton"
-#: the ops of ``kv.KVKernels``, ``attention.AttentionKernels``, ``rope.RopeKernels``,
-#: ``quant.QuantKernels`` and ``norm.NormKernels``, the parts of ``TritonOps``
-OPS: frozenset[Op] = frozenset({
-    Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.PEER_GATHER, Op.FP8_PACK, Op.FP8_UNPACK,
-    Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED, Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK,
-    Op.INDEXER_TOPK, Op.SPARSE_MLA,
-    Op.SPARSE_MLA_PAGED,
-    Op.ROPE,
-    Op.INDEX_Q_FP8,
-    Op.PAGE_ROWS,
-    Op.FP8_STORE,
-    Op.RMS_NORM,
-})
-
-
-def _cuda_device_missing() -> str | None:
-    try:
-        import torch
-    except Exception as exc:  # a broken torch install is a reason, not a crash
-        return f"torch cannot be imported ({exc!r}), so no CUDA device can be used"
-    if not torch.cuda.is_available():
-        return ("no CUDA device (torch.cuda.is_available() is False) and TRITON_INTERPRET=1 is "
-                "not set (the Triton interpreter runs the kernels on the CPU)")
-    return None
-
-
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
@@ -51,8 +26,9 @@ def _reasons() -> list[str]:
     reasons: list[str] = []
     if importlib.util.find_spec("triton") is None:
         reasons.append("triton is not installed")
-    if not _interpret() and (why := _cuda_device_missing()) is not None:
-        reasons.append(why)
+    if not _interpret() and (why := cuda_device_missing()) is not None:
+        reasons.append(f"{why} and TRITON_INTERPRET=1 is not set (the Triton interpreter runs "
+                       f"the kernels on the CPU)")
     return reasons
 
 

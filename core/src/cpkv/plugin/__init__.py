@@ -13,6 +13,7 @@ Writing a plugin::
 """
 
 from .manager import GROUPS, Discovered, PluginHost
+from .probes import cuda_device_missing
 from .registry import (
     AgreeFn,
     BackendRegistrar,
@@ -39,6 +40,7 @@ __all__ = [
     "TransferRegistrar",
     "TransferRegistry",
     "TransferSpec",
+    "cuda_device_missing",
     "hookimpl",
     "hookspec",
 ]

@@ -1,0 +1,296 @@
+"""The fused indexer + top-k's kernels (:mod:`cpkv_backend_triton.indexer_topk` launches them,
+its docstring gives the five steps): the sample's floor, the filter (the plain indexer's tiles,
+:func:`.indexer.indexer_tile`, whose epilogue appends the candidates at or above the floor),
+the select over the unordered candidates, and the exact pass over flagged rows."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .indexer import indexer_tile
+from .radix import (
+    bin_count,
+    copied_rounds,
+    copy_bin,
+    key_round,
+    key_value,
+    list_short_row,
+    ord_key,
+    radix_digit,
+    radix_step,
+    row_range,
+    take_ranked,
+)
+
+
+@triton.jit
+def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, sx0,
+                         SP: tl.constexpr, ROUNDS: tl.constexpr):
+    """Step 2 (one program per row): the floor from the row's sampled logits (``xs`` [N, NSC],
+    -inf outside the range), a float; -inf (every key) when the sample has no key at the
+    floor's place; not written for rows holding at most K keys (no filter needed). ROUNDS < 4
+    radix rounds give the place's key with its low ``32 - 8 ROUNDS`` bits cleared: a floor at
+    or below it (a lower floor only adds candidates; a finite key stays finite)."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end = row_range(ks_ptr, ke_ptr, row, T)
+    cnt = end - start
+    if cnt > K:
+        i = tl.arange(0, SP)
+        valid = i < NSC
+        x = tl.load(xs_ptr + row * sx0 + i, mask=valid, other=float("-inf"))
+        s = ord_key(x)
+        # the sample's columns inside [start, end): i * STRIDE in it
+        m = (end + STRIDE - 1) // STRIDE - (start + STRIDE - 1) // STRIDE
+        est = (K * m) // cnt
+        margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
+        place = est + margin  # 0-based, descending
+        need = place + 1
+        prefix = tl.zeros([], tl.int32)
+        for p in tl.static_range(ROUNDS):
+            d, mm = radix_digit(s, valid, prefix, p)
+            need, prefix = radix_step(tl.histogram(d, 256, mask=mm), need, prefix, p)
+        tl.store(floor_ptr + row, tl.where(place < m, key_value(prefix), float("-inf")))
+
+
+#: one logit's candidate test and append, as PTX (``ASM``): ``$1`` the logit (-inf outside its
+#: row's range), ``$2`` the row's floor, ``$3`` the column, ``$4`` the row's count, ``$5`` /
+#: ``$6`` its value / column slots, ``$7`` CAP - 1. The append is a branch most lanes skip
+#: (~1 % of the logits are candidates), one logit at a time, so the tile's registers stay the
+#: plain kernel's (164 against 168; the same append in Triton's tensor ops holds every
+#: element's slot and addresses at once: 228-255 registers, 2 CTAs an SM instead of 3)
+_APPEND_PTX = tl.constexpr("""{
+.reg .pred p;
+.reg .u32 s;
+.reg .u64 a;
+mov.u32 $0, 0;
+setp.ge.f32 p, $1, $2;
+@!p bra SKIP;
+atom.global.relaxed.gpu.add.u32 s, [$4], 1;
+min.u32 s, s, $7;
+mad.wide.u32 a, s, 4, $5;
+st.global.f32 [a], $1;
+mad.wide.u32 a, s, 4, $6;
+st.global.u32 [a], $3;
+SKIP:
+}""")
+
+
+@triton.jit
+def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_ptr, val_ptr,
+                         col_ptr, count_ptr, N, T, K, CAP,
+                         sq0, sq1, sq2, sw0, sw1, sk0, sk1,
+                         H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         FP8: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr):
+    """Step 3 (program (key tile, row block), as the plain kernel's): the tile's logits for
+    the rows holding more than K keys; those at or above the row's floor appended to the row's
+    candidates at a slot from a relaxed atomic add on its count (past CAP the last slot is
+    rewritten and the count goes on: the select flags the row). ``ASM``: the append as
+    :data:`_APPEND_PTX`, else Triton's tensor ops (the interpreter). CAP is a runtime value (a
+    constexpr would compile the kernel again for each call shape)."""
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    ks = tl.load(ks_ptr + rows64, mask=rmask, other=0)
+    ke = tl.load(ke_ptr + rows64, mask=rmask, other=0)
+    start = tl.minimum(tl.maximum(ks, 0), T).to(tl.int32)
+    end = tl.minimum(tl.maximum(ke, 0), T).to(tl.int32)
+    long = rmask & (end - start > K)
+    lo = tl.min(tl.where(long, start, T), axis=0)
+    hi = tl.max(tl.where(long, end, 0), axis=0)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < T
+    # the plain kernel's shape (the tile zeroed, computed under the branch, the epilogue after
+    # it): computing and using the tile inside the branch took 223 registers instead of 166
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        acc = indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols.to(tl.int64),
+                           cmask, sq0, sq1, sq2, sw0, sw1, sk0, sk1, H, D, DP,
+                           BLOCK_M, BLOCK_N, FP8, UPCAST)
+    # +inf: a row holding at most K keys (or none) takes no candidate
+    fl = tl.load(floor_ptr + rows64, mask=long, other=float("inf"))
+    inr = (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
+    x = tl.where(inr, acc, float("-inf"))
+    if ASM:
+        z = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        tl.inline_asm_elementwise(
+            _APPEND_PTX, "=r,f,f,r,l,l,l,r",
+            [x, fl[:, None], cols[None, :], (count_ptr + rows64).to(tl.int64, bitcast=True)[:, None],
+             (val_ptr + rows64 * CAP).to(tl.int64, bitcast=True)[:, None],
+             (col_ptr + rows64 * CAP).to(tl.int64, bitcast=True)[:, None], CAP - 1 + z],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        take = x >= fl[:, None]
+        slot = tl.atomic_add(count_ptr + rows64[:, None] + tl.zeros_like(cols)[None, :].to(
+            tl.int64), 1, mask=take, sem="relaxed")
+        slot = tl.minimum(slot, CAP - 1)
+        tl.store((val_ptr + rows64 * CAP)[:, None] + slot, x, mask=take)
+        tl.store((col_ptr + rows64 * CAP)[:, None] + slot, cols[None, :] + tl.zeros_like(slot),
+                 mask=take)
+
+
+@triton.jit
+def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.constexpr):
+    """The need-th largest order key of a row's ``nc`` candidates (values at ``vrow``), or with
+    ``COLS`` the need-th largest ``2^31 - 1 - column`` (columns at ``crow``) among those whose
+    key is ``key``: 4 radix rounds of 8 bits in steps of RB candidates. Returns how many of the
+    candidates equal to it are still needed, its bits, and the last round's histogram."""
+    prefix = tl.zeros([], tl.int32)  # the bits found so far
+    hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(0, nc, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < nc
+            s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
+            if COLS:
+                inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
+                d, mm = radix_digit(inv, m & (s == key), prefix, p)
+            else:
+                d, mm = radix_digit(s, m, prefix, p)
+            hist += tl.histogram(d, 256, mask=mm)
+        need, prefix = radix_step(hist, need, prefix, p)
+    return need, prefix, hist
+
+
+@triton.jit
+def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
+    """:func:`_radix_candidates` of the keys (``COLS`` off) with its last two rounds over the
+    keys matching the first two rounds' 16 bits only: those (round 1's bin) are copied into the
+    row's ``need`` output slots at ``orow`` first (the output is written after); a bin larger
+    than the slots keeps the rounds over every candidate."""
+    room = need
+    prefix = tl.zeros([], tl.int32)
+    for p in tl.static_range(2):
+        hist = key_round(vrow, nc, prefix, p, RB, True)
+        need, prefix = radix_step(hist, need, prefix, p)
+    nk = bin_count(hist, prefix, 1)
+    if nk <= room:
+        nput = tl.zeros([], tl.int32)
+        for c0 in range(0, nc, RB):
+            i = c0 + tl.arange(0, RB)
+            m = i < nc
+            nput = copy_bin(orow, nput, ord_key(tl.load(vrow + i, mask=m, other=0.0)), m, prefix)
+        need, prefix, hist = copied_rounds(orow, nk, need, prefix, RB)
+    else:
+        for p in tl.static_range(2, 4):
+            hist = key_round(vrow, nc, prefix, p, RB, True)
+            need, prefix = radix_step(hist, need, prefix, p)
+    return need, prefix, hist
+
+
+@triton.jit
+def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
+                         CAP, KP: tl.constexpr, RB: tl.constexpr, COMPACT: tl.constexpr):
+    """Step 4 (one program per row): rows holding at most K keys list them ascending; the
+    others take the exact K of their candidates (in no order: a radix select over the keys,
+    then, when the K-th key ties, one over the tied candidates' columns keeps the lowest),
+    written ascending. Fewer than K candidates or more than CAP: ``meta = -1`` (the exact
+    pass's row)."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end = row_range(ks_ptr, ke_ptr, row, T)
+    count = tl.maximum(end - start, 0)
+    if count <= K:
+        list_short_row(out_ptr, row, start, count, K, KP)
+    else:
+        nc = tl.load(count_ptr + row)
+        if (nc < K) | (nc > CAP):
+            tl.store(meta_ptr + row * 2, -1)
+        else:
+            vrow = val_ptr + row * CAP
+            crow = col_ptr + row * CAP
+            orow = out_ptr + row * K
+            # the K-th key, and how many candidates equal to it to take
+            if COMPACT:
+                need, prefix, hist = _kth_key_compact(vrow, nc, K + tl.zeros([], tl.int32),
+                                                      orow, RB)
+            else:
+                need, prefix, hist = _radix_candidates(vrow, crow, nc,
+                                                       K + tl.zeros([], tl.int32), 0, False, RB)
+            # candidates equal to the K-th key: the last round's bin of its low 8 bits
+            tied = tl.sum(tl.where(tl.arange(0, 256) == (prefix & 255), hist, 0), axis=0)
+            # the tied candidates kept: those whose 2^31 - 1 - column is at least cut (all of
+            # them unless fewer are needed: then the need-th largest, i.e. the lowest columns)
+            cut = tl.full([], -2147483648, tl.int32)
+            if need < tied:
+                _, cut, _ = _radix_candidates(vrow, crow, nc, need, prefix, True, RB)
+            wpos = tl.zeros([], tl.int32)
+            for c0 in range(0, nc, RB):
+                i = c0 + tl.arange(0, RB)
+                m = i < nc
+                s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
+                col = tl.load(crow + i, mask=m, other=0)
+                take = m & ((s > prefix) | ((s == prefix) & (2147483647 - col >= cut)))
+                t32 = take.to(tl.int32)
+                tl.store(orow + wpos + tl.cumsum(t32, 0) - 1, col, mask=take)
+                wpos += tl.sum(t32, axis=0)
+            tl.debug_barrier()  # the row's K columns written by every thread: sort them
+            slot = tl.arange(0, KP)
+            chosen = tl.load(orow + slot, mask=slot < K, other=2147483647)
+            tl.store(orow + slot, tl.sort(chosen), mask=slot < K)
+            tl.store(meta_ptr + row * 2, K)
+
+
+@triton.jit
+def _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """One row's logits at BLOCK_N columns: its heads stacked in one ``[HP, DP]`` dot."""
+    cols64 = cols.to(tl.int64)
+    kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
+                 mask=m[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        s = tl.dot(qt, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))
+    x = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
+    if FP8:
+        x = x * tl.load(scale_ptr + cols64, mask=m, other=0.0)
+    return x
+
+
+@triton.jit
+def _fused_exact_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
+                        sq0, sq1, sq2, sw0, sw1, sk0, sk1,
+                        H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """Step 5 (one program per row; rows the select flagged, ``meta = -1``, work): an exact
+    radix select over the row's logits, recomputed in every round, then the K chosen columns
+    (the keys above the K-th, the first ones equal to it by column) in column order."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end = row_range(ks_ptr, ke_ptr, row, T)
+    if end - start > K:  # noqa: SIM102 (the meta load only for rows holding more than K keys)
+        if tl.load(meta_ptr + row * 2) < 0:
+            head = tl.arange(0, HP)
+            hmask = head < H
+            d = tl.arange(0, DP)
+            dmask = d < D
+            qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                         mask=hmask[:, None] & dmask[None, :], other=0.0)
+            if UPCAST:
+                qt = qt.to(tl.float32)
+            wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
+            orow = out_ptr + row * K
+            need = K + tl.zeros([], tl.int32)
+            prefix = tl.zeros([], tl.int32)
+            for p in tl.static_range(4):
+                hist = tl.zeros([256], tl.int32)
+                for c0 in range(start, end, BLOCK_N):
+                    cols = c0 + tl.arange(0, BLOCK_N)
+                    m = cols < end
+                    x = _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8,
+                                    UPCAST)
+                    dg, mm = radix_digit(ord_key(x), m, prefix, p)
+                    hist += tl.histogram(dg, 256, mask=mm)
+                need, prefix = radix_step(hist, need, prefix, p)
+            wpos = tl.zeros([], tl.int32)
+            eq_seen = tl.zeros([], tl.int32)
+            for c0 in range(start, end, BLOCK_N):
+                cols = c0 + tl.arange(0, BLOCK_N)
+                m = cols < end
+                s = ord_key(_row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1,
+                                        FP8, UPCAST))
+                wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m, cols, prefix, need)
+            tl.store(meta_ptr + row * 2, K)
