@@ -19,14 +19,8 @@ BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results"
 PERF = DOCS / "perf.md"
 
-#: backends/triton/src and docs/triton.md are being restructured on another branch; the merge
-#: that lands it sets this True, and from then on they are held to the same rules.
-TRITON_CLEANUP_MERGED = False
-
 LIBRARY = [ROOT / "core" / "src", *sorted((ROOT / "plugins").glob("*/src")),
-           ROOT / "backends" / "torch" / "src", ROOT / "backends" / "cuda" / "src"]
-if TRITON_CLEANUP_MERGED:
-    LIBRARY.append(ROOT / "backends" / "triton" / "src")
+           *sorted((ROOT / "backends").glob("*/src"))]
 
 #: "session 21", "sessions 12-13", "session18/", "issue 38", "issue #12", "issue38_..."
 WORK_LOG = re.compile(r"\b(sessions?|issues?)[ _-]?#?\d+", re.I)
@@ -38,8 +32,7 @@ MAX_SCRIPTS = 15
 
 
 def _user_docs() -> list[Path]:
-    docs = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
-    return [d for d in docs if TRITON_CLEANUP_MERGED or d.name != "triton.md"]
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
 def _library_files() -> list[Path]:
