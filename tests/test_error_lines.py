@@ -4,6 +4,7 @@ only for malformed command lines."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 
 
-def _cpkv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _cpkv(*args: str, cwd: Path,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cpkv.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=cwd)
+                          text=True, timeout=120, cwd=cwd, env=None if env is None else
+                          {**os.environ, **env})
 
 
 @pytest.mark.parametrize(("files", "args", "starts", "has"), [
@@ -28,6 +31,20 @@ def _cpkv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
      "JSON list of prompts"),
     ({}, ["run", "--cp", "0"], "Error: --cp: 0 is not in the range x>=1", "--help"),
     ({}, ["plan", "--cp", "4", "--extend", "1010,x"], "Error: --extend: expected", "--help"),
+    ({"c.toml": "[runtime]\ntimout_s = 5\n"}, ["run", "--config", "c.toml"],
+     "Error: runtime.timout_s (in c.toml): unknown key", "did you mean runtime.timeout_s?"),
+    ({}, ["run", "--chunk", "100"], "Error: --chunk (runtime.chunk_tokens): must be 0 (off) or a "
+     "multiple of kv.page_size = 64", "(got 100)"),
+    ({}, ["warmup", "--tokens", "300", "--chunk", "100"], "Error: --chunk (runtime.chunk_tokens): ",
+     "multiple of kv.page_size = 64"),
+    ({}, ["run", "--model", "does-not-exist"], "Error: --model (run.model) = 'does-not-exist': no "
+     "such directory", "`cpkv init-model does-not-exist`"),
+    ({"c.toml": '[run]\nmodel = "nowhere"\n'}, ["warmup", "--config", "c.toml", "--tokens", "64"],
+     "Error: run.model (in c.toml) = 'nowhere': no such directory", "or 'tiny'"),
+    ({"c.toml": '[transfer]\nname = "nccll"\n'}, ["run", "--config", "c.toml"],
+     "Error: transfer.name (in c.toml) = 'nccll': no installed transfer plugin", "available: "),
+    ({"c.toml": "[plugins]\ndisabel = []\n"}, ["plugins", "--config", "c.toml"],
+     "Error: plugins.disabel (in c.toml): unknown key", "did you mean plugins.disable?"),
 ])
 def test_bad_input_is_one_line_naming_its_source(tmp_path: Path, files: dict[str, str],
                                                  args: list[str], starts: str, has: str) -> None:
@@ -43,3 +60,29 @@ def test_a_malformed_command_line_keeps_the_usage_block(tmp_path: Path) -> None:
     res = _cpkv("run", "--bogus", cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith("Usage: ")
     assert "No such option" in res.stderr
+
+
+@pytest.mark.parametrize(("env", "starts", "has"), [
+    ({"CPKV_TRANSFER__NAME": "nccll"},
+     "Error: transfer.name (CPKV_TRANSFER__NAME) = 'nccll': no installed transfer plugin",
+     "available: "),
+    ({"CPKV_RUNTIME__TIMOUT_S": "5"}, "Error: runtime.timout_s (CPKV_RUNTIME__TIMOUT_S): no such "
+     "settings key", "did you mean CPKV_RUNTIME__TIMEOUT_S?"),
+])
+def test_a_bad_environment_variable_is_named(tmp_path: Path, env: dict[str, str], starts: str,
+                                             has: str) -> None:
+    res = _cpkv("run", cwd=tmp_path, env=env)
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(starts) and has in lines[0], res.stderr
+
+
+def test_piped_output_is_not_wrapped(tmp_path: Path) -> None:
+    """Tables and lines come out whole when stdout is no terminal (rich would fold at 80)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    res = subprocess.run([sys.executable, "-m", "cpkv.cli", "plugins"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("│")]
+    assert any("cpkv-backend-torch" in ln and "indexer_topk" in ln for ln in rows), res.stdout
+    assert len({len(ln) for ln in rows}) == 1 and len(rows[0]) > 80, res.stdout

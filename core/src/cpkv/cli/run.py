@@ -23,12 +23,14 @@ from rich.console import Console
 from rich.table import Table
 
 from cpkv.contracts import SplitMode
-from cpkv.models import ModelLoadError, resolve_checkpoint
+from cpkv.models import ModelLoadError
 from cpkv.models.loader import read_config
 from cpkv.runtime.job import Check, JobReport, Verdict, run_job
 from cpkv.runtime.job.run import check_plugin_names
-from cpkv.settings import SettingsError, load_settings
+from cpkv.settings import Settings, SettingsError, load_settings
 
+from ._console import output_console
+from ._errors import Sources, resolve_model
 from ._logging import RankLogging, configure_logging, level_from_flags
 from ._outputs import check_output, write_atomic
 from ._progress import ProgressLine
@@ -266,6 +268,12 @@ def _render(rep: JobReport, verdict: Verdict, console: Console, pool_tokens: int
         console.print(f"[red]failed[/]: {why}", soft_wrap=True)
 
 
+#: the settings key each option of ``cpkv run`` sets, for error lines (:class:`Sources`)
+OPTIONS = {"cp.size": "--cp", "cp.mode": "--mode", "run.model": "--model",
+           "run.prompts": "--prompts", "run.device": "--device", "run.mtp": "--mtp",
+           "run.draft_tokens": "--draft-tokens", "runtime.chunk_tokens": "--chunk"}
+
+
 def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: str | None,
                device: str | None, mtp: bool | None, draft_tokens: int | None,
                chunk: int | None) -> dict[str, dict[str, object]]:
@@ -281,6 +289,26 @@ def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: 
     if chunk is not None:
         over["runtime"] = {"chunk_tokens": chunk}
     return over
+
+
+def _load(config: Path | None, over: dict[str, dict[str, object]],
+          sources: Sources) -> tuple[Settings, Path, int]:
+    """The settings, the checkpoint directory and its vocabulary size; a wrong value is one
+    line naming where it was set (the option, the file, the variable)."""
+    try:
+        settings = load_settings(config, **over)
+    except SettingsError as exc:
+        raise click.ClickException(sources.line(exc)) from exc
+    try:
+        ckpt = resolve_model(sources, settings.run.model)
+        cfg = read_config(ckpt)
+        if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
+            raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
+                                 f"has none (config.json: num_nextn_predict_layers = "
+                                 f"{cfg.num_nextn_predict_layers})")
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
+    return settings, ckpt, cfg.vocab_size
 
 
 @click.command("run")
@@ -343,17 +371,8 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
                                        f"at least {2 if decode_tokens > 0 else 1}")
     over = _overrides(cp=cp, mode=mode, model=model, prompts=prompts, device=device, mtp=mtp,
                       draft_tokens=draft_tokens, chunk=chunk)
-    try:
-        settings = load_settings(config, **over)
-        ckpt = resolve_checkpoint(settings.run.model)
-        cfg = read_config(ckpt)
-        vocab = cfg.vocab_size
-        if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
-            raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
-                                 f"has none (config.json: num_nextn_predict_layers = "
-                                 f"{cfg.num_nextn_predict_layers})")
-    except (SettingsError, ModelLoadError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    sources = Sources(OPTIONS, over, config)
+    settings, ckpt, vocab = _load(config, over, sources)
     level = level_from_flags(state.verbose, state.quiet, settings.log.level)
     # the report lists every fallback: by default they are not logged as well
     hide = frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset()
@@ -366,13 +385,13 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     try:  # before the heading: a misspelt plugin name is all the user sees
         check_plugin_names(settings, transfer=decode_tokens > 0)
     except SettingsError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(sources.line(exc)) from exc
     need = settings.cp.size + (1 if decode_tokens > 0 else 0)
     if launched is not None and launched[1] != need:
         raise click.ClickException(f"torchrun started {launched[1]} processes; this job needs "
                                    f"{need} (cp.size = {settings.cp.size}"
                                    f"{' + the decode rank' if decode_tokens > 0 else ''})")
-    console = Console(quiet=launched is not None and launched[0] != 0)
+    console = output_console(quiet=launched is not None and launched[0] != 0)
     console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
                   f"kv.dtype {settings.kv.dtype}, {len(token_lists)} prompts")
     # the spinner goes to stderr with the log: stdout holds the report alone
