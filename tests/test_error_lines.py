@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+from cpkv.cli import main
 
 
-def _cpkv(*args: str, cwd: Path,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _cpkv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cpkv.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=cwd, env=None if env is None else
-                          {**os.environ, **env})
+                          text=True, timeout=120, cwd=cwd)
 
 
 @pytest.mark.parametrize(("files", "args", "starts", "has"), [
@@ -46,14 +47,27 @@ def _cpkv(*args: str, cwd: Path,
     ({"c.toml": "[plugins]\ndisabel = []\n"}, ["plugins", "--config", "c.toml"],
      "Error: plugins.disabel (in c.toml): unknown key", "did you mean plugins.disable?"),
 ])
-def test_bad_input_is_one_line_naming_its_source(tmp_path: Path, files: dict[str, str],
-                                                 args: list[str], starts: str, has: str) -> None:
+def test_bad_input_is_one_line_naming_its_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 files: dict[str, str], args: list[str],
+                                                 starts: str, has: str) -> None:
+    """In this process (no rank starts before these errors; a subprocess per case cost seconds
+    of imports each): the exit status and stderr the command gives."""
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    res = _cpkv(*args, cwd=tmp_path)
-    assert res.returncode == 1, res.stderr
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1, res.output
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(starts) and has in lines[0], res.stderr
+
+
+def test_one_error_line_end_to_end(tmp_path: Path) -> None:
+    """The same through the installed entry point, in its own process."""
+    (tmp_path / "c.toml").write_text("[runtime]\ntimout_s = 5\n")
+    res = _cpkv("run", "--config", "c.toml", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr == ("Error: runtime.timout_s (in c.toml): unknown key; did you mean "
+                          "runtime.timeout_s?\n")
 
 
 def test_a_malformed_command_line_keeps_the_usage_block(tmp_path: Path) -> None:
@@ -69,10 +83,13 @@ def test_a_malformed_command_line_keeps_the_usage_block(tmp_path: Path) -> None:
     ({"CPKV_RUNTIME__TIMOUT_S": "5"}, "Error: runtime.timout_s (CPKV_RUNTIME__TIMOUT_S): no such "
      "settings key", "did you mean CPKV_RUNTIME__TIMEOUT_S?"),
 ])
-def test_a_bad_environment_variable_is_named(tmp_path: Path, env: dict[str, str], starts: str,
-                                             has: str) -> None:
-    res = _cpkv("run", cwd=tmp_path, env=env)
-    assert res.returncode == 1, res.stderr
+def test_a_bad_environment_variable_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             env: dict[str, str], starts: str, has: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = CliRunner().invoke(main, ["run"])
+    assert res.exit_code == 1, res.output
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(starts) and has in lines[0], res.stderr
 

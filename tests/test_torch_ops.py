@@ -462,19 +462,27 @@ class UnpackInBf16(TorchOps):
         return (out.to(torch.bfloat16) * 1.0078125).to(dtype)  # 1 + 2^-7: off by a bf16 ulp
 
 
-@pytest.mark.parametrize(("broken", "op", "match"), [
+BROKEN = [
     (OffByOneRerange, "rerange", r"rerange \[.*rows.*max difference"),
     (SwappedScales, "fp8_pack", r"fp8_pack \[.*latent.*bytes: differs.*max difference"),
     (ScatterClobbers, "page_scatter", r"page_scatter \[.*destination.*max difference"),
     (GatherMutatesSource, "page_gather", r"page_gather \[.*must not be modified.*max difference"),
     (UnpackIgnoresDtype, "fp8_unpack", r"fp8_unpack \[.*to bfloat16\].*expected torch.bfloat16"),
     (UnpackInBf16, "fp8_unpack", r"fp8_unpack \[.*values: differs.*max difference"),
-])
+]
+
+
+@pytest.mark.parametrize(("broken", "op", "match"), BROKEN)
 def test_a_broken_backend_fails_the_suite(ref: Any, broken: type, op: str, match: str) -> None:
     with pytest.raises(AssertionError, match=match):
         check_op(broken(), ref, op)
     with pytest.raises(AssertionError, match=match):
         check_backend(broken(), ref)
+
+
+@pytest.mark.slow  # ~30 CPU seconds each: the whole suite less one op
+@pytest.mark.parametrize(("broken", "op", "match"), BROKEN)
+def test_a_broken_op_fails_alone(ref: Any, broken: type, op: str, match: str) -> None:
     others = [o for o in CHECKS if o != op]
     assert check_backend(broken(), ref, ops=others) == others  # only the broken op fails
 
