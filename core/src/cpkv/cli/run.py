@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from ._logging import RankLogging, configure_logging, level_from_flags
 from ._outputs import check_output, write_atomic
 from ._progress import ProgressLine
 from ._report import engine_log_env, report_context
+from ._signals import stop_at_once_on_signals
 from ._state import CliState
 
 #: the default prompts (see _default_prompts): a long one, one sharing its first 100 tokens
@@ -97,17 +96,6 @@ def _prompts_source(option: str | None, config: Path | None) -> str:
     if "CPKV_RUN__PROMPTS" in os.environ:
         return "run.prompts (CPKV_RUN__PROMPTS)"
     return f"run.prompts (in {config})" if config is not None else "run.prompts"
-
-
-def _stop_at_once_on_signals() -> None:
-    """A rank of a torchrun world dies at once on SIGINT (Ctrl-C reaches every process of the
-    terminal's group) and SIGTERM (torchrun's agent stops its workers so): the default actions,
-    not Python's handlers, which run only between bytecodes and so wait for a collective or a
-    store wait in C++ to return (the decode rank ran on 30 s until the agent killed it). There is
-    no parent here to clean up after; the process group dies with its processes."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _write(option: str, path: Path, write: Callable[[Path], object]) -> None:
@@ -363,7 +351,7 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if launched is not None:
-        _stop_at_once_on_signals()
+        stop_at_once_on_signals(announce=launched[0] == 0)
     if launched is not None and cp is None:
         cp = launched[1] - (1 if decode_tokens > 0 else 0)
         if cp < 1:
