@@ -75,6 +75,21 @@ def _import_triton_for_the_interpreter() -> None:
 _import_triton_for_the_interpreter()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow_on_arch(*archs): the test's runs on these model "
+                            "families (the ``arch`` fixture) are slow; the others stay fast")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the runs a ``slow_on_arch`` marker names: a test that runs on both model
+    families keeps one of them in the fast subset (the other is in CI's full run)."""
+    for item in items:
+        marker = item.get_closest_marker("slow_on_arch")
+        spec = getattr(item, "callspec", None)
+        if marker is not None and spec is not None and spec.params.get("arch") in marker.args:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("unmarked_test_limit_s", "a test not marked slow (nor gpu) whose call uses "
                   "more than this many CPU seconds (its own and its children's) fails "
