@@ -15,9 +15,9 @@ from typing import Any
 from cpkv.fallback import FallbackError
 from cpkv.models import ModelLoadError
 from cpkv.runtime import RankFailed, RankTimeout
-from cpkv.settings import SettingsError, origin_of
+from cpkv.settings import Settings, SettingsError, load_settings, origin_of
 
-__all__ = ["Sources", "hint_for", "one_line", "resolve_model"]
+__all__ = ["Sources", "hint_for", "load_for_command", "one_line", "resolve_model"]
 
 #: a message that starts with a settings key: ``transfer.name = 'x': ...``, ``run.model: ...``
 _LEADING_KEY = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?= = |: )")
@@ -142,3 +142,24 @@ def resolve_model(sources: Sources, model: str) -> Path:
             f"{sources.describe('run.model')} = {model!r}: no such directory; name an HF-format "
             f"DeepSeek-V3.2 or GLM-5 checkpoint directory, or 'tiny' (a small random model), or "
             f"write one there with `cpkv init-model {model}`") from None
+
+
+def load_for_command(options: Mapping[str, str], overrides: Mapping[str, Any],
+                     config: Path | None) -> tuple[Settings, Path, Sources]:
+    """A command's settings (``config``, ``CPKV_*``, then ``overrides`` from its options) and the
+    checkpoint directory of ``run.model``, with the :class:`Sources` that words its errors.
+
+    Raises:
+        click.ClickException: a wrong value, as one line naming where it was set.
+    """
+    import click
+
+    sources = Sources(options, overrides, config)
+    try:
+        settings = load_settings(config, **overrides)
+    except SettingsError as exc:
+        raise click.ClickException(sources.line(exc)) from exc
+    try:
+        return settings, resolve_model(sources, settings.run.model), sources
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -25,10 +25,10 @@ from cpkv.models import ModelLoadError
 from cpkv.models.loader import read_config
 from cpkv.runtime.job import Check, JobReport, Verdict, run_job
 from cpkv.runtime.job.run import check_plugin_names
-from cpkv.settings import Settings, SettingsError, load_settings
+from cpkv.settings import Settings, SettingsError
 
 from ._console import output_console
-from ._errors import Sources, resolve_model
+from ._errors import load_for_command
 from ._logging import RankLogging, configure_logging, level_from_flags
 from ._outputs import check_output, write_atomic
 from ._progress import ProgressLine
@@ -279,16 +279,10 @@ def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: 
     return over
 
 
-def _load(config: Path | None, over: dict[str, dict[str, object]],
-          sources: Sources) -> tuple[Settings, Path, int]:
-    """The settings, the checkpoint directory and its vocabulary size; a wrong value is one
-    line naming where it was set (the option, the file, the variable)."""
+def _vocab(settings: Settings, ckpt: Path) -> int:
+    """The checkpoint's vocabulary size; a checkpoint that cannot serve the settings (no MTP
+    layer for run.mtp, a bad config) is one line."""
     try:
-        settings = load_settings(config, **over)
-    except SettingsError as exc:
-        raise click.ClickException(sources.line(exc)) from exc
-    try:
-        ckpt = resolve_model(sources, settings.run.model)
         cfg = read_config(ckpt)
         if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
             raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
@@ -296,7 +290,7 @@ def _load(config: Path | None, over: dict[str, dict[str, object]],
                                  f"{cfg.num_nextn_predict_layers})")
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
-    return settings, ckpt, cfg.vocab_size
+    return cfg.vocab_size
 
 
 @click.command("run")
@@ -359,8 +353,8 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
                                        f"at least {2 if decode_tokens > 0 else 1}")
     over = _overrides(cp=cp, mode=mode, model=model, prompts=prompts, device=device, mtp=mtp,
                       draft_tokens=draft_tokens, chunk=chunk)
-    sources = Sources(OPTIONS, over, config)
-    settings, ckpt, vocab = _load(config, over, sources)
+    settings, ckpt, sources = load_for_command(OPTIONS, over, config)
+    vocab = _vocab(settings, ckpt)
     level = level_from_flags(state.verbose, state.quiet, settings.log.level)
     # the report lists every fallback: by default they are not logged as well
     hide = frozenset({"cpkv.fallback"}) if level > logging.INFO else frozenset()

@@ -12,10 +12,7 @@ from pathlib import Path
 import click
 import torch
 
-from cpkv.models import ModelLoadError
-from cpkv.settings import SettingsError, load_settings
-
-from ._errors import Sources, resolve_model
+from ._errors import load_for_command
 from ._state import CliState
 
 #: the settings key each option sets, for error lines (:class:`Sources`)
@@ -71,15 +68,7 @@ def command(state: CliState | None, tokens: int | None, config: Path | None, mod
         over["run"] = run_over
     if chunk is not None:
         over["runtime"] = {"chunk_tokens": chunk}
-    sources = Sources(OPTIONS, over, config)
-    try:
-        settings = load_settings(config, **over)
-    except SettingsError as exc:
-        raise click.ClickException(sources.line(exc)) from exc
-    try:
-        ckpt = resolve_model(sources, settings.run.model)
-    except ModelLoadError as exc:
-        raise click.ClickException(str(exc)) from exc
+    settings, ckpt, sources = load_for_command(OPTIONS, over, config)
     n = tokens or settings.runtime.warmup_tokens
     if not n:
         raise click.UsageError("give --tokens N (or set runtime.warmup_tokens): the longest "
