@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import WAITING_FACTOR, over_the_limit
 
 HERE = Path(__file__).resolve().parent
