@@ -82,11 +82,11 @@ def _sweep(worker: Any, rids: list[Hashable]) -> dict[str, Any]:
 #: the page-tile kernel's configurations (both page orders): pages a program, pipeline depth,
 #: warps, the dot's orientation
 PAGE_CONFIGS = [{"PAGED_KERNEL": 1, "PAGED_PAGES": p, "PAGED_STAGES": st, "paged_warps": w,
-                 "PAGED_KEYS_M": km, "PAGED_PRECISE": pr}
-                for p, st, w, km, pr in [
-                    *((p, st, 4, 1, pr) for p in (2, 4, 8, 16) for st in (1, 3) for pr in (0, 32)),
-                    *((p, st, 8, 1, 32) for p in (8, 16) for st in (1, 3)),
-                    (1, 1, 4, 0, 0), (4, 1, 4, 0, 32)]]
+                 "PAGED_KEYS_M": km}
+                for p, st, w, km in [
+                    *((p, st, 4, 1) for p in (2, 4, 8, 16) for st in (1, 3)),
+                    *((p, st, 8, 1) for p in (8, 16) for st in (1, 3)),
+                    (1, 1, 4, 0), (4, 1, 4, 0)]]
 #: the key-tile kernel's (the default first)
 TILE_CONFIGS = [{"PAGED_KERNEL": 0, "PAGED_BLOCK_N": bn, "paged_warps": w, "PAGED_ROWS": 1}
                 for bn, w in ((128, 4), (64, 4), (256, 8))]
@@ -198,8 +198,7 @@ def pages_sweep(requests: int, keys: int) -> dict[str, Any]:
     return {"requests": requests, "keys": keys, "index_bytes_read": nbytes, "deepgemm": dg_note,
             "fp32_reference": exact_note,
             "table_default": {k: base.indexer_config[k] for k in
-                              ("PAGED_KERNEL", "PAGED_PAGES", "PAGED_STAGES", "PAGED_KEYS_M",
-                               "PAGED_PRECISE")},
+                              ("PAGED_KERNEL", "PAGED_PAGES", "PAGED_STAGES", "PAGED_KEYS_M")},
             "rows": rows}
 
 

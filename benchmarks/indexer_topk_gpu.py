@@ -230,7 +230,7 @@ def main() -> None:
     impl = OPS
     ref = backends.load("torch")
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "k": K,
-                              "config": dict(tuning.tuned(tuning.Op.INDEXER_TOPK))}
+                              "config": dict(tuning.tuned(tuning.Launch.INDEXER_TOPK))}
     result["edge"] = edge(ref)
     print(json.dumps({"edge": result["edge"]}), flush=True)
     result["cases"] = [case(impl, n, t) for n, t in ((1024, 524288), (4096, 262144),

@@ -92,7 +92,7 @@ def sweep_case(name: str, n: int, t: int, ke: torch.Tensor, configs: dict[str, d
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "k": K,
-                           "table": dict(tuning.tuned(tuning.Op.TOPK_LONG))}
+                           "table": dict(tuning.tuned(tuning.Launch.TOPK_LONG))}
     prompt = {"table": {}, "gluon": {"GLUON": 1}, "gluon_block_2048": {"GLUON": 1, "BLOCK": 2048},
               "gluon_warps_8": {"GLUON": 1, "num_warps": 8},
               "block_2048": {"BLOCK": 2048}, "block_4096": {"BLOCK": 4096},

@@ -7,26 +7,53 @@ subprocesses), ``mooncake`` and ``slow`` (over ~10 s). ``gpu`` is the one GPU sk
 While developing, run the fast subset with ``python -m pytest -m "not slow"``; CI runs everything.
 
 The duration check (:func:`pytest_runtest_makereport`): a test not marked ``slow`` (nor ``gpu``:
-GPU tests run on another machine, at its costs) whose call phase takes longer than the ini option
-``unmarked_test_limit_s`` (default :data:`UNMARKED_TEST_LIMIT_S`, 20 s: twice the ~10 s rule, a
-margin for a loaded CI machine; registered here, not set in pyproject.toml, because pytest runs
-that collect no module under tests/, like the example backend's own tests, would reject the
-unknown key under ``--strict-config``) fails with the duration, so the fast subset stays fast.
-Mark such a test ``slow`` or make it cheaper (smaller shapes, fewer hypothesis examples, a shared
-fixture). ``-o unmarked_test_limit_s=0`` turns the check off.
+GPU tests run on another machine, at its costs) whose call phase uses more than the ini option
+``unmarked_test_limit_s`` (default :data:`UNMARKED_TEST_LIMIT_S`, 30 s) of CPU time fails with
+its times, so the fast subset stays fast. CPU time, not wall time: the test process's own
+(every thread) plus that of the child processes it started and reaped (rank processes, CLI
+subprocesses, their children), so a busy machine, where a correct test waits for a core, does
+not fail it, and a test that keeps both cores busy counts twice. A test that mostly waits (a
+sleep, a timeout) uses little CPU: it fails when its wall time passes
+:data:`WAITING_FACTOR` times the limit instead (waiting is not what load stretches most).
+Registered here, not set in pyproject.toml, because pytest runs that collect no module under
+tests/, like the example backend's own tests, would reject the unknown key under
+``--strict-config``. Mark such a test ``slow`` or make it cheaper (smaller shapes, fewer
+hypothesis examples, a shared fixture). ``-o unmarked_test_limit_s=0`` turns the check off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
+import time
 from collections.abc import Generator
 from typing import Any
 
 import pytest
 
-#: the default of ``unmarked_test_limit_s`` (seconds): twice the ~10 s rule for the ``slow`` mark
-UNMARKED_TEST_LIMIT_S = 20.0
+#: the default of ``unmarked_test_limit_s`` (CPU seconds): over the ~10 s rule for the ``slow``
+#: mark with a margin: 3 x for a one-thread test, 1.5 x for one that keeps both of 2 cores busy
+#: (20 CPU seconds in 10 s), whose CPU time a loaded machine also stretches a little (caches)
+UNMARKED_TEST_LIMIT_S = 30.0
+
+#: a test that waits fails past this many times the limit in wall time (module doc)
+WAITING_FACTOR = 4.0
+
+#: the call phase's (CPU seconds, wall seconds), kept by :func:`pytest_runtest_call`
+_CALL_COST = pytest.StashKey[tuple[float, float]]()
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process, every thread, and of its reaped children."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
+def over_the_limit(cpu: float, wall: float, limit: float) -> bool:
+    """True when a call that used ``cpu`` CPU seconds in ``wall`` seconds is too slow for an
+    unmarked test: over ``limit`` CPU seconds, or waiting past :data:`WAITING_FACTOR` x limit."""
+    return limit > 0 and (cpu > limit or wall > WAITING_FACTOR * limit)
 
 
 def _import_triton_for_the_interpreter() -> None:
@@ -48,10 +75,36 @@ def _import_triton_for_the_interpreter() -> None:
 _import_triton_for_the_interpreter()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow_on_arch(*archs): the test's runs on these model "
+                            "families (the ``arch`` fixture) are slow; the others stay fast")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the runs a ``slow_on_arch`` marker names: a test that runs on both model
+    families keeps one of them in the fast subset (the other is in CI's full run)."""
+    for item in items:
+        marker = item.get_closest_marker("slow_on_arch")
+        spec = getattr(item, "callspec", None)
+        if marker is not None and spec is not None and spec.params.get("arch") in marker.args:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addini("unmarked_test_limit_s", "a test not marked slow (nor gpu) whose call takes "
-                  "longer than this many seconds fails (0: no check)",
+    parser.addini("unmarked_test_limit_s", "a test not marked slow (nor gpu) whose call uses "
+                  "more than this many CPU seconds (its own and its children's) fails "
+                  "(0: no check)",
                   default=str(UNMARKED_TEST_LIMIT_S))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """Measure the call's CPU and wall time (:func:`cpu_seconds`) for the duration check."""
+    cpu0, wall0 = cpu_seconds(), time.monotonic()
+    try:
+        yield
+    finally:
+        item.stash[_CALL_COST] = (cpu_seconds() - cpu0, time.monotonic() - wall0)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -60,12 +113,18 @@ def pytest_runtest_makereport(item: pytest.Item,
     """Fail a passing test's call that is too slow for the fast subset (see the module doc)."""
     report = yield
     limit = float(item.config.getini("unmarked_test_limit_s"))
-    if (call.when == "call" and report.passed and limit > 0 and call.duration > limit
-            and item.get_closest_marker("slow") is None and item.get_closest_marker("gpu") is None):
+    if (call.when != "call" or not report.passed or limit <= 0
+            or item.get_closest_marker("slow") is not None
+            or item.get_closest_marker("gpu") is not None):
+        return report
+    cpu, wall = item.stash.get(_CALL_COST, (0.0, call.duration))
+    if over_the_limit(cpu, wall, limit):
+        what = (f"used {cpu:.1f} CPU seconds ({wall:.1f} s wall), over the {limit:g} s limit"
+                if cpu > limit else f"waited {wall:.1f} s ({cpu:.1f} CPU seconds), over "
+                f"{WAITING_FACTOR:g} x the {limit:g} s limit")
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} took {call.duration:.1f} s, over the "
-                           f"{limit:g} s limit for a test not marked slow (unmarked_test_limit_s): "
-                           f"mark it @pytest.mark.slow or make it cheaper")
+        report.longrepr = (f"{item.nodeid} {what} for a test not marked slow "
+                           f"(unmarked_test_limit_s): mark it @pytest.mark.slow or make it cheaper")
     return report
 
 

@@ -214,5 +214,5 @@ def test_cpkv_run_refuses_a_chunk_off_the_page_grid() -> None:
     out = subprocess.run([sys.executable, "-m", "cpkv.cli", "run", "--chunk", "100"],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "runtime.chunk_tokens: must be 0 (off) or a multiple of kv.page_size = 64 (got 100)" \
-        in out.stderr
+    assert ("--chunk (runtime.chunk_tokens): must be 0 (off) or a multiple of kv.page_size = 64 "
+            "(got 100)") in out.stderr

@@ -406,7 +406,8 @@ def _packed_sends_rank(world: CPGroup, pipeline: str) -> dict[str, Any]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("pipeline", ["layer", "request"])
+# the request pipeline (6.6 CPU seconds) is slow: its transfer and decode stay fast above
+@pytest.mark.parametrize("pipeline", ["layer", pytest.param("request", marks=pytest.mark.slow)])
 def test_nccl_sends_one_packed_buffer_per_layer_and_peer(pipeline: str) -> None:
     """A part of MANY_RUNS non-contiguous page runs (more than an NCCL group may hold) moves as
     one send and one receive per layer (per request: one for all layers), and lands byte for

@@ -299,6 +299,7 @@ def _embedding_shapes(group, model_dir: str, prompts) -> dict:  # type: ignore[n
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow_on_arch("glm5")  # 6.6 CPU seconds; v32 keeps it in the fast subset
 def test_each_rank_embeds_max_rank_len_rows_and_the_fallback_is_visible(tiny: Path) -> None:
     """Rule 32: with the plan each rank's draft embedding input is ``[max_rank_len]`` ids (not
     the batch's tokens); withheld or stale plan metadata embeds the whole batch, reported as

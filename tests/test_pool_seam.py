@@ -55,7 +55,6 @@ USES: dict[str, frozenset[str]] = {
 
 #: (module, name): a name ``pool`` there that is no pool, with why
 NOT_POOLS: dict[tuple[str, str], str] = {
-    ("backends/triton/src/cpkv_backend_triton/bench.py", "pool"): "a uint8 tensor of pages",
 }
 
 #: modules that receive the units, not the pool (issue 35)

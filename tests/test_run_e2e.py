@@ -70,7 +70,8 @@ def test_run_rejects_bad_prompts(tmp_path: Path) -> None:
     out = _cpkv("run", "--prompts", str(bad), env={})
     assert out.returncode == 1 and "outside the vocabulary" in out.stderr
     out = _cpkv("run", "--model", str(tmp_path / "nope"), env={})
-    assert out.returncode == 1 and "neither 'tiny' nor an existing checkpoint" in out.stderr
+    assert out.returncode == 1 and "--model (run.model) = " in out.stderr
+    assert "no such directory" in out.stderr and "cpkv init-model" in out.stderr
 
 
 def test_job_placement(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -201,15 +201,34 @@ def test_misspelt_toml_key_names_its_location_and_file(tmp_path: Path) -> None:
     with pytest.raises(SettingsError) as info:
         load_settings(path)
     msg = str(info.value)
-    assert "kv.sharedd" in msg
-    assert "extra inputs are not permitted" in msg
+    assert "kv.sharedd: unknown key; did you mean kv.shared?" in msg
     assert str(path) in msg
+    (problem,) = info.value.problems
+    assert (problem.key, problem.origin) == ("kv.sharedd", str(path))
+
+
+@pytest.mark.parametrize(("toml", "wrong", "right"), [
+    ("[runtime]\ntimout_s = 5\n", "runtime.timout_s", "runtime.timeout_s"),
+    ("[run]\ntimeout_s = 5\n", "run.timeout_s", "runtime.timeout_s"),  # the wrong section
+    ("[runtme]\ntimeout_s = 5\n", "runtme", "runtime"),
+])
+def test_a_misspelt_key_suggests_the_real_one(tmp_path: Path, toml: str, wrong: str,
+                                              right: str) -> None:
+    with pytest.raises(SettingsError, match=rf"{re.escape(wrong)}: unknown key; did you mean "
+                                            rf"{re.escape(right)}\?"):
+        load_settings(_write(tmp_path, toml))
+
+
+def test_a_key_like_no_other_gets_no_suggestion(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(_write(tmp_path, "[kv]\nzzzz = 1\n"))
+    assert "kv.zzzz: unknown key [from" in str(info.value)
 
 
 def test_unknown_top_level_and_section_keys(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match=r"\bfoo: extra inputs"):
+    with pytest.raises(SettingsError, match=r"\bfoo: unknown key"):
         load_settings(_write(tmp_path, "foo = 1\n"))
-    with pytest.raises(SettingsError, match=r"\bspeed: extra inputs"):
+    with pytest.raises(SettingsError, match=r"\bspeed: unknown key"):
         load_settings(_write(tmp_path, "[speed]\nx = 1\n", "b.toml"))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -264,78 +263,77 @@ def test_ops_do_not_sync_on_cuda(ref: Any) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Tensors that are the same view of the same memory get one copy on the device (so an op
+    whose source is its destination, or whose ``out`` is ``x``, sees that there too)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (fp8 has no ``torch.equal``; NaNs compare equal)."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(raw(a), raw(b))
+
+
 class _OnDevice:
-    """Runs ``impl``'s ops on ``device`` for inputs that live on the CPU (results come back)."""
+    """Runs ``impl``'s ops (every op of :data:`cpkv.ops.ALL_OPS` ``impl`` has, no list of its
+    own to go stale) on ``device`` for inputs that live on the CPU: tensor arguments, also
+    inside lists and tuples, are copied there, results come back, and an argument the op wrote
+    in place (a destination, an ``out``) is written back into the caller's tensor."""
 
     def __init__(self, impl: Any, device: str) -> None:
         self.impl, self.device = impl, device
 
-    def _run(self, name: str, *args: Any) -> Any:
-        moved = [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args]
-        out = getattr(self.impl, name)(*moved)
-        return out.cpu() if isinstance(out, torch.Tensor) else out
+    def __getattr__(self, name: str) -> Any:
+        if name not in {o.value for o in ALL_OPS}:
+            raise AttributeError(name)
+        op = getattr(self.impl, name)  # AttributeError: impl lacks it, so check_backend skips it
+        return lambda *args: self._run(op, args)
 
-    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return self._run("page_gather", src, index)
+    def _run(self, op: Any, args: tuple[Any, ...]) -> Any:
+        moved: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def peer_gather(self, srcs: Sequence[torch.Tensor], owner: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor:
-        on = [s.to(self.device) for s in srcs]
-        return self.impl.peer_gather(on, owner.to(self.device), rows.to(self.device)).cpu()
+        def there(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                return moved.setdefault(_key(a), (a, a.to(self.device)))[1]
+            if isinstance(a, list | tuple):
+                return type(a)(there(x) for x in a)
+            return a
 
-    def page_scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-        on = dst.to(self.device)
-        self.impl.page_scatter(on, index.to(self.device), src.to(self.device))
-        dst.copy_(on.cpu())
+        out = op(*(there(a) for a in args))
+        for host, dev in moved.values():  # written in place: back into the caller's tensor
+            back = dev.cpu()
+            if not _same_bytes(back, host):
+                host.copy_(back)
+        return self._back(out)
 
-    def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,
-                  src_index: torch.Tensor) -> None:
-        on = dst.to(self.device)
-        self.impl.page_copy(on, dst_index.to(self.device),
-                            on if src is dst else src.to(self.device), src_index.to(self.device))
-        dst.copy_(on.cpu())
+    def _back(self, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return out.cpu()
+        if isinstance(out, list | tuple):
+            return type(out)(self._back(x) for x in out)
+        return out
 
-    def rerange(self, gathered: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        return self._run("rerange", gathered, perm)
 
-    def fp8_pack(self, x: torch.Tensor, fmt: KVFormat, part: Any) -> torch.Tensor:
-        return self._run("fp8_pack", x, fmt, part)
+def test_the_device_wrapper_covers_every_op(ref: Any) -> None:
+    """The wrapper the CUDA comparison below runs the reference through has every op the
+    reference has: the op list grows in one place (:data:`ALL_OPS`), the comparison with it."""
+    wrapped = _OnDevice(TorchOps(), "cpu")
+    assert [o.value for o in ALL_OPS if callable(getattr(wrapped, o.value, None))] == [
+        o.value for o in ALL_OPS]
+    assert check_backend(wrapped, ref, ops=[Op.PAGE_COPY, Op.PAGE_SCATTER, Op.INDEX_Q_FP8,
+                                            Op.ROPE]) == ["page_copy", "page_scatter",
+                                                           "index_q_fp8", "rope"]
 
-    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: Any,
-                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
-        return self._run("fp8_unpack", packed, fmt, part, dtype, index)
 
-    def indexer_logits(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
-                       k_scale: torch.Tensor | None, key_start: torch.Tensor,
-                       key_end: torch.Tensor) -> torch.Tensor:
-        return self._run("indexer_logits", q, w, k, k_scale, key_start, key_end)
-
-    def indexer_logits_paged(self, q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor,
-                             fmt: KVFormat, block_table: torch.Tensor, row_request: torch.Tensor,
-                             key_end: torch.Tensor) -> torch.Tensor:
-        return self._run("indexer_logits_paged", q, w, pages, fmt, block_table, row_request,
-                         key_end)
-
-    def topk(self, logits: torch.Tensor, k: int, key_start: torch.Tensor,
-             key_end: torch.Tensor) -> torch.Tensor:
-        return self._run("topk", logits, k, key_start, key_end)
-
-    def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
-                   dv: int) -> torch.Tensor:
-        return self._run("sparse_mla", q, kv, indices, scale, dv)
-
-    def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-                         fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
-        return self._run("sparse_mla_paged", q, pages, rows, fmt, scale, dv)
-
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Any,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-        on = [t.to(self.device) for t in (x, cos, sin)]
-        if out is None:
-            return self.impl.rope(*on, style).cpu()
-        dst = on[0] if out.data_ptr() == x.data_ptr() else out.to(self.device)
-        self.impl.rope(*on, style, dst)
-        return out.copy_(dst.cpu())  # the caller's out, written
+@pytest.mark.slow  # ~30 CPU seconds: the whole suite
+def test_the_whole_suite_passes_through_the_device_wrapper_on_the_cpu(ref: Any) -> None:
+    """What the CUDA comparison runs, on the CPU: a failure there is the device's, not the
+    wrapper's (in-place ops, fp8 outputs, aliased arguments)."""
+    assert check_backend(_OnDevice(TorchOps(), "cpu"), ref) == [o.value for o in ALL_OPS]
 
 
 @pytest.mark.gpu
@@ -464,19 +462,27 @@ class UnpackInBf16(TorchOps):
         return (out.to(torch.bfloat16) * 1.0078125).to(dtype)  # 1 + 2^-7: off by a bf16 ulp
 
 
-@pytest.mark.parametrize(("broken", "op", "match"), [
+BROKEN = [
     (OffByOneRerange, "rerange", r"rerange \[.*rows.*max difference"),
     (SwappedScales, "fp8_pack", r"fp8_pack \[.*latent.*bytes: differs.*max difference"),
     (ScatterClobbers, "page_scatter", r"page_scatter \[.*destination.*max difference"),
     (GatherMutatesSource, "page_gather", r"page_gather \[.*must not be modified.*max difference"),
     (UnpackIgnoresDtype, "fp8_unpack", r"fp8_unpack \[.*to bfloat16\].*expected torch.bfloat16"),
     (UnpackInBf16, "fp8_unpack", r"fp8_unpack \[.*values: differs.*max difference"),
-])
+]
+
+
+@pytest.mark.parametrize(("broken", "op", "match"), BROKEN)
 def test_a_broken_backend_fails_the_suite(ref: Any, broken: type, op: str, match: str) -> None:
     with pytest.raises(AssertionError, match=match):
         check_op(broken(), ref, op)
     with pytest.raises(AssertionError, match=match):
         check_backend(broken(), ref)
+
+
+@pytest.mark.slow  # ~30 CPU seconds each: the whole suite less one op
+@pytest.mark.parametrize(("broken", "op", "match"), BROKEN)
+def test_a_broken_op_fails_alone(ref: Any, broken: type, op: str, match: str) -> None:
     others = [o for o in CHECKS if o != op]
     assert check_backend(broken(), ref, ops=others) == others  # only the broken op fails
 

@@ -16,6 +16,7 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import SplitMode
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.tiny import write_tiny_checkpoint
+from cpkv.models.v4_reference import reference_forward
 from cpkv.runtime import run_ranks
 from cpkv.runtime.v4_prefill import v4_layout, v4_prefill_logits
 
@@ -61,7 +62,7 @@ def test_cp_equals_one_rank_and_transformers(tiny_v4: Path, cp: int, mode: str,
     model = DeepseekV4.load(tiny_v4)
     ids = _ids(length, model.config.vocab_size)
     with torch.no_grad():
-        one = model.reference_logits(ids)
+        one = reference_forward(model, ids)
         hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_v4).eval()
         ref = hf(ids[None], use_cache=False).logits[0]
     compressed = sum(model.layer_kind(i) != "sliding_attention" for i in range(model.num_layers))
@@ -116,7 +117,7 @@ def test_chunked_equals_one_piece_on_one_rank(tiny_v4: Path, chunks: list[int]) 
     with torch.no_grad():
         whole = v4_prefill_logits(model, ids, group, page_size=PAGE)
         parts = v4_prefill_logits(model, ids, group, page_size=PAGE, chunks=chunks)
-        one = model.reference_logits(ids)
+        one = reference_forward(model, ids)
     assert torch.equal(whole, one)
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
     assert torch.equal(parts.argmax(-1), whole.argmax(-1))
@@ -138,7 +139,7 @@ def test_chunked_cp_equals_one_rank(tiny_v4: Path, cp: int, mode: str, length: i
     results = run_ranks(_rank, cp, args=(str(tiny_v4), length, mode, chunks), timeout_s=120.0)
     model = DeepseekV4.load(tiny_v4)
     with torch.no_grad():
-        one = model.reference_logits(_ids(length, model.config.vocab_size))
+        one = reference_forward(model, _ids(length, model.config.vocab_size))
     for res in results:  # the key axis is shorter in early chunks: sums associate otherwise
         got = res.value["logits"]
         torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)

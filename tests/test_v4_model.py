@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cpkv.models.deepseek_v4 import DeepseekV4, stable_topk
 from cpkv.models.tiny import write_tiny_checkpoint
 from cpkv.models.v4_config import CSA, HCA, SWA
+from cpkv.models.v4_reference import reference_forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +47,7 @@ def test_logits_equal_transformers(checkpoints: dict[str, Path], name: str, leng
                         generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         ref = hf(ids[None], use_cache=False).logits[0]
-        got = ours.reference_logits(ids)
+        got = reference_forward(ours, ids)
     last_ref, last = ref[-1], got[-1]
     assert (last - last_ref).abs().max() <= 2e-3 * last_ref.abs().max()
     assert int(last.argmax()) == int(last_ref.argmax())

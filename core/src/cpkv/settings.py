@@ -9,6 +9,7 @@ environment only.
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,8 +53,10 @@ __all__ = [
     "RuntimeSettings",
     "Settings",
     "SettingsError",
+    "SettingsProblem",
     "TransferSettings",
     "load_settings",
+    "origin_of",
     "unknown_env_vars",
 ]
 
@@ -61,9 +64,32 @@ ENV_PREFIX = "CPKV_"
 ENV_NESTED_DELIMITER = "__"
 
 
+@dataclass(frozen=True)
+class SettingsProblem:
+    """One wrong settings value, for a caller that words its own message (the CLI names its
+    option where the value came from one).
+
+    Attributes:
+        key: the dotted location, e.g. ``runtime.chunk_tokens``.
+        message: what is wrong and, where known, the fix (``unknown key; did you mean
+            runtime.timeout_s?``), without the key or the source.
+        origin: where the value came from: ``keyword arguments``, ``environment variable
+            CPKV_...``, the TOML file's path, or ``defaults``.
+    """
+
+    key: str
+    message: str
+    origin: str
+
+
 class SettingsError(ValueError):
     """Settings could not be loaded: missing or malformed TOML file, unknown key or ``CPKV_*``
-    variable, or a value that fails validation. The message names the location and the source."""
+    variable, or a value that fails validation. The message names the location and the source;
+    :attr:`problems` holds the wrong values one by one (empty for a file that cannot be read)."""
+
+    def __init__(self, message: str, problems: Sequence[SettingsProblem] = ()) -> None:
+        super().__init__(message)
+        self.problems: tuple[SettingsProblem, ...] = tuple(problems)
 
 
 class _Section(BaseModel):
@@ -192,12 +218,13 @@ class PluginTable:
         try:
             return model.model_validate(dict(self.values))
         except ValidationError as exc:
-            lines = [_error_line(err, (*self.key, *map(str, err["loc"])),
+            problems = [_problem(err, (*self.key, *map(str, err["loc"])),
                                  self.origins.get(str(err["loc"][0]) if err["loc"] else "",
-                                                  "defaults"))
-                     for err in exc.errors()]
+                                                  "defaults"),
+                                 _suggest(model, [str(p) for p in err["loc"]], self.key))
+                        for err in exc.errors()]
             raise SettingsError(f"invalid cpkv settings [{'.'.join(self.key)}]:\n"
-                                + "\n".join(lines)) from exc
+                                + "\n".join(map(_error_line, problems)), problems) from exc
 
 
 def _plugin_table(value: Any) -> Any:
@@ -431,13 +458,24 @@ class _UnknownEnvCheck(PydanticBaseSettingsSource):
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
+    def _problem(self, name: str) -> SettingsProblem:
+        """``CPKV_RUNTIME__TIMOUT_S``: no such key, did you mean ``CPKV_RUNTIME__TIMEOUT_S``?"""
+        parts = name[len(ENV_PREFIX):].lower().split(ENV_NESTED_DELIMITER)
+        near = _suggest(self.settings_cls, parts)
+        msg = "no such settings key" + (
+            f"; did you mean {ENV_PREFIX}{near.upper().replace('.', ENV_NESTED_DELIMITER)}?"
+            if near else "")
+        return SettingsProblem(".".join(parts), msg, f"environment variable {name}")
+
     def __call__(self) -> dict[str, Any]:
         unknown = sorted(unknown_env_vars(self.settings_cls, os.environ))
         if unknown:
+            problems = [self._problem(name) for name in unknown]
             raise SettingsError(
-                f"unknown cpkv environment variable(s): {', '.join(unknown)} "
-                f"(no such settings key; keys are {ENV_PREFIX}<SECTION>{ENV_NESTED_DELIMITER}<KEY>)"
-            )
+                "unknown cpkv environment variable(s): " + ", ".join(
+                    f"{p.origin.removeprefix('environment variable ')} ({p.message})"
+                    for p in problems)
+                + f"; keys are {ENV_PREFIX}<SECTION>{ENV_NESTED_DELIMITER}<KEY>", problems)
         return {}
 
 
@@ -469,27 +507,62 @@ def unknown_env_vars(model: type[BaseModel], environ: Mapping[str, str] | None =
     return out
 
 
-def _error_line(err: ErrorDetails, loc: Sequence[str], origin: str) -> str:
-    """``  dotted.location: message (got value) [from origin]``."""
+def _problem(err: ErrorDetails, loc: Sequence[str], origin: str,
+             suggestion: str | None = None) -> SettingsProblem:
+    """A validation error as a :class:`SettingsProblem`: pydantic's message (an unknown key said
+    so, with the closest real key when one is close), and the value given."""
     msg = err["msg"]
-    if msg:
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key" + (f"; did you mean {suggestion}?" if suggestion else "")
+    elif msg:
         msg = msg[0].lower() + msg[1:]
-    line = f"  {'.'.join(loc)}: {msg}"
-    if err["type"] != "missing":
-        line += f" (got {err['input']!r})"
-    return f"{line} [from {origin}]"
+    if err["type"] not in ("missing", "extra_forbidden"):
+        msg += f" (got {err['input']!r})"
+    return SettingsProblem(".".join(loc), msg, origin)
 
 
-def _describe(exc: ValidationError, init: Mapping[str, Any], toml: Path | None) -> str:
+def _error_line(problem: SettingsProblem) -> str:
+    """``  dotted.location: message (got value) [from origin]``."""
+    return f"  {problem.key}: {problem.message} [from {problem.origin}]"
+
+
+def _dotted_keys(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[str]:
+    """Every dotted key of ``model``: its sections and their fields."""
+    out = []
+    for name, f in model.model_fields.items():
+        out.append(".".join((*prefix, name)))
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _dotted_keys(ann, (*prefix, name))
+    return out
+
+
+def _suggest(model: type[BaseModel], loc: Sequence[str], prefix: Sequence[str] = ()) -> str | None:
+    """The real key closest to the unknown one at ``loc`` in ``model`` (a misspelling, or a key
+    put in the wrong section: ``run.timeout_s`` -> ``runtime.timeout_s``), or None."""
+    wrong = ".".join(loc)
+    close = difflib.get_close_matches(wrong, _dotted_keys(model), n=1, cutoff=0.7)
+    if not close:  # a real key name under another section
+        leaf = [k for k in _dotted_keys(model) if k.rsplit(".", 1)[-1] == loc[-1]]
+        close = leaf[:1] if len(leaf) == 1 else []
+    return ".".join((*prefix, close[0])) if close else None
+
+
+def _describe(exc: ValidationError, init: Mapping[str, Any],
+              toml: Path | None) -> tuple[str, list[SettingsProblem]]:
     """One line per error: dotted location, message, bad value, and where it came from."""
-    lines = [_error_line(err, [str(p) for p in err["loc"]], _origin(err["loc"], init, toml))
-             for err in exc.errors()]
+    problems = [_problem(err, [str(p) for p in err["loc"]], origin_of(err["loc"], init, toml),
+                         _suggest(Settings, [str(p) for p in err["loc"]]))
+                for err in exc.errors()]
     where = f"file {toml}" if toml is not None else "no file"
-    return f"invalid cpkv settings ({where}):\n" + "\n".join(lines)
+    return (f"invalid cpkv settings ({where}):\n" + "\n".join(map(_error_line, problems)),
+            problems)
 
 
-def _origin(loc: tuple[Any, ...], init: Mapping[str, Any], toml: Path | None) -> str:
-    """Best guess of the source of the value at ``loc``, following the priority order."""
+def origin_of(loc: Sequence[Any], init: Mapping[str, Any], toml: Path | None) -> str:
+    """Best guess of the source of the value at ``loc`` (``("runtime", "chunk_tokens")``),
+    following the priority order: ``keyword arguments`` (in ``init``), ``environment variable
+    CPKV_...``, the path ``toml``, else ``environment``."""
     keys = [str(p) for p in loc]
 
     def has(data: Any) -> bool:
@@ -556,17 +629,20 @@ class Settings(BaseSettings):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise SettingsError(_describe(exc, values, toml)) from exc
+            raise SettingsError(*_describe(exc, values, toml)) from exc
         except _SourceError as exc:  # e.g. a list-valued CPKV_* variable that is not JSON
             raise SettingsError(f"invalid cpkv settings: {exc}") from exc
         # the plugins validate their tables later (at connect): remember where each key came from
         self.transfer.record_origins({
-            name: {k: _origin(("transfer", name, k), values, toml) for k in table}
+            name: {k: origin_of(("transfer", name, k), values, toml) for k in table}
             for name, table in self.transfer.tables().items()})
         problem = self.cross_section_problem()
         if problem is not None:
             where = f"file {toml}" if toml is not None else "no file"
-            raise SettingsError(f"invalid cpkv settings ({where}):\n  {problem}")
+            key, _, msg = problem.partition(": ")
+            raise SettingsError(f"invalid cpkv settings ({where}):\n  {problem}",
+                                [SettingsProblem(key, msg, origin_of(key.split("."), values,
+                                                                     toml))])
 
     def transfer_table(self) -> PluginTable:
         """The selected transfer plugin's table, ``[transfer.<transfer.name>]``."""

@@ -14,6 +14,8 @@ from rich.table import Table
 
 from cpkv.bench import BenchReport, BenchRow, machine_description, results_name
 
+from ._console import output_console
+
 
 def _show(rows: list[BenchRow]) -> None:
     t = Table(title="benchmark")
@@ -22,7 +24,7 @@ def _show(rows: list[BenchRow]) -> None:
     for r in rows:
         t.add_row(r.name, f"{r.value:.4g}", r.unit, f"{r.baseline_value:.4g} ({r.baseline_name})",
                   f"{r.ratio:.3g}")
-    Console().print(t)
+    output_console().print(t)
 
 
 def _report(name: str, rows: list[BenchRow], out: str, detail: Mapping[str, object] | None = None,

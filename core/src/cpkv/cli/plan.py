@@ -11,6 +11,8 @@ from rich.table import Table
 from cpkv.contracts import CPPlan, OwnerMap, RequestSpec, SplitMode, cdiv
 from cpkv.planning import PlanError, plan_batch
 
+from ._console import output_console
+
 
 def _ints(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
     if value is None:
@@ -86,4 +88,4 @@ def command(cp: int, page_size: int, mode: str, extend: list[int], prefix: list[
     if as_json:
         sys.stdout.write(plan.model_dump_json(indent=2) + "\n")
     else:
-        render_plan(plan, Console())
+        render_plan(plan, output_console())

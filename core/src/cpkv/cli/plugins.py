@@ -14,6 +14,9 @@ from cpkv.contracts import PluginInfo
 from cpkv.plugin import PluginHost
 from cpkv.settings import SettingsError, load_settings
 
+from ._console import output_console
+from ._errors import Sources
+
 __all__ = ["command", "render_plugins"]
 
 
@@ -47,7 +50,7 @@ def command(config: Path | None, as_json: bool) -> None:
     try:
         settings = load_settings(config)
     except SettingsError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(Sources({}, {}, config).line(exc)) from exc
     host = PluginHost(disable=settings.plugins.disable, allow=settings.plugins.allow)
     try:
         infos = host.infos()
@@ -56,4 +59,4 @@ def command(config: Path | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         return
-    render_plugins(infos, Console(soft_wrap=False))
+    render_plugins(infos, output_console())

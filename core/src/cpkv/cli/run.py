@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,17 +22,20 @@ from rich.console import Console
 from rich.table import Table
 
 from cpkv.contracts import SplitMode
-from cpkv.models import ModelLoadError, resolve_checkpoint
+from cpkv.models import ModelLoadError
 from cpkv.models.loader import read_config
 from cpkv.models.v4_weights import is_v4_checkpoint
 from cpkv.runtime.job import Check, JobReport, Verdict, run_job
 from cpkv.runtime.job.run import check_plugin_names
-from cpkv.settings import SettingsError, load_settings
+from cpkv.settings import Settings, SettingsError
 
+from ._console import output_console
+from ._errors import load_for_command
 from ._logging import RankLogging, configure_logging, level_from_flags
 from ._outputs import check_output, write_atomic
 from ._progress import ProgressLine
 from ._report import engine_log_env, report_context
+from ._signals import stop_at_once_on_signals
 from ._state import CliState
 
 #: the default prompts (see _default_prompts): a long one, one sharing its first 100 tokens
@@ -97,17 +98,6 @@ def _prompts_source(option: str | None, config: Path | None) -> str:
     if "CPKV_RUN__PROMPTS" in os.environ:
         return "run.prompts (CPKV_RUN__PROMPTS)"
     return f"run.prompts (in {config})" if config is not None else "run.prompts"
-
-
-def _stop_at_once_on_signals() -> None:
-    """A rank of a torchrun world dies at once on SIGINT (Ctrl-C reaches every process of the
-    terminal's group) and SIGTERM (torchrun's agent stops its workers so): the default actions,
-    not Python's handlers, which run only between bytecodes and so wait for a collective or a
-    store wait in C++ to return (the decode rank ran on 30 s until the agent killed it). There is
-    no parent here to clean up after; the process group dies with its processes."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _write(option: str, path: Path, write: Callable[[Path], object]) -> None:
@@ -295,6 +285,13 @@ def _render_reference(rep: JobReport, console: Console) -> None:
                   soft_wrap=True)
 
 
+#: the settings key each option of ``cpkv run`` sets, for error lines (:class:`Sources`)
+OPTIONS = {"cp.size": "--cp", "cp.mode": "--mode", "run.model": "--model",
+           "run.prompts": "--prompts", "run.device": "--device", "run.mtp": "--mtp",
+           "run.draft_tokens": "--draft-tokens", "runtime.chunk_tokens": "--chunk",
+           "run.reference": "--reference"}
+
+
 def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: str | None,
                device: str | None, mtp: bool | None, draft_tokens: int | None,
                chunk: int | None, reference: str | None = None) -> dict[str, dict[str, object]]:
@@ -312,21 +309,20 @@ def _overrides(*, cp: int | None, mode: str | None, model: str | None, prompts: 
     return over
 
 
-def _read_checkpoint(settings: Any) -> tuple[Path, Any]:
-    """The checkpoint directory and its DeepSeek-V3.2 / GLM-5 config (None for DeepSeek-V4).
-
-    Raises:
-        ModelLoadError: an unreadable checkpoint, or run.mtp without an MTP layer.
-    """
-    ckpt = resolve_checkpoint(settings.run.model)
+def _checkpoint_config(settings: Settings, ckpt: Path) -> Any:
+    """The checkpoint's DeepSeek-V3.2 / GLM-5 config (None for DeepSeek-V4); a checkpoint that
+    cannot serve the settings (no MTP layer for run.mtp, a bad config) is one line."""
     if is_v4_checkpoint(ckpt):
-        return ckpt, None
-    cfg = read_config(ckpt)
-    if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
-        raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
-                             f"has none (config.json: num_nextn_predict_layers = "
-                             f"{cfg.num_nextn_predict_layers})")
-    return ckpt, cfg
+        return None
+    try:
+        cfg = read_config(ckpt)
+        if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
+            raise ModelLoadError(f"{ckpt}: run.mtp asks for the MTP draft layer, but this checkpoint "
+                                 f"has none (config.json: num_nextn_predict_layers = "
+                                 f"{cfg.num_nextn_predict_layers})")
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
+    return cfg
 
 
 def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
@@ -345,7 +341,7 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
     check_output(report, "--report")
     check_output(save_logits, "--save-logits")
     run_v4(ckpt, token_lists, settings.cp.size, settings.cp.mode.value, settings.kv.page_size,
-           settings.runtime.chunk_tokens, decode_tokens, Console(), report, save_logits)
+           settings.runtime.chunk_tokens, decode_tokens, output_console(), report, save_logits)
 
 
 @click.command("run")
@@ -403,7 +399,7 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if launched is not None:
-        _stop_at_once_on_signals()
+        stop_at_once_on_signals(announce=launched[0] == 0)
     if launched is not None and cp is None:
         cp = launched[1] - (1 if decode_tokens > 0 else 0)
         if cp < 1:
@@ -411,11 +407,8 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
                                        f"at least {2 if decode_tokens > 0 else 1}")
     over = _overrides(cp=cp, mode=mode, model=model, prompts=prompts, device=device, mtp=mtp,
                       draft_tokens=draft_tokens, chunk=chunk, reference=reference)
-    try:
-        settings = load_settings(config, **over)
-        ckpt, cfg = _read_checkpoint(settings)
-    except (SettingsError, ModelLoadError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    settings, ckpt, sources = load_for_command(OPTIONS, over, config)
+    cfg = _checkpoint_config(settings, ckpt)
     if cfg is None:  # DeepSeek-V4: its own prefill job (cli/run_v4.py)
         _run_v4(settings, ckpt, prompts, config, decode_tokens, report, save_logits)
         return
@@ -432,13 +425,13 @@ def command(state: CliState | None, config: Path | None, model: str | None, cp: 
     try:  # before the heading: a misspelt plugin name is all the user sees
         check_plugin_names(settings, transfer=decode_tokens > 0)
     except SettingsError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(sources.line(exc)) from exc
     need = settings.cp.size + (1 if decode_tokens > 0 else 0)
     if launched is not None and launched[1] != need:
         raise click.ClickException(f"torchrun started {launched[1]} processes; this job needs "
                                    f"{need} (cp.size = {settings.cp.size}"
                                    f"{' + the decode rank' if decode_tokens > 0 else ''})")
-    console = Console(quiet=launched is not None and launched[0] != 0)
+    console = output_console(quiet=launched is not None and launched[0] != 0)
     console.print(f"model {ckpt}, CP{settings.cp.size} {settings.cp.mode.value}, "
                   f"kv.dtype {settings.kv.dtype}, {len(token_lists)} prompts")
     # the spinner goes to stderr with the log: stdout holds the report alone

@@ -6,15 +6,25 @@ each session at its start). One process, one device, CP1: the settings' model, f
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import click
 import torch
 
-from cpkv.models import ModelLoadError, resolve_checkpoint
-from cpkv.settings import SettingsError, load_settings
-
+from ._errors import load_for_command
 from ._state import CliState
+
+#: the settings key each option sets, for error lines (:class:`Sources`)
+OPTIONS = {"run.model": "--model", "run.device": "--device", "runtime.chunk_tokens": "--chunk"}
+
+
+def caches_line(triton: Path, deepgemm: Path, with_deepgemm: bool) -> str:
+    """The compile caches a warm-up fills, each named: ``Triton's /root/.triton/cache`` and,
+    where DeepGEMM is installed, ``DeepGEMM's /root/.dj`` (a bare ``a; b`` read as one broken
+    path, and DeepGEMM's directory means nothing where it is not installed)."""
+    named = [f"Triton's {triton}"] + ([f"DeepGEMM's {deepgemm}"] if with_deepgemm else [])
+    return " and ".join(named)
 
 
 def _device(choice: str) -> torch.device:
@@ -58,11 +68,7 @@ def command(state: CliState | None, tokens: int | None, config: Path | None, mod
         over["run"] = run_over
     if chunk is not None:
         over["runtime"] = {"chunk_tokens": chunk}
-    try:
-        settings = load_settings(config, **over)
-        ckpt = resolve_checkpoint(settings.run.model)
-    except (SettingsError, ModelLoadError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    settings, ckpt, sources = load_for_command(OPTIONS, over, config)
     n = tokens or settings.runtime.warmup_tokens
     if not n:
         raise click.UsageError("give --tokens N (or set runtime.warmup_tokens): the longest "
@@ -75,7 +81,7 @@ def command(state: CliState | None, tokens: int | None, config: Path | None, mod
         "kv": settings.kv.model_copy(update={"pages_per_rank": pages}),
         "runtime": settings.runtime.model_copy(update={"warmup_tokens": n})})
     if (problem := settings.cross_section_problem()) is not None:
-        raise click.ClickException(problem)
+        raise click.ClickException(sources.lead(problem))
     click.echo(f"model {ckpt} on {dev}: warming up for {n:,} tokens")
     m = load_model(ckpt, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
                    device=dev, mtp=settings.run.mtp)
@@ -86,4 +92,5 @@ def command(state: CliState | None, tokens: int | None, config: Path | None, mod
     how = f"{rep.chunk:,}-token chunks" if rep.chunk < n else "one piece"
     click.echo(f"warm-up: {rep.seconds:.2f} s ({len(rep.chunk_seconds)} chunk(s) in {how}, "
                f"longest {max(rep.chunk_seconds):.2f} s); {rep.compiled} kernel(s) compiled, "
-               f"{rep.cached} in the compile caches ({tri}; {dg})")
+               f"{rep.cached} in the compile caches "
+               f"({caches_line(tri, dg, importlib.util.find_spec('deep_gemm') is not None)})")

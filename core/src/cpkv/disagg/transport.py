@@ -345,6 +345,10 @@ class DistSideChannel:
 #: progress beacons are read (the bound is on silence, not on wall time)
 WAIT_SLICE_S = 0.5
 
+#: the longest pause between two polls of a message key in a quiet wait (seconds): a message's
+#: latency after a long wait, at one store round trip per pause
+POLL_PAUSE_MAX_S = 0.01
+
 
 class TransferTimeout(TransferError):
     """A wait of the transfer saw no progress on any other endpoint for ``timeout_s``
@@ -486,12 +490,23 @@ class StoreSideChannel:
                     f"{self.timeout_s:g} s "
                     f"(transfer.timeout_s bounds this silence: raise it if one step of the "
                     f"prefill, e.g. a layer's row chunk, takes longer): {self.silence()}")
-            try:
-                self.store.wait([key], timedelta(seconds=min(WAIT_SLICE_S, left)))
+            if self._arrives(key, min(WAIT_SLICE_S, left)):
                 return
-            except Exception as exc:
-                if "timeout" not in str(exc).lower():
-                    raise
+
+    def _arrives(self, key: str, seconds: float) -> bool:
+        """Whether ``key`` is set within ``seconds``: polled with ``check`` (a pause growing
+        from 0.5 ms to :data:`POLL_PAUSE_MAX_S`), not a timed ``wait``, each of whose timeouts
+        makes c10d log two warnings on stderr (a decode rank waiting out a long prefill printed
+        dozens)."""
+        end = time.monotonic() + seconds
+        pause = 0.0005
+        while not self.store.check([key]):
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, POLL_PAUSE_MAX_S)
+        return True
 
 
 class SilenceClock:

@@ -398,10 +398,3 @@ class DeepseekV4:
         pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + c.hc_eps
         x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return F.linear(_rms(x, self._norm, c.rms_norm_eps), self._head).float()
-
-    # ------------------------------------------------------------------ one-rank reference
-    def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """The one-rank forward of one prompt ``[T]`` -> logits ``[T, vocab]`` float32."""
-        from .v4_reference import reference_forward
-
-        return reference_forward(self, ids)

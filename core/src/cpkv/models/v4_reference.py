@@ -8,14 +8,10 @@ top-k) -> attention with the sink -> output projection -> mHC expand; then the s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from .deepseek_v4 import DeepseekV4, stable_topk
 from .v4_config import CSA, HCA
-
-if TYPE_CHECKING:
-    from .deepseek_v4 import DeepseekV4
 
 __all__ = ["gather_keys", "reference_forward", "window_rows"]
 
@@ -47,7 +43,6 @@ def gather_keys(model: DeepseekV4, layer: int, entries: torch.Tensor,
 
 def reference_forward(model: DeepseekV4, ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]`` on one rank."""
-    from .deepseek_v4 import stable_topk
 
     c = model.config
     ids = ids.to(model.device)

@@ -17,6 +17,7 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackEvent, SplitMode
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.v4_objects import v4_objects
+from cpkv.models.v4_reference import reference_forward
 
 from .launch import run_ranks
 from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_logits
@@ -107,7 +108,7 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
                         timeout_s=timeout_s)
     seconds = time.perf_counter() - t0
     with torch.no_grad():
-        ref = torch.stack([model.reference_logits(torch.tensor(p, dtype=torch.long))[-1]
+        ref = torch.stack([reference_forward(model, torch.tensor(p, dtype=torch.long))[-1]
                            for p in prompts])
     return V4JobReport(lengths=[len(p) for p in prompts], logits=results[0].value, reference=ref,
                        rank_bytes=per, entry_bytes=entries, tail_bytes=tail, seconds=seconds,
