@@ -43,7 +43,8 @@ Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
 fp8 numerics (:mod:`cpkv.ops.fp8`)
     :func:`quantize_fp8` (the one quantization formula: what ``fp8_pack`` must match bit for
     bit; "amax" scales for the latent, DeepSeek's power-of-two "ue8m0" for the index-K:
-    :func:`scale_format`, a :class:`ScaleFormat`), :data:`FP8_E4M3_MAX`, :data:`FP8_AMAX_FLOOR`,
+    :func:`scale_format`, a :class:`ScaleFormat`), :func:`pack_fp8` (a part's packed bytes from
+    it: the reference every backend's ``fp8_pack`` equals), :data:`FP8_E4M3_MAX`, :data:`FP8_AMAX_FLOOR`,
     :data:`UE8M0_AMAX_FLOOR`, :func:`hadamard_rotate` (DeepSeek's ``rotate_activation``: an
     fp8 pool's index-K and the queries that meet it are rotated), :func:`quantize_index_q` (the
     indexer's fp8 queries with their scales folded into the head weights).
