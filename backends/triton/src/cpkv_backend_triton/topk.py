@@ -1,15 +1,8 @@
 """Top-k: the columns of each row's k largest indexer logits inside its key range, the torch
 reference's set exactly (equal logits by ascending column), no host sync; wrappers over
-:mod:`.kernels.topk`.
-
-Logits map to order-preserving int32 keys (:mod:`.kernels.radix`); two exact paths share the
-refinement (4 histograms of 8 bits find the k-th key) and the exact fallback over a whole row
-(``_topk_exact_kernel``). Long rows (``T >= TOPK_LONG["MIN_T"]``): one read of each logit (a
-sampled floor, a filter keeping the keys above it in column order, a select; the Gluon filter
-when ``TOPK_LONG["GLUON"]``); a row whose floor misled is flagged to the exact kernel, so the
-sample changes the time, never the result. Shorter rows: two reads (a value histogram, the
-compaction of the k-th key's bin, the refinement). ``method="torch"`` (and float64 logits,
-k > :data:`TOPK_RADIX_MAX_K`): ``torch.topk`` over masked logits, ties may differ.
+:mod:`.kernels.topk`. Long rows (``T >= TOPK_LONG["MIN_T"]``) read each logit once, shorter
+rows twice; ``method="torch"`` (and float64 logits, k > :data:`TOPK_RADIX_MAX_K`) takes
+``torch.topk`` over masked logits, ties may differ. Design: docs/triton.md, "Top-k".
 """
 
 from __future__ import annotations
