@@ -59,13 +59,9 @@ _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.Tensor,
                       key_end: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, t: int,
                       k: int, cap: int, warps: int) -> None:
-    """The long rows' select (``_topk_select_kernel``) over candidates a filter left: ``cand``
-    int64 ``key << 32 | (2^31 - 1 - column)``, split j of row i at ``(i * NS + j) * cap``, in
-    column order within a split and splits in column order, ``count`` int32 [N, NS] (past
-    ``cap``: the split overflowed). Rows holding at most k keys are listed ascending; a row with
-    fewer than k candidates or an overflowed split gets ``meta[i, 0] = -1`` (its ``out`` row
-    left for an exact pass), the others their k columns in ``out`` and ``meta[i, 0] = k``.
-    ``warps``: the select kernel's."""
+    """The long rows' select (``_topk_select_kernel``) over a filter's candidates (``cand``
+    int64, split j of row i at ``(i * NS + j) * cap``; ``count`` int32 [N, NS]): ``out`` and
+    ``meta[i, 0] = k``, or ``meta[i, 0] = -1`` for a row left to an exact pass."""
     cfg = TOPK_LONG
     n, ns = count.shape
     nsp = pow2(ns, 1)
