@@ -15,11 +15,11 @@ Writes: OUT.json {gpu, fp8_ceiling_tflops, shapes: {NxT: [{config, ms, tflops,
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
 
+from cpkv.bench.timing import median_ms
 from cpkv.fallback import recording
 from cpkv.ops.api import hadamard_rotate, quantize_fp8, quantize_index_q
 from cpkv_backend_triton.attention import AttentionKernels
@@ -45,26 +45,13 @@ SMALL_CONFIGS: tuple[dict[str, int], ...] = (
 )
 
 
-def median_ms(fn, iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def fp8_ceiling(dev: torch.device) -> float:
     n = 8192
     a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=dev)
-    ms = median_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+    ms = median_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
+                   warmup=1, iters=10)
     return 2 * n ** 3 / ms / 1e9
 
 
@@ -100,7 +87,7 @@ def sweep_shape(n: int, t: int, dev: torch.device, g: torch.Generator,
         try:
             with recording() as rec:
                 got = call()
-            ms = median_ms(call)
+            ms = median_ms(call, warmup=1, iters=10)
         except Exception as e:  # a tile that does not compile: recorded, next one
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
             continue

@@ -32,6 +32,12 @@ from typing import Any
 
 import pytest
 
+# the mooncake engine reads these when it is imported (in the rank processes too, which inherit
+# them): quiet glog, and listening ports away from the usual ones
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("MC_MIN_RPC_PORT", "47310")
+os.environ.setdefault("MC_MAX_RPC_PORT", "47990")
+
 #: the default of ``unmarked_test_limit_s`` (CPU seconds): over the ~10 s rule for the ``slow``
 #: mark with a margin: 3 x for a one-thread test, 1.5 x for one that keeps both of 2 cores busy
 #: (20 CPU seconds in 10 s), whose CPU time a loaded machine also stretches a little (caches)

@@ -5,6 +5,8 @@
   random page source, delivery to a :class:`~cpkv.disagg.DecodeReceiver` and the checks that
   pages landed at their logical positions; a job spec of the tiny model and its single-rank
   reference tokens.
+* Process tests (test_job_behaviour, test_torchrun_signals): :func:`children`, :func:`alive`
+  (from /proc).
 * transformers comparisons (test_models, test_run_e2e): :data:`HF_TINY`, :func:`hf_random_model`,
   :func:`hf_logits`.
 """
@@ -213,3 +215,30 @@ def run_engine_example(ranks: int, tmp: Path, *extra: str) -> dict[str, object]:
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out: dict[str, object] = json.loads(lines[-1])
     return out
+
+
+# ---- processes (from /proc) --------------------------------------------------------------------
+def _proc_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first, then the parent's pid),
+    or None when the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (f := _proc_fields(d.name)) is not None \
+                and int(f[1]) == pid and f[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie is dead, only unreaped)."""
+    f = _proc_fields(pid)
+    return f is not None and f[0] != "Z"

@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 from cpkv.comm import CPGroup, current_wait, waiting_in
 from cpkv.runtime import RankFailed, RankTimeout, run_ranks
 from cpkv.runtime.ranklog import RankLogMerger, StderrLines
+from helpers import alive, children
 
 pytestmark = pytest.mark.multiprocess  # every test runs the ``cpkv`` command in a subprocess
 
@@ -31,30 +32,6 @@ def cpkv(*args: str, env: dict[str, str] | None = None,
          timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cpkv.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def _children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(d.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"  # a zombie is dead, only unreaped
 
 
 def _is_rank(pid: int) -> bool:
@@ -75,7 +52,7 @@ def test_killing_the_parent_leaves_no_rank_process(sig: signal.Signals) -> None:
         deadline = time.monotonic() + 90
         while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-            ranks = [p for p in _children(proc.pid) if _is_rank(p)]
+            ranks = [p for p in children(proc.pid) if _is_rank(p)]
         assert len(ranks) == 2, "the two rank processes did not start within 90 s"
         time.sleep(1.0)  # inside the job (imports, the process group)
         if sig == signal.SIGINT:  # Ctrl-C: the terminal signals the whole process group
@@ -84,9 +61,9 @@ def test_killing_the_parent_leaves_no_rank_process(sig: signal.Signals) -> None:
             os.kill(proc.pid, sig)
         rc = proc.wait(timeout=30)
         end = time.monotonic() + 5
-        while any(map(_alive, ranks)) and time.monotonic() < end:
+        while any(map(alive, ranks)) and time.monotonic() < end:
             time.sleep(0.1)
-        left = [p for p in ranks if _alive(p)]
+        left = [p for p in ranks if alive(p)]
         assert not left, f"rank processes {left} outlived the parent ({sig.name}) by 5 s"
         _, err = proc.communicate(timeout=10)
         assert "BrokenPipeError" not in err and "Traceback" not in err, err[-2000:]
@@ -108,7 +85,7 @@ def test_decode_rank_death_is_one_line_naming_the_decode_rank() -> None:
         deadline = time.monotonic() + 90
         while len(ranks) < 3 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-            ranks = sorted(p for p in _children(proc.pid) if _is_rank(p))
+            ranks = sorted(p for p in children(proc.pid) if _is_rank(p))
         assert len(ranks) == 3, "the three processes did not start within 90 s"
         time.sleep(2.0)
         os.kill(ranks[2], signal.SIGKILL)  # started last: the decode rank

@@ -11,17 +11,12 @@ them. Rank 1's sender stalls ``STALL`` s (> ``TIMEOUT``) in A's part, either ins
 from __future__ import annotations
 
 import json
-import os
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-os.environ.setdefault("MC_MIN_RPC_PORT", "47310")
-os.environ.setdefault("MC_MAX_RPC_PORT", "47990")
 
 from cpkv.comm import CPGroup
 from cpkv.disagg import (

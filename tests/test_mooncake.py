@@ -16,12 +16,7 @@ from typing import Any
 
 import pytest
 
-# read by the engine when it is imported (in the rank processes, which inherit them): quiet glog,
-# and listening ports away from the usual ones
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-os.environ.setdefault("MC_MIN_RPC_PORT", "47310")
-os.environ.setdefault("MC_MAX_RPC_PORT", "47990")
-
+import helpers
 from cpkv.comm import CPGroup
 from cpkv.contracts import KVFormat
 from cpkv.disagg import (
@@ -42,18 +37,6 @@ from cpkv.runtime import RankFailed, run_ranks
 from cpkv.runtime.job import DecodeReport, JobSpec, SenderReport, disagg_rank
 from cpkv.settings import PluginTable, SettingsError, TransferSettings, load_settings
 from cpkv_transfer_mooncake.plugin import probe
-from helpers import (
-    PAGE,
-    check_landed,
-    fake_source,
-    job_spec,
-    next_request_works,
-    pool_snapshot,
-    receiver_of,
-    reference_tokens,
-    small_format,
-    torch_pool,
-)
 
 _AVAIL = probe()
 pytestmark = [pytest.mark.mooncake,
@@ -64,7 +47,7 @@ pytestmark = [pytest.mark.mooncake,
 
 def _buffers(n_pages: int) -> Any:
     """The registered buffers of a one-rank CPU pool of ``n_pages`` pages."""
-    return registered_buffers(torch_pool(CPGroup.single(), capacity=n_pages).store)
+    return registered_buffers(helpers.torch_pool(CPGroup.single(), capacity=n_pages).store)
 
 
 def _layout(n: int, base: int, layers: int = 2, page_bytes: tuple[int, ...] = ()) -> Any:
@@ -134,7 +117,7 @@ def _bare_link(n_pages: int, max_batch: int, retries: int = 0, fail: int = 0) ->
     from cpkv_transfer_mooncake.transport import MooncakeLink
 
     link = object.__new__(MooncakeLink)
-    pool = torch_pool(CPGroup.single(), capacity=n_pages)
+    pool = helpers.torch_pool(CPGroup.single(), capacity=n_pages)
     link.spec = LinkSpec(endpoint=0, cp_size=1, buffers=registered_buffers(pool.store))
     link.max_batch, link.retries = max_batch, retries
     link.stage = link.relayout = None
@@ -329,15 +312,15 @@ def _staged_link(stage_bytes: int | None, max_batch: int = 1024, mixed: bool = F
     second pool; returns (link, source, decode pool). ``mixed``: layer 1 latent-only (a GLM-5
     shared-indexer layer: its pages smaller than the others'). ``layouts``: the sender's and
     the decode pool's (different ones: the sender re-lays the pages out while staging);
-    ``fmt``: the full layers' format (default the bf16 ``small_format``)."""
+    ``fmt``: the full layers' format (default the bf16 ``helpers.small_format``)."""
     import torch
 
     from cpkv.contracts import BufferLayout
     from cpkv.kv import ShardedKVPool
     from cpkv_transfer_mooncake.transport import HostStaging, Layout, MooncakeLink
 
-    ops = torch_pool(CPGroup.single(), capacity=1).store.ops
-    full = small_format() if fmt is None else fmt
+    ops = helpers.torch_pool(CPGroup.single(), capacity=1).store.ops
+    full = helpers.small_format() if fmt is None else fmt
     fmts = [full, full.latent_only(), full] if mixed else [full] * 3
     src, dec = (ShardedKVPool(fmts, 3, CPGroup.single(), ops, pages_per_rank=n, layout=lay)
                 for n, lay in ((32, layouts[0]), (40, layouts[1])))
@@ -486,7 +469,7 @@ def test_mooncake_transfer_and_decode(tiny_models: dict[str, Path],
     from cpkv.models import load_model
 
     tiny = _tiny(tiny_models, arch, tmp_path_factory)
-    base = job_spec(tiny, cp, mode, prefix)
+    base = helpers.job_spec(tiny, cp, mode, prefix)
     s = base.settings.model_copy(update={"transfer": TransferSettings.model_validate(
         {"name": "mooncake", "timeout_s": 60, "pipeline": pipeline,
          "mooncake": {"stage": stage, "stage_mb": 4480 / (1 << 20)}}),
@@ -496,7 +479,7 @@ def test_mooncake_transfer_and_decode(tiny_models: dict[str, Path],
     senders: list[SenderReport] = [r.value for r in out[:cp]]
     dec: DecodeReport = out[cp].value
     model = load_model(str(tiny))
-    fmts = model.kv_formats("fp32", PAGE)
+    fmts = model.kv_formats("fp32", helpers.PAGE)
     page_bytes = sum(f.page_bytes for f in fmts)  # each layer in its own format
     if arch == "glm5":
         assert len({f.page_bytes for f in fmts}) == 2
@@ -511,7 +494,7 @@ def test_mooncake_transfer_and_decode(tiny_models: dict[str, Path],
         assert crcs == [owner_crc[k] for k in range(len(crcs))], rid
     if pipeline == "layer":
         assert all(snd.overlap_seconds > 0 for snd in senders if snd.bytes_sent)
-    assert dec.tokens == reference_tokens(spec)
+    assert dec.tokens == helpers.reference_tokens(spec)
 
 
 # ---- faults ------------------------------------------------------------------------------------
@@ -525,12 +508,12 @@ def _tables(big: bool) -> tuple[Any, ...]:
     owners over 2400 pages, so every page is its own piece: 1200 pieces x 2 layers = 2400
     entries per rank (> 2048)."""
     if big:
-        ranks, _, _ = fake_source(C, 1, seed=11)
+        ranks, _, _ = helpers.fake_source(C, 1, seed=11)
         for i, r in enumerate(ranks):
             r.pool = _big_pool(r, BIG // C, seed=i)
-        return ranks, [k % C for k in range(BIG)], [k // C for k in range(BIG)], BIG * PAGE
-    ranks, owners, slots = fake_source(C, 12, seed=4)
-    return ranks, owners, slots, 12 * PAGE - 5
+        return ranks, [k % C for k in range(BIG)], [k // C for k in range(BIG)], BIG * helpers.PAGE
+    ranks, owners, slots = helpers.fake_source(C, 12, seed=4)
+    return ranks, owners, slots, 12 * helpers.PAGE - 5
 
 
 def _big_pool(r: Any, n: int, seed: int) -> Any:
@@ -559,14 +542,14 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
                  fault: str) -> dict[str, Any]:
     """Receive the faulty request, record, then receive the next one and check it landed."""
     rec: dict[str, Any] = {}
-    before = pool_snapshot(rx.pages)
+    before = helpers.pool_snapshot(rx.pages)
     t0 = time.perf_counter()
     try:
         DecodeTransfer(link, rx, C).receive()
         rec["error"] = None
         # only "over_limit" may go through, on an engine that takes the batch (the CUDA 13
         # wheel 0.3.14 takes 2400 entries): then the request must have arrived whole
-        check_landed(rx, ranks, fault, owners, slots)
+        helpers.check_landed(rx, ranks, fault, owners, slots)
         rx.free(fault)
         rec["published_whole"] = True
     except TransferError as exc:
@@ -574,13 +557,13 @@ def _decode_side(link: Any, rx: DecodeReceiver, ranks: Any, owners: Any, slots: 
     rec["seconds"] = time.perf_counter() - t0
     # a sender that has not said it is done may still write: its slots stay in quarantine
     rec["quarantined"] = [pending for _, _, pending in rx.quarantined().values()]
-    rec["unchanged"] = (pool_snapshot(rx.pages)[1] == before[1] and rx.in_flight() == []
-                        and (bool(rec["quarantined"]) or pool_snapshot(rx.pages) == before))
+    rec["unchanged"] = (helpers.pool_snapshot(rx.pages)[1] == before[1] and rx.in_flight() == []
+                        and (bool(rec["quarantined"]) or helpers.pool_snapshot(rx.pages) == before))
     if fault == "kill":  # rank 1 is gone: the next request is a local one
-        next_request_works(rx)
+        helpers.next_request_works(rx)
     else:
         DecodeTransfer(link, rx, C).receive()
-        check_landed(rx, ranks, f"next-{fault}", owners, slots)
+        helpers.check_landed(rx, ranks, f"next-{fault}", owners, slots)
         rx.free(f"next-{fault}")
         # the stalled sender's late notice came in during the next request: all slots back
         rec["released"] = (not rx.quarantined() and
@@ -629,12 +612,12 @@ def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str,
     kill = faults == ("kill",)
     ranks, owners, slots, valid = _tables(big=not kill)
     decode = world.rank == C
-    pool = (torch_pool(CPGroup.single(), capacity=len(owners) + 8) if decode
+    pool = (helpers.torch_pool(CPGroup.single(), capacity=len(owners) + 8) if decode
             else ranks[world.rank].pool)
     link = _connect(world, pool, 2 if kill else 1024)
     recs: dict[str, Any] = {}
     if decode:
-        rx = receiver_of(pool, debug=True)
+        rx = helpers.receiver_of(pool, debug=True)
         for fault in faults:
             recs[fault] = _decode_side(link, rx, ranks, owners, slots, fault)
             Path(out).write_text(json.dumps(recs))
@@ -642,7 +625,7 @@ def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str,
         return recs
     sender = PrefillTransfer(link, pool, world.rank, C, debug=True)
     for fault in faults:
-        m = manifest_for(fault, RequestPages(owners, slots, valid), PAGE, C)
+        m = manifest_for(fault, RequestPages(owners, slots, valid), helpers.PAGE, C)
         undo = _apply_fault(link, fault) if world.rank == 1 else (lambda: None)
         rec: dict[str, Any] = {}
         try:
@@ -652,7 +635,7 @@ def _faults_rank(world: CPGroup, faults: tuple[str, ...], out: str) -> dict[str,
             rec["error"] = str(exc)
         undo()
         link.stats.update(batches=0, entries=0, largest_batch=0)
-        sender.send(manifest_for(f"next-{fault}", RequestPages(owners, slots, valid), PAGE, C))
+        sender.send(manifest_for(f"next-{fault}", RequestPages(owners, slots, valid), helpers.PAGE, C))
         rec["stats"] = dict(link.stats)
         recs[fault] = rec
     link.close()
@@ -760,7 +743,7 @@ def test_staged_relayout_lands_every_layout_bit_exact(src_layout: str, dst_layou
 
     from cpkv.kv.buffers import read_pages
 
-    fp8 = KVFormat(dtype="fp8", page_size=PAGE, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
+    fp8 = KVFormat(dtype="fp8", page_size=helpers.PAGE, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
                    quant_block=8)
     part = RankTransfer(request="a", rank=0, runs=(PageRun(first_page=0, num_pages=4, src_slot=3),
                                                    PageRun(first_page=6, num_pages=5, src_slot=20)))

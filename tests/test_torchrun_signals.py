@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from cpkv._faults import HANG_ENV
 from cpkv.disagg.transport import WAIT_SLICE_S, StoreSideChannel
+from helpers import alive, children
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -73,30 +74,6 @@ def test_a_signal_ends_a_rank_waiting_in_cxx_at_once(sig: int, status: int, line
         proc.communicate()  # closes the pipes
 
 
-def _workers(agent: int) -> list[int]:
-    """Live child processes of torchrun's agent (its workers)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == agent and fields[0] != "Z":
-            out.append(int(d.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ctrl_c_under_torchrun_stops_every_rank_within_2_s(tmp_path: Path) -> None:
@@ -123,14 +100,14 @@ def test_ctrl_c_under_torchrun_stops_every_rank_within_2_s(tmp_path: Path) -> No
     try:
         assert ready.wait(240), "the ranks did not reach the job:\n" + "".join(seen[-30:])
         time.sleep(3.0)  # the decode rank in its wait for the offer, rank 0 in the collective
-        workers = _workers(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 3, workers
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         t0 = time.monotonic()
-        while any(map(_alive, workers)) and time.monotonic() - t0 < 10:
+        while any(map(alive, workers)) and time.monotonic() - t0 < 10:
             time.sleep(0.05)
         stopped = time.monotonic() - t0
-        assert not any(map(_alive, workers)), "a rank still runs 10 s after Ctrl-C"
+        assert not any(map(alive, workers)), "a rank still runs 10 s after Ctrl-C"
         assert stopped < 2.0, f"the last rank stopped {stopped:.1f} s after Ctrl-C"
         proc.wait(timeout=60)  # torchrun's own status and traceback are torchrun's
         reader.join(timeout=10)

@@ -16,7 +16,7 @@ import torch
 import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
 from cpkv.ops import hadamard_rotate, quantize_index_q
-from triton_interp import import_kernels, interp
+from triton_interp import assert_op_mixed_in, import_kernels, interp
 
 quant_mod = import_kernels("cpkv_backend_triton.quant", "_index_q_kernel")
 QuantKernels = quant_mod.QuantKernels
@@ -26,11 +26,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def test_op_declared_and_mixed_in() -> None:
-    from cpkv_backend_triton.ops import TritonOps
-    from cpkv_backend_triton.plugin import OPS
-
-    assert Op.INDEX_Q_FP8 in OPS
-    assert callable(getattr(TritonOps(), Op.INDEX_Q_FP8.value))
+    assert_op_mixed_in(Op.INDEX_Q_FP8)
 
 
 def test_bad_inputs_raise_value_error() -> None:

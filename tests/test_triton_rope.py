@@ -17,7 +17,7 @@ import torch
 import cpkv.testing.conformance as conf
 from cpkv.contracts import Op
 from cpkv.models import load_model, write_tiny_checkpoint
-from triton_interp import import_kernels, interp
+from triton_interp import assert_op_mixed_in, import_kernels, interp
 
 rope_mod = import_kernels("cpkv_backend_triton.rope", "_rope_kernel")
 RopeKernels = rope_mod.RopeKernels
@@ -27,11 +27,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def test_op_declared_and_mixed_in() -> None:
-    from cpkv_backend_triton.ops import TritonOps
-    from cpkv_backend_triton.plugin import OPS
-
-    assert Op.ROPE in OPS
-    assert callable(getattr(TritonOps(), Op.ROPE.value))
+    assert_op_mixed_in(Op.ROPE)
 
 
 def test_bad_inputs_raise_value_error() -> None:

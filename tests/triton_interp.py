@@ -19,16 +19,28 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
-__all__ = ["CUDA", "bin_values", "import_kernels", "interp", "interpreter_env", "ptxas_report"]
+__all__ = ["CUDA", "assert_op_mixed_in", "bin_values", "import_kernels", "interp", "interpreter_env",
+           "ptxas_report"]
 
 CUDA = torch.cuda.is_available()
 #: a test of the interpreted kernels (with CUDA the kernels are compiled: the gpu tests run)
 interp = pytest.mark.skipif(CUDA, reason="CUDA present: kernels are compiled for the GPU (the "
                                          "gpu tests cover them)")
+
+
+def assert_op_mixed_in(op: Any) -> None:
+    """``op`` (a :class:`cpkv.contracts.Op`) is declared by the triton plugin and a method of
+    :class:`~cpkv_backend_triton.ops.TritonOps`."""
+    from cpkv_backend_triton.ops import TritonOps
+    from cpkv_backend_triton.plugin import OPS
+
+    assert op in OPS
+    assert callable(getattr(TritonOps(), op.value))
 
 
 def bin_values(kind: str, n: int, g: torch.Generator) -> torch.Tensor:

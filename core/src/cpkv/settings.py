@@ -64,6 +64,18 @@ ENV_PREFIX = "CPKV_"
 ENV_NESTED_DELIMITER = "__"
 
 
+def _refusing(value: object, why: str) -> Any:
+    """A field validator (a classmethod for :func:`pydantic.field_validator`) that refuses
+    ``value`` with ``why``."""
+
+    def check(cls: type, v: Any) -> Any:
+        if v is value:
+            raise ValueError(why)
+        return v
+
+    return classmethod(check)
+
+
 @dataclass(frozen=True)
 class SettingsProblem:
     """One wrong settings value, for a caller that words its own message (the CLI names its
@@ -160,13 +172,9 @@ class KVSettings(_Section):
                     "decode rank's pool has its own (decode.layout)",
     )
 
-    @field_validator("materialize")
-    @classmethod
-    def _sharded_mode(cls, v: MaterializeMode) -> MaterializeMode:
-        if v is MaterializeMode.REPLICA:
-            raise ValueError("'replica' is what kv.shared = false selects; a sharded pool builds "
-                             "its views with 'all_gather', 'p2p' or 'auto'")
-        return v
+    _sharded_mode = field_validator("materialize")(_refusing(
+        MaterializeMode.REPLICA, "'replica' is what kv.shared = false selects; a sharded pool "
+        "builds its views with 'all_gather', 'p2p' or 'auto'"))
 
 
 class BackendSettings(_Section):
@@ -372,13 +380,9 @@ class DecodeSettings(_Section):
                     "layer, a page's latent rows then its index-K rows)")
 
 
-    @field_validator("layout")
-    @classmethod
-    def _read_in_place(cls, v: BufferLayout) -> BufferLayout:
-        if v is BufferLayout.TOKEN_MAJOR:
-            raise ValueError("the decode rank's kernels read 'two_part' or 'part_major' pages "
-                             "in place, not 'token_major'")
-        return v
+    _read_in_place = field_validator("layout")(_refusing(
+        BufferLayout.TOKEN_MAJOR, "the decode rank's kernels read 'two_part' or 'part_major' "
+        "pages in place, not 'token_major'"))
 
 
 class LogSettings(_Section):

@@ -57,23 +57,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import cpkv.ops.api as api  # the argument checks, as api.check_*
 from cpkv.models.rope import apply_rope
 from cpkv.ops.api import (
     KVFormat,
-    check_fp8_store_args,
-    check_index_q_args,
-    check_indexer_args,
-    check_indexer_index_pages_args,
-    check_indexer_paged_args,
-    check_indexer_topk_args,
-    check_page_copy_args,
-    check_page_rows_args,
-    check_peer_gather_args,
-    check_rms_norm_args,
-    check_rope_args,
-    check_sparse_mla_args,
-    check_sparse_mla_paged_args,
-    check_topk_args,
     fp8_layout,
     hadamard_rotate,
     index_page_keys,
@@ -153,7 +140,7 @@ class TorchOps:
             ValueError: the indices differ in length, or ``dst`` and ``src`` differ in dtype or
                 trailing shape.
         """
-        check_page_copy_args(dst, dst_index, src, src_index)
+        api.check_page_copy_args(dst, dst_index, src, src_index)
         rows = src.index_select(0, src_index.to(src.device))
         dst.index_copy_(0, dst_index.to(dst.device), rows.to(dst.device))
 
@@ -196,7 +183,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
         """
-        check_fp8_store_args(x, fmt, part, dst, rows, rotate, scale_dst)
+        api.check_fp8_store_args(x, fmt, part, dst, rows, rotate, scale_dst)
         packed = _pack(hadamard_rotate(x) if rotate else x, fmt, part)
         ps = dst.shape[1]
         at = (rows // ps, rows % ps)
@@ -254,7 +241,7 @@ class TorchOps:
         Every source is read at every position (clamped to row 0 where it is not the owner) and
         the owner's value selected: no boolean-mask gather, so no host sync.
         """
-        check_peer_gather_args(srcs, owner, rows)
+        api.check_peer_gather_args(srcs, owner, rows)
         n = owner.shape[0]
         out = torch.zeros((n, *srcs[0].shape[1:]), dtype=srcs[0].dtype, device=owner.device)
         shape = (n,) + (1,) * (out.dim() - 1)
@@ -287,7 +274,7 @@ class TorchOps:
             ValueError: a shape or dtype does not match, a float key comes with a scale or an fp8
                 key without one.
         """
-        check_indexer_args(q, w, k, k_scale, key_start, key_end)
+        api.check_indexer_args(q, w, k, k_scale, key_start, key_end)
         n, heads, d = q.shape
         t = k.shape[0]
         logits = torch.full((n, t), float("-inf"), dtype=torch.float32, device=q.device)
@@ -332,7 +319,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not match (as every backend).
         """
-        check_indexer_paged_args(q, w, pages, fmt, block_table, row_request, key_end)
+        api.check_indexer_paged_args(q, w, pages, fmt, block_table, row_request, key_end)
         return self._rows_over_pages(q, w, fmt, block_table, row_request, key_end,
                                      lambda tok, gather: paged_index_keys(pages, fmt, tok, gather))
 
@@ -368,7 +355,7 @@ class TorchOps:
         Raises:
             ValueError: a shape, dtype or style does not fit (as every backend).
         """
-        check_rope_args(x, cos, sin, style, out)
+        api.check_rope_args(x, cos, sin, style, out)
         return apply_rope(x, cos, sin, style, out)
 
     def page_rows(self, keys: torch.Tensor, block_table: torch.Tensor,
@@ -379,7 +366,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
         """
-        check_page_rows_args(keys, block_table, row_request, page_size)
+        api.check_page_rows_args(keys, block_table, row_request, page_size)
         k = keys.long()
         valid = k >= 0
         page = torch.where(valid, k, 0) // page_size
@@ -393,7 +380,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
         """
-        check_rms_norm_args(x, weight)
+        api.check_rms_norm_args(x, weight)
         h = x.float()
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
@@ -405,7 +392,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
         """
-        check_index_q_args(q, w, rotate)
+        api.check_index_q_args(q, w, rotate)
         return quantize_index_q(hadamard_rotate(q) if rotate else q, w)
 
     def indexer_logits_index_pages(self, q: torch.Tensor, w: torch.Tensor,
@@ -420,7 +407,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not match (as every backend).
         """
-        check_indexer_index_pages_args(q, w, index_pages, fmt, block_table, row_request, key_end)
+        api.check_indexer_index_pages_args(q, w, index_pages, fmt, block_table, row_request, key_end)
         return self._rows_over_pages(
             q, w, fmt, block_table, row_request, key_end,
             lambda tok, gather: index_page_keys(index_pages, fmt, tok, gather))
@@ -445,7 +432,7 @@ class TorchOps:
         Raises:
             ValueError: ``logits`` is not 2-D float, ``k`` is negative or a range is mis-shaped.
         """
-        check_topk_args(logits, k, key_start, key_end)
+        api.check_topk_args(logits, k, key_start, key_end)
         n, t = logits.shape
         dev = logits.device
         slot = torch.arange(k, device=dev, dtype=torch.int64)
@@ -476,7 +463,7 @@ class TorchOps:
         Raises:
             ValueError: an argument does not fit (as every backend).
         """
-        check_indexer_topk_args(q, w, k, k_scale, key_start, key_end, topk)
+        api.check_indexer_topk_args(q, w, k, k_scale, key_start, key_end, topk)
         # the reference's own two ops (a subclass that overrides one changes that op alone)
         logits = TorchOps.indexer_logits(self, q, w, k, k_scale, key_start, key_end)
         return TorchOps.topk(self, logits, topk, key_start, key_end)
@@ -501,7 +488,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not match, or ``dv`` is out of range.
         """
-        check_sparse_mla_args(q, kv, indices, dv)
+        api.check_sparse_mla_args(q, kv, indices, dv)
         n, heads, dk = q.shape
         if kv.shape[0] == 0 or indices.shape[1] == 0:  # nothing to attend to: every row is zeros
             return torch.zeros(n, heads, dv, dtype=torch.float32, device=q.device)
@@ -537,7 +524,7 @@ class TorchOps:
         Raises:
             ValueError: a shape or dtype does not match, or ``dv`` is out of range.
         """
-        check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
+        api.check_sparse_mla_paged_args(q, pages, rows, fmt, dv)
         lat, idx = paged_latent(pages, rows, fmt, torch.float32,
                                 lambda src, f, part, dt, i: TorchOps.fp8_unpack(self, src, f, part,
                                                                                  dt, i),

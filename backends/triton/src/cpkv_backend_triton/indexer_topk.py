@@ -1,21 +1,7 @@
 """The lightning indexer and the top-k in one pass over the keys, for long rows: the [N, T]
-logits are never stored (at 512K keys a 64K-row chunk's are 128 GB written and read back).
-
-1. **Sample**: the plain indexer op at ``SAMPLE`` columns ``i * stride`` of every row.
-2. **Floor** (``_sample_floor_kernel``): the long-row top-k's rule, the sample key ``4 sqrt(est
-   + 1) + 8`` places below the k-th key's estimated place, by a radix select (-inf: every key).
-3. **Filter** (``_fused_filter_kernel``): the plain indexer kernel's grid and tile (the same
-   logits, bit for bit); the logits at or above their row's floor appended to the row's CAP
-   slots (a relaxed atomic add a candidate, in no order); nothing else stored.
-4. **Select** (``_fused_select_kernel``): the exact k of the candidates by a radix select over
-   the keys, ties by one over the tied candidates' columns, sorted ascending (the plain path's
-   order). Fewer than k candidates or more than CAP: the row is flagged.
-5. **Exact** (``_fused_exact_kernel``, flagged rows only): the row's logits recomputed in each
-   radix round: a misleading sample costs time, never the result.
-
-Rows holding at most k keys list their range ascending. Only a flagged row's logits may differ
-in the last bits (another dot shape), so its ties may resolve like the reference's. CAP comes
-from the shapes only (:func:`layout`).
+logits are never stored. Sample, floor, filter (the plain indexer's tile, bit for bit), select,
+and an exact pass for flagged rows: a misleading sample costs time, never the result. CAP comes
+from the shapes only (:func:`layout`). Design: docs/triton.md, "The fused indexer top-k".
 """
 
 from __future__ import annotations

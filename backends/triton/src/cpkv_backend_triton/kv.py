@@ -1,13 +1,7 @@
 """The KV ops (page_gather, page_scatter, page_copy, rerange, peer_gather, fp8_pack, fp8_store,
 fp8_unpack, page_rows) as thin wrappers over :mod:`.kernels.kv`: :class:`KVKernels` (a part of
-:class:`cpkv_backend_triton.ops.TritonOps`).
-
-Row movement is one kernel, ``_copy_rows``: a row is its bytes, moved in the widest unit (8, 4,
-2 or 1 bytes) that the row bytes, the base pointers and the row strides allow, with a
-``VEC``-unit (up to 16 B) alignment hint. fp8 is bit-exact with the reference formula
-(:func:`cpkv.ops.api.quantize_fp8`, "amax" scales for the latent, "ue8m0" for the index-K) by
-construction: every rounding is an IEEE fp32 op (``div_rn``) or integer bit manipulation copying
-c10's conversions (:mod:`.kernels.fp8`), whatever a Triton version's lowering of casts.
+:class:`cpkv_backend_triton.ops.TritonOps`). fp8 is bit-exact with
+:func:`cpkv.ops.api.quantize_fp8`. Design: docs/triton.md, "KV, rope, quantization, norm".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from cpkv.contracts import Op
+from cpkv.ops.api import Op
 
 __all__ = ["OPS", "PART_OPS"]
 

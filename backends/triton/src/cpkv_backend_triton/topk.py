@@ -1,15 +1,8 @@
 """Top-k: the columns of each row's k largest indexer logits inside its key range, the torch
 reference's set exactly (equal logits by ascending column), no host sync; wrappers over
-:mod:`.kernels.topk`.
-
-Logits map to order-preserving int32 keys (:mod:`.kernels.radix`); two exact paths share the
-refinement (4 histograms of 8 bits find the k-th key) and the exact fallback over a whole row
-(``_topk_exact_kernel``). Long rows (``T >= TOPK_LONG["MIN_T"]``): one read of each logit (a
-sampled floor, a filter keeping the keys above it in column order, a select; the Gluon filter
-when ``TOPK_LONG["GLUON"]``); a row whose floor misled is flagged to the exact kernel, so the
-sample changes the time, never the result. Shorter rows: two reads (a value histogram, the
-compaction of the k-th key's bin, the refinement). ``method="torch"`` (and float64 logits,
-k > :data:`TOPK_RADIX_MAX_K`): ``torch.topk`` over masked logits, ties may differ.
+:mod:`.kernels.topk`. Long rows (``T >= TOPK_LONG["MIN_T"]``) read each logit once, shorter
+rows twice; ``method="torch"`` (and float64 logits, k > :data:`TOPK_RADIX_MAX_K`) takes
+``torch.topk`` over masked logits, ties may differ. Design: docs/triton.md, "Top-k".
 """
 
 from __future__ import annotations
@@ -66,13 +59,9 @@ _RADIX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def select_candidates(cand: torch.Tensor, count: torch.Tensor, key_start: torch.Tensor,
                       key_end: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, t: int,
                       k: int, cap: int, warps: int) -> None:
-    """The long rows' select (``_topk_select_kernel``) over candidates a filter left: ``cand``
-    int64 ``key << 32 | (2^31 - 1 - column)``, split j of row i at ``(i * NS + j) * cap``, in
-    column order within a split and splits in column order, ``count`` int32 [N, NS] (past
-    ``cap``: the split overflowed). Rows holding at most k keys are listed ascending; a row with
-    fewer than k candidates or an overflowed split gets ``meta[i, 0] = -1`` (its ``out`` row
-    left for an exact pass), the others their k columns in ``out`` and ``meta[i, 0] = k``.
-    ``warps``: the select kernel's."""
+    """The long rows' select (``_topk_select_kernel``) over a filter's candidates (``cand``
+    int64, split j of row i at ``(i * NS + j) * cap``; ``count`` int32 [N, NS]): ``out`` and
+    ``meta[i, 0] = k``, or ``meta[i, 0] = -1`` for a row left to an exact pass."""
     cfg = TOPK_LONG
     n, ns = count.shape
     nsp = pow2(ns, 1)

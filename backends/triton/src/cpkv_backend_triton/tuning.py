@@ -1,12 +1,7 @@
 """The Triton kernels' launch constants: one table, a row per (launch, device) naming the
-measurement behind its values, and a default row per launch.
-
-A row's device is a substring of the CUDA device's name and/or its compute capability; a lookup
-(:func:`tuned`: once per device, cached) takes the most specific matching row, else the default
-(the CPU interpreter's too). Values are typed per launch (:class:`IndexerParams`, ...: the
-kernels' constexpr and launch names). ``TRITON_CPKV_TUNING="LAUNCH.FIELD=VALUE[,...]"`` (e.g.
-``TOPK_LONG.GLUON=0``) overrides fields of every device's row, in this process and those it
-starts; a name that is no launch or field is an error.
+measurement behind its values, and a default row per launch; :func:`tuned` takes the most
+specific matching row, ``TRITON_CPKV_TUNING="LAUNCH.FIELD=VALUE[,...]"`` overrides fields.
+Design: docs/triton.md, "Tuning tables".
 """
 
 from __future__ import annotations

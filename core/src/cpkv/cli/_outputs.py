@@ -66,7 +66,7 @@ def check_output(path: Path | str | None, option: str) -> None:
     why = output_problem(Path(path))
     if why is not None:
         fix = "" if "does not exist" in why else "; name a file in a writable directory"
-    raise click.ClickException(f"{option} {path}: {why}{fix}")
+        raise click.ClickException(f"{option} {path}: {why}{fix}")
 
 
 def write_atomic(path: Path | str, write: Callable[[Path], object]) -> Path:

@@ -93,6 +93,12 @@ def _out_option(default: str | None, file: str = "") -> Any:
              f"benchmarks/results/{name} updates the tracked results].")
 
 
+def _layers_option(default: int | None, help: str) -> Any:
+    """The benches' ``--layers`` (at least 1; a default of None is the bench's own choice)."""
+    return click.option("--layers", type=click.IntRange(min=1), default=default,
+                        show_default=default is not None, help=help)
+
+
 @click.group("bench")
 @click.pass_context
 def command(ctx: click.Context) -> None:
@@ -165,8 +171,7 @@ def cache_cmd(out: str, cp: int, requests: int, prefix: int, suffix: int, page_s
               help="Prompt lengths, comma-separated (e.g. 32768,131072).")
 @click.option("--cp", type=click.IntRange(min=1), default=2, show_default=True,
               help="Prefill CP ranks (plus one decode rank).")
-@click.option("--layers", type=click.IntRange(min=1), default=16, show_default=True,
-              help="The model's layer count.")
+@_layers_option(16, "The model's layer count.")
 @click.option("--preset", type=click.Choice(["tiny", "v32-attention"]), default="tiny",
               show_default=True, help="Model shape (cpkv init-model --preset).")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
@@ -229,8 +234,7 @@ def transfer_cmd(out: str | None, plugins: str, tokens: str, cp: int, layers: in
 @_out_option(None, "host_<card>.json")
 @click.option("--pages", type=click.IntRange(min=1), default=None,
               help="Pages per layer moved (default: 1024 on a GPU, 128 on a CPU).")
-@click.option("--layers", type=click.IntRange(min=1), default=None,
-              help="Layers (default: 4 on a GPU, 2 on a CPU).")
+@_layers_option(None, "Layers (default: 4 on a GPU, 2 on a CPU).")
 @click.option("--device", default=None,
               help="torch device (default: cuda when available, else cpu).")
 def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str | None) -> None:
@@ -274,8 +278,7 @@ def host_cmd(out: str | None, pages: int | None, layers: int | None, device: str
               help="Greedy tokens per prompt (default: 64 on GPUs, 16 on CPUs).")
 @click.option("--draft-tokens", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Drafts verified per speculative step (k).")
-@click.option("--layers", type=click.IntRange(min=1), default=None,
-              help="Target layers (default: 2 at DeepSeek-V3.2's attention sizes on GPUs; the "
+@_layers_option(None, "Target layers (default: 2 at DeepSeek-V3.2's attention sizes on GPUs; the "
                    "tiny model's 3 on CPUs).")
 @click.option("--backends", default="cuda,triton,torch", show_default=True,
               help="backend.preference (comma-separated).")
@@ -320,8 +323,7 @@ def mtp_cmd(out: str | None, tokens: int | None, prompts: str | None, decode_tok
 @_out_option(None, "gpu_<card>.json")
 @click.option("--sizes", default="16384,65536,131072", show_default=True,
               help="Prompt lengths for CP2 vs CP1 prefill.")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Decoder layers of the prefill stack (DeepSeek-V3.2's attention sizes).")
+@_layers_option(2, "Decoder layers of the prefill stack (DeepSeek-V3.2's attention sizes).")
 @click.option("--skip-prefill", is_flag=True, help="Kernels and materialization only.")
 @click.option("--prefetch-prefix", type=click.IntRange(min=0), default=65536, show_default=True,
               help="Cached prefix of the prefetch measurement (0 skips it).")
@@ -357,8 +359,7 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Prompt lengths (comma-separated; empty: the recall only).")
 @click.option("--chunks", default="65536,131072", show_default=True,
               help="Chunk sizes each prompt is prefilled in (comma-separated).")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Decoder layers of the stack (each at the preset's attention sizes, dense "
+@_layers_option(2, "Decoder layers of the stack (each at the preset's attention sizes, dense "
                    "MLP); MFU counts the FLOPs of all of them.")
 @click.option("--budget-mb", type=click.IntRange(min=1), default=None,
               help="runtime.logits_budget_mb of the runs (default: the settings' default).")
@@ -415,8 +416,7 @@ def long_cmd(out: str | None, tokens: str, chunks: str, layers: int, budget_mb: 
               help="Tokens of KV each request holds (comma-separated).")
 @click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True,
               help="Timed steps per run (median).")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Decoder layers of the stack (DeepSeek-V3.2's attention sizes).")
+@_layers_option(2, "Decoder layers of the stack (DeepSeek-V3.2's attention sizes).")
 @click.option("--mtp/--no-mtp", default=True, show_default=True,
               help="Also speculative decoding (k = 1, 2) on the stack with an agreeing MTP layer.")
 def decode_cmd(out: str | None, batches: str, contexts: str, steps: int, layers: int, mtp: bool) -> None:

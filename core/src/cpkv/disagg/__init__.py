@@ -3,6 +3,7 @@
 Transfer plugins import from :mod:`cpkv.disagg.api` only (the transfer SDK).
 """
 
+from . import transport
 from .buffers import PoolBuffers, registered_buffers
 from .connect import open_link, select_transport
 from .errors import TransferError, TransferFenced, TransferRefused
@@ -10,61 +11,25 @@ from .flow import PIPELINES, DecodeTransfer, PrefillTransfer, Received, Sent
 from .plan import PageRun, RankTransfer, TransferManifest, coalesce, manifest_for, rank_transfer
 from .receiver import DecodeReceiver, pack_part, page_checksums, part_nbytes
 from .sender import SendWorker, Stream
-from .transport import (
-    Ack,
-    DistSideChannel,
-    Done,
-    DrainingLink,
-    FencingChannel,
-    Grant,
-    Link,
-    LinkFeatures,
-    LinkSpec,
-    Offer,
-    PartSink,
-    SideChannel,
-    SilenceClock,
-    StoreSideChannel,
-    TransferTimeout,
-    Transport,
-    link_features,
-    store_side_channel,
-)
+from .transport import *  # noqa: F403  (the transport protocol, listed once in transport.__all__)
 
 __all__ = [
     "PIPELINES",
-    "Ack",
     "DecodeReceiver",
     "DecodeTransfer",
-    "DistSideChannel",
-    "Done",
-    "DrainingLink",
-    "FencingChannel",
-    "Grant",
-    "Link",
-    "LinkFeatures",
-    "LinkSpec",
-    "Offer",
     "PageRun",
-    "PartSink",
     "PoolBuffers",
     "PrefillTransfer",
     "RankTransfer",
     "Received",
     "SendWorker",
     "Sent",
-    "SideChannel",
-    "SilenceClock",
-    "StoreSideChannel",
     "Stream",
     "TransferError",
     "TransferFenced",
     "TransferManifest",
     "TransferRefused",
-    "TransferTimeout",
-    "Transport",
     "coalesce",
-    "link_features",
     "manifest_for",
     "open_link",
     "pack_part",
@@ -73,5 +38,5 @@ __all__ = [
     "rank_transfer",
     "registered_buffers",
     "select_transport",
-    "store_side_channel",
+    *transport.__all__,
 ]

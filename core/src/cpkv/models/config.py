@@ -48,6 +48,18 @@ _ROPE_KEYS = {
 }
 
 
+def _raw_of_type(data: dict[str, Any], own: str) -> dict[str, Any]:
+    """A copy of a raw config whose ``model_type`` (``own`` when absent) is ``own``.
+
+    Raises:
+        ValueError: another model type.
+    """
+    mt = data.get("model_type", own)
+    if mt != own:
+        raise ValueError(f"model_type must be {own!r}, got {mt!r}")
+    return dict(data)
+
+
 def _rope_from_raw(data: dict[str, Any]) -> dict[str, Any]:
     """Normalise ``rope_parameters`` / ``rope_scaling`` + ``rope_theta`` the way transformers 5 does."""
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
@@ -149,11 +161,7 @@ class DeepseekV32Config(BaseModel):
     def _normalise(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        data = dict(data)
-        own = cls.model_fields["model_type"].default
-        mt = data.get("model_type", own)
-        if mt != own:
-            raise ValueError(f"model_type must be {own!r}, got {mt!r}")
+        data = _raw_of_type(data, cls.model_fields["model_type"].default)
         if "rope" not in data:
             data["rope"] = _rope_from_raw(data)
         n_field = cls.model_fields["num_hidden_layers"]

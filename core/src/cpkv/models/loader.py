@@ -31,7 +31,7 @@ from .config import DeepseekV32Config, config_class
 from .errors import ModelLoadError
 
 __all__ = ["CheckpointReader", "expected_shapes", "invalid_config", "mtp_shapes", "read_config",
-           "read_config_json", "shard_files"]
+           "read_config_json", "shard_files", "shard_keys"]
 
 log = get_logger(__name__)
 
@@ -186,6 +186,24 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
+def shard_keys(path: Path, stack: ExitStack) -> Iterator[tuple[Any, str]]:
+    """Every stored weight name of the checkpoint at ``path`` with the open safetensors handle
+    that holds it (each shard opened into ``stack``, closed with it).
+
+    Raises:
+        ModelLoadError: an unreadable index or shard (see :func:`shard_files`).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for f in shard_files(path):
+        try:
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{f}: not a readable safetensors file: {exc}") from exc
+        for k in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
+            yield handle, k
+
+
 class CheckpointReader:
     """Validated, lazily read weights of one checkpoint directory (use as a context manager)."""
 
@@ -200,7 +218,6 @@ class CheckpointReader:
             ModelLoadError: unreadable files, missing/unexpected/mis-shaped weights, or ``mtp``
                 asked of a checkpoint without an MTP layer.
         """
-        from safetensors import SafetensorError, safe_open
 
         self.path = Path(path)
         self.config = cfg if cfg is not None else read_config(self.path)
@@ -212,15 +229,10 @@ class CheckpointReader:
         self._stack = ExitStack()
         self._where: dict[str, Any] = {}
         try:
-            for f in shard_files(self.path):
-                try:
-                    handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
-                except (SafetensorError, OSError) as exc:
-                    raise ModelLoadError(f"{f}: not a readable safetensors file: {exc}") from exc
-                for k in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
-                    if k in self._where:
-                        raise ModelLoadError(f"{self.path}: weight {k!r} is stored in more than one shard")
-                    self._where[k] = handle
+            for handle, k in shard_keys(self.path, self._stack):
+                if k in self._where:
+                    raise ModelLoadError(f"{self.path}: weight {k!r} is stored in more than one shard")
+                self._where[k] = handle
             self._validate()
         except BaseException:
             self._stack.close()

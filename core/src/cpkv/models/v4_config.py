@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .config import RopeConfig, _rope_from_raw
+from .config import RopeConfig, _raw_of_type, _rope_from_raw
 
 __all__ = ["CSA", "HCA", "LAYER_TYPES", "SWA", "V4_MODEL_TYPE", "DeepseekV4Config", "LayerType",
            "MlpType"]
@@ -188,10 +188,7 @@ class DeepseekV4Config(BaseModel):
     def _normalise(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        data = dict(data)
-        mt = data.get("model_type", V4_MODEL_TYPE)
-        if mt != V4_MODEL_TYPE:
-            raise ValueError(f"model_type must be {V4_MODEL_TYPE!r}, got {mt!r}")
+        data = _raw_of_type(data, V4_MODEL_TYPE)
         _refuse(data)
         n = int(data.get("num_hidden_layers", cls.model_fields["num_hidden_layers"].default))
         _schedules(data, n)

@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from .errors import ModelLoadError
-from .loader import invalid_config, read_config_json, shard_files
+from .loader import invalid_config, read_config_json, shard_keys
 from .v4_config import CSA, HCA, DeepseekV4Config
 
 __all__ = ["V4CheckpointReader", "is_v4_checkpoint", "read_v4_config", "v4_expected_shapes"]
@@ -116,25 +116,18 @@ class V4CheckpointReader:
             ModelLoadError: unreadable files, missing / unexpected / mis-shaped weights, or a
                 quantised weight (FP8 / FP4 with a scale: cpkv reads 16/32-bit floats).
         """
-        from safetensors import SafetensorError, safe_open
-
         self.path = Path(path)
         self.config = cfg if cfg is not None else read_v4_config(self.path)
         self._stack = ExitStack()
         self._where: dict[str, tuple[Any, str]] = {}
         try:
-            for f in shard_files(self.path):
-                try:
-                    handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
-                except (SafetensorError, OSError) as exc:
-                    raise ModelLoadError(f"{f}: not a readable safetensors file: {exc}") from exc
-                for k in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
-                    c = _canonical(k)
-                    if c.startswith("mtp."):
-                        continue
-                    if c in self._where:
-                        raise ModelLoadError(f"{self.path}: weight {c!r} is stored twice")
-                    self._where[c] = (handle, k)
+            for handle, k in shard_keys(self.path, self._stack):
+                c = _canonical(k)
+                if c.startswith("mtp."):
+                    continue
+                if c in self._where:
+                    raise ModelLoadError(f"{self.path}: weight {c!r} is stored twice")
+                self._where[c] = (handle, k)
             self._validate()
         except BaseException:
             self._stack.close()

@@ -27,11 +27,8 @@ from .radix import (
 @triton.jit
 def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, sx0,
                          SP: tl.constexpr, ROUNDS: tl.constexpr):
-    """Step 2 (one program per row): the floor from the row's sampled logits (``xs`` [N, NSC],
-    -inf outside the range), a float; -inf (every key) when the sample has no key at the
-    floor's place; not written for rows holding at most K keys (no filter needed). ROUNDS < 4
-    radix rounds give the place's key with its low ``32 - 8 ROUNDS`` bits cleared: a floor at
-    or below it (a lower floor only adds candidates; a finite key stays finite)."""
+    """Step 2 (a program a row holding more than K keys): the floor from the row's sampled
+    logits (``xs`` [N, NSC]) by a radix select, -inf when the sample has no key at its place."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
@@ -83,12 +80,9 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
                          H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FP8: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr):
-    """Step 3 (program (key tile, row block), as the plain kernel's): the tile's logits for
-    the rows holding more than K keys; those at or above the row's floor appended to the row's
-    candidates at a slot from a relaxed atomic add on its count (past CAP the last slot is
-    rewritten and the count goes on: the select flags the row). ``ASM``: the append as
-    :data:`_APPEND_PTX`, else Triton's tensor ops (the interpreter). CAP is a runtime value (a
-    constexpr would compile the kernel again for each call shape)."""
+    """Step 3 (program (key tile, row block), as the plain kernel's): the logits at or above
+    the row's floor appended at slots from a relaxed atomic add on its count (past CAP the last
+    slot is rewritten). ``ASM``: the append as :data:`_APPEND_PTX`, else Triton's tensor ops."""
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
@@ -185,11 +179,8 @@ def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
 @triton.jit
 def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K,
                          CAP, KP: tl.constexpr, RB: tl.constexpr, COMPACT: tl.constexpr):
-    """Step 4 (one program per row): rows holding at most K keys list them ascending; the
-    others take the exact K of their candidates (in no order: a radix select over the keys,
-    then, when the K-th key ties, one over the tied candidates' columns keeps the lowest),
-    written ascending. Fewer than K candidates or more than CAP: ``meta = -1`` (the exact
-    pass's row)."""
+    """Step 4 (a program a row): short rows listed ascending; the others' exact K of their
+    candidates, written ascending; fewer than K or more than CAP: ``meta = -1`` (the exact pass)."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     count = tl.maximum(end - start, 0)

@@ -150,10 +150,8 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
 @triton.jit
 def _topk_bracket_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, T, K, sx0, sx1, NB: tl.constexpr,
                          SAMPLE: tl.constexpr):
-    """Top-k, kernel 1 of 5 (one program per row holding more than K keys): the bins' bracket
-    from SAMPLE columns spread evenly over the range. The k-th largest key's place in the sorted
-    sample is estimated (``SAMPLE * K / count``); the bracket runs from the sample key a margin
-    below it (4 standard deviations of that estimate, plus 8) to the one a margin above."""
+    """Top-k, kernel 1 of 5 (a program a row holding more than K keys): the bins' bracket,
+    the sample keys a margin either side of the k-th key's estimated place (docs/triton.md)."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
@@ -198,12 +196,9 @@ def _topk_hist_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, T, K, CH, sx0, sx
 def _topk_compact_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, out_ptr, cand_ptr, meta_ptr, T,
                          K, CH, sx0, sx1, NCH, BLOCK: tl.constexpr, NB: tl.constexpr,
                          NCHP: tl.constexpr, CAP: tl.constexpr):
-    """Top-k, kernel 3 of 5 (program (row, chunk)): from the row's histograms, the bin b of its
-    K-th largest key; the columns of the chunk's keys in higher bins are chosen (written to the
-    output row's first ``above`` slots), the keys of bin b are candidates (int64 composites
-    ``key << 32 | (2^31 - 1 - column)`` in a scratch row, in column order: chunk offsets from
-    the histograms, one ``tl.cumsum`` of both flags inside a block). More than CAP candidates:
-    the row is left to the exact kernel (``meta = -1``)."""
+    """Top-k, kernel 3 of 5 (program (row, chunk)): keys in bins above the K-th key's go to
+    the output row's first slots, its bin's keys to the scratch row as int64 ``key << 32 |
+    (2^31 - 1 - column)`` in column order; more than CAP: ``meta = -1`` (the exact kernel)."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
@@ -288,10 +283,8 @@ def _topk_exact_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K, sx0, sx1,
 @triton.jit
 def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl.constexpr,
                        CAP: tl.constexpr, RB: tl.constexpr):
-    """Top-k, kernel 5 of 5 (one program per row): rows holding at most K keys list them
-    ascending (-1 padded); longer rows refine their ``ncand`` candidates (exact radix select, 4
-    histograms of 8 bits, in blocks of RB) and append the ``K - above`` they take, the keys above
-    the K-th and the first ones equal to it by column, after the chosen columns."""
+    """Top-k, kernel 5 of 5 (a program a row): short rows listed ascending (-1 padded);
+    longer rows refine their candidates and append the ``K - above`` they take."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     count = tl.maximum(end - start, 0)
@@ -307,9 +300,7 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
 def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE: tl.constexpr,
                        ROUNDS: tl.constexpr):
     """Long rows, kernel 1 of 4 (a program a row holding more than K keys): the candidates'
-    floor, the sample key 4 standard deviations plus 8 places below the k-th key's estimated
-    place among SAMPLE columns (-inf when the sample has no such place), by a radix select;
-    ROUNDS < 4 clear its low ``32 - 8 ROUNDS`` bits (a lower floor, the same result)."""
+    floor from SAMPLE columns by a radix select (-inf: every key); ROUNDS < 4 lower it a little."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     cnt = end - start
@@ -332,10 +323,8 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
 @triton.jit
 def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T, K, CS, NS,
                         sx0, sx1, BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """Long rows, kernel 2 of 4 (program (row, split of CS columns)): one read of the split's
-    logits; the keys at or above the row's floor are candidates, written in column order to the
-    split's scratch row (at most CAP; the count goes on past it: the select kernel then flags the
-    row)."""
+    """Long rows, kernel 2 of 4 (program (row, split of CS columns)): the keys at or above the
+    floor written in column order to the split's scratch (at most CAP; the count goes on)."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
@@ -365,11 +354,8 @@ def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T
 def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, T, K, NS,
                         KP: tl.constexpr, CAP: tl.constexpr, NSP: tl.constexpr,
                         RB: tl.constexpr, COMPACT: tl.constexpr):
-    """Long rows, kernel 3 of 4 (one program per row): rows holding at most K keys list them
-    ascending (-1 padded); the others refine their candidates, splits in column order (exact
-    radix select, 4 histograms of 8 bits, then the keys above the K-th and the first ones equal
-    to it by column). A row with fewer than K candidates (its floor was above its K-th key) or
-    a split over CAP is left to the exact kernel (``meta = -1``)."""
+    """Long rows, kernel 3 of 4 (a program a row): short rows listed ascending (-1 padded),
+    the others refine their candidates; fewer than K or a split over CAP: ``meta = -1``."""
     row = tl.program_id(0).to(tl.int64)
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     count = tl.maximum(end - start, 0)

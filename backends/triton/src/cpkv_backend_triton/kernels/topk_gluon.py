@@ -1,8 +1,6 @@
-"""The long-row top-k's filter in Gluon, its layout chosen: each thread holds ``BLOCK / (32 x
-warps)`` consecutive columns of a block (16-byte loads; a scan inside the thread, then one
-across threads; the candidates stored from the same layout). The contract of
-``_topk_filter_kernel``; blocks start on 16-column boundaries (columns before the split are
-not taken), all but the last read unmasked: contiguous fp32 rows on a CUDA device only.
+"""The long-row top-k's filter in Gluon, its layout chosen (16-byte loads, a scan inside the
+thread then across threads): the contract of ``_topk_filter_kernel`` on contiguous fp32 rows of
+a CUDA device; blocks start on 16-column boundaries.
 """
 
 from __future__ import annotations
