@@ -13,7 +13,11 @@
 #          environment is used.
 #
 # Steps (one GPU unless marked 2):
-#   tests                GPU tests (kernels, rope, models, prefill, layouts, decode step)
+#   tests                every `gpu` test but the Triton backend's (pytest -m gpu, ~8 min)
+#   tests_triton         the Triton backend's `gpu` tests (tests/test_triton_*.py, ~6 min)
+#   job128k              cpkv run --device cuda --cp 1 --decode-tokens 0, one 131,072-token prompt,
+#                        run.reference off / full / sample -> job128k_<mode>_<card>.json (the
+#                        reports: CP prefill and reference seconds side by side)
 #   gpu                  cpkv bench gpu --sizes 65536,131072   -> gpu_<card>[x2].json (2 GPUs: CP2)
 #   layouts              cpkv bench gpu --skip-prefill          -> gpu_layouts_<card>.json
 #   transfer (2)         cpkv bench transfer --gpus, nccl and mooncake tcp
@@ -79,9 +83,18 @@ rows_only=(--recall-tokens "" --no-hf --hf-tokens 0 --no-bf16-compare)
 step() {
   case $1 in
     tests)
-      timeout 420 "$py" -m pytest tests/test_triton_kv.py tests/test_triton_rope.py tests/test_gpu.py \
-        tests/test_models.py tests/test_torch_ops.py tests/test_prefill.py tests/test_layouts.py \
-        tests/test_decode_step.py -m gpu -q -p no:cacheprovider -W default --tb=line ;;
+      timeout 560 "$py" -m pytest tests/ --ignore-glob 'tests/test_triton_*' -m gpu -v -rfE \
+        -p no:cacheprovider -o unmarked_test_limit_s=0 --durations=15 ;;
+    tests_triton)
+      timeout 560 "$py" -m pytest tests/test_triton_*.py -m gpu -v -rfE \
+        -p no:cacheprovider -o unmarked_test_limit_s=0 --durations=15 ;;
+    job128k)
+      local r
+      "$py" -c "import json; json.dump([[(i * 7919) % 512 for i in range(131072)]], open('/tmp/p128k.json', 'w'))"
+      for r in off full sample; do
+        timeout 200 cpkv run --device cuda --cp 1 --decode-tokens 0 --prompts /tmp/p128k.json \
+          --reference "$r" --report "$out/job128k_${r}_$card.json" 2> "$out/job128k_$r.err" | tail -4
+      done ;;
     gpu)
       local x=""; ((ngpu >= 2)) && x=x2
       timeout 300 cpkv bench gpu --sizes 65536,131072 --prefetch-prefix 0 --out "$out/gpu_${card}${x}.json" ;;
