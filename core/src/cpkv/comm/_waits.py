@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["Progress", "current_wait", "last_progress", "note_progress", "waiting_in"]
+__all__ = ["Progress", "current_wait", "last_progress", "latest_progress", "note_progress",
+           "waiting_in"]
 
 _seq = itertools.count(1)
 # (sequence number, what, monotonic start) of the innermost wait of the main thread, or None.
@@ -62,6 +63,9 @@ class Progress:
 
 
 _progress = Progress()
+#: the latest note of each ``what``: a reader that samples now and then (a relay thread) still
+#: sees how each piece of work ended, though a later one was noted since
+_latest: dict[str, Progress] = {}
 
 
 def note_progress(what: str | None = None, done: int | None = None,
@@ -74,8 +78,15 @@ def note_progress(what: str | None = None, done: int | None = None,
     _progress = Progress(p.seq + 1, p.what if what is None else what,
                          p.done if done is None else done, p.total if total is None else total,
                          time.monotonic())
+    _latest[_progress.what] = _progress
 
 
 def last_progress() -> Progress:
     """The latest :func:`note_progress` of this process."""
     return _progress
+
+
+def latest_progress() -> dict[str, Progress]:
+    """The latest :func:`note_progress` of this process for each ``what``, in the order each
+    ``what`` was first noted (a copy)."""
+    return _latest.copy()

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from cpkv.comm import last_progress, note_progress
+from cpkv.comm import last_progress, latest_progress, note_progress
 
 __all__ = ["BatchProgress", "relayed_progress"]
 
@@ -65,25 +65,25 @@ Sink = Callable[[int, str, int, int], None]
 def relayed_progress(sink: Sink | None, *, rank: int = 0, prefix: str = "",
                      every_s: float = 0.5) -> Iterator[None]:
     """While the block runs, hand this process's new progress notes to ``sink(rank, prefix +
-    what, done, total)`` from a daemon thread (every ``every_s`` seconds at most, and the last
-    one when the block ends): work done in this process shows as a rank's does. Nothing when
+    what, done, total)`` from a daemon thread (every ``every_s`` seconds at most), and when the
+    block ends the last note of each piece of work (``what``) it did: work done in this process
+    shows as a rank's does, and each piece's end is seen however short it was. Nothing when
     ``sink`` is None."""
     if sink is None:
         yield
         return
     stop = threading.Event()
-    seen = last_progress().seq
+    seen = {what: p.seq for what, p in latest_progress().items()}
 
-    def relay() -> int:
-        p = last_progress()
-        if p.seq != seen and p.what:
-            sink(rank, prefix + p.what, p.done, p.total)
-        return p.seq
+    def relay() -> None:
+        for what, p in latest_progress().items():
+            if what and seen.get(what) != p.seq:
+                seen[what] = p.seq
+                sink(rank, prefix + what, p.done, p.total)
 
     def loop() -> None:
-        nonlocal seen
         while not stop.wait(every_s):
-            seen = relay()
+            relay()
 
     thread = threading.Thread(target=loop, daemon=True, name="cpkv-progress-relay")
     thread.start()
