@@ -19,12 +19,12 @@ __all__ = ["gather_keys", "reference_forward", "window_rows"]
 def window_rows(kv: torch.Tensor, positions: torch.Tensor, first: int, window: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's window ``[t - window + 1, t]`` out of ``kv`` ``[R, D]`` (absolute positions
-    ``first .. first + R - 1``): ``(keys [N, window, D], mask [N, window])``; rows before
-    ``first`` or below 0 are masked."""
+    ``first .. first + R - 1``; a context-parallel rank's segment with its halo rows before it):
+    ``(keys [N, window, D], mask [N, window])``, oldest first; rows before ``first`` or below 0
+    are masked."""
     offs = torch.arange(window - 1, -1, -1, device=kv.device)  # oldest first
-    src = positions.to(kv.device)[:, None] - offs[None, :] - first
-    ok = src >= 0
-    return kv[src.clamp(min=0)], ok
+    absolute = positions.to(kv.device)[:, None] - offs[None, :]
+    return kv[(absolute - first).clamp(min=0)], absolute >= max(first, 0)
 
 
 def gather_keys(model: DeepseekV4, layer: int, entries: torch.Tensor,

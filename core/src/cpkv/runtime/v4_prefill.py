@@ -33,7 +33,7 @@ from cpkv.fallback import report_fallback
 from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor, stable_topk
 from cpkv.models.v4_config import CSA
 from cpkv.models.v4_objects import v4_objects
-from cpkv.models.v4_reference import gather_keys
+from cpkv.models.v4_reference import gather_keys, window_rows
 from cpkv.planning import plan_batch
 
 __all__ = ["V4Layout", "v4_kv_bytes", "v4_layout", "v4_prefill_logits"]
@@ -241,7 +241,7 @@ class _Rank:
             src = self.halo_src[j]
             row = halos[src] if src >= 0 else None
             prev = row[: hw * d].view(hw, d) if row is not None else kv.new_zeros((hw, d))
-            k, m = _windows(torch.cat([prev, kv[a:b]]), self.pos[a:b], s - hw, window)
+            k, m = window_rows(torch.cat([prev, kv[a:b]]), self.pos[a:b], s - hw, window)
             keys.append(k)
             masks.append(m)
             off, priors = hw * d, {}
@@ -343,12 +343,3 @@ def _tail(rows: torch.Tensor, n: int) -> torch.Tensor:
     if rows.shape[0] >= n:
         return rows[rows.shape[0] - n:]
     return torch.cat([rows.new_zeros((n - rows.shape[0], *rows.shape[1:])), rows])
-
-
-def _windows(buf: torch.Tensor, positions: torch.Tensor, first: int, window: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window rows of each position out of ``buf`` (absolute positions ``first ..``): keys
-    ``[N, window, D]`` oldest first and the mask of those at positions >= 0."""
-    offs = torch.arange(window - 1, -1, -1, device=buf.device)
-    absolute = positions[:, None] - offs[None, :]
-    return buf[(absolute - first).clamp(min=0)], absolute >= 0
