@@ -31,6 +31,11 @@ from collections.abc import Generator
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+# no deadline: hypothesis' per-example wall-time limit fails correct tests on a busy machine
+settings.register_profile("cpkv", deadline=None)
+settings.load_profile("cpkv")
 
 # the mooncake engine reads these when it is imported (in the rank processes too, which inherit
 # them): quiet glog, and listening ports away from the usual ones

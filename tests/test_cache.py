@@ -214,7 +214,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.slow_on_arch("glm5")  # 10-13 CPU seconds each; v32 covers it in the fast subset
 @pytest.mark.parametrize(("cp", "mode", "dtype", "pages", "host"), [
-    (2, "zigzag", "fp32", 256, 0),
+    pytest.param(2, "zigzag", "fp32", 256, 0, marks=pytest.mark.slow),  # 15 CPU seconds
     # fp8 with a big pool (10.5 CPU seconds): the fast subset has fp8 with the host tier below
     pytest.param(2, "interleave", "fp8", 256, 0, marks=pytest.mark.slow),
     # a pool too small to keep every finished request: later batches evict, least recent first
@@ -260,7 +260,7 @@ def test_cache_hits_equal_a_no_cache_single_rank_run(tiny: Path, cp: int, mode: 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow_on_arch("glm5")  # 12 CPU seconds; v32 covers it in the fast subset
+@pytest.mark.slow  # 11-13 CPU seconds
 def test_poisoned_rows_change_no_logit_and_no_topk_choice(tiny: Path) -> None:
     """The same requests through the cache (evicting, hits mid-page) twice on the same ranks,
     once with every unheld row poisoned before each batch: every logit and every layer's top-k
@@ -467,7 +467,7 @@ def _serve_with_short_rank(group: Any, model_dir: str, settings: Any,
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow_on_arch("glm5")  # 8.5 CPU seconds; v32 covers it in the fast subset
+@pytest.mark.slow  # 8.5 CPU seconds
 def test_every_rank_uses_the_shortest_hit_and_says_so(tiny: Path) -> None:
     reqs = _scenario(2)
     s = load_settings(cp={"size": 2, "mode": "interleave"}, kv={"page_size": PAGE, "dtype": "fp32"},

@@ -198,7 +198,7 @@ def test_mtp_model_lean_step_equals_driver(agree: Path) -> None:
     assert _decode(_Lean(model, _settings("bf16"))) == _decode(_Driver(model, _settings("bf16")))
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: 12 CPU s
 def test_lean_speculation_equals_plain_greedy(agree: Path, k: int) -> None:
     """Speculative decoding on lean verify/draft steps: the tokens of plain greedy decoding,
     the same acceptance as on the driver's steps."""

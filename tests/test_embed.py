@@ -135,6 +135,7 @@ def _compile_on_ranks(group: CPGroup, backend: str) -> bool:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 13 CPU seconds
 def test_per_layer_ops_compile_fullgraph_on_two_ranks() -> None:
     """The collectives inside the ops (the owner write's row all-gather, the page all-gather)
     traced fullgraph on 2 Gloo ranks, run by aot_eager: the eager result on each rank."""
@@ -211,7 +212,8 @@ def _two_part_vs_pool(group: CPGroup, mode: str) -> dict[str, object]:
 
 @pytest.mark.multiprocess
 # 9 CPU seconds each: interleave is slow, zigzag keeps the behaviour in the fast subset
-@pytest.mark.parametrize("mode", ["zigzag", pytest.param("interleave", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 10 CPU seconds each
+@pytest.mark.parametrize("mode", ["zigzag", "interleave"])
 def test_two_part_views_transfer_and_host_tier_equal_cpkv_pool_cp2(mode: str) -> None:
     results = run_ranks(_two_part_vs_pool, 2, args=(mode,), timeout_s=120)
     for r in results:

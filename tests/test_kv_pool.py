@@ -119,6 +119,7 @@ def test_latent_only_layers_allocate_no_index_bytes() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 6 CPU seconds
 def test_short_extends_use_owner_write_and_report_it() -> None:
     sc = PoolScenario(batches=((("a", 5), ("b", 300)),), fmt=_fmt(KVDtype.BF16), debug=True)
     results = run_ranks(run_pool_scenario, 2, args=(sc,), timeout_s=120)
@@ -131,6 +132,7 @@ def test_short_extends_use_owner_write_and_report_it() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 6 CPU seconds
 def test_exhaustion_mid_run_changes_nothing_on_any_rank() -> None:
     # 16 pages per rank: the first batch fits, the second needs more on some rank, the third fits
     sc = PoolScenario(batches=((("a", 40), ("b", 40)), (("c", 90), ("a", 30)), (("d", 8),)),
@@ -343,6 +345,7 @@ def _p2p_reuse(group: CPGroup) -> list[str]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 6 CPU seconds
 def test_p2p_pages_freed_and_reused_across_batches() -> None:
     results = run_ranks(_p2p_reuse, 2, timeout_s=120)
     assert [r.value for r in results] == [[], []]
@@ -434,6 +437,7 @@ def _send_starts(group: CPGroup) -> list[tuple[int | None, ...]]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 6 CPU seconds
 def test_consecutive_owned_pages_are_sent_from_the_pool_without_a_gather() -> None:
     res = run_ranks(_send_starts, 2, timeout_s=120)
     for r in res:

@@ -41,7 +41,7 @@ def _scenarios(cp: int) -> list[PoolScenario]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_every_layout_round_trips_bit_exact(cp: int) -> None:
     scenarios = _scenarios(cp)
     results = run_ranks(run_pool_scenarios, cp, args=(scenarios,), timeout_s=240)

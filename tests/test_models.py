@@ -495,6 +495,7 @@ def test_glm5_loader_reads_no_indexer_on_shared_layers(tmp_path: Path) -> None:
     assert m.shares_top_after(0) and m.shares_top_after(1) and not m.shares_top_after(2)
 
 
+@pytest.mark.slow  # 6 CPU seconds
 def test_init_model_arch_glm5_and_the_glm5_attention_preset(tmp_path: Path) -> None:
     """``--arch glm5`` writes the tiny GLM-5 (a mixed schedule); the ``glm5-attention`` preset
     is GLM-5's attention (64 heads, q_lora 2048, qk_nope 192, v 256, indexer 32 x 128) with a

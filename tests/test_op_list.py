@@ -78,6 +78,7 @@ def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 8 CPU seconds (a mypy run)
 def test_mypy_reports_a_call_of_an_undeclared_op(tmp_path: Path) -> None:
     done = _mypy(tmp_path, """\
         from cpkv.contracts import Op

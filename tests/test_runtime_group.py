@@ -224,6 +224,7 @@ def test_rank_error_propagates_fast(no_leftover_ranks: None) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 6 CPU seconds
 def test_blocked_ranks_are_terminated_after_a_failure(no_leftover_ranks: None) -> None:
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as info:

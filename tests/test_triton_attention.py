@@ -161,7 +161,8 @@ def _topk_config(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
 
 @interp
 @pytest.mark.usefixtures("small_sizes")
-@pytest.mark.parametrize("config", [pytest.param("default", marks=pytest.mark.slow), "small",
+@pytest.mark.parametrize("config", [pytest.param("default", marks=pytest.mark.slow),
+                                    pytest.param("small", marks=pytest.mark.slow),  # 8 CPU s
                                     "long", "long_few"])
 def test_topk_conformance_exact(ref: Any, monkeypatch: pytest.MonkeyPatch,
                                 config: str) -> None:
@@ -186,10 +187,10 @@ def _topk_case(g: torch.Generator, n: int, t: int, kind: str) -> torch.Tensor:
 
 
 def _edge_cases() -> list[Any]:
-    """(kind, config) of :func:`test_topk_exact_edge_cases`: every kind on the small-tile exact
-    kernel; on the long-row path the two that stress its floor and filter (ties at the k-th
-    place, -inf inside ranges), the rest slow (CI runs them); the default tiles all slow."""
-    fast = {("small", k) for k in ("randn", "ties", "neg_inf", "equal", "zeros")}
+    """(kind, config) of :func:`test_topk_exact_edge_cases`: randn, ties and -inf on the small-tile
+    exact kernel; on the long-row path the two that stress its floor and filter (ties at the k-th
+    place, -inf inside ranges); the rest slow (5-6 CPU seconds each; CI runs them)."""
+    fast = {("small", k) for k in ("randn", "ties", "neg_inf")}
     fast |= {("long", "ties"), ("long", "neg_inf")}
     return [pytest.param(kind, config, marks=() if (config, kind) in fast else pytest.mark.slow,
                          id=f"{config}-{kind}")
@@ -473,6 +474,7 @@ def test_indexer_either_kernel_at_any_row_count(ref: Any, monkeypatch: pytest.Mo
 
 
 @interp
+@pytest.mark.slow  # 8 CPU seconds
 def test_conformance_interpreter_small_tiles(ref: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many row / key / head / index tiles per call, and the bf16 x 3 chained probability
     split."""
@@ -577,6 +579,12 @@ def test_empty_calls_need_no_kernel() -> None:
 
 #: page-tile launches: either dot orientation, pipelined or not (page-major pages: the
 #: PAGED_MAJOR_* values)
+def _first_fast(cfgs: list[Any]) -> list[Any]:
+    """The first config in the fast subset, the rest ``slow`` (CI runs them)."""
+    return [pytest.param(c, id=f"cfg{i}", marks=() if i == 0 else pytest.mark.slow)
+            for i, c in enumerate(cfgs)]
+
+
 PAGE_TILES = [{"PAGED_KERNEL": 1, "PAGED_PAGES": 1, "PAGED_STAGES": 1, "PAGED_KEYS_M": 0,
                "PAGED_MAJOR_PAGES": 2, "PAGED_MAJOR_STAGES": 3},
               {"PAGED_KERNEL": 1, "PAGED_PAGES": 3, "PAGED_STAGES": 2, "PAGED_KEYS_M": 1},
@@ -585,7 +593,7 @@ PAGE_TILES = [{"PAGED_KERNEL": 1, "PAGED_PAGES": 1, "PAGED_STAGES": 1, "PAGED_KE
 
 
 @interp
-@pytest.mark.parametrize("cfg", PAGE_TILES)
+@pytest.mark.parametrize("cfg", _first_fast(PAGE_TILES))  # 5-6 CPU seconds each
 def test_indexer_paged_page_tiles(ref: Any, cfg: dict[str, int]) -> None:
     """The page-tile kernel (whole pages a step, runs of pages a program, the page loop
     pipelined or not, either dot orientation) over the suite's part-major pools."""
@@ -632,7 +640,7 @@ def check_index_pages(impl: Any, ref: Any, device: str) -> None:
 
 
 @interp
-@pytest.mark.parametrize("cfg", PAGE_TILES)
+@pytest.mark.parametrize("cfg", _first_fast(PAGE_TILES))  # 7 CPU seconds each
 def test_indexer_index_pages_in_deepgemms_page_order(ref: Any, cfg: dict[str, int]) -> None:
     check_index_pages(AttentionKernels(indexer_config=cfg), ref, "cpu")
 
