@@ -103,3 +103,13 @@ def test_piped_output_is_not_wrapped(tmp_path: Path) -> None:
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith("│")]
     assert any("cpkv-backend-torch" in ln and "indexer_topk" in ln for ln in rows), res.stdout
     assert len({len(ln) for ln in rows}) == 1 and len(rows[0]) > 80, res.stdout
+
+
+def test_piped_help_keeps_long_defaults_whole(tmp_path: Path) -> None:
+    """``--help`` piped: wider than click's 80 columns, so a default path is not broken mid-word."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    res = subprocess.run([sys.executable, "-m", "cpkv.cli", "bench", "long", "--help"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "~/.cache/cpkv/bench/long{,_glm5}_<card>.json" in res.stdout, res.stdout
+    assert max(len(ln) for ln in res.stdout.splitlines()) <= 120

@@ -12,6 +12,7 @@ import click
 
 from cpkv.runtime import RankFailed
 
+from ._console import help_width
 from ._errors import one_line
 from ._logging import configure_logging, level_from_flags
 from ._state import CliState
@@ -67,7 +68,7 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], **help_width()})
 @click.option("-v", "--verbose", count=True,
               help="More log output (-v info, -vv debug), every rank's events; tracebacks of errors.")
 @click.option("-q", "--quiet", count=True, help="Errors only (no warnings).")

@@ -11,10 +11,14 @@ import os
 
 from rich.console import Console
 
-__all__ = ["PIPED_WIDTH", "output_console"]
+__all__ = ["HELP_WIDTH", "PIPED_WIDTH", "help_width", "output_console"]
 
 #: the width of a console that writes to no terminal: wide enough that no line of a report wraps
 PIPED_WIDTH = 100_000
+
+#: the width of ``--help`` text that writes to no terminal: click would assume 80 columns and
+#: break the long default paths mid-word
+HELP_WIDTH = 120
 
 
 def output_console(*, stderr: bool = False, quiet: bool = False) -> Console:
@@ -23,3 +27,11 @@ def output_console(*, stderr: bool = False, quiet: bool = False) -> Console:
     probe = Console(stderr=stderr)
     piped = not probe.is_terminal and not os.environ.get("COLUMNS")
     return Console(stderr=stderr, quiet=quiet, width=PIPED_WIDTH if piped else None)
+
+
+def help_width() -> dict[str, int]:
+    """click's context settings for ``--help``: the terminal's width on a terminal; piped,
+    :data:`HELP_WIDTH` unless ``COLUMNS`` names a width."""
+    if Console().is_terminal or os.environ.get("COLUMNS"):
+        return {}
+    return {"terminal_width": HELP_WIDTH, "max_content_width": HELP_WIDTH}
