@@ -17,7 +17,7 @@ has exactly one owner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -176,7 +176,7 @@ def assemble_v4_state(owned: Sequence[V4OwnedEntries], tail: V4TailBundle) -> V4
     return state
 
 
-def split_v4_state(state: V4DecodeState, owners: dict[int, Sequence[Sequence[int]]]
+def split_v4_state(state: V4DecodeState, owners: Mapping[int, Sequence[Sequence[int]]]
                    ) -> tuple[list[V4OwnedEntries], V4TailBundle]:
     """The inverse of :func:`assemble_v4_state`: ``owners[rate][rank]`` the entries a rank owns."""
     size = len(next(iter(owners.values()))) if owners else 1
