@@ -7,6 +7,7 @@ single piece; the state's counts."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from cpkv.models.v4_config import CSA, HCA, SWA
 from cpkv.models.v4_reference import reference_forward
 from cpkv.runtime.v4_decode import v4_empty_state, v4_extend, v4_greedy
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {},  # SWA, CSA (rate 4), HCA (rate 16), CSA; window 8; top-4
     "hca-8": dict(layer_types=[HCA, CSA, SWA], mlp_layer_types=["moe", "hash_moe", "moe"],
                   num_hidden_layers=3, compress_rates={CSA: 4, HCA: 8}, sliding_window=5,
