@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpkv.comm import CPGroup
 from cpkv.disagg import registered_buffers
 from cpkv.disagg.v4_bundle import (
     V4Image,
