@@ -22,18 +22,11 @@ from cpkv.kv.v4_state import (
     V4DecodeState,
     V4LayerState,
 )
-from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor, stable_topk
+from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor
 from cpkv.models.v4_config import CSA
-from cpkv.models.v4_reference import gather_keys, window_rows
+from cpkv.models.v4_reference import attend_and_ffn, compressed_keys, window_rows
 
-__all__ = ["v4_empty_state", "v4_extend", "v4_greedy", "v4_last_rows"]
-
-
-def v4_last_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
-    """The last ``n`` rows of ``rows`` (zero-padded at the front when fewer)."""
-    if rows.shape[0] >= n:
-        return rows[rows.shape[0] - n:]
-    return torch.cat([rows.new_zeros((n - rows.shape[0], *rows.shape[1:])), rows])
+__all__ = ["v4_empty_state", "v4_extend", "v4_greedy"]
 
 
 def v4_empty_state(model: DeepseekV4) -> V4DecodeState:
@@ -98,18 +91,11 @@ def v4_extend(model: DeepseekV4, state: V4DecodeState, ids: torch.Tensor) -> tor
             if comp is not None:
                 _advance(model, comp, st.compressors[name], start, h)
         if main is not None:
-            entries = st.compressors["main"].entries
-            selected = None
-            if model.layer_kind(i) == CSA:
-                ikeys = st.compressors["index"].entries
-                scores = model.index_scores(i, h, q_res, pos, ikeys)
-                selected = stable_topk(scores, min(c.index_topk, ikeys.shape[0]))
-            ck, cm = gather_keys(model, i, entries, pos, selected)
+            ikeys = st.compressors["index"].entries if model.layer_kind(i) == CSA else None
+            ck, cm = compressed_keys(model, i, h, q_res, pos, st.compressors["main"].entries,
+                                     ikeys)
             keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
-        o = model.attend(i, q, keys, mask)
-        x = model.hc_post(post, comb, model.attention_output(i, o, pos), x)
-        post, comb, collapsed = model.hc_pre(i, "ffn", x)
-        x = model.hc_post(post, comb, model.moe(i, collapsed, ids), x)
+        x = attend_and_ffn(model, i, q, keys, mask, pos, post, comb, x, ids)
     state.length = start + ids.shape[0]
     return model.final_logits(x)
 

@@ -21,7 +21,6 @@ from cpkv.kv.v4_state import (
 )
 from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor
 
-from .v4_decode import v4_last_rows
 from .v4_prefill import V4Carry, V4SegmentRows, v4_prefill_logits
 
 __all__ = ["owned_entries", "tail_bundle", "v4_prefill_state"]
@@ -66,7 +65,8 @@ def tail_bundle(model: DeepseekV4, carry: V4Carry) -> V4TailBundle | None:
     layers = []
     for i in range(model.num_layers):
         rows = carry.last_rows[i]
-        layers.append(V4TailLayer(window=v4_last_rows(rows.window, hw),
+        # the halo's W - 1 rows come first: the window rows are never fewer than the ring's
+        layers.append(V4TailLayer(window=rows.window[rows.window.shape[0] - hw:],
                                   carry={n: _carry(c, rows, n) for n, c in _named(model, i)}))
     return V4TailBundle(length=carry.last_rows[0].end, layers=layers)
 
