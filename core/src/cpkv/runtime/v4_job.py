@@ -203,7 +203,7 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
     with torch.no_grad():
         ref = torch.stack([reference_forward(model, torch.tensor(p, dtype=torch.long))[-1]
                            for p in prompts])
-        for p, toks in zip(prompts, tokens, strict=True):
+        for p, toks in zip(prompts, tokens, strict=True) if tokens else ():
             grown = reference_forward(model, torch.tensor(p + toks, dtype=torch.long))
             ref_tokens.append(grown[len(p) - 1: len(p) - 1 + len(toks)].argmax(-1).tolist())
     return V4JobReport(lengths=[len(p) for p in prompts], logits=logits, reference=ref,
