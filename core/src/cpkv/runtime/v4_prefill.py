@@ -188,10 +188,12 @@ class V4Carry:
 
 @dataclass
 class V4SegmentRows:
-    """The rows of a rank's segment ``[start, end)`` one layer computed: the window rows after
-    the halo's ``W - 1`` (``[W - 1 + n, D]``), per compressor name its ``(kv, gate)``
-    projections ``[n, w]``, and the halo's prior window rows ``(kv, gate)`` ``[m, w]`` of the
-    overlapping compressors (absent at position 0)."""
+    """What the tail holder keeps of its last segment ``[start, end)`` at one layer (copies,
+    so the layer's tensors are freed): the last ``W - 1`` window rows (the halo's before the
+    segment's own), per compressor name the ``(kv, gate)`` projections of the segment's last
+    ``min(n, m + end % m)`` rows (the open window and the complete one before it), and the
+    halo's prior window rows ``(kv, gate)`` ``[m, w]`` of the overlapping compressors (absent
+    at position 0)."""
 
     start: int
     end: int
@@ -274,10 +276,12 @@ class _Rank:
             if j == len(self.segs) - 1 and self.group.rank == self.lay.tail_rank:
                 names = dict(zip((id(x) for x in model.compressors(layer)), ("main", "index"),
                                  strict=True))
+                keep = {id(x): min(b - a, x.rate + (s + b - a) % x.rate) for x in comps}
                 self.carry.last_rows[layer] = V4SegmentRows(
-                    start=s, end=s + b - a, window=rows,
-                    inputs={names[i]: (x[a:b], g[a:b]) for i, (x, g) in inputs.items()},
-                    priors={names[i]: p for i, p in priors.items()})
+                    start=s, end=s + b - a, window=rows[rows.shape[0] - hw:].clone(),
+                    inputs={names[i]: (x[b - keep[i]:b].clone(), g[b - keep[i]:b].clone())
+                            for i, (x, g) in inputs.items()},
+                    priors={names[i]: (p[0].clone(), p[1].clone()) for i, p in priors.items()})
             for comp in comps:  # s is on a unit boundary: a window boundary at every rate
                 ckv, cg = inputs[id(comp)]
                 own[id(comp)].append(model.compress(comp, ckv[a:b], cg[a:b], s // comp.rate,

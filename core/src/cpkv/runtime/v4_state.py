@@ -46,7 +46,7 @@ def _carry(comp: V4Compressor, rows: V4SegmentRows, name: str) -> V4CompressorCa
     m = comp.rate
     kv, gate = rows.inputs[name]
     n = kv.shape[0]
-    full = n - rows.end % m  # the segment starts on a window boundary
+    full = n - rows.end % m  # the rows kept start on a window boundary
     out = V4CompressorCarry(rate=m, entries=rows.end // m, open_kv=kv[full:],
                             open_gate=gate[full:])
     if comp.overlap:
