@@ -66,7 +66,7 @@ def test_one_rank_state_equals_the_decode_step_s_prefill(tiny_v4: Path, length: 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("cp", "mode", "length", "chunks"), [
-    (2, "zigzag", 77, None),
+    pytest.param(2, "zigzag", 77, None, marks=pytest.mark.slow),  # 7-8 s: spawned ranks
     pytest.param(4, "interleave", 53, None, marks=pytest.mark.slow),
     pytest.param(2, "zigzag", 150, [64, 86], marks=pytest.mark.slow),
     pytest.param(4, "interleave", 67, [64, 3], marks=pytest.mark.slow)])
