@@ -2,7 +2,9 @@
 transformers' ``DeepseekV4ForCausalLM`` within 2e-3 relative (argmax equal) at CP2 zigzag and
 CP4 interleave, with and without ``--chunk``, on prompts whose lengths are multiples of no rate;
 the report's per-rank KV bytes sum to the entries once plus the tail objects; V4 and V3.2
-bytes per token side by side; a chunk off the ownership unit is refused."""
+bytes per token side by side; a chunk off the ownership unit is refused. With
+``--decode-tokens N`` (CP2 and CP4, both transfer plugins) the decode rank's greedy tokens equal
+the one-rank forward's and transformers' greedy generation."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_run_equals_transformers(v4_dir: tuple[Path, Path], tmp_path: Path, cp: 
     ckpt, prompts = v4_dir
     out, rep = tmp_path / "logits.pt", tmp_path / "report.json"
     args = ["run", "--model", str(ckpt), "--cp", str(cp), "--mode", mode, "--prompts",
-            str(prompts), "--save-logits", str(out), "--report", str(rep)]
+            str(prompts), "--save-logits", str(out), "--report", str(rep), "--decode-tokens", "0"]
     if chunk:
         args += ["--chunk", str(chunk)]
     res = CliRunner().invoke(main, args, env=ENV)
@@ -75,3 +77,40 @@ def test_gpu_or_mtp_is_refused_for_v4(v4_dir: tuple[Path, Path]) -> None:
         res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
                                         *extra], env=ENV)
         assert res.exit_code != 0 and "CPU ranks only" in res.output, res.output
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "mode", "plugin", "chunk"), [
+    (2, "zigzag", "nccl", None), (4, "interleave", "nccl", 16), (2, "zigzag", "mooncake", None)])
+def test_run_decodes_the_reference_tokens(v4_dir: tuple[Path, Path], tmp_path: Path, cp: int,
+                                          mode: str, plugin: str, chunk: int | None) -> None:
+    ckpt, prompts = v4_dir
+    env = dict(ENV, CPKV_TRANSFER__NAME=plugin)
+    if plugin == "mooncake":
+        from cpkv_transfer_mooncake.plugin import probe
+
+        if not probe().available:
+            pytest.skip(f"mooncake: {probe().reason}")
+        env["CPKV_TRANSFER__MOONCAKE__STAGE"] = "host"
+    rep = tmp_path / "report.json"
+    n = 7
+    args = ["run", "--model", str(ckpt), "--cp", str(cp), "--mode", mode, "--prompts",
+            str(prompts), "--decode-tokens", str(n), "--report", str(rep)]
+    if chunk:
+        args += ["--chunk", str(chunk)]
+    res = CliRunner().invoke(main, args, env=env)
+    assert res.exit_code == 0, res.output
+    assert "decode tokens equal" in res.output and plugin in res.output
+    body = json.loads(rep.read_text())
+    assert body["correct"] and body["decode_equal"] == [True] * len(LENGTHS)
+    assert body["decode_tokens"] == body["reference_tokens"]
+    assert all(len(t) == n for t in body["decode_tokens"])
+    assert len(body["bytes_sent_per_rank"]) == cp and all(b > 0 for b in body["tail_bundle_bytes"])
+    if cp == 2 and plugin == "nccl":  # and transformers' greedy generation with its cache
+        hf = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
+        with torch.no_grad():
+            for p, toks in zip(json.loads(prompts.read_text()), body["decode_tokens"],
+                               strict=True):
+                out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)
+                assert out[0, len(p):].tolist() == toks

@@ -1,13 +1,16 @@
-"""``cpkv run`` on a DeepSeek-V4 checkpoint: the prefill job of :mod:`cpkv.runtime.v4_job` and
-its report (correctness against one rank, KV bytes per rank against the entries once plus the
-tail objects, bytes per token of context beside DeepSeek-V3.2's, fallbacks)."""
+"""``cpkv run`` on a DeepSeek-V4 checkpoint: the job of :mod:`cpkv.runtime.v4_job` (CP prefill,
+and with ``--decode-tokens`` the transfer of each rank's owned entries and the tail bundle to a
+decode rank, then greedy decode) and its report (correctness against one rank, decode tokens
+against the one-rank forward, KV bytes per rank against the entries once plus the tail objects,
+bytes sent and tail bundle bytes, bytes per token of context beside DeepSeek-V3.2's,
+fallbacks)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import torch
@@ -15,6 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from cpkv.models.v4_config import CSA, HCA, SWA
+
+if TYPE_CHECKING:
+    from cpkv.settings import Settings
 
 __all__ = ["PER_TOKEN_ROWS", "fp8_bytes_per_token", "run_v4"]
 
@@ -40,9 +46,11 @@ PER_TOKEN_ROWS = (("DeepSeek-V4-Flash (43 layers)", fp8_bytes_per_token(_V4_FLAS
 
 def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: int,
            chunk: int, decode_tokens: int, console: Console, report: Path | None,
-           save_logits: Path | None) -> None:
+           save_logits: Path | None, *, settings: Settings | None = None) -> None:
     """Run the V4 job and print its report; exit 1 when a prompt's last-position logits are
-    off the one-rank forward by more than :data:`TOLERANCE` (relative) or their argmax differs.
+    off the one-rank forward by more than :data:`TOLERANCE` (relative) or their argmax differs,
+    or a decoded token is not the one-rank forward's argmax after the tokens before it.
+    ``settings``: the run's (the transfer plugin and its options, with ``decode_tokens``).
 
     Raises:
         click.ClickException: a chunk size off the ownership unit, a window wider than it.
@@ -52,9 +60,12 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
     console.print(f"model {ckpt} (DeepSeek-V4), CP{cp} {mode}, page {page_size}, "
                   f"{len(prompts)} prompts, torch reference ops on CPU")
     if decode_tokens:
-        console.print("decode after the prefill is not built for DeepSeek-V4: prefill only")
+        name = settings.transfer.name if settings is not None else "the default"
+        console.print(f"decode: {decode_tokens} greedy tokens a prompt on a decode rank, owned "
+                      f"entries and the tail bundle sent over the {name} transfer plugin")
     try:
-        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk)
+        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk,
+                         decode_tokens=decode_tokens, settings=settings)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     t = Table()
@@ -74,6 +85,16 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
     kv.add_row("entries", f"{rep.entry_bytes:,}", "")
     kv.add_row("tail", f"{rep.tail_bytes:,}", "")
     console.print(kv)
+    if rep.tokens:
+        dt = Table(title="Decode on the decode rank vs the one-rank forward")
+        for col in ("prompt", "tokens", "equal", "tail bundle bytes"):
+            dt.add_column(col, justify="right")
+        for i, (toks, ok, b) in enumerate(zip(rep.tokens, rep.tokens_equal(), rep.bundle_bytes,
+                                              strict=True)):
+            dt.add_row(str(i), " ".join(map(str, toks)), "yes" if ok else "NO", f"{b:,}")
+        console.print(dt)
+        console.print("bytes sent per prefill rank (staged pages): "
+                      + ", ".join(f"{b:,}" for b in rep.bytes_sent))
     pt = Table(title="KV bytes per token of context (FP8 pools)")
     pt.add_column("model")
     pt.add_column("bytes", justify="right")
@@ -83,8 +104,10 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
     for f in rep.fallbacks:
         console.print(f"fallback: {f.op}: {f.requested} -> {f.selected} ({f.reason}): {f.detail}")
     passed = rep.passed(TOLERANCE)
-    console.print(f"prefill CP{cp} vs one rank: {'PASS' if passed else 'FAIL'} "
-                  f"(tolerance {TOLERANCE:g} relative, argmax equal); {rep.seconds:.1f} s")
+    what = "prefill + decode" if rep.tokens else "prefill"
+    console.print(f"{what} CP{cp} vs one rank: {'PASS' if passed else 'FAIL'} "
+                  f"(tolerance {TOLERANCE:g} relative, argmax equal"
+                  f"{', decode tokens equal' if rep.tokens else ''}); {rep.seconds:.1f} s")
     if report:
         body: dict[str, Any] = {
             "model": str(ckpt), "family": "DeepSeek-V4", "cp": cp, "mode": mode,
@@ -92,6 +115,9 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
             "argmax_equal": rep.argmax_equal(), "kv_bytes_per_rank": rep.rank_bytes,
             "kv_bytes_entries": rep.entry_bytes, "kv_bytes_tail": rep.tail_bytes,
             "fallbacks": [f.model_dump(mode="json") for f in rep.fallbacks],
+            "decode_tokens": rep.tokens, "reference_tokens": rep.reference_tokens,
+            "decode_equal": rep.tokens_equal(), "bytes_sent_per_rank": rep.bytes_sent,
+            "tail_bundle_bytes": rep.bundle_bytes,
             "tolerance": TOLERANCE, "correct": passed}
         report.write_text(json.dumps(body, indent=2) + "\n")
     if save_logits:

@@ -13,7 +13,8 @@ import torch
 from .deepseek_v4 import DeepseekV4, stable_topk
 from .v4_config import CSA, HCA
 
-__all__ = ["gather_keys", "reference_forward", "window_rows"]
+__all__ = ["attend_and_ffn", "compressed_keys", "gather_keys", "reference_forward",
+           "window_rows"]
 
 
 def window_rows(kv: torch.Tensor, positions: torch.Tensor, first: int, window: int
@@ -41,6 +42,29 @@ def gather_keys(model: DeepseekV4, layer: int, entries: torch.Tensor,
     return entries[selected.clamp(min=0)], selected >= 0
 
 
+def compressed_keys(model: DeepseekV4, layer: int, h: torch.Tensor, q_res: torch.Tensor,
+                    positions: torch.Tensor, entries: torch.Tensor,
+                    index_keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed keys rows read and their mask: CSA (``index_keys`` given) the indexer's
+    stable top-k of ``entries``, HCA every complete one (:func:`gather_keys`)."""
+    selected = None
+    if index_keys is not None:
+        scores = model.index_scores(layer, h, q_res, positions, index_keys)
+        selected = stable_topk(scores, min(model.config.index_topk, index_keys.shape[0]))
+    return gather_keys(model, layer, entries, positions, selected)
+
+
+def attend_and_ffn(model: DeepseekV4, layer: int, q: torch.Tensor, keys: torch.Tensor,
+                   mask: torch.Tensor, positions: torch.Tensor, post: torch.Tensor,
+                   comb: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The rest of a layer after its keys: attention with the sink, the output projection, the
+    mHC expand, then the MoE block; -> the new streams."""
+    o = model.attend(layer, q, keys, mask)
+    x = model.hc_post(post, comb, model.attention_output(layer, o, positions), x)
+    post, comb, collapsed = model.hc_pre(layer, "ffn", x)
+    return model.hc_post(post, comb, model.moe(layer, collapsed, ids), x)
+
+
 def reference_forward(model: DeepseekV4, ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]`` on one rank."""
 
@@ -58,18 +82,13 @@ def reference_forward(model: DeepseekV4, ids: torch.Tensor) -> torch.Tensor:
         main, index = model.compressors(i)
         if main is not None:
             entries = model.compress(main, *model.compressor_inputs(main, h), 0)
-            selected = None
+            ikeys = None
             if kind == CSA:
                 assert index is not None
                 ikeys = model.compress(index, *model.compressor_inputs(index, h), 0)
-                scores = model.index_scores(i, h, q_res, pos, ikeys)
-                selected = stable_topk(scores, min(c.index_topk, ikeys.shape[0]))
             else:
                 assert kind == HCA
-            ck, cm = gather_keys(model, i, entries, pos, selected)
+            ck, cm = compressed_keys(model, i, h, q_res, pos, entries, ikeys)
             keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
-        o = model.attend(i, q, keys, mask)
-        x = model.hc_post(post, comb, model.attention_output(i, o, pos), x)
-        post, comb, collapsed = model.hc_pre(i, "ffn", x)
-        x = model.hc_post(post, comb, model.moe(i, collapsed, ids), x)
+        x = attend_and_ffn(model, i, q, keys, mask, pos, post, comb, x, ids)
     return model.final_logits(x)

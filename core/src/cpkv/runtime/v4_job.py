@@ -3,15 +3,23 @@ prefill of each prompt on Gloo ranks (:func:`~cpkv.runtime.v4_prefill.v4_prefill
 chunked when asked), the one-rank forward as the reference, and the KV bytes per rank against
 the replicated entries plus the tail objects.
 
-Decode after the prefill is not built for V4: the job runs the prefill phase only.
+With decode tokens the job is disaggregated (a world of C + 1 Gloo processes): after each
+prompt's prefill every CP rank sends the compressed entries it owns and the last token's rank the
+tail bundle (:mod:`cpkv.runtime.v4_transfer`, over the selected transfer plugin); the decode rank
+publishes the request once every part arrived, assembles its decode state and decodes greedily
+(:mod:`cpkv.runtime.v4_decode`). The reference: the one-rank forward over prompt + decoded
+tokens, whose argmax at each position must be the next decoded token.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackEvent, SplitMode
@@ -20,7 +28,13 @@ from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import reference_forward
 
 from .launch import run_ranks
+from .v4_decode import v4_greedy
 from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_logits
+from .v4_state import v4_prefill_state
+from .v4_transfer import V4StateReceiver, V4StateSender
+
+if TYPE_CHECKING:
+    from cpkv.settings import Settings
 
 __all__ = ["V4JobReport", "chunk_sizes", "run_v4_job"]
 
@@ -44,6 +58,13 @@ class V4JobReport:
     tail_bytes: int  # the tail objects (window rows, carry state)
     seconds: float
     fallbacks: list[FallbackEvent] = field(default_factory=list)
+    #: with decode: per prompt the decoded tokens (the first from the prefill), the one-rank
+    #: reference's argmax after each prefix of them, the bytes each prefill rank sent and the
+    #: tail bundle's bytes
+    tokens: list[list[int]] = field(default_factory=list)
+    reference_tokens: list[list[int]] = field(default_factory=list)
+    bytes_sent: list[int] = field(default_factory=list)
+    bundle_bytes: list[int] = field(default_factory=list)
 
     def rel_diff(self) -> list[float]:
         """Per prompt ``max |cp - ref| / max |ref|`` of the last-position logits."""
@@ -54,8 +75,12 @@ class V4JobReport:
         return [int(a.argmax()) == int(b.argmax())
                 for a, b in zip(self.logits, self.reference, strict=True)]
 
+    def tokens_equal(self) -> list[bool]:
+        return [a == b for a, b in zip(self.tokens, self.reference_tokens, strict=True)]
+
     def passed(self, tolerance: float = 2e-3) -> bool:
-        return all(d <= tolerance for d in self.rel_diff()) and all(self.argmax_equal())
+        return (all(d <= tolerance for d in self.rel_diff()) and all(self.argmax_equal())
+                and all(self.tokens_equal()))
 
 
 def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
@@ -65,6 +90,53 @@ def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
         lay = v4_layout(model, n, cp, page_size, mode, prefix=lay)
     assert lay is not None
     return lay
+
+
+def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int,
+                 mode: str, chunk: int, decode_tokens: int, settings: Settings
+                 ) -> tuple[torch.Tensor, list[int]] | tuple[list[list[int]], list[int]]:
+    """One process of the disaggregated V4 job (a world of C + 1): ranks 0..C-1 prefill on
+    their CP group and send their parts of each request's decode state; rank C receives,
+    assembles and decodes. Prefill ranks return ``(last logits, bytes sent per prompt)``, the
+    decode rank ``(tokens per prompt, tail bundle bytes per prompt)``."""
+    from cpkv.disagg import select_transport
+    from cpkv.disagg.v4_bundle import V4Image, V4Shapes
+
+    c = world.size - 1
+    cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=world.timeout_s))
+    model = DeepseekV4.load(ckpt)
+    shapes = V4Shapes.of(model)
+    transport = select_transport(settings, world.agree_all)
+    images = []
+    for i, p in enumerate(prompts):  # every endpoint plans the same images
+        lay = _layouts(model, len(p), c, page_size, mode, chunk)
+        images.append(V4Image.plan(str(i), shapes, lay.entries, len(p), lay.tail_rank))
+    if world.rank == c:
+        pages = max(im.first_pages()[-1] + im.pages(im.tail_bytes) for im in images)
+        rx = V4StateReceiver(transport, settings, c, pages)
+        tokens, bundles = [], []
+        with torch.no_grad():
+            for _ in prompts:
+                state, got = rx.receive(shapes)
+                bundles.append(got.meta["v4_image"].tail_bytes)
+                tokens.append(v4_greedy(model, state, int(got.meta["first_token"]),
+                                        decode_tokens))
+        rx.close()
+        return tokens, bundles
+    group = CPGroup.from_process_group(cp_pg, timeout_s=world.timeout_s, device=world.device)
+    tx = V4StateSender(transport, settings, group, max(im.local_pages(group.rank)
+                                                       for im in images))
+    out, sent = [], []
+    with torch.no_grad():
+        for p, image in zip(prompts, images, strict=True):
+            logits, owned, tail = v4_prefill_state(
+                model, torch.tensor(p, dtype=torch.long), group, page_size=page_size, mode=mode,
+                chunks=chunk_sizes(len(p), chunk))
+            out.append(logits[-1])
+            first = int(logits[-1].argmax())
+            sent.append(tx.send(shapes, image, owned, tail, {"first_token": first}).nbytes)
+    tx.close()
+    return torch.stack(out), sent
 
 
 def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
@@ -81,8 +153,12 @@ def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
 
 
 def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | str,
-               page_size: int, chunk: int = 0, timeout_s: float = 600.0) -> V4JobReport:
-    """Prefill ``prompts`` on ``cp`` Gloo ranks and on one rank; measure.
+               page_size: int, chunk: int = 0, timeout_s: float = 600.0, *,
+               decode_tokens: int = 0, settings: Settings | None = None) -> V4JobReport:
+    """Prefill ``prompts`` on ``cp`` Gloo ranks and on one rank; measure. With
+    ``decode_tokens``: the disaggregated job (``settings.transfer`` picks the plugin), each
+    prompt decoded to that many tokens on the decode rank and checked against the one-rank
+    forward.
 
     Raises:
         ValueError: a chunk that is not a multiple of the model's ownership unit, a window
@@ -104,12 +180,33 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
         entries += rep
         tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config) if o.kind != "entries")
     t0 = time.perf_counter()
-    results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk),
-                        timeout_s=timeout_s)
+    tokens: list[list[int]] = []
+    ref_tokens: list[list[int]] = []
+    sent: list[int] = []
+    bundles: list[int] = []
+    if decode_tokens > 0:
+        if settings is None:
+            from cpkv.settings import load_settings
+
+            settings = load_settings()
+        results = run_ranks(_disagg_rank, cp + 1, args=(ckpt, prompts, page_size, mode, chunk,
+                                                        decode_tokens, settings),
+                            timeout_s=timeout_s)
+        logits = results[0].value[0]
+        tokens, bundles = results[cp].value
+        sent = [sum(r.value[1]) for r in results[:cp]]
+    else:
+        results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk),
+                            timeout_s=timeout_s)
+        logits = results[0].value
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         ref = torch.stack([reference_forward(model, torch.tensor(p, dtype=torch.long))[-1]
                            for p in prompts])
-    return V4JobReport(lengths=[len(p) for p in prompts], logits=results[0].value, reference=ref,
+        for p, toks in zip(prompts, tokens, strict=True) if tokens else ():
+            grown = reference_forward(model, torch.tensor(p + toks, dtype=torch.long))
+            ref_tokens.append(grown[len(p) - 1: len(p) - 1 + len(toks)].argmax(-1).tolist())
+    return V4JobReport(lengths=[len(p) for p in prompts], logits=logits, reference=ref,
                        rank_bytes=per, entry_bytes=entries, tail_bytes=tail, seconds=seconds,
-                       fallbacks=list(results[0].fallbacks))
+                       fallbacks=list(results[0].fallbacks), tokens=tokens,
+                       reference_tokens=ref_tokens, bytes_sent=sent, bundle_bytes=bundles)

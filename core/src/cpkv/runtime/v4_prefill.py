@@ -36,7 +36,8 @@ from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import gather_keys, window_rows
 from cpkv.planning import plan_batch
 
-__all__ = ["V4Layout", "v4_kv_bytes", "v4_layout", "v4_prefill_logits"]
+__all__ = ["V4Carry", "V4Layout", "V4SegmentRows", "v4_kv_bytes", "v4_layout",
+           "v4_prefill_logits"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,26 @@ class V4Carry:
 
     owned: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     tail: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: the last chunk's layout, and on its tail holder per layer the rows of its last segment
+    #: (what the decode state's tail bundle is cut from: :mod:`cpkv.runtime.v4_state`)
+    layout: V4Layout | None = None
+    last_rows: dict[int, V4SegmentRows] = field(default_factory=dict)
+
+
+@dataclass
+class V4SegmentRows:
+    """What the tail holder keeps of its last segment ``[start, end)`` at one layer (copies,
+    so the layer's tensors are freed): the last ``W - 1`` window rows (the halo's before the
+    segment's own), per compressor name the ``(kv, gate)`` projections of the segment's last
+    ``min(n, m + end % m)`` rows (the open window and the complete one before it), and the
+    halo's prior window rows ``(kv, gate)`` ``[m, w]`` of the overlapping compressors (absent
+    at position 0)."""
+
+    start: int
+    end: int
+    window: torch.Tensor
+    inputs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    priors: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Rank:
@@ -241,7 +262,8 @@ class _Rank:
             src = self.halo_src[j]
             row = halos[src] if src >= 0 else None
             prev = row[: hw * d].view(hw, d) if row is not None else kv.new_zeros((hw, d))
-            k, m = window_rows(torch.cat([prev, kv[a:b]]), self.pos[a:b], s - hw, window)
+            rows = torch.cat([prev, kv[a:b]])
+            k, m = window_rows(rows, self.pos[a:b], s - hw, window)
             keys.append(k)
             masks.append(m)
             off, priors = hw * d, {}
@@ -251,6 +273,15 @@ class _Rank:
                     priors[id(comp)] = (row[off:off + n].view(comp.rate, -1),
                                         row[off + n:off + 2 * n].view(comp.rate, -1))
                 off += 2 * n
+            if j == len(self.segs) - 1 and self.group.rank == self.lay.tail_rank:
+                names = dict(zip((id(x) for x in model.compressors(layer)), ("main", "index"),
+                                 strict=True))
+                keep = {id(x): min(b - a, x.rate + (s + b - a) % x.rate) for x in comps}
+                self.carry.last_rows[layer] = V4SegmentRows(
+                    start=s, end=s + b - a, window=rows[rows.shape[0] - hw:].clone(),
+                    inputs={names[i]: (x[b - keep[i]:b].clone(), g[b - keep[i]:b].clone())
+                            for i, (x, g) in inputs.items()},
+                    priors={names[i]: (p[0].clone(), p[1].clone()) for i, p in priors.items()})
             for comp in comps:  # s is on a unit boundary: a window boundary at every rate
                 ckv, cg = inputs[id(comp)]
                 own[id(comp)].append(model.compress(comp, ckv[a:b], cg[a:b], s // comp.rate,
@@ -306,13 +337,16 @@ class _Rank:
 
 def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
                       page_size: int = 64, mode: SplitMode | str = SplitMode.ZIGZAG,
-                      chunks: Sequence[int] | None = None) -> torch.Tensor:
+                      chunks: Sequence[int] | None = None,
+                      carry: V4Carry | None = None) -> torch.Tensor:
     """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]``, computed context-parallel on
     ``group`` (every rank returns all of them).
 
     ``chunks``: prefill in pieces of these lengths (summing to T), each a batch of its own, the
     entries and the tail objects carried between them (:class:`V4Carry`); every piece but the
     last a multiple of the ownership unit. Any chunking equals the one-piece prefill.
+    ``carry``: a fresh :class:`V4Carry` to fill (this rank's owned entries and, on the tail
+    holder, the last segment's rows), kept for the decode state.
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
@@ -321,9 +355,11 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
     sizes = list(chunks) if chunks is not None else [ids.shape[0]]
     if sum(sizes) != ids.shape[0] or min(sizes) < 1:
         raise ValueError(f"chunks {sizes} do not split a prompt of {ids.shape[0]} tokens")
-    carry, lay, start, out = V4Carry(), None, 0, []
+    carry = V4Carry() if carry is None else carry
+    lay, start, out = None, 0, []
     for n in sizes:
         lay = v4_layout(model, n, group.size, page_size, mode, prefix=lay)
+        carry.layout, carry.last_rows = lay, {}
         rank = _Rank(model, ids[start:start + n], group, lay, carry)
         x = model.embed(rank.ids)
         for i in range(model.num_layers):
