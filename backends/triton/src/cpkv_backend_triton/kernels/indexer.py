@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["head_sum", "indexer_tile", "key_tile", "qk_dot"]
+__all__ = ["head_logits", "head_sum", "indexer_tile", "key_tile", "qk_dot", "query_heads"]
 
 
 @triton.jit
@@ -35,6 +35,30 @@ def qk_dot(q, kt, UPCAST: tl.constexpr):
     else:
         s = tl.dot(q, kt)
     return s
+
+
+@triton.jit
+def query_heads(q_ptr, w_ptr, row, sq0, sq1, sq2, sw0, sw1, H: tl.constexpr, HP: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, UPCAST: tl.constexpr):
+    """One query row's heads ``[HP, DP]`` (fp32 with ``UPCAST``) and head weights ``[HP]``,
+    zero past H and D, with the head dim's lanes ``d`` and their mask."""
+    head = tl.arange(0, HP)
+    hmask = head < H
+    d = tl.arange(0, DP)
+    dmask = d < D
+    qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                 mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
+    return qt, wv, d, dmask
+
+
+@triton.jit
+def head_logits(qt, wv, ktt, UPCAST: tl.constexpr):
+    """One row's ``sum_h wv[h] relu(qt[h] . k[j])`` (its heads ``qt`` [HP, DP] stacked in one
+    dot against the key tile ``ktt`` [DP, N]), before the keys' fp8 scale."""
+    return tl.sum(wv[:, None] * tl.maximum(qk_dot(qt, ktt, UPCAST), 0.0), axis=0)
 
 
 @triton.jit
@@ -258,8 +282,7 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
                 sc = qk_dot(kt, tl.trans(qt), UPCAST)
                 acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
             else:  # [HP, S]: the heads the rows (as the key-tile kernel)
-                sc = qk_dot(qt, tl.trans(kt), UPCAST)
-                acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
+                acc = head_logits(qt, wv, tl.trans(kt), UPCAST)
             if FP8:
                 c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
                             other=0.0, eviction_policy="evict_first")

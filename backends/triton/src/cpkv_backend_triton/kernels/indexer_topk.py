@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .indexer import indexer_tile
+from .indexer import head_logits, indexer_tile, key_tile, query_heads
 from .radix import (
     bin_count,
     copied_rounds,
@@ -20,7 +20,7 @@ from .radix import (
     radix_digit,
     radix_step,
     row_range,
-    take_ranked,
+    select_row,
 )
 
 
@@ -226,20 +226,15 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
 
 
 @triton.jit
-def _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """One row's logits at BLOCK_N columns: its heads stacked in one ``[HP, DP]`` dot."""
+def _indexer_keys(src, cols, m, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """The order keys of one row's logits at ``cols`` (``src``: the row's query heads and
+    weights, the keys' operands), for :func:`.radix.select_row`."""
+    q_ptr, qt, wv, k_ptr, scale_ptr, d, dmask, sk0, sk1 = src
     cols64 = cols.to(tl.int64)
-    kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
-                 mask=m[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        s = tl.dot(qt, tl.trans(kt.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))
-    x = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
+    x = head_logits(qt, wv, key_tile(k_ptr, q_ptr, cols64, m, d, dmask, sk0, sk1, UPCAST), UPCAST)
     if FP8:
         x = x * tl.load(scale_ptr + cols64, mask=m, other=0.0)
-    return x
+    return ord_key(x)
 
 
 @triton.jit
@@ -254,34 +249,9 @@ def _fused_exact_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     if end - start > K:  # noqa: SIM102 (the meta load only for rows holding more than K keys)
         if tl.load(meta_ptr + row * 2) < 0:
-            head = tl.arange(0, HP)
-            hmask = head < H
-            d = tl.arange(0, DP)
-            dmask = d < D
-            qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
-                         mask=hmask[:, None] & dmask[None, :], other=0.0)
-            if UPCAST:
-                qt = qt.to(tl.float32)
-            wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
-            orow = out_ptr + row * K
-            need = K + tl.zeros([], tl.int32)
-            prefix = tl.zeros([], tl.int32)
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(start, end, BLOCK_N):
-                    cols = c0 + tl.arange(0, BLOCK_N)
-                    m = cols < end
-                    x = _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8,
-                                    UPCAST)
-                    dg, mm = radix_digit(ord_key(x), m, prefix, p)
-                    hist += tl.histogram(dg, 256, mask=mm)
-                need, prefix = radix_step(hist, need, prefix, p)
-            wpos = tl.zeros([], tl.int32)
-            eq_seen = tl.zeros([], tl.int32)
-            for c0 in range(start, end, BLOCK_N):
-                cols = c0 + tl.arange(0, BLOCK_N)
-                m = cols < end
-                s = ord_key(_row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1,
-                                        FP8, UPCAST))
-                wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m, cols, prefix, need)
+            qt, wv, d, dmask = query_heads(q_ptr, w_ptr, row, sq0, sq1, sq2, sw0, sw1, H, HP, D,
+                                           DP, UPCAST)
+            select_row(_indexer_keys, (q_ptr, qt, wv, k_ptr, scale_ptr, d, dmask, sk0, sk1),
+                       start, end, out_ptr + row * K, K + tl.zeros([], tl.int32), BLOCK_N, FP8,
+                       UPCAST)
             tl.store(meta_ptr + row * 2, K)

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["bin_count", "copied_rounds", "copy_bin", "key_round", "key_value", "list_short_row",
-           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "take_ranked"]
+           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "select_row",
+           "take_ranked"]
 
 
 @triton.jit
@@ -133,3 +134,29 @@ def take_ranked(orow, wpos, eq_seen, s, m, vals, prefix, need):
     take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
     tl.store(orow + wpos + tl.cumsum(take, 0) - 1, vals, mask=take != 0)
     return wpos + tl.sum(take, axis=0), eq_seen + tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def select_row(keys, src, start, end, orow, need, BLOCK: tl.constexpr, FLAG_A: tl.constexpr,
+               FLAG_B: tl.constexpr):
+    """The exact select over a row's columns ``[start, end)``, BLOCK a step, its keys
+    recomputed in every pass as ``keys(src, cols, mask, FLAG_A, FLAG_B)`` (int32 order keys;
+    the flags: compile-time options of ``keys``): 4 radix rounds find the need-th largest key,
+    then the columns of the keys above it and of the first ones equal to it are written in
+    column order from ``orow``."""
+    prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
+    for p in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < end
+            d, m = radix_digit(keys(src, cols, m, FLAG_A, FLAG_B), m, prefix, p)
+            hist += tl.histogram(d, 256, mask=m)
+        need, prefix = radix_step(hist, need, prefix, p)
+    wpos = tl.zeros([], tl.int32)
+    eq_seen = tl.zeros([], tl.int32)
+    for c0 in range(start, end, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        m = cols < end
+        s = keys(src, cols, m, FLAG_A, FLAG_B)
+        wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m, cols, prefix, need)

@@ -19,6 +19,7 @@ from .radix import (
     radix_digit,
     radix_step,
     row_range,
+    select_row,
     take_ranked,
 )
 
@@ -53,6 +54,31 @@ def _topk_fixup_kernel(chosen_ptr, ks_ptr, ke_ptr, out_ptr, T, K, KK,
         ch = tl.full([BLOCK], -1, tl.int64)
     res = tl.where(count <= K, asc, ch)
     tl.store(out_ptr + row * K + slot, res.to(tl.int32), mask=smask)
+
+
+@triton.jit
+def _chunk(start, end, j, CH):
+    """Chunk j's columns ``[c_lo, c_hi)``: CH columns of a row's range ``[start, end)``."""
+    c_lo = start + j * CH
+    return c_lo, tl.minimum(c_lo + CH, end)
+
+
+@triton.jit
+def _block(xrow, c0, c_hi, sx1, other, BLOCK: tl.constexpr):
+    """BLOCK columns of a row from ``c0``: the columns, the mask (below ``c_hi``), the logits
+    in fp32 (``other`` where masked)."""
+    cols = c0 + tl.arange(0, BLOCK)
+    m = cols < c_hi
+    x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=other).to(tl.float32)
+    return cols, m, x
+
+
+@triton.jit
+def _logit_keys(src, cols, m, UNUSED_A: tl.constexpr, UNUSED_B: tl.constexpr):
+    """The order keys of a row's logits at ``cols`` (``src``: the row's pointer and column
+    stride), for :func:`.radix.select_row` (no flags)."""
+    xrow, sx1 = src
+    return ord_key(tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -182,12 +208,9 @@ def _topk_hist_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, T, K, CH, sx0, sx
         xrow = x_ptr + row * sx0
         lo = tl.load(br_ptr + row * 2)
         inv = tl.load(br_ptr + row * 2 + 1)
-        c_lo = start + j * CH
-        c_hi = tl.minimum(c_lo + CH, end)
+        c_lo, c_hi = _chunk(start, end, j, CH)
         for c0 in range(c_lo, c_hi, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = cols < c_hi
-            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32)
+            _, m, x = _block(xrow, c0, c_hi, sx1, 0.0, BLOCK)
             hist += tl.histogram(_value_bin(x, lo, inv, NB), NB, mask=m)
     tl.store(hist_ptr + (row * NCH + j) * NB + tl.arange(0, NB), hist)
 
@@ -219,12 +242,9 @@ def _topk_compact_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, out_ptr, cand_
             inv = tl.load(br_ptr + row * 2 + 1)
             gpos = tl.sum(tl.where(jj < j, gtc, 0), axis=0)
             cpos = tl.sum(tl.where(jj < j, eqc, 0), axis=0)
-            c_lo = start + j * CH
-            c_hi = tl.minimum(c_lo + CH, end)
+            c_lo, c_hi = _chunk(start, end, j, CH)
             for c0 in range(c_lo, c_hi, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                m = cols < c_hi
-                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32)
+                cols, m, x = _block(xrow, c0, c_hi, sx1, 0.0, BLOCK)
                 vb = _value_bin(x, lo, inv, NB)
                 gt = m & (vb > b)
                 eq = m & (vb == b)
@@ -254,28 +274,8 @@ def _topk_exact_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K, sx0, sx1,
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     if end - start > K:  # noqa: SIM102 (the meta load only for rows holding more than K keys)
         if tl.load(meta_ptr + row * 2) < 0:
-            xrow = x_ptr + row * sx0
-            orow = out_ptr + row * K
-            need = K + tl.zeros([], tl.int32)  # keys still to take among those matching prefix
-            prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(start, end, BLOCK):
-                    cols = c0 + tl.arange(0, BLOCK)
-                    m = cols < end
-                    x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                    d, m = radix_digit(ord_key(x.to(tl.float32)), m, prefix, p)
-                    hist += tl.histogram(d, 256, mask=m)
-                need, prefix = radix_step(hist, need, prefix, p)
-            # every key above the K-th and the first `need` equal to it (ascending columns)
-            wpos = tl.zeros([], tl.int32)
-            eq_seen = tl.zeros([], tl.int32)
-            for c0 in range(start, end, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                m = cols < end
-                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                wpos, eq_seen = take_ranked(orow, wpos, eq_seen, ord_key(x.to(tl.float32)), m,
-                                            cols, prefix, need)
+            select_row(_logit_keys, (x_ptr + row * sx0, sx1), start, end, out_ptr + row * K,
+                       K + tl.zeros([], tl.int32), BLOCK, False, False)
             tl.store(meta_ptr + row * 2, K)
             tl.store(meta_ptr + row * 2 + 1, 0)
 
@@ -333,13 +333,9 @@ def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T
         xrow = x_ptr + row * sx0
         crow = cand_ptr + (row * NS + j) * CAP
         lo = tl.load(floor_ptr + row)
-        c_lo = start + j * CS
-        c_hi = tl.minimum(c_lo + CS, end)
+        c_lo, c_hi = _chunk(start, end, j, CS)
         for c0 in range(c_lo, c_hi, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = cols < c_hi
-            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=float("-inf"))
-            x = x.to(tl.float32)
+            cols, m, x = _block(xrow, c0, c_hi, sx1, float("-inf"), BLOCK)
             take = m & (x >= lo)
             nt = tl.sum(take.to(tl.int32), axis=0)
             if nt > 0:  # most blocks of a long row hold no candidate: no scan, no store
