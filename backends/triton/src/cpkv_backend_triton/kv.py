@@ -151,9 +151,8 @@ def _launch_peer_copy(srcs: list[torch.Tensor], dst2: torch.Tensor, owner: torch
     d = sh.units(dst2)
     ss = [sh.units(s) for s in srcs]
     for base in range(0, len(ss), MAX_PEERS):
-        part = ss[base: base + MAX_PEERS]
-        ptrs = part + [part[0]] * (MAX_PEERS - len(part))
-        _peer_copy_rows[sh.grid](*ptrs, d, owner, rows, n, sh.row_units // sh.vec,
+        part = tuple(ss[base: base + MAX_PEERS])
+        _peer_copy_rows[sh.grid](part, d, owner, rows, n, sh.row_units // sh.vec,
                                  sh.stride(ss[0]), sh.stride(d), base, NSRC=len(part),
                                  VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
                                  num_warps=sh.num_warps)

@@ -98,15 +98,23 @@ def indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
 
 
 @triton.jit
-def _key_span(ks_ptr, ke_ptr, rows, rmask):
-    """The rows' key ranges ``[ks, ke)`` and the span ``[lo, hi)`` they cover together (empty
-    and masked rows left out): key tiles outside it are skipped."""
+def _tile(ks_ptr, ke_ptr, N, T, BR: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (key tile, block of BR rows): its rows (and as int64) and columns with their
+    masks, the rows' key ranges ``[ks, ke)``, and whether the tile meets the span the rows'
+    ranges cover together (empty and masked rows left out; a tile outside it is not computed)."""
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
     ks = tl.load(ks_ptr + rows, mask=rmask, other=0)
     ke = tl.load(ke_ptr + rows, mask=rmask, other=0)
     nonempty = rmask & (ks < ke)
     lo = tl.min(tl.where(nonempty, ks, 9223372036854775807), axis=0)
     hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
-    return ks, ke, lo, hi
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < T
+    return rows, rows64, rmask, cols, cmask, ks, ke, (n0 < hi) & (n0 + BLOCK_N > lo)
 
 
 @triton.jit
@@ -126,18 +134,11 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
                     FP8: tl.constexpr, UPCAST: tl.constexpr):
     """Program (key tile, row block): the tile's logits (:func:`indexer_tile`), the
     keys' fp8 scale, -inf outside each row's range."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    ks, ke, lo, hi = _key_span(ks_ptr, ke_ptr, rows, rmask)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < T
+    rows, rows64, rmask, cols, cmask, ks, ke, meets = _tile(ks_ptr, ke_ptr, N, T, BLOCK_M,
+                                                            BLOCK_N)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if (n0 < hi) & (n0 + BLOCK_N > lo):  # the tile meets some row's range: compute it
+    if meets:
         acc = indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
                            sq0, sq1, sq2, sw0, sw1, sk0, sk1, H, D, DP, BLOCK_M, BLOCK_N, FP8,
                            UPCAST)
@@ -155,21 +156,14 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
     stacked into one ``[BQ * HP, D]`` operand, one dot per key tile, the weighted head sum a
     reduction over that axis (instead of a loop of ``H`` dependent dots on a mostly empty
     row tile)."""
-    pid_n = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    qr = pid_q * BQ + tl.arange(0, BQ)
-    qmask = qr < N
-    ks, ke, lo, hi = _key_span(ks_ptr, ke_ptr, qr, qmask)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < T
+    qr, _, qmask, cols, cmask, ks, ke, meets = _tile(ks_ptr, ke_ptr, N, T, BQ, BLOCK_N)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros([BQ, BLOCK_N], dtype=tl.float32)
-    if (n0 < hi) & (n0 + BLOCK_N > lo):
+    if meets:
         m = tl.arange(0, BQ * HP)
         head = m % HP
-        rows64 = (pid_q * BQ + m // HP).to(tl.int64)
-        rmask = (pid_q * BQ + m // HP < N) & (head < H)
+        rows64 = (tl.program_id(1) * BQ + m // HP).to(tl.int64)
+        rmask = (tl.program_id(1) * BQ + m // HP < N) & (head < H)
         d = tl.arange(0, DP)
         dmask = d < D
         ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)

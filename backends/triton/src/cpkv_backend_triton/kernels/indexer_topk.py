@@ -14,12 +14,12 @@ from .radix import (
     copied_rounds,
     copy_bin,
     key_round,
-    key_value,
     list_short_row,
     ord_key,
     radix_digit,
     radix_step,
     row_range,
+    sample_floor,
     select_row,
 )
 
@@ -35,19 +35,11 @@ def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, s
     if cnt > K:
         i = tl.arange(0, SP)
         valid = i < NSC
-        x = tl.load(xs_ptr + row * sx0 + i, mask=valid, other=float("-inf"))
-        s = ord_key(x)
+        s = ord_key(tl.load(xs_ptr + row * sx0 + i, mask=valid, other=float("-inf")))
         # the sample's columns inside [start, end): i * STRIDE in it
         m = (end + STRIDE - 1) // STRIDE - (start + STRIDE - 1) // STRIDE
-        est = (K * m) // cnt
-        margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
-        place = est + margin  # 0-based, descending
-        need = place + 1
-        prefix = tl.zeros([], tl.int32)
-        for p in tl.static_range(ROUNDS):
-            d, mm = radix_digit(s, valid, prefix, p)
-            need, prefix = radix_step(tl.histogram(d, 256, mask=mm), need, prefix, p)
-        tl.store(floor_ptr + row, tl.where(place < m, key_value(prefix), float("-inf")))
+        lo = sample_floor(s, valid, (K * m) // cnt, m, ROUNDS)
+        tl.store(floor_ptr + row, lo)
 
 
 #: one logit's candidate test and append, as PTX (``ASM``): ``$1`` the logit (-inf outside its

@@ -46,11 +46,12 @@ def _copy_rows(src_ptr, dst_ptr, sidx_ptr, didx_ptr, n_rows, row_v, src_stride_v
 
 
 @triton.jit
-def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n_rows, row_v,
-                    src_stride_v, dst_stride_v, base, NSRC: tl.constexpr, VEC: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``dst[i] = src_{owner[i] - base}[idx[i]]`` for the rows whose owner is in [base,
-    base + NSRC); other rows are left alone. Units and strides as in ``_copy_rows``."""
+def _peer_copy_rows(srcs, dst_ptr, own_ptr, idx_ptr, n_rows, row_v, src_stride_v, dst_stride_v,
+                    base, NSRC: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """``dst[i] = srcs[owner[i] - base][idx[i]]`` for the rows whose owner is in [base,
+    base + NSRC) (``srcs``: a tuple of NSRC pointers); other rows are left alone. Units and
+    strides as in ``_copy_rows``."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -62,21 +63,9 @@ def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n
     cmask = cols < row_v * VEC
     s_off = ((idx * src_stride_v) * VEC)[:, None] + cols[None, :]
     own2 = own[:, None]
-    p = s0 + s_off
-    if NSRC > 1:
-        p = tl.where(own2 == 1, s1 + s_off, p)
-    if NSRC > 2:
-        p = tl.where(own2 == 2, s2 + s_off, p)
-    if NSRC > 3:
-        p = tl.where(own2 == 3, s3 + s_off, p)
-    if NSRC > 4:
-        p = tl.where(own2 == 4, s4 + s_off, p)
-    if NSRC > 5:
-        p = tl.where(own2 == 5, s5 + s_off, p)
-    if NSRC > 6:
-        p = tl.where(own2 == 6, s6 + s_off, p)
-    if NSRC > 7:
-        p = tl.where(own2 == 7, s7 + s_off, p)
+    p = srcs[0] + s_off
+    for r in tl.static_range(1, NSRC):
+        p = tl.where(own2 == r, srcs[r] + s_off, p)
     mask = rmask[:, None] & cmask[None, :]
     vals = tl.load(p, mask=mask)
     d_off = (rows * dst_stride_v) * VEC

@@ -8,11 +8,21 @@ import triton
 import triton.language as tl
 
 
-# C901: the branches are tl.constexpr variants (HAS_B, UPCAST, P_SPLIT, ...), resolved at
-# compile time; each compiled kernel is straight-line, and a Triton helper per variant would
-# only move the switch
 @triton.jit
-def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,  # noqa: C901
+def _query_part(q_ptr, row, h64, hmask, d, dmask, sq0, sq1, sq2, kv_ptr, UPCAST: tl.constexpr):
+    """A query row's heads ``h64`` at the dims ``d`` in the first dot's input type: fp32
+    (``UPCAST``), else the latent rows' type."""
+    q = tl.load(q_ptr + row * sq0 + h64[:, None] * sq1 + d[None, :] * sq2,
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
+        q = q.to(tl.float32)
+    else:
+        q = q.to(kv_ptr.dtype.element_ty)
+    return q
+
+
+@triton.jit
+def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                        H, K, qk_scale,
                        sq0, sq1, sq2, skv0, skv1, si0, si1, so0, so1,
                        DV: tl.constexpr, DK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
@@ -25,21 +35,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,  # noqa: C901
     h64 = h.to(tl.int64)
     da = tl.arange(0, DA)
     damask = da < DV
-    qa = tl.load(q_ptr + row * sq0 + h64[:, None] * sq1 + da[None, :] * sq2,
-                 mask=hmask[:, None] & damask[None, :], other=0.0)
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        qa = qa.to(tl.float32)
-    else:
-        qa = qa.to(kv_ptr.dtype.element_ty)
+    qa = _query_part(q_ptr, row, h64, hmask, da, damask, sq0, sq1, sq2, kv_ptr, UPCAST)
     db = DV + tl.arange(0, DB)
     dbmask = db < DK
     if HAS_B:
-        qb = tl.load(q_ptr + row * sq0 + h64[:, None] * sq1 + db[None, :] * sq2,
-                     mask=hmask[:, None] & dbmask[None, :], other=0.0)
-        if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-            qb = qb.to(tl.float32)
-        else:
-            qb = qb.to(kv_ptr.dtype.element_ty)
+        qb = _query_part(q_ptr, row, h64, hmask, db, dbmask, sq0, sq1, sq2, kv_ptr, UPCAST)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, DA], dtype=tl.float32)

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["bin_count", "copied_rounds", "copy_bin", "key_round", "key_value", "list_short_row",
-           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "select_row",
-           "take_ranked"]
+           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "sample_floor",
+           "sample_margin", "select_row", "take_ranked"]
 
 
 @triton.jit
@@ -160,3 +160,25 @@ def select_row(keys, src, start, end, orow, need, BLOCK: tl.constexpr, FLAG_A: t
         m = cols < end
         s = keys(src, cols, m, FLAG_A, FLAG_B)
         wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m, cols, prefix, need)
+
+
+@triton.jit
+def sample_margin(est):
+    """The margin around a sample's estimated place of the k-th key (``est`` sample keys at or
+    above it): 4 standard deviations of the estimate, plus 8."""
+    return (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
+
+
+@triton.jit
+def sample_floor(s, valid, est, n, ROUNDS: tl.constexpr):
+    """A row's candidates' floor from the order keys ``s`` of its sample (mask ``valid``, ``n``
+    of them inside the row's range): the sample key :func:`sample_margin` below the k-th key's
+    estimated place ``est`` (descending), by ROUNDS radix rounds (fewer than 4 lower it: its low
+    bits cleared); -inf when the sample has no key at that place."""
+    place = est + sample_margin(est)  # 0-based, descending
+    need = place + 1  # the floor is the need-th largest sample key
+    prefix = tl.zeros([], tl.int32)
+    for p in tl.static_range(ROUNDS):
+        d, m = radix_digit(s, valid, prefix, p)
+        need, prefix = radix_step(tl.histogram(d, 256, mask=m), need, prefix, p)
+    return tl.where(place < n, key_value(prefix), float("-inf"))

@@ -12,13 +12,14 @@ from .radix import (
     bin_count,
     copied_rounds,
     copy_bin,
-    key_value,
     list_short_row,
     ord_key,
     pick_bin,
     radix_digit,
     radix_step,
     row_range,
+    sample_floor,
+    sample_margin,
     select_row,
     take_ranked,
 )
@@ -96,15 +97,14 @@ def _value_bin(x, lo, inv, NB: tl.constexpr):
 def _sorted_sample(x_ptr, row, start, cnt, K, sx0, sx1, SAMPLE: tl.constexpr):
     """SAMPLE keys spread evenly over a row's ``cnt`` columns from ``start``, sorted descending
     (-0.0 folded into 0.0), their places ``i``; the k-th largest key's estimated place in them
-    (``est``: ~ sample keys at or above it) and the margin around it (4 standard deviations of
-    that estimate, plus 8)."""
+    (``est``: ~ sample keys at or above it) and the margin around it
+    (:func:`.radix.sample_margin`)."""
     i = tl.arange(0, SAMPLE)
     cols = start + (i.to(tl.int64) * cnt) // SAMPLE
     x = tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32)
     x = tl.sort(tl.where(x == 0.0, 0.0, x), descending=True)
     est = (K * SAMPLE) // cnt
-    margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
-    return i, x, est, margin
+    return i, x, est, sample_margin(est)
 
 
 @triton.jit
@@ -308,15 +308,7 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
         i = tl.arange(0, SAMPLE)
         cols = start + (i.to(tl.int64) * cnt) // SAMPLE
         s = ord_key(tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32))
-        est = (K * SAMPLE) // cnt
-        place = est + (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
-        need = place + 1  # the floor is the need-th largest sample key
-        prefix = tl.zeros([], tl.int32)
-        every = i >= 0
-        for p in tl.static_range(ROUNDS):
-            d, m = radix_digit(s, every, prefix, p)
-            need, prefix = radix_step(tl.histogram(d, 256, mask=m), need, prefix, p)
-        lo = tl.where(place < SAMPLE, key_value(prefix), float("-inf"))
+        lo = sample_floor(s, i >= 0, (K * SAMPLE) // cnt, SAMPLE, ROUNDS)
         tl.store(floor_ptr + row, lo)
 
 
