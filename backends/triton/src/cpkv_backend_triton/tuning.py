@@ -139,12 +139,12 @@ class TopkLongParams(_Params):
     GLUON: int
     num_warps: int
     select_warps: int
-    FEW_ROWS: int = 0
-    few_floor_warps: int = 0
-    few_select_warps: int = 0
-    few_BLOCK: int = 0
-    FLOOR_ROUNDS: int = 4
-    COMPACT: int = 0
+    FEW_ROWS: int
+    few_floor_warps: int
+    few_select_warps: int
+    few_BLOCK: int
+    FLOOR_ROUNDS: int
+    COMPACT: int
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class IndexerTopkParams(_Params):
     exact_warps: int
     floor_warps: int
     FLOOR_ROUNDS: int
-    COMPACT: int = 0
+    COMPACT: int
 
 
 P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams, IndexerTopkParams)

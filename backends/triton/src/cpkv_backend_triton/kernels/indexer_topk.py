@@ -14,7 +14,7 @@ from .radix import (
     copied_rounds,
     copy_bin,
     key_round,
-    list_short_row,
+    long_row,
     ord_key,
     radix_digit,
     radix_step,
@@ -174,11 +174,7 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
     """Step 4 (a program a row): short rows listed ascending; the others' exact K of their
     candidates, written ascending; fewer than K or more than CAP: ``meta = -1`` (the exact pass)."""
     row = tl.program_id(0).to(tl.int64)
-    start, end = row_range(ks_ptr, ke_ptr, row, T)
-    count = tl.maximum(end - start, 0)
-    if count <= K:
-        list_short_row(out_ptr, row, start, count, K, KP)
-    else:
+    if long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP):
         nc = tl.load(count_ptr + row)
         if (nc < K) | (nc > CAP):
             tl.store(meta_ptr + row * 2, -1)

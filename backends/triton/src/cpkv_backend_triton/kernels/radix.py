@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bin_count", "copied_rounds", "copy_bin", "key_round", "key_value", "list_short_row",
+__all__ = ["bin_count", "copied_rounds", "copy_bin", "key_round", "key_value", "long_row",
            "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "sample_floor",
            "sample_margin", "select_row", "take_ranked"]
 
@@ -70,12 +70,17 @@ def row_range(ks_ptr, ke_ptr, row, T):
 
 
 @triton.jit
-def list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
-    """A row holding at most K keys: its columns ascending, -1 padded."""
-    for s0 in range(0, K, KP):
-        slot = s0 + tl.arange(0, KP)
-        tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
-                 mask=slot < K)
+def long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP: tl.constexpr):
+    """Whether a row holds more than K keys (its select is the caller's); a row holding at most
+    K keys is listed here: its columns ascending, -1 padded."""
+    start, end = row_range(ks_ptr, ke_ptr, row, T)
+    count = tl.maximum(end - start, 0)
+    if count <= K:
+        for s0 in range(0, K, KP):
+            slot = s0 + tl.arange(0, KP)
+            tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
+                     mask=slot < K)
+    return count > K
 
 
 @triton.jit

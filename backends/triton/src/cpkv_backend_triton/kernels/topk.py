@@ -12,7 +12,7 @@ from .radix import (
     bin_count,
     copied_rounds,
     copy_bin,
-    list_short_row,
+    long_row,
     ord_key,
     pick_bin,
     radix_digit,
@@ -286,11 +286,7 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
     """Top-k, kernel 5 of 5 (a program a row): short rows listed ascending (-1 padded);
     longer rows refine their candidates and append the ``K - above`` they take."""
     row = tl.program_id(0).to(tl.int64)
-    start, end = row_range(ks_ptr, ke_ptr, row, T)
-    count = tl.maximum(end - start, 0)
-    if count <= K:
-        list_short_row(out_ptr, row, start, count, K, KP)
-    else:
+    if long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP):
         above = tl.load(meta_ptr + row * 2)  # ncand (next): 0 for the rows the exact kernel took
         _refine(cand_ptr + row * CAP, meta_ptr + row * 2 + 1, 1, out_ptr + row * K, K - above,
                 above, CAP, RB, False)
@@ -345,11 +341,7 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
     """Long rows, kernel 3 of 4 (a program a row): short rows listed ascending (-1 padded),
     the others refine their candidates; fewer than K or a split over CAP: ``meta = -1``."""
     row = tl.program_id(0).to(tl.int64)
-    start, end = row_range(ks_ptr, ke_ptr, row, T)
-    count = tl.maximum(end - start, 0)
-    if count <= K:
-        list_short_row(out_ptr, row, start, count, K, KP)
-    else:
+    if long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP):
         js = tl.arange(0, NSP)
         cnts = tl.load(count_ptr + row * NS + js, mask=js < NS, other=0)
         most = tl.max(cnts, axis=0)
