@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["head_logits", "head_sum", "indexer_tile", "key_tile", "qk_dot", "query_heads"]
+__all__ = ["head_logits", "indexer_tile", "key_tile", "qk_dot", "query_heads"]
 
 
 @triton.jit
@@ -62,35 +62,24 @@ def head_logits(qt, wv, ktt, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask, sq0, sq1, sq2, sw0, sw1,
-             H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             UPCAST: tl.constexpr):
-    """The tile's ``sum_h w[i, h] relu(q[i, h] . k[j])`` (fp32 [BLOCK_M, BLOCK_N], before the
-    keys' fp8 scale) against the key tile ``ktt``."""
+def indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
+                 sq0, sq1, sq2, sw0, sw1, sk0, sk1,
+                 H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile of logits: ``sum_h w[i, h] relu(q[i, h] . k[j])`` (a dot a
+    head against :func:`key_tile`), then the keys' fp8 scale. The plain prefill kernel and the
+    fused indexer + top-k filter both compute their tiles here, so the fused path chooses from
+    the plain path's logits bit for bit."""
+    d = tl.arange(0, DP)
+    dmask = d < D
+    ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
     qmask = rmask[:, None] & dmask[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     qbase = q_ptr + rows64[:, None] * sq0 + d[None, :] * sq2
     for h in range(H):
         qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
         wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
-        s = qk_dot(qh, ktt, UPCAST)
-        acc += wh[:, None] * tl.maximum(s, 0.0)
-    return acc
-
-
-@triton.jit
-def indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
-                 sq0, sq1, sq2, sw0, sw1, sk0, sk1,
-                 H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """A [BLOCK_M, BLOCK_N] tile of logits: :func:`head_sum` against :func:`key_tile`, then the
-    keys' fp8 scale. The plain prefill kernel and the fused indexer + top-k filter both compute
-    their tiles here, so the fused path chooses from the plain path's logits bit for bit."""
-    d = tl.arange(0, DP)
-    dmask = d < D
-    ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
-    acc = head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask,
-                   sq0, sq1, sq2, sw0, sw1, H, BLOCK_M, BLOCK_N, UPCAST)
+        acc += wh[:, None] * tl.maximum(qk_dot(qh, ktt, UPCAST), 0.0)
     if FP8:
         c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
         acc = acc * c[None, :]
@@ -244,20 +233,13 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
     p0 = tl.program_id(0) * PAGES
     ke = tl.load(ke_ptr + row)
     slot = tl.arange(0, S)
-    head = tl.arange(0, HP)
-    hmask = head < H
-    d = tl.arange(0, DP)
-    dmask = d < D
     # pages of this program holding keys before key_end (the rest store -inf)
     live = tl.minimum(tl.maximum((ke - p0 * S + S - 1) // S, 0), PAGES).to(tl.int32)
     live = tl.minimum(live, M - p0)
     if live > 0:
         req = tl.load(req_ptr + row).to(tl.int64)
-        qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
-                     mask=hmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-        wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
+        qt, wv, d, dmask = query_heads(q_ptr, w_ptr, row, sq0, sq1, sq2, sw0, sw1, H, HP, D, DP,
+                                       UPCAST)
         for i in tl.range(0, live, num_stages=STAGES):
             pg = p0 + i
             page = tl.load(bt_ptr + req * sbt0 + pg.to(tl.int64) * sbt1).to(tl.int64)
