@@ -119,42 +119,39 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
 
 
 @triton.jit
-def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.constexpr):
-    """The need-th largest order key of a row's ``nc`` candidates (values at ``vrow``), or with
-    ``COLS`` the need-th largest ``2^31 - 1 - column`` (columns at ``crow``) among those whose
-    key is ``key``: 4 radix rounds of 8 bits in steps of RB candidates. Returns how many of the
-    candidates equal to it are still needed, its bits, and the last round's histogram."""
+def _column_cut(vrow, crow, nc, need, key, RB: tl.constexpr):
+    """The need-th largest ``2^31 - 1 - column`` (columns at ``crow``) among a row's ``nc``
+    candidates (values at ``vrow``) whose order key is ``key``: 4 radix rounds of 8 bits in
+    steps of RB candidates."""
     prefix = tl.zeros([], tl.int32)  # the bits found so far
-    hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(4):
         hist = tl.zeros([256], tl.int32)
         for c0 in range(0, nc, RB):
             i = c0 + tl.arange(0, RB)
             m = i < nc
             s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
-            if COLS:
-                inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
-                d, mm = radix_digit(inv, m & (s == key), prefix, p)
-            else:
-                d, mm = radix_digit(s, m, prefix, p)
+            inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
+            d, mm = radix_digit(inv, m & (s == key), prefix, p)
             hist += tl.histogram(d, 256, mask=mm)
         need, prefix = radix_step(hist, need, prefix, p)
-    return need, prefix, hist
+    return prefix
 
 
 @triton.jit
-def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
-    """:func:`_radix_candidates` of the keys (``COLS`` off) with its last two rounds over the
-    keys matching the first two rounds' 16 bits only: those (round 1's bin) are copied into the
-    row's ``need`` output slots at ``orow`` first (the output is written after); a bin larger
-    than the slots keeps the rounds over every candidate."""
+def _kth_key(vrow, nc, need, orow, RB: tl.constexpr, COMPACT: tl.constexpr):
+    """The need-th largest order key of a row's ``nc`` candidates (values at ``vrow``) by 4
+    radix rounds of 8 bits: how many of the candidates equal to it are still needed, its bits,
+    and the last round's histogram. ``COMPACT``: the last two rounds over the keys matching the
+    first two rounds' 16 bits only, copied into the row's ``need`` output slots at ``orow``
+    first (the output is written after); a bin larger than the slots keeps the rounds over
+    every candidate."""
     room = need
     prefix = tl.zeros([], tl.int32)
     for p in tl.static_range(2):
         hist = key_round(vrow, nc, prefix, p, RB, True)
         need, prefix = radix_step(hist, need, prefix, p)
     nk = bin_count(hist, prefix, 1)
-    if nk <= room:
+    if COMPACT and nk <= room:
         nput = tl.zeros([], tl.int32)
         for c0 in range(0, nc, RB):
             i = c0 + tl.arange(0, RB)
@@ -183,19 +180,15 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
             crow = col_ptr + row * CAP
             orow = out_ptr + row * K
             # the K-th key, and how many candidates equal to it to take
-            if COMPACT:
-                need, prefix, hist = _kth_key_compact(vrow, nc, K + tl.zeros([], tl.int32),
-                                                      orow, RB)
-            else:
-                need, prefix, hist = _radix_candidates(vrow, crow, nc,
-                                                       K + tl.zeros([], tl.int32), 0, False, RB)
+            need, prefix, hist = _kth_key(vrow, nc, K + tl.zeros([], tl.int32), orow, RB,
+                                          COMPACT)
             # candidates equal to the K-th key: the last round's bin of its low 8 bits
             tied = tl.sum(tl.where(tl.arange(0, 256) == (prefix & 255), hist, 0), axis=0)
             # the tied candidates kept: those whose 2^31 - 1 - column is at least cut (all of
             # them unless fewer are needed: then the need-th largest, i.e. the lowest columns)
             cut = tl.full([], -2147483648, tl.int32)
             if need < tied:
-                _, cut, _ = _radix_candidates(vrow, crow, nc, need, prefix, True, RB)
+                cut = _column_cut(vrow, crow, nc, need, prefix, RB)
             wpos = tl.zeros([], tl.int32)
             for c0 in range(0, nc, RB):
                 i = c0 + tl.arange(0, RB)

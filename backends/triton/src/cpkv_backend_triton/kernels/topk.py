@@ -142,26 +142,21 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
     fit)."""
     room = need
     prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
-    if COMPACT:
-        for p in tl.static_range(2):
-            hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
-            need, prefix = radix_step(hist, need, prefix, p)
-        nk = bin_count(hist, prefix, 1)
-        if nk <= room:
-            kptr = orow + wpos
-            nput = tl.zeros([], tl.int32)
-            for j in range(0, NS):
-                nc = tl.load(cnt0 + j)
-                for c0 in range(0, nc, RB):
-                    _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
-                    nput = copy_bin(kptr, nput, s, m, prefix)
-            need, prefix, hist = copied_rounds(kptr, nk, need, prefix, RB)
-        else:
-            for p in tl.static_range(2, 4):
-                hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
-                need, prefix = radix_step(hist, need, prefix, p)
+    for p in tl.static_range(2):
+        hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
+        need, prefix = radix_step(hist, need, prefix, p)
+    nk = bin_count(hist, prefix, 1)
+    if COMPACT and nk <= room:
+        kptr = orow + wpos
+        nput = tl.zeros([], tl.int32)
+        for j in range(0, NS):
+            nc = tl.load(cnt0 + j)
+            for c0 in range(0, nc, RB):
+                _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
+                nput = copy_bin(kptr, nput, s, m, prefix)
+        need, prefix, hist = copied_rounds(kptr, nk, need, prefix, RB)
     else:
-        for p in tl.static_range(4):
+        for p in tl.static_range(2, 4):
             hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
             need, prefix = radix_step(hist, need, prefix, p)
     eq_seen = tl.zeros([], tl.int32)
