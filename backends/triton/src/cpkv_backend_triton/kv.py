@@ -66,9 +66,7 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
 
 def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()`` [P, ...] as a [P, R] view (row stride R)."""
-    v = _dense_rows(t.contiguous())
-    assert v is not None  # a contiguous tensor's rows are dense
-    return v
+    return t.contiguous().view(t.shape[0], math.prod(t.shape[1:]))
 
 
 def _dense_rows_or_copy(t: torch.Tensor) -> torch.Tensor:
@@ -238,9 +236,7 @@ class KVKernels:
                         detail=f"destination rows not dense: shape {tuple(dst.shape)}, "
                                f"strides {dst.stride()}")
         tmp = dst.contiguous()
-        t2 = _dense_rows(tmp)
-        assert t2 is not None
-        _launch_copy(s2, t2, None, index, n)
+        _launch_copy(s2, _contiguous_rows(tmp), None, index, n)
         dst.copy_(tmp)
 
     def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,

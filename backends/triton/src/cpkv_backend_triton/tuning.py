@@ -207,9 +207,11 @@ _INDEXER_TOPK = IndexerTopkParams(
     EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4, FLOOR_ROUNDS=3, COMPACT=1)
 
 
+#: a row of any launch
+AnyRow = (Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
+          | Row[IndexerTopkParams])
 #: every row; each launch has exactly one default row (``DeviceKey()``)
-TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
-             | Row[IndexerTopkParams], ...] = (
+TABLE: tuple[AnyRow, ...] = (
     Row(Launch.INDEXER, DeviceKey(), _INDEXER, "docs/triton.md: indexer"),
     Row(Launch.SPARSE_MLA, DeviceKey(), _MLA, "docs/triton.md: sparse MLA"),
     Row(Launch.SPARSE_MLA_LOWP, DeviceKey(), _MLA_LOWP, "docs/triton.md: sparse MLA"),
@@ -236,9 +238,7 @@ def _cuda_device(idx: int) -> tuple[str, tuple[int, int] | None]:
     return torch.cuda.get_device_name(idx), (major, minor)
 
 
-def row(op: Launch, name: str = "", capability: tuple[int, int] | None = None
-        ) -> (Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
-              | Row[IndexerTopkParams]):
+def row(op: Launch, name: str = "", capability: tuple[int, int] | None = None) -> AnyRow:
     """The most specific row of ``op`` for a device of ``name`` and ``capability``."""
     best = None
     for r in TABLE:

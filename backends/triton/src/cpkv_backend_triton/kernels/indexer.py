@@ -19,22 +19,14 @@ def key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST: tl.constex
     fp8)."""
     kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
                  mask=cmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        kt = kt.to(tl.float32)
-    else:
-        kt = kt.to(q_ptr.dtype.element_ty)
-    return tl.trans(kt)
+    return tl.trans(kt.to(tl.float32) if UPCAST else kt.to(q_ptr.dtype.element_ty))
 
 
 @triton.jit
 def qk_dot(q, kt, UPCAST: tl.constexpr):
     """``q @ kt`` of a query tile and a :func:`key_tile`: fp32 IEEE (``UPCAST``), else on the
     tensor cores in the operands' type."""
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        s = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
-    else:
-        s = tl.dot(q, kt)
-    return s
+    return tl.dot(q.to(tl.float32), kt, input_precision="ieee") if UPCAST else tl.dot(q, kt)
 
 
 @triton.jit
@@ -250,10 +242,7 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             kt = tl.load(k_ptr + base + slot[:, None] * KROW + d[None, :],
                          mask=inr[:, None] & dmask[None, :], other=0.0,
                          eviction_policy="evict_first")
-            if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-                kt = kt.to(tl.float32)
-            else:
-                kt = kt.to(q_ptr.dtype.element_ty)
+            kt = kt.to(tl.float32) if UPCAST else kt.to(q_ptr.dtype.element_ty)
             if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
                 sc = qk_dot(kt, tl.trans(qt), UPCAST)
                 acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)

@@ -28,14 +28,8 @@ def _copy_rows(src_ptr, dst_ptr, sidx_ptr, didx_ptr, n_rows, row_v, src_stride_v
     pid_c = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
-    if SRC_IDX:  # noqa: SIM108 (a constexpr branch: compiled away)
-        s_row = tl.load(sidx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        s_row = rows
-    if DST_IDX:  # noqa: SIM108
-        d_row = tl.load(didx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        d_row = rows
+    s_row = tl.load(sidx_ptr + rows, mask=rmask, other=0).to(tl.int64) if SRC_IDX else rows
+    d_row = tl.load(didx_ptr + rows, mask=rmask, other=0).to(tl.int64) if DST_IDX else rows
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < row_v * VEC
     s_off = (s_row * src_stride_v) * VEC
@@ -112,10 +106,7 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so
         dst = tl.load(rows_ptr + rows, mask=rmask, other=0)
         page, tok = dst // PS, dst % PS
         o_row = out_ptr + (page * so_n + tok * so_t)[:, None]
-        if SPLIT:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
-            s_row = scale_ptr + (page * ss_n + tok * ss_t)[:, None]
-        else:
-            s_row = o_row + DIMS
+        s_row = scale_ptr + (page * ss_n + tok * ss_t)[:, None] if SPLIT else o_row + DIMS
     else:
         o_row = out_ptr + rows[:, None] * so_n
         s_row = o_row + DIMS
@@ -164,10 +155,7 @@ def _fp8_unpack_kernel(p_ptr, out_ptr, idx_ptr, n_rows, sp_n, sp_b, so_n,
     b = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
-    if HAS_INDEX:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
-        src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        src = rows
+    src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64) if HAS_INDEX else rows
     p_row = p_ptr + src[:, None] * sp_n
     o_row = out_ptr + rows[:, None] * so_n
     if b < NBLK:

@@ -14,11 +14,7 @@ def _query_part(q_ptr, row, h64, hmask, d, dmask, sq0, sq1, sq2, kv_ptr, UPCAST:
     (``UPCAST``), else the latent rows' type."""
     q = tl.load(q_ptr + row * sq0 + h64[:, None] * sq1 + d[None, :] * sq2,
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        q = q.to(tl.float32)
-    else:
-        q = q.to(kv_ptr.dtype.element_ty)
-    return q
+    return q.to(tl.float32) if UPCAST else q.to(kv_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -79,10 +75,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
             r = p
             if P_CAT:
                 # two pieces as ONE matmul over 2 * BLOCK_K: [p1 | p2] @ [kv; kv] (interleaved)
-                if P_FP16:  # noqa: SIM108 (kept as a constexpr branch)
-                    p1 = r.to(tl.float16)
-                else:
-                    p1 = r.to(kv_ptr.dtype.element_ty)
+                p1 = r.to(tl.float16) if P_FP16 else r.to(kv_ptr.dtype.element_ty)
                 p2 = (r - p1.to(tl.float32)).to(p1.dtype)
                 pc = tl.reshape(tl.join(p1, p2), (BLOCK_H, 2 * BLOCK_K))
                 kvc = tl.reshape(tl.permute(tl.join(kvp, kvp), (0, 2, 1)), (2 * BLOCK_K, DA))
@@ -91,10 +84,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                 else:
                     acc = tl.dot(pc, kvc, acc)
             for _ in tl.static_range(0 if P_CAT else P_SPLIT):
-                if P_FP16:  # noqa: SIM108 (kept as a constexpr branch)
-                    piece = r.to(tl.float16)
-                else:
-                    piece = r.to(kv_ptr.dtype.element_ty)
+                piece = r.to(tl.float16) if P_FP16 else r.to(kv_ptr.dtype.element_ty)
                 r = r - piece.to(tl.float32)
                 if UPCAST:
                     acc = tl.dot(piece.to(tl.float32), kvp, acc, input_precision="ieee")
