@@ -115,11 +115,8 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so
         cmask = cols < QB
         mask = rmask[:, None] & cmask[None, :]
         d = b * QB + cols
-        if ROTATE:
-            v = hadamard_rows(tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0), cols,
-                              F32_DOT, NORM, OUT)
-        else:
-            v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0)
+        v = hadamard_rows(v, cols, F32_DOT, NORM, OUT) if ROTATE else v.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
         if POW2:  # the exponent + 1 when any mantissa bit is set, as the reference
             r = (amax * INV_MAX).to(tl.int32, bitcast=True)

@@ -18,6 +18,13 @@ def _query_part(q_ptr, row, h64, hmask, d, dmask, sq0, sq1, sq2, kv_ptr, UPCAST:
 
 
 @triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``a @ b + acc``: fp32 IEEE with ``UPCAST`` (``a`` converted, ``b`` fp32 already), else on
+    the tensor cores in the operands' type."""
+    return tl.dot(a.to(tl.float32), b, acc, input_precision="ieee") if UPCAST else tl.dot(a, b, acc)
+
+
+@triton.jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                        H, K, qk_scale,
                        sq0, sq1, sq2, skv0, skv1, si0, si1, so0, so1,
@@ -53,10 +60,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
         if HAS_B:
             kvb = tl.load(base + db[None, :] * skv1, mask=valid[:, None] & dbmask[None, :],
                           other=0.0)
-            if UPCAST:
-                s = tl.dot(qb, tl.trans(kvb.to(tl.float32)), s, input_precision="ieee")
-            else:
-                s = tl.dot(qb, tl.trans(kvb), s)
+            s = _dot(qb, tl.trans(kvb.to(tl.float32) if UPCAST else kvb), s, UPCAST)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -79,17 +83,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                 p2 = (r - p1.to(tl.float32)).to(p1.dtype)
                 pc = tl.reshape(tl.join(p1, p2), (BLOCK_H, 2 * BLOCK_K))
                 kvc = tl.reshape(tl.permute(tl.join(kvp, kvp), (0, 2, 1)), (2 * BLOCK_K, DA))
-                if UPCAST:
-                    acc = tl.dot(pc.to(tl.float32), kvc, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(pc, kvc, acc)
+                acc = _dot(pc, kvc, acc, UPCAST)
             for _ in tl.static_range(0 if P_CAT else P_SPLIT):
                 piece = r.to(tl.float16) if P_FP16 else r.to(kv_ptr.dtype.element_ty)
                 r = r - piece.to(tl.float32)
-                if UPCAST:
-                    acc = tl.dot(piece.to(tl.float32), kvp, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(piece, kvp, acc)
+                acc = _dot(piece, kvp, acc, UPCAST)
         else:
             acc = tl.dot(p, kva, acc, input_precision="ieee")
         m_i = m_new
