@@ -6,29 +6,14 @@ modules import the kernels under the Triton CPU interpreter, which the compiler 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from triton_interp import ptxas_report
+from triton_interp import compile_script, needs_bundled_ptxas, ptxas_report
 
-triton = pytest.importorskip("triton")
-
-
-def _run_script(script: str) -> dict:  # type: ignore[type-arg]
-    """``script`` run in a fresh interpreter without ``TRITON_INTERPRET`` (the compiler cannot
-    take interpreted kernels); its last stdout line as JSON."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when it is unset
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+pytest.importorskip("triton")
 
 
 def _needs_gluon() -> None:
@@ -39,14 +24,9 @@ def _needs_gluon() -> None:
 
 
 _SCRIPT = r"""
-import inspect, json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from cpkv_backend_triton.index_views import row_alignment as _row_alignment
 from cpkv_backend_triton.kernels.indexer import _indexer_paged_kernel
 
-names = list(inspect.signature(_indexer_paged_kernel.fn).parameters)
 ptrs = {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
         "bt_ptr": "*i32", "req_ptr": "*i32", "ke_ptr": "*i64", "out_ptr": "*fp32"}
 # what the JIT's specialization gives a real launch: 16-byte aligned tensors, the page and
@@ -57,12 +37,7 @@ out = {"kalign": kalign}
 for label, ka in (("with_hint", kalign), ("without", 1)):
     const = {"H": 64, "HP": 64, "D": 128, "DP": 128, "S": 64, "BQ": 1, "BLOCK_N": 128,
              "FP8": True, "UPCAST": False, "KALIGN": ka}
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-    src = ASTSource(fn=_indexer_paged_kernel, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+    ptx = sm90(_indexer_paged_kernel, ptrs, const, aligned, num_warps=4, num_stages=2).asm["ptx"]
     out[label] = {w: len(re.findall(r"ld\.global\." + w + r"\b", ptx)) for w in ("b8", "b32")}
 print(json.dumps(out))
 """
@@ -70,24 +45,17 @@ print(json.dumps(out))
 
 @pytest.mark.multiprocess
 def test_paged_indexer_key_loads_are_vectorized() -> None:
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.is_file():
-        pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
-    res = _run_script(_SCRIPT)
+    needs_bundled_ptxas()
+    res = compile_script(_SCRIPT)
     assert res["kalign"] == 4  # the DeepSeek fp8 pool's key rows start on 4-byte boundaries
     assert res["without"]["b8"] >= 128  # the key tile byte by byte
     assert res["with_hint"]["b8"] == 0 and res["with_hint"]["b32"] >= 32
 
 
 _PAGES_SCRIPT = r"""
-import inspect, json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from cpkv_backend_triton.index_views import row_alignment as _row_alignment
 from cpkv_backend_triton.kernels.indexer import _indexer_pages_kernel
 
-names = list(inspect.signature(_indexer_pages_kernel.fn).parameters)
 ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
         "bt_ptr": "*i32", "req_ptr": "*i32", "ke_ptr": "*i64", "out_ptr": "*fp32"}
 # (page step, first, key row, scale page step, scale first, scale row) in elements: the pool's
@@ -103,12 +71,8 @@ for lay, (kp, kf, krow, sp, sf, srow) in layouts.items():
                  "PAGES": 4, "STAGES": stages, "KEYS_M": km, "FP8": True,
                  "UPCAST": False,
                  "KALIGN": _row_alignment((kp, kf), 1), "sq2": 1, "sw1": 1, "sbt1": 1}
-        sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-        src = ASTSource(fn=_indexer_pages_kernel, signature=sig,
-                        constexprs={(names.index(k),): v for k, v in const.items()},
-                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
+        ptx = sm90(_indexer_pages_kernel, ptrs, const, aligned, num_warps=4,
+                   num_stages=1).asm["ptx"]
         out[f"{lay}_s{stages}_km{km}"] = {
             "b8": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.b8\s", ptx)),
             "v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
@@ -126,10 +90,8 @@ def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
     DeepGEMM's page-major keys in 16-byte pieces (``ld.global.v4`` into registers, or
     ``cp.async`` of 16 bytes when the page loop is pipelined); keys @ q^T sums the heads with
     fewer barriers and shuffles than q @ keys^T."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.is_file():
-        pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
-    res = _run_script(_PAGES_SCRIPT)
+    needs_bundled_ptxas()
+    res = compile_script(_PAGES_SCRIPT)
     assert all(r["b8"] == 0 for r in res.values()), res
     # the queries' 8 KB take 4 v4 loads a thread either way; page-major keys 4 more
     assert res["page_major_s1_km1"]["v4"] >= res["part_major_s1_km1"]["v4"] + 4, res
@@ -140,21 +102,13 @@ def test_page_tile_indexer_loads_pages_in_wide_pieces() -> None:
 
 
 _GLUON_FILTER_SCRIPT = r"""
-import inspect, json, re
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from cpkv_backend_triton.kernels.topk_gluon import _topk_filter_gluon_kernel as K
 
-names = list(inspect.signature(K.fn).parameters)
 ptrs = {"x_ptr": "*fp32", "ks_ptr": "*i64", "ke_ptr": "*i64", "floor_ptr": "*fp32",
         "cand_ptr": "*i64", "count_ptr": "*i32"}
 const = {"BLOCK": 1024, "CAP": 16384, "num_warps": 4}
-sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-src = GluonASTSource(fn=K, signature=sig,
-                     constexprs={(names.index(k),): v for k, v in const.items()},
-                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, "sx0"]})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+ptx = sm90(K, ptrs, const, [*ptrs, "sx0"], GluonASTSource, num_warps=4).asm["ptx"]
 out = {"v4": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32\s", ptx)),
        "bar": len(re.findall(r"bar\.sync", ptx)), "shfl": len(re.findall(r"shfl\.sync", ptx)),
        "st_shared": len(re.findall(r"st\.shared", ptx)), "ptx": ptx}
@@ -170,7 +124,7 @@ def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
     warps (a few barriers: the Triton filter with 16-byte loads converted the block through
     shared memory, 24 barriers); no spill where a ptxas reads the PTX."""
     _needs_gluon()
-    res = _run_script(_GLUON_FILTER_SCRIPT)
+    res = compile_script(_GLUON_FILTER_SCRIPT)
     res["ptxas"] = ptxas_report(res.pop("ptx"), tmp_path)
     # the unmasked blocks' loads; the masked last block's are scalar
     assert res["v4"] == 2, res
@@ -185,26 +139,17 @@ def test_gluon_topk_filter_scans_inside_threads(tmp_path: Path) -> None:
 
 
 _INDEXER_SCRIPT = r"""
-import inspect, json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from cpkv_backend_triton.kernels.indexer import _indexer_kernel as K
 from cpkv_backend_triton.tuning import Launch, row
 
 cfg = row(Launch.INDEXER, "NVIDIA H200", (9, 0)).params.as_dict()
-names = list(inspect.signature(K.fn).parameters)
 ptrs = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "k_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
         "ks_ptr": "*i64", "ke_ptr": "*i64", "out_ptr": "*fp32"}
 # what a real launch specializes: unit strides, 16-byte aligned pointers and row strides
 const = {"sq2": 1, "sk1": 1, "sw1": 1, "H": 64, "D": 128, "DP": 128,
          "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "FP8": True, "UPCAST": False}
-sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
-src = ASTSource(fn=K, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+k = sm90(K, ptrs, const, [*ptrs, "sq0", "sq1", "sw0", "sk0", "so0"],
+         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 print(json.dumps({"ptx": k.asm["ptx"], "threads": 32 * cfg["num_warps"]}))
 """
 
@@ -215,7 +160,7 @@ def test_prefill_indexer_keeps_three_ctas_an_sm(tmp_path: Path) -> None:
     SM in registers, without spills: Nsight Compute found it latency-bound at 3 warps a
     scheduler (docs/triton.md), and every variant measured above ~170 registers
     (2 CTAs an SM) was slower whatever it saved (the ``|s|`` split at 201: 0.86x)."""
-    res = _run_script(_INDEXER_SCRIPT)
+    res = compile_script(_INDEXER_SCRIPT)
     report = ptxas_report(res["ptx"], tmp_path)
     if report is None:
         pytest.skip("no ptxas here reads this PTX version: registers not checked")

@@ -7,24 +7,16 @@ interpreter, which the compiler cannot take)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from triton_interp import ptxas_report
+from triton_interp import compile_script, needs_bundled_ptxas, ptxas_report
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
 _SCRIPT = r"""
-import inspect, json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import cpkv_backend_triton.kernels.indexer as A
 import cpkv_backend_triton.kernels.indexer_topk as F
 from cpkv_backend_triton.indexer_topk import INDEXER_TOPK
@@ -36,15 +28,9 @@ TILE = {"H": 64, "D": 128, "DP": 128, "BLOCK_N": 128, "FP8": True, "UPCAST": Fal
 
 
 def build(fn, const, out_ptr="*fp32", **opts):
-    names = list(inspect.signature(fn.fn).parameters)
-    ptrs = {**PTRS, "out_ptr": out_ptr}
-    const = {**{n: 1 for n in ("sq2", "sk1", "sw1") if n in names}, **const}  # unit strides
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-    aligned = [n for n in names if n in ptrs or n in ("sq0", "sq1", "sw0", "sk0", "so0")]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": 3, **opts})
+    k = sm90(fn, {**PTRS, "out_ptr": out_ptr}, {"sq2": 1, "sk1": 1, "sw1": 1, **const},  # unit strides
+             [*PTRS, "out_ptr", "sq0", "sq1", "sw0", "sk0", "so0"],
+             **{"num_warps": 4, "num_stages": 3, **opts})
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
             "shared": k.metadata.shared}, k.asm["ptx"]
 
@@ -65,15 +51,8 @@ print(json.dumps(out))
 @pytest.mark.multiprocess
 def test_fused_kernels_compile_for_hopper_on_the_indexers_tensor_cores(tmp_path: Path) -> None:
     """The filter's tiles are the plain kernel's."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.is_file():
-        pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    needs_bundled_ptxas()
+    res = compile_script(_SCRIPT)
     assert res["plain"]["wgmma"] > 0
     assert res["filter"] == res["plain"]  # the same tiles on the same tensor-core path
     assert res["exact"]["wgmma"] > 0  # the flagged rows' heads stacked in one fp8 dot

@@ -1,6 +1,7 @@
 """Triton kernel modules for the tests: compiled for the GPU when there is a CUDA device, else
-run by Triton's CPU interpreter (``TRITON_INTERPRET=1``); and :func:`ptxas_report`, the
-registers and spills of a kernel compiled for Hopper on the CPU.
+run by Triton's CPU interpreter (``TRITON_INTERPRET=1``); and kernels compiled for Hopper on the
+CPU: :func:`compile_script` runs a script that compiles them, :func:`ptxas_report` gives the
+registers and spills of a kernel's PTX.
 
 ``triton.jit`` reads the variable when a kernel is defined and the interpreter again at launch;
 so :func:`import_kernels` sets it only around the import (re-importing a module imported
@@ -12,6 +13,7 @@ reads it).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -24,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-__all__ = ["CUDA", "assert_op_mixed_in", "bin_values", "import_kernels", "interp", "interpreter_env",
-           "ptxas_report"]
+__all__ = ["CUDA", "SM90_PRELUDE", "assert_op_mixed_in", "bin_values", "compile_script",
+           "import_kernels", "interp", "interpreter_env", "needs_bundled_ptxas", "ptxas_report"]
 
 CUDA = torch.cuda.is_available()
 #: a test of the interpreted kernels (with CUDA the kernels are compiled: the gpu tests run)
@@ -103,3 +105,47 @@ def ptxas_report(ptx: str, tmp: Path) -> str | None:
             if r.returncode == 0:
                 return r.stderr
     return None
+
+
+#: the prelude of :func:`compile_script`'s scripts: ``sm90(fn, ptrs, const, aligned, source,
+#: **options)`` compiles kernel ``fn`` for Hopper: ``ptrs`` its pointer arguments' types, the
+#: other arguments i32 unless ``const`` gives their value, those named in ``aligned``
+#: specialised as multiples of 16 (as a real launch's 16-byte aligned tensors and strides are);
+#: names the kernel does not have are passed over
+SM90_PRELUDE = r"""
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def sm90(fn, ptrs, const, aligned, source=ASTSource, **options):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+    src = source(fn=fn, signature=sig,
+                 constexprs={(names.index(k),): v for k, v in const.items() if k in names},
+                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned
+                        if n in names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+"""
+
+
+def compile_script(script: str) -> dict[str, Any]:
+    """``script`` after :data:`SM90_PRELUDE`, run in a fresh interpreter without
+    ``TRITON_INTERPRET`` (the compiler cannot take the interpreted kernels other test modules
+    import): its last stdout line as JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when it is unset
+    proc = subprocess.run([sys.executable, "-c", SM90_PRELUDE + script], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def needs_bundled_ptxas() -> None:
+    """Skip the calling test when this Triton has no bundled ptxas (it compiles no PTX here)."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file():
+        pytest.skip(f"this Triton has no bundled ptxas ({ptxas})")

@@ -7,7 +7,7 @@ arguments, picks a kernel and a launch from :mod:`.tuning` and launches; shape-d
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import triton
@@ -47,10 +47,10 @@ from .topk import topk as select_topk
 from .tuning import DeviceTuned, Launch
 
 if TYPE_CHECKING:
-    from cpkv.ops.api import KVPart
+    from .kv import KVKernels
 
 
-__all__ = ["AttentionKernels", "MLAPrecision", "PageReader"]
+__all__ = ["AttentionKernels", "MLAPrecision"]
 
 #: the precision of sparse MLA on 16-bit inputs (see :class:`AttentionKernels`)
 MLAPrecision = Literal["bf16", "exact"]
@@ -62,15 +62,6 @@ MLA_DEFAULT = DeviceTuned(Launch.SPARSE_MLA)
 #: 16-bit q/kv (the production path): one bf16 P, FlashMLA's precision, within bf16 tolerance of
 #: the fp32 reference (the conformance suite's 16-bit tolerance)
 MLA_LOWP_DEFAULT = DeviceTuned(Launch.SPARSE_MLA_LOWP)
-
-
-class PageReader(Protocol):
-    """The two KV ops ``sparse_mla_paged`` reads the pool's pages with (a :class:`KVKernels`)."""
-
-    def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
-
-    def fp8_unpack(self, packed: torch.Tensor, fmt: KVFormat, part: KVPart,
-                   dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class AttentionKernels:
@@ -92,7 +83,7 @@ class AttentionKernels:
 
     def __init__(self, indexer_config: dict[str, int] | None = None,
                  mla_config: dict[str, int] | None = None, topk_method: str = TOPK_METHOD,
-                 mla_precision: MLAPrecision = "bf16", kv: PageReader | None = None) -> None:
+                 mla_precision: MLAPrecision = "bf16", kv: KVKernels | None = None) -> None:
         if topk_method not in ("radix", "torch"):
             raise ValueError(f"topk_method must be 'radix' or 'torch', got {topk_method!r}")
         if mla_precision not in ("bf16", "exact"):
@@ -137,26 +128,22 @@ class AttentionKernels:
         # unused pointer for float keys (the check gives fp8 keys, and only them, a scale)
         scale = k_scale.contiguous() if k_scale is not None else out
         dp = dot_width(d, both_fp8, upcast)
+        args = (q, w, k, scale, ks, ke, out, n, t, q.stride(0), q.stride(1), q.stride(2),
+                w.stride(0), w.stride(1), k.stride(0), k.stride(1), out.stride(0))
         if n <= cfg["FEW_ROWS"]:  # a decode step's rows: every head in one dot per key tile
             hp = pow2(heads, 1)
             bq = min(pow2(n, 1), max(1, 128 // hp))  # at most 128 stacked (row, head) pairs
             bq = max(bq, 16 // hp)  # a dot takes at least 16 rows (hp is a power of two)
             bnf = min(cfg["FEW_BLOCK_N"], pow2(t))
             self._launch(("indexer_few", q.dtype, k.dtype, heads, d, bq, bnf, upcast),
-                         _indexer_few_rows_kernel, (triton.cdiv(t, bnf), triton.cdiv(n, bq)),
-                         (q, w, k, scale, ks, ke, out, n, t,
-                          q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
-                          k.stride(0), k.stride(1), out.stride(0)),
+                         _indexer_few_rows_kernel, (triton.cdiv(t, bnf), triton.cdiv(n, bq)), args,
                          {"H": heads, "HP": hp, "D": d, "DP": dp, "BQ": bq, "BLOCK_N": bnf,
                           "FP8": fp8, "UPCAST": upcast},
                          cfg["few_warps"], cfg["num_stages"])
             return out
         grid = (triton.cdiv(t, bn), triton.cdiv(n, bm))
         key = ("indexer", q.dtype, k.dtype, heads, d, bm, bn, upcast)
-        self._launch(key, _indexer_kernel, grid,
-                     (q, w, k, scale, ks, ke, out, n, t,
-                      q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
-                      k.stride(0), k.stride(1), out.stride(0)),
+        self._launch(key, _indexer_kernel, grid, args,
                      {"H": heads, "D": d, "DP": dp, "BLOCK_M": bm, "BLOCK_N": bn, "FP8": fp8,
                       "UPCAST": upcast},
                      cfg["num_warps"], cfg["num_stages"])

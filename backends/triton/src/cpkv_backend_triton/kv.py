@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -45,22 +45,10 @@ __all__ = ["KVKernels"]
 _UNIT_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-class CopyTune(TypedDict):
-    """The copy kernels' launch knobs (see :data:`COPY_TUNE`)."""
-
-    program_bytes: int
-    col_bytes: int
-    num_warps: int | None
-
-
-#: bytes one program of ``_copy_rows`` moves, at most ``col_bytes`` of a row per column block,
-#: and its warps (None: 8 from 8 KB up, 4 from 4 KB, else 2; docs/triton.md: the sweep)
-COPY_TUNE: CopyTune = {"program_bytes": 8192, "col_bytes": 4096, "num_warps": None}
-
-
-def _copy_warps(block_bytes: int) -> int:
-    return COPY_TUNE["num_warps"] or (8 if block_bytes >= 8192 else 4 if block_bytes >= 4096
-                                      else 2)
+#: bytes one program of ``_copy_rows`` moves, at most ``COPY_COL_BYTES`` of a row per column
+#: block; its warps: 8 from 8 KB up, 4 from 4 KB, else 2 (docs/triton.md: the sweep)
+COPY_PROGRAM_BYTES = 8192
+COPY_COL_BYTES = 4096
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -78,9 +66,7 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor | None:
 
 def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()`` [P, ...] as a [P, R] view (row stride R)."""
-    v = _dense_rows(t.contiguous())
-    assert v is not None  # a contiguous tensor's rows are dense
-    return v
+    return t.contiguous().view(t.shape[0], math.prod(t.shape[1:]))
 
 
 def _dense_rows_or_copy(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +80,7 @@ class _CopyShape:
     """How ``_copy_rows`` / ``_peer_copy_rows`` move ``n`` rows of [*, R] views of one dtype
     (rows dense, any row stride): the widest unit (8, 4, 2 or 1 bytes) that the row bytes, every
     base pointer and every row stride allow, a ``vec``-unit (up to 16 B) alignment, and the
-    launch shape (about ``COPY_TUNE["program_bytes"]`` per program)."""
+    launch shape (about :data:`COPY_PROGRAM_BYTES` per program)."""
 
     def __init__(self, views: list[torch.Tensor], n: int) -> None:
         first = views[0]
@@ -109,12 +95,13 @@ class _CopyShape:
         self.dtype = _UNIT_DTYPE[unit]
         self.row_units = row_bytes // unit
         self.block_c = min(triton.next_power_of_2(self.row_units),
-                           max(16, COPY_TUNE["col_bytes"] // unit))
+                           max(16, COPY_COL_BYTES // unit))
         # several rows per program when rows are short
-        self.block_r = max(1, min(64, (COPY_TUNE["program_bytes"] // unit) // self.block_c,
+        self.block_r = max(1, min(64, (COPY_PROGRAM_BYTES // unit) // self.block_c,
                                   triton.next_power_of_2(n)))
         self.grid = (triton.cdiv(n, self.block_r), triton.cdiv(self.row_units, self.block_c))
-        self.num_warps = _copy_warps(self.block_r * self.block_c * unit)
+        block_bytes = self.block_r * self.block_c * unit
+        self.num_warps = 8 if block_bytes >= 8192 else 4 if block_bytes >= 4096 else 2
 
     def units(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` viewed in the copy unit."""
@@ -151,9 +138,8 @@ def _launch_peer_copy(srcs: list[torch.Tensor], dst2: torch.Tensor, owner: torch
     d = sh.units(dst2)
     ss = [sh.units(s) for s in srcs]
     for base in range(0, len(ss), MAX_PEERS):
-        part = ss[base: base + MAX_PEERS]
-        ptrs = part + [part[0]] * (MAX_PEERS - len(part))
-        _peer_copy_rows[sh.grid](*ptrs, d, owner, rows, n, sh.row_units // sh.vec,
+        part = tuple(ss[base: base + MAX_PEERS])
+        _peer_copy_rows[sh.grid](part, d, owner, rows, n, sh.row_units // sh.vec,
                                  sh.stride(ss[0]), sh.stride(d), base, NSRC=len(part),
                                  VEC=sh.vec, BLOCK_R=sh.block_r, BLOCK_C=sh.block_c,
                                  num_warps=sh.num_warps)
@@ -250,9 +236,7 @@ class KVKernels:
                         detail=f"destination rows not dense: shape {tuple(dst.shape)}, "
                                f"strides {dst.stride()}")
         tmp = dst.contiguous()
-        t2 = _dense_rows(tmp)
-        assert t2 is not None
-        _launch_copy(s2, t2, None, index, n)
+        _launch_copy(s2, _contiguous_rows(tmp), None, index, n)
         dst.copy_(tmp)
 
     def page_copy(self, dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor,

@@ -139,12 +139,12 @@ class TopkLongParams(_Params):
     GLUON: int
     num_warps: int
     select_warps: int
-    FEW_ROWS: int = 0
-    few_floor_warps: int = 0
-    few_select_warps: int = 0
-    few_BLOCK: int = 0
-    FLOOR_ROUNDS: int = 4
-    COMPACT: int = 0
+    FEW_ROWS: int
+    few_floor_warps: int
+    few_select_warps: int
+    few_BLOCK: int
+    FLOOR_ROUNDS: int
+    COMPACT: int
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class IndexerTopkParams(_Params):
     exact_warps: int
     floor_warps: int
     FLOOR_ROUNDS: int
-    COMPACT: int = 0
+    COMPACT: int
 
 
 P = TypeVar("P", IndexerParams, MLAParams, TopkParams, TopkLongParams, IndexerTopkParams)
@@ -207,9 +207,11 @@ _INDEXER_TOPK = IndexerTopkParams(
     EXACT_BLOCK_N=128, exact_warps=4, floor_warps=4, FLOOR_ROUNDS=3, COMPACT=1)
 
 
+#: a row of any launch
+AnyRow = (Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
+          | Row[IndexerTopkParams])
 #: every row; each launch has exactly one default row (``DeviceKey()``)
-TABLE: tuple[Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
-             | Row[IndexerTopkParams], ...] = (
+TABLE: tuple[AnyRow, ...] = (
     Row(Launch.INDEXER, DeviceKey(), _INDEXER, "docs/triton.md: indexer"),
     Row(Launch.SPARSE_MLA, DeviceKey(), _MLA, "docs/triton.md: sparse MLA"),
     Row(Launch.SPARSE_MLA_LOWP, DeviceKey(), _MLA_LOWP, "docs/triton.md: sparse MLA"),
@@ -236,9 +238,7 @@ def _cuda_device(idx: int) -> tuple[str, tuple[int, int] | None]:
     return torch.cuda.get_device_name(idx), (major, minor)
 
 
-def row(op: Launch, name: str = "", capability: tuple[int, int] | None = None
-        ) -> (Row[IndexerParams] | Row[MLAParams] | Row[TopkParams] | Row[TopkLongParams]
-              | Row[IndexerTopkParams]):
+def row(op: Launch, name: str = "", capability: tuple[int, int] | None = None) -> AnyRow:
     """The most specific row of ``op`` for a device of ``name`` and ``capability``."""
     best = None
     for r in TABLE:

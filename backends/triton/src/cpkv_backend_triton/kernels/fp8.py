@@ -72,10 +72,8 @@ def hadamard_rows(x, d, F32_DOT: tl.constexpr, NORM: tl.constexpr, OUT: tl.const
     b = b ^ (b >> 2)
     b = b ^ (b >> 1)
     sign = 1.0 - 2.0 * (b & 1).to(tl.float32)
-    if F32_DOT:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
-        y = tl.dot(x.to(tl.float32), sign, input_precision="ieee")
-    else:
-        y = tl.dot(x, sign.to(x.dtype))
+    y = (tl.dot(x.to(tl.float32), sign, input_precision="ieee") if F32_DOT
+         else tl.dot(x, sign.to(x.dtype)))
     y = y * NORM
     if OUT == 0:  # to nearest even in integer ops (the interpreter's cast truncates)
         y = (bf16_bits(y) << 16).to(tl.float32, bitcast=True)

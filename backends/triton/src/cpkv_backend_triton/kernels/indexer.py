@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["head_sum", "indexer_tile", "key_tile", "qk_dot"]
+__all__ = ["head_logits", "indexer_tile", "key_tile", "qk_dot", "query_heads"]
 
 
 @triton.jit
@@ -19,39 +19,38 @@ def key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST: tl.constex
     fp8)."""
     kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
                  mask=cmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        kt = kt.to(tl.float32)
-    else:
-        kt = kt.to(q_ptr.dtype.element_ty)
-    return tl.trans(kt)
+    return tl.trans(kt.to(tl.float32) if UPCAST else kt.to(q_ptr.dtype.element_ty))
 
 
 @triton.jit
 def qk_dot(q, kt, UPCAST: tl.constexpr):
     """``q @ kt`` of a query tile and a :func:`key_tile`: fp32 IEEE (``UPCAST``), else on the
     tensor cores in the operands' type."""
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        s = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
-    else:
-        s = tl.dot(q, kt)
-    return s
+    return tl.dot(q.to(tl.float32), kt, input_precision="ieee") if UPCAST else tl.dot(q, kt)
 
 
 @triton.jit
-def head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask, sq0, sq1, sq2, sw0, sw1,
-             H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             UPCAST: tl.constexpr):
-    """The tile's ``sum_h w[i, h] relu(q[i, h] . k[j])`` (fp32 [BLOCK_M, BLOCK_N], before the
-    keys' fp8 scale) against the key tile ``ktt``."""
-    qmask = rmask[:, None] & dmask[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    qbase = q_ptr + rows64[:, None] * sq0 + d[None, :] * sq2
-    for h in range(H):
-        qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
-        wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
-        s = qk_dot(qh, ktt, UPCAST)
-        acc += wh[:, None] * tl.maximum(s, 0.0)
-    return acc
+def query_heads(q_ptr, w_ptr, row, sq0, sq1, sq2, sw0, sw1, H: tl.constexpr, HP: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, UPCAST: tl.constexpr):
+    """One query row's heads ``[HP, DP]`` (fp32 with ``UPCAST``) and head weights ``[HP]``,
+    zero past H and D, with the head dim's lanes ``d`` and their mask."""
+    head = tl.arange(0, HP)
+    hmask = head < H
+    d = tl.arange(0, DP)
+    dmask = d < D
+    qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
+                 mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
+    return qt, wv, d, dmask
+
+
+@triton.jit
+def head_logits(qt, wv, ktt, UPCAST: tl.constexpr):
+    """One row's ``sum_h wv[h] relu(qt[h] . k[j])`` (its heads ``qt`` [HP, DP] stacked in one
+    dot against the key tile ``ktt`` [DP, N]), before the keys' fp8 scale."""
+    return tl.sum(wv[:, None] * tl.maximum(qk_dot(qt, ktt, UPCAST), 0.0), axis=0)
 
 
 @triton.jit
@@ -59,14 +58,20 @@ def indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
                  sq0, sq1, sq2, sw0, sw1, sk0, sk1,
                  H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """A [BLOCK_M, BLOCK_N] tile of logits: :func:`head_sum` against :func:`key_tile`, then the
-    keys' fp8 scale. The plain prefill kernel and the fused indexer + top-k filter both compute
-    their tiles here, so the fused path chooses from the plain path's logits bit for bit."""
+    """A [BLOCK_M, BLOCK_N] tile of logits: ``sum_h w[i, h] relu(q[i, h] . k[j])`` (a dot a
+    head against :func:`key_tile`), then the keys' fp8 scale. The plain prefill kernel and the
+    fused indexer + top-k filter both compute their tiles here, so the fused path chooses from
+    the plain path's logits bit for bit."""
     d = tl.arange(0, DP)
     dmask = d < D
     ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
-    acc = head_sum(q_ptr, w_ptr, ktt, rows64, rmask, d, dmask,
-                   sq0, sq1, sq2, sw0, sw1, H, BLOCK_M, BLOCK_N, UPCAST)
+    qmask = rmask[:, None] & dmask[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    qbase = q_ptr + rows64[:, None] * sq0 + d[None, :] * sq2
+    for h in range(H):
+        qh = tl.load(qbase + h * sq1, mask=qmask, other=0.0)
+        wh = tl.load(w_ptr + rows64 * sw0 + h * sw1, mask=rmask, other=0.0)
+        acc += wh[:, None] * tl.maximum(qk_dot(qh, ktt, UPCAST), 0.0)
     if FP8:
         c = tl.load(scale_ptr + cols64, mask=cmask, other=0.0)
         acc = acc * c[None, :]
@@ -74,15 +79,23 @@ def indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
 
 
 @triton.jit
-def _key_span(ks_ptr, ke_ptr, rows, rmask):
-    """The rows' key ranges ``[ks, ke)`` and the span ``[lo, hi)`` they cover together (empty
-    and masked rows left out): key tiles outside it are skipped."""
+def _tile(ks_ptr, ke_ptr, N, T, BR: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (key tile, block of BR rows): its rows (and as int64) and columns with their
+    masks, the rows' key ranges ``[ks, ke)``, and whether the tile meets the span the rows'
+    ranges cover together (empty and masked rows left out; a tile outside it is not computed)."""
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
     ks = tl.load(ks_ptr + rows, mask=rmask, other=0)
     ke = tl.load(ke_ptr + rows, mask=rmask, other=0)
     nonempty = rmask & (ks < ke)
     lo = tl.min(tl.where(nonempty, ks, 9223372036854775807), axis=0)
     hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
-    return ks, ke, lo, hi
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < T
+    return rows, rows64, rmask, cols, cmask, ks, ke, (n0 < hi) & (n0 + BLOCK_N > lo)
 
 
 @triton.jit
@@ -102,18 +115,11 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
                     FP8: tl.constexpr, UPCAST: tl.constexpr):
     """Program (key tile, row block): the tile's logits (:func:`indexer_tile`), the
     keys' fp8 scale, -inf outside each row's range."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    ks, ke, lo, hi = _key_span(ks_ptr, ke_ptr, rows, rmask)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < T
+    rows, rows64, rmask, cols, cmask, ks, ke, meets = _tile(ks_ptr, ke_ptr, N, T, BLOCK_M,
+                                                            BLOCK_N)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if (n0 < hi) & (n0 + BLOCK_N > lo):  # the tile meets some row's range: compute it
+    if meets:
         acc = indexer_tile(q_ptr, w_ptr, k_ptr, scale_ptr, rows64, rmask, cols64, cmask,
                            sq0, sq1, sq2, sw0, sw1, sk0, sk1, H, D, DP, BLOCK_M, BLOCK_N, FP8,
                            UPCAST)
@@ -131,21 +137,14 @@ def _indexer_few_rows_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out
     stacked into one ``[BQ * HP, D]`` operand, one dot per key tile, the weighted head sum a
     reduction over that axis (instead of a loop of ``H`` dependent dots on a mostly empty
     row tile)."""
-    pid_n = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    qr = pid_q * BQ + tl.arange(0, BQ)
-    qmask = qr < N
-    ks, ke, lo, hi = _key_span(ks_ptr, ke_ptr, qr, qmask)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < T
+    qr, _, qmask, cols, cmask, ks, ke, meets = _tile(ks_ptr, ke_ptr, N, T, BQ, BLOCK_N)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros([BQ, BLOCK_N], dtype=tl.float32)
-    if (n0 < hi) & (n0 + BLOCK_N > lo):
+    if meets:
         m = tl.arange(0, BQ * HP)
         head = m % HP
-        rows64 = (pid_q * BQ + m // HP).to(tl.int64)
-        rmask = (pid_q * BQ + m // HP < N) & (head < H)
+        rows64 = (tl.program_id(1) * BQ + m // HP).to(tl.int64)
+        rmask = (tl.program_id(1) * BQ + m // HP < N) & (head < H)
         d = tl.arange(0, DP)
         dmask = d < D
         ktt = key_tile(k_ptr, q_ptr, cols64, cmask, d, dmask, sk0, sk1, UPCAST)
@@ -226,20 +225,13 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
     p0 = tl.program_id(0) * PAGES
     ke = tl.load(ke_ptr + row)
     slot = tl.arange(0, S)
-    head = tl.arange(0, HP)
-    hmask = head < H
-    d = tl.arange(0, DP)
-    dmask = d < D
     # pages of this program holding keys before key_end (the rest store -inf)
     live = tl.minimum(tl.maximum((ke - p0 * S + S - 1) // S, 0), PAGES).to(tl.int32)
     live = tl.minimum(live, M - p0)
     if live > 0:
         req = tl.load(req_ptr + row).to(tl.int64)
-        qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
-                     mask=hmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-        wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
+        qt, wv, d, dmask = query_heads(q_ptr, w_ptr, row, sq0, sq1, sq2, sw0, sw1, H, HP, D, DP,
+                                       UPCAST)
         for i in tl.range(0, live, num_stages=STAGES):
             pg = p0 + i
             page = tl.load(bt_ptr + req * sbt0 + pg.to(tl.int64) * sbt1).to(tl.int64)
@@ -250,16 +242,12 @@ def _indexer_pages_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, bt_ptr, req_ptr, ke_pt
             kt = tl.load(k_ptr + base + slot[:, None] * KROW + d[None, :],
                          mask=inr[:, None] & dmask[None, :], other=0.0,
                          eviction_policy="evict_first")
-            if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-                kt = kt.to(tl.float32)
-            else:
-                kt = kt.to(q_ptr.dtype.element_ty)
+            kt = kt.to(tl.float32) if UPCAST else kt.to(q_ptr.dtype.element_ty)
             if KEYS_M:  # [S, HP]: the keys the dot's rows, the head sum within a warp
                 sc = qk_dot(kt, tl.trans(qt), UPCAST)
                 acc = tl.sum(wv[None, :] * tl.maximum(sc, 0.0), axis=1)
             else:  # [HP, S]: the heads the rows (as the key-tile kernel)
-                sc = qk_dot(qt, tl.trans(kt), UPCAST)
-                acc = tl.sum(wv[:, None] * tl.maximum(sc, 0.0), axis=0)
+                acc = head_logits(qt, wv, tl.trans(kt), UPCAST)
             if FP8:
                 c = tl.load(scale_ptr + page * s_page + s_first + slot * SROW, mask=inr,
                             other=0.0, eviction_policy="evict_first")

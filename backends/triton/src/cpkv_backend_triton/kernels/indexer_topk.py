@@ -8,19 +8,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .indexer import indexer_tile
+from .indexer import head_logits, indexer_tile, key_tile, query_heads
 from .radix import (
     bin_count,
     copied_rounds,
     copy_bin,
     key_round,
-    key_value,
-    list_short_row,
+    long_row,
     ord_key,
     radix_digit,
     radix_step,
     row_range,
-    take_ranked,
+    sample_floor,
+    select_row,
 )
 
 
@@ -35,19 +35,11 @@ def _sample_floor_kernel(xs_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, NSC, STRIDE, s
     if cnt > K:
         i = tl.arange(0, SP)
         valid = i < NSC
-        x = tl.load(xs_ptr + row * sx0 + i, mask=valid, other=float("-inf"))
-        s = ord_key(x)
+        s = ord_key(tl.load(xs_ptr + row * sx0 + i, mask=valid, other=float("-inf")))
         # the sample's columns inside [start, end): i * STRIDE in it
         m = (end + STRIDE - 1) // STRIDE - (start + STRIDE - 1) // STRIDE
-        est = (K * m) // cnt
-        margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
-        place = est + margin  # 0-based, descending
-        need = place + 1
-        prefix = tl.zeros([], tl.int32)
-        for p in tl.static_range(ROUNDS):
-            d, mm = radix_digit(s, valid, prefix, p)
-            need, prefix = radix_step(tl.histogram(d, 256, mask=mm), need, prefix, p)
-        tl.store(floor_ptr + row, tl.where(place < m, key_value(prefix), float("-inf")))
+        lo = sample_floor(s, valid, (K * m) // cnt, m, ROUNDS)
+        tl.store(floor_ptr + row, lo)
 
 
 #: one logit's candidate test and append, as PTX (``ASM``): ``$1`` the logit (-inf outside its
@@ -127,42 +119,39 @@ def _fused_filter_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, floor_p
 
 
 @triton.jit
-def _radix_candidates(vrow, crow, nc, need, key, COLS: tl.constexpr, RB: tl.constexpr):
-    """The need-th largest order key of a row's ``nc`` candidates (values at ``vrow``), or with
-    ``COLS`` the need-th largest ``2^31 - 1 - column`` (columns at ``crow``) among those whose
-    key is ``key``: 4 radix rounds of 8 bits in steps of RB candidates. Returns how many of the
-    candidates equal to it are still needed, its bits, and the last round's histogram."""
+def _column_cut(vrow, crow, nc, need, key, RB: tl.constexpr):
+    """The need-th largest ``2^31 - 1 - column`` (columns at ``crow``) among a row's ``nc``
+    candidates (values at ``vrow``) whose order key is ``key``: 4 radix rounds of 8 bits in
+    steps of RB candidates."""
     prefix = tl.zeros([], tl.int32)  # the bits found so far
-    hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(4):
         hist = tl.zeros([256], tl.int32)
         for c0 in range(0, nc, RB):
             i = c0 + tl.arange(0, RB)
             m = i < nc
             s = ord_key(tl.load(vrow + i, mask=m, other=0.0))
-            if COLS:
-                inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
-                d, mm = radix_digit(inv, m & (s == key), prefix, p)
-            else:
-                d, mm = radix_digit(s, m, prefix, p)
+            inv = 2147483647 - tl.load(crow + i, mask=m, other=0)
+            d, mm = radix_digit(inv, m & (s == key), prefix, p)
             hist += tl.histogram(d, 256, mask=mm)
         need, prefix = radix_step(hist, need, prefix, p)
-    return need, prefix, hist
+    return prefix
 
 
 @triton.jit
-def _kth_key_compact(vrow, nc, need, orow, RB: tl.constexpr):
-    """:func:`_radix_candidates` of the keys (``COLS`` off) with its last two rounds over the
-    keys matching the first two rounds' 16 bits only: those (round 1's bin) are copied into the
-    row's ``need`` output slots at ``orow`` first (the output is written after); a bin larger
-    than the slots keeps the rounds over every candidate."""
+def _kth_key(vrow, nc, need, orow, RB: tl.constexpr, COMPACT: tl.constexpr):
+    """The need-th largest order key of a row's ``nc`` candidates (values at ``vrow``) by 4
+    radix rounds of 8 bits: how many of the candidates equal to it are still needed, its bits,
+    and the last round's histogram. ``COMPACT``: the last two rounds over the keys matching the
+    first two rounds' 16 bits only, copied into the row's ``need`` output slots at ``orow``
+    first (the output is written after); a bin larger than the slots keeps the rounds over
+    every candidate."""
     room = need
     prefix = tl.zeros([], tl.int32)
     for p in tl.static_range(2):
         hist = key_round(vrow, nc, prefix, p, RB, True)
         need, prefix = radix_step(hist, need, prefix, p)
     nk = bin_count(hist, prefix, 1)
-    if nk <= room:
+    if COMPACT and nk <= room:
         nput = tl.zeros([], tl.int32)
         for c0 in range(0, nc, RB):
             i = c0 + tl.arange(0, RB)
@@ -182,11 +171,7 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
     """Step 4 (a program a row): short rows listed ascending; the others' exact K of their
     candidates, written ascending; fewer than K or more than CAP: ``meta = -1`` (the exact pass)."""
     row = tl.program_id(0).to(tl.int64)
-    start, end = row_range(ks_ptr, ke_ptr, row, T)
-    count = tl.maximum(end - start, 0)
-    if count <= K:
-        list_short_row(out_ptr, row, start, count, K, KP)
-    else:
+    if long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP):
         nc = tl.load(count_ptr + row)
         if (nc < K) | (nc > CAP):
             tl.store(meta_ptr + row * 2, -1)
@@ -195,19 +180,15 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
             crow = col_ptr + row * CAP
             orow = out_ptr + row * K
             # the K-th key, and how many candidates equal to it to take
-            if COMPACT:
-                need, prefix, hist = _kth_key_compact(vrow, nc, K + tl.zeros([], tl.int32),
-                                                      orow, RB)
-            else:
-                need, prefix, hist = _radix_candidates(vrow, crow, nc,
-                                                       K + tl.zeros([], tl.int32), 0, False, RB)
+            need, prefix, hist = _kth_key(vrow, nc, K + tl.zeros([], tl.int32), orow, RB,
+                                          COMPACT)
             # candidates equal to the K-th key: the last round's bin of its low 8 bits
             tied = tl.sum(tl.where(tl.arange(0, 256) == (prefix & 255), hist, 0), axis=0)
             # the tied candidates kept: those whose 2^31 - 1 - column is at least cut (all of
             # them unless fewer are needed: then the need-th largest, i.e. the lowest columns)
             cut = tl.full([], -2147483648, tl.int32)
             if need < tied:
-                _, cut, _ = _radix_candidates(vrow, crow, nc, need, prefix, True, RB)
+                cut = _column_cut(vrow, crow, nc, need, prefix, RB)
             wpos = tl.zeros([], tl.int32)
             for c0 in range(0, nc, RB):
                 i = c0 + tl.arange(0, RB)
@@ -226,20 +207,15 @@ def _fused_select_kernel(val_ptr, col_ptr, count_ptr, ks_ptr, ke_ptr, out_ptr, m
 
 
 @triton.jit
-def _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """One row's logits at BLOCK_N columns: its heads stacked in one ``[HP, DP]`` dot."""
+def _indexer_keys(src, cols, m, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """The order keys of one row's logits at ``cols`` (``src``: the row's query heads and
+    weights, the keys' operands), for :func:`.radix.select_row`."""
+    q_ptr, qt, wv, k_ptr, scale_ptr, d, dmask, sk0, sk1 = src
     cols64 = cols.to(tl.int64)
-    kt = tl.load(k_ptr + cols64[:, None] * sk0 + d[None, :] * sk1,
-                 mask=m[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        s = tl.dot(qt, tl.trans(kt.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))
-    x = tl.sum(wv[:, None] * tl.maximum(s, 0.0), axis=0)
+    x = head_logits(qt, wv, key_tile(k_ptr, q_ptr, cols64, m, d, dmask, sk0, sk1, UPCAST), UPCAST)
     if FP8:
         x = x * tl.load(scale_ptr + cols64, mask=m, other=0.0)
-    return x
+    return ord_key(x)
 
 
 @triton.jit
@@ -254,34 +230,9 @@ def _fused_exact_kernel(q_ptr, w_ptr, k_ptr, scale_ptr, ks_ptr, ke_ptr, out_ptr,
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     if end - start > K:  # noqa: SIM102 (the meta load only for rows holding more than K keys)
         if tl.load(meta_ptr + row * 2) < 0:
-            head = tl.arange(0, HP)
-            hmask = head < H
-            d = tl.arange(0, DP)
-            dmask = d < D
-            qt = tl.load(q_ptr + row * sq0 + head[:, None] * sq1 + d[None, :] * sq2,
-                         mask=hmask[:, None] & dmask[None, :], other=0.0)
-            if UPCAST:
-                qt = qt.to(tl.float32)
-            wv = tl.load(w_ptr + row * sw0 + head * sw1, mask=hmask, other=0.0)
-            orow = out_ptr + row * K
-            need = K + tl.zeros([], tl.int32)
-            prefix = tl.zeros([], tl.int32)
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(start, end, BLOCK_N):
-                    cols = c0 + tl.arange(0, BLOCK_N)
-                    m = cols < end
-                    x = _row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1, FP8,
-                                    UPCAST)
-                    dg, mm = radix_digit(ord_key(x), m, prefix, p)
-                    hist += tl.histogram(dg, 256, mask=mm)
-                need, prefix = radix_step(hist, need, prefix, p)
-            wpos = tl.zeros([], tl.int32)
-            eq_seen = tl.zeros([], tl.int32)
-            for c0 in range(start, end, BLOCK_N):
-                cols = c0 + tl.arange(0, BLOCK_N)
-                m = cols < end
-                s = ord_key(_row_logits(qt, wv, k_ptr, scale_ptr, cols, m, d, dmask, sk0, sk1,
-                                        FP8, UPCAST))
-                wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m, cols, prefix, need)
+            qt, wv, d, dmask = query_heads(q_ptr, w_ptr, row, sq0, sq1, sq2, sw0, sw1, H, HP, D,
+                                           DP, UPCAST)
+            select_row(_indexer_keys, (q_ptr, qt, wv, k_ptr, scale_ptr, d, dmask, sk0, sk1),
+                       start, end, out_ptr + row * K, K + tl.zeros([], tl.int32), BLOCK_N, FP8,
+                       UPCAST)
             tl.store(meta_ptr + row * 2, K)

@@ -28,14 +28,8 @@ def _copy_rows(src_ptr, dst_ptr, sidx_ptr, didx_ptr, n_rows, row_v, src_stride_v
     pid_c = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
-    if SRC_IDX:  # noqa: SIM108 (a constexpr branch: compiled away)
-        s_row = tl.load(sidx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        s_row = rows
-    if DST_IDX:  # noqa: SIM108
-        d_row = tl.load(didx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        d_row = rows
+    s_row = tl.load(sidx_ptr + rows, mask=rmask, other=0).to(tl.int64) if SRC_IDX else rows
+    d_row = tl.load(didx_ptr + rows, mask=rmask, other=0).to(tl.int64) if DST_IDX else rows
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < row_v * VEC
     s_off = (s_row * src_stride_v) * VEC
@@ -46,11 +40,12 @@ def _copy_rows(src_ptr, dst_ptr, sidx_ptr, didx_ptr, n_rows, row_v, src_stride_v
 
 
 @triton.jit
-def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n_rows, row_v,
-                    src_stride_v, dst_stride_v, base, NSRC: tl.constexpr, VEC: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``dst[i] = src_{owner[i] - base}[idx[i]]`` for the rows whose owner is in [base,
-    base + NSRC); other rows are left alone. Units and strides as in ``_copy_rows``."""
+def _peer_copy_rows(srcs, dst_ptr, own_ptr, idx_ptr, n_rows, row_v, src_stride_v, dst_stride_v,
+                    base, NSRC: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """``dst[i] = srcs[owner[i] - base][idx[i]]`` for the rows whose owner is in [base,
+    base + NSRC) (``srcs``: a tuple of NSRC pointers); other rows are left alone. Units and
+    strides as in ``_copy_rows``."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -62,21 +57,9 @@ def _peer_copy_rows(s0, s1, s2, s3, s4, s5, s6, s7, dst_ptr, own_ptr, idx_ptr, n
     cmask = cols < row_v * VEC
     s_off = ((idx * src_stride_v) * VEC)[:, None] + cols[None, :]
     own2 = own[:, None]
-    p = s0 + s_off
-    if NSRC > 1:
-        p = tl.where(own2 == 1, s1 + s_off, p)
-    if NSRC > 2:
-        p = tl.where(own2 == 2, s2 + s_off, p)
-    if NSRC > 3:
-        p = tl.where(own2 == 3, s3 + s_off, p)
-    if NSRC > 4:
-        p = tl.where(own2 == 4, s4 + s_off, p)
-    if NSRC > 5:
-        p = tl.where(own2 == 5, s5 + s_off, p)
-    if NSRC > 6:
-        p = tl.where(own2 == 6, s6 + s_off, p)
-    if NSRC > 7:
-        p = tl.where(own2 == 7, s7 + s_off, p)
+    p = srcs[0] + s_off
+    for r in tl.static_range(1, NSRC):
+        p = tl.where(own2 == r, srcs[r] + s_off, p)
     mask = rmask[:, None] & cmask[None, :]
     vals = tl.load(p, mask=mask)
     d_off = (rows * dst_stride_v) * VEC
@@ -123,10 +106,7 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so
         dst = tl.load(rows_ptr + rows, mask=rmask, other=0)
         page, tok = dst // PS, dst % PS
         o_row = out_ptr + (page * so_n + tok * so_t)[:, None]
-        if SPLIT:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
-            s_row = scale_ptr + (page * ss_n + tok * ss_t)[:, None]
-        else:
-            s_row = o_row + DIMS
+        s_row = scale_ptr + (page * ss_n + tok * ss_t)[:, None] if SPLIT else o_row + DIMS
     else:
         o_row = out_ptr + rows[:, None] * so_n
         s_row = o_row + DIMS
@@ -135,11 +115,8 @@ def _fp8_pack_kernel(x_ptr, out_ptr, rows_ptr, scale_ptr, n_rows, sx_n, sx_d, so
         cmask = cols < QB
         mask = rmask[:, None] & cmask[None, :]
         d = b * QB + cols
-        if ROTATE:
-            v = hadamard_rows(tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0), cols,
-                              F32_DOT, NORM, OUT)
-        else:
-            v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(x_row + d[None, :] * sx_d, mask=mask, other=0.0)
+        v = hadamard_rows(v, cols, F32_DOT, NORM, OUT) if ROTATE else v.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
         if POW2:  # the exponent + 1 when any mantissa bit is set, as the reference
             r = (amax * INV_MAX).to(tl.int32, bitcast=True)
@@ -175,10 +152,7 @@ def _fp8_unpack_kernel(p_ptr, out_ptr, idx_ptr, n_rows, sp_n, sp_b, so_n,
     b = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
-    if HAS_INDEX:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
-        src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    else:
-        src = rows
+    src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64) if HAS_INDEX else rows
     p_row = p_ptr + src[:, None] * sp_n
     o_row = out_ptr + rows[:, None] * so_n
     if b < NBLK:

@@ -8,11 +8,24 @@ import triton
 import triton.language as tl
 
 
-# C901: the branches are tl.constexpr variants (HAS_B, UPCAST, P_SPLIT, ...), resolved at
-# compile time; each compiled kernel is straight-line, and a Triton helper per variant would
-# only move the switch
 @triton.jit
-def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,  # noqa: C901
+def _query_part(q_ptr, row, h64, hmask, d, dmask, sq0, sq1, sq2, kv_ptr, UPCAST: tl.constexpr):
+    """A query row's heads ``h64`` at the dims ``d`` in the first dot's input type: fp32
+    (``UPCAST``), else the latent rows' type."""
+    q = tl.load(q_ptr + row * sq0 + h64[:, None] * sq1 + d[None, :] * sq2,
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    return q.to(tl.float32) if UPCAST else q.to(kv_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``a @ b + acc``: fp32 IEEE with ``UPCAST`` (``a`` converted, ``b`` fp32 already), else on
+    the tensor cores in the operands' type."""
+    return tl.dot(a.to(tl.float32), b, acc, input_precision="ieee") if UPCAST else tl.dot(a, b, acc)
+
+
+@triton.jit
+def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,
                        H, K, qk_scale,
                        sq0, sq1, sq2, skv0, skv1, si0, si1, so0, so1,
                        DV: tl.constexpr, DK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
@@ -25,21 +38,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,  # noqa: C901
     h64 = h.to(tl.int64)
     da = tl.arange(0, DA)
     damask = da < DV
-    qa = tl.load(q_ptr + row * sq0 + h64[:, None] * sq1 + da[None, :] * sq2,
-                 mask=hmask[:, None] & damask[None, :], other=0.0)
-    if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-        qa = qa.to(tl.float32)
-    else:
-        qa = qa.to(kv_ptr.dtype.element_ty)
+    qa = _query_part(q_ptr, row, h64, hmask, da, damask, sq0, sq1, sq2, kv_ptr, UPCAST)
     db = DV + tl.arange(0, DB)
     dbmask = db < DK
     if HAS_B:
-        qb = tl.load(q_ptr + row * sq0 + h64[:, None] * sq1 + db[None, :] * sq2,
-                     mask=hmask[:, None] & dbmask[None, :], other=0.0)
-        if UPCAST:  # noqa: SIM108 (kept as a constexpr branch)
-            qb = qb.to(tl.float32)
-        else:
-            qb = qb.to(kv_ptr.dtype.element_ty)
+        qb = _query_part(q_ptr, row, h64, hmask, db, dbmask, sq0, sq1, sq2, kv_ptr, UPCAST)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, DA], dtype=tl.float32)
@@ -57,10 +60,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,  # noqa: C901
         if HAS_B:
             kvb = tl.load(base + db[None, :] * skv1, mask=valid[:, None] & dbmask[None, :],
                           other=0.0)
-            if UPCAST:
-                s = tl.dot(qb, tl.trans(kvb.to(tl.float32)), s, input_precision="ieee")
-            else:
-                s = tl.dot(qb, tl.trans(kvb), s)
+            s = _dot(qb, tl.trans(kvb.to(tl.float32) if UPCAST else kvb), s, UPCAST)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -79,27 +79,15 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr,  # noqa: C901
             r = p
             if P_CAT:
                 # two pieces as ONE matmul over 2 * BLOCK_K: [p1 | p2] @ [kv; kv] (interleaved)
-                if P_FP16:  # noqa: SIM108 (kept as a constexpr branch)
-                    p1 = r.to(tl.float16)
-                else:
-                    p1 = r.to(kv_ptr.dtype.element_ty)
+                p1 = r.to(tl.float16) if P_FP16 else r.to(kv_ptr.dtype.element_ty)
                 p2 = (r - p1.to(tl.float32)).to(p1.dtype)
                 pc = tl.reshape(tl.join(p1, p2), (BLOCK_H, 2 * BLOCK_K))
                 kvc = tl.reshape(tl.permute(tl.join(kvp, kvp), (0, 2, 1)), (2 * BLOCK_K, DA))
-                if UPCAST:
-                    acc = tl.dot(pc.to(tl.float32), kvc, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(pc, kvc, acc)
+                acc = _dot(pc, kvc, acc, UPCAST)
             for _ in tl.static_range(0 if P_CAT else P_SPLIT):
-                if P_FP16:  # noqa: SIM108 (kept as a constexpr branch)
-                    piece = r.to(tl.float16)
-                else:
-                    piece = r.to(kv_ptr.dtype.element_ty)
+                piece = r.to(tl.float16) if P_FP16 else r.to(kv_ptr.dtype.element_ty)
                 r = r - piece.to(tl.float32)
-                if UPCAST:
-                    acc = tl.dot(piece.to(tl.float32), kvp, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(piece, kvp, acc)
+                acc = _dot(piece, kvp, acc, UPCAST)
         else:
             acc = tl.dot(p, kva, acc, input_precision="ieee")
         m_i = m_new

@@ -9,8 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bin_count", "copied_rounds", "copy_bin", "key_round", "key_value", "list_short_row",
-           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "take_ranked"]
+__all__ = ["bin_count", "copied_rounds", "copy_bin", "key_round", "key_value", "long_row",
+           "ord_key", "pick_bin", "radix_digit", "radix_step", "row_range", "sample_floor",
+           "sample_margin", "select_row", "take_ranked"]
 
 
 @triton.jit
@@ -69,12 +70,17 @@ def row_range(ks_ptr, ke_ptr, row, T):
 
 
 @triton.jit
-def list_short_row(out_ptr, row, start, count, K, KP: tl.constexpr):
-    """A row holding at most K keys: its columns ascending, -1 padded."""
-    for s0 in range(0, K, KP):
-        slot = s0 + tl.arange(0, KP)
-        tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
-                 mask=slot < K)
+def long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP: tl.constexpr):
+    """Whether a row holds more than K keys (its select is the caller's); a row holding at most
+    K keys is listed here: its columns ascending, -1 padded."""
+    start, end = row_range(ks_ptr, ke_ptr, row, T)
+    count = tl.maximum(end - start, 0)
+    if count <= K:
+        for s0 in range(0, K, KP):
+            slot = s0 + tl.arange(0, KP)
+            tl.store(out_ptr + row * K + slot, tl.where(slot < count, start + slot, -1),
+                     mask=slot < K)
+    return count > K
 
 
 @triton.jit
@@ -133,3 +139,51 @@ def take_ranked(orow, wpos, eq_seen, s, m, vals, prefix, need):
     take = ((m & (s > prefix)) | (eq & (eq_rank <= need))).to(tl.int32)
     tl.store(orow + wpos + tl.cumsum(take, 0) - 1, vals, mask=take != 0)
     return wpos + tl.sum(take, axis=0), eq_seen + tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def select_row(keys, src, start, end, orow, need, BLOCK: tl.constexpr, FLAG_A: tl.constexpr,
+               FLAG_B: tl.constexpr):
+    """The exact select over a row's columns ``[start, end)``, BLOCK a step, its keys
+    recomputed in every pass as ``keys(src, cols, mask, FLAG_A, FLAG_B)`` (int32 order keys;
+    the flags: compile-time options of ``keys``): 4 radix rounds find the need-th largest key,
+    then the columns of the keys above it and of the first ones equal to it are written in
+    column order from ``orow``."""
+    prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
+    for p in tl.static_range(4):
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < end
+            d, m = radix_digit(keys(src, cols, m, FLAG_A, FLAG_B), m, prefix, p)
+            hist += tl.histogram(d, 256, mask=m)
+        need, prefix = radix_step(hist, need, prefix, p)
+    wpos = tl.zeros([], tl.int32)
+    eq_seen = tl.zeros([], tl.int32)
+    for c0 in range(start, end, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        m = cols < end
+        s = keys(src, cols, m, FLAG_A, FLAG_B)
+        wpos, eq_seen = take_ranked(orow, wpos, eq_seen, s, m, cols, prefix, need)
+
+
+@triton.jit
+def sample_margin(est):
+    """The margin around a sample's estimated place of the k-th key (``est`` sample keys at or
+    above it): 4 standard deviations of the estimate, plus 8."""
+    return (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
+
+
+@triton.jit
+def sample_floor(s, valid, est, n, ROUNDS: tl.constexpr):
+    """A row's candidates' floor from the order keys ``s`` of its sample (mask ``valid``, ``n``
+    of them inside the row's range): the sample key :func:`sample_margin` below the k-th key's
+    estimated place ``est`` (descending), by ROUNDS radix rounds (fewer than 4 lower it: its low
+    bits cleared); -inf when the sample has no key at that place."""
+    place = est + sample_margin(est)  # 0-based, descending
+    need = place + 1  # the floor is the need-th largest sample key
+    prefix = tl.zeros([], tl.int32)
+    for p in tl.static_range(ROUNDS):
+        d, m = radix_digit(s, valid, prefix, p)
+        need, prefix = radix_step(tl.histogram(d, 256, mask=m), need, prefix, p)
+    return tl.where(place < n, key_value(prefix), float("-inf"))

@@ -12,13 +12,15 @@ from .radix import (
     bin_count,
     copied_rounds,
     copy_bin,
-    key_value,
-    list_short_row,
+    long_row,
     ord_key,
     pick_bin,
     radix_digit,
     radix_step,
     row_range,
+    sample_floor,
+    sample_margin,
+    select_row,
     take_ranked,
 )
 
@@ -56,6 +58,31 @@ def _topk_fixup_kernel(chosen_ptr, ks_ptr, ke_ptr, out_ptr, T, K, KK,
 
 
 @triton.jit
+def _chunk(start, end, j, CH):
+    """Chunk j's columns ``[c_lo, c_hi)``: CH columns of a row's range ``[start, end)``."""
+    c_lo = start + j * CH
+    return c_lo, tl.minimum(c_lo + CH, end)
+
+
+@triton.jit
+def _block(xrow, c0, c_hi, sx1, other, BLOCK: tl.constexpr):
+    """BLOCK columns of a row from ``c0``: the columns, the mask (below ``c_hi``), the logits
+    in fp32 (``other`` where masked)."""
+    cols = c0 + tl.arange(0, BLOCK)
+    m = cols < c_hi
+    x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=other).to(tl.float32)
+    return cols, m, x
+
+
+@triton.jit
+def _logit_keys(src, cols, m, UNUSED_A: tl.constexpr, UNUSED_B: tl.constexpr):
+    """The order keys of a row's logits at ``cols`` (``src``: the row's pointer and column
+    stride), for :func:`.radix.select_row` (no flags)."""
+    xrow, sx1 = src
+    return ord_key(tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _value_bin(x, lo, inv, NB: tl.constexpr):
     """A monotone bin of the fp32 logit: 0 below the bracket's ``lo``, then ``NB - 2`` equal
     widths of ``1 / inv`` above it, the last bin open upwards (``inv = 0``: every key >= lo in
@@ -70,15 +97,14 @@ def _value_bin(x, lo, inv, NB: tl.constexpr):
 def _sorted_sample(x_ptr, row, start, cnt, K, sx0, sx1, SAMPLE: tl.constexpr):
     """SAMPLE keys spread evenly over a row's ``cnt`` columns from ``start``, sorted descending
     (-0.0 folded into 0.0), their places ``i``; the k-th largest key's estimated place in them
-    (``est``: ~ sample keys at or above it) and the margin around it (4 standard deviations of
-    that estimate, plus 8)."""
+    (``est``: ~ sample keys at or above it) and the margin around it
+    (:func:`.radix.sample_margin`)."""
     i = tl.arange(0, SAMPLE)
     cols = start + (i.to(tl.int64) * cnt) // SAMPLE
     x = tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32)
     x = tl.sort(tl.where(x == 0.0, 0.0, x), descending=True)
     est = (K * SAMPLE) // cnt
-    margin = (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
-    return i, x, est, margin
+    return i, x, est, sample_margin(est)
 
 
 @triton.jit
@@ -116,26 +142,21 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
     fit)."""
     room = need
     prefix = tl.zeros([], tl.int32)  # the need-th key's bits found so far
-    if COMPACT:
-        for p in tl.static_range(2):
-            hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
-            need, prefix = radix_step(hist, need, prefix, p)
-        nk = bin_count(hist, prefix, 1)
-        if nk <= room:
-            kptr = orow + wpos
-            nput = tl.zeros([], tl.int32)
-            for j in range(0, NS):
-                nc = tl.load(cnt0 + j)
-                for c0 in range(0, nc, RB):
-                    _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
-                    nput = copy_bin(kptr, nput, s, m, prefix)
-            need, prefix, hist = copied_rounds(kptr, nk, need, prefix, RB)
-        else:
-            for p in tl.static_range(2, 4):
-                hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
-                need, prefix = radix_step(hist, need, prefix, p)
+    for p in tl.static_range(2):
+        hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
+        need, prefix = radix_step(hist, need, prefix, p)
+    nk = bin_count(hist, prefix, 1)
+    if COMPACT and nk <= room:
+        kptr = orow + wpos
+        nput = tl.zeros([], tl.int32)
+        for j in range(0, NS):
+            nc = tl.load(cnt0 + j)
+            for c0 in range(0, nc, RB):
+                _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
+                nput = copy_bin(kptr, nput, s, m, prefix)
+        need, prefix, hist = copied_rounds(kptr, nk, need, prefix, RB)
     else:
-        for p in tl.static_range(4):
+        for p in tl.static_range(2, 4):
             hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
             need, prefix = radix_step(hist, need, prefix, p)
     eq_seen = tl.zeros([], tl.int32)
@@ -182,12 +203,9 @@ def _topk_hist_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, T, K, CH, sx0, sx
         xrow = x_ptr + row * sx0
         lo = tl.load(br_ptr + row * 2)
         inv = tl.load(br_ptr + row * 2 + 1)
-        c_lo = start + j * CH
-        c_hi = tl.minimum(c_lo + CH, end)
+        c_lo, c_hi = _chunk(start, end, j, CH)
         for c0 in range(c_lo, c_hi, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = cols < c_hi
-            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32)
+            _, m, x = _block(xrow, c0, c_hi, sx1, 0.0, BLOCK)
             hist += tl.histogram(_value_bin(x, lo, inv, NB), NB, mask=m)
     tl.store(hist_ptr + (row * NCH + j) * NB + tl.arange(0, NB), hist)
 
@@ -219,12 +237,9 @@ def _topk_compact_kernel(x_ptr, ks_ptr, ke_ptr, br_ptr, hist_ptr, out_ptr, cand_
             inv = tl.load(br_ptr + row * 2 + 1)
             gpos = tl.sum(tl.where(jj < j, gtc, 0), axis=0)
             cpos = tl.sum(tl.where(jj < j, eqc, 0), axis=0)
-            c_lo = start + j * CH
-            c_hi = tl.minimum(c_lo + CH, end)
+            c_lo, c_hi = _chunk(start, end, j, CH)
             for c0 in range(c_lo, c_hi, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                m = cols < c_hi
-                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0).to(tl.float32)
+                cols, m, x = _block(xrow, c0, c_hi, sx1, 0.0, BLOCK)
                 vb = _value_bin(x, lo, inv, NB)
                 gt = m & (vb > b)
                 eq = m & (vb == b)
@@ -254,28 +269,8 @@ def _topk_exact_kernel(x_ptr, ks_ptr, ke_ptr, out_ptr, meta_ptr, T, K, sx0, sx1,
     start, end = row_range(ks_ptr, ke_ptr, row, T)
     if end - start > K:  # noqa: SIM102 (the meta load only for rows holding more than K keys)
         if tl.load(meta_ptr + row * 2) < 0:
-            xrow = x_ptr + row * sx0
-            orow = out_ptr + row * K
-            need = K + tl.zeros([], tl.int32)  # keys still to take among those matching prefix
-            prefix = tl.zeros([], tl.int32)  # the K-th key's bits found so far
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(start, end, BLOCK):
-                    cols = c0 + tl.arange(0, BLOCK)
-                    m = cols < end
-                    x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                    d, m = radix_digit(ord_key(x.to(tl.float32)), m, prefix, p)
-                    hist += tl.histogram(d, 256, mask=m)
-                need, prefix = radix_step(hist, need, prefix, p)
-            # every key above the K-th and the first `need` equal to it (ascending columns)
-            wpos = tl.zeros([], tl.int32)
-            eq_seen = tl.zeros([], tl.int32)
-            for c0 in range(start, end, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                m = cols < end
-                x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=0.0)
-                wpos, eq_seen = take_ranked(orow, wpos, eq_seen, ord_key(x.to(tl.float32)), m,
-                                            cols, prefix, need)
+            select_row(_logit_keys, (x_ptr + row * sx0, sx1), start, end, out_ptr + row * K,
+                       K + tl.zeros([], tl.int32), BLOCK, False, False)
             tl.store(meta_ptr + row * 2, K)
             tl.store(meta_ptr + row * 2 + 1, 0)
 
@@ -286,11 +281,7 @@ def _topk_final_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, meta_ptr, T, K, KP: tl
     """Top-k, kernel 5 of 5 (a program a row): short rows listed ascending (-1 padded);
     longer rows refine their candidates and append the ``K - above`` they take."""
     row = tl.program_id(0).to(tl.int64)
-    start, end = row_range(ks_ptr, ke_ptr, row, T)
-    count = tl.maximum(end - start, 0)
-    if count <= K:
-        list_short_row(out_ptr, row, start, count, K, KP)
-    else:
+    if long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP):
         above = tl.load(meta_ptr + row * 2)  # ncand (next): 0 for the rows the exact kernel took
         _refine(cand_ptr + row * CAP, meta_ptr + row * 2 + 1, 1, out_ptr + row * K, K - above,
                 above, CAP, RB, False)
@@ -308,15 +299,7 @@ def _topk_floor_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, T, K, sx0, sx1, SAMPLE:
         i = tl.arange(0, SAMPLE)
         cols = start + (i.to(tl.int64) * cnt) // SAMPLE
         s = ord_key(tl.load(x_ptr + row * sx0 + cols * sx1).to(tl.float32))
-        est = (K * SAMPLE) // cnt
-        place = est + (4.0 * tl.sqrt(est.to(tl.float32) + 1.0)).to(tl.int32) + 8
-        need = place + 1  # the floor is the need-th largest sample key
-        prefix = tl.zeros([], tl.int32)
-        every = i >= 0
-        for p in tl.static_range(ROUNDS):
-            d, m = radix_digit(s, every, prefix, p)
-            need, prefix = radix_step(tl.histogram(d, 256, mask=m), need, prefix, p)
-        lo = tl.where(place < SAMPLE, key_value(prefix), float("-inf"))
+        lo = sample_floor(s, i >= 0, (K * SAMPLE) // cnt, SAMPLE, ROUNDS)
         tl.store(floor_ptr + row, lo)
 
 
@@ -333,13 +316,9 @@ def _topk_filter_kernel(x_ptr, ks_ptr, ke_ptr, floor_ptr, cand_ptr, count_ptr, T
         xrow = x_ptr + row * sx0
         crow = cand_ptr + (row * NS + j) * CAP
         lo = tl.load(floor_ptr + row)
-        c_lo = start + j * CS
-        c_hi = tl.minimum(c_lo + CS, end)
+        c_lo, c_hi = _chunk(start, end, j, CS)
         for c0 in range(c_lo, c_hi, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = cols < c_hi
-            x = tl.load(xrow + cols.to(tl.int64) * sx1, mask=m, other=float("-inf"))
-            x = x.to(tl.float32)
+            cols, m, x = _block(xrow, c0, c_hi, sx1, float("-inf"), BLOCK)
             take = m & (x >= lo)
             nt = tl.sum(take.to(tl.int32), axis=0)
             if nt > 0:  # most blocks of a long row hold no candidate: no scan, no store
@@ -357,11 +336,7 @@ def _topk_select_kernel(ks_ptr, ke_ptr, out_ptr, cand_ptr, count_ptr, meta_ptr, 
     """Long rows, kernel 3 of 4 (a program a row): short rows listed ascending (-1 padded),
     the others refine their candidates; fewer than K or a split over CAP: ``meta = -1``."""
     row = tl.program_id(0).to(tl.int64)
-    start, end = row_range(ks_ptr, ke_ptr, row, T)
-    count = tl.maximum(end - start, 0)
-    if count <= K:
-        list_short_row(out_ptr, row, start, count, K, KP)
-    else:
+    if long_row(ks_ptr, ke_ptr, out_ptr, row, T, K, KP):
         js = tl.arange(0, NSP)
         cnts = tl.load(count_ptr + row * NS + js, mask=js < NS, other=0)
         most = tl.max(cnts, axis=0)
