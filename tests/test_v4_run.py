@@ -69,9 +69,16 @@ def test_chunk_off_the_unit_is_refused(v4_dir: tuple[Path, Path]) -> None:
     assert "ownership units of 16" in res.output
 
 
-def test_gpu_or_mtp_is_refused_for_v4(v4_dir: tuple[Path, Path]) -> None:
+def test_mtp_is_refused_for_v4(v4_dir: tuple[Path, Path]) -> None:
     ckpt, prompts = v4_dir
-    for extra in (["--device", "cuda"], ["--mtp"]):
-        res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
-                                        *extra], env=ENV)
-        assert res.exit_code != 0 and "CPU ranks only" in res.output, res.output
+    res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
+                                    "--mtp"], env=ENV)
+    assert res.exit_code != 0 and "without an MTP draft layer" in res.output, res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without GPUs")
+def test_cuda_without_gpus_names_the_fix(v4_dir: tuple[Path, Path]) -> None:
+    ckpt, prompts = v4_dir
+    res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
+                                    "--device", "cuda", "--cp", "2"], env=ENV)
+    assert res.exit_code != 0 and "needs a GPU per process" in res.output, res.output

@@ -331,17 +331,18 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
 
     from .run_v4 import run_v4
 
-    if settings.run.device == "cuda" or settings.run.mtp:
+    if settings.run.mtp:
         raise click.ClickException(
-            f"{ckpt} is a DeepSeek-V4 checkpoint: cpkv runs its prefill on CPU ranks only, "
-            f"without an MTP draft layer (run.device = {settings.run.device!r}, run.mtp = "
-            f"{settings.run.mtp}); use --device cpu and no --mtp")
+            f"{ckpt} is a DeepSeek-V4 checkpoint: cpkv runs its prefill without an MTP draft "
+            f"layer (run.mtp = {settings.run.mtp}); use no --mtp")
     vocab = read_v4_config(ckpt).vocab_size
     token_lists = _prompts(settings.run.prompts, vocab, _prompts_source(prompts, config))
     check_output(report, "--report")
     check_output(save_logits, "--save-logits")
     run_v4(ckpt, token_lists, settings.cp.size, settings.cp.mode.value, settings.kv.page_size,
-           settings.runtime.chunk_tokens, decode_tokens, output_console(), report, save_logits)
+           settings.runtime.chunk_tokens, decode_tokens, output_console(), report, save_logits,
+           device=settings.run.device, preference=tuple(settings.backend.effective_preference()),
+           quiet=settings.backend.name == "auto")
 
 
 @click.command("run")

@@ -40,21 +40,25 @@ PER_TOKEN_ROWS = (("DeepSeek-V4-Flash (43 layers)", fp8_bytes_per_token(_V4_FLAS
 
 def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: int,
            chunk: int, decode_tokens: int, console: Console, report: Path | None,
-           save_logits: Path | None) -> None:
+           save_logits: Path | None, device: str = "cpu",
+           preference: tuple[str, ...] = ("torch",), quiet: bool = False) -> None:
     """Run the V4 job and print its report; exit 1 when a prompt's last-position logits are
     off the one-rank forward by more than :data:`TOLERANCE` (relative) or their argmax differs.
 
     Raises:
-        click.ClickException: a chunk size off the ownership unit, a window wider than it.
+        click.ClickException: a chunk size off the ownership unit, a window wider than it,
+            ``device`` "cuda" with fewer GPUs than ranks.
     """
     from cpkv.runtime.v4_job import run_v4_job
 
     console.print(f"model {ckpt} (DeepSeek-V4), CP{cp} {mode}, page {page_size}, "
-                  f"{len(prompts)} prompts, torch reference ops on CPU")
+                  f"{len(prompts)} prompts, device {device}, v4 ops from "
+                  f"{', '.join(preference)}")
     if decode_tokens:
         console.print("decode after the prefill is not built for DeepSeek-V4: prefill only")
     try:
-        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk)
+        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk, device=device,
+                         preference=preference, quiet=quiet)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     t = Table()

@@ -4,13 +4,14 @@ reference a context-parallel run is compared with, and the spelled-out order of 
 Per layer: mHC collapse -> ``attn_norm`` -> query, window rows, compressed entries (main; CSA
 also index keys) -> keys per row (window rows ``[t-W+1, t]`` + HCA's causal entries or CSA's
 top-k) -> attention with the sink -> output projection -> mHC expand; then the same for the MoE.
+The compressor's pool, the indexer, the top-k and the attention run on the model's op table.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .deepseek_v4 import DeepseekV4, stable_topk
+from .deepseek_v4 import DeepseekV4
 from .v4_config import CSA, HCA
 
 __all__ = ["gather_keys", "reference_forward", "window_rows"]
@@ -63,7 +64,7 @@ def reference_forward(model: DeepseekV4, ids: torch.Tensor) -> torch.Tensor:
                 assert index is not None
                 ikeys = model.compress(index, *model.compressor_inputs(index, h), 0)
                 scores = model.index_scores(i, h, q_res, pos, ikeys)
-                selected = stable_topk(scores, min(c.index_topk, ikeys.shape[0]))
+                selected = model.topk(scores, min(c.index_topk, ikeys.shape[0]))
             else:
                 assert kind == HCA
             ck, cm = gather_keys(model, i, entries, pos, selected)

@@ -1,7 +1,9 @@
 """The DeepSeek-V4 job behind ``cpkv run --model DIR`` for a ``deepseek_v4`` checkpoint: CP
-prefill of each prompt on Gloo ranks (:func:`~cpkv.runtime.v4_prefill.v4_prefill_logits`,
-chunked when asked), the one-rank forward as the reference, and the KV bytes per rank against
-the replicated entries plus the tail objects.
+prefill of each prompt on Gloo ranks, or NCCL ranks on GPUs
+(:func:`~cpkv.runtime.v4_prefill.v4_prefill_logits`, chunked when asked; the ``v4_*`` ops from
+the backend preference through the registry: the torch reference, the Triton and CUDA backends
+passing them on visibly), the one-rank forward on the CPU as the reference, and the KV bytes per
+rank against the replicated entries plus the tail objects.
 
 Decode after the prefill is not built for V4: the job runs the prefill phase only.
 """
@@ -18,7 +20,9 @@ from cpkv.contracts import FallbackEvent, SplitMode
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import reference_forward
+from cpkv.ops import v4_op_table
 
+from .job.run import job_placement
 from .launch import run_ranks
 from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_logits
 
@@ -68,8 +72,10 @@ def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
 
 
 def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
-          chunk: int) -> torch.Tensor:
-    model = DeepseekV4.load(ckpt)
+          chunk: int, preference: list[str], quiet: bool) -> torch.Tensor:
+    ops = v4_op_table(preference, agree=group.agree_all, device_type=group.device.type,
+                      quiet=quiet)
+    model = DeepseekV4.load(ckpt, device=group.device, ops=ops)
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -77,18 +83,25 @@ def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
             logits = v4_prefill_logits(model, ids, group, page_size=page_size, mode=mode,
                                        chunks=chunk_sizes(len(p), chunk))
             out.append(logits[-1])
-    return torch.stack(out)
+    return torch.stack(out).cpu()
 
 
 def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | str,
-               page_size: int, chunk: int = 0, timeout_s: float = 600.0) -> V4JobReport:
-    """Prefill ``prompts`` on ``cp`` Gloo ranks and on one rank; measure.
+               page_size: int, chunk: int = 0, timeout_s: float = 600.0, device: str = "cpu",
+               preference: tuple[str, ...] = ("torch",), quiet: bool = False) -> V4JobReport:
+    """Prefill ``prompts`` on ``cp`` ranks and on one rank (the CPU); measure.
+
+    ``device``: ``run.device`` ("cpu": Gloo ranks; "cuda": NCCL ranks, rank r on GPU r;
+    "auto": cuda when there is a GPU per rank); the model is float32 on either.
+    ``preference`` / ``quiet``: the backend preference of the ``v4_*`` ops and whether it is
+    the default order (``backend.name = "auto"``: passing over a backend is not a fallback).
 
     Raises:
         ValueError: a chunk that is not a multiple of the model's ownership unit, a window
-            wider than the unit.
+            wider than the unit, "cuda" with fewer GPUs than ranks.
     """
-    model = DeepseekV4.load(ckpt)
+    place = job_placement(device, cp, decode=False)
+    model = DeepseekV4.load(ckpt, ops=v4_op_table())  # the reference: the torch ops on the CPU
     unit = model.config.ownership_unit(page_size)
     if chunk and chunk % unit:
         raise ValueError(f"runtime.chunk_tokens = {chunk}: DeepSeek-V4 chunks end on ownership "
@@ -104,8 +117,9 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
         entries += rep
         tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config) if o.kind != "entries")
     t0 = time.perf_counter()
-    results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk),
-                        timeout_s=timeout_s)
+    results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk,
+                                         list(preference), quiet),
+                        timeout_s=timeout_s, backend=place.backend, gpus=place.gpus)
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         ref = torch.stack([reference_forward(model, torch.tensor(p, dtype=torch.long))[-1]

@@ -30,7 +30,7 @@ import torch
 from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackReason, RequestPlan, RequestSpec, SplitMode
 from cpkv.fallback import report_fallback
-from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor, stable_topk
+from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor
 from cpkv.models.v4_config import CSA
 from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import gather_keys, window_rows
@@ -295,7 +295,7 @@ class _Rank:
             if model.layer_kind(i) == CSA:
                 ikeys = full[:, c.head_dim:]
                 scores = model.index_scores(i, h, q_res, pos, ikeys)
-                selected = stable_topk(scores, min(c.index_topk, ikeys.shape[0]))
+                selected = model.topk(scores, min(c.index_topk, ikeys.shape[0]))
             ck, cm = gather_keys(model, i, full[:, : c.head_dim], pos, selected)
             keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
         o = model.attend(i, q, keys, mask)
