@@ -7,10 +7,14 @@ for bit, on one rank and on CP2 zigzag / CP4 interleave; per-rank bytes."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cpkv.comm import CPGroup
 from cpkv.contracts import SplitMode
@@ -139,3 +143,99 @@ def test_chunked_cp_equals_one_rank(tiny_v4: Path, cp: int, mode: str, length: i
         one = reference_forward(model, _ids(length, model.config.vocab_size))
     for res in results:
         assert torch.equal(res.value["logits"], one), res.rank
+
+
+class _Threads:
+    """C ranks as threads of this process (``all_gather_rows`` through a barrier): CP runs
+    fast enough for many hypothesis examples; the Gloo tests above run the real group."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=120)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+    def run(self, fn: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        errors: list[BaseException] = []
+
+        def body(rank: int) -> None:
+            try:
+                out[rank] = fn(_ThreadRank(self, rank))
+            except BaseException as exc:  # handed to the caller below
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        if errors:
+            raise errors[0]
+        return out
+
+
+class _ThreadRank:
+    def __init__(self, shared: _Threads, rank: int) -> None:
+        self.shared, self.rank, self.size = shared, rank, shared.size
+        self.device = torch.device("cpu")
+
+    def all_gather_rows(self, local: torch.Tensor, max_rows: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.shared
+        buf = local.new_zeros((max_rows, *local.shape[1:]))
+        buf[: local.shape[0]] = local
+        s.slots[self.rank] = buf
+        s.barrier.wait()
+        got = torch.cat([cast(torch.Tensor, x) for x in s.slots])
+        s.barrier.wait()  # every rank has read the slots before they are refilled
+        return got
+
+
+@st.composite
+def _runs(draw: st.DrawFn) -> tuple[int, int, str, list[int] | None]:
+    length = draw(st.integers(1, 90))
+    cp = draw(st.integers(1, 4))
+    mode = draw(st.sampled_from(["zigzag", "interleave"]))
+    chunks = None
+    if draw(st.booleans()) and length > 16:
+        chunks, left = [], length
+        while left > 16 and draw(st.booleans()):
+            n = 16 * draw(st.integers(1, max(1, (left - 1) // 16)))
+            chunks.append(n)
+            left -= n
+        chunks.append(left)
+    return length, cp, mode, chunks
+
+
+def _threads_equal_one_rank(tiny_v4: Path, length: int, cp: int, mode: str,
+                            chunks: list[int] | None) -> None:
+    model = DeepseekV4.load(tiny_v4, ops=v4_op_table())
+    ids = _ids(length, model.config.vocab_size)
+    with torch.no_grad():
+        one = reference_forward(model, ids)
+        got = _Threads(cp).run(lambda g: v4_prefill_logits(
+            model, ids, cast(CPGroup, g), page_size=PAGE, mode=mode, chunks=chunks))
+    for r, logits in enumerate(got):
+        assert torch.equal(logits, one), (r, length, cp, mode, chunks)
+
+
+@pytest.mark.parametrize(("length", "cp", "mode", "chunks"), [
+    (51, 4, "interleave", None),  # 16, 16, 16 and 3 rows
+    (37, 3, "zigzag", None),  # too short for zigzag: interleaved, 16, 16 and 5 rows
+    (35, 2, "interleave", [16, 16, 3]),  # a 3-row last chunk
+    (61, 4, "interleave", [32, 29])])
+def test_ranks_of_few_rows_equal_one_rank_bit_for_bit(tiny_v4: Path, length: int, cp: int,
+                                                      mode: str, chunks: list[int] | None
+                                                      ) -> None:
+    _threads_equal_one_rank(tiny_v4, length, cp, mode, chunks)
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None)
+@given(_runs())
+def test_cp_equals_one_rank_bit_for_bit_at_any_rows_per_rank(
+        tiny_v4: Path, run: tuple[int, int, str, list[int] | None]) -> None:
+    """Any length, CP size, mode and unit-aligned chunking: every rank's logits equal the
+    one-rank forward bit for bit (ranks of 0 to a few rows included)."""
+    _threads_equal_one_rank(tiny_v4, *run)
