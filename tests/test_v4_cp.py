@@ -23,7 +23,7 @@ from cpkv.models.tiny import write_tiny_checkpoint
 from cpkv.models.v4_reference import reference_forward
 from cpkv.ops import v4_op_table
 from cpkv.runtime import run_ranks
-from cpkv.runtime.v4_prefill import v4_layout, v4_prefill_logits
+from cpkv.runtime.v4_prefill import v4_layout, v4_prefill_batch, v4_prefill_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,6 +153,7 @@ class _Threads:
         self.size = size
         self.barrier = threading.Barrier(size, timeout=120)
         self.slots: list[torch.Tensor | None] = [None] * size
+        self.calls = [0] * size  # collectives per rank
 
     def run(self, fn: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
@@ -183,6 +184,7 @@ class _ThreadRank:
     def all_gather_rows(self, local: torch.Tensor, max_rows: int,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.shared
+        s.calls[self.rank] += 1
         buf = local.new_zeros((max_rows, *local.shape[1:]))
         buf[: local.shape[0]] = local
         s.slots[self.rank] = buf
@@ -239,3 +241,30 @@ def test_cp_equals_one_rank_bit_for_bit_at_any_rows_per_rank(
     """Any length, CP size, mode and unit-aligned chunking: every rank's logits equal the
     one-rank forward bit for bit (ranks of 0 to a few rows included)."""
     _threads_equal_one_rank(tiny_v4, *run)
+
+
+@pytest.mark.parametrize(("cp", "mode", "chunks"), [
+    (2, "zigzag", None), (3, "interleave", None), (2, "interleave", [[16, 21], None, [16, 13]])])
+def test_a_batch_equals_each_prompt_alone(tiny_v4: Path, cp: int, mode: str,
+                                          chunks: list[list[int] | None] | None) -> None:
+    """Three prompts (lengths multiples of no rate) as one CP batch: one halo and one full-view
+    collective a layer for all of them (per chunk step), each prompt's logits the one-rank
+    forward's bit for bit and transformers' within 2e-3 relative."""
+    model = DeepseekV4.load(tiny_v4, ops=v4_op_table())
+    prompts = [_ids(n, model.config.vocab_size) for n in (37, 53, 29)]
+    threads = _Threads(cp)
+    with torch.no_grad():
+        got = threads.run(lambda g: v4_prefill_batch(model, prompts, cast(CPGroup, g),
+                                                     page_size=PAGE, mode=mode, chunks=chunks))
+        alone = [reference_forward(model, p) for p in prompts]
+        hf = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_v4).eval()
+        ref = [hf(p[None], use_cache=False).logits[0, -1] for p in prompts]
+    for r in range(cp):
+        for j in range(len(prompts)):
+            assert torch.equal(got[r][j], alone[j]), (r, j)
+    for j in range(len(prompts)):
+        assert (alone[j][-1] - ref[j]).abs().max() <= 2e-3 * ref[j].abs().max()
+        assert int(alone[j][-1].argmax()) == int(ref[j].argmax())
+    compressed = sum(model.layer_kind(i) != "sliding_attention" for i in range(model.num_layers))
+    steps = max(len(c or [0]) for c in chunks) if chunks else 1
+    assert threads.calls == [steps * (model.num_layers + compressed + 1)] * cp

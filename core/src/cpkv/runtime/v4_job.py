@@ -1,6 +1,6 @@
 """The DeepSeek-V4 job behind ``cpkv run --model DIR`` for a ``deepseek_v4`` checkpoint: CP
-prefill of each prompt on Gloo ranks, or NCCL ranks on GPUs
-(:func:`~cpkv.runtime.v4_prefill.v4_prefill_logits`, chunked when asked; the ``v4_*`` ops from
+prefill of the prompts as one batch on Gloo ranks, or NCCL ranks on GPUs
+(:func:`~cpkv.runtime.v4_prefill.v4_prefill_batch`, chunked when asked; the ``v4_*`` ops from
 the backend preference through the registry: the torch reference, the Triton and CUDA backends
 passing them on visibly), the one-rank forward on the CPU as the reference, and the KV bytes per
 rank against the replicated entries plus the tail objects.
@@ -24,7 +24,7 @@ from cpkv.ops import v4_op_table
 
 from .job.run import job_placement
 from .launch import run_ranks
-from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_logits
+from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_batch
 
 __all__ = ["V4JobReport", "chunk_sizes", "run_v4_job"]
 
@@ -76,14 +76,11 @@ def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
     ops = v4_op_table(preference, agree=group.agree_all, device_type=group.device.type,
                       quiet=quiet)
     model = DeepseekV4.load(ckpt, device=group.device, ops=ops)
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor(p, dtype=torch.long)
-            logits = v4_prefill_logits(model, ids, group, page_size=page_size, mode=mode,
-                                       chunks=chunk_sizes(len(p), chunk))
-            out.append(logits[-1])
-    return torch.stack(out).cpu()
+    with torch.no_grad():  # the prompts as one batch (one halo and one full view a layer)
+        logits = v4_prefill_batch(model, [torch.tensor(p, dtype=torch.long) for p in prompts],
+                                  group, page_size=page_size, mode=mode,
+                                  chunks=[chunk_sizes(len(p), chunk) for p in prompts])
+    return torch.stack([x[-1] for x in logits]).cpu()
 
 
 def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | str,
