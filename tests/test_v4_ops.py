@@ -111,3 +111,23 @@ def test_index_scores_rows_do_not_depend_on_the_rest_of_the_call(rows: int, entr
     i = int(torch.randint(0, rows, (1,), generator=g))
     assert torch.equal(whole[i:i + 1], ops.v4_index_scores(q[i:i + 1], w[i:i + 1], keys,
                                                            limit[i:i + 1], 0.25))
+
+
+@pytest.mark.gpu
+def test_cuda_cp1_equals_the_cpu(tiny_v4: Path) -> None:
+    """The same code on a GPU: a tiny V4 prefilled CP1 on cuda (the torch ops; chunked too)
+    equals the CPU's within fp32 GEMM differences, argmax equal."""
+    from cpkv.comm import CPGroup
+    from cpkv.runtime.v4_prefill import v4_prefill_logits
+
+    cpu = DeepseekV4.load(tiny_v4, ops=v4_op_table())
+    gpu = DeepseekV4.load(tiny_v4, device="cuda", ops=v4_op_table(device_type="cuda"))
+    ids = torch.randint(0, 256, (53,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = v4_prefill_logits(cpu, ids, CPGroup.single(), page_size=4)
+        for chunks in (None, [16, 37]):
+            got = v4_prefill_logits(gpu, ids, CPGroup.single("cuda"), page_size=4,
+                                    chunks=chunks)
+            assert got.device.type == "cuda"
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got.argmax(-1).cpu(), want.argmax(-1))

@@ -82,3 +82,22 @@ def test_cuda_without_gpus_names_the_fix(v4_dir: tuple[Path, Path]) -> None:
     res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
                                     "--device", "cuda", "--cp", "2"], env=ENV)
     assert res.exit_code != 0 and "needs a GPU per process" in res.output, res.output
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.multiprocess
+def test_run_on_cuda_equals_transformers(v4_dir: tuple[Path, Path], tmp_path: Path) -> None:
+    """``--device cuda``: NCCL ranks on two GPUs, the torch v4 ops; the saved logits equal
+    transformers' (on the CPU) within 2e-3."""
+    ckpt, prompts = v4_dir
+    out = tmp_path / "logits.pt"
+    res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--cp", "2", "--mode",
+                                    "zigzag", "--prompts", str(prompts), "--device", "cuda",
+                                    "--decode-tokens", "0", "--save-logits", str(out)], env=ENV)
+    assert res.exit_code == 0, res.output
+    got = torch.load(out)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        for i, p in enumerate(json.loads(prompts.read_text())):
+            ref = hf(torch.tensor([p]), use_cache=False).logits[0, -1]
+            assert (got[i] - ref).abs().max() <= 2e-3 * ref.abs().max()
