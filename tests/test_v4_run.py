@@ -33,6 +33,16 @@ def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "ckpt", root / "prompts.json"
 
 
+def _assert_like_transformers(ckpt: Path, prompts: Path, got: torch.Tensor) -> None:
+    """Saved last-position logits within 2e-3 relative of transformers', argmax equal."""
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        for i, p in enumerate(json.loads(prompts.read_text())):
+            ref = hf(torch.tensor([p]), use_cache=False).logits[0, -1]
+            assert (got[i] - ref).abs().max() <= 2e-3 * ref.abs().max()
+            assert int(got[i].argmax()) == int(ref.argmax())
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("cp", "mode", "chunk"), [(2, "zigzag", None), (2, "zigzag", 32),
@@ -49,13 +59,7 @@ def test_run_equals_transformers(v4_dir: tuple[Path, Path], tmp_path: Path, cp: 
     res = CliRunner().invoke(main, args, env=ENV)
     assert res.exit_code == 0, res.output
     assert "DeepSeek-V3.2 (61 layers)" in res.output and "DeepSeek-V4-Flash" in res.output
-    got = torch.load(out)
-    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
-    with torch.no_grad():
-        for i, p in enumerate(json.loads(prompts.read_text())):
-            ref = hf(torch.tensor([p]), use_cache=False).logits[0, -1]
-            assert (got[i] - ref).abs().max() <= 2e-3 * ref.abs().max()
-            assert int(got[i].argmax()) == int(ref.argmax())
+    _assert_like_transformers(ckpt, prompts, torch.load(out))
     body = json.loads(rep.read_text())
     assert body["correct"] and body["family"] == "DeepSeek-V4"
     assert sum(body["kv_bytes_per_rank"]) == body["kv_bytes_entries"] + body["kv_bytes_tail"]
@@ -95,9 +99,4 @@ def test_run_on_cuda_equals_transformers(v4_dir: tuple[Path, Path], tmp_path: Pa
                                     "zigzag", "--prompts", str(prompts), "--device", "cuda",
                                     "--decode-tokens", "0", "--save-logits", str(out)], env=ENV)
     assert res.exit_code == 0, res.output
-    got = torch.load(out)
-    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
-    with torch.no_grad():
-        for i, p in enumerate(json.loads(prompts.read_text())):
-            ref = hf(torch.tensor([p]), use_cache=False).logits[0, -1]
-            assert (got[i] - ref).abs().max() <= 2e-3 * ref.abs().max()
+    _assert_like_transformers(ckpt, prompts, torch.load(out))
