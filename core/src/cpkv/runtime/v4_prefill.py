@@ -436,8 +436,8 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
 
 def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: CPGroup, *,
                      page_size: int = 64, mode: SplitMode | str = SplitMode.ZIGZAG,
-                     chunks: Sequence[Sequence[int] | None] | None = None
-                     ) -> list[torch.Tensor]:
+                     chunks: Sequence[Sequence[int] | None] | None = None,
+                     carries: Sequence[V4Carry] | None = None) -> list[torch.Tensor]:
     """Logits ``[T_j, vocab]`` float32 of each prompt ``ids`` ``[T_j]``, the prompts prefilled
     context-parallel as one batch: one plan, and per layer one halo collective and one
     full-view collective for all of them (every rank returns every prompt's logits). Each
@@ -447,10 +447,12 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
     ``chunks``: per prompt its piece lengths (None: one piece); step k prefills the k-th piece
     of every prompt that has one, as one batch, each prompt's entries and tail objects carried
     (:class:`V4Carry`); every piece but a prompt's last a multiple of the ownership unit.
+    ``carries``: per prompt an empty :class:`V4Carry` that keeps, after the call, what this
+    rank holds of it (its owned entries; on the tail holder the tail objects); None: new ones.
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
-            their prompt's length or end off a unit boundary.
+            their prompt's length or end off a unit boundary; not a carry per prompt.
     """
     pieces = []
     for j, ids in enumerate(prompts):
@@ -458,7 +460,10 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
         if sum(sizes) != ids.shape[0] or min(sizes) < 1:
             raise ValueError(f"chunks {sizes} do not split a prompt of {ids.shape[0]} tokens")
         pieces.append(sizes)
-    carries = [V4Carry() for _ in prompts]
+    if carries is None:
+        carries = [V4Carry() for _ in prompts]
+    elif len(carries) != len(prompts):
+        raise ValueError(f"{len(carries)} carries for {len(prompts)} prompts")
     lays: list[V4Layout | None] = [None] * len(prompts)
     starts = [0] * len(prompts)
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
