@@ -24,8 +24,8 @@ __all__ = ["BLOCK", "KEY_BLOCK", "V4TorchOps", "padded_mm"]
 
 #: products run on row and column counts padded to a multiple of this
 BLOCK = 16
-#: attention sums over keys in blocks of this many (padded with masked keys)
-KEY_BLOCK = 128
+#: attention sums over keys in blocks of this many (the last padded with masked keys)
+KEY_BLOCK = 256
 
 
 def _pad0(x: torch.Tensor, to: int) -> torch.Tensor:
@@ -125,35 +125,31 @@ class V4TorchOps:
     def v4_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention with the sink (see :class:`cpkv.ops.api.KVOps`), in float32: the keys in
-        blocks of :data:`KEY_BLOCK` (the last padded with masked zero keys), the row maximum
-        over every block and the sink, then each block's ``exp`` sum and value product added
-        in block order, divided once.
+        blocks of :data:`KEY_BLOCK` (views; the last padded with masked zero keys), the row
+        maximum over every block and the sink, then each block's ``exp`` sum and value product
+        added in block order, divided once.
 
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
         """
         api.check_v4_attention_args(q, keys, mask, sink)
         n, heads, d = q.shape
-        k = keys.shape[1]
-        blocks = max(1, -(-k // KEY_BLOCK))
-        pad = blocks * KEY_BLOCK - k
-        if pad:
-            keys = torch.cat([keys, keys.new_zeros((n, pad, d))], dim=1)
-            mask = torch.cat([mask, mask.new_zeros((n, pad))], dim=1)
-        qf, kf = q.float(), keys.float()
-        logits = []
-        top = sink.to(q.device).view(1, heads).expand(n, heads)
-        for b in range(blocks):  # a loop over a shape
-            kb = kf[:, b * KEY_BLOCK:(b + 1) * KEY_BLOCK]
-            lg = torch.matmul(qf, kb.transpose(1, 2)) * scale
-            lg = lg.masked_fill(~mask[:, None, b * KEY_BLOCK:(b + 1) * KEY_BLOCK],
-                                float("-inf"))
-            logits.append(lg)
+        qf, top = q.float(), sink.to(q.device).view(1, heads).expand(n, heads)
+        blocks = []
+        for b in range(0, max(1, keys.shape[1]), KEY_BLOCK):  # a loop over a shape
+            kb, mb = keys[:, b:b + KEY_BLOCK].float(), mask[:, b:b + KEY_BLOCK]
+            if kb.shape[1] < KEY_BLOCK:  # the last block: padded with masked zero keys
+                pad = KEY_BLOCK - kb.shape[1]
+                kb = torch.cat([kb, kb.new_zeros((n, pad, d))], dim=1)
+                mb = torch.cat([mb, mb.new_zeros((n, pad))], dim=1)
+            lg = (torch.matmul(qf, kb.transpose(1, 2)) * scale).masked_fill_(~mb[:, None, :],
+                                                                             float("-inf"))
+            blocks.append((lg, kb))
             top = torch.maximum(top, lg.amax(dim=-1))
         denom = (sink.to(q.device).view(1, heads) - top).exp()
         out = qf.new_zeros((n, heads, d))
-        for b, lg in enumerate(logits):
-            p = (lg - top[..., None]).exp()
+        for lg, kb in blocks:
+            p = lg.sub_(top[..., None]).exp_()
             denom = denom + p.sum(dim=-1)
-            out = out + torch.matmul(p, kf[:, b * KEY_BLOCK:(b + 1) * KEY_BLOCK])
+            out = out + torch.matmul(p, kb)
         return (out / denom[..., None]).to(keys.dtype)
