@@ -3,7 +3,10 @@ interleave equal the one-rank forward bit for bit and transformers within 2e-3 r
 prompts whose lengths are multiples of no rate; one halo collective a layer and one full-view
 collective a compressed layer; a prompt too short for zigzag on units falls back visibly;
 chunked prefill (unit-aligned chunks, entries and tail objects carried) equals one piece bit
-for bit, on one rank and on CP2 zigzag / CP4 interleave; per-rank bytes."""
+for bit, on one rank and on CP2 zigzag / CP4 interleave; per-rank bytes. With ranks as threads
+of one process: CP == one rank bit for bit at any rows per rank (a hypothesis over lengths, CP
+sizes, modes and chunkings), and several prompts as one batch (one halo and one full-view
+collective a layer) equal each alone bit for bit."""
 
 from __future__ import annotations
 
