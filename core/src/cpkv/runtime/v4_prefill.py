@@ -79,14 +79,16 @@ def _plan(specs: list[RequestSpec], cp_size: int, page_size: int, unit: int,
           mode: SplitMode | str) -> list[RequestPlan]:
     """One plan of the batch; a request that cannot meet the unit re-planned interleaved."""
     plans = list(plan_batch(specs, cp_size, page_size, mode, unit=unit).requests)
-    for j, (spec, rp) in enumerate(zip(specs, plans, strict=True)):
-        if not rp.page_aligned:
-            report_fallback(op="v4_split_plan",
-                            requested=f"{SplitMode(mode).value} on units of {unit}",
-                            selected="interleave on units", reason=FallbackReason.SHORT_EXTEND,
-                            detail=f"{spec.extend_len} tokens are fewer than 2C={2 * cp_size} "
-                                   f"units of {unit}")
-            plans[j] = plan_batch([spec], cp_size, page_size, SplitMode.INTERLEAVE,
+    short = [j for j, rp in enumerate(plans) if not rp.page_aligned]
+    if short:
+        report_fallback(op="v4_split_plan",
+                        requested=f"{SplitMode(mode).value} on units of {unit}",
+                        selected="interleave on units", reason=FallbackReason.SHORT_EXTEND,
+                        detail=f"{len(short)} of {len(specs)} requests are fewer than "
+                               f"2C={2 * cp_size} units of {unit} tokens: " + ", ".join(
+                                   f"#{j} ({specs[j].extend_len} tokens)" for j in short))
+        for j in short:
+            plans[j] = plan_batch([specs[j]], cp_size, page_size, SplitMode.INTERLEAVE,
                                   unit=unit).requests[0]
     return plans
 
