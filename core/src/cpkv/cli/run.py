@@ -328,6 +328,7 @@ def _checkpoint_config(settings: Settings, ckpt: Path) -> Any:
 def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
             decode_tokens: int, report: Path | None, save_logits: Path | None) -> None:
     from cpkv.models.v4_weights import read_v4_config
+    from cpkv.runtime.v4_job import V4OpsChoice
 
     from .run_v4 import run_v4
 
@@ -341,8 +342,7 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
     check_output(save_logits, "--save-logits")
     run_v4(ckpt, token_lists, settings.cp.size, settings.cp.mode.value, settings.kv.page_size,
            settings.runtime.chunk_tokens, decode_tokens, output_console(), report, save_logits,
-           device=settings.run.device, preference=tuple(settings.backend.effective_preference()),
-           quiet=settings.backend.name == "auto")
+           device=settings.run.device, ops=V4OpsChoice.of(settings))
 
 
 @click.command("run")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import torch
@@ -15,6 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from cpkv.models.v4_config import CSA, HCA, SWA
+
+if TYPE_CHECKING:
+    from cpkv.runtime.v4_job import V4OpsChoice
 
 __all__ = ["PER_TOKEN_ROWS", "fp8_bytes_per_token", "run_v4"]
 
@@ -40,8 +43,8 @@ PER_TOKEN_ROWS = (("DeepSeek-V4-Flash (43 layers)", fp8_bytes_per_token(_V4_FLAS
 
 def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: int,
            chunk: int, decode_tokens: int, console: Console, report: Path | None,
-           save_logits: Path | None, device: str = "cpu",
-           preference: tuple[str, ...] = ("torch",), quiet: bool = False) -> None:
+           save_logits: Path | None, device: str = "cpu", ops: V4OpsChoice | None = None
+           ) -> None:
     """Run the V4 job and print its report; exit 1 when a prompt's last-position logits are
     off the one-rank forward by more than :data:`TOLERANCE` (relative) or their argmax differs.
 
@@ -49,16 +52,16 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
         click.ClickException: a chunk size off the ownership unit, a window wider than it,
             ``device`` "cuda" with fewer GPUs than ranks.
     """
-    from cpkv.runtime.v4_job import run_v4_job
+    from cpkv.runtime.v4_job import V4OpsChoice, run_v4_job
 
+    ops = ops or V4OpsChoice()
     console.print(f"model {ckpt} (DeepSeek-V4), CP{cp} {mode}, page {page_size}, "
                   f"{len(prompts)} prompts, device {device}, v4 ops from "
-                  f"{', '.join(preference)}")
+                  f"{', '.join(ops.preference)}")
     if decode_tokens:
         console.print("decode after the prefill is not built for DeepSeek-V4: prefill only")
     try:
-        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk, device=device,
-                         preference=preference, quiet=quiet)
+        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk, device=device, ops=ops)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     t = Table()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,13 +21,16 @@ from cpkv.contracts import FallbackEvent, SplitMode
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import reference_forward
-from cpkv.ops import v4_op_table
+from cpkv.ops import OpTable, v4_op_table
 
 from .job.run import job_placement
 from .launch import run_ranks
+
+if TYPE_CHECKING:
+    from cpkv.settings import Settings
 from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_batch
 
-__all__ = ["V4JobReport", "chunk_sizes", "run_v4_job"]
+__all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "run_v4_job"]
 
 
 def chunk_sizes(length: int, chunk: int) -> list[int]:
@@ -62,6 +66,31 @@ class V4JobReport:
         return all(d <= tolerance for d in self.rel_diff()) and all(self.argmax_equal())
 
 
+@dataclass(frozen=True)
+class V4OpsChoice:
+    """Where a rank's ``v4_*`` ops come from: the backend preference, whether it is the
+    default order (``backend.name = "auto"``: passing a backend over is not a fallback), and
+    the ``plugins.disable`` / ``plugins.allow`` filters."""
+
+    preference: tuple[str, ...] = ("torch",)
+    quiet: bool = False
+    disable: tuple[str, ...] = ()
+    allow: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, settings: Settings) -> V4OpsChoice:
+        allow = settings.plugins.allow
+        return cls(tuple(settings.backend.effective_preference()),
+                   settings.backend.name == "auto", tuple(settings.plugins.disable),
+                   None if allow is None else tuple(allow))
+
+    def table(self, group: CPGroup) -> OpTable:
+        """The op table, agreed across ``group``'s ranks, for its device."""
+        return v4_op_table(self.preference, agree=group.agree_all,
+                           device_type=group.device.type, quiet=self.quiet,
+                           disable=self.disable, allow=self.allow)
+
+
 def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
              chunk: int) -> V4Layout:
     lay = None
@@ -72,10 +101,8 @@ def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
 
 
 def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
-          chunk: int, preference: list[str], quiet: bool) -> torch.Tensor:
-    ops = v4_op_table(preference, agree=group.agree_all, device_type=group.device.type,
-                      quiet=quiet)
-    model = DeepseekV4.load(ckpt, device=group.device, ops=ops)
+          chunk: int, choice: V4OpsChoice) -> torch.Tensor:
+    model = DeepseekV4.load(ckpt, device=group.device, ops=choice.table(group))
     with torch.no_grad():  # the prompts as one batch (one halo and one full view a layer)
         logits = v4_prefill_batch(model, [torch.tensor(p, dtype=torch.long) for p in prompts],
                                   group, page_size=page_size, mode=mode,
@@ -85,13 +112,12 @@ def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
 
 def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | str,
                page_size: int, chunk: int = 0, timeout_s: float = 600.0, device: str = "cpu",
-               preference: tuple[str, ...] = ("torch",), quiet: bool = False) -> V4JobReport:
+               ops: V4OpsChoice | None = None) -> V4JobReport:
     """Prefill ``prompts`` on ``cp`` ranks and on one rank (the CPU); measure.
 
     ``device``: ``run.device`` ("cpu": Gloo ranks; "cuda": NCCL ranks, rank r on GPU r;
     "auto": cuda when there is a GPU per rank); the model is float32 on either.
-    ``preference`` / ``quiet``: the backend preference of the ``v4_*`` ops and whether it is
-    the default order (``backend.name = "auto"``: passing over a backend is not a fallback).
+    ``ops``: where the ranks' ``v4_*`` ops come from (default: the torch backend).
 
     Raises:
         ValueError: a chunk that is not a multiple of the model's ownership unit, a window
@@ -115,7 +141,7 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
         tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config) if o.kind != "entries")
     t0 = time.perf_counter()
     results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk,
-                                         list(preference), quiet),
+                                         ops or V4OpsChoice()),
                         timeout_s=timeout_s, backend=place.backend, gpus=place.gpus)
     seconds = time.perf_counter() - t0
     with torch.no_grad():
