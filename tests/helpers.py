@@ -29,7 +29,7 @@ from cpkv.contracts import KVFormat
 from cpkv.disagg import DecodeReceiver, TransferManifest, manifest_for, pack_part, page_checksums
 from cpkv.kv import KVStore, PageTable, RequestPages, ShardedKVPool
 from cpkv.kv.buffers import read_part
-from cpkv.ops import ALL_OPS
+from cpkv.ops import DSA_OPS
 from cpkv.runtime.job import JobSpec
 from cpkv.runtime.setup import resolve_ops
 from cpkv.settings import load_settings
@@ -46,7 +46,7 @@ def small_format() -> KVFormat:
 
 def torch_pool(group: CPGroup, capacity: int = 32, layers: int = 2) -> ShardedKVPool:
     s = load_settings(cp={"size": group.size}, backend={"preference": ["torch"]})
-    ops, _ = resolve_ops(s, group, ops=ALL_OPS)
+    ops, _ = resolve_ops(s, group, ops=DSA_OPS)
     return ShardedKVPool(small_format(), layers, group, ops, pages_per_rank=capacity)
 
 

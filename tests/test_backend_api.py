@@ -22,9 +22,11 @@ BACKENDS = [p.parent for p in (*sorted((ROOT / "backends").glob("*/src/*/__init_
 TRANSFERS = [p.parent for p in sorted((ROOT / "plugins").glob("*/src/*/__init__.py"))]
 #: what a backend's ``plugin`` module may import from cpkv (the registration API)
 PLUGIN_API = {"cpkv.contracts", "cpkv.plugin"}
-#: outside the op API, by design: the reference formula of rope (the torch reference calls it),
-#: and the benches' timing and reference loading (bench modules are tools, not ops)
-ALSO = {"cpkv.models.rope", "cpkv.bench.timing", "cpkv.testing.conformance"}
+#: outside the op API, by design: the reference formulas of rope and of DeepSeek-V4's top-k (the
+#: torch reference calls them), and the benches' timing and reference loading (bench modules
+#: are tools, not ops)
+ALSO = {"cpkv.models.rope", "cpkv.models.v4_topk", "cpkv.bench.timing",
+        "cpkv.testing.conformance"}
 #: a backend's ``bench`` module (``python -m <backend>.bench``) is a tool beside the ops: it
 #: writes cpkv's bench rows and builds op tables to compare, so it may use the bench and
 #: registration APIs too; no op module imports it (checked below)

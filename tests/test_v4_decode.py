@@ -17,6 +17,7 @@ from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.tiny import write_tiny_checkpoint
 from cpkv.models.v4_config import CSA, HCA, SWA
 from cpkv.models.v4_reference import reference_forward
+from cpkv.ops import v4_op_table
 from cpkv.runtime.v4_decode import v4_empty_state, v4_extend, v4_greedy
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -51,7 +52,7 @@ def test_greedy_equals_reference_on_grown_sequence(checkpoints: dict[str, Path],
     """The reference is causal, so its logits over prompt + decoded tokens at row ``t`` are the
     reference recomputed on the first ``t + 1`` tokens: every step's argmax must be the next
     decoded token."""
-    model = DeepseekV4.load(checkpoints[name])
+    model = DeepseekV4.load(checkpoints[name], ops=v4_op_table())
     ids = _ids(length)
     with torch.no_grad():
         state, logits = _prefill(model, ids)
@@ -68,7 +69,7 @@ def test_greedy_equals_reference_on_grown_sequence(checkpoints: dict[str, Path],
 
 
 def test_state_grown_token_by_token_matches_one_piece(checkpoints: dict[str, Path]) -> None:
-    model = DeepseekV4.load(checkpoints["tiny"])
+    model = DeepseekV4.load(checkpoints["tiny"], ops=v4_op_table())
     ids = _ids(41)
     with torch.no_grad():
         whole, _ = _prefill(model, ids)
@@ -87,7 +88,7 @@ def test_state_grown_token_by_token_matches_one_piece(checkpoints: dict[str, Pat
 
 
 def test_check_names_a_wrong_count(checkpoints: dict[str, Path]) -> None:
-    model = DeepseekV4.load(checkpoints["tiny"])
+    model = DeepseekV4.load(checkpoints["tiny"], ops=v4_op_table())
     with torch.no_grad():
         state, _ = _prefill(model, _ids(21))
     state.check()
@@ -99,7 +100,7 @@ def test_check_names_a_wrong_count(checkpoints: dict[str, Path]) -> None:
 @pytest.mark.slow
 def test_greedy_equals_transformers_generate(checkpoints: dict[str, Path]) -> None:
     transformers = pytest.importorskip("transformers")
-    model = DeepseekV4.load(checkpoints["tiny"])
+    model = DeepseekV4.load(checkpoints["tiny"], ops=v4_op_table())
     ids = _ids(37)
     with torch.no_grad():
         state, logits = _prefill(model, ids)

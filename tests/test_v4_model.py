@@ -16,6 +16,7 @@ from cpkv.models.deepseek_v4 import DeepseekV4, stable_topk
 from cpkv.models.tiny import write_tiny_checkpoint
 from cpkv.models.v4_config import CSA, HCA, SWA
 from cpkv.models.v4_reference import reference_forward
+from cpkv.ops import v4_op_table
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +43,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_logits_equal_transformers(checkpoints: dict[str, Path], name: str, length: int) -> None:
     path = checkpoints[name]
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(path).eval()
-    ours = DeepseekV4.load(path)
+    ours = DeepseekV4.load(path, ops=v4_op_table())
     ids = torch.randint(0, ours.config.vocab_size, (length,),
                         generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
@@ -57,7 +58,7 @@ def test_logits_equal_transformers(checkpoints: dict[str, Path], name: str, leng
 def test_compress_in_pieces_equals_one_piece(checkpoints: dict[str, Path]) -> None:
     """Entries of windows [a, b) from their rows plus the previous window's rows (CSA's Ca
     halo) are bit-equal to the same entries compressed in one piece."""
-    model = DeepseekV4.load(checkpoints["tiny"])
+    model = DeepseekV4.load(checkpoints["tiny"], ops=v4_op_table())
     h = torch.randn(48, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     for layer in range(model.num_layers):
         for comp in model.compressors(layer):

@@ -18,6 +18,7 @@ from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.tiny import write_tiny_checkpoint
 from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import reference_forward
+from cpkv.ops import v4_op_table
 from cpkv.runtime import run_ranks
 from cpkv.runtime.v4_decode import v4_empty_state, v4_extend, v4_greedy
 from cpkv.runtime.v4_prefill import v4_layout
@@ -38,7 +39,7 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _rank(group: CPGroup, path: str, length: int, mode: str,
           chunks: list[int] | None) -> tuple[object, ...]:
-    model = DeepseekV4.load(path)
+    model = DeepseekV4.load(path, ops=v4_op_table())
     with torch.no_grad():
         logits, owned, tail = v4_prefill_state(model, _ids(length), group, page_size=PAGE,
                                                mode=mode, chunks=chunks)
@@ -48,7 +49,7 @@ def _rank(group: CPGroup, path: str, length: int, mode: str,
 @pytest.mark.parametrize(("length", "chunks"), [(53, None), (21, [16, 5])])
 def test_one_rank_state_equals_the_decode_step_s_prefill(tiny_v4: Path, length: int,
                                                          chunks: list[int] | None) -> None:
-    model = DeepseekV4.load(tiny_v4)
+    model = DeepseekV4.load(tiny_v4, ops=v4_op_table())
     _, owned, tail = _rank(CPGroup.single(), str(tiny_v4), length, "zigzag", chunks)
     assert isinstance(owned, V4OwnedEntries) and tail is not None
     state = assemble_v4_state([owned], tail)  # type: ignore[arg-type]
@@ -77,11 +78,11 @@ def test_owned_pieces_assemble_the_one_rank_state(tiny_v4: Path, cp: int, mode: 
     one = assemble_v4_state([one_owned], one_tail)  # type: ignore[list-item, arg-type]
     tails = [r.value[2] for r in results if r.value[2] is not None]
     assert len(tails) == 1  # one tail holder: the rank of the last token
-    lay = v4_layout(DeepseekV4.load(tiny_v4), length, cp, PAGE, mode)
+    lay = v4_layout(DeepseekV4.load(tiny_v4, ops=v4_op_table()), length, cp, PAGE, mode)
     assert results[lay.tail_rank].value[2] is tails[0]
     state = assemble_v4_state([r.value[1] for r in results], tails[0])
     assert state.equal(one)
-    model = DeepseekV4.load(tiny_v4)
+    model = DeepseekV4.load(tiny_v4, ops=v4_op_table())
     bound = sum(o.bytes_for(length) for o in v4_objects(model.config) if o.kind != "entries")
     assert 0 < tails[0].nbytes <= bound
     steps = 12
@@ -92,7 +93,7 @@ def test_owned_pieces_assemble_the_one_rank_state(tiny_v4: Path, cp: int, mode: 
 
 
 def test_split_then_assemble_is_the_identity_and_checks_owners(tiny_v4: Path) -> None:
-    model = DeepseekV4.load(tiny_v4)
+    model = DeepseekV4.load(tiny_v4, ops=v4_op_table())
     length = 77
     with torch.no_grad():
         state = v4_empty_state(model)

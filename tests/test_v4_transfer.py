@@ -28,6 +28,7 @@ from cpkv.disagg.v4_bundle import (
 from cpkv.kv.v4_state import assemble_v4_state, split_v4_state
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.tiny import write_tiny_checkpoint
+from cpkv.ops import v4_op_table
 from cpkv.runtime.v4_decode import v4_empty_state, v4_extend
 from cpkv.runtime.v4_prefill import v4_layout
 from cpkv.runtime.v4_transfer import v4_stage_pool
@@ -44,7 +45,7 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(tiny_v4: Path) -> DeepseekV4:
-    return DeepseekV4.load(tiny_v4)
+    return DeepseekV4.load(tiny_v4, ops=v4_op_table())
 
 
 def _state(model: DeepseekV4, length: int):  # type: ignore[no-untyped-def]
@@ -130,7 +131,8 @@ def _job(tiny: Path, cp: int, plugin: str, chunk: int = 0) -> None:
     assert rep.tokens_equal() == [True, True], (rep.tokens, rep.reference_tokens)
     assert [len(t) for t in rep.tokens] == [12, 12]
     assert rep.passed()
-    model = DeepseekV4.load(tiny)  # entries of both rates complete during the decode
+    # entries of both rates complete during the decode
+    model = DeepseekV4.load(tiny, ops=v4_op_table())
     assert all(len(p) // 16 < (len(p) + 11) // 16 for p in prompts)
     shapes = V4Shapes.of(model)
     assert rep.bundle_bytes == [shapes.tail_nbytes(len(p)) for p in prompts]

@@ -46,6 +46,9 @@ formulas here are the definition:
   valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Its temporaries are
   O(N * k * Dk): it takes rows in chunks that keep them under 256 MB itself.
 
+* ``v4_compress``, ``v4_index_scores``, ``v4_topk``, ``v4_attention``: DeepSeek-V4's, in
+  :mod:`cpkv_backend_torch.v4` (each row's result independent of the call's other rows).
+
 No op syncs the host (no ``.item()``, no data-dependent shapes) and none builds host tensors, so
 they run unchanged on CPU and CUDA tensors, for any number of rows including 0.
 """
@@ -70,6 +73,8 @@ from cpkv.ops.api import (
     paged_latent,
     quantize_index_q,
 )
+
+from .v4 import V4TorchOps
 
 if TYPE_CHECKING:
     from cpkv.ops.api import KVPart, RopeStyle
@@ -97,8 +102,9 @@ def _pack(x: torch.Tensor, fmt: KVFormat, part: KVPart) -> torch.Tensor:
     return pack_fp8(x, fmt, part)
 
 
-class TorchOps:
-    """Reference implementation of cpkv's compute ops in plain torch (CPU and GPU)."""
+class TorchOps(V4TorchOps):
+    """Reference implementation of cpkv's compute ops in plain torch (CPU and GPU); DeepSeek-V4's
+    ``v4_*`` ops are :class:`~cpkv_backend_torch.v4.V4TorchOps`'."""
 
     # ---- page movement ----------------------------------------------------------------------
     def page_gather(self, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

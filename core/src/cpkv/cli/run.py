@@ -328,14 +328,14 @@ def _checkpoint_config(settings: Settings, ckpt: Path) -> Any:
 def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
             decode_tokens: int, report: Path | None, save_logits: Path | None) -> None:
     from cpkv.models.v4_weights import read_v4_config
+    from cpkv.runtime.v4_job import V4OpsChoice
 
     from .run_v4 import run_v4
 
-    if settings.run.device == "cuda" or settings.run.mtp:
+    if settings.run.mtp:
         raise click.ClickException(
-            f"{ckpt} is a DeepSeek-V4 checkpoint: cpkv runs it on CPU ranks only, "
-            f"without an MTP draft layer (run.device = {settings.run.device!r}, run.mtp = "
-            f"{settings.run.mtp}); use --device cpu and no --mtp")
+            f"{ckpt} is a DeepSeek-V4 checkpoint: cpkv runs it without an MTP draft layer "
+            f"(run.mtp = {settings.run.mtp}); use no --mtp")
     vocab = read_v4_config(ckpt).vocab_size
     token_lists = _prompts(settings.run.prompts, vocab, _prompts_source(prompts, config))
     check_output(report, "--report")
@@ -347,7 +347,7 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
             raise click.ClickException(str(exc)) from exc
     run_v4(ckpt, token_lists, settings.cp.size, settings.cp.mode.value, settings.kv.page_size,
            settings.runtime.chunk_tokens, decode_tokens, output_console(), report, save_logits,
-           settings=settings)
+           device=settings.run.device, ops=V4OpsChoice.of(settings), settings=settings)
 
 
 @click.command("run")

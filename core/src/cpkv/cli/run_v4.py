@@ -20,6 +20,7 @@ from rich.table import Table
 from cpkv.models.v4_config import CSA, HCA, SWA
 
 if TYPE_CHECKING:
+    from cpkv.runtime.v4_job import V4OpsChoice
     from cpkv.settings import Settings
 
 __all__ = ["PER_TOKEN_ROWS", "fp8_bytes_per_token", "run_v4"]
@@ -46,25 +47,29 @@ PER_TOKEN_ROWS = (("DeepSeek-V4-Flash (43 layers)", fp8_bytes_per_token(_V4_FLAS
 
 def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: int,
            chunk: int, decode_tokens: int, console: Console, report: Path | None,
-           save_logits: Path | None, *, settings: Settings | None = None) -> None:
+           save_logits: Path | None, device: str = "cpu", ops: V4OpsChoice | None = None, *,
+           settings: Settings | None = None) -> None:
     """Run the V4 job and print its report; exit 1 when a prompt's last-position logits are
     off the one-rank forward by more than :data:`TOLERANCE` (relative) or their argmax differs,
     or a decoded token is not the one-rank forward's argmax after the tokens before it.
     ``settings``: the run's (the transfer plugin and its options, with ``decode_tokens``).
 
     Raises:
-        click.ClickException: a chunk size off the ownership unit, a window wider than it.
+        click.ClickException: a chunk size off the ownership unit, a window wider than it,
+            ``device`` "cuda" with fewer GPUs than ranks.
     """
-    from cpkv.runtime.v4_job import run_v4_job
+    from cpkv.runtime.v4_job import V4OpsChoice, run_v4_job
 
+    ops = ops or V4OpsChoice()
     console.print(f"model {ckpt} (DeepSeek-V4), CP{cp} {mode}, page {page_size}, "
-                  f"{len(prompts)} prompts, torch reference ops on CPU")
+                  f"{len(prompts)} prompts, device {device}, v4 ops from "
+                  f"{', '.join(ops.preference)}")
     if decode_tokens:
         name = settings.transfer.name if settings is not None else "the default"
         console.print(f"decode: {decode_tokens} greedy tokens a prompt on a decode rank, owned "
                       f"entries and the tail bundle sent over the {name} transfer plugin")
     try:
-        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk,
+        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk, device=device, ops=ops,
                          decode_tokens=decode_tokens, settings=settings)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc

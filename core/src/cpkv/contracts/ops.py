@@ -50,6 +50,10 @@ class Op(StrEnum):
     INDEX_Q_FP8 = "index_q_fp8"
     PAGE_ROWS = "page_rows"
     RMS_NORM = "rms_norm"
+    V4_COMPRESS = "v4_compress"
+    V4_INDEX_SCORES = "v4_index_scores"
+    V4_TOPK = "v4_topk"
+    V4_ATTENTION = "v4_attention"
 
 
 class OpDeclined(Exception):
@@ -411,5 +415,69 @@ class KVOps(Protocol):
         Raises:
             ValueError: q is not float [N, H, D], w not float32 [N, H], or ``rotate`` with D not
                 a power of two (:func:`cpkv.ops.check_index_q_args`).
+        """
+        ...
+
+    # ---- DeepSeek-V4 (contract rules 33-40; docs/models.md, "DeepSeek-V4") ------------------
+    # Each row's result depends on that row's inputs only: not on how many rows, entries or
+    # masked trailing keys the call holds (a context-parallel rank, a chunk and the one-piece
+    # prefill compute the same row alike).
+
+    def v4_compress(self, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, rate: int,
+                    overlap: bool, prior: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> torch.Tensor:
+        """The compressor's gated-softmax pool of whole windows: float [n, d] of kv's dtype,
+        ``n = rows // rate`` (a partial last window is ignored), before the entry's norm and rope.
+
+        kv / gate [rows, w] (rows from a window boundary), ape float32 [rate, w] (the position
+        bias, added to the gate). Without ``overlap`` w = d and entry i is ``sum_j
+        softmax_j(gate + ape)[j] * kv[j]`` over its window's ``rate`` rows; with it (CSA) w = 2d
+        and the pool runs over 2 x rate slots: the previous window's first-half columns (Ca,
+        ``[:, :d]``) and this window's second half (Cb, ``[:, d:]``). ``prior``: the
+        ``(kv, gate)`` [rate, w] rows of the window before the first (its Ca half); None: no
+        such window (entry 0), its slots take no weight. Softmax in float32.
+
+        Raises:
+            ValueError: kv / gate not float [rows, w] of one shape, ape not float32 [rate, w],
+                w odd with ``overlap``, or ``prior`` not two [rate, w] tensors
+                (:func:`cpkv.ops.check_v4_compress_args`).
+        """
+        ...
+
+    def v4_index_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                        limit: torch.Tensor, scale: float) -> torch.Tensor:
+        """The V4 lightning indexer over compressed index keys: float32 [N, E],
+        ``score[i, e] = sum_h relu(q[i, h] . keys[e]) * scale * w[i, h]``, -inf where
+        ``e >= limit[i]`` (entry e's window is not complete for row i).
+
+        q float [N, H, d] (roped), w float32 [N, H] (head weights, their scale folded in),
+        keys float [E, d], limit int64 [N].
+
+        Raises:
+            ValueError: a shape or dtype does not fit (:func:`cpkv.ops.check_v4_index_scores_args`).
+        """
+        ...
+
+    def v4_topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Top-``k`` entries per row of ``scores`` float [N, E] (-inf: not selectable): int64
+        [N, k], score descending, equal scores by ascending entry (rule 39), -1 where fewer
+        than ``k`` are selectable.
+
+        Raises:
+            ValueError: scores not 2-D float, or ``k < 0`` (:func:`cpkv.ops.check_v4_topk_args`).
+        """
+        ...
+
+    def v4_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+        """Softmax attention with a per-head sink over per-row keys (K = V): [N, H, D] of keys'
+        dtype. ``out[i, h] = sum_j p_j keys[i, j]`` with ``p = softmax([scale * q[i, h] .
+        keys[i, j] for the j where mask[i, j]] ++ [sink[h]])`` without the sink's column; a row
+        with no key read gives zeros.
+
+        q [N, H, D], keys [N, K, D] of q's dtype, mask bool [N, K], sink float32 [H].
+
+        Raises:
+            ValueError: a shape or dtype does not fit (:func:`cpkv.ops.check_v4_attention_args`).
         """
         ...

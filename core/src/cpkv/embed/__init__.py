@@ -74,9 +74,9 @@ def backend_ops(group: CPGroup, preference: Sequence[str] = ("torch",)) -> OpTab
 
     A collective: every rank of ``group`` calls it at the same point (the ranks agree on each
     op's backend, one all-reduce)."""
-    from cpkv.ops import ALL_OPS
+    from cpkv.ops import DSA_OPS
     from cpkv.runtime.setup import resolve_ops
     from cpkv.settings import load_settings
 
     settings = load_settings(cp={"size": group.size}, backend={"preference": list(preference)})
-    return resolve_ops(settings, group, ops=ALL_OPS)[0]
+    return resolve_ops(settings, group, ops=DSA_OPS)[0]

@@ -13,6 +13,12 @@ The pieces (docs/models.md, "DeepSeek-V4"):
 * Keys a query ``t`` reads: the window rows ``[t - W + 1, t]``, and on compressed layers the
   compressed entries: HCA all causal ones (``(w + 1) * m <= t + 1``), CSA the indexer's top-k
   of them (:func:`stable_topk`: score descending, entry index ascending; -1 padded).
+* The compressor's pool, the indexer, the top-k and the attention with the sink are ops
+  (``v4_compress``, ``v4_index_scores``, ``v4_topk``, ``v4_attention`` of
+  :class:`cpkv.contracts.KVOps`): the model calls the op table it was given
+  (:meth:`DeepseekV4.bind_ops`; ``cpkv.ops.v4_op_table`` resolves one through the registry),
+  the rest (projections, norms, rope, mHC, MoE) is its own. Every product pads its row count
+  (:func:`_linear`), so a row's result does not depend on how many rows are computed with it.
 * Compressor (:meth:`DeepseekV4.compress`): entry ``w`` of rate m is
   ``norm(sum_j softmax_j(Z_j + B_j) * C_j)`` over its window's m rows, roped at position
   ``w * m``; CSA's (main and indexer) have 2m slots: the previous window's first half (Ca) and
@@ -25,13 +31,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .rope import rope_inv_freq
 from .v4_config import CSA, HCA, DeepseekV4Config
+from .v4_topk import stable_topk
 from .v4_weights import V4CheckpointReader, read_v4_config
+
+if TYPE_CHECKING:
+    from cpkv.contracts import KVOps
 
 __all__ = ["DeepseekV4", "V4Compressor", "stable_topk", "v4_rope"]
 
@@ -59,35 +70,20 @@ def v4_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([nope, ((rope.float() * c) + (rot.float() * s)).to(x.dtype)], dim=-1)
 
 
-def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-``k`` column indices per row of ``scores`` ``[N, E]`` (-inf: not selectable), ties
-    broken by the lower index (contract rule 39); -1 where fewer than ``k`` are selectable."""
-    n, e = scores.shape
-    if k == 0 or e == 0:
-        return torch.full((n, k), -1, dtype=torch.long, device=scores.device)
-    order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    idx = order.indices[:, :k]
-    ok = torch.isfinite(order.values[:, :k])
-    out = torch.where(ok, idx, torch.full_like(idx, -1))
-    if out.shape[1] < k:
-        out = F.pad(out, (0, k - out.shape[1]), value=-1)
-    return out
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` of rows ``x`` ``[N, in]`` with N padded to a multiple of
+    :data:`_ROW_BLOCK`: a CPU GEMM sums otherwise for row counts off a multiple of 4 (fewer
+    than 12, or split over threads), so each row's result would depend on how many rows a
+    context-parallel rank or a chunk holds."""
+    n = x.shape[0]
+    pad = -n % _ROW_BLOCK if n else _ROW_BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    return F.linear(x, weight)[:n]
 
 
-def _pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``sum_j softmax_j(gate) * kv_j`` over the slots (dim 1) of ``[n, S, d]``, softmax in
-    float32, as elementwise ops over the slots in a fixed order: each entry's value does not
-    depend on how many windows are pooled together (CP == one rank bit for bit; a fused
-    softmax or sum over dim 1 vectorises by shape and differs in the last bit)."""
-    g = gate.float()
-    e = (g - g.amax(dim=1, keepdim=True)).exp()
-    denom = e[:, 0]
-    for j in range(1, e.shape[1]):
-        denom = denom + e[:, j]
-    out = kv[:, 0] * (e[:, 0] / denom).to(kv.dtype)
-    for j in range(1, e.shape[1]):
-        out = out + kv[:, j] * (e[:, j] / denom).to(kv.dtype)
-    return out
+#: row counts of the model's products are padded to a multiple of this (see :func:`_linear`)
+_ROW_BLOCK = 16
 
 
 @dataclass
@@ -134,12 +130,18 @@ class _Layer:
 
 
 class DeepseekV4:
-    """A loaded DeepSeek-V4 (inference only) with the per-row layer API and
-    :meth:`reference_logits`, the one-rank forward of one prompt."""
+    """A loaded DeepSeek-V4 (inference only) with the per-row layer API (the one-rank forward
+    of one prompt is :func:`cpkv.models.v4_reference.reference_forward`).
+
+    ``ops``: the op table its ``v4_*`` ops run on (:meth:`bind_ops`); calling
+    :meth:`compress`, :meth:`index_scores`, :meth:`topk` or :meth:`attend` without one raises
+    RuntimeError."""
 
     def __init__(self, config: DeepseekV4Config, layers: list[_Layer], embed: torch.Tensor,
                  norm: torch.Tensor, head: torch.Tensor,
-                 hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+                 hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 ops: KVOps | None = None) -> None:
+        self._ops = ops
         self.config = config
         self._layers = layers
         self._embed, self._norm, self._head, self._hc_head = embed, norm, head, hc_head
@@ -154,8 +156,9 @@ class DeepseekV4:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> DeepseekV4:
+             device: torch.device | str = "cpu", ops: KVOps | None = None) -> DeepseekV4:
         """Load a DeepSeek-V4 checkpoint directory; :class:`ModelLoadError` if it doesn't fit.
+        ``ops``: the op table of its ``v4_*`` ops (or :meth:`bind_ops` later).
 
         Norms, position biases, sinks, the mHC weights and the router bias stay float32 (as
         transformers keeps them)."""
@@ -206,7 +209,23 @@ class DeepseekV4:
             embed = g("embed.weight")
             head = embed if r.tied_head else g("head.weight")
             hc_head = (g("hc_head_fn", f32), g("hc_head_base", f32), g("hc_head_scale", f32))
-            return cls(cfg, layers, embed, g("norm.weight", f32), head, hc_head)
+            return cls(cfg, layers, embed, g("norm.weight", f32), head, hc_head, ops)
+
+    def bind_ops(self, ops: KVOps) -> None:
+        """Run the ``v4_*`` ops on ``ops`` (an op table resolved for them) from now on."""
+        self._ops = ops
+
+    @property
+    def ops(self) -> KVOps:
+        """The bound op table.
+
+        Raises:
+            RuntimeError: none was bound (``load(..., ops=)`` or :meth:`bind_ops`).
+        """
+        if self._ops is None:
+            raise RuntimeError("this DeepseekV4 has no op table for its v4_* ops: load it with "
+                               "ops=cpkv.ops.v4_op_table() or call bind_ops(...)")
+        return self._ops
 
     def layer_kind(self, layer: int) -> str:
         """``sliding_attention``, ``compressed_sparse_attention`` or ``heavily_compressed_attention``."""
@@ -236,7 +255,7 @@ class DeepseekV4:
         fn, base, scale = self._layers[layer].hc[which]
         hc = c.hc_mult
         flat = _rms(streams.flatten(1).float(), None, c.rms_norm_eps)
-        mixes = F.linear(flat, fn)
+        mixes = _linear(flat, fn)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + c.hc_eps
@@ -266,8 +285,8 @@ class DeepseekV4:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [N, H, head_dim] roped, q_residual [N, q_lora_rank])`` of normed rows ``h``."""
         c, w = self.config, self._layers[layer]
-        q_res = _rms(F.linear(h, w.wq_a), w.q_norm, c.rms_norm_eps)
-        q = F.linear(q_res, w.wq_b).view(h.shape[0], c.num_attention_heads, c.head_dim)
+        q_res = _rms(_linear(h, w.wq_a), w.q_norm, c.rms_norm_eps)
+        q = _linear(q_res, w.wq_b).view(h.shape[0], c.num_attention_heads, c.head_dim)
         q = _rms(q, None, c.rms_norm_eps)
         cos, sin = self.rope_cos_sin(positions, self._layer_rope(layer))
         return v4_rope(q, cos, sin), q_res
@@ -275,7 +294,7 @@ class DeepseekV4:
     def window_kv(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[N, head_dim]`` K = V rows (normed, roped): the window rows."""
         w = self._layers[layer]
-        kv = _rms(F.linear(h, w.wkv), w.kv_norm, self.config.rms_norm_eps)
+        kv = _rms(_linear(h, w.wkv), w.kv_norm, self.config.rms_norm_eps)
         cos, sin = self.rope_cos_sin(positions, self._layer_rope(layer))
         return v4_rope(kv, cos, sin)
 
@@ -287,7 +306,7 @@ class DeepseekV4:
     def compressor_inputs(self, comp: V4Compressor, h: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv, gate)`` ``[N, w]`` projections of normed rows (the carry state's rows)."""
-        return F.linear(h, comp.wkv), F.linear(h, comp.wgate)
+        return _linear(h, comp.wkv), _linear(h, comp.wgate)
 
     def compress(self, comp: V4Compressor, kv: torch.Tensor, gate: torch.Tensor,
                  first_entry: int, prior: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -296,23 +315,9 @@ class DeepseekV4:
         ``[rows, w]`` (rows from a window boundary; a partial last window is ignored), entry
         ``first_entry`` first. ``prior``: CSA's ``(kv, gate)`` ``[m, w]`` rows of the window
         before the first (its Ca half is used); None: no such window (entry 0, or unknown)."""
-        m, d = comp.rate, comp.dim
+        m = comp.rate
         n = kv.shape[0] // m
-        kv = kv[: n * m].view(n, m, kv.shape[-1])
-        gate = gate[: n * m].view(n, m, gate.shape[-1]) + comp.ape
-        if comp.overlap:
-            new_kv = kv.new_zeros((n, 2 * m, d))
-            new_gate = gate.new_full((n, 2 * m, d), float("-inf"))
-            new_kv[:, m:] = kv[..., d:]
-            new_gate[:, m:] = gate[..., d:]
-            if n > 1:
-                new_kv[1:, :m] = kv[:-1, :, :d]
-                new_gate[1:, :m] = gate[:-1, :, :d]
-            if prior is not None and n:
-                new_kv[0, :m] = prior[0][:, :d].to(new_kv.dtype)
-                new_gate[0, :m] = (prior[1] + comp.ape)[:, :d].to(new_gate.dtype)
-            kv, gate = new_kv, new_gate
-        pooled = _pool(kv, gate)
+        pooled = self.ops.v4_compress(kv, gate, comp.ape, m, comp.overlap, prior)
         entries = _rms(pooled, comp.norm, self.config.rms_norm_eps)
         pos = torch.arange(n, device=kv.device) * m + first_entry * m
         cos, sin = self.rope_cos_sin(pos, "compress")
@@ -324,29 +329,24 @@ class DeepseekV4:
         (entry e of the request), -inf where entry e is not complete for the row."""
         c, w = self.config, self._layers[layer]
         assert w.idx_wq_b is not None and w.idx_weights is not None
-        q = F.linear(q_res, w.idx_wq_b).view(h.shape[0], c.index_n_heads, c.index_head_dim)
+        q = _linear(q_res, w.idx_wq_b).view(h.shape[0], c.index_n_heads, c.index_head_dim)
         cos, sin = self.rope_cos_sin(positions, "compress")
         q = v4_rope(q, cos, sin)
-        s = torch.matmul(q.float(), keys.float().t().unsqueeze(0))  # [N, h, E]
-        s = F.relu(s) * c.index_head_dim ** -0.5
-        wts = F.linear(h, w.idx_weights).float() * c.index_n_heads ** -0.5
-        scores = (s * wts.unsqueeze(-1)).sum(dim=1)
-        limit = (positions.to(scores.device) + 1) // c.compress_rate_csa
-        future = torch.arange(keys.shape[0], device=scores.device)[None, :] >= limit[:, None]
-        return scores.masked_fill(future, float("-inf"))
+        wts = _linear(h, w.idx_weights).float() * c.index_n_heads ** -0.5
+        limit = (positions.to(q.device) + 1) // c.compress_rate_csa
+        return self.ops.v4_index_scores(q, wts, keys, limit, c.index_head_dim ** -0.5)
+
+    def topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """The indexer's choice: ``v4_topk`` of scores ``[N, E]`` (rule 39's order, -1 padded)
+        -> int64 ``[N, k]``."""
+        return self.ops.v4_topk(scores, k)
 
     def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         """Softmax attention with the sink: ``q [N, H, D]`` over per-row keys ``[N, K, D]``
         (K = V), ``mask [N, K]`` True where a key is read. -> ``[N, H, D]``."""
-        w = self._layers[layer]
-        logits = torch.matmul(q, keys.transpose(1, 2)) * self.config.head_dim ** -0.5
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sink = w.sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-        full = torch.cat([logits, sink], dim=-1)
-        full = full - full.max(dim=-1, keepdim=True).values
-        probs = F.softmax(full, dim=-1, dtype=full.dtype)[..., :-1].to(keys.dtype)
-        return torch.matmul(probs, keys)
+        return self.ops.v4_attention(q, keys, mask, self._layers[layer].sink,
+                                     self.config.head_dim ** -0.5)
 
     def attention_output(self, layer: int, o: torch.Tensor, positions: torch.Tensor
                          ) -> torch.Tensor:
@@ -356,10 +356,13 @@ class DeepseekV4:
         o = v4_rope(o, cos, -sin)
         g = c.o_groups
         per = c.num_attention_heads * c.head_dim // g
+        n = o.shape[0]
+        pad = -n % _ROW_BLOCK if n else _ROW_BLOCK  # as _linear: rows alike for any N
+        o = torch.cat([o, o.new_zeros((pad, *o.shape[1:]))]) if pad else o
         x = o.reshape(o.shape[0], g, per).transpose(0, 1)  # [g, N, in]
         wt = w.wo_a.view(g, c.o_lora_rank, per).transpose(1, 2)  # [g, in, o_lora]
         y = torch.bmm(x, wt).transpose(0, 1).reshape(o.shape[0], g * c.o_lora_rank)
-        return F.linear(y, w.wo_b)
+        return F.linear(y, w.wo_b)[:n]
 
     # ------------------------------------------------------------------ MoE
     def moe(self, layer: int, collapsed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -367,7 +370,7 @@ class DeepseekV4:
         routing weight, 0 when not chosen: no data-dependent shapes) and the shared one."""
         c, w = self.config, self._layers[layer]
         h = _rms(collapsed, w.ffn_norm, c.rms_norm_eps)
-        logits = F.linear(h, w.router)
+        logits = _linear(h, w.router)
         scores = F.softplus(logits).sqrt() if c.scoring_func == "sqrtsoftplus" else logits.sigmoid()
         if w.tid2eid is not None:
             idx = w.tid2eid[ids.to(w.tid2eid.device)]
@@ -381,9 +384,9 @@ class DeepseekV4:
                             device=h.device).scatter_(1, idx, weights)
         out = torch.zeros_like(h)
         for j in range(c.n_routed_experts):
-            y = F.linear(self._swiglu(F.linear(h, w.experts_w13[j])), w.experts_w2[j])
+            y = _linear(self._swiglu(_linear(h, w.experts_w13[j])), w.experts_w2[j])
             out = out + (y * gates[:, j:j + 1]).to(out.dtype)
-        return out + F.linear(self._swiglu(F.linear(h, w.shared_w13)), w.shared_w2)
+        return out + _linear(self._swiglu(_linear(h, w.shared_w13)), w.shared_w2)
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         lim = self.config.swiglu_limit
@@ -395,6 +398,6 @@ class DeepseekV4:
         c = self.config
         fn, base, scale = self._hc_head
         flat = _rms(streams.flatten(1).float(), None, c.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + c.hc_eps
+        pre = torch.sigmoid(_linear(flat, fn) * scale + base) + c.hc_eps
         x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return F.linear(_rms(x, self._norm, c.rms_norm_eps), self._head).float()
+        return _linear(_rms(x, self._norm, c.rms_norm_eps), self._head).float()

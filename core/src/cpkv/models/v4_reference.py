@@ -4,13 +4,14 @@ reference a context-parallel run is compared with, and the spelled-out order of 
 Per layer: mHC collapse -> ``attn_norm`` -> query, window rows, compressed entries (main; CSA
 also index keys) -> keys per row (window rows ``[t-W+1, t]`` + HCA's causal entries or CSA's
 top-k) -> attention with the sink -> output projection -> mHC expand; then the same for the MoE.
+The compressor's pool, the indexer, the top-k and the attention run on the model's op table.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .deepseek_v4 import DeepseekV4, stable_topk
+from .deepseek_v4 import DeepseekV4
 from .v4_config import CSA, HCA
 
 __all__ = ["attend_and_ffn", "compressed_keys", "gather_keys", "reference_forward",
@@ -50,7 +51,7 @@ def compressed_keys(model: DeepseekV4, layer: int, h: torch.Tensor, q_res: torch
     selected = None
     if index_keys is not None:
         scores = model.index_scores(layer, h, q_res, positions, index_keys)
-        selected = stable_topk(scores, min(model.config.index_topk, index_keys.shape[0]))
+        selected = model.topk(scores, min(model.config.index_topk, index_keys.shape[0]))
     return gather_keys(model, layer, entries, positions, selected)
 
 

@@ -27,7 +27,9 @@ Argument checks (run them first: one wording of the errors in every backend; met
     :func:`check_indexer_topk_args`, :func:`check_topk_args`,
     :func:`check_sparse_mla_args`, :func:`check_sparse_mla_paged_args`, :func:`check_rope_args`,
     :func:`check_index_q_args`, :func:`check_page_rows_args`, :func:`check_fp8_store_args`,
-    :func:`check_rms_norm_args`.
+    :func:`check_rms_norm_args`; DeepSeek-V4's :func:`check_v4_compress_args`,
+    :func:`check_v4_index_scores_args`, :func:`check_v4_topk_args`,
+    :func:`check_v4_attention_args`.
 
 Page layout (the byte arithmetic of the formats table, :mod:`cpkv.ops.layout`)
     :func:`fp8_layout` (dims, block, rope dims and bytes of a packed fp8 row), :func:`part_view`
@@ -49,8 +51,9 @@ fp8 numerics (:mod:`cpkv.ops.fp8`)
     fp8 pool's index-K and the queries that meet it are rotated), :func:`quantize_index_q` (the
     indexer's fp8 queries with their scales folded into the head weights).
 
-The reference formula of the ``rope`` op is :func:`cpkv.models.rope.apply_rope` (it imports torch
-and the model code, so it is not re-exported here: this module imports neither).
+The reference formula of the ``rope`` op is :func:`cpkv.models.rope.apply_rope`, and that of
+``v4_topk`` (rule 39's tie-break) :func:`cpkv.models.v4_topk.stable_topk` (they import torch and
+the model code, so they are not re-exported here: this module imports neither).
 """
 
 from __future__ import annotations
@@ -83,6 +86,10 @@ from .checks import (
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
     check_topk_args,
+    check_v4_attention_args,
+    check_v4_compress_args,
+    check_v4_index_scores_args,
+    check_v4_topk_args,
 )
 from .fp8 import (
     FP8_AMAX_FLOOR,
@@ -138,6 +145,10 @@ __all__ = [
     "check_sparse_mla_args",
     "check_sparse_mla_paged_args",
     "check_topk_args",
+    "check_v4_attention_args",
+    "check_v4_compress_args",
+    "check_v4_index_scores_args",
+    "check_v4_topk_args",
     "fp8_index_keys",
     "fp8_layout",
     "gather_latent",

@@ -20,7 +20,8 @@ __all__ = ["check_fp8_store_args", "check_index_q_args", "check_indexer_args",
            "check_indexer_index_pages_args", "check_indexer_paged_args", "check_indexer_topk_args",
            "check_page_copy_args", "check_page_rows_args", "check_peer_gather_args",
            "check_rms_norm_args", "check_rope_args", "check_sparse_mla_args",
-           "check_sparse_mla_paged_args", "check_topk_args"]
+           "check_sparse_mla_paged_args", "check_topk_args", "check_v4_attention_args",
+           "check_v4_compress_args", "check_v4_index_scores_args", "check_v4_topk_args"]
 
 
 def _check_ranges(op: str, n: int, key_start: torch.Tensor, key_end: torch.Tensor) -> None:
@@ -410,3 +411,96 @@ def check_sparse_mla_paged_args(q: torch.Tensor, pages: torch.Tensor, rows: torc
                          f"{tuple(rows.shape)}")
     if not 0 < dv <= q.shape[2]:
         raise ValueError(f"sparse_mla_paged: dv must be in (0, {q.shape[2]}], got {dv}")
+
+
+def _float(t: torch.Tensor) -> bool:
+    import torch
+
+    return t.dtype.is_floating_point and t.dtype != torch.float8_e4m3fn
+
+
+def check_v4_compress_args(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, rate: int,
+                           overlap: bool, prior: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Validate ``v4_compress`` arguments.
+
+    Raises:
+        ValueError: ``rate < 1``, kv / gate not float [rows, w] of one shape and dtype, ape not
+            float32 [rate, w], w odd with ``overlap``, or ``prior`` not two [rate, w] float
+            tensors.
+    """
+    import torch
+
+    if rate < 1:
+        raise ValueError(f"v4_compress: rate must be >= 1, got {rate}")
+    if kv.dim() != 2 or not _float(kv) or gate.shape != kv.shape or gate.dtype != kv.dtype:
+        raise ValueError(f"v4_compress: expected kv and gate float [rows, w] of one shape and "
+                         f"dtype, got {kv.dtype} {tuple(kv.shape)} and {gate.dtype} "
+                         f"{tuple(gate.shape)}")
+    w = kv.shape[1]
+    if ape.dtype != torch.float32 or tuple(ape.shape) != (rate, w):
+        raise ValueError(f"v4_compress: expected ape float32 [{rate}, {w}], got {ape.dtype} "
+                         f"{tuple(ape.shape)}")
+    if overlap and w % 2:
+        raise ValueError(f"v4_compress: an overlapping compressor needs an even width (Ca ++ "
+                         f"Cb), got {w}")
+    if prior is not None and (len(prior) != 2 or any(
+            tuple(p.shape) != (rate, w) or not _float(p) for p in prior)):
+        got = [f"{p.dtype} {tuple(p.shape)}" for p in prior]
+        raise ValueError(f"v4_compress: expected prior (kv, gate) float [{rate}, {w}], got {got}")
+
+
+def check_v4_index_scores_args(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                               limit: torch.Tensor) -> None:
+    """Validate ``v4_index_scores`` arguments.
+
+    Raises:
+        ValueError: q not float [N, H, d], w not float32 [N, H], keys not float [E, d], or
+            limit not int64 [N].
+    """
+    import torch
+
+    if q.dim() != 3 or keys.dim() != 2 or q.shape[2] != keys.shape[1] or not _float(q) \
+            or not _float(keys):
+        raise ValueError(f"v4_index_scores: expected q float [N, H, d] and keys float [E, d], "
+                         f"got q {q.dtype} {tuple(q.shape)} and keys {keys.dtype} "
+                         f"{tuple(keys.shape)}")
+    _check_head_weights("v4_index_scores", w, q.shape[0], q.shape[1])
+    if limit.dtype != torch.int64 or tuple(limit.shape) != (q.shape[0],):
+        raise ValueError(f"v4_index_scores: expected limit int64 [{q.shape[0]}], got "
+                         f"{limit.dtype} {tuple(limit.shape)}")
+
+
+def check_v4_topk_args(scores: torch.Tensor, k: int) -> None:
+    """Validate ``v4_topk`` arguments.
+
+    Raises:
+        ValueError: scores not float [N, E], or ``k < 0``.
+    """
+    if scores.dim() != 2 or not _float(scores):
+        raise ValueError(f"v4_topk: expected float scores [N, E], got {scores.dtype} "
+                         f"{tuple(scores.shape)}")
+    if k < 0:
+        raise ValueError(f"v4_topk: k must be >= 0, got {k}")
+
+
+def check_v4_attention_args(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+                            sink: torch.Tensor) -> None:
+    """Validate ``v4_attention`` arguments.
+
+    Raises:
+        ValueError: q not float [N, H, D], keys not [N, K, D] of q's dtype, mask not bool
+            [N, K], or sink not float32 [H].
+    """
+    import torch
+
+    if q.dim() != 3 or not _float(q) or keys.dim() != 3 or keys.dtype != q.dtype \
+            or keys.shape[0] != q.shape[0] or keys.shape[2] != q.shape[2]:
+        raise ValueError(f"v4_attention: expected q float [N, H, D] and keys [N, K, D] of its "
+                         f"dtype, got q {q.dtype} {tuple(q.shape)} and keys {keys.dtype} "
+                         f"{tuple(keys.shape)}")
+    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(keys.shape[:2]):
+        raise ValueError(f"v4_attention: expected mask bool {list(keys.shape[:2])}, got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
+    if sink.dtype != torch.float32 or tuple(sink.shape) != (q.shape[1],):
+        raise ValueError(f"v4_attention: expected sink float32 [{q.shape[1]}], got {sink.dtype} "
+                         f"{tuple(sink.shape)}")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 else:
     _OpsBase = object
 
-__all__ = ["ALL_OPS", "ATTN_OPS", "KV_OPS", "OpTable"]
+__all__ = ["ALL_OPS", "ATTN_OPS", "DSA_OPS", "KV_OPS", "V4_OPS", "OpTable"]
 
 #: the ops the sharded pool and the CP runtime need
 KV_OPS: tuple[Op, ...] = (Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, Op.RERANGE, Op.FP8_PACK,
@@ -35,7 +35,12 @@ ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
                             Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
                             Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,
                             Op.INDEX_Q_FP8, Op.RMS_NORM)
-ALL_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
+#: the ops of a DeepSeek-V3.2 / GLM-5 run (sparse MLA over the sharded page pool)
+DSA_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
+#: DeepSeek-V4's compressed-attention ops (its CP prefill resolves these alone)
+V4_OPS: tuple[Op, ...] = (Op.V4_COMPRESS, Op.V4_INDEX_SCORES, Op.V4_TOPK, Op.V4_ATTENTION)
+#: every op
+ALL_OPS: tuple[Op, ...] = DSA_OPS + V4_OPS
 
 
 class _Declinable:

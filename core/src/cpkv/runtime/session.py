@@ -14,7 +14,7 @@ from cpkv.comm import CPGroup, last_progress, note_progress
 from cpkv.disagg import Link, PrefillTransfer, Sent, TransferRefused, Transport, open_link
 from cpkv.kv import PoolExhausted, RequestPages
 from cpkv.kv.host import HostPages
-from cpkv.ops import ALL_OPS
+from cpkv.ops import DSA_OPS
 from cpkv.plugin import PluginHost
 
 from .budget import logits_budget
@@ -94,7 +94,7 @@ class PrefillSession:
         # one format per KV layer: a shared-indexer layer (GLM-5) stores its latent only
         fmt = model.kv_formats(settings.kv.pool_dtype(), settings.kv.page_size)
         # a model loaded with its MTP layer: the draft layer's KV is one more layer of the pool
-        self.pool = create_pool(settings, fmt, model.kv_layers, group, host, ops=ALL_OPS)
+        self.pool = create_pool(settings, fmt, model.kv_layers, group, host, ops=DSA_OPS)
         self.ops = self.pool.store.ops
         problem = settings.cross_section_problem()  # settings built by model_copy skip it
         if problem is not None:

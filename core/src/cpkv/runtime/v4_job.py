@@ -1,9 +1,13 @@
 """The DeepSeek-V4 job behind ``cpkv run --model DIR`` for a ``deepseek_v4`` checkpoint: CP
-prefill of each prompt on Gloo ranks (:func:`~cpkv.runtime.v4_prefill.v4_prefill_logits`,
-chunked when asked), the one-rank forward as the reference, and the KV bytes per rank against
-the replicated entries plus the tail objects.
+prefill of the prompts as one batch on Gloo ranks, or NCCL ranks on GPUs
+(:func:`~cpkv.runtime.v4_prefill.v4_prefill_batch`, chunked when asked; the ``v4_*`` ops from
+the backend preference through the registry: the torch reference, the Triton and CUDA backends
+passing them on visibly), the one-rank forward on the CPU as the reference, and the KV bytes per
+rank against the replicated entries plus the tail objects.
 
-With decode tokens the job is disaggregated (a world of C + 1 Gloo processes): after each
+Decode after the prefill is not built for V4: the job runs the prefill phase only.
+
+With decode tokens the job is disaggregated (a world of C + 1 Gloo processes, on the CPU): after each
 prompt's prefill every CP rank sends the compressed entries it owns and the last token's rank the
 tail bundle (:mod:`cpkv.runtime.v4_transfer`, over the selected transfer plugin); the decode rank
 publishes the request once every part arrived, assembles its decode state and decodes greedily
@@ -26,18 +30,19 @@ from cpkv.contracts import FallbackEvent, SplitMode
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import reference_forward
+from cpkv.ops import OpTable, v4_op_table
 
+from .job.run import job_placement
 from .launch import run_ranks
 from .v4_decode import v4_greedy
-from .v4_prefill import V4Layout, v4_kv_bytes, v4_layout, v4_prefill_logits
-from .v4_state import v4_prefill_state
+from .v4_prefill import V4Carry, V4Layout, v4_kv_bytes, v4_layout, v4_prefill_batch
+from .v4_state import owned_entries, tail_bundle
 from .v4_transfer import V4StateReceiver, V4StateSender
 
 if TYPE_CHECKING:
     from cpkv.settings import Settings
 
-__all__ = ["V4JobReport", "chunk_sizes", "run_v4_job"]
-
+__all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "run_v4_job"]
 
 def chunk_sizes(length: int, chunk: int) -> list[int]:
     """Pieces of at most ``chunk`` tokens (0: one piece)."""
@@ -83,6 +88,31 @@ class V4JobReport:
                 and all(self.tokens_equal()))
 
 
+@dataclass(frozen=True)
+class V4OpsChoice:
+    """Where a rank's ``v4_*`` ops come from: the backend preference, whether it is the
+    default order (``backend.name = "auto"``: passing a backend over is not a fallback), and
+    the ``plugins.disable`` / ``plugins.allow`` filters."""
+
+    preference: tuple[str, ...] = ("torch",)
+    quiet: bool = False
+    disable: tuple[str, ...] = ()
+    allow: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, settings: Settings) -> V4OpsChoice:
+        allow = settings.plugins.allow
+        return cls(tuple(settings.backend.effective_preference()),
+                   settings.backend.name == "auto", tuple(settings.plugins.disable),
+                   None if allow is None else tuple(allow))
+
+    def table(self, group: CPGroup) -> OpTable:
+        """The op table, agreed across ``group``'s ranks, for its device."""
+        return v4_op_table(self.preference, agree=group.agree_all,
+                           device_type=group.device.type, quiet=self.quiet,
+                           disable=self.disable, allow=self.allow)
+
+
 def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
              chunk: int) -> V4Layout:
     lay = None
@@ -93,7 +123,8 @@ def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
 
 
 def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int,
-                 mode: str, chunk: int, decode_tokens: int, settings: Settings
+                 mode: str, chunk: int, decode_tokens: int, settings: Settings,
+                 choice: V4OpsChoice
                  ) -> tuple[torch.Tensor, list[int]] | tuple[list[list[int]], list[int]]:
     """One process of the disaggregated V4 job (a world of C + 1): ranks 0..C-1 prefill on
     their CP group and send their parts of each request's decode state; rank C receives,
@@ -104,7 +135,7 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
 
     c = world.size - 1
     cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=world.timeout_s))
-    model = DeepseekV4.load(ckpt)
+    model = DeepseekV4.load(ckpt, ops=choice.table(world))
     shapes = V4Shapes.of(model)
     transport = select_transport(settings, world.agree_all)
     images = []
@@ -121,50 +152,61 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
                 bundles.append(got.meta["v4_image"].tail_bytes)
                 tokens.append(v4_greedy(model, state, int(got.meta["first_token"]),
                                         decode_tokens))
+        world.barrier()  # the store the side channel runs on is ours: every sender has its acks
         rx.close()
         return tokens, bundles
     group = CPGroup.from_process_group(cp_pg, timeout_s=world.timeout_s, device=world.device)
     tx = V4StateSender(transport, settings, group, max(im.local_pages(group.rank)
                                                        for im in images))
-    out, sent = [], []
-    with torch.no_grad():
-        for p, image in zip(prompts, images, strict=True):
-            logits, owned, tail = v4_prefill_state(
-                model, torch.tensor(p, dtype=torch.long), group, page_size=page_size, mode=mode,
-                chunks=chunk_sizes(len(p), chunk))
-            out.append(logits[-1])
-            first = int(logits[-1].argmax())
-            sent.append(tx.send(shapes, image, owned, tail, {"first_token": first}).nbytes)
+    sent = []
+    carries = [V4Carry() for _ in prompts]
+    with torch.no_grad():  # the prompts as one batch, then each request's parts sent
+        logits = v4_prefill_batch(model, [torch.tensor(p, dtype=torch.long) for p in prompts],
+                                  group, page_size=page_size, mode=mode,
+                                  chunks=[chunk_sizes(len(p), chunk) for p in prompts],
+                                  carries=carries)
+        for x, image, carry in zip(logits, images, carries, strict=True):
+            first = int(x[-1].argmax())
+            sent.append(tx.send(shapes, image, owned_entries(model, carry, group.rank),
+                                tail_bundle(model, carry), {"first_token": first}).nbytes)
     tx.close()
-    return torch.stack(out), sent
+    world.barrier()  # the decode rank keeps the side channel's store until every ack was read
+    return torch.stack([x[-1] for x in logits]), sent
 
 
 def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
-          chunk: int) -> torch.Tensor:
-    model = DeepseekV4.load(ckpt)
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor(p, dtype=torch.long)
-            logits = v4_prefill_logits(model, ids, group, page_size=page_size, mode=mode,
-                                       chunks=chunk_sizes(len(p), chunk))
-            out.append(logits[-1])
-    return torch.stack(out)
+          chunk: int, choice: V4OpsChoice) -> torch.Tensor:
+    model = DeepseekV4.load(ckpt, device=group.device, ops=choice.table(group))
+    with torch.no_grad():  # the prompts as one batch (one halo and one full view a layer)
+        logits = v4_prefill_batch(model, [torch.tensor(p, dtype=torch.long) for p in prompts],
+                                  group, page_size=page_size, mode=mode,
+                                  chunks=[chunk_sizes(len(p), chunk) for p in prompts])
+    return torch.stack([x[-1] for x in logits]).cpu()
 
 
 def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | str,
-               page_size: int, chunk: int = 0, timeout_s: float = 600.0, *,
-               decode_tokens: int = 0, settings: Settings | None = None) -> V4JobReport:
-    """Prefill ``prompts`` on ``cp`` Gloo ranks and on one rank; measure. With
-    ``decode_tokens``: the disaggregated job (``settings.transfer`` picks the plugin), each
-    prompt decoded to that many tokens on the decode rank and checked against the one-rank
-    forward.
+               page_size: int, chunk: int = 0, timeout_s: float = 600.0, device: str = "cpu",
+               ops: V4OpsChoice | None = None, *, decode_tokens: int = 0,
+               settings: Settings | None = None) -> V4JobReport:
+    """Prefill ``prompts`` on ``cp`` ranks and on one rank (the CPU); measure. With
+    ``decode_tokens``: the disaggregated job on CPU ranks (``settings.transfer`` picks the
+    plugin), each prompt decoded to that many tokens on the decode rank and checked against the
+    one-rank forward.
+
+    ``device``: ``run.device`` ("cpu": Gloo ranks; "cuda": NCCL ranks, rank r on GPU r;
+    "auto": cuda when there is a GPU per rank); the model is float32 on either.
+    ``ops``: where the ranks' ``v4_*`` ops come from (default: the torch backend).
 
     Raises:
         ValueError: a chunk that is not a multiple of the model's ownership unit, a window
-            wider than the unit.
+            wider than the unit, "cuda" with fewer GPUs than ranks, decode tokens on "cuda".
     """
-    model = DeepseekV4.load(ckpt)
+    place = job_placement(device, cp, decode=False)
+    if decode_tokens > 0 and place.backend != "gloo":
+        raise ValueError(f"run.decode_tokens = {decode_tokens}: DeepSeek-V4 decode runs on CPU "
+                         "ranks only; use --device cpu, or --decode-tokens 0 on cuda")
+    choice = ops or V4OpsChoice()
+    model = DeepseekV4.load(ckpt, ops=v4_op_table())  # the reference: the torch ops on the CPU
     unit = model.config.ownership_unit(page_size)
     if chunk and chunk % unit:
         raise ValueError(f"runtime.chunk_tokens = {chunk}: DeepSeek-V4 chunks end on ownership "
@@ -190,14 +232,14 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
 
             settings = load_settings()
         results = run_ranks(_disagg_rank, cp + 1, args=(ckpt, prompts, page_size, mode, chunk,
-                                                        decode_tokens, settings),
+                                                        decode_tokens, settings, choice),
                             timeout_s=timeout_s)
         logits = results[0].value[0]
         tokens, bundles = results[cp].value
         sent = [sum(r.value[1]) for r in results[:cp]]
     else:
-        results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk),
-                            timeout_s=timeout_s)
+        results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk, choice),
+                            timeout_s=timeout_s, backend=place.backend, gpus=place.gpus)
         logits = results[0].value
     seconds = time.perf_counter() - t0
     with torch.no_grad():

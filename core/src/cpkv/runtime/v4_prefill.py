@@ -30,14 +30,14 @@ import torch
 from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackReason, RequestPlan, RequestSpec, SplitMode
 from cpkv.fallback import report_fallback
-from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor, stable_topk
+from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor
 from cpkv.models.v4_config import CSA
 from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import gather_keys, window_rows
 from cpkv.planning import plan_batch
 
-__all__ = ["V4Carry", "V4Layout", "V4SegmentRows", "v4_kv_bytes", "v4_layout",
-           "v4_prefill_logits"]
+__all__ = ["V4Carry", "V4Layout", "V4SegmentRows", "v4_kv_bytes", "v4_layout", "v4_layouts",
+           "v4_prefill_batch", "v4_prefill_logits"]
 
 
 @dataclass(frozen=True)
@@ -68,25 +68,49 @@ class V4Layout:
         return self.plan.segments[-1].rank
 
 
-def _plan(length: int, cp_size: int, page_size: int, unit: int, mode: SplitMode | str,
-          prefix: V4Layout | None) -> RequestPlan:
+def _spec(length: int, page_size: int, prefix: V4Layout | None) -> RequestSpec:
     p = 0 if prefix is None else prefix.plan.prefix_len + prefix.plan.extend_len
     owners = () if prefix is None else tuple(
         r for r in prefix.plan.page_owners[: -(-p // page_size)] if r is not None)
-    spec = RequestSpec(prefix_len=p, extend_len=length, prefix_owners=owners)
-    rp = plan_batch([spec], cp_size, page_size, mode, unit=unit).requests[0]
-    if not rp.page_aligned:
-        report_fallback(op="v4_split_plan", requested=f"{SplitMode(mode).value} on units of {unit}",
+    return RequestSpec(prefix_len=p, extend_len=length, prefix_owners=owners)
+
+
+def _plan(specs: list[RequestSpec], cp_size: int, page_size: int, unit: int,
+          mode: SplitMode | str) -> list[RequestPlan]:
+    """One plan of the batch; a request that cannot meet the unit re-planned interleaved."""
+    plans = list(plan_batch(specs, cp_size, page_size, mode, unit=unit).requests)
+    short = [j for j, rp in enumerate(plans) if not rp.page_aligned]
+    if short:
+        report_fallback(op="v4_split_plan",
+                        requested=f"{SplitMode(mode).value} on units of {unit}",
                         selected="interleave on units", reason=FallbackReason.SHORT_EXTEND,
-                        detail=f"{length} tokens are fewer than 2C={2 * cp_size} units of {unit}")
-        rp = plan_batch([spec], cp_size, page_size, SplitMode.INTERLEAVE, unit=unit).requests[0]
-    return rp
+                        detail=f"{len(short)} of {len(specs)} requests are fewer than "
+                               f"2C={2 * cp_size} units of {unit} tokens: " + ", ".join(
+                                   f"#{j} ({specs[j].extend_len} tokens)" for j in short))
+        for j in short:
+            plans[j] = plan_batch([specs[j]], cp_size, page_size, SplitMode.INTERLEAVE,
+                                  unit=unit).requests[0]
+    return plans
 
 
 def v4_layout(model: DeepseekV4, length: int, cp_size: int, page_size: int,
               mode: SplitMode | str, prefix: V4Layout | None = None) -> V4Layout:
     """Plan ``length`` tokens (after ``prefix``, the previous chunk's layout) and derive the
-    halo and full-view layouts.
+    halo and full-view layouts: :func:`v4_layouts` of one request.
+
+    Raises:
+        ValueError: a sliding window wider than the ownership unit; a prefix that does not end
+            on a unit boundary (rule 37).
+    """
+    return v4_layouts(model, [length], cp_size, page_size, mode, [prefix])[0]
+
+
+def v4_layouts(model: DeepseekV4, lengths: Sequence[int], cp_size: int, page_size: int,
+               mode: SplitMode | str, prefixes: Sequence[V4Layout | None] | None = None
+               ) -> list[V4Layout]:
+    """Plan a batch: request j's ``lengths[j]`` tokens after ``prefixes[j]`` (its previous
+    chunk's layout, or None), in one plan (rule 7), and derive each request's halo and
+    full-view layouts.
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; a prefix that does not end
@@ -97,11 +121,22 @@ def v4_layout(model: DeepseekV4, length: int, cp_size: int, page_size: int,
     if c.sliding_window - 1 > unit:
         raise ValueError(f"sliding_window={c.sliding_window} spans more than one ownership unit "
                          f"({unit} tokens): a halo would come from several segments")
-    start = 0 if prefix is None else prefix.plan.prefix_len + prefix.plan.extend_len
-    if start % unit:
-        raise ValueError(f"a chunk boundary at {start} is not on an ownership unit boundary "
-                         f"(unit {unit} tokens)")
-    rp = _plan(length, cp_size, page_size, unit, mode, prefix)
+    before = list(prefixes) if prefixes is not None else [None] * len(lengths)
+    specs = [_spec(n, page_size, pre) for n, pre in zip(lengths, before, strict=True)]
+    for spec in specs:
+        if spec.prefix_len % unit:
+            raise ValueError(f"a chunk boundary at {spec.prefix_len} is not on an ownership "
+                             f"unit boundary (unit {unit} tokens)")
+    plans = _plan(specs, cp_size, page_size, unit, mode)
+    return [_derive(model, rp, unit, cp_size, pre)
+            for rp, pre in zip(plans, before, strict=True)]
+
+
+def _derive(model: DeepseekV4, rp: RequestPlan, unit: int, cp_size: int,
+            prefix: V4Layout | None) -> V4Layout:
+    """One request's halo and full-view layouts from its plan."""
+    c = model.config
+    start, length = rp.prefix_len, rp.extend_len
     carry_rank = -1 if prefix is None else prefix.tail_rank
     segs: list[list[tuple[int, int]]] = [[] for _ in range(cp_size)]
     where: dict[int, tuple[int, int]] = {}  # segment end -> (rank, local index)
@@ -227,9 +262,17 @@ class _Rank:
     def halo(self, layer: int, kv: torch.Tensor,
              inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
              overlap: list[V4Compressor]) -> torch.Tensor:
-        """Step 2: one collective of every segment's last ``W - 1`` window rows and its last
-        window's compressor rows (CSA), and the carried tail of the previous chunk;
-        ``[C * max_segments, width]``, rank-major."""
+        """Step 2 alone: :meth:`halo_rows` all-gathered, ``[C * max_segments, width]``,
+        rank-major (a batch gathers every request's in one collective: :func:`_gather_parts`)."""
+        return self.group.all_gather_rows(self.halo_rows(layer, kv, inputs, overlap),
+                                          self.lay.max_segments)
+
+    def halo_rows(self, layer: int, kv: torch.Tensor,
+                  inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                  overlap: list[V4Compressor]) -> torch.Tensor:
+        """Step 2's rows this rank sends: every segment's last ``W - 1`` window rows and its
+        last window's compressor rows (CSA), and the carried tail of the previous chunk;
+        ``[<= max_segments, width]``."""
         tails = []
         for j in range(len(self.segs)):
             a, b = self.bounds[j], self.bounds[j + 1]
@@ -243,8 +286,7 @@ class _Rank:
         if self.group.rank == self.lay.carry_rank:
             tails.append(self.carry.tail[layer])
         width = self.halo_w * kv.shape[1] + sum(4 * comp.rate * comp.dim for comp in overlap)
-        send = torch.stack(tails) if tails else kv.new_zeros((0, width))
-        return self.group.all_gather_rows(send, self.lay.max_segments)
+        return torch.stack(tails) if tails else kv.new_zeros((0, width))
 
     def windows_and_entries(self, layer: int, kv: torch.Tensor, halos: torch.Tensor,
                             inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -293,8 +335,16 @@ class _Rank:
 
     def full_view(self, layer: int, main: V4Compressor, index: V4Compressor | None,
                   own: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Step 4: one collective of the owned entries (earlier chunks' and this one's; main
-        ++ index key), in entry order."""
+        """Step 4 alone: :meth:`owned_rows` all-gathered, in entry order (a batch gathers
+        every request's in one collective: :func:`_gather_parts`)."""
+        gathered = self.group.all_gather_rows(self.owned_rows(layer, main, index, own),
+                                              self.lay.max_entries[main.rate])
+        return gathered[self.entry_perm[main.rate]]
+
+    def owned_rows(self, layer: int, main: V4Compressor, index: V4Compressor | None,
+                   own: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Step 4's rows this rank sends: the entries it owns (earlier chunks' and this one's;
+        main ++ index key), ``[<= max_entries, width]``."""
         parts = []
         for name, comp in (("main", main), ("index", index)):
             if comp is None:
@@ -303,36 +353,99 @@ class _Rank:
             mine = own[id(comp)] if before is None else torch.cat([before, own[id(comp)]])
             self.carry.owned[(layer, name)] = mine
             parts.append(mine)
-        gathered = self.group.all_gather_rows(torch.cat(parts, dim=1),
-                                              self.lay.max_entries[main.rate])
-        return gathered[self.entry_perm[main.rate]]
+        return torch.cat(parts, dim=1)
 
     def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """One decoder layer on this rank's rows (streams ``[N, n, hidden]``)."""
-        model, c, pos = self.model, self.model.config, self.pos
+        """One decoder layer on this rank's rows (streams ``[N, n, hidden]``): a batch of one
+        (:func:`_layer`)."""
+        return _layer([self], i, [x])[0]
+
+    def attention_inputs(self, i: int, x: torch.Tensor) -> _AttnInputs:
+        """Step 1: the rows' mHC collapse, query, window rows and compressor inputs."""
+        model = self.model
         post, comb, collapsed = model.hc_pre(i, "attn", x)
         h = model.attn_norm(i, collapsed)
-        q, q_res = model.query(i, h, pos)
-        kv = model.window_kv(i, h, pos)
+        q, q_res = model.query(i, h, self.pos)
+        kv = model.window_kv(i, h, self.pos)
         main, index = model.compressors(i)
         inputs = {id(comp): model.compressor_inputs(comp, h)
                   for comp in (main, index) if comp is not None}
-        overlap = _halo_parts(model, i)
-        halos = self.halo(i, kv, inputs, overlap)
-        keys, mask, own = self.windows_and_entries(i, kv, halos, inputs, overlap)
-        if main is not None:
-            full = self.full_view(i, main, index, own)
+        return _AttnInputs(x, post, comb, h, q, q_res, kv, inputs, _halo_parts(model, i))
+
+    def attend_and_ffn(self, i: int, a: _AttnInputs, keys: torch.Tensor, mask: torch.Tensor,
+                       full: torch.Tensor | None) -> torch.Tensor:
+        """Step 5: the indexer and top-k (CSA), attention over the window rows and the
+        compressed keys, the output projection, the MoE; -> the new streams."""
+        model, c, pos = self.model, self.model.config, self.pos
+        if full is not None:
             selected = None
             if model.layer_kind(i) == CSA:
                 ikeys = full[:, c.head_dim:]
-                scores = model.index_scores(i, h, q_res, pos, ikeys)
-                selected = stable_topk(scores, min(c.index_topk, ikeys.shape[0]))
+                scores = model.index_scores(i, a.h, a.q_res, pos, ikeys)
+                selected = model.topk(scores, min(c.index_topk, ikeys.shape[0]))
             ck, cm = gather_keys(model, i, full[:, : c.head_dim], pos, selected)
             keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
-        o = model.attend(i, q, keys, mask)
-        x = model.hc_post(post, comb, model.attention_output(i, o, pos), x)
+        o = model.attend(i, a.q, keys, mask)
+        x = model.hc_post(a.post, a.comb, model.attention_output(i, o, pos), a.x)
         post, comb, collapsed = model.hc_pre(i, "ffn", x)
         return model.hc_post(post, comb, model.moe(i, collapsed, self.ids), x)
+
+
+@dataclass
+class _AttnInputs:
+    """What step 1 computed for a layer on one rank's rows of one request."""
+
+    x: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    h: torch.Tensor
+    q: torch.Tensor
+    q_res: torch.Tensor
+    kv: torch.Tensor
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    overlap: list[V4Compressor]
+
+
+def _gather_parts(group: CPGroup, parts: list[torch.Tensor], maxes: list[int]
+                  ) -> list[torch.Tensor]:
+    """One collective for a batch: each rank's part of request j padded to ``maxes[j]`` rows,
+    all-gathered at once; per request the rank-major ``[C * maxes[j], ...]`` rows a lone
+    ``all_gather_rows(parts[j], maxes[j])`` would return."""
+    if len(parts) == 1:
+        return [group.all_gather_rows(parts[0], maxes[0])]
+    total = sum(maxes)
+    send = parts[0].new_zeros((total, *parts[0].shape[1:]))
+    off = 0
+    for part, m in zip(parts, maxes, strict=True):
+        send[off:off + part.shape[0]] = part
+        off += m
+    got = group.all_gather_rows(send, total).view(group.size, total, *parts[0].shape[1:])
+    out, off = [], 0
+    for m in maxes:
+        out.append(got[:, off:off + m].reshape(group.size * m, *parts[0].shape[1:]))
+        off += m
+    return out
+
+
+def _layer(ranks: list[_Rank], i: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One decoder layer of a batch on this rank (one :class:`_Rank` per request): one halo
+    collective and, on a compressed layer, one full-view collective for every request."""
+    group = ranks[0].group
+    ins = [r.attention_inputs(i, x) for r, x in zip(ranks, xs, strict=True)]
+    halos = _gather_parts(group, [r.halo_rows(i, a.kv, a.inputs, a.overlap)
+                                  for r, a in zip(ranks, ins, strict=True)],
+                          [r.lay.max_segments for r in ranks])
+    windows = [r.windows_and_entries(i, a.kv, halo, a.inputs, a.overlap)
+               for r, a, halo in zip(ranks, ins, halos, strict=True)]
+    main, index = ranks[0].model.compressors(i)
+    fulls: list[torch.Tensor | None] = [None] * len(ranks)
+    if main is not None:
+        gathered = _gather_parts(group, [r.owned_rows(i, main, index, own)
+                                         for r, (_, _, own) in zip(ranks, windows, strict=True)],
+                                 [r.lay.max_entries[main.rate] for r in ranks])
+        fulls = [g[r.entry_perm[main.rate]] for r, g in zip(ranks, gathered, strict=True)]
+    return [r.attend_and_ffn(i, a, keys, mask, full)
+            for r, a, (keys, mask, _), full in zip(ranks, ins, windows, fulls, strict=True)]
 
 
 def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
@@ -340,7 +453,7 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
                       chunks: Sequence[int] | None = None,
                       carry: V4Carry | None = None) -> torch.Tensor:
     """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]``, computed context-parallel on
-    ``group`` (every rank returns all of them).
+    ``group`` (every rank returns all of them): :func:`v4_prefill_batch` of one prompt.
 
     ``chunks``: prefill in pieces of these lengths (summing to T), each a batch of its own, the
     entries and the tail objects carried between them (:class:`V4Carry`); every piece but the
@@ -352,22 +465,66 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
             T or end off a unit boundary.
     """
-    sizes = list(chunks) if chunks is not None else [ids.shape[0]]
-    if sum(sizes) != ids.shape[0] or min(sizes) < 1:
-        raise ValueError(f"chunks {sizes} do not split a prompt of {ids.shape[0]} tokens")
-    carry = V4Carry() if carry is None else carry
-    lay, start, out = None, 0, []
-    for n in sizes:
-        lay = v4_layout(model, n, group.size, page_size, mode, prefix=lay)
-        carry.layout, carry.last_rows = lay, {}
-        rank = _Rank(model, ids[start:start + n], group, lay, carry)
-        x = model.embed(rank.ids)
+    return v4_prefill_batch(model, [ids], group, page_size=page_size, mode=mode,
+                            chunks=None if chunks is None else [chunks],
+                            carries=None if carry is None else [carry])[0]
+
+
+def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: CPGroup, *,
+                     page_size: int = 64, mode: SplitMode | str = SplitMode.ZIGZAG,
+                     chunks: Sequence[Sequence[int] | None] | None = None,
+                     carries: Sequence[V4Carry] | None = None) -> list[torch.Tensor]:
+    """Logits ``[T_j, vocab]`` float32 of each prompt ``ids`` ``[T_j]``, the prompts prefilled
+    context-parallel as one batch: one plan, and per layer one halo collective and one
+    full-view collective for all of them (every rank returns every prompt's logits). Each
+    prompt's logits equal its prefill alone bit for bit (every row's math is independent of
+    the rows beside it).
+
+    ``chunks``: per prompt its piece lengths (None: one piece); step k prefills the k-th piece
+    of every prompt that has one, as one batch, each prompt's entries and tail objects carried
+    (:class:`V4Carry`); every piece but a prompt's last a multiple of the ownership unit.
+    ``carries``: per prompt an empty :class:`V4Carry` that keeps, after the call, what this
+    rank holds of it (its owned entries; on the tail holder the tail objects); None: new ones.
+
+    Raises:
+        ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
+            their prompt's length or end off a unit boundary; not a carry per prompt.
+    """
+    pieces = []
+    for j, ids in enumerate(prompts):
+        sizes = list(chunks[j] or [ids.shape[0]]) if chunks is not None else [ids.shape[0]]
+        if sum(sizes) != ids.shape[0] or min(sizes) < 1:
+            raise ValueError(f"chunks {sizes} do not split a prompt of {ids.shape[0]} tokens")
+        pieces.append(sizes)
+    if carries is None:
+        carries = [V4Carry() for _ in prompts]
+    elif len(carries) != len(prompts):
+        raise ValueError(f"{len(carries)} carries for {len(prompts)} prompts")
+    lays: list[V4Layout | None] = [None] * len(prompts)
+    starts = [0] * len(prompts)
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for k in range(max(len(p) for p in pieces)):
+        todo = [j for j, p in enumerate(pieces) if k < len(p)]
+        new = v4_layouts(model, [pieces[j][k] for j in todo], group.size, page_size, mode,
+                         [lays[j] for j in todo])
+        ranks = []
+        for j, lay in zip(todo, new, strict=True):
+            lays[j] = lay
+            carries[j].layout, carries[j].last_rows = lay, {}
+            n = pieces[j][k]
+            ranks.append(_Rank(model, prompts[j][starts[j]:starts[j] + n], group, lay,
+                               carries[j]))
+            starts[j] += n
+        xs = [model.embed(r.ids) for r in ranks]
         for i in range(model.num_layers):
-            x = rank.layer(i, x)
-        carry.tail = rank.next_tail  # the tail objects move to this chunk's last rank
-        out.append(group.all_gather_rows(model.final_logits(x), lay.max_rows)[rank.row_perm])
-        start += n
-    return torch.cat(out)
+            xs = _layer(ranks, i, xs)
+        for r, j in zip(ranks, todo, strict=True):
+            carries[j].tail = r.next_tail  # the tail objects move to this piece's last rank
+        gathered = _gather_parts(group, [model.final_logits(x) for x in xs],
+                                 [r.lay.max_rows for r in ranks])
+        for r, j, g in zip(ranks, todo, gathered, strict=True):
+            out[j].append(g[r.row_perm])
+    return [torch.cat(o) for o in out]
 
 
 def _cat(parts: list[torch.Tensor], dim: int, like: torch.Tensor) -> torch.Tensor:

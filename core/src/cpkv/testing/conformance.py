@@ -61,6 +61,11 @@ at a request), for k both smaller and larger than the T keys, and compare as fol
 * ``sparse_mla``: ``allclose(rtol=1e-5, atol=1e-5)``, no NaN; indices from the reference top-k
   (-1 padded suffixes, all -1 rows) and random ones with -1 anywhere and repeats.
 
+DeepSeek-V4's ops (``v4_compress``, ``v4_index_scores``, ``v4_attention``) compare within
+:data:`ATTN_RTOL` / :data:`ATTN_ATOL` with the -inf positions identical, on empty calls, a
+single row, rows of no key, CSA windows with and without a prior window and HCA's; ``v4_topk``
+bit for bit on scores with many ties (rule 39 fixes the choice and its order).
+
 Inputs are generated on the CPU from ``seed`` and then moved to ``device``, so a CUDA backend sees
 exactly the inputs the CPU reference sees. Needs torch (a cpkv-core dependency); never imports a
 backend package: :func:`reference_backend` goes through the plugin registry.
@@ -1299,6 +1304,69 @@ def sync_check_inputs(device: str | torch.device) -> dict[str, torch.Tensor]:
     }
 
 
+# ---- DeepSeek-V4 ------------------------------------------------------------------------------
+#: (rows, rate, overlap, with a prior window) of the ``v4_compress`` cases; d = 8
+_V4_COMPRESS_CASES = ((0, 4, True, False), (3, 4, True, True), (8, 4, True, False),
+                      (20, 4, True, True), (16, 16, False, False), (37, 16, False, False))
+
+
+def _check_v4_compress(impl: Any, ref: Any, device: str, seed: int) -> None:
+    g = _gen(seed)
+    for rows, rate, overlap, prior_too in _V4_COMPRESS_CASES:
+        w = 16 if overlap else 8
+        kv, gate = torch.randn(rows, w, generator=g), torch.randn(rows, w, generator=g)
+        ape = torch.randn(rate, w, generator=g)
+        prior = ((torch.randn(rate, w, generator=g), torch.randn(rate, w, generator=g))
+                 if prior_too else None)
+        case = f"rows={rows} rate={rate} overlap={overlap} prior={prior_too}"
+        want = ref.v4_compress(kv, gate, ape, rate, overlap, prior)
+        moved = _to(device, kv, gate, ape)
+        dev_prior = None if prior is None else tuple(_to(device, *prior))
+        got = _call("v4_compress", case, impl.v4_compress, *moved, rate, overlap, dev_prior)
+        _assert_close("v4_compress", case, "entries", got, want)
+
+
+def _check_v4_index_scores(impl: Any, ref: Any, device: str, seed: int) -> None:
+    g = _gen(seed)
+    for n, heads, e in ((0, 4, 5), (1, 16, 0), (5, 16, 3), (17, 4, 40), (33, 64, 130)):
+        q = torch.randn(n, heads, 16, generator=g)
+        w = torch.randn(n, heads, generator=g) * heads ** -0.5
+        keys = torch.randn(e, 16, generator=g)
+        limit = torch.randint(0, e + 2, (n,), generator=g)
+        case = f"rows={n} heads={heads} entries={e}"
+        want = ref.v4_index_scores(q, w, keys, limit, 0.25)
+        got = _call("v4_index_scores", case, impl.v4_index_scores, *_to(device, q, w, keys,
+                                                                         limit), 0.25)
+        _assert_close("v4_index_scores", case, "scores", got, want)
+
+
+def _check_v4_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
+    g = _gen(seed)
+    for n, e, k in ((0, 4, 2), (3, 0, 2), (6, 9, 4), (6, 9, 12), (17, 40, 8)):
+        scores = torch.randint(0, 3, (n, e), generator=g).float()  # many ties
+        scores[torch.rand(n, e, generator=g) < 0.3] = float("-inf")
+        case = f"rows={n} entries={e} k={k}"
+        want = ref.v4_topk(scores, k)
+        got = _call("v4_topk", case, impl.v4_topk, *_to(device, scores), k)
+        _assert_same("v4_topk", case, "choice", got, want)
+
+
+def _check_v4_attention(impl: Any, ref: Any, device: str, seed: int) -> None:
+    g = _gen(seed)
+    for n, heads, k in ((0, 4, 9), (1, 4, 1), (5, 8, 13), (17, 4, 140), (3, 2, 300)):
+        q = torch.randn(n, heads, 32, generator=g)
+        keys = torch.randn(n, k, 32, generator=g)
+        mask = torch.rand(n, k, generator=g) < 0.7
+        if n:
+            mask[0] = False  # a row that reads no key: zeros (the sink alone)
+        sink = torch.randn(heads, generator=g)
+        case = f"rows={n} heads={heads} keys={k}"
+        want = ref.v4_attention(q, keys, mask, sink, 32 ** -0.5)
+        got = _call("v4_attention", case, impl.v4_attention, *_to(device, q, keys, mask, sink),
+                    32 ** -0.5)
+        _assert_close("v4_attention", case, "output", got, want)
+
+
 #: op name -> its check(impl, reference, device, seed)
 CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.PAGE_GATHER.value: _check_page_gather,
@@ -1320,6 +1388,10 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.ROPE.value: _check_rope,
     Op.INDEX_Q_FP8.value: _check_index_q_fp8,
     Op.RMS_NORM.value: _check_rms_norm,
+    Op.V4_COMPRESS.value: _check_v4_compress,
+    Op.V4_INDEX_SCORES.value: _check_v4_index_scores,
+    Op.V4_TOPK.value: _check_v4_topk,
+    Op.V4_ATTENTION.value: _check_v4_attention,
 }
 
 
