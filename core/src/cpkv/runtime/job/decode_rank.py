@@ -59,6 +59,7 @@ def decode_rank(world: CPGroup, spec: JobSpec) -> DecodeReport:
         speculation = stats
     else:
         tokens = decode.generate([(rid, first[rid]) for rid in spec.rids], spec.decode_tokens)
+    world.barrier()  # the side channel's store is ours: every prefill rank has read its acks
     return DecodeReport(tokens=tokens, bytes_per_rank=got, entries=entries,
                         seconds={"load": load_s, "receive": receive_s,
                                  "decode": time.perf_counter() - t0}, page_crcs=crcs,

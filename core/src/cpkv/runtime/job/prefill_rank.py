@@ -49,6 +49,7 @@ def prefill_sender_rank(world: CPGroup, group: CPGroup, spec: JobSpec) -> Sender
 
     served = prefill_batches(session, spec, send, sending=True)
     session.close()
+    world.barrier()  # the decode rank keeps the side channel's store until every ack was read
     return SenderReport(prefill=rank_report(group, session, served, load_s),
                         bytes_sent=sum(d.nbytes for d in sent), entries=sum(d.entries for d in sent),
                         seconds=sum(d.seconds for d in sent),
