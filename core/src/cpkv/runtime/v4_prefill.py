@@ -346,7 +346,9 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
     entries and the tail objects carried between them (:class:`V4Carry`); every piece but the
     last a multiple of the ownership unit. Any chunking equals the one-piece prefill.
     ``carry``: a fresh :class:`V4Carry` to fill (this rank's owned entries and, on the tail
-    holder, the last segment's rows), kept for the decode state.
+    holder, the last segment's rows), kept for the decode state; or one with a ``layout`` (an
+    earlier prefill of the request's first tokens, or a prefix rebuilt from the prefix cache):
+    ``ids`` then continue after it, as the next chunk would.
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
@@ -356,7 +358,7 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
     if sum(sizes) != ids.shape[0] or min(sizes) < 1:
         raise ValueError(f"chunks {sizes} do not split a prompt of {ids.shape[0]} tokens")
     carry = V4Carry() if carry is None else carry
-    lay, start, out = None, 0, []
+    lay, start, out = carry.layout, 0, []
     for n in sizes:
         lay = v4_layout(model, n, group.size, page_size, mode, prefix=lay)
         carry.layout, carry.last_rows = lay, {}
