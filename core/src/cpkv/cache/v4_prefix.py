@@ -130,7 +130,7 @@ class V4PrefixCache:
         """The snapshot boundaries in ``(start, end]`` of a request computing tokens
         ``[start, end)``: the multiples of the interval and, when ``final`` (the request ends
         at ``end``), its last unit boundary."""
-        out = set()
+        out: set[int] = set()
         if self.interval:
             out.update(range((start // self.interval + 1) * self.interval, end + 1,
                              self.interval))
