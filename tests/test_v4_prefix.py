@@ -155,7 +155,8 @@ def test_any_prefix_and_interval_is_exact(model: DeepseekV4, interval: int, shar
             snaps.update(tuple(r[:b]) for b in cache.snapshot_points(want, len(r)))
 
 
-def _cp_rank(group: CPGroup, ckpt: str, prompts: list[list[int]]) -> tuple[list[object], str]:
+def _cp_rank(group: CPGroup, ckpt: str, prompts: list[list[int]]
+             ) -> tuple[list[object], str, int]:
     model = DeepseekV4.load(ckpt)
     cache = V4PrefixCache(model.config.ownership_unit(PAGE), rank=group.rank, interval=32)
     out: list[object] = []
@@ -165,7 +166,7 @@ def _cp_rank(group: CPGroup, ckpt: str, prompts: list[list[int]]) -> tuple[list[
                                                     page_size=PAGE, mode="zigzag")
             out.append((logits, plan.hit.hit_tokens, plan.hit.boundary,
                         owned_entries(model, carry, group.rank), tail_bundle(model, carry)))
-    return out, cache.signature()
+    return out, cache.signature(), cache.nbytes()
 
 
 @pytest.mark.slow
@@ -189,6 +190,8 @@ def test_cp2_through_the_cache_equals_one_rank(tiny_v4: Path, model: DeepseekV4)
                 for name, c in a.compressors.items():
                     torch.testing.assert_close(c.entries, b.compressors[name].entries,
                                                rtol=1e-4, atol=1e-5)
+    # each unit and each snapshot on one rank only: the ranks' bytes add up to one rank's
+    assert sum(r.value[2] for r in results) == one.nbytes()
 
 
 @pytest.mark.slow
