@@ -2,7 +2,8 @@
 a hit is the longest cached prefix in tokens and is served from the last snapshot at or before
 it; the rows after the boundary equal a prefill without the cache cut at the same points bit for
 bit (one rank) and the one-piece forward to fp32 rounding, for any prefix lengths and snapshot
-intervals (hypothesis); a hit that ends mid-window; compressed entries stored once per prefix;
+intervals (hypothesis; and the hit and boundary rule on the tree alone, with evictions); a hit
+that ends mid-window; compressed entries stored once per prefix;
 snapshots evicted with their node; CP2 through the cache equals one rank and every rank holds the
 same tree; ``cpkv run`` with ``cache.v4_prefix`` decodes the tokens of a run without it."""
 
@@ -17,7 +18,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpkv.cache.v4_prefix import V4PrefixCache
+from cpkv.cache.v4_prefix import V4PrefixCache, V4Snapshot
 from cpkv.cli import main
 from cpkv.comm import CPGroup
 from cpkv.kv.v4_state import assemble_v4_state
@@ -217,3 +218,37 @@ def test_run_through_the_cache_decodes_the_no_cache_tokens(tiny_v4: Path, tmp_pa
     assert on["prefix_cache"]["hit_tokens"] == [0, 45, 53, 37]
     assert on["prefix_cache"]["snapshot_boundary"] == [0, 32, 48, 32]
     assert "prefix_cache" not in off
+
+
+@settings(max_examples=60, deadline=None)
+@given(unit=st.sampled_from([4, 16]), interval=st.sampled_from([0, 16, 24, 64]),
+       seqs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=70), min_size=1,
+                     max_size=6),
+       query=st.lists(st.integers(0, 2), min_size=1, max_size=80), evict=st.integers(0, 3))
+def test_the_boundary_is_the_last_kept_snapshot_at_or_before_the_hit(
+        unit: int, interval: int, seqs: list[list[int]], query: list[int], evict: int) -> None:
+    """Metadata only (no tensors): the hit is the longest common prefix with a cached sequence
+    (capped at len - 1), the boundary the last snapshot point of a cached sequence sharing the
+    tokens up to it; evicting drops snapshots with their nodes, and evicting all leaves nothing."""
+    cache = V4PrefixCache(unit, rank=-1, interval=interval)
+    for s in seqs:
+        points = cache.snapshot_points(0, len(s))
+        cache.insert(s, [0] * -(-len(s) // unit), {},
+                     [V4Snapshot(boundary=b, holder=0, cuts=()) for b in points])
+    cache.evict(evict)
+    live = [s for s in seqs if cache.tree.match(s).hit_tokens == len(s)]
+    hit = cache.match(query)
+    lcp = max((next((i for i, (x, y) in enumerate(zip(query, s, strict=False)) if x != y),
+                    min(len(query), len(s))) for s in live), default=0)
+    assert hit.hit_tokens >= min(lcp, len(query) - 1)
+    snaps = {tuple(s[:b]) for s in live for b in cache.snapshot_points(0, len(s))}
+    if not evict:
+        assert hit.hit_tokens == min(lcp, len(query) - 1)
+        want = max((b for b in range(unit, hit.hit_tokens + 1, unit)
+                    if tuple(query[:b]) in snaps), default=0)
+        assert hit.boundary == want
+    assert hit.boundary == 0 or tuple(query[:hit.boundary]) in {
+        tuple(s[:b]) for s in seqs for b in cache.snapshot_points(0, len(s))}
+    assert len(hit.units) == hit.boundary // unit
+    cache.evict(100)
+    assert cache.units_held() == 0 and cache.snapshot_boundaries() == []

@@ -35,8 +35,8 @@ from .v4_decode import v4_empty_state, v4_extend
 from .v4_prefill import V4Carry, V4Layout, v4_layout, v4_prefill_logits
 from .v4_state import tail_bundle
 
-__all__ = ["V4CachePlan", "V4Served", "plan_cached", "prefix_layout", "v4_prefill_cached",
-           "v4_serve"]
+__all__ = ["V4CachePlan", "V4Served", "insert_metadata", "plan_cached", "prefix_layout",
+           "v4_prefill_cached", "v4_serve"]
 
 
 @dataclass
@@ -241,8 +241,7 @@ def v4_prefill_cached(model: DeepseekV4, ids: torch.Tensor, group: CPGroup,
     return torch.cat(out), plan, carry
 
 
-def insert_metadata(model: DeepseekV4, cache: V4PrefixCache, tokens: Sequence[int],
-                    plan: V4CachePlan) -> None:
+def insert_metadata(cache: V4PrefixCache, tokens: Sequence[int], plan: V4CachePlan) -> None:
     """What a rank that holds none of the request's pieces (a decode rank) inserts: the same
     tree and snapshot metadata as the prefill ranks."""
     cuts, snaps = list(plan.hit.cuts), []

@@ -55,7 +55,7 @@ def _plans(model: DeepseekV4, prompts: list[list[int]], cp: int, page_size: int,
     out = []
     for p in prompts:
         plan = plan_cached(model, cache, p, cp, page_size, mode, chunk)
-        insert_metadata(model, cache, p, plan)
+        insert_metadata(cache, p, plan)
         out.append(plan)
     return out
 
