@@ -411,6 +411,17 @@ class CacheSettings(_Section):
                            "cached prefixes first; 'none': cached prefixes stay until released "
                            "and such a batch fails (PoolExhausted)",
     )
+    v4_prefix: bool = Field(
+        False, description="DeepSeek-V4 (cpkv run on a V4 checkpoint): serve the prompts in order "
+                           "through the V4 prefix cache; a hit resumes from the last snapshot "
+                           "boundary at or before it and recomputes the tokens after it",
+    )
+    v4_snapshot_tokens: int = Field(
+        2048, ge=0, description="DeepSeek-V4 prefix cache: keep a snapshot (window rows and "
+                                "compressor state) every this many tokens, rounded up to a "
+                                "multiple of the ownership unit, besides one at each request's "
+                                "last unit boundary; 0: only those",
+    )
 
 
 class RunSettings(_Section):

@@ -58,7 +58,7 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
         click.ClickException: a chunk size off the ownership unit, a window wider than it,
             ``device`` "cuda" with fewer GPUs than ranks.
     """
-    from cpkv.runtime.v4_job import V4OpsChoice, run_v4_job
+    from cpkv.runtime.v4_job import V4OpsChoice
 
     ops = ops or V4OpsChoice()
     console.print(f"model {ckpt} (DeepSeek-V4), CP{cp} {mode}, page {page_size}, "
@@ -69,10 +69,11 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
         console.print(f"decode: {decode_tokens} greedy tokens a prompt on a decode rank, owned "
                       f"entries and the tail bundle sent over the {name} transfer plugin")
     try:
-        rep = run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk, device=device, ops=ops,
-                         decode_tokens=decode_tokens, settings=settings)
+        rep = _job(ckpt, prompts, cp, mode, page_size, chunk, decode_tokens, settings, device,
+                   ops)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    hits = _print_hits(rep, console)
     t = Table()
     for col in ("prompt", "tokens", "max |CP - one rank| / max |one rank|", "argmax equal"):
         t.add_column(col, justify="right")
@@ -123,9 +124,44 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
             "decode_tokens": rep.tokens, "reference_tokens": rep.reference_tokens,
             "decode_equal": rep.tokens_equal(), "bytes_sent_per_rank": rep.bytes_sent,
             "tail_bundle_bytes": rep.bundle_bytes,
-            "tolerance": TOLERANCE, "correct": passed}
+            "tolerance": TOLERANCE, "correct": passed, **hits}
         report.write_text(json.dumps(body, indent=2) + "\n")
     if save_logits:
         torch.save(rep.logits.float().contiguous(), save_logits)
     if not passed:
         raise SystemExit(1)
+
+
+def _print_hits(rep: object, console: Console) -> dict[str, Any]:
+    """The prefix cache's table (served through it: each prompt's hit, the snapshot boundary it
+    resumed from, the tokens computed) and its report keys; nothing without the cache."""
+    from cpkv.runtime.v4_cache_job import V4CachedJobReport
+
+    if not isinstance(rep, V4CachedJobReport):
+        return {}
+    t = Table(title=f"V4 prefix cache (snapshots every {rep.snapshot_tokens} tokens and at each "
+                    f"prompt's last unit boundary)")
+    for col in ("prompt", "tokens", "hit tokens", "snapshot boundary", "computed"):
+        t.add_column(col, justify="right")
+    for i, (n, h, b, c) in enumerate(zip(rep.lengths, rep.hit_tokens, rep.boundaries,
+                                         rep.computed_tokens, strict=True)):
+        t.add_row(str(i), str(n), str(h), str(b), str(c))
+    console.print(t)
+    return {"prefix_cache": {"snapshot_tokens": rep.snapshot_tokens, "hit_tokens": rep.hit_tokens,
+                             "snapshot_boundary": rep.boundaries,
+                             "computed_tokens": rep.computed_tokens}}
+
+
+def _job(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: int, chunk: int,
+         decode_tokens: int, settings: Settings | None, device: str, ops: V4OpsChoice) -> Any:
+    """The V4 job, through the prefix cache when ``cache.v4_prefix`` (and the cache) is on."""
+    from cpkv.runtime.v4_cache_job import run_v4_cached_job
+    from cpkv.runtime.v4_job import run_v4_job
+
+    if settings is None or not (settings.cache.enabled and settings.cache.v4_prefix):
+        return run_v4_job(str(ckpt), prompts, cp, mode, page_size, chunk, device=device, ops=ops,
+                          decode_tokens=decode_tokens, settings=settings)
+    return run_v4_cached_job(str(ckpt), prompts, cp, mode, page_size, chunk,
+                             snapshot_tokens=settings.cache.v4_snapshot_tokens,
+                             decode_tokens=decode_tokens, settings=settings, device=device,
+                             ops=ops)

@@ -459,7 +459,9 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
     entries and the tail objects carried between them (:class:`V4Carry`); every piece but the
     last a multiple of the ownership unit. Any chunking equals the one-piece prefill.
     ``carry``: a fresh :class:`V4Carry` to fill (this rank's owned entries and, on the tail
-    holder, the last segment's rows), kept for the decode state.
+    holder, the last segment's rows), kept for the decode state; or one with a ``layout`` (an
+    earlier prefill of the request's first tokens, or a prefix rebuilt from the prefix cache):
+    ``ids`` then continue after it, as the next chunk would.
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
@@ -483,8 +485,10 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
     ``chunks``: per prompt its piece lengths (None: one piece); step k prefills the k-th piece
     of every prompt that has one, as one batch, each prompt's entries and tail objects carried
     (:class:`V4Carry`); every piece but a prompt's last a multiple of the ownership unit.
-    ``carries``: per prompt an empty :class:`V4Carry` that keeps, after the call, what this
-    rank holds of it (its owned entries; on the tail holder the tail objects); None: new ones.
+    ``carries``: per prompt a :class:`V4Carry` that keeps, after the call, what this rank holds
+    of it (its owned entries; on the tail holder the tail objects); one that already holds a
+    prefix (its ``layout`` set: an earlier prefill, or a prefix-cache hit rebuilt) is continued
+    after it; None: new ones.
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
@@ -500,7 +504,8 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
         carries = [V4Carry() for _ in prompts]
     elif len(carries) != len(prompts):
         raise ValueError(f"{len(carries)} carries for {len(prompts)} prompts")
-    lays: list[V4Layout | None] = [None] * len(prompts)
+    # a carry that went through a prefill continues it (the next chunk, or a prefix-cache hit)
+    lays: list[V4Layout | None] = [c.layout for c in carries]
     starts = [0] * len(prompts)
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
     for k in range(max(len(p) for p in pieces)):
