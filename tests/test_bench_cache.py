@@ -15,6 +15,7 @@ from cpkv.models import write_tiny_checkpoint
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 4-5 CPU seconds
 def test_cache_bench_report_hits_and_correctness(tmp_path: Path) -> None:
     requests, prefix, suffix, page = 3, 128, 16, 16
     ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=0)

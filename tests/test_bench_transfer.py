@@ -24,6 +24,7 @@ def test_an_unknown_mooncake_protocol_is_rejected_before_any_run() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 4-5 CPU seconds
 def test_cpu_transfer_bench_reports_every_row(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     res = CliRunner().invoke(main, ["bench", "transfer", "--plugins", "nccl", "--cp", "1",

@@ -189,6 +189,7 @@ def test_example_passes_the_conformance_suite(host: PluginHost) -> None:
         check_op(impl, ref, "page_gather")
 
 
+@pytest.mark.slow  # 5 CPU seconds (a pytest run of the example)
 def test_example_tests_subclass_the_conformance_classes(example: Path) -> None:
     """The example's own tests (``examples/custom_backend/tests``) run cpkv's base test classes:
     its op passes, the ops it does not provide are skipped."""

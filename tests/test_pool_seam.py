@@ -51,6 +51,8 @@ USES: dict[str, frozenset[str]] = {
         "prepare", "prefetch", "materialize", "abort", "store", "footprint"}),
     "core/src/cpkv/bench/long.py": frozenset({"footprint"}),
     "core/src/cpkv/bench/decode.py": frozenset({"fmt", "group", "pages", "store"}),
+    # the V4 staging pool: its page table (the receiver's slots) and its store (the raw bytes)
+    "core/src/cpkv/runtime/v4_transfer.py": frozenset({"pages", "store"}),
 }
 
 #: (module, name): a name ``pool`` there that is no pool, with why
