@@ -27,11 +27,10 @@ from cpkv.ops import v4_op_table
 from .job.run import job_placement
 from .launch import run_ranks
 from .v4_cache import V4CachePlan, insert_metadata, plan_cached, v4_prefill_cached
-from .v4_decode import v4_greedy
-from .v4_job import V4JobReport, V4OpsChoice
+from .v4_job import V4JobReport, V4OpsChoice, decode_requests
 from .v4_prefill import v4_kv_bytes
 from .v4_state import owned_entries, tail_bundle
-from .v4_transfer import V4StateReceiver, V4StateSender
+from .v4_transfer import V4StateSender
 
 if TYPE_CHECKING:
     from cpkv.settings import Settings
@@ -85,18 +84,7 @@ def _rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
                   for i, (p, pl) in enumerate(zip(prompts, plans, strict=True))]
     if decode and world.rank == c:
         assert settings is not None and transport is not None
-        pages = max(im.first_pages()[-1] + im.pages(im.tail_bytes) for im in images)
-        rx = V4StateReceiver(transport, settings, c, pages)
-        tokens, bundles = [], []
-        with torch.no_grad():
-            for _ in prompts:
-                state, got = rx.receive(shapes)
-                bundles.append(got.meta["v4_image"].tail_bytes)
-                tokens.append(v4_greedy(model, state, int(got.meta["first_token"]),
-                                        decode_tokens))
-        world.barrier()  # the side channel's store is ours: every sender has its acks
-        rx.close()
-        return tokens, bundles
+        return decode_requests(world, model, shapes, images, transport, settings, decode_tokens)
     group = (CPGroup.from_process_group(cp_pg, timeout_s=world.timeout_s, device=world.device)
              if cp_pg is not None else world)
     cache = V4PrefixCache(model.config.ownership_unit(page_size), rank=group.rank,

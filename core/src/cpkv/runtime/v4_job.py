@@ -40,9 +40,11 @@ from .v4_state import owned_entries, tail_bundle
 from .v4_transfer import V4StateReceiver, V4StateSender
 
 if TYPE_CHECKING:
+    from cpkv.disagg import Transport
+    from cpkv.disagg.v4_bundle import V4Image, V4Shapes
     from cpkv.settings import Settings
 
-__all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "run_v4_job"]
+__all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "decode_requests", "run_v4_job"]
 
 def chunk_sizes(length: int, chunk: int) -> list[int]:
     """Pieces of at most ``chunk`` tokens (0: one piece)."""
@@ -143,18 +145,7 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
         lay = _layouts(model, len(p), c, page_size, mode, chunk)
         images.append(V4Image.plan(str(i), shapes, lay.entries, len(p), lay.tail_rank))
     if world.rank == c:
-        pages = max(im.first_pages()[-1] + im.pages(im.tail_bytes) for im in images)
-        rx = V4StateReceiver(transport, settings, c, pages)
-        tokens, bundles = [], []
-        with torch.no_grad():
-            for _ in prompts:
-                state, got = rx.receive(shapes)
-                bundles.append(got.meta["v4_image"].tail_bytes)
-                tokens.append(v4_greedy(model, state, int(got.meta["first_token"]),
-                                        decode_tokens))
-        world.barrier()  # the store the side channel runs on is ours: every sender has its acks
-        rx.close()
-        return tokens, bundles
+        return decode_requests(world, model, shapes, images, transport, settings, decode_tokens)
     group = CPGroup.from_process_group(cp_pg, timeout_s=world.timeout_s, device=world.device)
     tx = V4StateSender(transport, settings, group, max(im.local_pages(group.rank)
                                                        for im in images))
@@ -172,6 +163,26 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
     tx.close()
     world.barrier()  # the decode rank keeps the side channel's store until every ack was read
     return torch.stack([x[-1] for x in logits]), sent
+
+
+def decode_requests(world: CPGroup, model: DeepseekV4, shapes: V4Shapes, images: list[V4Image],
+                    transport: Transport, settings: Settings, decode_tokens: int
+                    ) -> tuple[list[list[int]], list[int]]:
+    """The decode rank of a disaggregated V4 job (the world's last): receive each request's
+    decode state as ``images`` plan it, decode ``decode_tokens`` greedy tokens from the first
+    token the prefill sent; ``(tokens per request, tail bundle bytes per request)``."""
+    c = world.size - 1
+    pages = max(im.first_pages()[-1] + im.pages(im.tail_bytes) for im in images)
+    rx = V4StateReceiver(transport, settings, c, pages)
+    tokens, bundles = [], []
+    with torch.no_grad():
+        for _ in images:
+            state, got = rx.receive(shapes)
+            bundles.append(got.meta["v4_image"].tail_bytes)
+            tokens.append(v4_greedy(model, state, int(got.meta["first_token"]), decode_tokens))
+    world.barrier()  # the store the side channel runs on is ours: every sender has its acks
+    rx.close()
+    return tokens, bundles
 
 
 def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
