@@ -150,18 +150,30 @@ def _kth_key(vrow, nc, need, orow, RB: tl.constexpr, COMPACT: tl.constexpr):
     for p in tl.static_range(2):
         hist = key_round(vrow, nc, prefix, p, RB, True)
         need, prefix = radix_step(hist, need, prefix, p)
-    nk = bin_count(hist, prefix, 1)
-    if COMPACT and nk <= room:
-        nput = tl.zeros([], tl.int32)
-        for c0 in range(0, nc, RB):
-            i = c0 + tl.arange(0, RB)
-            m = i < nc
-            nput = copy_bin(orow, nput, ord_key(tl.load(vrow + i, mask=m, other=0.0)), m, prefix)
-        need, prefix, hist = copied_rounds(orow, nk, need, prefix, RB)
+    if COMPACT:  # the constexpr alone: Triton does not compile `COMPACT and <tensor>`
+        nk = bin_count(hist, prefix, 1)
+        if nk <= room:
+            nput = tl.zeros([], tl.int32)
+            for c0 in range(0, nc, RB):
+                i = c0 + tl.arange(0, RB)
+                m = i < nc
+                nput = copy_bin(orow, nput, ord_key(tl.load(vrow + i, mask=m, other=0.0)), m,
+                                prefix)
+            need, prefix, hist = copied_rounds(orow, nk, need, prefix, RB)
+        else:
+            need, prefix, hist = _last_key_rounds(vrow, nc, need, prefix, RB)
     else:
-        for p in tl.static_range(2, 4):
-            hist = key_round(vrow, nc, prefix, p, RB, True)
-            need, prefix = radix_step(hist, need, prefix, p)
+        need, prefix, hist = _last_key_rounds(vrow, nc, need, prefix, RB)
+    return need, prefix, hist
+
+
+@triton.jit
+def _last_key_rounds(vrow, nc, need, prefix, RB: tl.constexpr):
+    """Radix rounds 2 and 3 over every one of a row's ``nc`` candidates."""
+    hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range(2, 4):
+        hist = key_round(vrow, nc, prefix, p, RB, True)
+        need, prefix = radix_step(hist, need, prefix, p)
     return need, prefix, hist
 
 

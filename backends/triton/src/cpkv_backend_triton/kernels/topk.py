@@ -133,6 +133,16 @@ def _split_round(crow0, cnt0, NS, prefix, p: tl.constexpr, CAP: tl.constexpr,
 
 
 @triton.jit
+def _last_split_rounds(crow0, cnt0, NS, need, prefix, CAP: tl.constexpr, RB: tl.constexpr):
+    """Radix rounds 2 and 3 over every candidate of a row's ``NS`` splits."""
+    hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range(2, 4):
+        hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
+        need, prefix = radix_step(hist, need, prefix, p)
+    return need, prefix, hist
+
+
+@triton.jit
 def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constexpr,
             COMPACT: tl.constexpr):
     """Take ``need`` of a row's candidates (int64 ``key << 32 | (2^31 - 1 - column)`` in
@@ -145,20 +155,21 @@ def _refine(crow0, cnt0, NS, orow, need, wpos, CAP: tl.constexpr, RB: tl.constex
     for p in tl.static_range(2):
         hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
         need, prefix = radix_step(hist, need, prefix, p)
-    nk = bin_count(hist, prefix, 1)
-    if COMPACT and nk <= room:
-        kptr = orow + wpos
-        nput = tl.zeros([], tl.int32)
-        for j in range(0, NS):
-            nc = tl.load(cnt0 + j)
-            for c0 in range(0, nc, RB):
-                _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
-                nput = copy_bin(kptr, nput, s, m, prefix)
-        need, prefix, hist = copied_rounds(kptr, nk, need, prefix, RB)
+    if COMPACT:  # the constexpr alone: Triton does not compile `COMPACT and <tensor>`
+        nk = bin_count(hist, prefix, 1)
+        if nk <= room:
+            kptr = orow + wpos
+            nput = tl.zeros([], tl.int32)
+            for j in range(0, NS):
+                nc = tl.load(cnt0 + j)
+                for c0 in range(0, nc, RB):
+                    _, s, m = _split_block(crow0, j, c0, nc, CAP, RB)
+                    nput = copy_bin(kptr, nput, s, m, prefix)
+            need, prefix, hist = copied_rounds(kptr, nk, need, prefix, RB)
+        else:
+            need, prefix, hist = _last_split_rounds(crow0, cnt0, NS, need, prefix, CAP, RB)
     else:
-        for p in tl.static_range(2, 4):
-            hist = _split_round(crow0, cnt0, NS, prefix, p, CAP, RB)
-            need, prefix = radix_step(hist, need, prefix, p)
+        need, prefix, hist = _last_split_rounds(crow0, cnt0, NS, need, prefix, CAP, RB)
     eq_seen = tl.zeros([], tl.int32)
     for j in range(0, NS):
         nc = tl.load(cnt0 + j)
