@@ -21,13 +21,12 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import SplitMode
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.v4_objects import v4_objects
-from cpkv.models.v4_reference import reference_forward
 from cpkv.ops import v4_op_table
 
 from .job.run import job_placement
 from .launch import run_ranks
 from .v4_cache import V4CachePlan, insert_metadata, plan_cached, v4_prefill_cached
-from .v4_job import V4JobReport, V4OpsChoice, decode_requests
+from .v4_job import V4JobReport, V4OpsChoice, decode_requests, reference_outputs
 from .v4_prefill import v4_kv_bytes
 from .v4_state import owned_entries, tail_bundle
 from .v4_transfer import V4StateSender
@@ -158,13 +157,7 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
     if decode_tokens > 0:
         tokens, bundles = results[cp].value
         sent = [sum(r.value[1]) for r in results[:cp]]
-    ref_tokens: list[list[int]] = []
-    with torch.no_grad():
-        ref = torch.stack([reference_forward(model, torch.tensor(p, dtype=torch.long))[-1]
-                           for p in prompts])
-        for p, toks in zip(prompts, tokens, strict=True) if tokens else ():
-            grown = reference_forward(model, torch.tensor(p + toks, dtype=torch.long))
-            ref_tokens.append(grown[len(p) - 1: len(p) - 1 + len(toks)].argmax(-1).tolist())
+    ref, ref_tokens = reference_outputs(model, prompts, tokens)
     return V4CachedJobReport(
         lengths=[len(p) for p in prompts], logits=logits, reference=ref, rank_bytes=per,
         entry_bytes=entries, tail_bytes=tail, seconds=seconds,

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from cpkv.disagg.v4_bundle import V4Image, V4Shapes
     from cpkv.settings import Settings
 
-__all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "decode_requests", "run_v4_job"]
+__all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "decode_requests", "reference_outputs",
+           "run_v4_job"]
 
 def chunk_sizes(length: int, chunk: int) -> list[int]:
     """Pieces of at most ``chunk`` tokens (0: one piece)."""
@@ -195,6 +196,23 @@ def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
     return torch.stack([x[-1] for x in logits]).cpu()
 
 
+def reference_outputs(model: DeepseekV4, prompts: list[list[int]], tokens: list[list[int]]
+                      ) -> tuple[torch.Tensor, list[list[int]]]:
+    """The one-rank reference of a V4 job: per prompt the last position's logits ``[prompts,
+    vocab]`` and, with decoded ``tokens``, the forward's argmax after each prefix of them. One
+    forward over prompt + tokens gives both (it is causal, and each row's bits do not depend on
+    the rows after it)."""
+    last, picks = [], []
+    with torch.no_grad():
+        for j, p in enumerate(prompts):
+            toks = tokens[j] if tokens else []
+            out = reference_forward(model, torch.tensor(p + toks, dtype=torch.long))
+            last.append(out[len(p) - 1])
+            if tokens:
+                picks.append(out[len(p) - 1: len(p) - 1 + len(toks)].argmax(-1).tolist())
+    return torch.stack(last), picks
+
+
 def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | str,
                page_size: int, chunk: int = 0, timeout_s: float = 600.0, device: str = "cpu",
                ops: V4OpsChoice | None = None, *, decode_tokens: int = 0,
@@ -234,7 +252,6 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
         tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config) if o.kind != "entries")
     t0 = time.perf_counter()
     tokens: list[list[int]] = []
-    ref_tokens: list[list[int]] = []
     sent: list[int] = []
     bundles: list[int] = []
     if decode_tokens > 0:
@@ -253,12 +270,7 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
                             timeout_s=timeout_s, backend=place.backend, gpus=place.gpus)
         logits = results[0].value
     seconds = time.perf_counter() - t0
-    with torch.no_grad():
-        ref = torch.stack([reference_forward(model, torch.tensor(p, dtype=torch.long))[-1]
-                           for p in prompts])
-        for p, toks in zip(prompts, tokens, strict=True) if tokens else ():
-            grown = reference_forward(model, torch.tensor(p + toks, dtype=torch.long))
-            ref_tokens.append(grown[len(p) - 1: len(p) - 1 + len(toks)].argmax(-1).tolist())
+    ref, ref_tokens = reference_outputs(model, prompts, tokens)
     return V4JobReport(lengths=[len(p) for p in prompts], logits=logits, reference=ref,
                        rank_bytes=per, entry_bytes=entries, tail_bytes=tail, seconds=seconds,
                        fallbacks=list(results[0].fallbacks), tokens=tokens,
