@@ -9,6 +9,7 @@
   (from /proc).
 * transformers comparisons (test_models, test_run_e2e): :data:`HF_TINY`, :func:`hf_random_model`,
   :func:`hf_logits`.
+* CP ranks as threads of one process (test_v4_cp, test_v4_mtp): :class:`ThreadRanks`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -242,3 +244,52 @@ def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie is dead, only unreaped)."""
     f = _proc_fields(pid)
     return f is not None and f[0] != "Z"
+
+
+class ThreadRanks:
+    """C ranks as threads of this process (``all_gather_rows`` through a barrier): CP runs
+    fast enough for many hypothesis examples (the Gloo tests run the real group)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=120)
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.calls = [0] * size  # collectives per rank
+
+    def run(self, fn: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        errors: list[BaseException] = []
+
+        def body(rank: int) -> None:
+            try:
+                out[rank] = fn(ThreadRank(self, rank))
+            except BaseException as exc:  # handed to the caller below
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        if errors:
+            raise errors[0]
+        return out
+
+
+class ThreadRank:
+    def __init__(self, shared: ThreadRanks, rank: int) -> None:
+        self.shared, self.rank, self.size = shared, rank, shared.size
+        self.device = torch.device("cpu")
+
+    def all_gather_rows(self, local: torch.Tensor, max_rows: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.shared
+        s.calls[self.rank] += 1
+        buf = local.new_zeros((max_rows, *local.shape[1:]))
+        buf[: local.shape[0]] = local
+        s.slots[self.rank] = buf
+        s.barrier.wait()
+        got = torch.cat([cast(torch.Tensor, x) for x in s.slots])
+        s.barrier.wait()  # every rank has read the slots before they are refilled
+        return got

@@ -117,6 +117,22 @@ def test_init_model_v4_loads_in_transformers_and_cpkv(tmp_path: Path) -> None:
     assert bad.exit_code != 0 and "--dense-layers" in bad.output
 
 
+def test_init_model_v4_mtp_writes_the_draft_layer_transformers_skips(tmp_path: Path) -> None:
+    from cpkv.cli import main
+
+    out = tmp_path / "v4mtp"
+    res = CliRunner().invoke(main, ["init-model", str(out), "--arch", "v4", "--mtp"])
+    assert res.exit_code == 0, res.output
+    _, info = transformers.DeepseekV4ForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with V4CheckpointReader(out, mtp=True) as r:
+        assert r.config.num_nextn_predict_layers == 1
+        assert r.get("mtp.0.e_proj.weight", None).shape == (64, 64)
+    bad = CliRunner().invoke(main, ["init-model", str(tmp_path / "y"), "--arch", "v4", "--mtp",
+                                    "--draft", "agree"])
+    assert bad.exit_code != 0 and "draft='random'" in bad.output, bad.output
+
+
 def test_presets_have_v4_attention_dimensions() -> None:
     from cpkv.models.tiny import PRESETS, tiny_config
 

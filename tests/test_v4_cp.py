@@ -10,9 +10,8 @@ collective a layer) equal each alone bit for bit."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from cpkv.models.v4_reference import reference_forward
 from cpkv.ops import v4_op_table
 from cpkv.runtime import run_ranks
 from cpkv.runtime.v4_prefill import v4_layout, v4_prefill_batch, v4_prefill_logits
+from helpers import ThreadRanks
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,55 +148,6 @@ def test_chunked_cp_equals_one_rank(tiny_v4: Path, cp: int, mode: str, length: i
         assert torch.equal(res.value["logits"], one), res.rank
 
 
-class _Threads:
-    """C ranks as threads of this process (``all_gather_rows`` through a barrier): CP runs
-    fast enough for many hypothesis examples; the Gloo tests above run the real group."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=120)
-        self.slots: list[torch.Tensor | None] = [None] * size
-        self.calls = [0] * size  # collectives per rank
-
-    def run(self, fn: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        errors: list[BaseException] = []
-
-        def body(rank: int) -> None:
-            try:
-                out[rank] = fn(_ThreadRank(self, rank))
-            except BaseException as exc:  # handed to the caller below
-                errors.append(exc)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        if errors:
-            raise errors[0]
-        return out
-
-
-class _ThreadRank:
-    def __init__(self, shared: _Threads, rank: int) -> None:
-        self.shared, self.rank, self.size = shared, rank, shared.size
-        self.device = torch.device("cpu")
-
-    def all_gather_rows(self, local: torch.Tensor, max_rows: int,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-        s = self.shared
-        s.calls[self.rank] += 1
-        buf = local.new_zeros((max_rows, *local.shape[1:]))
-        buf[: local.shape[0]] = local
-        s.slots[self.rank] = buf
-        s.barrier.wait()
-        got = torch.cat([cast(torch.Tensor, x) for x in s.slots])
-        s.barrier.wait()  # every rank has read the slots before they are refilled
-        return got
-
-
 @st.composite
 def _runs(draw: st.DrawFn) -> tuple[int, int, str, list[int] | None]:
     length = draw(st.integers(1, 90))
@@ -219,7 +170,7 @@ def _threads_equal_one_rank(tiny_v4: Path, length: int, cp: int, mode: str,
     ids = _ids(length, model.config.vocab_size)
     with torch.no_grad():
         one = reference_forward(model, ids)
-        got = _Threads(cp).run(lambda g: v4_prefill_logits(
+        got = ThreadRanks(cp).run(lambda g: v4_prefill_logits(
             model, ids, cast(CPGroup, g), page_size=PAGE, mode=mode, chunks=chunks))
     for r, logits in enumerate(got):
         assert torch.equal(logits, one), (r, length, cp, mode, chunks)
@@ -255,7 +206,7 @@ def test_a_batch_equals_each_prompt_alone(tiny_v4: Path, cp: int, mode: str,
     forward's bit for bit and transformers' within 2e-3 relative."""
     model = DeepseekV4.load(tiny_v4, ops=v4_op_table())
     prompts = [_ids(n, model.config.vocab_size) for n in (37, 53, 29)]
-    threads = _Threads(cp)
+    threads = ThreadRanks(cp)
     with torch.no_grad():
         got = threads.run(lambda g: v4_prefill_batch(model, prompts, cast(CPGroup, g),
                                                      page_size=PAGE, mode=mode, chunks=chunks))

@@ -27,7 +27,7 @@ ENV = {"CPKV_KV__PAGE_SIZE": "4"}  # ownership unit lcm(4, 4, 16) = 16 tokens
 def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("v4run")
     res = CliRunner().invoke(main, ["init-model", str(root / "ckpt"), "--arch", "v4",
-                                    "--seed", "5"])
+                                    "--seed", "5", "--mtp"])
     assert res.exit_code == 0, res.output
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
@@ -75,19 +75,28 @@ def test_chunk_off_the_unit_is_refused(v4_dir: tuple[Path, Path]) -> None:
     assert "ownership units of 16" in res.output
 
 
-def test_mtp_is_refused_for_v4(v4_dir: tuple[Path, Path]) -> None:
-    ckpt, prompts = v4_dir
-    res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
-                                    "--mtp"], env=ENV)
-    assert res.exit_code != 0 and "without an MTP draft layer" in res.output, res.output
+def test_mtp_of_a_v4_checkpoint_without_one_is_refused(v4_dir: tuple[Path, Path],
+                                                       tmp_path: Path) -> None:
+    _, prompts = v4_dir
+    res = CliRunner().invoke(main, ["init-model", str(tmp_path / "plain"), "--arch", "v4"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["run", "--model", str(tmp_path / "plain"), "--prompts",
+                                    str(prompts), "--mtp"], env=ENV)
+    assert res.exit_code != 0 and "num_nextn_predict_layers = 0" in res.output, res.output
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("cp", "mode", "plugin", "chunk"), [
-    (2, "zigzag", "nccl", None), (4, "interleave", "nccl", 16), (2, "zigzag", "mooncake", None)])
+@pytest.mark.parametrize(("cp", "mode", "plugin", "chunk", "drafts"), [
+    (2, "zigzag", "nccl", None, 0), (4, "interleave", "nccl", 16, 0),
+    (2, "zigzag", "mooncake", None, 0), (4, "interleave", "nccl", 16, 2),
+    (2, "zigzag", "mooncake", None, 1)])
 def test_run_decodes_the_reference_tokens(v4_dir: tuple[Path, Path], tmp_path: Path, cp: int,
-                                          mode: str, plugin: str, chunk: int | None) -> None:
+                                          mode: str, plugin: str, chunk: int | None,
+                                          drafts: int) -> None:
+    """Greedy decode (``drafts`` 0), or speculative with the MTP layer (``drafts`` a step):
+    the tokens equal the one-rank forward's greedy ones either way; with the MTP layer its
+    CP last-position logits equal the one-rank MTP forward's."""
     ckpt, prompts = v4_dir
     env = dict(ENV, CPKV_TRANSFER__NAME=plugin)
     if plugin == "mooncake":
@@ -102,10 +111,18 @@ def test_run_decodes_the_reference_tokens(v4_dir: tuple[Path, Path], tmp_path: P
             str(prompts), "--decode-tokens", str(n), "--report", str(rep)]
     if chunk:
         args += ["--chunk", str(chunk)]
+    if drafts:
+        args += ["--mtp", "--draft-tokens", str(drafts)]
     res = CliRunner().invoke(main, args, env=env)
     assert res.exit_code == 0, res.output
     assert "decode tokens equal" in res.output and plugin in res.output
     body = json.loads(rep.read_text())
+    if drafts:
+        assert "speculatively" in res.output and body["speculation"]["steps"] > 0
+        assert len(body["draft_rel_diff"]) == len(LENGTHS)
+        assert all(d <= 2e-3 for d in body["draft_rel_diff"])
+    else:
+        assert body["speculation"] is None and body["draft_rel_diff"] == []
     assert body["correct"] and body["decode_equal"] == [True] * len(LENGTHS)
     assert body["decode_tokens"] == body["reference_tokens"]
     assert all(len(t) == n for t in body["decode_tokens"])

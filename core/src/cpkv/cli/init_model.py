@@ -38,8 +38,9 @@ import click
 @click.option("--experts", type=click.IntRange(min=2), default=None, help="n_routed_experts [8].")
 @click.option("--index-topk", type=click.IntRange(min=1), default=None, help="index_topk [16].")
 @click.option("--mtp/--no-mtp", default=None,
-              help="Write an MTP draft layer (model.layers.{layers}.*, num_nextn_predict_layers = 1) "
-                   "[tiny: yes; v32-attention: no].")
+              help="Write an MTP draft layer (num_nextn_predict_layers = 1; V3.2 / GLM-5: "
+                   "model.layers.{layers}.*, V4: mtp.0.*) [tiny: yes; v4 and the attention "
+                   "presets: no].")
 @click.option("--draft", type=click.Choice(["random", "agree"]), default="random", show_default=True,
               help="agree: scale every layer's residual branches down and build the MTP layer to "
                    "guess the target's next token (speculative decoding accepts most drafts).")
@@ -62,9 +63,9 @@ def command(directory: Path, seed: int, arch: str | None, preset: str, layers: i
     if arch is not None and own is not None and arch != own:
         raise click.ClickException(f"{preset} is a {own} preset; --arch {arch} does not fit it")
     arch = arch or own or "v32"
-    if arch == "v4" and (dense_layers is not None or mtp):
-        raise click.ClickException("--dense-layers and --mtp do not apply to --arch v4 (every "
-                                   "V4 layer is MoE; the tiny V4 has no MTP layer)")
+    if arch == "v4" and dense_layers is not None:
+        raise click.ClickException("--dense-layers does not apply to --arch v4 (every V4 layer "
+                                   "is MoE)")
     base = {**ARCHS[arch], **PRESETS[preset]}
     overrides = {**base, **{k: v for k, v in {
         "num_hidden_layers": layers, "first_k_dense_replace": dense_layers, "hidden_size": hidden,

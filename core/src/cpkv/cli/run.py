@@ -332,11 +332,13 @@ def _run_v4(settings: Any, ckpt: Path, prompts: str | None, config: Path | None,
 
     from .run_v4 import run_v4
 
-    if settings.run.mtp:
+    cfg = read_v4_config(ckpt)
+    if settings.run.mtp and cfg.num_nextn_predict_layers < 1:
         raise click.ClickException(
-            f"{ckpt} is a DeepSeek-V4 checkpoint: cpkv runs it without an MTP draft layer "
-            f"(run.mtp = {settings.run.mtp}); use no --mtp")
-    vocab = read_v4_config(ckpt).vocab_size
+            f"{ckpt}: run.mtp asks for the MTP draft layer, but this DeepSeek-V4 checkpoint has "
+            f"none (config.json: num_nextn_predict_layers = {cfg.num_nextn_predict_layers}); "
+            "use no --mtp")
+    vocab = cfg.vocab_size
     token_lists = _prompts(settings.run.prompts, vocab, _prompts_source(prompts, config))
     check_output(report, "--report")
     check_output(save_logits, "--save-logits")

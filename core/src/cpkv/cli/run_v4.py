@@ -64,22 +64,61 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
     console.print(f"model {ckpt} (DeepSeek-V4), CP{cp} {mode}, page {page_size}, "
                   f"{len(prompts)} prompts, device {device}, v4 ops from "
                   f"{', '.join(ops.preference)}")
+    mtp = settings is not None and settings.run.mtp
     if decode_tokens:
         name = settings.transfer.name if settings is not None else "the default"
-        console.print(f"decode: {decode_tokens} greedy tokens a prompt on a decode rank, owned "
+        how = (f"speculatively ({settings.run.draft_tokens} MTP drafts a step)"
+               if settings is not None and mtp else "greedily")
+        console.print(f"decode: {decode_tokens} tokens a prompt {how} on a decode rank, owned "
                       f"entries and the tail bundle sent over the {name} transfer plugin")
+    elif mtp:
+        console.print("the MTP draft layer runs under the CP prefill (no decode: its last-"
+                      "position logits are checked)")
     try:
         rep = _job(ckpt, prompts, cp, mode, page_size, chunk, decode_tokens, settings, device,
                    ops)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     hits = _print_hits(rep, console)
+    drafts = _print_tables(rep, console)
+    passed = rep.passed(TOLERANCE)
+    what = "prefill + decode" if rep.tokens else "prefill"
+    console.print(f"{what} CP{cp} vs one rank: {'PASS' if passed else 'FAIL'} "
+                  f"(tolerance {TOLERANCE:g} relative, argmax equal"
+                  f"{', decode tokens equal' if rep.tokens else ''}); {rep.seconds:.1f} s")
+    if report:
+        body: dict[str, Any] = {
+            "model": str(ckpt), "family": "DeepSeek-V4", "cp": cp, "mode": mode,
+            "page_size": page_size, "prompt_lens": rep.lengths, "rel_diff": rep.rel_diff(),
+            "argmax_equal": rep.argmax_equal(), "kv_bytes_per_rank": rep.rank_bytes,
+            "kv_bytes_entries": rep.entry_bytes, "kv_bytes_tail": rep.tail_bytes,
+            "fallbacks": [f.model_dump(mode="json") for f in rep.fallbacks],
+            "decode_tokens": rep.tokens, "reference_tokens": rep.reference_tokens,
+            "decode_equal": rep.tokens_equal(), "bytes_sent_per_rank": rep.bytes_sent,
+            "tail_bundle_bytes": rep.bundle_bytes, "draft_rel_diff": drafts,
+            "speculation": (None if rep.speculation is None else
+                            {"steps": rep.speculation.steps, "drafted": rep.speculation.drafted,
+                             "accepted": rep.speculation.accepted}),
+            "tolerance": TOLERANCE, "correct": passed, **hits}
+        report.write_text(json.dumps(body, indent=2) + "\n")
+    if save_logits:
+        torch.save(rep.logits.float().contiguous(), save_logits)
+    if not passed:
+        raise SystemExit(1)
+
+
+def _print_tables(rep: Any, console: Console) -> list[float]:
+    """The report's tables (logits against one rank, KV bytes, decode, bytes per token,
+    fallbacks); -> the MTP layer's relative differences (none without it)."""
+    drafts: list[float] = rep.draft_rel_diff()
     t = Table()
-    for col in ("prompt", "tokens", "max |CP - one rank| / max |one rank|", "argmax equal"):
+    cols = ["prompt", "tokens", "max |CP - one rank| / max |one rank|", "argmax equal"]
+    for col in cols + (["MTP layer: the same"] if drafts else []):
         t.add_column(col, justify="right")
     for i, (n, d, ok) in enumerate(zip(rep.lengths, rep.rel_diff(), rep.argmax_equal(),
                                        strict=True)):
-        t.add_row(str(i), str(n), f"{d:.2e}", "yes" if ok else "NO")
+        t.add_row(str(i), str(n), f"{d:.2e}", "yes" if ok else "NO",
+                  *([f"{drafts[i]:.2e}"] if drafts else []))
     console.print(t)
     total = rep.entry_bytes + rep.tail_bytes
     kv = Table(title="KV bytes per rank (fp32 pool): entries each once, tail objects on the "
@@ -101,6 +140,11 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
         console.print(dt)
         console.print("bytes sent per prefill rank (staged pages): "
                       + ", ".join(f"{b:,}" for b in rep.bytes_sent))
+        if rep.speculation is not None:
+            sp = rep.speculation
+            console.print(f"speculative decode: {sp.steps} verify steps, {sp.accepted} of "
+                          f"{sp.drafted} drafts accepted ({sp.acceptance:.0%}); tokens "
+                          "equal to greedy")
     pt = Table(title="KV bytes per token of context (FP8 pools)")
     pt.add_column("model")
     pt.add_column("bytes", justify="right")
@@ -109,27 +153,7 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
     console.print(pt)
     for f in rep.fallbacks:
         console.print(f"fallback: {f.op}: {f.requested} -> {f.selected} ({f.reason}): {f.detail}")
-    passed = rep.passed(TOLERANCE)
-    what = "prefill + decode" if rep.tokens else "prefill"
-    console.print(f"{what} CP{cp} vs one rank: {'PASS' if passed else 'FAIL'} "
-                  f"(tolerance {TOLERANCE:g} relative, argmax equal"
-                  f"{', decode tokens equal' if rep.tokens else ''}); {rep.seconds:.1f} s")
-    if report:
-        body: dict[str, Any] = {
-            "model": str(ckpt), "family": "DeepSeek-V4", "cp": cp, "mode": mode,
-            "page_size": page_size, "prompt_lens": rep.lengths, "rel_diff": rep.rel_diff(),
-            "argmax_equal": rep.argmax_equal(), "kv_bytes_per_rank": rep.rank_bytes,
-            "kv_bytes_entries": rep.entry_bytes, "kv_bytes_tail": rep.tail_bytes,
-            "fallbacks": [f.model_dump(mode="json") for f in rep.fallbacks],
-            "decode_tokens": rep.tokens, "reference_tokens": rep.reference_tokens,
-            "decode_equal": rep.tokens_equal(), "bytes_sent_per_rank": rep.bytes_sent,
-            "tail_bundle_bytes": rep.bundle_bytes,
-            "tolerance": TOLERANCE, "correct": passed, **hits}
-        report.write_text(json.dumps(body, indent=2) + "\n")
-    if save_logits:
-        torch.save(rep.logits.float().contiguous(), save_logits)
-    if not passed:
-        raise SystemExit(1)
+    return drafts
 
 
 def _print_hits(rep: object, console: Console) -> dict[str, Any]:

@@ -67,7 +67,7 @@ class V4Shapes:
     def of(cls, model: DeepseekV4) -> V4Shapes:
         layers = tuple(tuple(V4Comp(n, c.rate, c.dim, c.wkv.shape[0], c.overlap)
                              for n, c in zip(COMPRESSOR_NAMES, model.compressors(i), strict=True)
-                             if c is not None) for i in range(model.num_layers))
+                             if c is not None) for i in range(model.kv_layers))
         return cls(model.dtype, model.config.sliding_window - 1, model.config.head_dim, layers)
 
     @property

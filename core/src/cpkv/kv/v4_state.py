@@ -18,7 +18,7 @@ has exactly one owner.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -97,6 +97,16 @@ class V4DecodeState:
         """Bit-for-bit equality of every tensor (and the counts)."""
         return (self.length == other.length and len(self.layers) == len(other.layers)
                 and all(a.equal(b) for a, b in zip(self.layers, other.layers, strict=True)))
+
+    def fork(self) -> V4DecodeState:
+        """A copy of the structure sharing the tensors: decode replaces a state's tensors and
+        never writes into them, so the fork keeps this state as it is now (a snapshot at no
+        copy cost)."""
+        return V4DecodeState(length=self.length, layers=[
+            V4LayerState(window=layer.window, compressors={
+                n: V4CompressorState(entries=c.entries, carry=replace(c.carry))
+                for n, c in layer.compressors.items()})
+            for layer in self.layers])
 
     def check(self) -> None:
         """Raises ValueError where an entry count or an open window disagrees with ``length``."""

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from .rope import rope_inv_freq
-from .v4_config import CSA, HCA, DeepseekV4Config
+from .v4_config import CSA, HCA, SWA, DeepseekV4Config
 from .v4_topk import stable_topk
-from .v4_weights import V4CheckpointReader, read_v4_config
+from .v4_weights import MTP_PREFIX, V4CheckpointReader, read_v4_config
 
 if TYPE_CHECKING:
     from cpkv.contracts import KVOps
@@ -129,6 +129,18 @@ class _Layer:
     idx_weights: torch.Tensor | None = None
 
 
+@dataclass
+class _MTP:
+    """The MTP draft layer's own weights (its block is ``_layers[num_layers]``)."""
+
+    e_proj: torch.Tensor
+    h_proj: torch.Tensor
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    norm: torch.Tensor
+    hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class DeepseekV4:
     """A loaded DeepSeek-V4 (inference only) with the per-row layer API (the one-rank forward
     of one prompt is :func:`cpkv.models.v4_reference.reference_forward`).
@@ -140,13 +152,23 @@ class DeepseekV4:
     def __init__(self, config: DeepseekV4Config, layers: list[_Layer], embed: torch.Tensor,
                  norm: torch.Tensor, head: torch.Tensor,
                  hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 ops: KVOps | None = None) -> None:
+                 ops: KVOps | None = None, mtp: _MTP | None = None) -> None:
+        if len(layers) != config.num_hidden_layers + (mtp is not None):
+            raise ValueError(f"{len(layers)} layers for num_hidden_layers="
+                             f"{config.num_hidden_layers}{' + the MTP layer' if mtp else ''}")
         self._ops = ops
         self.config = config
         self._layers = layers
+        self._mtp = mtp
         self._embed, self._norm, self._head, self._hc_head = embed, norm, head, hc_head
         self.dtype, self.device = embed.dtype, embed.device
+        #: the target's decoder layers (the MTP layer is not one of them)
         self.num_layers = config.num_hidden_layers
+        #: index of the MTP draft layer in the per-layer API and the decode state; None when
+        #: not loaded
+        self.mtp_layer: int | None = self.num_layers if mtp is not None else None
+        #: layers with KV: the target's, plus the MTP layer's (window rows only) when loaded
+        self.kv_layers = self.num_layers + (1 if mtp is not None else 0)
         r = config.qk_rope_head_dim
         self._inv_freq = {}
         for which, rope in (("main", config.rope_main), ("compress", config.rope_compress)):
@@ -156,15 +178,17 @@ class DeepseekV4:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu", ops: KVOps | None = None) -> DeepseekV4:
+             device: torch.device | str = "cpu", ops: KVOps | None = None, *,
+             mtp: bool = False) -> DeepseekV4:
         """Load a DeepSeek-V4 checkpoint directory; :class:`ModelLoadError` if it doesn't fit.
-        ``ops``: the op table of its ``v4_*`` ops (or :meth:`bind_ops` later).
+        ``ops``: the op table of its ``v4_*`` ops (or :meth:`bind_ops` later). ``mtp``: also
+        load the MTP draft layer (:class:`ModelLoadError` when the checkpoint has none).
 
         Norms, position biases, sinks, the mHC weights and the router bias stay float32 (as
         transformers keeps them)."""
         cfg = read_v4_config(path)
         f32 = torch.float32
-        with V4CheckpointReader(path, cfg) as r:
+        with V4CheckpointReader(path, cfg, mtp=mtp) as r:
             def g(name: str, dt: torch.dtype | None = dtype) -> torch.Tensor:
                 return r.get(name, dt, device)
 
@@ -173,14 +197,12 @@ class DeepseekV4:
                                     ape=g(f"{p}.ape", f32), norm=g(f"{p}.norm.weight", f32),
                                     rate=rate, overlap=overlap)
 
-            layers = []
-            for i, kind in enumerate(cfg.layer_types):
-                p, a, f = f"layers.{i}", f"layers.{i}.attn", f"layers.{i}.ffn"
+            def block(p: str, kind: str, hash_moe: bool) -> _Layer:
+                a, f = f"{p}.attn", f"{p}.ffn"
                 e = cfg.n_routed_experts
                 w13 = torch.stack([torch.cat([g(f"{f}.experts.{j}.w1.weight"),
                                               g(f"{f}.experts.{j}.w3.weight")]) for j in range(e)])
                 w2 = torch.stack([g(f"{f}.experts.{j}.w2.weight") for j in range(e)])
-                hash_moe = cfg.mlp_layer_types[i] == "hash_moe"
                 layer = _Layer(
                     kind=kind, attn_norm=g(f"{p}.attn_norm.weight", f32),
                     ffn_norm=g(f"{p}.ffn_norm.weight", f32),
@@ -205,11 +227,23 @@ class DeepseekV4:
                     layer.idx_weights = g(f"{a}.indexer.weights_proj.weight")
                 elif kind == HCA:
                     layer.compressor = comp(f"{a}.compressor", cfg.compress_rate_hca, False)
-                layers.append(layer)
+                return layer
+
+            layers = [block(f"layers.{i}", kind, cfg.mlp_layer_types[i] == "hash_moe")
+                      for i, kind in enumerate(cfg.layer_types)]
+            draft = None
+            if mtp:  # sliding-only, routed MoE (DeepSeek's MTPBlock(n_layers, ...))
+                p = MTP_PREFIX
+                layers.append(block(p, SWA, False))
+                draft = _MTP(e_proj=g(f"{p}.e_proj.weight"), h_proj=g(f"{p}.h_proj.weight"),
+                             enorm=g(f"{p}.enorm.weight", f32), hnorm=g(f"{p}.hnorm.weight", f32),
+                             norm=g(f"{p}.norm.weight", f32),
+                             hc_head=(g(f"{p}.hc_head_fn", f32), g(f"{p}.hc_head_base", f32),
+                                      g(f"{p}.hc_head_scale", f32)))
             embed = g("embed.weight")
             head = embed if r.tied_head else g("head.weight")
             hc_head = (g("hc_head_fn", f32), g("hc_head_base", f32), g("hc_head_scale", f32))
-            return cls(cfg, layers, embed, g("norm.weight", f32), head, hc_head, ops)
+            return cls(cfg, layers, embed, g("norm.weight", f32), head, hc_head, ops, draft)
 
     def bind_ops(self, ops: KVOps) -> None:
         """Run the ``v4_*`` ops on ``ops`` (an op table resolved for them) from now on."""
@@ -395,9 +429,38 @@ class DeepseekV4:
 
     def final_logits(self, streams: torch.Tensor) -> torch.Tensor:
         """Collapse the streams (``hc_head``), final norm, ``head``: -> ``[N, vocab]`` float32."""
+        return self._logits(streams, self._hc_head, self._norm)
+
+    def _logits(self, streams: torch.Tensor,
+                hc_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                norm: torch.Tensor) -> torch.Tensor:
         c = self.config
-        fn, base, scale = self._hc_head
+        fn, base, scale = hc_head
         flat = _rms(streams.flatten(1).float(), None, c.rms_norm_eps)
         pre = torch.sigmoid(_linear(flat, fn) * scale + base) + c.hc_eps
         x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return _linear(_rms(x, self._norm, c.rms_norm_eps), self._head).float()
+        return _linear(_rms(x, norm, c.rms_norm_eps), self._head).float()
+
+    # ------------------------------------------------------------------ the MTP draft layer
+    def _draft(self) -> _MTP:
+        if self._mtp is None:
+            raise ValueError("this DeepseekV4 was loaded without its MTP draft layer (load it "
+                             "with mtp=True)")
+        return self._mtp
+
+    def draft_input(self, streams: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's input streams ``[N, n, hidden]`` for rows whose target streams (after
+        the last layer, before ``hc_head``) are ``streams`` and whose next tokens are
+        ``next_ids`` ``[N]``: ``e_proj(enorm(embed(t_{i+1})))`` added to ``h_proj(hnorm(h_i))``
+        of every stream (DeepSeek's ``MTPBlock``). Chaining feeds the layer's own output back."""
+        d, eps = self._draft(), self.config.rms_norm_eps
+        e = _rms(F.embedding(next_ids.to(self.device), self._embed), d.enorm, eps)
+        n, k, hs = streams.shape
+        h = _linear(_rms(streams, d.hnorm, eps).reshape(n * k, hs), d.h_proj).view(n, k, hs)
+        return _linear(e, d.e_proj).unsqueeze(1) + h
+
+    def draft_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's guesses ``[N, vocab]`` float32 of token i+2 from its output streams:
+        its own ``hc_head`` and norm, the shared ``head``."""
+        d = self._draft()
+        return self._logits(streams, d.hc_head, d.norm)

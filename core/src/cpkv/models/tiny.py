@@ -149,6 +149,9 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
 def _tiny_state(cfg: DeepseekV32Config | DeepseekV4Config, seed: int,
                 draft: str = "random") -> dict[str, torch.Tensor]:
     if isinstance(cfg, DeepseekV4Config):
+        if draft != "random":
+            raise ValueError(f"draft={draft!r} is built for DeepSeek-V3.2 / GLM-5 checkpoints; a "
+                             "DeepSeek-V4 one takes draft='random'")
         return v4_tiny_state(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     # the MTP layer's weights come last: the target's are the same with or without it

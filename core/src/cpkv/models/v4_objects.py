@@ -4,7 +4,8 @@ Per layer, by kind:
 
 * **compressed entries** (page-owned; one per ``m`` tokens): the main entry (``head_dim``) on
   CSA and HCA layers, the index key (``index_head_dim``) on CSA layers;
-* **window rows** (a tail object): the last ``W - 1`` K = V rows (``head_dim``), every layer;
+* **window rows** (a tail object): the last ``W - 1`` K = V rows (``head_dim``), every layer,
+  the MTP draft layer's too when it runs (it is sliding-only: nothing else);
 * **carry state** (a tail object): per compressor the open window's raw ``(kv, gate)`` rows
   (at most ``m - 1`` rows of the compressor's width, 2d on CSA), and on CSA the last complete
   window's Ca half (``m`` rows of ``(kv, gate)`` at ``d``).
@@ -43,8 +44,10 @@ class V4Object:
         return self.rows * self.row_bytes
 
 
-def v4_objects(cfg: DeepseekV4Config, elem_bytes: int = 4) -> tuple[V4Object, ...]:
-    """Every layer's objects at ``elem_bytes`` per value (4: the fp32 pool the tests use).
+def v4_objects(cfg: DeepseekV4Config, elem_bytes: int = 4, mtp: bool = False
+               ) -> tuple[V4Object, ...]:
+    """Every layer's objects at ``elem_bytes`` per value (4: the fp32 pool the tests use);
+    ``mtp``: the MTP draft layer's window rows too (layer ``num_hidden_layers``).
 
     The carry state is counted at its most (``m - 1`` open rows) and kept in fp32 whatever
     the pool (vLLM does the same: its pooling is a softmax over raw projections)."""
@@ -63,6 +66,9 @@ def v4_objects(cfg: DeepseekV4Config, elem_bytes: int = 4) -> tuple[V4Object, ..
             width = 2 * d if overlap else d
             rows_state = 2 * width * (m - 1) + (2 * d * m if overlap else 0)  # kv and gate
             out.append(V4Object(i, f"carry.{name}", "carry_state", 0, 4, rows_state))
+    if mtp:
+        out.append(V4Object(cfg.num_hidden_layers, "window", "window_rows", 0, hd * elem_bytes,
+                            w - 1))
     return tuple(out)
 
 

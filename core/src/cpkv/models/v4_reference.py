@@ -14,8 +14,8 @@ import torch
 from .deepseek_v4 import DeepseekV4
 from .v4_config import CSA, HCA
 
-__all__ = ["attend_and_ffn", "compressed_keys", "gather_keys", "reference_forward",
-           "window_rows"]
+__all__ = ["attend_and_ffn", "compressed_keys", "gather_keys", "reference_draft",
+           "reference_forward", "reference_streams", "window_rows"]
 
 
 def window_rows(kv: torch.Tensor, positions: torch.Tensor, first: int, window: int
@@ -68,28 +68,50 @@ def attend_and_ffn(model: DeepseekV4, layer: int, q: torch.Tensor, keys: torch.T
 
 def reference_forward(model: DeepseekV4, ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]`` on one rank."""
+    return model.final_logits(reference_streams(model, ids))
 
-    c = model.config
+
+def reference_streams(model: DeepseekV4, ids: torch.Tensor) -> torch.Tensor:
+    """The target's streams ``[T, n, hidden]`` after its last layer (before ``hc_head``) of
+    prompt ``ids`` ``[T]`` on one rank."""
     ids = ids.to(model.device)
     pos = torch.arange(ids.shape[0], device=model.device)
     x = model.embed(ids)
     for i in range(model.num_layers):
-        kind = model.layer_kind(i)
-        post, comb, collapsed = model.hc_pre(i, "attn", x)
-        h = model.attn_norm(i, collapsed)
-        q, q_res = model.query(i, h, pos)
-        kv = model.window_kv(i, h, pos)
-        keys, mask = window_rows(kv, pos, 0, c.sliding_window)
-        main, index = model.compressors(i)
-        if main is not None:
-            entries = model.compress(main, *model.compressor_inputs(main, h), 0)
-            ikeys = None
-            if kind == CSA:
-                assert index is not None
-                ikeys = model.compress(index, *model.compressor_inputs(index, h), 0)
-            else:
-                assert kind == HCA
-            ck, cm = compressed_keys(model, i, h, q_res, pos, entries, ikeys)
-            keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
-        x = attend_and_ffn(model, i, q, keys, mask, pos, post, comb, x, ids)
-    return model.final_logits(x)
+        x = _block(model, i, x, ids, pos)
+    return x
+
+
+def reference_draft(model: DeepseekV4, ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """The MTP draft layer's logits ``[T, vocab]`` float32 over prompt ``ids`` ``[T]`` on one
+    rank: row i from the target's streams at i and ``next_ids[i]`` (token i + 1: ``ids[1:]``
+    and then the token after the prompt), a guess of token i + 2."""
+    assert model.mtp_layer is not None, "a model loaded with its MTP layer"
+    nxt = next_ids.to(model.device)
+    pos = torch.arange(ids.shape[0], device=model.device)
+    x = model.draft_input(reference_streams(model, ids), nxt)
+    return model.draft_logits(_block(model, model.mtp_layer, x, nxt, pos))
+
+
+def _block(model: DeepseekV4, i: int, x: torch.Tensor, ids: torch.Tensor,
+           pos: torch.Tensor) -> torch.Tensor:
+    """Layer ``i`` over a whole sequence's streams ``x`` from position 0."""
+    c = model.config
+    kind = model.layer_kind(i)
+    post, comb, collapsed = model.hc_pre(i, "attn", x)
+    h = model.attn_norm(i, collapsed)
+    q, q_res = model.query(i, h, pos)
+    kv = model.window_kv(i, h, pos)
+    keys, mask = window_rows(kv, pos, 0, c.sliding_window)
+    main, index = model.compressors(i)
+    if main is not None:
+        entries = model.compress(main, *model.compressor_inputs(main, h), 0)
+        ikeys = None
+        if kind == CSA:
+            assert index is not None
+            ikeys = model.compress(index, *model.compressor_inputs(index, h), 0)
+        else:
+            assert kind == HCA
+        ck, cm = compressed_keys(model, i, h, q_res, pos, entries, ikeys)
+        keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
+    return attend_and_ffn(model, i, q, keys, mask, pos, post, comb, x, ids)

@@ -4,8 +4,9 @@ presets with V4-Flash's and V4-Pro's attention dimensions, and its weights.
 The weights are in DeepSeek's release naming (:mod:`cpkv.models.v4_weights`), float32, which
 transformers' ``DeepseekV4ForCausalLM.from_pretrained`` loads as well. Deterministic for a seed,
 scaled so activations stay well-conditioned (projections ~ N(0, 1/fan_in), residual branches
-half that, norms ~ 1, hash-routing tables of distinct experts per token). The MTP layer is not
-written (``num_nextn_predict_layers = 0``).
+half that, norms ~ 1, hash-routing tables of distinct experts per token). The MTP draft layer
+is written when ``num_nextn_predict_layers`` is 1 (``cpkv init-model --arch v4 --mtp``; 0 by
+default), after the target's weights: the target's are the same either way.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, cfg: Deepseek
 def v4_tiny_state(cfg: DeepseekV4Config, seed: int) -> dict[str, torch.Tensor]:
     """The tiny V4's weights for ``seed`` (canonical names, release naming)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = v4_expected_shapes(cfg)
+    shapes = v4_expected_shapes(cfg, mtp=cfg.num_nextn_predict_layers > 0)
     if cfg.tie_word_embeddings:
         del shapes["head.weight"]
     return {name: _init(name, shape, gen, cfg).contiguous() for name, shape in shapes.items()}

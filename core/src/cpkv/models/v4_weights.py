@@ -4,7 +4,9 @@ converts on load (``layers.{i}.attn.wq_a.weight``, ``layers.{i}.attn.compressor.
 ``layers.{i}.ffn.experts.{e}.w1.weight``, ``hc_head_fn``, ``embed.weight``, ``head.weight``).
 A leading ``model.`` (what transformers' ``save_pretrained`` writes before some of them) is
 accepted, as is ``embed_tokens`` / ``hc_head.hc_fn`` spelling of the top-level ones. The MTP
-layer (``mtp.*``) is not read.
+draft layer (``mtp.0.*``: a sliding-only block of the same names, ``e_proj`` / ``h_proj`` /
+``enorm`` / ``hnorm`` / ``norm`` and its own ``hc_head_*``) is read only when asked for
+(``mtp=True``); otherwise its weights are skipped.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from pydantic import ValidationError
 
 from .errors import ModelLoadError
 from .loader import invalid_config, read_config_json, shard_keys
-from .v4_config import CSA, HCA, DeepseekV4Config
+from .v4_config import CSA, HCA, SWA, DeepseekV4Config
 
-__all__ = ["V4CheckpointReader", "is_v4_checkpoint", "read_v4_config", "v4_expected_shapes"]
+__all__ = ["MTP_PREFIX", "V4CheckpointReader", "is_v4_checkpoint", "read_v4_config",
+           "v4_expected_shapes", "v4_mtp_shapes"]
 
 _ALIASES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
             "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
@@ -64,66 +67,97 @@ def _compressor(p: str, d: int, rate: int, hs: int, overlap: bool) -> dict[str, 
             f"{p}.norm.weight": (d,)}
 
 
-def v4_expected_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
-    """Every weight the model reads (canonical names) and its shape, in a fixed order."""
+def _layer_shapes(cfg: DeepseekV4Config, p: str, kind: str, mlp: str
+                  ) -> dict[str, tuple[int, ...]]:
+    """One block's weights under prefix ``p`` (``layers.{i}`` or the MTP layer's ``mtp.0``)."""
     hs, nh, hd, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
     inter, e = cfg.moe_intermediate_size, cfg.n_routed_experts
     mix = (2 + n) * n
+    a, f = f"{p}.attn", f"{p}.ffn"
+    out: dict[str, tuple[int, ...]] = {f"{p}.attn_norm.weight": (hs,), f"{p}.ffn_norm.weight": (hs,)}
+    for hc in ("attn", "ffn"):
+        out |= {f"{p}.hc_{hc}_fn": (mix, n * hs), f"{p}.hc_{hc}_base": (mix,),
+                f"{p}.hc_{hc}_scale": (3,)}
+    out |= {f"{a}.wq_a.weight": (cfg.q_lora_rank, hs), f"{a}.q_norm.weight": (cfg.q_lora_rank,),
+            f"{a}.wq_b.weight": (nh * hd, cfg.q_lora_rank), f"{a}.wkv.weight": (hd, hs),
+            f"{a}.norm.weight": (hd,),
+            f"{a}.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, nh * hd // cfg.o_groups),
+            f"{a}.wo_b.weight": (hs, cfg.o_groups * cfg.o_lora_rank), f"{a}.attn_sink": (nh,)}
+    if kind == CSA:
+        out |= _compressor(f"{a}.compressor", hd, cfg.compress_rate_csa, hs, True)
+        out |= _compressor(f"{a}.indexer.compressor", cfg.index_head_dim,
+                           cfg.compress_rate_csa, hs, True)
+        out |= {f"{a}.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim,
+                                             cfg.q_lora_rank),
+                f"{a}.indexer.weights_proj.weight": (cfg.index_n_heads, hs)}
+    elif kind == HCA:
+        out |= _compressor(f"{a}.compressor", hd, cfg.compress_rate_hca, hs, False)
+    out[f"{f}.gate.weight"] = (e, hs)
+    if mlp == "hash_moe":
+        out[f"{f}.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
+    else:
+        out[f"{f}.gate.bias"] = (e,)
+    for j in range(e):
+        out |= {f"{f}.experts.{j}.w1.weight": (inter, hs), f"{f}.experts.{j}.w3.weight": (inter, hs),
+                f"{f}.experts.{j}.w2.weight": (hs, inter)}
+    out |= {f"{f}.shared_experts.w1.weight": (inter, hs),
+            f"{f}.shared_experts.w3.weight": (inter, hs),
+            f"{f}.shared_experts.w2.weight": (hs, inter)}
+    return out
+
+
+#: the MTP draft layer's prefix; it is sliding-only with a routed (not hash-routed) MoE, as
+#: DeepSeek's reference builds it (``MTPBlock(n_layers, ...)``)
+MTP_PREFIX = "mtp.0"
+
+
+def v4_mtp_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+    """The MTP draft layer's weights (canonical names) and shapes: its block and its wrapper
+    (``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``, ``hc_head_*``)."""
+    hs, n, p = cfg.hidden_size, cfg.hc_mult, MTP_PREFIX
+    out = _layer_shapes(cfg, p, SWA, "moe")
+    out |= {f"{p}.e_proj.weight": (hs, hs), f"{p}.h_proj.weight": (hs, hs),
+            f"{p}.enorm.weight": (hs,), f"{p}.hnorm.weight": (hs,), f"{p}.norm.weight": (hs,),
+            f"{p}.hc_head_fn": (n, n * hs), f"{p}.hc_head_base": (n,), f"{p}.hc_head_scale": (1,)}
+    return out
+
+
+def v4_expected_shapes(cfg: DeepseekV4Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every weight the model reads (canonical names) and its shape, in a fixed order; ``mtp``:
+    the MTP draft layer's too (last)."""
+    hs, n = cfg.hidden_size, cfg.hc_mult
     out: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, hs)}
     for i, kind in enumerate(cfg.layer_types):
-        p, a, f = f"layers.{i}", f"layers.{i}.attn", f"layers.{i}.ffn"
-        out |= {f"{p}.attn_norm.weight": (hs,), f"{p}.ffn_norm.weight": (hs,)}
-        for hc in ("attn", "ffn"):
-            out |= {f"{p}.hc_{hc}_fn": (mix, n * hs), f"{p}.hc_{hc}_base": (mix,),
-                    f"{p}.hc_{hc}_scale": (3,)}
-        out |= {f"{a}.wq_a.weight": (cfg.q_lora_rank, hs), f"{a}.q_norm.weight": (cfg.q_lora_rank,),
-                f"{a}.wq_b.weight": (nh * hd, cfg.q_lora_rank), f"{a}.wkv.weight": (hd, hs),
-                f"{a}.norm.weight": (hd,),
-                f"{a}.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, nh * hd // cfg.o_groups),
-                f"{a}.wo_b.weight": (hs, cfg.o_groups * cfg.o_lora_rank), f"{a}.attn_sink": (nh,)}
-        if kind == CSA:
-            out |= _compressor(f"{a}.compressor", hd, cfg.compress_rate_csa, hs, True)
-            out |= _compressor(f"{a}.indexer.compressor", cfg.index_head_dim,
-                               cfg.compress_rate_csa, hs, True)
-            out |= {f"{a}.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim,
-                                                 cfg.q_lora_rank),
-                    f"{a}.indexer.weights_proj.weight": (cfg.index_n_heads, hs)}
-        elif kind == HCA:
-            out |= _compressor(f"{a}.compressor", hd, cfg.compress_rate_hca, hs, False)
-        out[f"{f}.gate.weight"] = (e, hs)
-        if cfg.mlp_layer_types[i] == "hash_moe":
-            out[f"{f}.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
-        else:
-            out[f"{f}.gate.bias"] = (e,)
-        for j in range(e):
-            out |= {f"{f}.experts.{j}.w1.weight": (inter, hs), f"{f}.experts.{j}.w3.weight": (inter, hs),
-                    f"{f}.experts.{j}.w2.weight": (hs, inter)}
-        out |= {f"{f}.shared_experts.w1.weight": (inter, hs),
-                f"{f}.shared_experts.w3.weight": (inter, hs),
-                f"{f}.shared_experts.w2.weight": (hs, inter)}
+        out |= _layer_shapes(cfg, f"layers.{i}", kind, cfg.mlp_layer_types[i])
     out |= {"norm.weight": (hs,), "head.weight": (cfg.vocab_size, hs),
             "hc_head_fn": (n, n * hs), "hc_head_base": (n,), "hc_head_scale": (1,)}
+    if mtp:
+        out |= v4_mtp_shapes(cfg)
     return out
 
 
 class V4CheckpointReader:
     """Validated, lazily read weights of one DeepSeek-V4 checkpoint (a context manager)."""
 
-    def __init__(self, path: str | Path, cfg: DeepseekV4Config | None = None) -> None:
-        """Open every shard and check names and shapes against the config.
+    def __init__(self, path: str | Path, cfg: DeepseekV4Config | None = None, *,
+                 mtp: bool = False) -> None:
+        """Open every shard and check names and shapes against the config; ``mtp``: the MTP
+        draft layer's weights too (skipped otherwise).
 
         Raises:
             ModelLoadError: unreadable files, missing / unexpected / mis-shaped weights, or a
-                quantised weight (FP8 / FP4 with a scale: cpkv reads 16/32-bit floats).
+                quantised weight (FP8 / FP4 with a scale: cpkv reads 16/32-bit floats); ``mtp``
+                asked of a checkpoint without an MTP layer.
         """
         self.path = Path(path)
+        self.mtp = mtp
         self.config = cfg if cfg is not None else read_v4_config(self.path)
         self._stack = ExitStack()
         self._where: dict[str, tuple[Any, str]] = {}
         try:
             for handle, k in shard_keys(self.path, self._stack):
                 c = _canonical(k)
-                if c.startswith("mtp."):
+                if c.startswith("mtp.") and not mtp:
                     continue
                 if c in self._where:
                     raise ModelLoadError(f"{self.path}: weight {c!r} is stored twice")
@@ -141,8 +175,12 @@ class V4CheckpointReader:
 
     def _validate(self) -> None:
         cfg = self.config
-        expected = v4_expected_shapes(cfg)
+        expected = v4_expected_shapes(cfg, self.mtp)
         keys = set(self._where)
+        if self.mtp and not any(k.startswith("mtp.") for k in keys):
+            raise ModelLoadError(f"{self.path}: the checkpoint has no MTP draft layer (no mtp.0.* "
+                                 "weights; num_nextn_predict_layers is "
+                                 f"{cfg.num_nextn_predict_layers}): run it without --mtp")
         if cfg.tie_word_embeddings and "head.weight" not in keys:
             del expected["head.weight"]
         self.tied_head = "head.weight" not in expected

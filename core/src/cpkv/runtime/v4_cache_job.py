@@ -28,6 +28,7 @@ from .launch import run_ranks
 from .v4_cache import V4CachePlan, insert_metadata, plan_cached, v4_prefill_cached
 from .v4_job import V4JobReport, V4OpsChoice, decode_requests, reference_outputs
 from .v4_prefill import v4_kv_bytes
+from .v4_speculative import V4SpeculationStats
 from .v4_state import owned_entries, tail_bundle
 from .v4_transfer import V4StateSender
 
@@ -62,9 +63,11 @@ def _plans(model: DeepseekV4, prompts: list[list[int]], cp: int, page_size: int,
 
 def _rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
           chunk: int, interval: int, decode_tokens: int, settings: Settings | None,
-          choice: V4OpsChoice) -> tuple[torch.Tensor, list[int]] | tuple[list[list[int]], list[int]]:
+          choice: V4OpsChoice
+          ) -> (tuple[torch.Tensor, list[int]]
+                | tuple[list[list[int]], list[int], V4SpeculationStats | None]):
     """One process: CP ranks return ``(last logits, bytes sent per prompt)``, the decode rank
-    (the last, with decode tokens) ``(tokens per prompt, tail bundle bytes per prompt)``."""
+    (the last, with decode tokens) ``(tokens per prompt, tail bundle bytes per prompt, None)``."""
     decode = decode_tokens > 0
     c = world.size - 1 if decode else world.size
     model = DeepseekV4.load(ckpt, ops=choice.table(world))
@@ -125,6 +128,10 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
     if job_placement(device, cp, decode=False).backend != "gloo":
         raise ValueError(f"run.device = {device!r}: the DeepSeek-V4 prefix cache "
                          "(cache.v4_prefix) runs on CPU ranks only; use --device cpu")
+    if settings is not None and settings.run.mtp:
+        raise ValueError("run.mtp with cache.v4_prefix: the DeepSeek-V4 prefix cache does not "
+                         "keep the MTP layer's window rows in its snapshots; use --no-mtp, or "
+                         "cache.v4_prefix = false")
     model = DeepseekV4.load(ckpt, ops=v4_op_table())  # the reference: the torch ops on the CPU
     unit = model.config.ownership_unit(page_size)
     if chunk and chunk % unit:
@@ -155,7 +162,7 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
     bundles: list[int] = []
     sent: list[int] = []
     if decode_tokens > 0:
-        tokens, bundles = results[cp].value
+        tokens, bundles, _ = results[cp].value
         sent = [sum(r.value[1]) for r in results[:cp]]
     ref, ref_tokens = reference_outputs(model, prompts, tokens)
     return V4CachedJobReport(

@@ -5,7 +5,10 @@ the backend preference through the registry: the torch reference, the Triton and
 passing them on visibly), the one-rank forward on the CPU as the reference, and the KV bytes per
 rank against the replicated entries plus the tail objects.
 
-Decode after the prefill is not built for V4: the job runs the prefill phase only.
+With ``run.mtp`` the checkpoint's MTP draft layer runs under the CP prefill (its window rows
+are tail objects; its last-position logits are checked against the one-rank MTP forward) and the
+decode rank decodes speculatively (:mod:`cpkv.runtime.v4_speculative`: the tokens must still be
+the one-rank forward's greedy ones).
 
 With decode tokens the job is disaggregated (a world of C + 1 Gloo processes, on the CPU): after each
 prompt's prefill every CP rank sends the compressed entries it owns and the last token's rank the
@@ -29,13 +32,14 @@ from cpkv.comm import CPGroup
 from cpkv.contracts import FallbackEvent, SplitMode
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.v4_objects import v4_objects
-from cpkv.models.v4_reference import reference_forward
+from cpkv.models.v4_reference import reference_draft, reference_forward
 from cpkv.ops import OpTable, v4_op_table
 
 from .job.run import job_placement
 from .launch import run_ranks
 from .v4_decode import v4_greedy
 from .v4_prefill import V4Carry, V4Layout, v4_kv_bytes, v4_layout, v4_prefill_batch
+from .v4_speculative import V4SpeculationStats, v4_speculative
 from .v4_state import owned_entries, tail_bundle
 from .v4_transfer import V4StateReceiver, V4StateSender
 
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
     from cpkv.settings import Settings
 
 __all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "decode_requests", "reference_outputs",
-           "run_v4_job"]
+           "run_v4_job", "split_drafts"]
 
 def chunk_sizes(length: int, chunk: int) -> list[int]:
     """Pieces of at most ``chunk`` tokens (0: one piece)."""
@@ -73,11 +77,23 @@ class V4JobReport:
     reference_tokens: list[list[int]] = field(default_factory=list)
     bytes_sent: list[int] = field(default_factory=list)
     bundle_bytes: list[int] = field(default_factory=list)
+    #: with the MTP layer: its last-position logits per prompt, CP and one rank, and with
+    #: decode the speculation's verify steps, drafts and accepted drafts (summed)
+    draft_logits: torch.Tensor | None = None
+    draft_reference: torch.Tensor | None = None
+    speculation: V4SpeculationStats | None = None
 
     def rel_diff(self) -> list[float]:
         """Per prompt ``max |cp - ref| / max |ref|`` of the last-position logits."""
         return [float((a - b).abs().max() / b.abs().max())
                 for a, b in zip(self.logits, self.reference, strict=True)]
+
+    def draft_rel_diff(self) -> list[float]:
+        """The same of the MTP layer's last-position logits (none without it)."""
+        if self.draft_logits is None or self.draft_reference is None:
+            return []
+        return [float((a - b).abs().max() / b.abs().max())
+                for a, b in zip(self.draft_logits, self.draft_reference, strict=True)]
 
     def argmax_equal(self) -> list[bool]:
         return [int(a.argmax()) == int(b.argmax())
@@ -87,8 +103,8 @@ class V4JobReport:
         return [a == b for a, b in zip(self.tokens, self.reference_tokens, strict=True)]
 
     def passed(self, tolerance: float = 2e-3) -> bool:
-        return (all(d <= tolerance for d in self.rel_diff()) and all(self.argmax_equal())
-                and all(self.tokens_equal()))
+        return (all(d <= tolerance for d in self.rel_diff() + self.draft_rel_diff())
+                and all(self.argmax_equal()) and all(self.tokens_equal()))
 
 
 @dataclass(frozen=True)
@@ -128,7 +144,8 @@ def _layouts(model: DeepseekV4, length: int, cp: int, page_size: int, mode: str,
 def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int,
                  mode: str, chunk: int, decode_tokens: int, settings: Settings,
                  choice: V4OpsChoice
-                 ) -> tuple[torch.Tensor, list[int]] | tuple[list[list[int]], list[int]]:
+                 ) -> (tuple[torch.Tensor, list[int]]
+                       | tuple[list[list[int]], list[int], V4SpeculationStats | None]):
     """One process of the disaggregated V4 job (a world of C + 1): ranks 0..C-1 prefill on
     their CP group and send their parts of each request's decode state; rank C receives,
     assembles and decodes. Prefill ranks return ``(last logits, bytes sent per prompt)``, the
@@ -138,7 +155,7 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
 
     c = world.size - 1
     cp_pg = dist.new_group(list(range(c)), timeout=timedelta(seconds=world.timeout_s))
-    model = DeepseekV4.load(ckpt, ops=choice.table(world))
+    model = DeepseekV4.load(ckpt, ops=choice.table(world), mtp=settings.run.mtp)
     shapes = V4Shapes.of(model)
     transport = select_transport(settings, world.agree_all)
     images = []
@@ -158,42 +175,70 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
                                   chunks=[chunk_sizes(len(p), chunk) for p in prompts],
                                   carries=carries)
         for x, image, carry in zip(logits, images, carries, strict=True):
-            first = int(x[-1].argmax())
+            meta = {"first_token": int(x[-1].argmax())} | _first_draft(carry)
             sent.append(tx.send(shapes, image, owned_entries(model, carry, group.rank),
-                                tail_bundle(model, carry), {"first_token": first}).nbytes)
+                                tail_bundle(model, carry), meta).nbytes)
     tx.close()
     world.barrier()  # the decode rank keeps the side channel's store until every ack was read
-    return torch.stack([x[-1] for x in logits]), sent
+    return _last(logits, carries), sent
+
+
+def _first_draft(carry: V4Carry) -> dict[str, int]:
+    """The meta of a request's first draft (the MTP layer's guess at the prompt's last row)."""
+    return {"first_draft": int(carry.draft_logits[-1][-1].argmax())} if carry.draft_logits else {}
+
+
+def _last(logits: list[torch.Tensor], carries: list[V4Carry]) -> torch.Tensor:
+    """The last position's logits per prompt and, with the MTP layer, its draft logits after
+    them: ``[prompts, vocab]`` or ``[prompts, 2, vocab]``."""
+    last = torch.stack([x[-1] for x in logits])
+    if not carries or not carries[0].draft_logits:
+        return last
+    return torch.stack([last, torch.stack([c.draft_logits[-1][-1] for c in carries])], dim=1)
 
 
 def decode_requests(world: CPGroup, model: DeepseekV4, shapes: V4Shapes, images: list[V4Image],
                     transport: Transport, settings: Settings, decode_tokens: int
-                    ) -> tuple[list[list[int]], list[int]]:
+                    ) -> tuple[list[list[int]], list[int], V4SpeculationStats | None]:
     """The decode rank of a disaggregated V4 job (the world's last): receive each request's
     decode state as ``images`` plan it, decode ``decode_tokens`` greedy tokens from the first
-    token the prefill sent; ``(tokens per request, tail bundle bytes per request)``."""
+    token the prefill sent (with the MTP layer: speculatively, ``run.draft_tokens`` drafts a
+    step, from the first draft it sent); ``(tokens per request, tail bundle bytes per request,
+    the speculation's counts or None)``."""
     c = world.size - 1
     pages = max(im.first_pages()[-1] + im.pages(im.tail_bytes) for im in images)
     rx = V4StateReceiver(transport, settings, c, pages)
     tokens, bundles = [], []
+    total = V4SpeculationStats() if model.mtp_layer is not None else None
     with torch.no_grad():
         for _ in images:
             state, got = rx.receive(shapes)
             bundles.append(got.meta["v4_image"].tail_bytes)
-            tokens.append(v4_greedy(model, state, int(got.meta["first_token"]), decode_tokens))
+            first = int(got.meta["first_token"])
+            if total is None:
+                tokens.append(v4_greedy(model, state, first, decode_tokens))
+                continue
+            toks, stats = v4_speculative(model, state, first, int(got.meta["first_draft"]),
+                                         decode_tokens, settings.run.draft_tokens)
+            tokens.append(toks)
+            total.steps += stats.steps
+            total.drafted += stats.drafted
+            total.accepted += stats.accepted
     world.barrier()  # the store the side channel runs on is ours: every sender has its acks
     rx.close()
-    return tokens, bundles
+    return tokens, bundles, total
 
 
 def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, mode: str,
-          chunk: int, choice: V4OpsChoice) -> torch.Tensor:
-    model = DeepseekV4.load(ckpt, device=group.device, ops=choice.table(group))
+          chunk: int, choice: V4OpsChoice, mtp: bool) -> torch.Tensor:
+    model = DeepseekV4.load(ckpt, device=group.device, ops=choice.table(group), mtp=mtp)
+    carries = [V4Carry() for _ in prompts]
     with torch.no_grad():  # the prompts as one batch (one halo and one full view a layer)
         logits = v4_prefill_batch(model, [torch.tensor(p, dtype=torch.long) for p in prompts],
                                   group, page_size=page_size, mode=mode,
-                                  chunks=[chunk_sizes(len(p), chunk) for p in prompts])
-    return torch.stack([x[-1] for x in logits]).cpu()
+                                  chunks=[chunk_sizes(len(p), chunk) for p in prompts],
+                                  carries=carries)
+    return _last(logits, carries).cpu()
 
 
 def reference_outputs(model: DeepseekV4, prompts: list[list[int]], tokens: list[list[int]]
@@ -201,13 +246,19 @@ def reference_outputs(model: DeepseekV4, prompts: list[list[int]], tokens: list[
     """The one-rank reference of a V4 job: per prompt the last position's logits ``[prompts,
     vocab]`` and, with decoded ``tokens``, the forward's argmax after each prefix of them. One
     forward over prompt + tokens gives both (it is causal, and each row's bits do not depend on
-    the rows after it)."""
+    the rows after it). A model with its MTP layer: ``[prompts, 2, vocab]``, the MTP layer's
+    last-position logits second (its next token there: the forward's argmax)."""
     last, picks = [], []
     with torch.no_grad():
         for j, p in enumerate(prompts):
             toks = tokens[j] if tokens else []
-            out = reference_forward(model, torch.tensor(p + toks, dtype=torch.long))
-            last.append(out[len(p) - 1])
+            ids = torch.tensor(p + toks, dtype=torch.long)
+            out = reference_forward(model, ids)
+            row = out[len(p) - 1]
+            if model.mtp_layer is not None:
+                nxt = torch.cat([ids[1:len(p)], row.argmax()[None]])
+                row = torch.stack([row, reference_draft(model, ids[:len(p)], nxt)[-1]])
+            last.append(row)
             if tokens:
                 picks.append(out[len(p) - 1: len(p) - 1 + len(toks)].argmax(-1).tolist())
     return torch.stack(last), picks
@@ -235,7 +286,9 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
         raise ValueError(f"run.decode_tokens = {decode_tokens}: DeepSeek-V4 decode runs on CPU "
                          "ranks only; use --device cpu, or --decode-tokens 0 on cuda")
     choice = ops or V4OpsChoice()
-    model = DeepseekV4.load(ckpt, ops=v4_op_table())  # the reference: the torch ops on the CPU
+    mtp = settings is not None and settings.run.mtp
+    # the reference: the torch ops on the CPU
+    model = DeepseekV4.load(ckpt, ops=v4_op_table(), mtp=mtp)
     unit = model.config.ownership_unit(page_size)
     if chunk and chunk % unit:
         raise ValueError(f"runtime.chunk_tokens = {chunk}: DeepSeek-V4 chunks end on ownership "
@@ -249,7 +302,8 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
         ranks, rep = v4_kv_bytes(model, lay)
         per = [a + b for a, b in zip(per, ranks, strict=True)]
         entries += rep
-        tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config) if o.kind != "entries")
+        tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config, mtp=mtp)
+                    if o.kind != "entries")
     t0 = time.perf_counter()
     tokens: list[list[int]] = []
     sent: list[int] = []
@@ -263,15 +317,27 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
                                                         decode_tokens, settings, choice),
                             timeout_s=timeout_s)
         logits = results[0].value[0]
-        tokens, bundles = results[cp].value
+        tokens, bundles, spec = results[cp].value
         sent = [sum(r.value[1]) for r in results[:cp]]
     else:
-        results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk, choice),
+        spec = None
+        results = run_ranks(_rank, cp, args=(ckpt, prompts, page_size, mode, chunk, choice, mtp),
                             timeout_s=timeout_s, backend=place.backend, gpus=place.gpus)
         logits = results[0].value
     seconds = time.perf_counter() - t0
     ref, ref_tokens = reference_outputs(model, prompts, tokens)
-    return V4JobReport(lengths=[len(p) for p in prompts], logits=logits, reference=ref,
+    last, last_ref, drafts, drafts_ref = split_drafts(logits, ref)
+    return V4JobReport(lengths=[len(p) for p in prompts], logits=last, reference=last_ref,
                        rank_bytes=per, entry_bytes=entries, tail_bytes=tail, seconds=seconds,
                        fallbacks=list(results[0].fallbacks), tokens=tokens,
-                       reference_tokens=ref_tokens, bytes_sent=sent, bundle_bytes=bundles)
+                       reference_tokens=ref_tokens, bytes_sent=sent, bundle_bytes=bundles,
+                       draft_logits=drafts, draft_reference=drafts_ref, speculation=spec)
+
+
+def split_drafts(logits: torch.Tensor, ref: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(logits, reference, draft logits, draft reference)`` from the ranks' and the
+    reference's last rows (``[P, vocab]``, or ``[P, 2, vocab]`` with the MTP layer's second)."""
+    if logits.dim() == 2:
+        return logits, ref, None, None
+    return logits[:, 0], ref[:, 0], logits[:, 1], ref[:, 1]

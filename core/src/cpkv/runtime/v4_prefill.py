@@ -190,7 +190,7 @@ def v4_kv_bytes(model: DeepseekV4, lay: V4Layout, elem_bytes: int = 4
     per = [0] * len(lay.segments)
     replicated = 0
     tail = lay.plan.segments[-1].rank
-    for obj in v4_objects(model.config, elem_bytes):
+    for obj in v4_objects(model.config, elem_bytes, mtp=model.mtp_layer is not None):
         if obj.kind == "entries":
             replicated += obj.bytes_for(length)
             for r, owned in enumerate(lay.entries[obj.rate]):
@@ -219,6 +219,9 @@ class V4Carry:
     #: (what the decode state's tail bundle is cut from: :mod:`cpkv.runtime.v4_state`)
     layout: V4Layout | None = None
     last_rows: dict[int, V4SegmentRows] = field(default_factory=dict)
+    #: with the MTP draft layer: its logits ``[rows, vocab]`` float32 of each piece prefilled
+    #: (every rank: gathered, as the target's); row i guesses token i + 2
+    draft_logits: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -490,6 +493,11 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
     prefix (its ``layout`` set: an earlier prefill, or a prefix-cache hit rebuilt) is continued
     after it; None: new ones.
 
+    A model loaded with its MTP draft layer runs it after each piece (a sliding-only layer:
+    its window rows are tail objects; its logits go to ``V4Carry.draft_logits``). Its row at a
+    prompt's last position takes the target's argmax there as the next token: a prompt split
+    over several calls gets that at each call's end, so give it whole (``chunks``) instead.
+
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
             their prompt's length or end off a unit boundary; not a carry per prompt.
@@ -523,13 +531,36 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
         xs = [model.embed(r.ids) for r in ranks]
         for i in range(model.num_layers):
             xs = _layer(ranks, i, xs)
-        for r, j in zip(ranks, todo, strict=True):
-            carries[j].tail = r.next_tail  # the tail objects move to this piece's last rank
-        gathered = _gather_parts(group, [model.final_logits(x) for x in xs],
-                                 [r.lay.max_rows for r in ranks])
+        maxes = [r.lay.max_rows for r in ranks]
+        gathered = _gather_parts(group, [model.final_logits(x) for x in xs], maxes)
         for r, j, g in zip(ranks, todo, gathered, strict=True):
             out[j].append(g[r.row_perm])
+        if model.mtp_layer is not None:
+            _draft_layer(model, ranks, xs, [prompts[j] for j in todo],
+                         [starts[j] - pieces[j][k] for j in todo], [out[j][-1] for j in todo])
+        for r, j in zip(ranks, todo, strict=True):
+            carries[j].tail = r.next_tail  # the tail objects move to this piece's last rank
     return [torch.cat(o) for o in out]
+
+
+def _draft_layer(model: DeepseekV4, ranks: list[_Rank], xs: list[torch.Tensor],
+                 prompts: list[torch.Tensor], firsts: list[int], logits: list[torch.Tensor]
+                 ) -> None:
+    """The MTP draft layer over a batch's piece (a sliding-only layer: one halo collective):
+    row i from the target's streams and token i + 1 (the prompt's, after its last token the
+    target's argmax there); its gathered logits go to each request's carry."""
+    assert model.mtp_layer is not None
+    ins = []
+    for r, x, ids, first, lg in zip(ranks, xs, prompts, firsts, logits, strict=True):
+        ext = torch.cat([ids.to(r.pos.device),
+                         lg[-1:].argmax(-1).to(device=r.pos.device, dtype=ids.dtype)])
+        nxt = ext[r.pos - r.lay.plan.prefix_len + first + 1]
+        ins.append(model.draft_input(x, nxt))
+    ys = _layer(ranks, model.mtp_layer, ins)
+    got = _gather_parts(ranks[0].group, [model.draft_logits(y) for y in ys],
+                        [r.lay.max_rows for r in ranks])
+    for r, g in zip(ranks, got, strict=True):
+        r.carry.draft_logits.append(g[r.row_perm])
 
 
 def _cat(parts: list[torch.Tensor], dim: int, like: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ def tail_bundle(model: DeepseekV4, carry: V4Carry) -> V4TailBundle | None:
         return None
     hw = model.config.sliding_window - 1
     layers = []
-    for i in range(model.num_layers):
+    for i in range(model.kv_layers):
         rows = carry.last_rows[i]
         # the halo's W - 1 rows come first: the window rows are never fewer than the ring's
         layers.append(V4TailLayer(window=rows.window[rows.window.shape[0] - hw:],
