@@ -48,6 +48,27 @@ def test_calls_the_kernel_cannot_take_are_declined_before_any_work() -> None:
     assert "needs CUDA tensors" in (decline_reason(q[:, :64], kv, ind, 512) or "")
 
 
+def test_v4_calls_the_kernel_cannot_take_are_declined_before_any_work() -> None:
+    from cpkv_backend_cuda.flashmla import FlashMLAOps, v4_decline_reason
+
+    called: list[Any] = []
+    ops = FlashMLAOps(types.SimpleNamespace(flash_mla_sparse_fwd=lambda *a, **k: called.append(a)))
+    q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 512, dtype=torch.bfloat16)
+    ind = torch.zeros(4, 9, dtype=torch.int64)
+    sink = torch.zeros(64)
+    with pytest.raises(OpDeclined, match="needs CUDA tensors"):
+        ops.v4_attention(q, kv, ind, sink, 0.1)
+    assert called == []
+    assert v4_decline_reason(q[:, :16], kv, ind) == ("16 heads (FlashMLA's V4 sparse prefill "
+                                                     "takes 64 or 128)")
+    assert v4_decline_reason(q[..., :256], kv[:, :256], ind) == (
+        "head dim 256 (FlashMLA's V4 sparse prefill takes 512)")
+    assert "q torch.float32" in (v4_decline_reason(q.float(), kv.float(), ind) or "")
+    with pytest.raises(ValueError, match="indices int32 / int64"):
+        ops.v4_attention(q, kv, ind.float(), sink, 0.1)
+
+
 needs_flashmla = pytest.mark.skipif(not _available()[0], reason=_available()[1] or "available")
 
 
@@ -103,6 +124,33 @@ def test_a_declined_call_runs_on_the_next_backend() -> None:
     assert [(e.requested, e.selected, e.reason) for e in rec.events] == [
         ("cuda", "triton", FallbackReason.OP_DECLINED)]
     assert "16 heads" in rec.events[0].detail
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize(("heads", "k"), [(64, 640), (128, 200)])
+def test_flashmla_v4_attention_equals_the_torch_reference(heads: int, k: int) -> None:
+    """DeepSeek-V4 shapes (K = V of 512, a sink per head): window-and-entry indices with -1
+    slots (a slot count off the kernel's block of 64 included) and one row with none: the
+    FlashMLA result equals the torch backend's fp32 one within bf16 rounding; the empty row
+    is zeros."""
+    from cpkv_backend_torch.v4 import V4TorchOps
+
+    ops = cuda_backend.load()
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    n, s = 256, 16384
+    q = torch.randn(n, heads, 512, dtype=torch.bfloat16, device="cuda", generator=g)
+    kv = torch.randn(s, 512, dtype=torch.bfloat16, device="cuda", generator=g)
+    ind = torch.randint(0, s, (n, k), device="cuda", generator=g)
+    ind[::3, k // 2:] = -1
+    ind[7] = -1
+    sink = torch.randn(heads, device="cuda", generator=g)
+    got = ops.v4_attention(q, kv, ind, sink, 512 ** -0.5)
+    want = V4TorchOps().v4_attention(q.float(), kv.float(), ind, sink, 512 ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, heads, 512)
+    assert torch.equal(got[7], torch.zeros_like(got[7]))
+    err = ((got.float() - want).abs().amax() / want.abs().amax()).item()
+    assert err < 1e-2, err
 
 
 def _paged_case(n: int, heads: int, pages: int, k: int, device: str,

@@ -81,18 +81,25 @@ def test_conformance_covers_the_v4_ops() -> None:
 @given(st.integers(1, 40), st.integers(0, 300), st.integers(0, 40), st.integers(0, 2**31))
 def test_attention_rows_do_not_depend_on_the_rest_of_the_call(rows: int, keys: int, extra: int,
                                                               seed: int) -> None:
+    """A row's result: the same with trailing -1 slots (a longer chunk's future entries), a
+    longer buffer, or alone; and the softmax with the sink over the gathered keys."""
     ops = reference_backend()
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, 4, 32, generator=g)
-    kv = torch.randn(rows, keys + extra, 32, generator=g)
-    mask = torch.rand(rows, keys + extra, generator=g) < 0.8
-    mask[:, keys:] = False  # masked keys past the row's (a longer chunk's future entries)
+    kv = torch.randn(keys + 7, 32, generator=g)
+    idx = torch.randint(0, keys + 7, (rows, keys + extra), generator=g)
+    idx[torch.rand(rows, keys + extra, generator=g) >= 0.8] = -1
+    idx[:, keys:] = -1
     sink = torch.randn(4, generator=g)
-    whole = ops.v4_attention(q, kv, mask, sink, 0.2)
-    assert torch.equal(whole, ops.v4_attention(q, kv[:, :keys], mask[:, :keys], sink, 0.2))
+    whole = ops.v4_attention(q, kv, idx, sink, 0.2)
+    assert torch.equal(whole, ops.v4_attention(q, kv, idx[:, :keys], sink, 0.2))
+    longer = torch.cat([kv, torch.randn(5, 32, generator=g)])
+    assert torch.equal(whole, ops.v4_attention(q, longer, idx.to(torch.int32), sink, 0.2))
     i = int(torch.randint(0, rows, (1,), generator=g))
-    assert torch.equal(whole[i:i + 1], ops.v4_attention(q[i:i + 1], kv[i:i + 1], mask[i:i + 1],
-                                                        sink, 0.2))
+    assert torch.equal(whole[i:i + 1], ops.v4_attention(q[i:i + 1], kv, idx[i:i + 1], sink, 0.2))
+    keys_i, read = kv[idx[i].clamp(min=0)], idx[i] >= 0
+    logits = torch.cat([(q[i] @ keys_i[read].T) * 0.2, sink[:, None]], dim=1).softmax(-1)
+    torch.testing.assert_close(whole[i], logits[:, :-1] @ keys_i[read], rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=40, deadline=None)

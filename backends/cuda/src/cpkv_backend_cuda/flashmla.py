@@ -1,4 +1,6 @@
-"""Sparse MLA prefill on FlashMLA (``sgl-flash-mla``: DeepSeek's FlashMLA with the SM90 kernels).
+"""Sparse MLA prefill on FlashMLA (``sgl-flash-mla``: DeepSeek's FlashMLA with the SM90 kernels),
+and DeepSeek-V4's sparse attention with the sink on its V4 kernel (:meth:`FlashMLAOps.v4_attention`:
+d_qk = d_v = 512, 64 or 128 heads, bf16; other calls declined).
 
 ``flash_mla_sparse_fwd(q [N, H, 576] bf16, kv [T, 1, 576] bf16, indices [N, 1, k] int32, scale,
 512, use_legacy=True)`` is the kernel SGLang and vLLM run for DeepSeek-V3.2's prefill on Hopper
@@ -25,9 +27,10 @@ from cpkv.ops.api import (
     OpDeclined,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
+    check_v4_attention_args,
 )
 
-__all__ = ["FlashMLAOps", "decline_reason", "decode_decline_reason"]
+__all__ = ["FlashMLAOps", "decline_reason", "decode_decline_reason", "v4_decline_reason"]
 
 HEADS = (64, 128)
 DK, DV = 576, 512
@@ -58,6 +61,25 @@ def decline_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dv:
     dtypes = None if q.dtype == kv.dtype == torch.bfloat16 else \
         f"q {q.dtype} / kv {kv.dtype} (FlashMLA takes bf16)"
     return _kernel_reason("sparse prefill", q, dv, dtypes, indices.shape[1], ("kv", kv), indices)
+
+
+#: DeepSeek-V4's head dim (K = V): FlashMLA's V4 sparse prefill takes d_qk = d_v = 512
+V4_D = 512
+
+
+def v4_decline_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> str | None:
+    """Why FlashMLA's V4 sparse prefill (``flash_mla_sparse_fwd`` with ``attn_sink``, not the
+    legacy kernel) cannot take this ``v4_attention`` call, or None (metadata only)."""
+    _, h, d = q.shape
+    if h not in HEADS:
+        return f"{h} heads (FlashMLA's V4 sparse prefill takes {' or '.join(map(str, HEADS))})"
+    if d != V4_D:
+        return f"head dim {d} (FlashMLA's V4 sparse prefill takes {V4_D})"
+    if not q.dtype == kv.dtype == torch.bfloat16:
+        return f"q {q.dtype} / kv {kv.dtype} (FlashMLA takes bf16)"
+    if q.device.type != "cuda" or kv.device != q.device or indices.device != q.device:
+        return f"needs CUDA tensors on one device, got q on {q.device}, kv on {kv.device}"
+    return None
 
 
 #: FlashMLA's fp8 token (DeepSeek-V3.2): 512 e4m3 + 4 fp32 scales + 64 bf16 rope bytes, the same
@@ -108,6 +130,35 @@ class FlashMLAOps:
         out, _max_logits, _lse = self._fm.flash_mla_sparse_fwd(
             q.contiguous(), kv.contiguous().unsqueeze(1), indices.contiguous().unsqueeze(1),
             scale, dv, use_legacy=True)
+        return out
+
+    def v4_attention(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+        """DeepSeek-V4's sparse attention with the sink (see :class:`cpkv.ops.api.KVOps`) on
+        FlashMLA's V4 sparse prefill: ``flash_mla_sparse_fwd(q, kv [S, 1, 512], indices
+        [N, 1, K'] int32, scale, 512, attn_sink=sink)``, the indices padded with -1 to a
+        multiple of 64 slots (what the kernel reads a block at a time). bf16 [N, H, 512].
+
+        Raises:
+            ValueError: arguments that break the op's contract.
+            OpDeclined: heads, head dim, dtype or device FlashMLA's V4 kernel does not take.
+        """
+        check_v4_attention_args(q, kv, indices, sink)
+        why = v4_decline_reason(q, kv, indices)
+        if why is not None:
+            raise OpDeclined(why)
+        n, h, d = q.shape
+        if n == 0:
+            return torch.zeros(0, h, d, dtype=q.dtype, device=q.device)
+        k = indices.shape[1]
+        idx = indices.to(torch.int32)
+        pad = -k % TOPK_MULTIPLE if k else TOPK_MULTIPLE
+        if pad:
+            idx = torch.cat([idx, idx.new_full((n, pad), -1)], dim=1)
+        out, _max_logits, _lse = self._fm.flash_mla_sparse_fwd(
+            q.contiguous(), kv.contiguous().unsqueeze(1), idx.contiguous().unsqueeze(1), scale,
+            d, attn_sink=sink.to(device=q.device, dtype=torch.float32).contiguous(),
+            return_log2_lse=False)
         return out
 
     def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,

@@ -3,7 +3,8 @@
 Two kernel libraries, each optional, each imported lazily:
 
 - FlashMLA (``sgl-flash-mla``, the ``cpkv[cuda]`` extra; :mod:`cpkv_backend_cuda.flashmla`):
-  sparse MLA prefill and the fp8 sparse decode over part-major pages.
+  sparse MLA prefill, the fp8 sparse decode over part-major pages, and DeepSeek-V4's sparse
+  attention with the sink (``v4_attention``).
 - DeepGEMM (``deep_gemm``, built from source against the machine's torch: docs/plugins.md;
   :mod:`cpkv_backend_cuda.deepgemm`): the fp8 lightning indexer, prefill and paged.
 
@@ -55,7 +56,7 @@ class Library:
     needs: str
 
 
-FLASH_MLA = Library("flash_mla", frozenset({Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED}),
+FLASH_MLA = Library("flash_mla", frozenset({Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.V4_ATTENTION}),
                     "install sgl-flash-mla (pip install 'cpkv[cuda]', or --no-deps for an older "
                     "torch)", "flash_mla_sparse_fwd")
 DEEP_GEMM = Library("deep_gemm", frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_INDEX_PAGES}),
@@ -152,7 +153,8 @@ def load() -> KVOps:
         assert isinstance(fm, ModuleType)
         kernels = FlashMLAOps(fm)
         methods.update({Op.SPARSE_MLA: kernels.sparse_mla,
-                        Op.SPARSE_MLA_PAGED: kernels.sparse_mla_paged})
+                        Op.SPARSE_MLA_PAGED: kernels.sparse_mla_paged,
+                        Op.V4_ATTENTION: kernels.v4_attention})
     if installed(DEEP_GEMM):
         from .deepgemm import DeepGEMMOps
 

@@ -20,12 +20,15 @@ import torch.nn.functional as F
 import cpkv.ops.api as api
 from cpkv.models.v4_topk import stable_topk
 
-__all__ = ["BLOCK", "KEY_BLOCK", "V4TorchOps", "padded_mm"]
+__all__ = ["BLOCK", "KEY_BLOCK", "ROW_BLOCK", "V4TorchOps", "padded_mm"]
 
 #: products run on row and column counts padded to a multiple of this
 BLOCK = 16
 #: attention sums over keys in blocks of this many (the last padded with masked keys)
 KEY_BLOCK = 256
+#: ``v4_attention`` computes this many rows at a time (a block's gathered keys: ROW_BLOCK x
+#: KEY_BLOCK x D floats); rows are independent, so the blocking does not change a row's bits
+ROW_BLOCK = 512
 
 
 def _pad0(x: torch.Tensor, to: int) -> torch.Tensor:
@@ -122,34 +125,46 @@ class V4TorchOps:
         api.check_v4_topk_args(scores, k)
         return stable_topk(scores, k)
 
-    def v4_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+    def v4_attention(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention with the sink (see :class:`cpkv.ops.api.KVOps`), in float32: the keys in
-        blocks of :data:`KEY_BLOCK` (views; the last padded with masked zero keys), the row
-        maximum over every block and the sink, then each block's ``exp`` sum and value product
-        added in block order, divided once.
+        """Sparse attention with the sink (see :class:`cpkv.ops.api.KVOps`), in float32, in
+        blocks of :data:`ROW_BLOCK` rows (bounded memory); per row the indices in blocks of
+        :data:`KEY_BLOCK` (the keys gathered, the last block padded with masked zero keys), the
+        row maximum over every block and the sink, then each block's ``exp`` sum and value
+        product added in block order, divided once.
 
         Raises:
             ValueError: a shape or dtype does not fit (as every backend).
         """
-        api.check_v4_attention_args(q, keys, mask, sink)
+        api.check_v4_attention_args(q, kv, indices, sink)
+        n = q.shape[0]
+        if n <= ROW_BLOCK:
+            return self._attend(q, kv, indices.to(q.device), sink.to(q.device), scale)
+        return torch.cat([self._attend(q[r:r + ROW_BLOCK], kv,
+                                       indices[r:r + ROW_BLOCK].to(q.device), sink.to(q.device),
+                                       scale)
+                          for r in range(0, n, ROW_BLOCK)])  # a loop over a shape
+
+    @staticmethod
+    def _attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
+                scale: float) -> torch.Tensor:
         n, heads, d = q.shape
-        qf, top = q.float(), sink.to(q.device).view(1, heads).expand(n, heads)
+        qf, top = q.float(), sink.view(1, heads).expand(n, heads)
         blocks = []
-        for b in range(0, max(1, keys.shape[1]), KEY_BLOCK):  # a loop over a shape
-            kb, mb = keys[:, b:b + KEY_BLOCK].float(), mask[:, b:b + KEY_BLOCK]
-            if kb.shape[1] < KEY_BLOCK:  # the last block: padded with masked zero keys
-                pad = KEY_BLOCK - kb.shape[1]
-                kb = torch.cat([kb, kb.new_zeros((n, pad, d))], dim=1)
-                mb = torch.cat([mb, mb.new_zeros((n, pad))], dim=1)
+        for b in range(0, max(1, indices.shape[1]), KEY_BLOCK):  # a loop over a shape
+            ib = indices[:, b:b + KEY_BLOCK]
+            if ib.shape[1] < KEY_BLOCK:  # the last block: padded with masked zero keys
+                ib = torch.cat([ib, ib.new_full((n, KEY_BLOCK - ib.shape[1]), -1)], dim=1)
+            mb = ib >= 0
+            kb = kv[ib.clamp(min=0)].float().masked_fill_(~mb[..., None], 0.0)
             lg = (torch.matmul(qf, kb.transpose(1, 2)) * scale).masked_fill_(~mb[:, None, :],
                                                                              float("-inf"))
             blocks.append((lg, kb))
             top = torch.maximum(top, lg.amax(dim=-1))
-        denom = (sink.to(q.device).view(1, heads) - top).exp()
+        denom = (sink.view(1, heads) - top).exp()
         out = qf.new_zeros((n, heads, d))
         for lg, kb in blocks:
             p = lg.sub_(top[..., None]).exp_()
             denom = denom + p.sum(dim=-1)
             out = out + torch.matmul(p, kb)
-        return (out / denom[..., None]).to(keys.dtype)
+        return (out / denom[..., None]).to(kv.dtype)

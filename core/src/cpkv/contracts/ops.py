@@ -468,14 +468,18 @@ class KVOps(Protocol):
         """
         ...
 
-    def v4_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+    def v4_attention(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
-        """Softmax attention with a per-head sink over per-row keys (K = V): [N, H, D] of keys'
-        dtype. ``out[i, h] = sum_j p_j keys[i, j]`` with ``p = softmax([scale * q[i, h] .
-        keys[i, j] for the j where mask[i, j]] ++ [sink[h]])`` without the sink's column; a row
-        with no key read gives zeros.
+        """Sparse softmax attention with a per-head sink over rows of one K = V buffer:
+        [N, H, D] of kv's dtype. ``out[i, h] = sum_j p_j kv[indices[i, j]]`` with ``p =
+        softmax([scale * q[i, h] . kv[indices[i, j]] for the j where indices[i, j] >= 0] ++
+        [sink[h]])`` without the sink's column; a row with no index read gives zeros. The
+        slots of a row are summed in their order (a row's bits depend on its own indices only).
+        FlashMLA's ``flash_mla_sparse_fwd(q, kv[:, None], indices[:, None], scale, D,
+        attn_sink=sink)`` computes it.
 
-        q [N, H, D], keys [N, K, D] of q's dtype, mask bool [N, K], sink float32 [H].
+        q [N, H, D], kv [S, D] of q's dtype, indices int32 / int64 [N, K] (-1: no key),
+        sink float32 [H].
 
         Raises:
             ValueError: a shape or dtype does not fit (:func:`cpkv.ops.check_v4_attention_args`).

@@ -12,7 +12,9 @@ The pieces (docs/models.md, "DeepSeek-V4"):
   the output, grouped output projection.
 * Keys a query ``t`` reads: the window rows ``[t - W + 1, t]``, and on compressed layers the
   compressed entries: HCA all causal ones (``(w + 1) * m <= t + 1``), CSA the indexer's top-k
-  of them (:func:`stable_topk`: score descending, entry index ascending; -1 padded).
+  of them (:func:`stable_topk`: score descending, entry index ascending; -1 padded). The
+  attention reads them by index from one buffer of window rows and entries (FlashMLA's sparse
+  form: no per-row copy of the keys).
 * The compressor's pool, the indexer, the top-k and the attention with the sink are ops
   (``v4_compress``, ``v4_index_scores``, ``v4_topk``, ``v4_attention`` of
   :class:`cpkv.contracts.KVOps`): the model calls the op table it was given
@@ -375,11 +377,12 @@ class DeepseekV4:
         -> int64 ``[N, k]``."""
         return self.ops.v4_topk(scores, k)
 
-    def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
-        """Softmax attention with the sink: ``q [N, H, D]`` over per-row keys ``[N, K, D]``
-        (K = V), ``mask [N, K]`` True where a key is read. -> ``[N, H, D]``."""
-        return self.ops.v4_attention(q, keys, mask, self._layers[layer].sink,
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor,
+               indices: torch.Tensor) -> torch.Tensor:
+        """Softmax attention with the sink: ``q [N, H, D]`` over the rows ``indices [N, K]``
+        (-1: none) of one K = V buffer ``kv [S, D]`` (window rows and compressed entries side
+        by side). -> ``[N, H, D]``."""
+        return self.ops.v4_attention(q, kv, indices, self._layers[layer].sink,
                                      self.config.head_dim ** -0.5)
 
     def attention_output(self, layer: int, o: torch.Tensor, positions: torch.Tensor

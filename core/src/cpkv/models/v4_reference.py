@@ -14,53 +14,52 @@ import torch
 from .deepseek_v4 import DeepseekV4
 from .v4_config import CSA, HCA
 
-__all__ = ["attend_and_ffn", "compressed_keys", "gather_keys", "reference_draft",
-           "reference_forward", "reference_streams", "window_rows"]
+__all__ = ["attend_and_ffn", "compressed_index", "entry_index", "reference_draft",
+           "reference_forward", "reference_streams", "window_index"]
 
 
-def window_rows(kv: torch.Tensor, positions: torch.Tensor, first: int, window: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's window ``[t - window + 1, t]`` out of ``kv`` ``[R, D]`` (absolute positions
-    ``first .. first + R - 1``; a context-parallel rank's segment with its halo rows before it):
-    ``(keys [N, window, D], mask [N, window])``, oldest first; rows before ``first`` or below 0
-    are masked."""
-    offs = torch.arange(window - 1, -1, -1, device=kv.device)  # oldest first
-    absolute = positions.to(kv.device)[:, None] - offs[None, :]
-    return kv[(absolute - first).clamp(min=0)], absolute >= max(first, 0)
+def window_index(positions: torch.Tensor, first: int, window: int, base: int = 0
+                 ) -> torch.Tensor:
+    """Each row's window ``[t - window + 1, t]`` as indices into a buffer of rows at absolute
+    positions ``first, first + 1, ..`` starting at buffer row ``base`` (a context-parallel
+    rank's segment with its halo rows before it): int64 ``[N, window]``, oldest first; -1 for
+    positions before ``first`` or below 0."""
+    offs = torch.arange(window - 1, -1, -1, device=positions.device)  # oldest first
+    absolute = positions[:, None] - offs[None, :]
+    return torch.where(absolute >= max(first, 0), absolute - first + base, -1)
 
 
-def gather_keys(model: DeepseekV4, layer: int, entries: torch.Tensor,
-                positions: torch.Tensor, selected: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed keys rows read: HCA every complete entry (``selected`` None:
-    ``(w + 1) * m <= t + 1``), CSA the ``selected`` ``[N, k]`` (-1: none)."""
+def entry_index(model: DeepseekV4, entries: int, positions: torch.Tensor,
+                selected: torch.Tensor | None, base: int) -> torch.Tensor:
+    """The compressed entries rows read, as indices into a buffer holding entry 0 at row
+    ``base``: HCA every complete entry (``selected`` None: ``(w + 1) * m <= t + 1``), CSA the
+    ``selected`` ``[N, k]`` (-1: none)."""
     if selected is None:
         m = model.config.compress_rate_hca
-        limit = (positions.to(entries.device) + 1) // m
-        n = entries.shape[0]
-        mask = torch.arange(n, device=entries.device)[None, :] < limit[:, None]
-        return entries.unsqueeze(0).expand(positions.shape[0], -1, -1), mask
-    return entries[selected.clamp(min=0)], selected >= 0
+        limit = (positions + 1) // m
+        ids = torch.arange(entries, device=positions.device)[None, :]
+        return torch.where(ids < limit[:, None], ids + base, -1)
+    return torch.where(selected >= 0, selected + base, -1)
 
 
-def compressed_keys(model: DeepseekV4, layer: int, h: torch.Tensor, q_res: torch.Tensor,
-                    positions: torch.Tensor, entries: torch.Tensor,
-                    index_keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed keys rows read and their mask: CSA (``index_keys`` given) the indexer's
-    stable top-k of ``entries``, HCA every complete one (:func:`gather_keys`)."""
+def compressed_index(model: DeepseekV4, layer: int, h: torch.Tensor, q_res: torch.Tensor,
+                     positions: torch.Tensor, entries: int, index_keys: torch.Tensor | None,
+                     base: int) -> torch.Tensor:
+    """The compressed entries rows read (:func:`entry_index`): CSA (``index_keys`` given) the
+    indexer's stable top-k, HCA every complete one."""
     selected = None
     if index_keys is not None:
         scores = model.index_scores(layer, h, q_res, positions, index_keys)
         selected = model.topk(scores, min(model.config.index_topk, index_keys.shape[0]))
-    return gather_keys(model, layer, entries, positions, selected)
+    return entry_index(model, entries, positions, selected, base)
 
 
-def attend_and_ffn(model: DeepseekV4, layer: int, q: torch.Tensor, keys: torch.Tensor,
-                   mask: torch.Tensor, positions: torch.Tensor, post: torch.Tensor,
+def attend_and_ffn(model: DeepseekV4, layer: int, q: torch.Tensor, kv: torch.Tensor,
+                   indices: torch.Tensor, positions: torch.Tensor, post: torch.Tensor,
                    comb: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The rest of a layer after its keys: attention with the sink, the output projection, the
-    mHC expand, then the MoE block; -> the new streams."""
-    o = model.attend(layer, q, keys, mask)
+    """The rest of a layer after its keys: attention with the sink over ``indices`` of
+    ``kv``, the output projection, the mHC expand, then the MoE block; -> the new streams."""
+    o = model.attend(layer, q, kv, indices)
     x = model.hc_post(post, comb, model.attention_output(layer, o, positions), x)
     post, comb, collapsed = model.hc_pre(layer, "ffn", x)
     return model.hc_post(post, comb, model.moe(layer, collapsed, ids), x)
@@ -102,7 +101,7 @@ def _block(model: DeepseekV4, i: int, x: torch.Tensor, ids: torch.Tensor,
     h = model.attn_norm(i, collapsed)
     q, q_res = model.query(i, h, pos)
     kv = model.window_kv(i, h, pos)
-    keys, mask = window_rows(kv, pos, 0, c.sliding_window)
+    indices = window_index(pos, 0, c.sliding_window)
     main, index = model.compressors(i)
     if main is not None:
         entries = model.compress(main, *model.compressor_inputs(main, h), 0)
@@ -112,6 +111,6 @@ def _block(model: DeepseekV4, i: int, x: torch.Tensor, ids: torch.Tensor,
             ikeys = model.compress(index, *model.compressor_inputs(index, h), 0)
         else:
             assert kind == HCA
-        ck, cm = compressed_keys(model, i, h, q_res, pos, entries, ikeys)
-        keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
-    return attend_and_ffn(model, i, q, keys, mask, pos, post, comb, x, ids)
+        ci = compressed_index(model, i, h, q_res, pos, entries.shape[0], ikeys, kv.shape[0])
+        kv, indices = torch.cat([kv, entries]), torch.cat([indices, ci], dim=1)
+    return attend_and_ffn(model, i, q, kv, indices, pos, post, comb, x, ids)

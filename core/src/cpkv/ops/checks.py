@@ -483,24 +483,25 @@ def check_v4_topk_args(scores: torch.Tensor, k: int) -> None:
         raise ValueError(f"v4_topk: k must be >= 0, got {k}")
 
 
-def check_v4_attention_args(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+def check_v4_attention_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                             sink: torch.Tensor) -> None:
     """Validate ``v4_attention`` arguments.
 
     Raises:
-        ValueError: q not float [N, H, D], keys not [N, K, D] of q's dtype, mask not bool
-            [N, K], or sink not float32 [H].
+        ValueError: q not float [N, H, D], kv not [S, D] of q's dtype, indices not int32 /
+            int64 [N, K], or sink not float32 [H].
     """
     import torch
 
-    if q.dim() != 3 or not _float(q) or keys.dim() != 3 or keys.dtype != q.dtype \
-            or keys.shape[0] != q.shape[0] or keys.shape[2] != q.shape[2]:
-        raise ValueError(f"v4_attention: expected q float [N, H, D] and keys [N, K, D] of its "
-                         f"dtype, got q {q.dtype} {tuple(q.shape)} and keys {keys.dtype} "
-                         f"{tuple(keys.shape)}")
-    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(keys.shape[:2]):
-        raise ValueError(f"v4_attention: expected mask bool {list(keys.shape[:2])}, got "
-                         f"{mask.dtype} {tuple(mask.shape)}")
+    if q.dim() != 3 or not _float(q) or kv.dim() != 2 or kv.dtype != q.dtype \
+            or kv.shape[1] != q.shape[2]:
+        raise ValueError(f"v4_attention: expected q float [N, H, D] and kv [S, D] of its "
+                         f"dtype, got q {q.dtype} {tuple(q.shape)} and kv {kv.dtype} "
+                         f"{tuple(kv.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 2 \
+            or indices.shape[0] != q.shape[0]:
+        raise ValueError(f"v4_attention: expected indices int32 / int64 [{q.shape[0]}, K], got "
+                         f"{indices.dtype} {tuple(indices.shape)}")
     if sink.dtype != torch.float32 or tuple(sink.shape) != (q.shape[1],):
         raise ValueError(f"v4_attention: expected sink float32 [{q.shape[1]}], got {sink.dtype} "
                          f"{tuple(sink.shape)}")

@@ -26,7 +26,7 @@ from cpkv.kv.v4_state import (
 )
 from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor
 from cpkv.models.v4_config import CSA
-from cpkv.models.v4_reference import attend_and_ffn, compressed_keys, window_rows
+from cpkv.models.v4_reference import attend_and_ffn, compressed_index, window_index
 
 __all__ = ["V4Appended", "v4_draft", "v4_empty_state", "v4_extend", "v4_extend_streams",
            "v4_greedy", "v4_truncate"]
@@ -96,7 +96,7 @@ def _layer(model: DeepseekV4, i: int, st: V4LayerState, x: torch.Tensor, ids: to
     q, q_res = model.query(i, h, pos)
     new = model.window_kv(i, h, pos)
     rows = torch.cat([st.window, new])
-    keys, mask = window_rows(rows, pos, start - hw, c.sliding_window)
+    kv, indices = rows, window_index(pos, start - hw, c.sliding_window)
     st.window = rows[rows.shape[0] - hw:]
     main, index = model.compressors(i)
     inputs = {}
@@ -108,9 +108,10 @@ def _layer(model: DeepseekV4, i: int, st: V4LayerState, x: torch.Tensor, ids: to
         keep.kv[i], keep.inputs[i] = new, inputs
     if main is not None:
         ikeys = st.compressors["index"].entries if model.layer_kind(i) == CSA else None
-        ck, cm = compressed_keys(model, i, h, q_res, pos, st.compressors["main"].entries, ikeys)
-        keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
-    return attend_and_ffn(model, i, q, keys, mask, pos, post, comb, x, ids)
+        entries = st.compressors["main"].entries
+        ci = compressed_index(model, i, h, q_res, pos, entries.shape[0], ikeys, rows.shape[0])
+        kv, indices = torch.cat([rows, entries]), torch.cat([indices, ci], dim=1)
+    return attend_and_ffn(model, i, q, kv, indices, pos, post, comb, x, ids)
 
 
 def v4_extend(model: DeepseekV4, state: V4DecodeState, ids: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from cpkv.fallback import report_fallback
 from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor
 from cpkv.models.v4_config import CSA
 from cpkv.models.v4_objects import v4_objects
-from cpkv.models.v4_reference import gather_keys, window_rows
+from cpkv.models.v4_reference import entry_index, window_index
 from cpkv.planning import plan_batch
 
 __all__ = ["V4Carry", "V4Layout", "V4SegmentRows", "v4_kv_bytes", "v4_layout", "v4_layouts",
@@ -295,12 +295,13 @@ class _Rank:
                             inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
                             overlap: list[V4Compressor]
                             ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """Steps 1 and 3: each row's window keys and mask ``[N, W, D]``, and the entries this
-        rank owns per compressor (the windows ending in its segments, the halo as prior)."""
+        """Steps 1 and 3: the window rows' buffer (per segment its halo rows, then its own)
+        and each row's window as indices into it ``[N, W]``, and the entries this rank owns
+        per compressor (the windows ending in its segments, the halo as prior)."""
         model, hw, d = self.model, self.halo_w, kv.shape[1]
         window = model.config.sliding_window
         comps = [x for x in model.compressors(layer) if x is not None]
-        keys, masks = [], []
+        bufs, idx, base = [], [], 0
         own: dict[int, list[torch.Tensor]] = {id(x): [] for x in comps}
         for j, (s, _) in enumerate(self.segs):
             a, b = self.bounds[j], self.bounds[j + 1]
@@ -308,9 +309,9 @@ class _Rank:
             row = halos[src] if src >= 0 else None
             prev = row[: hw * d].view(hw, d) if row is not None else kv.new_zeros((hw, d))
             rows = torch.cat([prev, kv[a:b]])
-            k, m = window_rows(rows, self.pos[a:b], s - hw, window)
-            keys.append(k)
-            masks.append(m)
+            bufs.append(rows)
+            idx.append(window_index(self.pos[a:b], s - hw, window, base))
+            base += rows.shape[0]
             off, priors = hw * d, {}
             for comp in overlap:
                 n = comp.rate * 2 * comp.dim
@@ -331,10 +332,10 @@ class _Rank:
                 ckv, cg = inputs[id(comp)]
                 own[id(comp)].append(model.compress(comp, ckv[a:b], cg[a:b], s // comp.rate,
                                                     priors.get(id(comp))))
-        out_k = torch.cat(keys) if keys else kv.new_zeros((0, window, d))
-        out_m = (torch.cat(masks) if masks
-                 else torch.zeros(0, window, dtype=torch.bool, device=kv.device))
-        return out_k, out_m, {id(x): _cat(own[id(x)], x.dim, kv) for x in comps}
+        buf = torch.cat(bufs) if bufs else kv.new_zeros((0, d))
+        out_i = (torch.cat(idx) if idx
+                 else torch.zeros(0, window, dtype=torch.long, device=kv.device))
+        return buf, out_i, {id(x): _cat(own[id(x)], x.dim, kv) for x in comps}
 
     def full_view(self, layer: int, main: V4Compressor, index: V4Compressor | None,
                   own: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -375,20 +376,23 @@ class _Rank:
                   for comp in (main, index) if comp is not None}
         return _AttnInputs(x, post, comb, h, q, q_res, kv, inputs, _halo_parts(model, i))
 
-    def attend_and_ffn(self, i: int, a: _AttnInputs, keys: torch.Tensor, mask: torch.Tensor,
+    def attend_and_ffn(self, i: int, a: _AttnInputs, buf: torch.Tensor, indices: torch.Tensor,
                        full: torch.Tensor | None) -> torch.Tensor:
         """Step 5: the indexer and top-k (CSA), attention over the window rows and the
-        compressed keys, the output projection, the MoE; -> the new streams."""
+        compressed entries (one buffer: the window rows', then the full view's entries), the
+        output projection, the MoE; -> the new streams."""
         model, c, pos = self.model, self.model.config, self.pos
+        kv = buf
         if full is not None:
             selected = None
             if model.layer_kind(i) == CSA:
                 ikeys = full[:, c.head_dim:]
                 scores = model.index_scores(i, a.h, a.q_res, pos, ikeys)
                 selected = model.topk(scores, min(c.index_topk, ikeys.shape[0]))
-            ck, cm = gather_keys(model, i, full[:, : c.head_dim], pos, selected)
-            keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cm], dim=1)
-        o = model.attend(i, a.q, keys, mask)
+            ci = entry_index(model, full.shape[0], pos, selected, buf.shape[0])
+            kv = torch.cat([buf, full[:, : c.head_dim]])
+            indices = torch.cat([indices, ci], dim=1)
+        o = model.attend(i, a.q, kv, indices)
         x = model.hc_post(a.post, a.comb, model.attention_output(i, o, pos), a.x)
         post, comb, collapsed = model.hc_pre(i, "ffn", x)
         return model.hc_post(post, comb, model.moe(i, collapsed, self.ids), x)
@@ -447,8 +451,8 @@ def _layer(ranks: list[_Rank], i: int, xs: list[torch.Tensor]) -> list[torch.Ten
                                          for r, (_, _, own) in zip(ranks, windows, strict=True)],
                                  [r.lay.max_entries[main.rate] for r in ranks])
         fulls = [g[r.entry_perm[main.rate]] for r, g in zip(ranks, gathered, strict=True)]
-    return [r.attend_and_ffn(i, a, keys, mask, full)
-            for r, a, (keys, mask, _), full in zip(ranks, ins, windows, fulls, strict=True)]
+    return [r.attend_and_ffn(i, a, buf, idx, full)
+            for r, a, (buf, idx, _), full in zip(ranks, ins, windows, fulls, strict=True)]
 
 
 def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,

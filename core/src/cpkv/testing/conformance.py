@@ -1353,16 +1353,18 @@ def _check_v4_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
 
 def _check_v4_attention(impl: Any, ref: Any, device: str, seed: int) -> None:
     g = _gen(seed)
-    for n, heads, k in ((0, 4, 9), (1, 4, 1), (5, 8, 13), (17, 4, 140), (3, 2, 300)):
+    for n, heads, k, s in ((0, 4, 9, 5), (1, 4, 1, 3), (5, 8, 13, 40), (17, 4, 140, 300),
+                           (3, 2, 300, 64)):
         q = torch.randn(n, heads, 32, generator=g)
-        keys = torch.randn(n, k, 32, generator=g)
-        mask = torch.rand(n, k, generator=g) < 0.7
+        kv = torch.randn(s, 32, generator=g)
+        indices = torch.randint(0, s, (n, k), generator=g)
+        indices[torch.rand(n, k, generator=g) >= 0.7] = -1
         if n:
-            mask[0] = False  # a row that reads no key: zeros (the sink alone)
+            indices[0] = -1  # a row that reads no key: zeros (the sink alone)
         sink = torch.randn(heads, generator=g)
-        case = f"rows={n} heads={heads} keys={k}"
-        want = ref.v4_attention(q, keys, mask, sink, 32 ** -0.5)
-        got = _call("v4_attention", case, impl.v4_attention, *_to(device, q, keys, mask, sink),
+        case = f"rows={n} heads={heads} indices={k} buffer={s}"
+        want = ref.v4_attention(q, kv, indices, sink, 32 ** -0.5)
+        got = _call("v4_attention", case, impl.v4_attention, *_to(device, q, kv, indices, sink),
                     32 ** -0.5)
         _assert_close("v4_attention", case, "output", got, want)
 
