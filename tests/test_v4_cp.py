@@ -91,8 +91,8 @@ def test_short_zigzag_falls_back_to_interleave_visibly(tiny_v4: Path) -> None:
     with capture_logs() as logs:
         lay = v4_layout(model, 40, 2, PAGE, SplitMode.ZIGZAG)  # 3 units < 2C = 4
     assert lay.plan.page_aligned
-    assert [e["op"] for e in logs if e.get("event") == "cpkv.fallback"] == [
-        "split_plan", "v4_split_plan"]
+    # one event, saying what runs (not the planner's token-balanced split, which is re-planned)
+    assert [e["op"] for e in logs if e.get("event") == "cpkv.fallback"] == ["v4_split_plan"]
 
 
 @pytest.mark.parametrize(("cp", "mode", "length"), [(2, "zigzag", 77), (4, "interleave", 53),

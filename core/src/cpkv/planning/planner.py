@@ -133,6 +133,8 @@ def plan_batch(
     page_size: int = 64,
     mode: SplitMode | str = SplitMode.ZIGZAG,
     unit: int | None = None,
+    *,
+    report_short: bool = True,
 ) -> CPPlan:
     """Plan a batch of requests on a CP group of ``cp_size`` ranks.
 
@@ -145,7 +147,8 @@ def plan_batch(
 
     ``requests`` are :class:`RequestSpec` or ``(prefix_len, extend_len)`` pairs (prefixes that end
     on a page boundary need no owners). Requests that cannot be page-aligned are reported once per
-    batch through the fallback choke point (reason ``short_extend``).
+    batch through the fallback choke point (reason ``short_extend``); ``report_short=False``
+    leaves that to a caller that re-plans them itself (and reports what it selects).
 
     Raises:
         PlanError: bad sizes or prefix owners (the message names the request).
@@ -167,7 +170,7 @@ def plan_batch(
     })
     plans = plan.requests
     short = [(i, rp) for i, rp in enumerate(plans) if not rp.page_aligned]
-    if short:
+    if short and report_short:
         shown = ", ".join(f"#{i} (P={rp.prefix_len}, E={rp.extend_len})" for i, rp in short[:8])
         more = f" and {len(short) - 8} more" if len(short) > 8 else ""
         report_fallback(

@@ -78,7 +78,9 @@ def _spec(length: int, page_size: int, prefix: V4Layout | None) -> RequestSpec:
 def _plan(specs: list[RequestSpec], cp_size: int, page_size: int, unit: int,
           mode: SplitMode | str) -> list[RequestPlan]:
     """One plan of the batch; a request that cannot meet the unit re-planned interleaved."""
-    plans = list(plan_batch(specs, cp_size, page_size, mode, unit=unit).requests)
+    # the short requests' fallback is this function's (re-planned interleaved, reported below)
+    plans = list(plan_batch(specs, cp_size, page_size, mode, unit=unit,
+                            report_short=False).requests)
     short = [j for j, rp in enumerate(plans) if not rp.page_aligned]
     if short:
         report_fallback(op="v4_split_plan",
