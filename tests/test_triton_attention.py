@@ -63,7 +63,8 @@ def test_ops_declared() -> None:
                                 "indexer_logits_index_pages",
                                 pytest.param("topk", marks=pytest.mark.slow),
                                 pytest.param("indexer_topk", marks=pytest.mark.slow),
-                                pytest.param("sparse_mla", marks=pytest.mark.slow)])
+                                pytest.param("sparse_mla", marks=pytest.mark.slow),
+                                pytest.param("v4_index_topk", marks=pytest.mark.slow)])
 def test_conformance_interpreter(ref: Any, op: str) -> None:
     conf.check_op(AttentionKernels(), ref, op, device="cpu")
 

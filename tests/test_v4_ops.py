@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from cpkv.contracts import Availability, FallbackReason, PluginKind
+from cpkv.contracts import Availability, FallbackReason, Op, PluginKind
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.tiny import write_tiny_checkpoint
 from cpkv.models.v4_reference import reference_forward
 from cpkv.ops import V4_OPS, OpTable, v4_op_table
+from cpkv.ops.api import OpMethods
 from cpkv.plugin import BackendRegistry, PluginHost
 from cpkv.testing.conformance import check_backend, reference_backend
 
@@ -31,34 +33,53 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _gpu_registry() -> BackendRegistry:
     """The discovered backends, with Triton and CUDA available as on a GPU host (their real
-    op lists; nothing of theirs is loaded: they provide no op asked for here)."""
+    op lists; loading one gives stand-ins of its ops that are never called here)."""
     host = PluginHost()
     try:
         specs = host.backends().specs
     finally:
         host.close()
-    yes = dataclasses.replace
+
+    def stand_in(ops: frozenset[str]) -> Any:
+        return lambda: OpMethods({Op(o): (lambda *a: None) for o in ops})
+
     return BackendRegistry(PluginKind.BACKEND, [
-        yes(s, probe=Availability.yes, device_types=None) if n in ("triton", "cuda") else s
-        for n, s in specs.items()])
+        dataclasses.replace(s, probe=Availability.yes, device_types=None,
+                            load=stand_in(frozenset(o.value if isinstance(o, Op) else o
+                                                    for o in s.ops)))
+        if n in ("triton", "cuda") else s for n, s in specs.items()])
 
 
 def test_triton_and_cuda_pass_v4_ops_to_torch_visibly(tiny_v4: Path) -> None:
+    """Triton provides the fused indexer top-k (``v4_index_topk``, on its V3.2 indexer) and
+    CUDA, where FlashMLA is installed, the attention; every other ``v4_*`` op goes to torch,
+    in one reported fallback naming each."""
+    from cpkv_backend_cuda.plugin import FLASH_MLA, installed
+
     with capture_logs() as logs:
         table = OpTable.resolve(_gpu_registry(), ["cuda", "triton", "torch"], V4_OPS)
-    assert table.chosen == {o.value: "torch" for o in V4_OPS}
+    cuda = {Op.V4_ATTENTION} if installed(FLASH_MLA) else set()
+    want = {o.value: "cuda" if o in cuda else "triton" if o is Op.V4_INDEX_TOPK else "torch"
+            for o in V4_OPS}
+    assert table.chosen == want
     events = [e for e in logs if e.get("event") == "cpkv.fallback"]
-    assert len(events) == 1, events
-    ev = events[0]
-    assert (ev["requested"], ev["selected"], ev["reason"]) == (
-        "cuda", "torch", FallbackReason.OP_NOT_PROVIDED)
+    assert {(e["requested"], e["selected"], e["reason"]) for e in events} == {
+        ("cuda", b, FallbackReason.OP_NOT_PROVIDED) for b in set(want.values()) - {"cuda"}}
+    to_torch = next(e for e in events if e["selected"] == "torch")
     for op in V4_OPS:
-        assert f"cuda: does not provide {op.value}" in ev["detail"]
-        assert f"triton: does not provide {op.value}" in ev["detail"]
-    # the model runs on that table exactly as on torch's
+        if want[op.value] == "torch":
+            assert f"cuda: does not provide {op.value}" in to_torch["detail"]
+            assert f"triton: does not provide {op.value}" in to_torch["detail"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's fallback to torch")
+def test_the_model_runs_on_a_table_of_passed_over_ops_as_on_torch(tiny_v4: Path) -> None:
+    """On a host without a GPU a run that asks for cuda gets every ``v4_*`` op from torch (a
+    reported fallback) and computes exactly what torch's table does."""
     ids = torch.randint(0, 256, (29,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        got = reference_forward(DeepseekV4.load(tiny_v4, ops=table), ids)
+        got = reference_forward(DeepseekV4.load(tiny_v4, ops=v4_op_table(("cuda", "torch"))),
+                                ids)
         want = reference_forward(DeepseekV4.load(tiny_v4, ops=v4_op_table()), ids)
     assert torch.equal(got, want)
 

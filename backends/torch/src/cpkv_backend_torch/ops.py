@@ -46,8 +46,9 @@ formulas here are the definition:
   valid slot (max = -inf) divides 0 by 1 and gives zeros, never NaN. Its temporaries are
   O(N * k * Dk): it takes rows in chunks that keep them under 256 MB itself.
 
-* ``v4_compress``, ``v4_index_scores``, ``v4_topk``, ``v4_attention``: DeepSeek-V4's, in
-  :mod:`cpkv_backend_torch.v4` (each row's result independent of the call's other rows).
+* ``v4_compress``, ``v4_index_scores``, ``v4_topk``, ``v4_index_topk``, ``v4_attention``:
+  DeepSeek-V4's, in :mod:`cpkv_backend_torch.v4` (each row's result independent of the call's
+  other rows).
 
 No op syncs the host (no ``.item()``, no data-dependent shapes) and none builds host tensors, so
 they run unchanged on CPU and CUDA tensors, for any number of rows including 0.

@@ -20,7 +20,7 @@ OPS: frozenset[Op] = frozenset({Op.PAGE_GATHER, Op.PAGE_SCATTER, Op.PAGE_COPY, O
                                 Op.INDEXER_TOPK,
                                 Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.ROPE,
                                 Op.INDEX_Q_FP8, Op.PAGE_ROWS, Op.FP8_STORE, Op.RMS_NORM,
-                                Op.V4_COMPRESS, Op.V4_INDEX_SCORES, Op.V4_TOPK,
+                                Op.V4_COMPRESS, Op.V4_INDEX_SCORES, Op.V4_TOPK, Op.V4_INDEX_TOPK,
                                 Op.V4_ATTENTION})
 
 

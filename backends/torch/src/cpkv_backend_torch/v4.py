@@ -125,6 +125,16 @@ class V4TorchOps:
         api.check_v4_topk_args(scores, k)
         return stable_topk(scores, k)
 
+    def v4_index_topk(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                      limit: torch.Tensor, scale: float, k: int) -> torch.Tensor:
+        """:meth:`v4_topk` of :meth:`v4_index_scores` (see :class:`cpkv.ops.api.KVOps`): score
+        descending, ties by entry.
+
+        Raises:
+            ValueError: a shape or dtype does not fit (as every backend).
+        """
+        return self.v4_topk(self.v4_index_scores(q, w, keys, limit, scale), k)
+
     def v4_attention(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
         """Sparse attention with the sink (see :class:`cpkv.ops.api.KVOps`), in float32, in

@@ -21,6 +21,8 @@ from cpkv.ops.api import (
     check_indexer_topk_args,
     check_sparse_mla_args,
     check_sparse_mla_paged_args,
+    check_v4_index_scores_args,
+    check_v4_topk_args,
     paged_latent,
 )
 
@@ -284,6 +286,25 @@ class AttentionKernels:
                                       sample_logits=self.indexer_logits, launch=self._launch)
         logits = self.indexer_logits(q, w, k, k_scale, key_start, key_end)
         return self.topk(logits, topk, key_start, key_end)
+
+    def v4_index_topk(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                      limit: torch.Tensor, scale: float, k: int) -> torch.Tensor:
+        """DeepSeek-V4's indexer and top-k over compressed index keys (see
+        :class:`cpkv.ops.api.KVOps`) on :meth:`indexer_topk` (the same ``sum_h w relu(q . k)``
+        with ``scale`` folded into ``w``, each row's keys ``[0, limit)``; fused at long key
+        counts): int64 [N, k], -1 padded.
+
+        Raises:
+            ValueError: an argument does not fit (as the reference)."""
+        check_v4_index_scores_args(q, w, keys, limit)
+        check_v4_topk_args(w, k)
+        n, e = q.shape[0], keys.shape[0]
+        if n == 0 or k == 0 or e == 0:
+            return torch.full((n, k), -1, dtype=torch.long, device=q.device)
+        start = torch.zeros(n, dtype=torch.long, device=q.device)
+        end = limit.to(device=q.device, dtype=torch.long).clamp(0, e)
+        got = self.indexer_topk(q, (w.float() * scale).contiguous(), keys, None, start, end, k)
+        return got.long()
 
     # -- sparse MLA -----------------------------------------------------------------------------
     def sparse_mla(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,

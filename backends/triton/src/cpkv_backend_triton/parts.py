@@ -18,7 +18,7 @@ PART_OPS: Mapping[str, frozenset[Op]] = MappingProxyType({
                      Op.FP8_PACK, Op.FP8_UNPACK, Op.PAGE_ROWS, Op.FP8_STORE}),
     "attention": frozenset({Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
                             Op.INDEXER_LOGITS_INDEX_PAGES, Op.TOPK, Op.INDEXER_TOPK,
-                            Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED}),
+                            Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.V4_INDEX_TOPK}),
     "rope": frozenset({Op.ROPE}),
     "quant": frozenset({Op.INDEX_Q_FP8}),
     "norm": frozenset({Op.RMS_NORM}),

@@ -53,6 +53,7 @@ class Op(StrEnum):
     V4_COMPRESS = "v4_compress"
     V4_INDEX_SCORES = "v4_index_scores"
     V4_TOPK = "v4_topk"
+    V4_INDEX_TOPK = "v4_index_topk"
     V4_ATTENTION = "v4_attention"
 
 
@@ -465,6 +466,21 @@ class KVOps(Protocol):
 
         Raises:
             ValueError: scores not 2-D float, or ``k < 0`` (:func:`cpkv.ops.check_v4_topk_args`).
+        """
+        ...
+
+    def v4_index_topk(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                      limit: torch.Tensor, scale: float, k: int) -> torch.Tensor:
+        """:meth:`v4_index_scores` then :meth:`v4_topk`, in one op: int64 [N, k], the set of
+        ``v4_topk(v4_index_scores(q, w, keys, limit, scale), k)`` (rule 39's choice; equal
+        scores may be chosen in another order within 1e-6), -1 where fewer than ``k`` are
+        selectable, the chosen entries in an order the backend picks (the same for the same
+        row, whatever rows are beside it). A backend may choose without storing the [N, E]
+        scores (a 1M-token prompt's chunk against 256K compressed keys).
+
+        Raises:
+            ValueError: a shape or dtype does not fit, or ``k < 0``
+                (:func:`cpkv.ops.check_v4_index_scores_args`, :func:`cpkv.ops.check_v4_topk_args`).
         """
         ...
 

@@ -359,18 +359,32 @@ class DeepseekV4:
         cos, sin = self.rope_cos_sin(pos, "compress")
         return v4_rope(entries, cos, sin)
 
-    def index_scores(self, layer: int, h: torch.Tensor, q_res: torch.Tensor,
-                     positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Indexer scores ``[N, E]`` float32 of rows against compressed index keys ``[E, d]``
-        (entry e of the request), -inf where entry e is not complete for the row."""
+    def _index_inputs(self, layer: int, h: torch.Tensor, q_res: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's roped queries ``[N, H, d]``, head weights ``[N, H]`` float32 and each
+        row's count of complete entries ``[N]``."""
         c, w = self.config, self._layers[layer]
         assert w.idx_wq_b is not None and w.idx_weights is not None
         q = _linear(q_res, w.idx_wq_b).view(h.shape[0], c.index_n_heads, c.index_head_dim)
         cos, sin = self.rope_cos_sin(positions, "compress")
         q = v4_rope(q, cos, sin)
         wts = _linear(h, w.idx_weights).float() * c.index_n_heads ** -0.5
-        limit = (positions.to(q.device) + 1) // c.compress_rate_csa
-        return self.ops.v4_index_scores(q, wts, keys, limit, c.index_head_dim ** -0.5)
+        return q, wts, (positions.to(q.device) + 1) // c.compress_rate_csa
+
+    def index_scores(self, layer: int, h: torch.Tensor, q_res: torch.Tensor,
+                     positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Indexer scores ``[N, E]`` float32 of rows against compressed index keys ``[E, d]``
+        (entry e of the request), -inf where entry e is not complete for the row."""
+        q, wts, limit = self._index_inputs(layer, h, q_res, positions)
+        return self.ops.v4_index_scores(q, wts, keys, limit, self.config.index_head_dim ** -0.5)
+
+    def select(self, layer: int, h: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor) -> torch.Tensor:
+        """The indexer's choice of ``min(index_topk, E)`` entries per row: ``v4_index_topk``
+        (scores and top-k in one op, rule 39) -> int64 ``[N, k]``, -1 padded."""
+        q, wts, limit = self._index_inputs(layer, h, q_res, positions)
+        k = min(self.config.index_topk, keys.shape[0])
+        return self.ops.v4_index_topk(q, wts, keys, limit, self.config.index_head_dim ** -0.5, k)
 
     def topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         """The indexer's choice: ``v4_topk`` of scores ``[N, E]`` (rule 39's order, -1 padded)

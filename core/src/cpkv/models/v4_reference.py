@@ -49,8 +49,7 @@ def compressed_index(model: DeepseekV4, layer: int, h: torch.Tensor, q_res: torc
     indexer's stable top-k, HCA every complete one."""
     selected = None
     if index_keys is not None:
-        scores = model.index_scores(layer, h, q_res, positions, index_keys)
-        selected = model.topk(scores, min(model.config.index_topk, index_keys.shape[0]))
+        selected = model.select(layer, h, q_res, positions, index_keys)
     return entry_index(model, entries, positions, selected, base)
 
 

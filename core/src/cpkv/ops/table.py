@@ -38,7 +38,8 @@ ATTN_OPS: tuple[Op, ...] = (Op.INDEXER_LOGITS, Op.INDEXER_LOGITS_PAGED,
 #: the ops of a DeepSeek-V3.2 / GLM-5 run (sparse MLA over the sharded page pool)
 DSA_OPS: tuple[Op, ...] = KV_OPS + ATTN_OPS
 #: DeepSeek-V4's compressed-attention ops (its CP prefill resolves these alone)
-V4_OPS: tuple[Op, ...] = (Op.V4_COMPRESS, Op.V4_INDEX_SCORES, Op.V4_TOPK, Op.V4_ATTENTION)
+V4_OPS: tuple[Op, ...] = (Op.V4_COMPRESS, Op.V4_INDEX_SCORES, Op.V4_TOPK, Op.V4_INDEX_TOPK,
+                          Op.V4_ATTENTION)
 #: every op
 ALL_OPS: tuple[Op, ...] = DSA_OPS + V4_OPS
 

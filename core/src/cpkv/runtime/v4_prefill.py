@@ -388,9 +388,7 @@ class _Rank:
         if full is not None:
             selected = None
             if model.layer_kind(i) == CSA:
-                ikeys = full[:, c.head_dim:]
-                scores = model.index_scores(i, a.h, a.q_res, pos, ikeys)
-                selected = model.topk(scores, min(c.index_topk, ikeys.shape[0]))
+                selected = model.select(i, a.h, a.q_res, pos, full[:, c.head_dim:])
             ci = entry_index(model, full.shape[0], pos, selected, buf.shape[0])
             kv = torch.cat([buf, full[:, : c.head_dim]])
             indices = torch.cat([indices, ci], dim=1)

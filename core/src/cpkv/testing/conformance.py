@@ -1351,6 +1351,48 @@ def _check_v4_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
         _assert_same("v4_topk", case, "choice", got, want)
 
 
+def _check_v4_index_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
+    """The fused op against the reference's ``v4_topk`` of its ``v4_index_scores``: the same -1
+    slots, and per row the same set but for entries whose scores tie the k-th within 1e-6."""
+    g = _gen(seed)
+    for n, heads, e, k in ((0, 4, 5, 2), (3, 16, 0, 2), (5, 4, 9, 12), (17, 16, 40, 8),
+                           (33, 64, 300, 16)):
+        q = torch.randn(n, heads, 16, generator=g)
+        w = torch.randn(n, heads, generator=g) * heads ** -0.5
+        keys = torch.randn(e, 16, generator=g)
+        limit = torch.randint(0, e + 2, (n,), generator=g)
+        case = f"rows={n} heads={heads} entries={e} k={k}"
+        scores = ref.v4_index_scores(q, w, keys, limit, 0.25)
+        want = ref.v4_topk(scores, k)
+        got = _call("v4_index_topk", case, impl.v4_index_topk, *_to(device, q, w, keys, limit),
+                    0.25, k)
+        _assert_v4_choice(case, got, want, scores)
+
+
+def _assert_v4_choice(case: str, got: Any, want: torch.Tensor, scores: torch.Tensor) -> None:
+    prefix = f"v4_index_topk [{case}]"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{prefix}: got {getattr(got, 'dtype', type(got).__name__)} "
+                             f"{tuple(getattr(got, 'shape', ()))}, expected {want.dtype} "
+                             f"{tuple(want.shape)}")
+    a, b = got.cpu(), want.cpu()
+    if not torch.equal((a == -1).sum(1), (b == -1).sum(1)):
+        raise AssertionError(f"{prefix}: the count of -1 slots differs from the reference")
+    for i in range(a.shape[0]):
+        mine, theirs = set(a[i].tolist()) - {-1}, set(b[i].tolist()) - {-1}
+        if len(mine) != len(a[i]) - int((a[i] == -1).sum()):
+            raise AssertionError(f"{prefix}: row {i} repeats an entry: {a[i].tolist()}")
+        if mine == theirs:
+            continue
+        row = scores[i].cpu().double()
+        kth = min(float(row[j]) for j in theirs)
+        odd = [j for j in mine ^ theirs if not 0 <= j < row.shape[0]
+               or abs(float(row[j]) - kth) > 1e-6 * max(1.0, abs(kth))]
+        if odd:
+            raise AssertionError(f"{prefix}: row {i} chose {sorted(mine - theirs)} instead of "
+                                 f"{sorted(theirs - mine)}, not ties of the k-th score {kth}")
+
+
 def _check_v4_attention(impl: Any, ref: Any, device: str, seed: int) -> None:
     g = _gen(seed)
     for n, heads, k, s in ((0, 4, 9, 5), (1, 4, 1, 3), (5, 8, 13, 40), (17, 4, 140, 300),
@@ -1393,6 +1435,7 @@ CHECKS: dict[str, Callable[[Any, Any, str, int], None]] = {
     Op.V4_COMPRESS.value: _check_v4_compress,
     Op.V4_INDEX_SCORES.value: _check_v4_index_scores,
     Op.V4_TOPK.value: _check_v4_topk,
+    Op.V4_INDEX_TOPK.value: _check_v4_index_topk,
     Op.V4_ATTENTION.value: _check_v4_attention,
 }
 
