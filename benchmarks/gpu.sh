@@ -42,6 +42,8 @@
 #   topk_long            benchmarks/topk_long_gpu.py            -> topk_long_<card>.jsonl
 #   v4_attention         benchmarks/v4_attention_gpu.py (FlashMLA's V4 kernel through cpkv vs
 #                        called directly)                       -> v4_attention_<card>.json
+#   long_v4              cpkv bench long --preset v4-flash-attention, 128K and 1M in chunks of 64K
+#                                                               -> long_v4flash_<card>.json
 #   indexer_sweep, indexer_paged_sweep [dg], topk_long_sweep, topk_long_decode_sweep,
 #   indexer_topk_sweep   the tuning tables' sweeps (benchmarks/<step>_gpu.py) -> <step>_<card>.json
 #   (not a step: python benchmarks/plot_gpu.py OUT_DIR/gpu_<card>x2.json plots a report, no GPU)
@@ -139,6 +141,8 @@ step() {
       timeout 90 "$py" benchmarks/clock_probe_gpu.py "$out/clock_probe_$card.json" ;;
     indexer_topk) timeout 300 "$py" benchmarks/indexer_topk_gpu.py "$out/indexer_topk_$card.json" ;;
     v4_attention) timeout 200 "$py" benchmarks/v4_attention_gpu.py "$out/v4_attention_$card.json" ;;
+    long_v4) timeout 500 cpkv bench long --preset v4-flash-attention --tokens 131072,1048576 \
+               --chunks 65536 --out "$out/long_v4flash_$card.json" ;;
     numerics) timeout 300 "$py" benchmarks/numerics_vs_transformers.py --device cuda \
                 --out "$out/numerics_vs_transformers_$card.json" ;;
     topk_long) timeout 150 "$py" benchmarks/topk_long_gpu.py "$out/topk_long_$card.jsonl" ;;

@@ -377,11 +377,16 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--bf16-compare/--no-bf16-compare", default=True, show_default=True,
               help="Where the defaults take the fp8 indexer, the prompts again with the bf16 "
                    "indexer (smallest chunks): the long_<n>_mfu and default_vs_bf16 rows.")
-@click.option("--preset", type=click.Choice(["v32-attention", "glm5-attention"]),
+@click.option("--preset", type=click.Choice(["v32-attention", "glm5-attention",
+                                           "v4-flash-attention", "v4-pro-attention"]),
               default="v32-attention", show_default=True,
               help="The stack (cpkv init-model --preset): glm5-attention alternates full and "
                    "shared-indexer layers; its rows are named glm5_long_..., its report "
-                   "long_glm5_<card>.json.")
+                   "long_glm5_<card>.json. v4-flash-attention / v4-pro-attention: DeepSeek-V4's "
+                   "CSA and HCA layers in bf16, each --tokens length in chunks of the smallest "
+                   "--chunks (MFU, the indexer / compressor / attention seconds, peak memory, "
+                   "KV bytes per token against V3.2's; the V3.2 options do not apply): report "
+                   "long_v4flash_<card>.json / long_v4pro_<card>.json.")
 def long_cmd(out: str | None, tokens: str, chunks: str, layers: int, budget_mb: int | None,
              fixed_budget_mb: int, recall_tokens: str, hf: bool, hf_tokens: int,
              bf16_compare: bool, preset: str) -> None:
@@ -397,6 +402,14 @@ def long_cmd(out: str | None, tokens: str, chunks: str, layers: int, budget_mb: 
     if not torch.cuda.is_available():
         raise click.ClickException("cpkv bench long needs a CUDA device")
     err = _progress_console()
+    if preset.startswith("v4-"):
+        from cpkv.bench.long_v4 import V4_PRESETS, run_v4_long
+
+        rows, detail, summary = run_v4_long(preset, _ints(tokens), min(_ints(chunks)),
+                                            progress=lambda s: err.print(f"[dim]{s}[/]"))
+        name = "long_" + V4_PRESETS[preset].rstrip("_")
+        _report("long", rows, out or results_name(name), detail, summary)
+        return
     opts = long.LongBenchOptions(tokens=_ints(tokens), chunks=_ints(chunks), layers=layers,
                                  budget_mb=budget_mb, fixed_budget_mb=fixed_budget_mb,
                                  recall_tokens=_ints(recall_tokens), hf=hf, hf_tokens=hf_tokens,

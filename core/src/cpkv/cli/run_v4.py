@@ -8,7 +8,6 @@ fallbacks)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,32 +16,25 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from cpkv.models.v4_config import CSA, HCA, SWA
+from cpkv.models.v4_objects import (
+    V3_2_FP8_BYTES_PER_TOKEN,
+    V4_FLASH,
+    V4_PRO,
+    fp8_bytes_per_token,
+)
 
 if TYPE_CHECKING:
     from cpkv.runtime.v4_job import V4OpsChoice
     from cpkv.settings import Settings
 
-__all__ = ["PER_TOKEN_ROWS", "fp8_bytes_per_token", "run_v4"]
+__all__ = ["PER_TOKEN_ROWS", "run_v4"]
 
 TOLERANCE = 2e-3
 
-#: the bytes per token of context of the FP8 pools (per layer: V4's 584-B main entry over its
-#: rate, the 132-B index key over 4 on CSA layers; V3.2's 656-B latent + 132-B index key)
-_V4_FLASH = [SWA] * 2 + [CSA, HCA] * 20 + [CSA]
-_V4_PRO = [HCA] * 2 + [CSA, HCA] * 29 + [CSA]
-
-
-def fp8_bytes_per_token(layer_types: Sequence[str], csa: int = 4, hca: int = 128) -> float:
-    """Compressed-entry bytes per token of context of a V4 schedule in the FP8 layout."""
-    return sum(584 / csa + 132 / csa if t == CSA else 584 / hca if t == HCA else 0
-               for t in layer_types)
-
-
-#: the full models' schedules (a tiny checkpoint's dims are not the FP8 layout's)
-PER_TOKEN_ROWS = (("DeepSeek-V4-Flash (43 layers)", fp8_bytes_per_token(_V4_FLASH)),
-                  ("DeepSeek-V4-Pro (61 layers)", fp8_bytes_per_token(_V4_PRO)),
-                  ("DeepSeek-V3.2 (61 layers)", 61.0 * (656 + 132)))
+#: the bytes per token of context of the FP8 pools (docs/models.md)
+PER_TOKEN_ROWS = (("DeepSeek-V4-Flash (43 layers)", fp8_bytes_per_token(V4_FLASH)),
+                  ("DeepSeek-V4-Pro (61 layers)", fp8_bytes_per_token(V4_PRO)),
+                  ("DeepSeek-V3.2 (61 layers)", V3_2_FP8_BYTES_PER_TOKEN))
 
 
 def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: int,

@@ -16,12 +16,21 @@ The request's tail objects have one holder: the rank that computes the request's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .v4_config import CSA, HCA, DeepseekV4Config
+from .v4_config import CSA, HCA, SWA, DeepseekV4Config
 
-__all__ = ["V4Object", "v4_objects", "v4_per_token_bytes"]
+__all__ = [
+    "V3_2_FP8_BYTES_PER_TOKEN",
+    "V4_FLASH",
+    "V4_PRO",
+    "V4Object",
+    "fp8_bytes_per_token",
+    "v4_objects",
+    "v4_per_token_bytes",
+]
 
 ObjectKind = Literal["entries", "window_rows", "carry_state"]
 
@@ -76,3 +85,18 @@ def v4_per_token_bytes(cfg: DeepseekV4Config, elem_bytes: int = 1) -> float:
     """Compressed-entry bytes per token of context over all layers (the part that grows with
     the length; 1 byte a value approximates the FP8 pool, without its scales)."""
     return sum(o.row_bytes / o.rate for o in v4_objects(cfg, elem_bytes) if o.kind == "entries")
+
+
+#: the full models' schedules (a tiny checkpoint's dims are not the FP8 layout's)
+V4_FLASH: tuple[str, ...] = (SWA,) * 2 + (CSA, HCA) * 20 + (CSA,)
+V4_PRO: tuple[str, ...] = (HCA,) * 2 + (CSA, HCA) * 29 + (CSA,)
+#: DeepSeek-V3.2's FP8 bytes per token of context: 61 layers of the 656-B latent and the 132-B
+#: index key
+V3_2_FP8_BYTES_PER_TOKEN = 61.0 * (656 + 132)
+
+
+def fp8_bytes_per_token(layer_types: Sequence[str], csa: int = 4, hca: int = 128) -> float:
+    """Compressed-entry bytes per token of context of a V4 schedule in the FP8 layout (per
+    layer: the 584-B main entry over its rate, the 132-B index key over 4 on CSA layers)."""
+    return sum(584 / csa + 132 / csa if t == CSA else 584 / hca if t == HCA else 0
+               for t in layer_types)
