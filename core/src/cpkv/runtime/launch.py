@@ -560,7 +560,11 @@ def _env(key: str, value: str) -> Any:
 
 @contextlib.contextmanager
 def _sigint_ignored() -> Any:
-    """SIGINT ignored in this process for the block (only the main thread may set handlers)."""
+    """SIGINT ignored in this process for the block (only the main thread may set handlers).
+    A Ctrl-C that arrives meanwhile is discarded (the kernel drops an ignored signal): the
+    price of ranks that ignore it from birth (a blocked mask would not do: a spawned Python
+    starts with an empty one). The block is the ranks' start, milliseconds on an idle machine,
+    seconds on a loaded one."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
