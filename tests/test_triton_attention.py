@@ -661,7 +661,7 @@ def test_index_pages_decline_a_page_size_they_cannot_tile() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(("op", "mla_config"), [
     ("indexer_logits", {}), ("indexer_logits_paged", {}), ("indexer_logits_index_pages", {}),
-    ("topk", {}), ("sparse_mla", {}),
+    ("topk", {}), ("v4_index_topk", {}), ("sparse_mla", {}),
     ("sparse_mla", {"P_SPLIT": 3, "P_FP16": 0, "P_CAT": 0, "BLOCK_K": 64}),
     ("sparse_mla", {"BLOCK_H": 32, "BLOCK_K": 32, "num_warps": 4}),
     ("sparse_mla", {"BLOCK_H": 32})])
