@@ -136,6 +136,35 @@ def test_run_decodes_the_reference_tokens(v4_dir: tuple[Path, Path], tmp_path: P
                 assert out[0, len(p):].tolist() == toks
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_reference_off_and_an_unbuilt_kv_dtype_are_said(v4_dir: tuple[Path, Path],
+                                                        tmp_path: Path) -> None:
+    """``--reference off`` checks nothing and says so (``correct`` null, every prompt
+    unchecked); ``kv.dtype = fp8`` is a reported fallback (V4's FP8 pools are not built), not a
+    silent fp32 run; "sample" checks the prompts that fit ``run.reference_tokens``."""
+    ckpt, prompts = v4_dir
+    rep = tmp_path / "off.json"
+    env = dict(ENV, CPKV_KV__DTYPE="fp8")
+    res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
+                                    "--decode-tokens", "0", "--reference", "off", "--report",
+                                    str(rep)], env=env)
+    assert res.exit_code == 0, res.output
+    assert "not checked against one rank (run.reference = off)" in res.output
+    body = json.loads(rep.read_text())
+    assert body["correct"] is None and body["checked"] == [False] * len(LENGTHS)
+    assert body["rel_diff"] == [None] * len(LENGTHS)
+    assert [(f["op"], f["reason"]) for f in body["fallbacks"]
+            if f["op"] == "v4_kv_dtype"] == [("v4_kv_dtype", "kv_dtype_unavailable")]
+    rep = tmp_path / "sample.json"
+    res = CliRunner().invoke(main, ["run", "--model", str(ckpt), "--prompts", str(prompts),
+                                    "--decode-tokens", "0", "--reference", "sample", "--report",
+                                    str(rep)], env=dict(ENV, CPKV_RUN__REFERENCE_TOKENS="60"))
+    assert res.exit_code == 0, res.output
+    body = json.loads(rep.read_text())
+    assert body["checked"] == [n <= 60 for n in LENGTHS] and body["correct"] is True
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without GPUs")
 def test_cuda_without_gpus_names_the_fix(v4_dir: tuple[Path, Path]) -> None:
     ckpt, prompts = v4_dir

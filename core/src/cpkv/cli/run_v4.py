@@ -75,28 +75,44 @@ def run_v4(ckpt: Path, prompts: list[list[int]], cp: int, mode: str, page_size: 
     drafts = _print_tables(rep, console)
     passed = rep.passed(TOLERANCE)
     what = "prefill + decode" if rep.tokens else "prefill"
-    console.print(f"{what} CP{cp} vs one rank: {'PASS' if passed else 'FAIL'} "
-                  f"(tolerance {TOLERANCE:g} relative, argmax equal"
-                  f"{', decode tokens equal' if rep.tokens else ''}); {rep.seconds:.1f} s")
+    mode = settings.run.reference if settings is not None else "full"
+    if not rep.any_checked:
+        console.print(f"{what} CP{cp}: not checked against one rank (run.reference = {mode}"
+                      f"{'' if mode == 'off' else ': every prompt is longer than run.reference_tokens'}"
+                      f"); {rep.seconds:.1f} s")
+    else:
+        some = "" if all(rep.is_checked(i) for i in range(len(rep.lengths))) else (
+            f", the prompts of at most run.reference_tokens = "
+            f"{settings.run.reference_tokens if settings else 0} tokens")
+        console.print(f"{what} CP{cp} vs one rank: {'PASS' if passed else 'FAIL'} "
+                      f"(tolerance {TOLERANCE:g} relative, argmax equal"
+                      f"{', decode tokens equal' if rep.tokens else ''}{some}); "
+                      f"{rep.seconds:.1f} s")
     if report:
         body: dict[str, Any] = {
             "model": str(ckpt), "family": "DeepSeek-V4", "cp": cp, "mode": mode,
-            "page_size": page_size, "prompt_lens": rep.lengths, "rel_diff": rep.rel_diff(),
+            "page_size": page_size, "prompt_lens": rep.lengths, "rel_diff": _json_floats(rep.rel_diff()),
             "argmax_equal": rep.argmax_equal(), "kv_bytes_per_rank": rep.rank_bytes,
             "kv_bytes_entries": rep.entry_bytes, "kv_bytes_tail": rep.tail_bytes,
             "fallbacks": [f.model_dump(mode="json") for f in rep.fallbacks],
             "decode_tokens": rep.tokens, "reference_tokens": rep.reference_tokens,
             "decode_equal": rep.tokens_equal(), "bytes_sent_per_rank": rep.bytes_sent,
-            "tail_bundle_bytes": rep.bundle_bytes, "draft_rel_diff": drafts,
+            "tail_bundle_bytes": rep.bundle_bytes, "draft_rel_diff": _json_floats(drafts),
             "speculation": (None if rep.speculation is None else
                             {"steps": rep.speculation.steps, "drafted": rep.speculation.drafted,
                              "accepted": rep.speculation.accepted}),
-            "tolerance": TOLERANCE, "correct": passed, **hits}
+            "reference": mode, "checked": [rep.is_checked(i) for i in range(len(rep.lengths))],
+            "tolerance": TOLERANCE, "correct": passed if rep.any_checked else None, **hits}
         report.write_text(json.dumps(body, indent=2) + "\n")
     if save_logits:
         torch.save(rep.logits.float().contiguous(), save_logits)
     if not passed:
         raise SystemExit(1)
+
+
+def _json_floats(xs: list[float]) -> list[float | None]:
+    """NaN (not checked) as null: JSON has no NaN."""
+    return [None if x != x else x for x in xs]
 
 
 def _print_tables(rep: Any, console: Console) -> list[float]:
@@ -109,6 +125,9 @@ def _print_tables(rep: Any, console: Console) -> list[float]:
         t.add_column(col, justify="right")
     for i, (n, d, ok) in enumerate(zip(rep.lengths, rep.rel_diff(), rep.argmax_equal(),
                                        strict=True)):
+        if ok is None:
+            t.add_row(str(i), str(n), "not checked", "-", *(["-"] if drafts else []))
+            continue
         t.add_row(str(i), str(n), f"{d:.2e}", "yes" if ok else "NO",
                   *([f"{drafts[i]:.2e}"] if drafts else []))
     console.print(t)
@@ -128,7 +147,8 @@ def _print_tables(rep: Any, console: Console) -> list[float]:
             dt.add_column(col, justify="right")
         for i, (toks, ok, b) in enumerate(zip(rep.tokens, rep.tokens_equal(), rep.bundle_bytes,
                                               strict=True)):
-            dt.add_row(str(i), " ".join(map(str, toks)), "yes" if ok else "NO", f"{b:,}")
+            dt.add_row(str(i), " ".join(map(str, toks)),
+                       "-" if ok is None else "yes" if ok else "NO", f"{b:,}")
         console.print(dt)
         console.print("bytes sent per prefill rank (staged pages): "
                       + ", ".join(f"{b:,}" for b in rep.bytes_sent))

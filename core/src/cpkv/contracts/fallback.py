@@ -51,6 +51,9 @@ class FallbackReason(StrEnum):
     #: a decode step runs eagerly on a CUDA device instead of replaying a CUDA graph
     #: (``decode.cuda_graphs = false``, a batch past ``decode.max_batch``, a capture that failed)
     DECODE_EAGER = "decode_eager"
+    #: the model's KV has no pool in the requested ``kv.dtype`` (DeepSeek-V4's FP8 entries are
+    #: not built): it is kept in the model's dtype
+    KV_DTYPE_UNAVAILABLE = "kv_dtype_unavailable"
 
 
 class FallbackPolicy(StrEnum):

@@ -26,7 +26,14 @@ from cpkv.ops import v4_op_table
 from .job.run import job_placement
 from .launch import run_ranks
 from .v4_cache import V4CachePlan, insert_metadata, plan_cached, v4_prefill_cached
-from .v4_job import V4JobReport, V4OpsChoice, decode_requests, reference_outputs
+from .v4_job import (
+    V4JobReport,
+    V4OpsChoice,
+    decode_requests,
+    kv_dtype_fallback,
+    reference_outputs,
+    reference_plan,
+)
 from .v4_prefill import v4_kv_bytes
 from .v4_speculative import V4SpeculationStats
 from .v4_state import owned_entries, tail_bundle
@@ -132,6 +139,7 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
         raise ValueError("run.mtp with cache.v4_prefix: the DeepSeek-V4 prefix cache does not "
                          "keep the MTP layer's window rows in its snapshots; use --no-mtp, or "
                          "cache.v4_prefix = false")
+    dtype_events = kv_dtype_fallback(settings)
     model = DeepseekV4.load(ckpt, ops=v4_op_table())  # the reference: the torch ops on the CPU
     unit = model.config.ownership_unit(page_size)
     if chunk and chunk % unit:
@@ -164,12 +172,14 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
     if decode_tokens > 0:
         tokens, bundles, _ = results[cp].value
         sent = [sum(r.value[1]) for r in results[:cp]]
-    ref, ref_tokens = reference_outputs(model, prompts, tokens)
+    which = reference_plan(prompts, decode_tokens, settings)
+    ref, ref_tokens = reference_outputs(model, prompts, tokens, which)
     return V4CachedJobReport(
         lengths=[len(p) for p in prompts], logits=logits, reference=ref, rank_bytes=per,
         entry_bytes=entries, tail_bytes=tail, seconds=seconds,
-        fallbacks=list(results[0].fallbacks), tokens=tokens, reference_tokens=ref_tokens,
-        bytes_sent=sent, bundle_bytes=bundles,
+        fallbacks=dtype_events + list(results[0].fallbacks), tokens=tokens,
+        reference_tokens=ref_tokens,
+        bytes_sent=sent, bundle_bytes=bundles, checked=which,
         hit_tokens=[pl.hit.hit_tokens for pl in plans],
         boundaries=[pl.hit.boundary for pl in plans],
         computed_tokens=[len(p) - pl.hit.boundary for p, pl in zip(prompts, plans, strict=True)],

@@ -21,6 +21,7 @@ tokens, whose argmax at each position must be the next decoded token.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -29,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from cpkv.comm import CPGroup
-from cpkv.contracts import FallbackEvent, SplitMode
+from cpkv.contracts import FallbackEvent, FallbackReason, SplitMode
+from cpkv.fallback import report_fallback
 from cpkv.models.deepseek_v4 import DeepseekV4
 from cpkv.models.v4_objects import v4_objects
 from cpkv.models.v4_reference import reference_draft, reference_forward
@@ -48,8 +50,17 @@ if TYPE_CHECKING:
     from cpkv.disagg.v4_bundle import V4Image, V4Shapes
     from cpkv.settings import Settings
 
-__all__ = ["V4JobReport", "V4OpsChoice", "chunk_sizes", "decode_requests", "reference_outputs",
-           "run_v4_job", "split_drafts"]
+__all__ = [
+    "V4JobReport",
+    "V4OpsChoice",
+    "chunk_sizes",
+    "decode_requests",
+    "kv_dtype_fallback",
+    "reference_outputs",
+    "reference_plan",
+    "run_v4_job",
+    "split_drafts",
+]
 
 def chunk_sizes(length: int, chunk: int) -> list[int]:
     """Pieces of at most ``chunk`` tokens (0: one piece)."""
@@ -83,28 +94,52 @@ class V4JobReport:
     draft_reference: torch.Tensor | None = None
     speculation: V4SpeculationStats | None = None
 
+    #: per prompt whether the one-rank reference checked it (``run.reference``: all with
+    #: "full", those of at most ``reference_tokens`` tokens with "sample", none with "off";
+    #: empty: all)
+    checked: list[bool] = field(default_factory=list)
+
+    def is_checked(self, i: int) -> bool:
+        return not self.checked or self.checked[i]
+
+    @property
+    def any_checked(self) -> bool:
+        return not self.checked or any(self.checked)
+
+    @staticmethod
+    def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
     def rel_diff(self) -> list[float]:
-        """Per prompt ``max |cp - ref| / max |ref|`` of the last-position logits."""
-        return [float((a - b).abs().max() / b.abs().max())
-                for a, b in zip(self.logits, self.reference, strict=True)]
+        """Per prompt ``max |cp - ref| / max |ref|`` of the last-position logits (NaN where
+        not checked)."""
+        return [self._rel(a, b) if self.is_checked(i) else float("nan")
+                for i, (a, b) in enumerate(zip(self.logits, self.reference, strict=True))]
 
     def draft_rel_diff(self) -> list[float]:
         """The same of the MTP layer's last-position logits (none without it)."""
         if self.draft_logits is None or self.draft_reference is None:
             return []
-        return [float((a - b).abs().max() / b.abs().max())
-                for a, b in zip(self.draft_logits, self.draft_reference, strict=True)]
+        return [self._rel(a, b) if self.is_checked(i) else float("nan")
+                for i, (a, b) in enumerate(zip(self.draft_logits, self.draft_reference,
+                                               strict=True))]
 
-    def argmax_equal(self) -> list[bool]:
-        return [int(a.argmax()) == int(b.argmax())
-                for a, b in zip(self.logits, self.reference, strict=True)]
+    def argmax_equal(self) -> list[bool | None]:
+        """Per prompt whether the argmax agrees (None where not checked)."""
+        return [int(a.argmax()) == int(b.argmax()) if self.is_checked(i) else None
+                for i, (a, b) in enumerate(zip(self.logits, self.reference, strict=True))]
 
-    def tokens_equal(self) -> list[bool]:
-        return [a == b for a, b in zip(self.tokens, self.reference_tokens, strict=True)]
+    def tokens_equal(self) -> list[bool | None]:
+        """Per prompt whether the decoded tokens are the reference's (None where not checked)."""
+        return [a == b if self.is_checked(i) else None
+                for i, (a, b) in enumerate(zip(self.tokens, self.reference_tokens, strict=True))]
 
     def passed(self, tolerance: float = 2e-3) -> bool:
-        return (all(d <= tolerance for d in self.rel_diff() + self.draft_rel_diff())
-                and all(self.argmax_equal()) and all(self.tokens_equal()))
+        """Every checked prompt within ``tolerance``, argmax and tokens equal (True when none
+        is checked: see :attr:`any_checked`)."""
+        diffs = [d for d in self.rel_diff() + self.draft_rel_diff() if d == d]  # not NaN
+        return (all(d <= tolerance for d in diffs)
+                and all(x is not False for x in self.argmax_equal() + self.tokens_equal()))
 
 
 @dataclass(frozen=True)
@@ -241,7 +276,8 @@ def _rank(group: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
     return _last(logits, carries).cpu()
 
 
-def reference_outputs(model: DeepseekV4, prompts: list[list[int]], tokens: list[list[int]]
+def reference_outputs(model: DeepseekV4, prompts: list[list[int]], tokens: list[list[int]],
+                      which: Sequence[bool] | None = None
                       ) -> tuple[torch.Tensor, list[list[int]]]:
     """The one-rank reference of a V4 job: per prompt the last position's logits ``[prompts,
     vocab]`` and, with decoded ``tokens``, the forward's argmax after each prefix of them. One
@@ -287,6 +323,7 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
                          "ranks only; use --device cpu, or --decode-tokens 0 on cuda")
     choice = ops or V4OpsChoice()
     mtp = settings is not None and settings.run.mtp
+    dtype_events = kv_dtype_fallback(settings)
     # the reference: the torch ops on the CPU
     model = DeepseekV4.load(ckpt, ops=v4_op_table(), mtp=mtp)
     unit = model.config.ownership_unit(page_size)
@@ -325,13 +362,41 @@ def run_v4_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitMode | s
                             timeout_s=timeout_s, backend=place.backend, gpus=place.gpus)
         logits = results[0].value
     seconds = time.perf_counter() - t0
-    ref, ref_tokens = reference_outputs(model, prompts, tokens)
+    which = reference_plan(prompts, decode_tokens, settings)
+    ref, ref_tokens = reference_outputs(model, prompts, tokens, which)
     last, last_ref, drafts, drafts_ref = split_drafts(logits, ref)
     return V4JobReport(lengths=[len(p) for p in prompts], logits=last, reference=last_ref,
                        rank_bytes=per, entry_bytes=entries, tail_bytes=tail, seconds=seconds,
-                       fallbacks=list(results[0].fallbacks), tokens=tokens,
+                       fallbacks=dtype_events + list(results[0].fallbacks), tokens=tokens,
                        reference_tokens=ref_tokens, bytes_sent=sent, bundle_bytes=bundles,
-                       draft_logits=drafts, draft_reference=drafts_ref, speculation=spec)
+                       draft_logits=drafts, draft_reference=drafts_ref, speculation=spec,
+                       checked=which)
+
+
+def kv_dtype_fallback(settings: Settings | None) -> list[FallbackEvent]:
+    """The fallback of a ``kv.dtype`` the V4 job cannot keep (anything but "auto" and fp32:
+    its entries, window rows and carry state stay in the model's float32), reported once."""
+    if settings is None or settings.kv.dtype in ("auto", "fp32"):
+        return []
+    return [report_fallback(
+        op="v4_kv_dtype", requested=f"kv.dtype = {settings.kv.dtype}",
+        selected="float32 (the model's dtype)", reason=FallbackReason.KV_DTYPE_UNAVAILABLE,
+        detail="DeepSeek-V4's pools in bf16 / FP8 (584-B entries, 132-B index keys) are not "
+               "built: the job keeps its entries, window rows and carry state as float32 "
+               "tensors")]
+
+
+def reference_plan(prompts: list[list[int]], decode_tokens: int, settings: Settings | None
+                   ) -> list[bool]:
+    """Which prompts the one-rank reference computes (``run.reference``): all ("full", or no
+    settings), none ("off"), or with "sample" those whose prompt and decoded tokens fit in
+    ``run.reference_tokens`` (a V4 prompt is checked whole or not at all)."""
+    mode = settings.run.reference if settings is not None else "full"
+    if mode == "off":
+        return [False] * len(prompts)
+    if mode == "full" or settings is None:
+        return [True] * len(prompts)
+    return [len(p) + decode_tokens <= settings.run.reference_tokens for p in prompts]
 
 
 def split_drafts(logits: torch.Tensor, ref: torch.Tensor
