@@ -136,8 +136,9 @@ class FlashMLAOps:
                      sink: torch.Tensor, scale: float) -> torch.Tensor:
         """DeepSeek-V4's sparse attention with the sink (see :class:`cpkv.ops.api.KVOps`) on
         FlashMLA's V4 sparse prefill: ``flash_mla_sparse_fwd(q, kv [S, 1, 512], indices
-        [N, 1, K'] int32, scale, 512, attn_sink=sink)``, the indices padded with -1 to a
-        multiple of 64 slots (what the kernel reads a block at a time). bf16 [N, H, 512].
+        [N, 1, K'] int32, scale, 512, attn_sink=sink, use_legacy=True)`` (the SM90 kernels),
+        the indices padded with -1 to a multiple of 64 slots (what the kernel reads a block at
+        a time). bf16 [N, H, 512].
 
         Raises:
             ValueError: arguments that break the op's contract.
@@ -155,11 +156,13 @@ class FlashMLAOps:
         pad = -k % TOPK_MULTIPLE if k else TOPK_MULTIPLE
         if pad:
             idx = torch.cat([idx, idx.new_full((n, pad), -1)], dim=1)
-        out, _max_logits, _lse = self._fm.flash_mla_sparse_fwd(
+        # the legacy kernels: sgl-flash-mla's current ones run on SM100 only (its sparse
+        # prefill says so); its legacy build keeps SM90's, which take d_qk 512 with the sink
+        got = self._fm.flash_mla_sparse_fwd(
             q.contiguous(), kv.contiguous().unsqueeze(1), idx.contiguous().unsqueeze(1), scale,
             d, attn_sink=sink.to(device=q.device, dtype=torch.float32).contiguous(),
-            return_log2_lse=False)
-        return out
+            use_legacy=True)
+        return got[0]
 
     def sparse_mla_paged(self, q: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
                          fmt: KVFormat, scale: float, dv: int) -> torch.Tensor:
