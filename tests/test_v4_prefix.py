@@ -5,7 +5,9 @@ one piece, bit for bit, for any prefix lengths and snapshot
 intervals (hypothesis; and the hit and boundary rule on the tree alone, with evictions); a hit
 that ends mid-window; compressed entries stored once per prefix;
 snapshots evicted with their node; CP2 through the cache equals one rank bit for bit and every rank holds the
-same tree; ``cpkv run`` with ``cache.v4_prefix`` decodes the tokens of a run without it."""
+same tree; ``cpkv run`` with ``cache.v4_prefix`` decodes the tokens of a run without it; with
+the MTP layer the snapshots keep its ring and ``cpkv run --mtp`` through the cache decodes the
+tokens of a run without it."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from cpkv.models.v4_reference import reference_forward
 from cpkv.ops import v4_op_table
 from cpkv.runtime.launch import run_ranks
 from cpkv.runtime.v4_cache import V4Served, v4_prefill_cached, v4_serve
-from cpkv.runtime.v4_decode import v4_empty_state, v4_extend
+from cpkv.runtime.v4_decode import v4_empty_state, v4_extend, v4_extend_all, v4_greedy
+from cpkv.runtime.v4_speculative import v4_speculative
 from cpkv.runtime.v4_state import owned_entries, tail_bundle
 
 PAGE = 4  # the tiny model's unit: lcm(4, 4, 16) = 16 tokens; window 8
@@ -44,6 +47,15 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model(tiny_v4: Path) -> DeepseekV4:
     return DeepseekV4.load(tiny_v4, ops=v4_op_table())
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("v4prefix_mtp") / "ckpt"
+    res = CliRunner().invoke(main, ["init-model", str(root), "--arch", "v4", "--seed", "5",
+                                    "--mtp"])
+    assert res.exit_code == 0, res.output
+    return root
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -172,6 +184,43 @@ def _cp_rank(group: CPGroup, ckpt: str, prompts: list[list[int]]
 
 
 @pytest.mark.slow
+def test_mtp_rows_through_the_cache_equal_a_prefill_without_it(tiny_mtp: Path) -> None:
+    """With the MTP layer the snapshots keep its window ring: for hits that end mid-window,
+    served from the snapshot before them, the state (the MTP ring included) is the no-cache
+    prefill's cut at the same points, bit for bit, and speculative decoding from it gives the
+    greedy tokens."""
+    model = DeepseekV4.load(tiny_mtp, ops=v4_op_table(), mtp=True)
+    cache = V4PrefixCache(model.config.ownership_unit(PAGE), interval=16)
+    with torch.no_grad():
+        for p in _prompts():
+            ids = torch.tensor(p)
+            served = v4_serve(model, cache, ids)
+            state, prev, out = v4_empty_state(model), 0, []
+            for c in (*served.cuts, ids.shape[0]):
+                out.append(v4_extend_all(model, state, ids[prev:c],
+                                         int(ids[c]) if c < ids.shape[0] else None))
+                prev = c
+            assert served.state is not None and served.state.equal(state)
+            assert torch.equal(served.logits, torch.cat(out)[served.hit.boundary:])
+            first = int(served.logits[-1].argmax())
+            greedy = v4_greedy(model, state.fork(), first, 8)
+            x = served.state.layers[model.num_layers].window
+            assert x.abs().sum() > 0  # the MTP ring is there
+    hit = served.hit  # the last prompt's hit ends mid-window, served from the snapshot before
+    assert hit.hit_tokens % 8 and 0 < hit.boundary < hit.hit_tokens
+    drafts = reference_draft_last(model, ids, first)
+    toks, _ = v4_speculative(model, served.state, first, drafts, 8, 2)
+    assert toks == greedy
+
+
+def reference_draft_last(model: DeepseekV4, ids: torch.Tensor, first: int) -> int:
+    from cpkv.models.v4_reference import reference_draft
+
+    nxt = torch.cat([ids[1:], torch.tensor([first])])
+    return int(reference_draft(model, ids, nxt)[-1].argmax())
+
+
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cp2_through_the_cache_equals_one_rank(tiny_v4: Path, model: DeepseekV4) -> None:
     prompts = _prompts()
@@ -218,6 +267,32 @@ def test_run_through_the_cache_decodes_the_no_cache_tokens(tiny_v4: Path, tmp_pa
     assert on["prefix_cache"]["hit_tokens"] == [0, 45, 53, 37]
     assert on["prefix_cache"]["snapshot_boundary"] == [0, 32, 48, 32]
     assert "prefix_cache" not in off
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_run_with_mtp_through_the_cache_decodes_the_no_cache_tokens(tiny_mtp: Path,
+                                                                    tmp_path: Path) -> None:
+    """``cpkv run --mtp`` through the cache: CP2 prefill with the MTP layer (its logits equal
+    the one-rank MTP forward), speculative decode from the sent state and first draft: the
+    tokens of the run without the cache."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(_prompts()))
+    bodies = []
+    for cached in (False, True):
+        rep = tmp_path / f"r{cached}.json"
+        env = {"CPKV_KV__PAGE_SIZE": str(PAGE), "CPKV_CACHE__V4_PREFIX": str(cached).lower(),
+               "CPKV_CACHE__V4_SNAPSHOT_TOKENS": "16"}
+        res = CliRunner().invoke(main, ["run", "--model", str(tiny_mtp), "--cp", "2",
+                                        "--prompts", str(prompts), "--decode-tokens", "6",
+                                        "--mtp", "--draft-tokens", "2", "--report", str(rep)],
+                                 env=env)
+        assert res.exit_code == 0, res.output
+        bodies.append(json.loads(rep.read_text()))
+    off, on = bodies
+    assert on["correct"] and on["decode_tokens"] == off["decode_tokens"]
+    assert on["speculation"]["steps"] > 0 and all(d <= 2e-3 for d in on["draft_rel_diff"])
+    assert on["prefix_cache"]["hit_tokens"] == [0, 45, 53, 37]
 
 
 @settings(max_examples=60, deadline=None)

@@ -30,7 +30,7 @@ from cpkv.contracts import RequestPlan, Segment, SplitMode
 from cpkv.kv.v4_state import COMPRESSOR_NAMES, V4DecodeState, V4TailBundle, V4TailLayer
 from cpkv.models.deepseek_v4 import DeepseekV4
 
-from .v4_decode import v4_empty_state, v4_extend
+from .v4_decode import v4_empty_state, v4_extend_all
 from .v4_prefill import V4Carry, V4Layout, v4_layout, v4_prefill_logits
 from .v4_state import tail_bundle
 
@@ -82,7 +82,8 @@ def v4_serve(model: DeepseekV4, cache: V4PrefixCache, ids: torch.Tensor,
     points = cache.snapshot_points(b, length)
     cuts, out, snaps, prev = list(hit.cuts), [], [], b
     for end in _pieces(b, length, points, chunk):
-        out.append(v4_extend(model, state, ids[prev:end]))
+        out.append(v4_extend_all(model, state, ids[prev:end],
+                                 tokens[end] if end < length else None))
         if end in points:
             snaps.append(V4Snapshot(boundary=end, holder=cache.rank, cuts=tuple(cuts),
                                     tail=_tail_of(state)))
@@ -225,7 +226,8 @@ def v4_prefill_cached(model: DeepseekV4, ids: torch.Tensor, group: CPGroup,
     cuts, out, snaps, prev = list(plan.hit.cuts), [], [], plan.hit.boundary
     for end in plan.ends:
         out.append(v4_prefill_logits(model, ids[prev:end], group, page_size=page_size, mode=mode,
-                                     carry=carry))
+                                     carry=carry,
+                                     next_token=tokens[end] if end < len(tokens) else None))
         if end in plan.points:
             assert carry.layout is not None
             holder = carry.layout.tail_rank

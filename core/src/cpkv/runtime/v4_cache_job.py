@@ -30,9 +30,11 @@ from .v4_job import (
     V4JobReport,
     V4OpsChoice,
     decode_requests,
+    first_draft_meta,
     kv_dtype_fallback,
     reference_outputs,
     reference_plan,
+    split_drafts,
 )
 from .v4_prefill import v4_kv_bytes
 from .v4_speculative import V4SpeculationStats
@@ -73,11 +75,14 @@ def _rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
           choice: V4OpsChoice
           ) -> (tuple[torch.Tensor, list[int]]
                 | tuple[list[list[int]], list[int], V4SpeculationStats | None]):
-    """One process: CP ranks return ``(last logits, bytes sent per prompt)``, the decode rank
-    (the last, with decode tokens) ``(tokens per prompt, tail bundle bytes per prompt, None)``."""
+    """One process: CP ranks return ``(last logits, bytes sent per prompt)`` (with the MTP
+    layer the last row's draft logits too: ``[prompts, 2, vocab]``), the decode rank (the last,
+    with decode tokens) ``(tokens per prompt, tail bundle bytes per prompt, the speculation's
+    counts or None)``."""
     decode = decode_tokens > 0
     c = world.size - 1 if decode else world.size
-    model = DeepseekV4.load(ckpt, ops=choice.table(world))
+    model = DeepseekV4.load(ckpt, ops=choice.table(world),
+                            mtp=settings is not None and settings.run.mtp)
     plans = _plans(model, prompts, c, page_size, mode, chunk, interval)
     cp_pg = (dist.new_group(list(range(c)), timeout=timedelta(seconds=world.timeout_s))
              if decode else None)
@@ -109,11 +114,12 @@ def _rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size: int, m
                                                     mode=mode, chunk=chunk)
             assert (plan.hit.hit_tokens, plan.hit.boundary, plan.hit.units, plan.ends) == (
                 want.hit.hit_tokens, want.hit.boundary, want.hit.units, want.ends), "plans differ"
-            out.append(logits[-1])
+            out.append(logits[-1] if not carry.draft_logits
+                       else torch.stack([logits[-1], carry.draft_logits[-1][-1]]))
             if tx is not None:
-                first = int(logits[-1].argmax())
+                meta = {"first_token": int(logits[-1].argmax())} | first_draft_meta(carry)
                 sent.append(tx.send(shapes, images[i], owned_entries(model, carry, group.rank),
-                                    tail_bundle(model, carry), {"first_token": first}).nbytes)
+                                    tail_bundle(model, carry), meta).nbytes)
     if tx is not None:
         tx.close()
         world.barrier()  # the decode rank keeps the side channel's store until every ack was read
@@ -135,12 +141,9 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
     if job_placement(device, cp, decode=False).backend != "gloo":
         raise ValueError(f"run.device = {device!r}: the DeepSeek-V4 prefix cache "
                          "(cache.v4_prefix) runs on CPU ranks only; use --device cpu")
-    if settings is not None and settings.run.mtp:
-        raise ValueError("run.mtp with cache.v4_prefix: the DeepSeek-V4 prefix cache does not "
-                         "keep the MTP layer's window rows in its snapshots; use --no-mtp, or "
-                         "cache.v4_prefix = false")
     dtype_events = kv_dtype_fallback(settings)
-    model = DeepseekV4.load(ckpt, ops=v4_op_table())  # the reference: the torch ops on the CPU
+    # the reference: the torch ops on the CPU
+    model = DeepseekV4.load(ckpt, ops=v4_op_table(), mtp=settings is not None and settings.run.mtp)
     unit = model.config.ownership_unit(page_size)
     if chunk and chunk % unit:
         raise ValueError(f"runtime.chunk_tokens = {chunk}: DeepSeek-V4 chunks end on ownership "
@@ -153,7 +156,9 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
         ranks, rep = v4_kv_bytes(model, plan.layout)
         per = [a + b for a, b in zip(per, ranks, strict=True)]
         entries += rep
-        tail += sum(o.bytes_for(len(p)) for o in v4_objects(model.config) if o.kind != "entries")
+        tail += sum(o.bytes_for(len(p)) for o in
+                    v4_objects(model.config, mtp=model.mtp_layer is not None)
+                    if o.kind != "entries")
     if decode_tokens > 0 and settings is None:
         from cpkv.settings import load_settings
 
@@ -169,13 +174,16 @@ def run_v4_cached_job(ckpt: str, prompts: list[list[int]], cp: int, mode: SplitM
     tokens: list[list[int]] = []
     bundles: list[int] = []
     sent: list[int] = []
+    spec = None
     if decode_tokens > 0:
-        tokens, bundles, _ = results[cp].value
+        tokens, bundles, spec = results[cp].value
         sent = [sum(r.value[1]) for r in results[:cp]]
     which = reference_plan(prompts, decode_tokens, settings)
     ref, ref_tokens = reference_outputs(model, prompts, tokens, which)
+    last, last_ref, drafts, drafts_ref = split_drafts(logits, ref)
     return V4CachedJobReport(
-        lengths=[len(p) for p in prompts], logits=logits, reference=ref, rank_bytes=per,
+        lengths=[len(p) for p in prompts], logits=last, reference=last_ref, rank_bytes=per,
+        draft_logits=drafts, draft_reference=drafts_ref, speculation=spec,
         entry_bytes=entries, tail_bytes=tail, seconds=seconds,
         fallbacks=dtype_events + list(results[0].fallbacks), tokens=tokens,
         reference_tokens=ref_tokens,

@@ -28,8 +28,8 @@ from cpkv.models.deepseek_v4 import DeepseekV4, V4Compressor
 from cpkv.models.v4_config import CSA
 from cpkv.models.v4_reference import attend_and_ffn, compressed_index, window_index
 
-__all__ = ["V4Appended", "v4_draft", "v4_empty_state", "v4_extend", "v4_extend_streams",
-           "v4_greedy", "v4_truncate"]
+__all__ = ["V4Appended", "v4_draft", "v4_empty_state", "v4_extend", "v4_extend_all",
+           "v4_extend_streams", "v4_greedy", "v4_truncate"]
 
 
 def v4_empty_state(model: DeepseekV4) -> V4DecodeState:
@@ -175,6 +175,22 @@ def v4_draft(model: DeepseekV4, state: V4DecodeState, streams: torch.Tensor,
     pos = torch.arange(start, start + nxt.shape[0], device=model.device)
     y = _layer(model, i, state.layers[i], model.draft_input(streams, nxt), nxt, pos, start, None)
     return model.draft_logits(y), y
+
+
+def v4_extend_all(model: DeepseekV4, state: V4DecodeState, ids: torch.Tensor,
+                  after: int | None = None) -> torch.Tensor:
+    """:func:`v4_extend` of a prompt's piece, and with the MTP layer its rows too (the next
+    tokens: the piece's own, then ``after``, the token after the piece, or None: the target's
+    argmax at the last row, where the prompt ends). -> the target's logits."""
+    if model.mtp_layer is None:
+        return v4_extend(model, state, ids)
+    start = state.length
+    x, _ = v4_extend_streams(model, state, ids)
+    logits = model.final_logits(x)
+    end = logits[-1:].argmax(-1) if after is None else torch.tensor([after])
+    ids = ids.to(end.device)
+    v4_draft(model, state, x, torch.cat([ids[1:], end.to(ids.dtype)]), start)
+    return logits
 
 
 def v4_greedy(model: DeepseekV4, state: V4DecodeState, first: int, steps: int) -> list[int]:

@@ -210,7 +210,7 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
                                   chunks=[chunk_sizes(len(p), chunk) for p in prompts],
                                   carries=carries)
         for x, image, carry in zip(logits, images, carries, strict=True):
-            meta = {"first_token": int(x[-1].argmax())} | _first_draft(carry)
+            meta = {"first_token": int(x[-1].argmax())} | first_draft_meta(carry)
             sent.append(tx.send(shapes, image, owned_entries(model, carry, group.rank),
                                 tail_bundle(model, carry), meta).nbytes)
     tx.close()
@@ -218,7 +218,7 @@ def _disagg_rank(world: CPGroup, ckpt: str, prompts: list[list[int]], page_size:
     return _last(logits, carries), sent
 
 
-def _first_draft(carry: V4Carry) -> dict[str, int]:
+def first_draft_meta(carry: V4Carry) -> dict[str, int]:
     """The meta of a request's first draft (the MTP layer's guess at the prompt's last row)."""
     return {"first_draft": int(carry.draft_logits[-1][-1].argmax())} if carry.draft_logits else {}
 

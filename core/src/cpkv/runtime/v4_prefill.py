@@ -458,7 +458,8 @@ def _layer(ranks: list[_Rank], i: int, xs: list[torch.Tensor]) -> list[torch.Ten
 def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
                       page_size: int = 64, mode: SplitMode | str = SplitMode.ZIGZAG,
                       chunks: Sequence[int] | None = None,
-                      carry: V4Carry | None = None) -> torch.Tensor:
+                      carry: V4Carry | None = None, next_token: int | None = None
+                      ) -> torch.Tensor:
     """Logits ``[T, vocab]`` float32 of prompt ``ids`` ``[T]``, computed context-parallel on
     ``group`` (every rank returns all of them): :func:`v4_prefill_batch` of one prompt.
 
@@ -468,7 +469,9 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
     ``carry``: a fresh :class:`V4Carry` to fill (this rank's owned entries and, on the tail
     holder, the last segment's rows), kept for the decode state; or one with a ``layout`` (an
     earlier prefill of the request's first tokens, or a prefix rebuilt from the prefix cache):
-    ``ids`` then continue after it, as the next chunk would.
+    ``ids`` then continue after it, as the next chunk would. ``next_token``: with the MTP
+    layer, the token after ``ids`` when they are not the prompt's end (a piece of a longer
+    prompt; None: the target's argmax at the last row).
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
@@ -476,13 +479,15 @@ def v4_prefill_logits(model: DeepseekV4, ids: torch.Tensor, group: CPGroup, *,
     """
     return v4_prefill_batch(model, [ids], group, page_size=page_size, mode=mode,
                             chunks=None if chunks is None else [chunks],
-                            carries=None if carry is None else [carry])[0]
+                            carries=None if carry is None else [carry],
+                            next_tokens=[next_token])[0]
 
 
 def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: CPGroup, *,
                      page_size: int = 64, mode: SplitMode | str = SplitMode.ZIGZAG,
                      chunks: Sequence[Sequence[int] | None] | None = None,
-                     carries: Sequence[V4Carry] | None = None) -> list[torch.Tensor]:
+                     carries: Sequence[V4Carry] | None = None,
+                     next_tokens: Sequence[int | None] | None = None) -> list[torch.Tensor]:
     """Logits ``[T_j, vocab]`` float32 of each prompt ``ids`` ``[T_j]``, the prompts prefilled
     context-parallel as one batch: one plan, and per layer one halo collective and one
     full-view collective for all of them (every rank returns every prompt's logits). Each
@@ -499,8 +504,9 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
 
     A model loaded with its MTP draft layer runs it after each piece (a sliding-only layer:
     its window rows are tail objects; its logits go to ``V4Carry.draft_logits``). Its row at a
-    prompt's last position takes the target's argmax there as the next token: a prompt split
-    over several calls gets that at each call's end, so give it whole (``chunks``) instead.
+    prompt's last position takes ``next_tokens[j]`` as the next token (a prompt continued by a
+    later call: the first token of the rest), or the target's argmax there (None: the prompt
+    ends).
 
     Raises:
         ValueError: a sliding window wider than the ownership unit; chunks that do not sum to
@@ -540,24 +546,27 @@ def v4_prefill_batch(model: DeepseekV4, prompts: Sequence[torch.Tensor], group: 
         for r, j, g in zip(ranks, todo, gathered, strict=True):
             out[j].append(g[r.row_perm])
         if model.mtp_layer is not None:
+            after = [None] * len(prompts) if next_tokens is None else list(next_tokens)
             _draft_layer(model, ranks, xs, [prompts[j] for j in todo],
-                         [starts[j] - pieces[j][k] for j in todo], [out[j][-1] for j in todo])
+                         [starts[j] - pieces[j][k] for j in todo], [out[j][-1] for j in todo],
+                         [after[j] for j in todo])
         for r, j in zip(ranks, todo, strict=True):
             carries[j].tail = r.next_tail  # the tail objects move to this piece's last rank
     return [torch.cat(o) for o in out]
 
 
 def _draft_layer(model: DeepseekV4, ranks: list[_Rank], xs: list[torch.Tensor],
-                 prompts: list[torch.Tensor], firsts: list[int], logits: list[torch.Tensor]
-                 ) -> None:
+                 prompts: list[torch.Tensor], firsts: list[int], logits: list[torch.Tensor],
+                 after: list[int | None]) -> None:
     """The MTP draft layer over a batch's piece (a sliding-only layer: one halo collective):
-    row i from the target's streams and token i + 1 (the prompt's, after its last token the
-    target's argmax there); its gathered logits go to each request's carry."""
+    row i from the target's streams and token i + 1 (the prompt's; after its last token
+    ``after`` or, None, the target's argmax there); its gathered logits go to each request's
+    carry."""
     assert model.mtp_layer is not None
     ins = []
-    for r, x, ids, first, lg in zip(ranks, xs, prompts, firsts, logits, strict=True):
-        ext = torch.cat([ids.to(r.pos.device),
-                         lg[-1:].argmax(-1).to(device=r.pos.device, dtype=ids.dtype)])
+    for r, x, ids, first, lg, nxt in zip(ranks, xs, prompts, firsts, logits, after, strict=True):
+        end = (lg[-1:].argmax(-1) if nxt is None else torch.tensor([nxt]))
+        ext = torch.cat([ids.to(r.pos.device), end.to(device=r.pos.device, dtype=ids.dtype)])
         nxt = ext[r.pos - r.lay.plan.prefix_len + first + 1]
         ins.append(model.draft_input(x, nxt))
     ys = _layer(ranks, model.mtp_layer, ins)
