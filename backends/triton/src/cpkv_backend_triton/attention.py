@@ -295,9 +295,14 @@ class AttentionKernels:
         counts): int64 [N, k], -1 padded.
 
         Raises:
-            ValueError: an argument does not fit (as the reference)."""
+            ValueError: an argument does not fit (as the reference).
+            OpDeclined: float32 queries or keys on a GPU (its dots would round them)."""
         check_v4_index_scores_args(q, w, keys, limit)
         check_v4_topk_args(w, k)
+        if q.is_cuda and torch.float32 in (q.dtype, keys.dtype):
+            # the GPU's dots round float32 operands (tf32); float32 runs want the exact scores
+            raise OpDeclined(f"q {q.dtype} / keys {keys.dtype}: float32 scores run on the next "
+                             "backend (Triton's tensor-core dots take bf16 / fp8)")
         n, e = q.shape[0], keys.shape[0]
         if n == 0 or k == 0 or e == 0:
             return torch.full((n, k), -1, dtype=torch.long, device=q.device)

@@ -1357,9 +1357,10 @@ def _check_v4_index_topk(impl: Any, ref: Any, device: str, seed: int) -> None:
     g = _gen(seed)
     for n, heads, e, k in ((0, 4, 5, 2), (3, 16, 0, 2), (5, 4, 9, 12), (17, 16, 40, 8),
                            (33, 64, 300, 16)):
-        q = torch.randn(n, heads, 16, generator=g)
+        # bf16 queries and keys (the fast kernels' operands; a backend may decline float32)
+        q = torch.randn(n, heads, 16, generator=g).to(torch.bfloat16)
         w = torch.randn(n, heads, generator=g) * heads ** -0.5
-        keys = torch.randn(e, 16, generator=g)
+        keys = torch.randn(e, 16, generator=g).to(torch.bfloat16)
         limit = torch.randint(0, e + 2, (n,), generator=g)
         case = f"rows={n} heads={heads} entries={e} k={k}"
         scores = ref.v4_index_scores(q, w, keys, limit, 0.25)
