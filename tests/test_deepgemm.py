@@ -46,13 +46,14 @@ def test_the_backend_lists_the_ops_of_the_installed_libraries(monkeypatch: pytes
 
     monkeypatch.setattr(plugin, "MEASURED", {})
     assert plugin.provided_ops(only()) == frozenset()
-    assert plugin.provided_ops(only("flash_mla")) == {Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED}
+    assert plugin.provided_ops(only("flash_mla")) == {Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED,
+                                                      Op.V4_ATTENTION}
     assert plugin.provided_ops(only("deep_gemm")) == {Op.INDEXER_LOGITS,
                                                       Op.INDEXER_LOGITS_INDEX_PAGES}
     monkeypatch.setitem(plugin.MEASURED, Op.INDEXER_LOGITS, "slower than triton (test)")
     monkeypatch.setitem(plugin.MEASURED, Op.INDEXER_LOGITS_INDEX_PAGES, "slower (test)")
-    assert plugin.provided_ops(only("flash_mla", "deep_gemm")) == {Op.SPARSE_MLA,
-                                                                   Op.SPARSE_MLA_PAGED}
+    assert plugin.provided_ops(only("flash_mla", "deep_gemm")) == {
+        Op.SPARSE_MLA, Op.SPARSE_MLA_PAGED, Op.V4_ATTENTION}
 
 
 def _fp8_case(n: int, t: int, heads: int, g: torch.Generator

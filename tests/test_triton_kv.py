@@ -101,7 +101,7 @@ def test_load_names_the_import_error_behind_a_missing_op(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match=r"lists \['indexer_logits', "
                                            r"'indexer_logits_index_pages', 'indexer_logits_paged', "
                                            r"'indexer_topk', 'sparse_mla', 'sparse_mla_paged', "
-                                           r"'topk'\] "
+                                           r"'topk', 'v4_index_topk'\] "
                                            r"but does not have them: .*no attention"):
         plugin.load()
 
