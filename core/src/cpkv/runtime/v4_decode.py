@@ -86,9 +86,11 @@ def _advance(model: DeepseekV4, comp: V4Compressor, st: V4CompressorState, start
 
 
 def _layer(model: DeepseekV4, i: int, st: V4LayerState, x: torch.Tensor, ids: torch.Tensor,
-           pos: torch.Tensor, start: int, keep: V4Appended | None) -> torch.Tensor:
-    """Layer ``i`` over new rows (streams ``x``, positions ``pos`` from ``start``), advancing
-    its state ``st``; -> the new streams."""
+           pos: torch.Tensor, start: int, keep: V4Appended | None,
+           window: torch.Tensor) -> torch.Tensor:
+    """Layer ``i`` over new rows (streams ``x``, positions ``pos`` from ``start``; ``window``:
+    their windows as indices into ``[ring, new rows]``, the same at every layer), advancing its
+    state ``st``; -> the new streams."""
     c = model.config
     hw = c.sliding_window - 1
     post, comb, collapsed = model.hc_pre(i, "attn", x)
@@ -96,7 +98,7 @@ def _layer(model: DeepseekV4, i: int, st: V4LayerState, x: torch.Tensor, ids: to
     q, q_res = model.query(i, h, pos)
     new = model.window_kv(i, h, pos)
     rows = torch.cat([st.window, new])
-    kv, indices = rows, window_index(pos, start - hw, c.sliding_window)
+    kv, indices = rows, window
     st.window = rows[rows.shape[0] - hw:]
     main, index = model.compressors(i)
     inputs = {}
@@ -129,8 +131,10 @@ def v4_extend_streams(model: DeepseekV4, state: V4DecodeState, ids: torch.Tensor
     pos = torch.arange(start, start + ids.shape[0], device=model.device)
     record = V4Appended(before=state.fork(), rows=ids.shape[0]) if keep else None
     x = model.embed(ids)
+    window = window_index(pos, start - model.config.sliding_window + 1,
+                          model.config.sliding_window)
     for i in range(model.num_layers):
-        x = _layer(model, i, state.layers[i], x, ids, pos, start, record)
+        x = _layer(model, i, state.layers[i], x, ids, pos, start, record, window)
     state.length = start + ids.shape[0]
     return x, record
 
@@ -173,7 +177,10 @@ def v4_draft(model: DeepseekV4, state: V4DecodeState, streams: torch.Tensor,
         raise ValueError("this DeepseekV4 was loaded without its MTP draft layer")
     nxt = next_ids.to(model.device)
     pos = torch.arange(start, start + nxt.shape[0], device=model.device)
-    y = _layer(model, i, state.layers[i], model.draft_input(streams, nxt), nxt, pos, start, None)
+    window = window_index(pos, start - model.config.sliding_window + 1,
+                          model.config.sliding_window)
+    y = _layer(model, i, state.layers[i], model.draft_input(streams, nxt), nxt, pos, start, None,
+               window)
     return model.draft_logits(y), y
 
 

@@ -263,6 +263,15 @@ class _Rank:
                            for m, p in lay.entry_perm.items()}
         self.row_perm = torch.tensor(lay.row_perm, dtype=torch.long, device=dev)
         self.halo_w = model.config.sliding_window - 1
+        # each row's window as indices into the per-layer buffer of [halo, segment] blocks: the
+        # same at every layer (positions only), so once per batch
+        window, idx, base = model.config.sliding_window, [], 0
+        for j, (s, _) in enumerate(self.segs):
+            a, b = self.bounds[j], self.bounds[j + 1]
+            idx.append(window_index(self.pos[a:b], s - self.halo_w, window, base))
+            base += self.halo_w + b - a
+        self.window_idx = (torch.cat(idx) if idx
+                           else torch.zeros(0, window, dtype=torch.long, device=dev))
 
     def halo(self, layer: int, kv: torch.Tensor,
              inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -301,9 +310,8 @@ class _Rank:
         and each row's window as indices into it ``[N, W]``, and the entries this rank owns
         per compressor (the windows ending in its segments, the halo as prior)."""
         model, hw, d = self.model, self.halo_w, kv.shape[1]
-        window = model.config.sliding_window
         comps = [x for x in model.compressors(layer) if x is not None]
-        bufs, idx, base = [], [], 0
+        bufs = []
         own: dict[int, list[torch.Tensor]] = {id(x): [] for x in comps}
         for j, (s, _) in enumerate(self.segs):
             a, b = self.bounds[j], self.bounds[j + 1]
@@ -312,8 +320,6 @@ class _Rank:
             prev = row[: hw * d].view(hw, d) if row is not None else kv.new_zeros((hw, d))
             rows = torch.cat([prev, kv[a:b]])
             bufs.append(rows)
-            idx.append(window_index(self.pos[a:b], s - hw, window, base))
-            base += rows.shape[0]
             off, priors = hw * d, {}
             for comp in overlap:
                 n = comp.rate * 2 * comp.dim
@@ -335,9 +341,7 @@ class _Rank:
                 own[id(comp)].append(model.compress(comp, ckv[a:b], cg[a:b], s // comp.rate,
                                                     priors.get(id(comp))))
         buf = torch.cat(bufs) if bufs else kv.new_zeros((0, d))
-        out_i = (torch.cat(idx) if idx
-                 else torch.zeros(0, window, dtype=torch.long, device=kv.device))
-        return buf, out_i, {id(x): _cat(own[id(x)], x.dim, kv) for x in comps}
+        return buf, self.window_idx, {id(x): _cat(own[id(x)], x.dim, kv) for x in comps}
 
     def full_view(self, layer: int, main: V4Compressor, index: V4Compressor | None,
                   own: dict[int, torch.Tensor]) -> torch.Tensor:
